@@ -1,0 +1,84 @@
+"""`ModelConfig`: the one architecture description the decoder understands.
+
+Hugging Face names never appear outside `models/hf.py`; this dataclass is what the rest of the code sees.
+It is frozen and hashable so it can be a static argument of jitted functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax.numpy as jnp
+
+DType = Literal["float32", "bfloat16"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family decoder (Llama 2/3, Qwen2/2.5, Qwen3, Mistral).
+
+    `rope_scaling` is a tuple of `(key, value)` pairs (hashable) or None; supported types are
+    `linear` and `llama3`. `sliding_window` is None (full causal attention) or the window `W`: a query at
+    position `p` sees keys at positions `p - W < k <= p` (Mistral's convention in transformers).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, float | str], ...] | None = None
+    max_position_embeddings: int = 2048
+    qkv_bias: bool = False  # Qwen2/2.5 (and Llama's `attention_bias`)
+    o_bias: bool = False  # Llama's `attention_bias` also biases o_proj; Qwen2 does not
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None
+    initializer_range: float = 0.02
+    model_type: str = "llama"  # the HF family to export as
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    param_dtype: DType = "float32"
+    dtype: DType = "float32"  # compute dtype; softmax and norms still reduce in float32
+    remat: bool = False  # rematerialise each layer in the backward pass
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        for name in ("param_dtype", "dtype"):
+            if getattr(self, name) not in ("float32", "bfloat16"):
+                raise ValueError(f"{name} must be 'float32' or 'bfloat16', got {getattr(self, name)!r}")
+
+    @property
+    def jnp_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.dtype)
+
+    @property
+    def jnp_param_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.param_dtype)
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, float | str] | None:
+        return None if self.rope_scaling is None else dict(self.rope_scaling)
+
+    def replace(self, **changes: object) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    def num_params(self) -> int:
+        """Parameter count (embeddings counted once when tied)."""
+        d, f, hd = self.hidden_size, self.intermediate_size, self.head_dim
+        q, kv = self.num_heads * hd, self.num_kv_heads * hd
+        attn = d * q + 2 * d * kv + q * d
+        attn += (q + 2 * kv) * self.qkv_bias + d * self.o_bias + 2 * hd * self.qk_norm
+        mlp = 3 * d * f + (2 * f + d) * self.mlp_bias
+        per_layer = attn + mlp + 2 * d
+        head = 0 if self.tie_word_embeddings else d * self.vocab_size
+        return self.vocab_size * d + self.num_layers * per_layer + d + head

@@ -1,0 +1,399 @@
+"""Hugging Face <-> jaxrl_llm conversion: the only module that knows HF names and layouts.
+
+- `config_from_hf(dict)` -> `ModelConfig`; `config_to_hf(ModelConfig)` -> config.json dict.
+- `load_hf_model(dir_or_hub_id)` -> `(ModelConfig, params)`: reads `config.json` and `*.safetensors`
+  (single file or sharded with `model.safetensors.index.json`) with safetensors' numpy backend, no torch.
+  Tensors are memory-mapped and copied one parameter at a time into its stacked `[L, ...]` array, which is
+  moved to the device before the next is built, so host memory stays near one copy of the weights.
+- `save_hf_model(params, config, out_dir)` writes config.json, safetensors (sharded above a size
+  threshold, with an index) and carries tokenizer files over, so `AutoModelForCausalLM.from_pretrained`
+  loads the result.
+
+HF linear weights are `[out, in]`; ours are Flax kernels `[in, out]`, stacked over layers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.decoder import SUPPORTED_ROPE_SCALING, Params, param_shapes
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_ARCHITECTURE = dict(zip(SUPPORTED_MODEL_TYPES, SUPPORTED_ARCHITECTURES, strict=True))
+
+# Files a model directory may carry besides weights and config; copied verbatim on export.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+
+# Our parameter path (layer params without the leading "layers") -> HF tensor name suffix.
+_LAYER_TENSORS = {
+    ("attn_norm", "scale"): "input_layernorm.weight",
+    ("attn", "q", "kernel"): "self_attn.q_proj.weight",
+    ("attn", "k", "kernel"): "self_attn.k_proj.weight",
+    ("attn", "v", "kernel"): "self_attn.v_proj.weight",
+    ("attn", "o", "kernel"): "self_attn.o_proj.weight",
+    ("attn", "q", "bias"): "self_attn.q_proj.bias",
+    ("attn", "k", "bias"): "self_attn.k_proj.bias",
+    ("attn", "v", "bias"): "self_attn.v_proj.bias",
+    ("attn", "o", "bias"): "self_attn.o_proj.bias",
+    ("attn", "q_norm", "scale"): "self_attn.q_norm.weight",
+    ("attn", "k_norm", "scale"): "self_attn.k_norm.weight",
+    ("mlp_norm", "scale"): "post_attention_layernorm.weight",
+    ("mlp", "gate", "kernel"): "mlp.gate_proj.weight",
+    ("mlp", "up", "kernel"): "mlp.up_proj.weight",
+    ("mlp", "down", "kernel"): "mlp.down_proj.weight",
+    ("mlp", "gate", "bias"): "mlp.gate_proj.bias",
+    ("mlp", "up", "bias"): "mlp.up_proj.bias",
+    ("mlp", "down", "bias"): "mlp.down_proj.bias",
+}
+_GLOBAL_TENSORS = {
+    ("embed", "embedding"): "model.embed_tokens.weight",
+    ("final_norm", "scale"): "model.norm.weight",
+    ("lm_head", "kernel"): "lm_head.weight",
+}
+# Tensors some checkpoints carry that the model recomputes.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class ConversionError(ValueError):
+    """A checkpoint that cannot be converted: the message names the file or tensor at fault."""
+
+
+# ----------------------------------------------------------------------------------------------- config
+
+
+def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
+    """`ModelConfig` from a config.json dict (transformers 4.x `rope_theta/rope_scaling` or 5.x
+    `rope_parameters`). Raises `ConversionError` naming the supported types for anything else."""
+    model_type = hf.get("model_type")
+    archs = hf.get("architectures") or []
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConversionError(
+            f"unsupported model_type {model_type!r} (architectures {archs}); "
+            f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)} "
+            f"({', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    bad_archs = [a for a in archs if a not in SUPPORTED_ARCHITECTURES]
+    if bad_archs:
+        raise ConversionError(
+            f"unsupported architecture {bad_archs[0]!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ConversionError(f"unsupported hidden_act {hf['hidden_act']!r}; supported: 'silu'")
+
+    rope = dict(hf.get("rope_parameters") or {})
+    rope_theta = float(hf.get("rope_theta", rope.pop("rope_theta", 10000.0)))
+    rope.pop("rope_theta", None)
+    scaling = hf.get("rope_scaling") or rope
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if kind == "default":
+        rope_scaling = None
+    elif kind in SUPPORTED_ROPE_SCALING:
+        params = {k: v for k, v in scaling.items() if k not in ("type", "rope_theta") and v is not None}
+        rope_scaling = tuple(sorted({**params, "rope_type": kind}.items()))
+    else:
+        raise ConversionError(
+            f"unsupported rope_scaling type {kind!r}; supported: default, {', '.join(SUPPORTED_ROPE_SCALING)}"
+        )
+
+    sliding_window = None
+    if model_type == "mistral":
+        sliding_window = hf.get("sliding_window")
+    elif hf.get("use_sliding_window"):
+        raise ConversionError(
+            f"{model_type} with use_sliding_window=True is not supported (per-layer windows); "
+            "sliding windows are supported for model_type 'mistral' only"
+        )
+
+    heads = int(hf["num_attention_heads"])
+    hidden = int(hf["hidden_size"])
+    attention_bias = bool(hf.get("attention_bias", False))
+    eos = hf.get("eos_token_id")
+    fields: dict[str, Any] = dict(
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(hf["intermediate_size"]),
+        num_layers=int(hf["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+        head_dim=int(hf.get("head_dim") or hidden // heads),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+        qkv_bias=True if model_type == "qwen2" else attention_bias,
+        o_bias=attention_bias and model_type != "qwen2",
+        mlp_bias=bool(hf.get("mlp_bias", False)),
+        qk_norm=model_type == "qwen3",
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        sliding_window=int(sliding_window) if sliding_window else None,
+        initializer_range=float(hf.get("initializer_range", 0.02)),
+        model_type=model_type,
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+    )
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def config_to_hf(config: ModelConfig) -> dict[str, Any]:
+    """config.json dict for `config` (legacy `rope_theta`/`rope_scaling` keys, read by transformers 4 and 5)."""
+    c = config
+    if c.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConversionError(f"cannot export model_type {c.model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
+    if c.model_type == "qwen2" and (c.qkv_bias is False or c.o_bias):
+        raise ConversionError("qwen2 has q/k/v biases and no o bias; export this config as 'llama' instead")
+    hf: dict[str, Any] = {
+        "architectures": [_ARCHITECTURE[c.model_type]],
+        "model_type": c.model_type,
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": c.max_position_embeddings,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "rope_scaling": c.rope_scaling_dict,
+        "tie_word_embeddings": c.tie_word_embeddings,
+        "initializer_range": c.initializer_range,
+        "torch_dtype": c.param_dtype,
+        "use_cache": True,
+    }
+    if c.bos_token_id is not None:
+        hf["bos_token_id"] = c.bos_token_id
+    if c.eos_token_id is not None:
+        eos = c.eos_token_id
+        hf["eos_token_id"] = list(eos) if isinstance(eos, tuple) else eos
+    if c.model_type in ("llama", "qwen3"):
+        hf["attention_bias"] = c.qkv_bias
+        if c.qkv_bias != c.o_bias and c.model_type == "llama":
+            raise ConversionError("llama's attention_bias covers q/k/v and o together")
+    if c.model_type == "llama":
+        hf["mlp_bias"] = c.mlp_bias
+    if c.model_type == "mistral":
+        hf["sliding_window"] = c.sliding_window
+    if c.model_type in ("qwen2", "qwen3"):
+        hf["use_sliding_window"] = False
+        hf["sliding_window"] = None
+        hf["max_window_layers"] = c.num_layers
+    return hf
+
+
+def _tensor_name(path: tuple[str, ...], layer: int | None) -> str:
+    if path[0] == "layers":
+        return f"model.layers.{layer}.{_LAYER_TENSORS[path[1:]]}"
+    return _GLOBAL_TENSORS[path]
+
+
+def _is_kernel(path: tuple[str, ...]) -> bool:
+    return path[-1] == "kernel"
+
+
+# --------------------------------------------------------------------------------------------- import
+
+
+def resolve_model_dir(path_or_id: str | os.PathLike[str]) -> Path:
+    """A local directory as is; otherwise a Hugging Face hub id, downloaded (config, safetensors, tokenizer)."""
+    path = Path(path_or_id)
+    if path.is_dir():
+        return path
+    if path.exists() or str(path_or_id).startswith((".", "/", "~")) or str(path_or_id).count("/") > 1:
+        raise ConversionError(f"model directory {path} does not exist (nor is it a hub id)")
+    from huggingface_hub import snapshot_download
+
+    return Path(
+        snapshot_download(
+            str(path_or_id),
+            allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"],
+        )
+    )
+
+
+def read_hf_config(model_dir: Path) -> dict[str, Any]:
+    config_file = model_dir / "config.json"
+    if not config_file.is_file():
+        raise ConversionError(f"{config_file} is missing: a Hugging Face model directory needs config.json")
+    return json.loads(config_file.read_text())
+
+
+def _safetensors_index(model_dir: Path) -> dict[str, Path]:
+    """Tensor name -> file that holds it."""
+    index_file = model_dir / "model.safetensors.index.json"
+    if index_file.is_file():
+        weight_map = json.loads(index_file.read_text())["weight_map"]
+        return {name: model_dir / file for name, file in weight_map.items()}
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ConversionError(
+            f"no *.safetensors in {model_dir}: only safetensors checkpoints are supported "
+            "(convert pytorch_model.bin with transformers' save_pretrained(safe_serialization=True))"
+        )
+    index: dict[str, Path] = {}
+    for file in files:
+        with safe_open(file, framework="numpy") as f:
+            index.update({name: file for name in f.keys()})  # noqa: SIM118 - safe_open is not a dict
+    return index
+
+
+def load_hf_model(
+    path_or_id: str | os.PathLike[str], **config_overrides: Any
+) -> tuple[ModelConfig, Params]:
+    """Load a HF causal-LM directory (or hub id) as `(ModelConfig, params)` in `param_dtype`.
+
+    `config_overrides` sets `ModelConfig` fields such as `param_dtype="bfloat16"`, `dtype`, `remat`.
+    Errors name the missing, unexpected or mis-shaped tensor.
+    """
+    model_dir = resolve_model_dir(path_or_id)
+    config = config_from_hf(read_hf_config(model_dir), **config_overrides)
+    index = _safetensors_index(model_dir)
+    expected = param_shapes(config)
+    used: set[str] = set()
+
+    with contextlib.ExitStack() as stack:
+        handles: dict[Path, Any] = {}
+
+        def read(name: str) -> np.ndarray:
+            if name not in index:
+                raise ConversionError(f"tensor {name!r} is missing from the checkpoint in {model_dir}")
+            file = index[name]
+            if file not in handles:
+                handles[file] = stack.enter_context(safe_open(file, framework="numpy"))
+            used.add(name)
+            return handles[file].get_tensor(name)
+
+        def build(path: tuple[str, ...], spec: jax.ShapeDtypeStruct) -> jax.Array:
+            out = np.empty(spec.shape, dtype=spec.dtype)
+            layers = range(config.num_layers) if path[0] == "layers" else [None]
+            for layer in layers:
+                name = _tensor_name(path, layer)
+                tensor = read(name)
+                if _is_kernel(path):
+                    tensor = tensor.T
+                target = out[layer] if layer is not None else out
+                if tensor.shape != target.shape:
+                    want = target.T.shape if _is_kernel(path) else target.shape
+                    got = tensor.T.shape if _is_kernel(path) else tensor.shape
+                    raise ConversionError(
+                        f"tensor {name!r} has shape {list(got)}, expected {list(want)} from config.json"
+                    )
+                target[...] = tensor.astype(spec.dtype)
+            return jax.device_put(out)
+
+        params = _map_with_path(build, expected)
+
+    ignored = [
+        n for n in index if n not in used
+        and (n.endswith(_IGNORED_SUFFIXES) or (n == "lm_head.weight" and config.tie_word_embeddings))
+    ]
+    unexpected = sorted(set(index) - used - set(ignored))
+    if unexpected:
+        raise ConversionError(
+            f"unexpected tensors in {model_dir} for model_type {config.model_type!r}: {unexpected[:5]}"
+            + (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else "")
+        )
+    return config, params
+
+
+def _map_with_path(fn: Any, tree: Params, prefix: tuple[str, ...] = ()) -> Params:
+    return {
+        k: _map_with_path(fn, v, (*prefix, k)) if isinstance(v, dict) else fn((*prefix, k), v)
+        for k, v in tree.items()
+    }
+
+
+# --------------------------------------------------------------------------------------------- export
+
+
+def hf_state_dict(params: Params, config: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield `(HF tensor name, numpy array)` one tensor at a time, in HF layouts."""
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    for key_path, leaf in flat:
+        path = tuple(k.key for k in key_path)
+        array = np.asarray(jax.device_get(leaf))
+        layers = range(config.num_layers) if path[0] == "layers" else [None]
+        for layer in layers:
+            tensor = array[layer] if layer is not None else array
+            yield _tensor_name(path, layer), np.ascontiguousarray(tensor.T if _is_kernel(path) else tensor)
+
+
+def save_hf_model(
+    params: Params,
+    config: ModelConfig,
+    out_dir: str | os.PathLike[str],
+    *,
+    tokenizer_dir: str | os.PathLike[str] | None = None,
+    max_shard_bytes: int = 2 * 1024**3,
+    dtype: str | None = None,
+) -> Path:
+    """Write `params` as a HF directory: config.json, safetensors (sharded above `max_shard_bytes`, with
+    `model.safetensors.index.json`), and the tokenizer files found in `tokenizer_dir`.
+
+    `dtype` ("float32" / "bfloat16") casts on the way out; default: the parameters' dtype.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    hf_config = config_to_hf(config)
+    cast = np.dtype(jnp.dtype(dtype)) if dtype else None
+    if cast is not None:
+        hf_config["torch_dtype"] = dtype
+
+    shards: list[dict[str, np.ndarray]] = [{}]
+    sizes = [0]
+    for name, tensor in hf_state_dict(params, config):
+        if cast is not None:
+            tensor = tensor.astype(cast)
+        if sizes[-1] and sizes[-1] + tensor.nbytes > max_shard_bytes:
+            shards.append({})
+            sizes.append(0)
+        shards[-1][name] = tensor
+        sizes[-1] += tensor.nbytes
+
+    for stale in out.glob("model*.safetensors*"):
+        stale.unlink()
+    metadata = {"format": "pt"}  # transformers refuses safetensors without it
+    if len(shards) == 1:
+        save_file(shards[0], out / "model.safetensors", metadata=metadata)
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, out / file, metadata=metadata)
+            weight_map.update(dict.fromkeys(shard, file))
+        index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2))
+
+    if tokenizer_dir is not None:
+        for name in TOKENIZER_FILES:
+            src = Path(tokenizer_dir) / name
+            if src.is_file() and src.resolve() != (out / name).resolve():
+                shutil.copyfile(src, out / name)
+    return out

@@ -1,0 +1,121 @@
+"""Shared test helpers: tiny random Hugging Face models built locally (no network), ../shared paths."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+STORIES260K = SHARED / "models" / "stories260K"
+GSM8K = SHARED / "data" / "gsm8k"
+
+# Tiny configs of each supported family; each exercises that family's switches.
+_COMMON = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-6,
+)
+FAMILIES: dict[str, dict] = {
+    "llama": dict(model_type="llama", rope_theta=10000.0, **_COMMON),
+    "llama3_rope": dict(
+        model_type="llama",
+        rope_theta=500000.0,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=16,
+        ),
+        **_COMMON,
+    ),
+    "llama_linear_rope_bias": dict(
+        model_type="llama",
+        rope_scaling=dict(rope_type="linear", factor=2.0),
+        attention_bias=True,
+        mlp_bias=True,
+        **_COMMON,
+    ),
+    "qwen2": dict(model_type="qwen2", tie_word_embeddings=True, **_COMMON),
+    "qwen3": dict(model_type="qwen3", head_dim=16, **_COMMON),
+    "mistral": dict(model_type="mistral", sliding_window=4, head_dim=8, **_COMMON),
+}
+
+
+def make_hf_model(kind: str, seed: int = 0):
+    """A random transformers causal LM of family `kind` (torch, float32, eager attention)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs = dict(FAMILIES[kind])
+    model_type = kwargs.pop("model_type")
+    config = AutoConfig.for_model(model_type, **kwargs)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    # Random norms and biases too, so a converter that drops or swaps them fails.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_model_dir(tmp_path_factory):
+    """`hf_model_dir(kind)` -> directory of a saved tiny random HF model (built once per session)."""
+    cache: dict[str, Path] = {}
+
+    def build(kind: str) -> Path:
+        if kind not in cache:
+            path = tmp_path_factory.mktemp(f"hf_{kind}")
+            make_hf_model(kind).save_pretrained(path)
+            cache[kind] = path
+        return cache[kind]
+
+    return build
+
+
+def left_padded_batch(vocab_size: int, lengths: list[int], seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids and attention mask `[B, max(lengths)]`, rows left-padded (pad id 0) to different lengths."""
+    rng = np.random.default_rng(seed)
+    t = max(lengths)
+    tokens = np.zeros((len(lengths), t), np.int32)
+    mask = np.zeros((len(lengths), t), np.int32)
+    for i, n in enumerate(lengths):
+        tokens[i, t - n :] = rng.integers(1, vocab_size, n)
+        mask[i, t - n :] = 1
+    return tokens, mask
+
+
+def hf_logits(model, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """transformers' logits for a left-padded batch with positions from the mask (as generate does)."""
+    import torch
+
+    positions = np.maximum(np.cumsum(mask, axis=-1) - 1, 0)
+    with torch.no_grad():
+        out = model(
+            input_ids=torch.tensor(tokens, dtype=torch.long),
+            attention_mask=torch.tensor(mask, dtype=torch.long),
+            position_ids=torch.tensor(positions, dtype=torch.long),
+        )
+    return out.logits.float().numpy()
+
+
+def requires_shared(path: Path) -> pytest.MarkDecorator:
+    return pytest.mark.skipif(
+        not path.exists(), reason=f"{path} is absent (a clone without ../shared); real-checkpoint test skipped"
+    )
