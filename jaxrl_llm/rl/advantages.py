@@ -1,0 +1,224 @@
+"""Advantage estimators: GRPO / Dr.GRPO group normalisation, RLOO, REINFORCE++, GAE, masked whitening.
+
+Batches are group-major, ``[num_prompts * group_size, ...]``: the ``G = group_size`` completions of one
+prompt are contiguous, so ``rewards.reshape(P, G)`` recovers the groups. ``group_size`` is static (it
+decides a reshape). All outputs are float32. Formulas and references: ``docs/algorithms.md``.
+"""
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+import jax.numpy as jnp
+from jax import Array, lax
+
+from jaxrl_llm.rl.logprobs import masked_mean, masked_var
+
+AdvantageScale = Literal["group", "batch", "none"]
+
+
+def _grouped(rewards: Array, group_size: int) -> Array:
+    """``[..., P * G] -> [..., P, G]`` after checking the static sizes divide."""
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    n = rewards.shape[-1]
+    if n % group_size:
+        raise ValueError(f"batch size {n} is not a multiple of group_size {group_size}")
+    return jnp.asarray(rewards).astype(jnp.float32).reshape(*rewards.shape[:-1], n // group_size, group_size)
+
+
+def group_normalized_advantages(
+    rewards: Array,
+    *,
+    group_size: int,
+    scale: AdvantageScale = "group",
+    epsilon: float = 1e-6,
+    ddof: int = 1,
+) -> Array:
+    """Outcome advantages from a group baseline (GRPO; Dr.GRPO with ``scale="none"``).
+
+    For completion ``i`` of a group with rewards ``r_1..r_G``::
+
+        A_i = (r_i - mean_j r_j) / (std + epsilon)
+
+    * ``scale="group"``: ``std`` is the standard deviation of the group's rewards (GRPO, Shao et al. 2024,
+      DeepSeekMath, eq. for outcome supervision).
+    * ``scale="batch"``: ``std`` of all rewards in the batch (group mean, batch std; Liu et al. 2025,
+      "Tricks or Traps? A Deep Dive into RL for LLM Reasoning"); avoids blowing up near-unanimous groups.
+    * ``scale="none"``: no division at all (Dr.GRPO, Liu et al. 2025, "Understanding R1-Zero-Like
+      Training": the std division over-weights too-easy / too-hard questions).
+
+    ``std`` uses ``ddof`` (default 1: the unbiased estimator, matching ``torch.std`` in TRL and verl).
+    ``epsilon`` is *added* to the std, so a group with identical rewards gets ``A = 0`` exactly.
+
+    Shapes: ``rewards [B]`` with ``B = P * group_size`` (group-major) -> ``[B]`` float32.
+    """
+    if scale not in ("group", "batch", "none"):
+        raise ValueError(f"unknown scale {scale!r}; expected 'group', 'batch' or 'none'")
+    grouped = _grouped(rewards, group_size)
+    if scale == "group" and ddof >= group_size:
+        raise ValueError(f"ddof={ddof} needs group_size > ddof, got group_size={group_size}")
+    centered = grouped - jnp.mean(grouped, axis=-1, keepdims=True)
+    if scale == "group":
+        centered = centered / (jnp.std(grouped, axis=-1, ddof=ddof, keepdims=True) + epsilon)
+    elif scale == "batch":
+        flat = grouped.reshape(*grouped.shape[:-2], -1)
+        std = jnp.std(flat, axis=-1, ddof=ddof, keepdims=True)[..., None]
+        centered = centered / (std + epsilon)
+    return centered.reshape(rewards.shape)
+
+
+def rloo_advantages(rewards: Array, *, group_size: int) -> Array:
+    """REINFORCE Leave-One-Out advantages (Ahmadian et al. 2024; Kool et al. 2019).
+
+    Each sample's baseline is the mean reward of the *other* ``G - 1`` samples of its group::
+
+        A_i = r_i - (1 / (G - 1)) sum_{j != i} r_j  =  G / (G - 1) * (r_i - mean_j r_j)
+
+    The baseline does not depend on ``r_i``, so the estimator stays unbiased.
+
+    Shapes: ``rewards [B]``, ``B = P * group_size`` group-major, ``group_size >= 2`` -> ``[B]`` float32.
+    """
+    if group_size < 2:
+        raise ValueError(f"RLOO needs group_size >= 2, got {group_size}")
+    grouped = _grouped(rewards, group_size)
+    baseline = (jnp.sum(grouped, axis=-1, keepdims=True) - grouped) / (group_size - 1)
+    return (grouped - baseline).reshape(rewards.shape)
+
+
+def masked_whiten(
+    x: Array,
+    mask: Array,
+    *,
+    shift_mean: bool = True,
+    epsilon: float = 1e-8,
+    ddof: int = 1,
+    axis: int | tuple[int, ...] | None = None,
+) -> Array:
+    """Normalise ``x`` with statistics over its valid entries only.
+
+    ``(x - mean) / sqrt(var + epsilon)`` with masked mean and masked variance (``ddof=1``: unbiased).
+    With ``shift_mean=False`` the mean is added back (rescale only). Padded entries are set to 0.
+
+    Shapes: ``x``, ``mask`` ``[B, T]`` (statistics over the whole batch by default, ``axis=None``).
+    """
+    mean = masked_mean(x, mask, axis, keepdims=True)
+    var = masked_var(x, mask, axis, ddof=ddof, keepdims=True)
+    whitened = (jnp.asarray(x).astype(jnp.float32) - mean) * lax.rsqrt(var + epsilon)
+    if not shift_mean:
+        whitened = whitened + mean
+    return jnp.where(jnp.asarray(mask) > 0, whitened, 0.0)
+
+
+def _reverse_time_scan(step: Callable[[Any, Any], tuple[Any, Array]], init: Any, *xs: Array) -> Array:
+    """Run ``step`` from the last time step to the first over ``[B, T]`` inputs; outputs ``[B, T]``."""
+    _, ys = lax.scan(step, init, tuple(jnp.moveaxis(x, -1, 0) for x in xs), reverse=True)
+    return jnp.moveaxis(ys, 0, -1)
+
+
+def discounted_returns(token_rewards: Array, mask: Array, *, gamma: float | Array = 1.0) -> Array:
+    """Return-to-go over completion tokens: ``G_t = r_t + gamma * G_{t'}`` with ``t'`` the next valid token.
+
+    Computed by a reverse ``lax.scan``. Masked positions (right padding, or tokens the policy did not
+    produce in multi-turn data) neither add reward nor consume a discount step; they get ``G = 0``.
+
+    Shapes: ``token_rewards [B, T]``, ``mask [B, T]`` -> ``[B, T]`` float32.
+    """
+    r = jnp.asarray(token_rewards).astype(jnp.float32)
+    valid = jnp.asarray(mask) > 0
+    gamma = jnp.asarray(gamma, jnp.float32)
+
+    def step(running: Array, xs: tuple[Array, Array]) -> tuple[Array, Array]:
+        r_t, v_t = xs
+        running = jnp.where(v_t, r_t + gamma * running, running)
+        return running, jnp.where(v_t, running, 0.0)
+
+    return _reverse_time_scan(step, jnp.zeros(r.shape[:-1], jnp.float32), r, valid)
+
+
+def reinforce_plus_plus_advantages(
+    token_rewards: Array,
+    mask: Array,
+    *,
+    gamma: float | Array = 1.0,
+    epsilon: float = 1e-8,
+) -> Array:
+    """REINFORCE++ advantages (Hu 2025): discounted returns of the KL-shaped token rewards, batch-whitened.
+
+    ``token_rewards`` already contain the KL penalty: ``r_t = -beta * KL_t + [t = last] * score``
+    (``losses.kl_shaped_token_rewards``). Then::
+
+        G_t = sum_{k >= t} gamma^{k - t} r_k,    A_t = (G_t - mean(G)) / sqrt(var(G) + epsilon)
+
+    with mean and (unbiased) variance over every valid token of the batch; no critic, no group baseline.
+
+    Shapes: ``token_rewards [B, T]``, ``mask [B, T]`` -> ``[B, T]`` float32 (0 at padding).
+    """
+    returns = discounted_returns(token_rewards, mask, gamma=gamma)
+    return masked_whiten(returns, mask, epsilon=epsilon)
+
+
+def reinforce_plus_plus_baseline_advantages(
+    rewards: Array,
+    mask: Array,
+    *,
+    group_size: int,
+    epsilon: float = 1e-8,
+) -> Array:
+    """REINFORCE++-baseline (Hu 2025): subtract the group mean, broadcast over tokens, whiten the batch.
+
+    ::
+
+        a_i = r_i - mean_{j in group(i)} r_j,    A_it = (a_i - mean(a)) / sqrt(var(a) + epsilon)
+
+    where mean and (unbiased) variance run over every valid token of the batch, i.e. each sequence is
+    weighted by its length (as in OpenRLHF / verl). The KL term belongs in the loss for this estimator.
+
+    Shapes: ``rewards [B]`` (sequence scores, group-major), ``mask [B, T]`` -> ``[B, T]`` float32.
+    """
+    grouped = _grouped(rewards, group_size)
+    centered = (grouped - jnp.mean(grouped, axis=-1, keepdims=True)).reshape(rewards.shape)
+    per_token = jnp.broadcast_to(centered[..., None], jnp.shape(mask))
+    return masked_whiten(per_token, mask, epsilon=epsilon)
+
+
+def gae_advantages(
+    token_rewards: Array,
+    values: Array,
+    mask: Array,
+    *,
+    gamma: float | Array = 1.0,
+    lam: float | Array = 0.95,
+) -> tuple[Array, Array]:
+    """Generalised Advantage Estimation (Schulman et al. 2015) as a reverse ``lax.scan`` over tokens.
+
+    Over valid tokens ``t`` with ``t'`` the next valid token (terminal value 0 after the last one)::
+
+        delta_t = r_t + gamma * V_{t'} - V_t
+        A_t     = delta_t + gamma * lam * A_{t'}
+        R_t     = A_t + V_t            (the critic's regression target)
+
+    Masked positions are skipped: they neither bootstrap a value nor consume a discount step, so holes
+    in the mask (multi-turn observation tokens) and right padding are both handled. With
+    ``gamma = lam = 1`` this is ``A_t = sum_{k >= t} r_k - V_t``. Whitening is left to the caller
+    (``masked_whiten``), as PPO implementations differ there.
+
+    Shapes: ``token_rewards``, ``values``, ``mask`` ``[B, T]`` -> ``(advantages, returns)`` both
+    ``[B, T]`` float32, 0 at padding.
+    """
+    r = jnp.asarray(token_rewards).astype(jnp.float32)
+    v = jnp.asarray(values).astype(jnp.float32)
+    valid = jnp.asarray(mask) > 0
+    gamma = jnp.asarray(gamma, jnp.float32)
+    lam = jnp.asarray(lam, jnp.float32)
+
+    def step(carry: tuple[Array, Array], xs: tuple[Array, Array, Array]) -> tuple[tuple[Array, Array], Array]:
+        next_value, next_adv = carry
+        r_t, v_t, m_t = xs
+        adv = r_t + gamma * next_value - v_t + gamma * lam * next_adv
+        carry = (jnp.where(m_t, v_t, next_value), jnp.where(m_t, adv, next_adv))
+        return carry, jnp.where(m_t, adv, 0.0)
+
+    zeros = jnp.zeros(r.shape[:-1], jnp.float32)
+    advantages = _reverse_time_scan(step, (zeros, zeros), r, v, valid)
+    returns = jnp.where(valid, advantages + v, 0.0)
+    return advantages, returns

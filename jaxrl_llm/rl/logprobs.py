@@ -1,0 +1,352 @@
+"""Per-token log-probabilities, entropy, masked reductions and loss aggregation.
+
+Every function is pure, jittable and vmappable. Static configuration (temperature may be traced, but
+``chunk_size``, ``with_entropy``, ``mode``, ``axis`` ... are Python values) is passed by keyword so a caller
+marks it static with ``functools.partial`` or ``static_argnames``.
+
+Shapes follow the project convention: ``logits [B, T, V]``, ``tokens [B, T]``, ``mask [B, T]`` with
+1 = completion token. All softmax / log-softmax work and every reduction runs in float32, whatever the
+input dtype. Masked reductions *select* (``jnp.where``) rather than multiply, so an ``inf`` or ``nan``
+sitting in a padded position cannot leak into a sum as ``0 * inf = nan``.
+"""
+
+from collections.abc import Callable
+from typing import Literal, overload
+
+import jax
+import jax.numpy as jnp
+from jax import Array, lax
+
+AggregationMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+AGGREGATION_MODES: tuple[str, ...] = (
+    "token-mean",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+)
+
+Axis = int | tuple[int, ...] | None
+
+
+# --------------------------------------------------------------------------------------------------------
+# Masked reductions
+# --------------------------------------------------------------------------------------------------------
+
+
+def safe_divide(numerator: Array, denominator: Array | float) -> Array:
+    """``numerator / denominator`` with a zero denominator replaced by 1.
+
+    Used where a zero denominator means "nothing to average" (every token masked), in which case the
+    masked numerator is 0 as well and the result is 0 instead of ``nan``.
+    """
+    denominator = jnp.asarray(denominator, jnp.float32)
+    return numerator / jnp.where(denominator > 0, denominator, 1.0)
+
+
+def masked_sum(x: Array, mask: Array, axis: Axis = None, *, keepdims: bool = False) -> Array:
+    """``sum(x * mask)`` over ``axis`` in float32.
+
+    Shapes: ``x`` and ``mask`` broadcastable, e.g. ``[B, T]``. A fractional mask acts as a weight.
+    Padded entries are dropped by selection, so non-finite values there do not matter.
+    """
+    m = jnp.asarray(mask).astype(jnp.float32)
+    x = jnp.asarray(x).astype(jnp.float32)
+    return jnp.sum(jnp.where(m > 0, x * m, 0.0), axis=axis, keepdims=keepdims)
+
+
+def masked_count(mask: Array, axis: Axis = None, *, keepdims: bool = False) -> Array:
+    """``sum(mask)`` over ``axis`` in float32 (the number of valid tokens for a 0/1 mask)."""
+    return jnp.sum(jnp.asarray(mask).astype(jnp.float32), axis=axis, keepdims=keepdims)
+
+
+def masked_mean(x: Array, mask: Array, axis: Axis = None, *, keepdims: bool = False) -> Array:
+    """``sum(x * mask) / sum(mask)`` over ``axis``, float32; 0 where every entry is masked.
+
+    Shapes: ``x``, ``mask`` ``[B, T]`` (or broadcastable); ``axis=None`` averages over all valid tokens.
+    """
+    return safe_divide(masked_sum(x, mask, axis, keepdims=keepdims), masked_count(mask, axis, keepdims=keepdims))
+
+
+def masked_var(x: Array, mask: Array, axis: Axis = None, *, ddof: int = 0, keepdims: bool = False) -> Array:
+    """Masked variance ``sum(mask * (x - mean)^2) / (sum(mask) - ddof)`` in float32.
+
+    ``ddof=0`` is the population (biased) estimator, ``ddof=1`` Bessel's unbiased one. Returns 0 when
+    ``sum(mask) <= ddof`` (too few valid entries to estimate a spread).
+    """
+    mean = masked_mean(x, mask, axis, keepdims=True)
+    centered = jnp.asarray(x).astype(jnp.float32) - mean
+    sq = masked_sum(jnp.square(centered), mask, axis, keepdims=keepdims)
+    count = masked_count(mask, axis, keepdims=keepdims)
+    return jnp.where(count > ddof, safe_divide(sq, count - ddof), 0.0)
+
+
+def masked_max(x: Array, mask: Array, axis: Axis = None) -> Array:
+    """Maximum of ``x`` over valid entries (padding replaced by ``-inf``); 0 where all are masked."""
+    x = jnp.asarray(x).astype(jnp.float32)
+    valid = jnp.asarray(mask) > 0
+    out = jnp.max(jnp.where(valid, x, -jnp.inf), axis=axis)
+    return jnp.where(jnp.any(valid, axis=axis), out, 0.0)
+
+
+def masked_min(x: Array, mask: Array, axis: Axis = None) -> Array:
+    """Minimum of ``x`` over valid entries (padding replaced by ``+inf``); 0 where all are masked."""
+    x = jnp.asarray(x).astype(jnp.float32)
+    valid = jnp.asarray(mask) > 0
+    out = jnp.min(jnp.where(valid, x, jnp.inf), axis=axis)
+    return jnp.where(jnp.any(valid, axis=axis), out, 0.0)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Loss aggregation
+# --------------------------------------------------------------------------------------------------------
+
+
+def aggregate_loss(
+    per_token: Array,
+    mask: Array,
+    mode: AggregationMode = "token-mean",
+    *,
+    max_len: int | None = None,
+    num_tokens: Array | float | None = None,
+    num_seqs: Array | float | None = None,
+) -> Array:
+    """Reduce a per-token loss ``[B, T]`` with a completion mask ``[B, T]`` to a float32 scalar.
+
+    With ``m`` the mask, ``L_i = sum_t m_it`` the length of sequence ``i``, ``N = sum_it m_it`` the token
+    count and ``S`` the number of sequences with at least one valid token:
+
+    * ``token-mean``              ``sum_it m_it l_it / N``  (DAPO, Yu et al. 2025: every token weighs the same)
+    * ``seq-mean-token-mean``     ``(1/S) sum_i (1/L_i) sum_t m_it l_it``  (GRPO, Shao et al. 2024)
+    * ``seq-mean-token-sum``      ``(1/S) sum_i sum_t m_it l_it``
+    * ``seq-mean-token-sum-norm`` ``(1/S) sum_i sum_t m_it l_it / max_len``  (Dr.GRPO, Liu et al. 2025:
+      a constant instead of ``L_i`` removes the length bias). ``max_len`` defaults to ``T``.
+
+    Leading dimensions other than the last are all treated as sequences. Fully masked rows (padding rows
+    of a fixed-size batch) count in neither ``N`` nor ``S``.
+
+    Global counts. Under ``jax.jit`` a batch sharded over devices is still one global array, so
+    ``mask.sum()`` here is already the global token count and the mean is over the whole batch, not per
+    device. The explicit ``num_tokens`` / ``num_seqs`` are for gradient accumulation over micro-batches:
+    pass the counts of the *full* batch to each micro-batch call and *sum* the results; the accumulated
+    loss and gradient then equal those of the full batch in one call (``token-mean`` uses ``num_tokens``,
+    the ``seq-mean-*`` modes use ``num_seqs``).
+
+    Args:
+      per_token: loss per token ``[B, T]`` (any float dtype; computed in float32).
+      mask: ``[B, T]``, 1 = token counts in the loss.
+      mode: one of ``AGGREGATION_MODES`` (static).
+      max_len: constant length normaliser for ``seq-mean-token-sum-norm`` (static).
+      num_tokens: override of ``N`` for ``token-mean``.
+      num_seqs: override of ``S`` for the ``seq-mean-*`` modes.
+
+    Returns:
+      float32 scalar.
+    """
+    if mode not in AGGREGATION_MODES:
+        raise ValueError(f"unknown aggregation mode {mode!r}; expected one of {AGGREGATION_MODES}")
+    if mode == "token-mean":
+        denom = masked_count(mask) if num_tokens is None else num_tokens
+        return safe_divide(masked_sum(per_token, mask), denom)
+
+    seq_sums = masked_sum(per_token, mask, axis=-1)
+    seq_lens = masked_count(mask, axis=-1)
+    if mode == "seq-mean-token-mean":
+        per_seq = safe_divide(seq_sums, seq_lens)
+    elif mode == "seq-mean-token-sum":
+        per_seq = seq_sums
+    else:
+        norm = per_token.shape[-1] if max_len is None else max_len
+        if norm <= 0:
+            raise ValueError(f"max_len must be positive, got {norm}")
+        per_seq = seq_sums / float(norm)
+    denom = jnp.sum(seq_lens > 0).astype(jnp.float32) if num_seqs is None else num_seqs
+    return safe_divide(jnp.sum(per_seq), denom)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Log-probs and entropy
+# --------------------------------------------------------------------------------------------------------
+
+
+def _entropy_from_scaled(z: Array, lse: Array) -> Array:
+    # -sum p * (z - lse) rather than lse - sum p * z: the latter cancels two large numbers in float32.
+    # The where keeps a -inf logit (p = 0) from giving 0 * -inf = nan.
+    log_probs = z - lse[..., None]
+    probs = jnp.exp(log_probs)
+    return -jnp.sum(jnp.where(probs > 0, probs * log_probs, 0.0), axis=-1)
+
+
+def _logprobs_entropy_f32(
+    logits: Array, tokens: Array, temperature: float | Array, with_entropy: bool
+) -> tuple[Array, Array | None]:
+    z = logits.astype(jnp.float32) / jnp.asarray(temperature, jnp.float32)
+    lse = jax.nn.logsumexp(z, axis=-1)
+    # mode="clip": an out-of-range pad id (e.g. -100) must give a finite value, not a NaN fill.
+    picked = jnp.take_along_axis(z, tokens[..., None].astype(jnp.int32), axis=-1, mode="clip")[..., 0]
+    logp = picked - lse
+    if not with_entropy:
+        return logp, None
+    return logp, _entropy_from_scaled(z, lse)
+
+
+def token_logprobs(logits: Array, tokens: Array, *, temperature: float | Array = 1.0) -> Array:
+    """Log-probability of the taken tokens, ``log softmax(logits / temperature)[tokens]``, in float32.
+
+    Computed as ``z[token] - logsumexp(z)`` with ``z = logits / temperature`` so no full log-softmax is
+    formed. Use the same temperature the sampler used, or the importance ratio is biased.
+
+    Shapes: ``logits [B, T, V]`` (any float dtype), ``tokens [B, T]`` int -> ``[B, T]`` float32.
+    Tokens outside ``[0, V)`` (padding ids) are clipped into range; mask those positions downstream.
+    """
+    return _logprobs_entropy_f32(logits, tokens, temperature, with_entropy=False)[0]
+
+
+def token_entropy(logits: Array, *, temperature: float | Array = 1.0) -> Array:
+    """Per-token entropy ``H = -sum_v p_v log p_v`` of ``p = softmax(logits / temperature)``, float32.
+
+    Shapes: ``logits [B, T, V]`` -> ``[B, T]``.
+    """
+    z = logits.astype(jnp.float32) / jnp.asarray(temperature, jnp.float32)
+    return _entropy_from_scaled(z, jax.nn.logsumexp(z, axis=-1))
+
+
+def token_logprobs_and_entropy(
+    logits: Array, tokens: Array, *, temperature: float | Array = 1.0
+) -> tuple[Array, Array]:
+    """``(token_logprobs, token_entropy)`` sharing one float32 logsumexp. Shapes as in those functions."""
+    logp, entropy = _logprobs_entropy_f32(logits, tokens, temperature, with_entropy=True)
+    assert entropy is not None
+    return logp, entropy
+
+
+def _map_over_time_chunks(
+    block_fn: Callable[[Array | int, int], tuple[Array, ...]],
+    num_steps: int,
+    chunk_size: int,
+    num_outputs: int,
+) -> tuple[Array, ...]:
+    """Apply ``block_fn(start, size) -> tuple of [..., size]`` to consecutive time chunks, concatenated.
+
+    Full chunks run under ``lax.map`` (one compiled body, one block live at a time) with
+    ``jax.checkpoint`` so the backward pass recomputes each block's float32 softmax instead of keeping
+    all of them; a ragged tail chunk is one extra static call.
+    """
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    n_full, rem = divmod(num_steps, chunk_size)
+    pieces: list[tuple[Array, ...]] = []
+    if n_full:
+        body = jax.checkpoint(lambda start: block_fn(start, chunk_size))
+        stacked = lax.map(body, jnp.arange(n_full, dtype=jnp.int32) * chunk_size)
+        pieces.append(tuple(jnp.moveaxis(a, 0, -2).reshape(*a.shape[1:-1], n_full * chunk_size) for a in stacked))
+    if rem:
+        pieces.append(jax.checkpoint(lambda: block_fn(n_full * chunk_size, rem))())
+    return tuple(jnp.concatenate([p[i] for p in pieces], axis=-1) for i in range(num_outputs))
+
+
+@overload
+def token_logprobs_chunked(
+    logits: Array,
+    tokens: Array,
+    *,
+    temperature: float | Array = ...,
+    chunk_size: int = ...,
+    with_entropy: Literal[False] = ...,
+) -> Array: ...
+
+
+@overload
+def token_logprobs_chunked(
+    logits: Array,
+    tokens: Array,
+    *,
+    temperature: float | Array = ...,
+    chunk_size: int = ...,
+    with_entropy: Literal[True],
+) -> tuple[Array, Array]: ...
+
+
+def token_logprobs_chunked(
+    logits: Array,
+    tokens: Array,
+    *,
+    temperature: float | Array = 1.0,
+    chunk_size: int = 128,
+    with_entropy: bool = False,
+) -> Array | tuple[Array, Array]:
+    """``token_logprobs`` (and optionally ``token_entropy``) computed ``chunk_size`` positions at a time.
+
+    Same formula as ``token_logprobs``; only a ``[B, chunk_size, V]`` float32 block exists at once (forward
+    and, through rematerialisation, backward), instead of a full float32 ``[B, T, V]`` copy of bf16 logits.
+    The logits themselves are still an input here; ``token_logprobs_from_hidden`` avoids them too.
+
+    Shapes: ``logits [B, T, V]``, ``tokens [B, T]`` -> ``[B, T]`` float32 (and entropy ``[B, T]``).
+    ``chunk_size`` and ``with_entropy`` are static.
+    """
+    time_axis = logits.ndim - 2
+
+    def block(start: Array | int, size: int) -> tuple[Array, ...]:
+        z = lax.dynamic_slice_in_dim(logits, start, size, axis=time_axis)
+        tok = lax.dynamic_slice_in_dim(tokens, start, size, axis=time_axis)
+        logp, ent = _logprobs_entropy_f32(z, tok, temperature, with_entropy)
+        return (logp,) if ent is None else (logp, ent)
+
+    out = _map_over_time_chunks(block, logits.shape[time_axis], chunk_size, 2 if with_entropy else 1)
+    return (out[0], out[1]) if with_entropy else out[0]
+
+
+@overload
+def token_logprobs_from_hidden(
+    hidden: Array,
+    unembed: Array,
+    tokens: Array,
+    *,
+    temperature: float | Array = ...,
+    chunk_size: int = ...,
+    with_entropy: Literal[False] = ...,
+) -> Array: ...
+
+
+@overload
+def token_logprobs_from_hidden(
+    hidden: Array,
+    unembed: Array,
+    tokens: Array,
+    *,
+    temperature: float | Array = ...,
+    chunk_size: int = ...,
+    with_entropy: Literal[True],
+) -> tuple[Array, Array]: ...
+
+
+def token_logprobs_from_hidden(
+    hidden: Array,
+    unembed: Array,
+    tokens: Array,
+    *,
+    temperature: float | Array = 1.0,
+    chunk_size: int = 128,
+    with_entropy: bool = False,
+) -> Array | tuple[Array, Array]:
+    """Log-probs of ``tokens`` under ``softmax(hidden @ unembed / temperature)`` without full logits.
+
+    ``logits = hidden @ unembed`` is formed ``chunk_size`` positions at a time (float32 accumulation via
+    ``preferred_element_type``), reduced to the token log-prob (and entropy), and discarded; the backward
+    pass recomputes each chunk. Peak extra memory is ``[B, chunk_size, V]`` float32 rather than
+    ``[B, T, V]``, which is what matters for 150k-token vocabularies.
+
+    Shapes: ``hidden [B, T, D]`` (final-norm output), ``unembed [D, V]`` (the LM head, or the transposed
+    embedding when tied), ``tokens [B, T]`` -> ``[B, T]`` float32 (and entropy ``[B, T]``).
+    ``chunk_size`` and ``with_entropy`` are static.
+    """
+    time_axis = hidden.ndim - 2
+
+    def block(start: Array | int, size: int) -> tuple[Array, ...]:
+        h = lax.dynamic_slice_in_dim(hidden, start, size, axis=time_axis)
+        tok = lax.dynamic_slice_in_dim(tokens, start, size, axis=time_axis)
+        z = jnp.einsum("...td,dv->...tv", h, unembed, preferred_element_type=jnp.float32)
+        logp, ent = _logprobs_entropy_f32(z, tok, temperature, with_entropy)
+        return (logp,) if ent is None else (logp, ent)
+
+    out = _map_over_time_chunks(block, hidden.shape[time_axis], chunk_size, 2 if with_entropy else 1)
+    return (out[0], out[1]) if with_entropy else out[0]

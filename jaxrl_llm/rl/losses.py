@@ -1,0 +1,429 @@
+"""Policy, value and preference losses and the per-token KL estimators.
+
+Pure, jittable, vmappable functions of float32 arrays. Strings, ``None``-or-not options and aggregation
+modes are static (mark them with ``static_argnames``); coefficients such as ``kl_coef`` may be traced
+(e.g. from the adaptive KL controller). Shapes: ``[B, T]`` per-token arrays with ``mask [B, T]``
+(1 = completion token). Formulas and references: ``docs/algorithms.md``.
+"""
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax import Array
+
+from jaxrl_llm.rl.logprobs import (
+    AggregationMode,
+    aggregate_loss,
+    masked_max,
+    masked_mean,
+    masked_min,
+    masked_var,
+)
+
+KLEstimator = Literal["k1", "k2", "k3"]
+RatioLevel = Literal["token", "sequence"]
+PreferenceLossType = Literal["sigmoid", "ipo", "hinge"]
+
+# exp() of a log-ratio beyond this is numerically meaningless (e^20 ~ 5e8) and only risks inf / nan.
+_MAX_LOG_RATIO = 20.0
+
+
+def _f32(x: Array) -> Array:
+    return jnp.asarray(x).astype(jnp.float32)
+
+
+def _valid(mask: Array) -> Array:
+    return jnp.asarray(mask) > 0
+
+
+# --------------------------------------------------------------------------------------------------------
+# KL estimators and reward shaping
+# --------------------------------------------------------------------------------------------------------
+
+
+def kl_penalty(
+    logp: Array,
+    ref_logp: Array,
+    *,
+    estimator: KLEstimator = "k3",
+    clamp: float | None = None,
+    mask: Array | None = None,
+) -> Array:
+    """Per-token estimate of ``KL(pi || pi_ref)`` from tokens sampled from ``pi`` (Schulman 2020).
+
+    With ``d = ref_logp - logp = log(pi_ref(y_t) / pi(y_t))``::
+
+        k1 = -d = logp - ref_logp                   unbiased, can be negative, high variance
+        k2 = 0.5 * d^2                              >= 0, biased, low variance; its gradient is that of KL
+        k3 = exp(d) - d - 1                         >= 0, unbiased, low variance ("low_var_kl")
+
+    All three are 0 when ``pi = pi_ref``. For k3 ``d`` is clipped to ``[-20, 20]`` before ``exp`` so a
+    wild token cannot overflow. ``clamp`` (static) clips the estimate to ``[-clamp, clamp]``. With a
+    ``mask`` the inputs at padded positions are replaced before any ``exp`` (so garbage there cannot
+    produce a NaN gradient) and the output is 0 there.
+
+    Shapes: ``logp``, ``ref_logp``, ``mask`` ``[B, T]`` -> ``[B, T]`` float32.
+    """
+    d = _f32(ref_logp) - _f32(logp)
+    if mask is not None:
+        d = jnp.where(_valid(mask), d, 0.0)
+    if estimator == "k1":
+        kl = -d
+    elif estimator == "k2":
+        kl = 0.5 * jnp.square(d)
+    elif estimator == "k3":
+        d = jnp.clip(d, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        kl = jnp.exp(d) - d - 1.0
+    else:
+        raise ValueError(f"unknown KL estimator {estimator!r}; expected 'k1', 'k2' or 'k3'")
+    if clamp is not None:
+        kl = jnp.clip(kl, -clamp, clamp)
+    return kl
+
+
+def last_token_mask(mask: Array) -> Array:
+    """One-hot ``[B, T]`` float32 marking each row's last valid token (all zero for an empty row)."""
+    valid = _valid(mask)
+    t = valid.shape[-1]
+    last = t - 1 - jnp.argmax(jnp.flip(valid, axis=-1), axis=-1)
+    return jax.nn.one_hot(last, t, dtype=jnp.float32) * jnp.any(valid, axis=-1, keepdims=True)
+
+
+def kl_shaped_token_rewards(
+    scores: Array,
+    logp: Array,
+    ref_logp: Array,
+    mask: Array,
+    *,
+    kl_coef: float | Array,
+    estimator: KLEstimator = "k1",
+    clamp: float | None = None,
+) -> Array:
+    """Per-token rewards for PPO / REINFORCE++ (Ziegler et al. 2019; Ouyang et al. 2022; Hu 2025).
+
+    ::
+
+        r_t = -kl_coef * KL_t + [t = last valid token] * score
+
+    with ``KL_t = kl_penalty(logp, ref_logp, estimator)`` (k1 by default, as in the papers). The log-probs
+    are those stored at rollout time (no gradient flows through a reward).
+
+    Shapes: ``scores [B]``, ``logp``, ``ref_logp``, ``mask`` ``[B, T]`` -> ``[B, T]`` float32, 0 at padding.
+    """
+    kl = kl_penalty(logp, ref_logp, estimator=estimator, clamp=clamp, mask=mask)
+    shaped = -jnp.asarray(kl_coef, jnp.float32) * kl + _f32(scores)[..., None] * last_token_mask(mask)
+    return jax.lax.stop_gradient(jnp.where(_valid(mask), shaped, 0.0))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Policy loss
+# --------------------------------------------------------------------------------------------------------
+
+
+def clipped_surrogate(
+    ratio: Array,
+    advantages: Array,
+    *,
+    epsilon_low: float | Array = 0.2,
+    epsilon_high: float | Array = 0.2,
+    dual_clip_c: float | None = None,
+) -> Array:
+    """Per-token PPO clipped surrogate *loss* (Schulman et al. 2017), asymmetric and optionally dual-clipped.
+
+    ::
+
+        l = -min(rho * A, clip(rho, 1 - epsilon_low, 1 + epsilon_high) * A)
+        dual clip (Ye et al. 2019), for A < 0 only:  l = min(l, -c * A),  c > 1
+
+    ``epsilon_high > epsilon_low`` is DAPO's clip-higher (Yu et al. 2025). Where the clipped branch is
+    active the loss is constant in ``rho`` and the token contributes no gradient. ``dual_clip_c`` is static.
+
+    Shapes: ``ratio``, ``advantages`` broadcastable, e.g. ``[B, T]`` -> ``[B, T]`` float32.
+    """
+    ratio = _f32(ratio)
+    adv = _f32(advantages)
+    unclipped = -ratio * adv
+    clipped = -jnp.clip(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high) * adv
+    loss = jnp.maximum(unclipped, clipped)
+    if dual_clip_c is not None:
+        if dual_clip_c <= 1.0:
+            raise ValueError(f"dual_clip_c must be > 1, got {dual_clip_c}")
+        loss = jnp.where(adv < 0, jnp.minimum(loss, -dual_clip_c * adv), loss)
+    return loss
+
+
+def truncated_importance_weights(
+    old_logp: Array, sampler_logp: Array, mask: Array, *, cap: float | None = 2.0
+) -> Array:
+    """Truncated importance-sampling weights for a sampler / trainer log-prob mismatch (Yao et al. 2025).
+
+    ::
+
+        w_t = stop_gradient(min(pi_old(y_t) / pi_sampler(y_t), cap))
+
+    where ``pi_old`` is the trainer's recomputation of the behaviour policy and ``pi_sampler`` the
+    probability the sampling engine reported (they differ through kernels, precision, batch effects).
+    ``cap=None`` leaves the weights untruncated. Padded positions get weight 0.
+
+    Shapes: ``old_logp``, ``sampler_logp``, ``mask`` ``[B, T]`` -> ``[B, T]`` float32.
+    """
+    log_w = jnp.where(_valid(mask), _f32(old_logp) - _f32(sampler_logp), 0.0)
+    w = jnp.exp(jnp.clip(log_w, -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    if cap is not None:
+        w = jnp.minimum(w, cap)
+    return jax.lax.stop_gradient(jnp.where(_valid(mask), w, 0.0))
+
+
+def clipped_policy_loss(
+    logp: Array,
+    old_logp: Array,
+    advantages: Array,
+    mask: Array,
+    *,
+    epsilon_low: float | Array = 0.2,
+    epsilon_high: float | Array = 0.2,
+    dual_clip_c: float | None = None,
+    ratio_level: RatioLevel = "token",
+    ref_logp: Array | None = None,
+    kl_coef: float | Array = 0.0,
+    kl_estimator: KLEstimator = "k3",
+    kl_clamp: float | None = None,
+    entropy: Array | None = None,
+    entropy_coef: float | Array = 0.0,
+    sampler_logp: Array | None = None,
+    tis_cap: float | None = None,
+    aggregation: AggregationMode = "token-mean",
+    max_len: int | None = None,
+    num_tokens: Array | float | None = None,
+    num_seqs: Array | float | None = None,
+) -> tuple[Array, dict[str, Array]]:
+    """The composed clipped policy-gradient loss of PPO / GRPO / DAPO / Dr.GRPO / GSPO, with metrics.
+
+    Per token, with ``rho`` the importance ratio of the current policy to the one that produced the data::
+
+        l_t   = w_t * clipped_surrogate(rho_t, A_t)  +  kl_coef * KL_t(pi || pi_ref)  -  entropy_coef * H_t
+        loss  = aggregate(l, mask, aggregation)
+
+    (each term aggregated separately, which is the same since aggregation is linear).
+
+    * ``ratio_level="token"``: ``rho_t = pi(y_t) / pi_old(y_t)`` (PPO, GRPO).
+    * ``ratio_level="sequence"``: GSPO (Zheng et al. 2025),
+      ``s_i = exp(mean_t log(pi(y_t) / pi_old(y_t)))`` over the valid tokens of sequence ``i``, applied to
+      every token as ``rho_t = sg(s_i) * pi(y_t) / sg(pi(y_t))``: same value as ``s_i``, and with a
+      sequence-level advantage and ``aggregation="seq-mean-token-mean"`` exactly GSPO's gradient.
+    * ``epsilon_low`` / ``epsilon_high``: asymmetric clip range (DAPO clip-higher uses 0.2 / 0.28).
+    * ``dual_clip_c``: dual clip (Ye et al. 2019) bounding the loss of negative-advantage tokens by ``-c*A``.
+    * ``sampler_logp``: if given, ``w_t = truncated_importance_weights(old_logp, sampler_logp, cap=tis_cap)``
+      corrects the sampler / trainer mismatch (TIS, Yao et al. 2025); otherwise ``w_t = 1``.
+    * ``ref_logp``: if given, the KL to the reference policy enters the loss (GRPO style, k3 by default).
+    * ``entropy``: per-token entropy ``[B, T]`` (with gradient) for the bonus and the metric.
+
+    ``advantages`` may be ``[B]`` (one per sequence, broadcast over tokens) or ``[B, T]``. Log-ratios are
+    clipped to ``[-20, 20]`` before ``exp`` and padded positions are neutralised before any ``exp``.
+
+    Metrics (float32 scalars, no gradient; means over valid tokens):
+      ``policy_loss`` (aggregated surrogate part), ``clip_fraction`` = low + high, ``clip_fraction/low``
+      (``A < 0`` and ``rho < 1 - epsilon_low``), ``clip_fraction/high`` (``A > 0`` and
+      ``rho > 1 + epsilon_high``), ``clip_fraction/dual`` (``A < 0`` and ``rho > c``), ``approx_kl``
+      (k3 estimate of ``KL(pi_old || pi)`` from token log-ratios, ``rho - 1 - log rho``), ``ratio/mean``,
+      ``ratio/min``, ``ratio/max``; plus ``kl`` if ``ref_logp``, ``entropy`` if ``entropy``,
+      ``is_weight/mean`` if ``sampler_logp`` is given.
+
+    Static (Python values; ``static_argnames`` under ``jax.jit``): ``dual_clip_c``, ``ratio_level``,
+    ``kl_estimator``, ``kl_clamp``, ``tis_cap``, ``aggregation``, ``max_len``. Traceable: the epsilons,
+    ``kl_coef``, ``entropy_coef``, ``num_tokens``, ``num_seqs``; ``None`` arrays are empty pytrees.
+
+    Shapes: ``logp``, ``old_logp``, ``mask`` (and ``ref_logp``, ``entropy``, ``sampler_logp``) ``[B, T]``.
+    Returns ``(loss, metrics)`` with a float32 scalar loss.
+    """
+    if ratio_level not in ("token", "sequence"):
+        raise ValueError(f"unknown ratio_level {ratio_level!r}; expected 'token' or 'sequence'")
+    valid = _valid(mask)
+    logp = _f32(logp)
+    adv = _f32(advantages)
+    if adv.ndim == logp.ndim - 1:
+        adv = adv[..., None]
+    adv = jnp.broadcast_to(adv, logp.shape)
+    agg = dict(mode=aggregation, max_len=max_len, num_tokens=num_tokens, num_seqs=num_seqs)
+
+    token_log_ratio = jnp.where(valid, logp - _f32(old_logp), 0.0)
+    token_log_ratio = jnp.clip(token_log_ratio, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    if ratio_level == "token":
+        log_ratio = token_log_ratio
+    else:
+        seq_log_ratio = masked_mean(token_log_ratio, mask, axis=-1, keepdims=True)
+        sg = jax.lax.stop_gradient
+        log_ratio = sg(seq_log_ratio) + jnp.where(valid, logp - sg(logp), 0.0)
+    ratio = jnp.exp(log_ratio)
+
+    surrogate = clipped_surrogate(
+        ratio, adv, epsilon_low=epsilon_low, epsilon_high=epsilon_high, dual_clip_c=dual_clip_c
+    )
+    metrics: dict[str, Array] = {}
+    if sampler_logp is not None:
+        weights = truncated_importance_weights(old_logp, sampler_logp, mask, cap=tis_cap)
+        surrogate = surrogate * weights
+        metrics["is_weight/mean"] = masked_mean(weights, mask)
+    pg_loss = aggregate_loss(surrogate, mask, **agg)
+    loss = pg_loss
+
+    if ref_logp is not None:
+        kl = kl_penalty(logp, ref_logp, estimator=kl_estimator, clamp=kl_clamp, mask=mask)
+        loss = loss + jnp.asarray(kl_coef, jnp.float32) * aggregate_loss(kl, mask, **agg)
+        metrics["kl"] = masked_mean(kl, mask)
+    if entropy is not None:
+        loss = loss - jnp.asarray(entropy_coef, jnp.float32) * aggregate_loss(entropy, mask, **agg)
+        metrics["entropy"] = masked_mean(entropy, mask)
+
+    r = jax.lax.stop_gradient(ratio)
+    low = (adv < 0) & (r < 1.0 - epsilon_low)
+    high = (adv > 0) & (r > 1.0 + epsilon_high)
+    dual = (adv < 0) & (r > dual_clip_c) if dual_clip_c is not None else jnp.zeros_like(valid)
+    tok_lr = jax.lax.stop_gradient(token_log_ratio)
+    metrics.update(
+        {
+            "policy_loss": pg_loss,
+            "clip_fraction": masked_mean(low | high, mask),
+            "clip_fraction/low": masked_mean(low, mask),
+            "clip_fraction/high": masked_mean(high, mask),
+            "clip_fraction/dual": masked_mean(dual, mask),
+            "approx_kl": masked_mean(jnp.exp(tok_lr) - 1.0 - tok_lr, mask),
+            "ratio/mean": masked_mean(r, mask),
+            "ratio/min": masked_min(r, mask),
+            "ratio/max": masked_max(r, mask),
+        }
+    )
+    metrics = {k: jax.lax.stop_gradient(v) for k, v in metrics.items()}
+    return loss, metrics
+
+
+# --------------------------------------------------------------------------------------------------------
+# Value loss
+# --------------------------------------------------------------------------------------------------------
+
+
+def explained_variance(values: Array, returns: Array, mask: Array) -> Array:
+    """``1 - Var[R - V] / Var[R]`` over valid tokens (population variances), float32 scalar.
+
+    1 is a perfect critic, 0 no better than a constant, negative worse. When ``Var[R] = 0`` it is 1 if
+    the residual variance is 0 too and 0 otherwise (scikit-learn's convention), never NaN.
+
+    Shapes: ``values``, ``returns``, ``mask`` ``[B, T]``.
+    """
+    var_returns = masked_var(returns, mask)
+    var_residual = masked_var(_f32(returns) - _f32(values), mask)
+    ratio = var_residual / jnp.where(var_returns > 0, var_returns, 1.0)
+    return jnp.where(var_returns > 0, 1.0 - ratio, jnp.where(var_residual > 0, 0.0, 1.0))
+
+
+def clipped_value_loss(
+    values: Array,
+    old_values: Array,
+    returns: Array,
+    mask: Array,
+    *,
+    clip_range: float | None = 0.2,
+    aggregation: AggregationMode = "token-mean",
+    max_len: int | None = None,
+    num_tokens: Array | float | None = None,
+    num_seqs: Array | float | None = None,
+) -> tuple[Array, dict[str, Array]]:
+    """PPO critic loss with value clipping (Schulman et al. 2017; as in OpenAI baselines' PPO2).
+
+    ::
+
+        V_clip = V_old + clip(V - V_old, -clip_range, clip_range)
+        l_t    = 0.5 * max((V - R)^2, (V_clip - R)^2)        (0.5 * (V - R)^2 if clip_range is None)
+        loss   = aggregate(l, mask, aggregation)
+
+    Metrics: ``value_loss``, ``value_clip_fraction`` (tokens where the clipped term is the larger),
+    ``explained_variance`` of the current ``values`` against ``returns``, ``value/mean``.
+
+    Shapes: ``values``, ``old_values``, ``returns``, ``mask`` ``[B, T]``. Returns ``(loss, metrics)``.
+    """
+    v = _f32(values)
+    target = _f32(returns)
+    unclipped = jnp.square(v - target)
+    if clip_range is None:
+        per_token = 0.5 * unclipped
+        clipped_frac = jnp.zeros((), jnp.float32)
+    else:
+        v_old = _f32(old_values)
+        v_clip = v_old + jnp.clip(v - v_old, -clip_range, clip_range)
+        clipped = jnp.square(v_clip - target)
+        per_token = 0.5 * jnp.maximum(unclipped, clipped)
+        clipped_frac = masked_mean(clipped > unclipped, mask)
+    loss = aggregate_loss(per_token, mask, aggregation, max_len=max_len, num_tokens=num_tokens, num_seqs=num_seqs)
+    metrics = {
+        "value_loss": loss,
+        "value_clip_fraction": clipped_frac,
+        "explained_variance": explained_variance(v, target, mask),
+        "value/mean": masked_mean(v, mask),
+    }
+    return loss, {k: jax.lax.stop_gradient(m) for k, m in metrics.items()}
+
+
+# --------------------------------------------------------------------------------------------------------
+# Preference (DPO-family) losses
+# --------------------------------------------------------------------------------------------------------
+
+
+def dpo_loss(
+    policy_chosen_logp: Array,
+    policy_rejected_logp: Array,
+    ref_chosen_logp: Array,
+    ref_rejected_logp: Array,
+    *,
+    beta: float | Array = 0.1,
+    loss_type: PreferenceLossType = "sigmoid",
+    label_smoothing: float | Array = 0.0,
+    mask: Array | None = None,
+) -> tuple[Array, dict[str, Array]]:
+    """DPO-family preference losses on summed sequence log-probs, with reward metrics.
+
+    With the log-ratio margin ``h = (log pi(y_w) - log pi_ref(y_w)) - (log pi(y_l) - log pi_ref(y_l))``:
+
+    * ``sigmoid`` (DPO, Rafailov et al. 2023; label smoothing = conservative DPO, Mitchell 2023)::
+
+          l = -(1 - eps) * log sigmoid(beta * h) - eps * log sigmoid(-beta * h)
+
+    * ``ipo`` (Azar et al. 2023): ``l = (h - 1 / (2 * beta))^2`` (IPO's ``tau`` is ``beta`` here; TRL feeds
+      length-averaged log-probs to IPO; pass those if that is wanted).
+    * ``hinge`` (SLiC, Zhao et al. 2023): ``l = max(0, 1 - beta * h)``.
+
+    The implicit rewards are ``beta * (log pi - log pi_ref)`` per response. Metrics (means over valid
+    pairs, no gradient): ``loss``, ``rewards/chosen``, ``rewards/rejected``, ``rewards/margins``,
+    ``rewards/accuracies`` (fraction with chosen reward strictly above rejected), ``logps/chosen``,
+    ``logps/rejected``.
+
+    Shapes: all four log-prob inputs ``[B]`` (sums over each response's tokens; ``masked_sum(..., axis=-1)``
+    of token log-probs), optional ``mask [B]`` for padding pairs. Returns ``(loss, metrics)``.
+    """
+    beta = jnp.asarray(beta, jnp.float32)
+    chosen = _f32(policy_chosen_logp) - _f32(ref_chosen_logp)
+    rejected = _f32(policy_rejected_logp) - _f32(ref_rejected_logp)
+    h = chosen - rejected
+    if loss_type == "sigmoid":
+        eps = jnp.asarray(label_smoothing, jnp.float32)
+        per_pair = -(1.0 - eps) * jax.nn.log_sigmoid(beta * h) - eps * jax.nn.log_sigmoid(-beta * h)
+    elif loss_type == "ipo":
+        per_pair = jnp.square(h - 1.0 / (2.0 * beta))
+    elif loss_type == "hinge":
+        per_pair = jax.nn.relu(1.0 - beta * h)
+    else:
+        raise ValueError(f"unknown loss_type {loss_type!r}; expected 'sigmoid', 'ipo' or 'hinge'")
+    pair_mask = jnp.ones_like(h) if mask is None else mask
+    loss = masked_mean(per_pair, pair_mask)
+    chosen_reward = beta * chosen
+    rejected_reward = beta * rejected
+    metrics = {
+        "loss": loss,
+        "rewards/chosen": masked_mean(chosen_reward, pair_mask),
+        "rewards/rejected": masked_mean(rejected_reward, pair_mask),
+        "rewards/margins": masked_mean(chosen_reward - rejected_reward, pair_mask),
+        "rewards/accuracies": masked_mean(chosen_reward > rejected_reward, pair_mask),
+        "logps/chosen": masked_mean(policy_chosen_logp, pair_mask),
+        "logps/rejected": masked_mean(policy_rejected_logp, pair_mask),
+    }
+    return loss, {k: jax.lax.stop_gradient(m) for k, m in metrics.items()}
