@@ -1,21 +1,55 @@
-"""jaxrl_llm command-line trainer: `python train.py --algo grpo`."""
+"""jaxrl_llm trainer: `python train.py --algo grpo [--config FILE] [--resume] [section.field=value ...]`.
+
+Without `--config`, each algorithm runs its offline default preset on the arithmetic task
+(`configs/grpo_arithmetic.yaml`, `configs/sft_arithmetic.yaml`). Dotted overrides such as `grpo.beta=0.04
+steps=10` are applied last and type-checked.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+DEFAULT_CONFIGS = {
+    "grpo": ROOT / "configs" / "grpo_arithmetic.yaml",
+    "sft": ROOT / "configs" / "sft_arithmetic.yaml",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--algo", default="grpo", choices=["grpo"])
-    parser.parse_args(argv)
-    print(
-        "train.py: the GRPO trainer is not built yet (issue 5); the model layer is ready "
-        "(see README.md).",
-        file=sys.stderr,
-    )
-    return 2
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--algo", choices=sorted(DEFAULT_CONFIGS), default="grpo")
+    parser.add_argument("--config", type=Path, help="YAML preset (default: the algorithm's offline preset)")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in out_dir")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo.beta=0.04 steps=10")
+    args = parser.parse_args(argv)
+
+    from jaxrl_llm.config import ConfigError, load_run_config
+
+    try:
+        config = load_run_config(args.config or DEFAULT_CONFIGS[args.algo], args.overrides, algo=args.algo)
+    except ConfigError as e:
+        print(f"train.py: {e}", file=sys.stderr)
+        return 2
+    if args.algo == "sft":
+        from jaxrl_llm.sft import train_sft
+
+        summary = train_sft(config)
+    else:
+        from jaxrl_llm.trainer import train_grpo
+
+        summary = train_grpo(config, resume=args.resume)
+    before = summary.get("before", {}).get("eval/accuracy")
+    after = summary.get("after", {}).get("eval/accuracy")
+    if before is not None and after is not None:
+        print(f"held-out greedy accuracy: before {before:.3f} -> after {after:.3f} ({100 * (after - before):+.1f} points)")
+    elif after is not None:
+        print(f"held-out greedy accuracy: {after:.3f}")
+    print(json.dumps(summary, indent=2))
+    return 0
 
 
 if __name__ == "__main__":

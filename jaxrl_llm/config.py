@@ -1,0 +1,206 @@
+"""Typed configuration of a whole run: dataclasses, YAML presets and dotted command-line overrides.
+
+`load_run_config(yaml_path, overrides)` merges, in order, the dataclass defaults, the YAML file and
+`section.field=value` overrides with OmegaConf (which type-checks every value and names the full key on
+error), then `validate` checks the relations between numbers (which must divide which) up front, so a bad
+config fails before anything is compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+ALGORITHMS = ("sft", "grpo")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the field(s) at fault."""
+
+
+@dataclass
+class ModelSection:
+    path: str = "models/arith-base"  # HF directory or hub id; for --algo sft: where the new model is written
+    dtype: str = "float32"  # compute dtype: float32 | bfloat16
+    param_dtype: str = "float32"
+    remat: bool = False
+    # --algo sft only: architecture of a model trained from scratch (HF config.json keys, with model_type),
+    # and its tokenizer: a directory, or "arithmetic" for the default task's character tokenizer.
+    init: dict[str, Any] = field(default_factory=dict)
+    tokenizer: str = ""
+
+
+@dataclass
+class DataSection:
+    train: str = "data/arithmetic/train.jsonl"  # JSONL path, or hf:NAME[:CONFIG] for a hub dataset
+    eval: str = "data/arithmetic/test.jsonl"
+    split: str = "train"  # hub datasets only
+    eval_split: str = "test"
+    prompt_field: str = "prompt"  # text, or a list of chat messages [{"role", "content"}]
+    answer_field: str = "answer"  # passed to reward functions as a keyword (all fields are)
+    # Optional templates applied to each record: "{question}" style, filled from the record's fields.
+    prompt_template: str = ""
+    answer_template: str = ""
+    chat_template: bool = False  # render the prompt with the tokenizer's chat template
+    system_prompt: str = ""
+    max_prompt_tokens: int = 64  # longer prompts are dropped (with a count), never cut
+    shuffle: bool = True
+
+
+@dataclass
+class SamplingSection:
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+
+@dataclass
+class GRPOSection:
+    prompts_per_step: int = 16  # P
+    group_size: int = 8  # G: samples per prompt
+    mu: int = 1  # optimisation passes over each rollout
+    minibatch_size: int = 0  # sequences per optimizer step; 0 = the whole rollout (P * G)
+    grad_accum: int = 1  # micro-batches per optimizer step (divides minibatch_size)
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    dual_clip_c: float = 0.0  # 0 = off; else > 1
+    ratio_level: str = "token"  # token | sequence (GSPO)
+    beta: float = 0.0  # KL coefficient to the reference model; 0 skips the reference pass
+    kl_estimator: str = "k3"
+    loss_aggregation: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum(-norm)
+    scale_rewards: str = "group"  # group | batch | none (Dr.GRPO)
+    entropy_coef: float = 0.0
+    dynamic_sampling: bool = False  # DAPO: drop zero-variance groups and refill the batch
+    max_refill_rounds: int = 3
+
+
+@dataclass
+class RewardSpec:
+    name: str = "math_answer"  # a built-in name or "module:function"
+    weight: float = 1.0
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class OptimSection:
+    learning_rate: float = 1e-5
+    warmup_steps: int = 0
+    schedule: str = "constant"  # constant | cosine | linear (decay to end_lr_ratio * lr after warmup)
+    end_lr_ratio: float = 0.0
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.99
+    max_grad_norm: float = 1.0
+
+
+@dataclass
+class SFTSection:
+    batch_size: int = 64
+    eval_batch_size: int = 256
+
+
+@dataclass
+class RunConfig:
+    algo: str = "grpo"
+    seed: int = 0
+    steps: int = 100
+    out_dir: str = "runs/default"
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    sampling: SamplingSection = field(default_factory=SamplingSection)
+    grpo: GRPOSection = field(default_factory=GRPOSection)
+    sft: SFTSection = field(default_factory=SFTSection)
+    rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec()])
+    optim: OptimSection = field(default_factory=OptimSection)
+    log_every: int = 1
+    sample_every: int = 10  # write sample completions with rewards every N steps
+    eval_every: int = 0  # held-out greedy evaluation every N steps (0: only before and after)
+    eval_size: int = 256  # held-out prompts per evaluation (0: all)
+    eval_batch_size: int = 256
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 2
+    export: bool = True  # write the final policy as a Hugging Face directory
+    export_dir: str = ""  # default: out_dir/hf
+    tensorboard: bool = True
+    progress_bar: bool = True
+
+
+def load_run_config(path: str | Path | None, overrides: list[str] | None = None, **fields: Any) -> RunConfig:
+    """Defaults < YAML file < `fields` < dotted `overrides` ("grpo.beta=0.04"), type-checked, validated."""
+    try:
+        merged = OmegaConf.structured(RunConfig)
+        if path is not None:
+            if not Path(path).is_file():
+                raise ConfigError(f"config file {path} does not exist")
+            merged = OmegaConf.merge(merged, OmegaConf.load(path))
+        if fields:
+            merged = OmegaConf.merge(merged, OmegaConf.create(fields))
+        if overrides:
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+        config: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"invalid configuration{f' in {path}' if path else ''}: {e}") from e
+    validate(config)
+    return config
+
+
+def _choice(value: str, name: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r}: expected one of {', '.join(choices)}")
+
+
+def validate(c: RunConfig) -> None:
+    """Check relations between fields, naming each number involved."""
+    _choice(c.algo, "algo", ALGORITHMS)
+    _choice(c.model.dtype, "model.dtype", ("float32", "bfloat16"))
+    _choice(c.model.param_dtype, "model.param_dtype", ("float32", "bfloat16"))
+    g = c.grpo
+    _choice(g.kl_estimator, "grpo.kl_estimator", ("k1", "k2", "k3"))
+    _choice(g.ratio_level, "grpo.ratio_level", ("token", "sequence"))
+    _choice(
+        g.loss_aggregation,
+        "grpo.loss_aggregation",
+        ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
+    )
+    _choice(g.scale_rewards, "grpo.scale_rewards", ("group", "batch", "none"))
+    _choice(c.optim.schedule, "optim.schedule", ("constant", "cosine", "linear"))
+    if g.group_size < 2 and c.algo == "grpo":
+        raise ConfigError(f"grpo.group_size={g.group_size}: a group-relative advantage needs at least 2 samples")
+    rollout = g.prompts_per_step * g.group_size
+    minibatch = g.minibatch_size or rollout
+    if rollout % minibatch:
+        raise ConfigError(
+            f"grpo.minibatch_size={minibatch} must divide the rollout size "
+            f"grpo.prompts_per_step * grpo.group_size = {g.prompts_per_step} * {g.group_size} = {rollout}"
+        )
+    if minibatch % g.grad_accum:
+        raise ConfigError(f"grpo.grad_accum={g.grad_accum} must divide grpo.minibatch_size={minibatch}")
+    if g.mu < 1:
+        raise ConfigError(f"grpo.mu={g.mu} must be >= 1")
+    if g.epsilon_low < 0 or g.epsilon_high < 0:
+        raise ConfigError("grpo.epsilon_low and grpo.epsilon_high must be >= 0")
+    if g.dual_clip_c and g.dual_clip_c <= 1:
+        raise ConfigError(f"grpo.dual_clip_c={g.dual_clip_c} must be > 1 (or 0 to disable)")
+    if c.sampling.temperature <= 0:
+        raise ConfigError(f"sampling.temperature={c.sampling.temperature} must be > 0")
+    if c.sampling.max_new_tokens < 1:
+        raise ConfigError("sampling.max_new_tokens must be >= 1")
+    if not c.rewards:
+        raise ConfigError("rewards: at least one reward function is required")
+    if c.steps < 0:
+        raise ConfigError(f"steps={c.steps} must be >= 0")
+
+
+def to_dict(config: RunConfig) -> dict[str, Any]:
+    return dataclasses.asdict(config)
+
+
+def to_yaml(config: RunConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(config))

@@ -1,0 +1,177 @@
+"""Prompt datasets: JSONL or Hugging Face datasets -> rendered, tokenized, length-filtered prompts; batching.
+
+A record is a dict with a prompt (text, or chat messages `[{"role", "content"}]` rendered with the
+tokenizer's chat template) and any other fields (answers...), which reach reward functions as keywords.
+Prompts longer than `max_prompt_tokens` are dropped and counted, never cut. The batch order is a pure
+function of `(seed, epoch, position)`, so a resumed run continues with exactly the prompts it would have seen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxrl_llm.config import DataSection
+
+
+class DataError(ValueError):
+    """Malformed data: the message names the file and line (or the dataset and record)."""
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """Records of a JSONL file; blank lines are skipped, anything else must be a JSON object."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"data file {path} does not exist")
+    records = []
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{line_no}: invalid JSON ({e.msg} at column {e.colno})") from e
+            if not isinstance(record, dict):
+                raise DataError(f"{path}:{line_no}: expected a JSON object, got {type(record).__name__}")
+            records.append(record)
+    return records
+
+
+def load_records(source: str, split: str = "train") -> tuple[list[dict[str, Any]], str]:
+    """Records from a JSONL path or `hf:NAME[:CONFIG]` (a hub dataset through `datasets`), and a label
+    for error messages."""
+    if source.startswith("hf:"):
+        import datasets
+
+        name, _, subset = source[3:].partition(":")
+        dataset = datasets.load_dataset(name, subset or None, split=split)
+        return [dict(r) for r in dataset], f"{name}[{split}]"
+    return read_jsonl(source), source
+
+
+def _fill(template: str, record: dict[str, Any], where: str) -> str:
+    try:
+        return template.format(**record)
+    except KeyError as e:
+        raise DataError(f"{where}: template {template!r} needs field {e.args[0]!r}, record has {sorted(record)}") from e
+
+
+@dataclasses.dataclass
+class PromptSet:
+    """Tokenized prompts that fit, with their records (all fields) and rendered text."""
+
+    token_ids: list[list[int]]
+    texts: list[str]
+    records: list[dict[str, Any]]
+    num_dropped: int
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+def build_prompt_set(records: Sequence[dict[str, Any]], label: str, cfg: DataSection, tokenizer: Any) -> PromptSet:
+    """Render each record's prompt (template / chat template), tokenize it and drop those that do not fit."""
+    token_ids, texts, kept = [], [], []
+    dropped = 0
+    for i, record in enumerate(records, start=1):
+        where = f"{label}:{i}"
+        record = dict(record)
+        if cfg.prompt_template:
+            record[cfg.prompt_field] = _fill(cfg.prompt_template, record, where)
+        if cfg.answer_template:
+            record[cfg.answer_field] = _fill(cfg.answer_template, record, where)
+        if cfg.prompt_field not in record:
+            raise DataError(f"{where}: no {cfg.prompt_field!r} field (fields: {sorted(record)})")
+        prompt = record[cfg.prompt_field]
+        if isinstance(prompt, list) or cfg.chat_template:
+            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+            if not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+                raise DataError(f"{where}: chat prompt must be a list of {{'role', 'content'}} messages")
+            if cfg.system_prompt and messages[0]["role"] != "system":
+                messages = [{"role": "system", "content": cfg.system_prompt}, *messages]
+            if getattr(tokenizer, "chat_template", None) is None:
+                raise DataError(f"{where}: chat prompt given but the tokenizer has no chat template")
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        elif isinstance(prompt, str):
+            text = cfg.system_prompt + prompt
+            ids = tokenizer(text)["input_ids"]
+        else:
+            raise DataError(f"{where}: {cfg.prompt_field!r} must be text or chat messages, got {type(prompt).__name__}")
+        if len(ids) > cfg.max_prompt_tokens:
+            dropped += 1
+            continue
+        token_ids.append(list(ids))
+        texts.append(text)
+        kept.append(record)
+    if not token_ids:
+        raise DataError(f"{label}: no prompt fits data.max_prompt_tokens={cfg.max_prompt_tokens} ({dropped} dropped)")
+    return PromptSet(token_ids, texts, kept, dropped)
+
+
+def left_pad(sequences: Sequence[Sequence[int]], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """`tokens, mask [B, length]` int32 with each sequence right-aligned (left padding)."""
+    tokens = np.full((len(sequences), length), pad_id, np.int32)
+    mask = np.zeros((len(sequences), length), np.int32)
+    for i, seq in enumerate(sequences):
+        if len(seq) > length:
+            raise ValueError(f"sequence of {len(seq)} tokens does not fit length {length}")
+        if len(seq):
+            tokens[i, length - len(seq) :] = seq
+            mask[i, length - len(seq) :] = 1
+    return tokens, mask
+
+
+@dataclasses.dataclass(frozen=True)
+class DataState:
+    """Where the prompt stream is: epoch and position inside that epoch's permutation."""
+
+    epoch: int = 0
+    position: int = 0
+
+
+def next_batch_indices(num_records: int, batch_size: int, state: DataState, seed: int, shuffle: bool = True
+                       ) -> tuple[np.ndarray, DataState]:
+    """Indices of the next `batch_size` prompts and the new state (epochs wrap, each reshuffled by seed)."""
+    out: list[int] = []
+    epoch, position = state.epoch, state.position
+    while len(out) < batch_size:
+        order = (np.random.default_rng([seed, epoch]).permutation(num_records) if shuffle
+                 else np.arange(num_records))
+        take = order[position : position + batch_size - len(out)]
+        out.extend(take.tolist())
+        position += len(take)
+        if position >= num_records:
+            epoch, position = epoch + 1, 0
+    return np.asarray(out, np.int64), DataState(epoch, position)
+
+
+def bucket(n: int, multiple: int = 16) -> int:
+    """`n` rounded up to a multiple (at least one), so padded shapes repeat and jitted code is reused."""
+    return max(multiple, -(-n // multiple) * multiple)
+
+
+def load_tokenizer(model_dir: str | Path) -> Any:
+    """The model's tokenizer, left-padding, with a pad token (unk, else EOS) when it defines none."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.unk_token or tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def eos_token_ids(model_dir: str | Path, tokenizer: Any) -> tuple[int, ...]:
+    """EOS ids from generation_config.json (a list is allowed), else the tokenizer's."""
+    gen = Path(model_dir) / "generation_config.json"
+    ids: Any = json.loads(gen.read_text()).get("eos_token_id") if gen.is_file() else None
+    if ids is None:
+        ids = tokenizer.eos_token_id
+    return tuple(int(i) for i in ids) if isinstance(ids, list) else (int(ids),)

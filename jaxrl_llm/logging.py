@@ -1,0 +1,64 @@
+"""Run outputs: metrics to JSONL and TensorBoard, sample completions to JSONL, a tqdm progress bar."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+
+def _plain(value: Any) -> Any:
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        return value
+    return value if math.isfinite(value) else str(value)
+
+
+class RunLogger:
+    """Writes `metrics.jsonl`, `samples.jsonl` and TensorBoard events under `out_dir`; owns the progress bar."""
+
+    def __init__(self, out_dir: str | Path, *, total_steps: int, initial_step: int = 0,
+                 tensorboard: bool = True, progress_bar: bool = True, desc: str = "train") -> None:
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_file = (self.out_dir / "metrics.jsonl").open("a")
+        self.samples_file = (self.out_dir / "samples.jsonl").open("a")
+        self.writer = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self.writer = SummaryWriter(str(self.out_dir / "tensorboard"))
+        self.bar = tqdm(total=total_steps, initial=initial_step, desc=desc, disable=not progress_bar,
+                        dynamic_ncols=True)
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        self.metrics_file.write(json.dumps(row) + "\n")
+        self.metrics_file.flush()
+        if self.writer is not None:
+            for name, value in row.items():
+                if name != "step" and isinstance(value, float):
+                    self.writer.add_scalar(name, value, step)
+
+    def progress(self, postfix: dict[str, float], advance: int = 1) -> None:
+        self.bar.set_postfix({k: f"{v:.3g}" for k, v in postfix.items()}, refresh=False)
+        self.bar.update(advance)
+
+    def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        for row in rows:
+            self.samples_file.write(json.dumps({"step": step, **row}) + "\n")
+        self.samples_file.flush()
+
+    def message(self, text: str) -> None:
+        self.bar.write(text)
+
+    def close(self) -> None:
+        self.bar.close()
+        self.metrics_file.close()
+        self.samples_file.close()
+        if self.writer is not None:
+            self.writer.close()

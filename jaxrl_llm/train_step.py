@@ -1,0 +1,277 @@
+"""Loss composition -> gradients -> optax update, as one jitted, data-parallel function.
+
+`make_train_step` returns `step(params, opt_state, batch) -> (params, opt_state, metrics)`, jitted with the
+batch split over the `data` axis of a device mesh and params / optimizer state replicated (and donated):
+`jax.jit` inserts the gradient all-reduce, which is the design card's "pmapped train_step" in current JAX.
+Gradient accumulation runs the micro-batches in a `lax.scan` inside the same jit; each micro-batch's loss is
+normalised by the *whole* minibatch's token (or sequence) count, so the summed gradient equals the
+full-batch gradient and token-mean is over the global token count however the batch is split.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxrl_llm.config import OptimSection
+from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.decoder import Params, forward, unembed
+from jaxrl_llm.rl.logprobs import token_logprobs, token_logprobs_and_entropy
+from jaxrl_llm.rl.losses import clipped_policy_loss
+
+Metrics = dict[str, jax.Array]
+
+
+class PolicyBatch(NamedTuple):
+    """One minibatch of a rollout; every array has the sequence axis `N` first.
+
+    prompt_tokens/prompt_mask `[N, P]` (left-padded), completion_tokens/completion_mask `[N, T]`
+    (right-padded; mask 1 up to and including EOS), old_logp/ref_logp `[N, T]` float32, advantages `[N]`.
+    """
+
+    prompt_tokens: jax.Array
+    prompt_mask: jax.Array
+    completion_tokens: jax.Array
+    completion_mask: jax.Array
+    old_logp: jax.Array
+    ref_logp: jax.Array
+    advantages: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyLossConfig:
+    """Static knobs of the clipped policy loss (see `jaxrl_llm.rl.losses.clipped_policy_loss`)."""
+
+    temperature: float = 1.0
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    dual_clip_c: float | None = None
+    ratio_level: str = "token"
+    beta: float = 0.0
+    kl_estimator: str = "k3"
+    aggregation: str = "token-mean"
+    entropy_coef: float = 0.0
+    max_len: int | None = None
+
+
+def completion_logprobs(
+    params: Params,
+    config: ModelConfig,
+    prompt_tokens: jax.Array,
+    prompt_mask: jax.Array,
+    completion_tokens: jax.Array,
+    completion_mask: jax.Array,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[jax.Array, jax.Array | None]:
+    """log pi(y_t | x, y_<t) at `temperature` for every completion token, `[N, T]` float32 (and entropy).
+
+    One forward pass over `prompt + completion[:-1]`; only the hidden states that predict completion tokens
+    are unembedded, so no `[N, P + T, V]` logits are built.
+    """
+    p = prompt_tokens.shape[1]
+    tokens = jnp.concatenate([prompt_tokens, completion_tokens], axis=1)[:, :-1]
+    mask = jnp.concatenate([prompt_mask, completion_mask], axis=1)[:, :-1]
+    hidden = forward(params, config, tokens, mask, return_hidden=True)[:, p - 1 :]
+    logits = unembed(params, config, hidden)
+    if with_entropy:
+        return token_logprobs_and_entropy(logits, completion_tokens, temperature=temperature)
+    return token_logprobs(logits, completion_tokens, temperature=temperature), None
+
+
+def policy_loss(
+    params: Params,
+    batch: PolicyBatch,
+    *,
+    model_config: ModelConfig,
+    loss_config: PolicyLossConfig,
+    num_tokens: jax.Array,
+    num_seqs: jax.Array,
+) -> tuple[jax.Array, Metrics]:
+    """The GRPO/PPO policy objective of one (micro-)batch; returns `(loss, metrics)`."""
+    c = loss_config
+    logp, entropy = completion_logprobs(
+        params,
+        model_config,
+        batch.prompt_tokens,
+        batch.prompt_mask,
+        batch.completion_tokens,
+        batch.completion_mask,
+        temperature=c.temperature,
+        with_entropy=True,
+    )
+    return clipped_policy_loss(
+        logp,
+        batch.old_logp,
+        batch.advantages,
+        batch.completion_mask,
+        epsilon_low=c.epsilon_low,
+        epsilon_high=c.epsilon_high,
+        dual_clip_c=c.dual_clip_c,
+        ratio_level=c.ratio_level,  # type: ignore[arg-type]
+        ref_logp=batch.ref_logp if c.beta > 0 else None,
+        kl_coef=c.beta,
+        kl_estimator=c.kl_estimator,  # type: ignore[arg-type]
+        entropy=entropy,
+        entropy_coef=c.entropy_coef,
+        aggregation=c.aggregation,  # type: ignore[arg-type]
+        max_len=c.max_len,
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+    )
+
+
+def sft_loss(
+    params: Params,
+    batch: PolicyBatch,
+    *,
+    model_config: ModelConfig,
+    loss_config: PolicyLossConfig,
+    num_tokens: jax.Array,
+    num_seqs: jax.Array,
+) -> tuple[jax.Array, Metrics]:
+    """Cross-entropy of the completion tokens: `-sum_t m_t log pi(y_t) / num_tokens` (token-mean)."""
+    logp, _ = completion_logprobs(
+        params, model_config, batch.prompt_tokens, batch.prompt_mask, batch.completion_tokens, batch.completion_mask
+    )
+    mask = batch.completion_mask.astype(jnp.float32)
+    loss = -(logp * mask).sum() / jnp.maximum(num_tokens, 1.0)
+    return loss, {"sft_loss": loss}
+
+
+LossFn = Callable[..., tuple[jax.Array, Metrics]]
+
+
+def make_optimizer(cfg: OptimSection, total_updates: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """AdamW with warmup then constant / cosine / linear decay, global-norm clipping, and a guard that skips
+    any update whose gradients are not finite (`optax.apply_if_finite`) instead of corrupting the params."""
+    decay_steps = max(total_updates - cfg.warmup_steps, 1)
+    end = cfg.learning_rate * cfg.end_lr_ratio
+    if cfg.schedule == "cosine":
+        decay = optax.cosine_decay_schedule(cfg.learning_rate, decay_steps, alpha=cfg.end_lr_ratio)
+    elif cfg.schedule == "linear":
+        decay = optax.linear_schedule(cfg.learning_rate, end, decay_steps)
+    else:
+        decay = optax.constant_schedule(cfg.learning_rate)
+    schedule = (
+        optax.join_schedules([optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps), decay],
+                             [cfg.warmup_steps])
+        if cfg.warmup_steps
+        else decay
+    )
+    chain = [optax.clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm > 0 else []
+    chain.append(optax.adamw(schedule, b1=cfg.beta1, b2=cfg.beta2, weight_decay=cfg.weight_decay))
+    return optax.apply_if_finite(optax.chain(*chain), max_consecutive_errors=1_000_000), schedule
+
+
+def data_mesh(devices: list[Any] | None = None) -> Mesh:
+    """A 1-D mesh named `data` over the local devices."""
+    return Mesh(np.asarray(devices or jax.devices()), ("data",))
+
+
+def _combine_metrics(stacked: Metrics) -> Metrics:
+    """Reduce per-micro-batch metrics `[A]`: min/max for extrema, sum for losses (already normalised by
+    the global count), mean otherwise."""
+    out = {}
+    for name, values in stacked.items():
+        if name.endswith("/min"):
+            out[name] = values.min()
+        elif name.endswith("/max"):
+            out[name] = values.max()
+        elif name.endswith("loss"):
+            out[name] = values.sum()
+        else:
+            out[name] = values.mean()
+    return out
+
+
+def train_step(
+    params: Params,
+    opt_state: optax.OptState,
+    batch: PolicyBatch,
+    *,
+    loss_fn: LossFn,
+    model_config: ModelConfig,
+    loss_config: PolicyLossConfig,
+    optimizer: optax.GradientTransformation,
+    grad_accum: int,
+) -> tuple[Params, optax.OptState, Metrics]:
+    """One optimizer update from a minibatch `[N, ...]` split into `grad_accum` micro-batches."""
+    mask = batch.completion_mask
+    num_tokens = mask.sum().astype(jnp.float32)
+    num_seqs = (mask.sum(axis=1) > 0).sum().astype(jnp.float32)
+
+    def split(x: jax.Array) -> jax.Array:
+        # Strided micro-batches keep each device's rows on the micro-batch axis (no resharding).
+        return x.reshape(x.shape[0] // grad_accum, grad_accum, *x.shape[1:]).swapaxes(0, 1)
+
+    grad_fn = jax.value_and_grad(
+        functools.partial(
+            loss_fn, model_config=model_config, loss_config=loss_config, num_tokens=num_tokens, num_seqs=num_seqs
+        ),
+        has_aux=True,
+    )
+
+    def accumulate(grads: Params, micro: PolicyBatch) -> tuple[Params, tuple[jax.Array, Metrics]]:
+        (loss, metrics), g = grad_fn(params, micro)
+        return jax.tree.map(jnp.add, grads, g), (loss, metrics)
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    grads, (losses, metrics) = jax.lax.scan(accumulate, zeros, jax.tree.map(split, batch))
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+    metrics = _combine_metrics(metrics)
+    metrics["loss"] = losses.sum()
+    metrics["grad_norm"] = optax.tree.norm(grads)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    metrics["update_skipped"] = jnp.logical_not(opt_state.last_finite).astype(jnp.float32)
+    return params, opt_state, metrics
+
+
+def make_train_step(
+    mesh: Mesh,
+    *,
+    loss_fn: LossFn,
+    model_config: ModelConfig,
+    loss_config: PolicyLossConfig,
+    optimizer: optax.GradientTransformation,
+    grad_accum: int = 1,
+) -> Callable[[Params, optax.OptState, PolicyBatch], tuple[Params, optax.OptState, Metrics]]:
+    """`train_step` jitted over `mesh`: batch sharded on `data`, params/optimizer state replicated, donated."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    batch_sharding = NamedSharding(mesh, PartitionSpec("data"))
+    step = functools.partial(
+        train_step,
+        loss_fn=loss_fn,
+        model_config=model_config,
+        loss_config=loss_config,
+        optimizer=optimizer,
+        grad_accum=grad_accum,
+    )
+    return jax.jit(
+        step,
+        in_shardings=(replicated, replicated, batch_sharding),
+        out_shardings=(replicated, replicated, replicated),
+        donate_argnums=(0, 1),
+    )
+
+
+def make_logprob_fn(mesh: Mesh, model_config: ModelConfig, temperature: float) -> Callable[..., jax.Array]:
+    """Jitted `(params, prompt_tokens, prompt_mask, completion_tokens, completion_mask) -> logp [N, T]`
+    (the reference model's pass), batch sharded on `data`."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    batch_sharding = NamedSharding(mesh, PartitionSpec("data"))
+
+    def fn(params: Params, pt: jax.Array, pm: jax.Array, ct: jax.Array, cm: jax.Array) -> jax.Array:
+        return completion_logprobs(params, model_config, pt, pm, ct, cm, temperature=temperature)[0]
+
+    return jax.jit(fn, in_shardings=(replicated, *[batch_sharding] * 4), out_shardings=batch_sharding)

@@ -1,0 +1,402 @@
+"""The GRPO loop: the thin shell that owns every side effect.
+
+    prompts -> sample (jit) -> rewards (host) -> advantages (pure) -> [reference log-probs] -> mu passes of
+    train_step (jit) over minibatches -> metrics, samples, evaluation, checkpoints
+
+The sampler's log-probs (full distribution at the sampling temperature) are kept as the old policy's, so the
+importance ratio and clipping are real when `mu > 1` or minibatches make several updates per rollout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxrl_llm.checkpoint import Checkpointer
+from jaxrl_llm.config import RunConfig, to_yaml
+from jaxrl_llm.data import (
+    DataState,
+    PromptSet,
+    bucket,
+    build_prompt_set,
+    eos_token_ids,
+    left_pad,
+    load_records,
+    load_tokenizer,
+    next_batch_indices,
+)
+from jaxrl_llm.evaluation import decode_completions, evaluate_greedy, reward_fields
+from jaxrl_llm.logging import RunLogger
+from jaxrl_llm.models.hf import load_hf_model, resolve_model_dir, save_hf_model
+from jaxrl_llm.rewards import RewardFunction, compute_rewards, resolve_reward
+from jaxrl_llm.rl.advantages import group_normalized_advantages
+from jaxrl_llm.sampling import SampleOutput, SamplingConfig, sample
+from jaxrl_llm.train_step import (
+    PolicyBatch,
+    PolicyLossConfig,
+    data_mesh,
+    make_logprob_fn,
+    make_optimizer,
+    make_train_step,
+    policy_loss,
+)
+
+
+class TrainingError(RuntimeError):
+    """The run cannot continue (e.g. non-finite updates for too long); checkpoints already written are kept."""
+
+
+MAX_CONSECUTIVE_SKIPPED_UPDATES = 5
+
+
+@dataclasses.dataclass
+class Rollout:
+    prompt_tokens: np.ndarray  # [N, P]
+    prompt_mask: np.ndarray
+    out: SampleOutput
+    rewards: np.ndarray  # [N]
+    per_function: dict[str, np.ndarray]
+    completions: list[str]
+    record_indices: np.ndarray  # [N // G] prompt records
+
+
+class GRPOTrainer:
+    """Holds the run's state between steps; `run()` executes `config.steps` GRPO steps."""
+
+    def __init__(self, config: RunConfig, *, resume: bool = False) -> None:
+        self.config = c = config
+        self.out_dir = Path(c.out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        (self.out_dir / "config.yaml").write_text(to_yaml(c))
+
+        self.model_dir = resolve_model_dir(c.model.path)
+        self.model_config, params = load_hf_model(
+            self.model_dir, dtype=c.model.dtype, param_dtype=c.model.param_dtype, remat=c.model.remat
+        )
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.eos_ids = eos_token_ids(self.model_dir, self.tokenizer)
+        self.pad_id = int(self.tokenizer.pad_token_id)
+
+        self.train_set = self._prompt_set(c.data.train, c.data.split)
+        self.eval_set = self._prompt_set(c.data.eval, c.data.eval_split) if c.data.eval else None
+        self.reward_fns: list[tuple[str, RewardFunction, float]] = []
+        for i, spec in enumerate(c.rewards):
+            name = spec.name if all(s.name != spec.name for s in c.rewards[:i]) else f"{spec.name}_{i}"
+            self.reward_fns.append((name, resolve_reward(spec.name, dict(spec.kwargs)), spec.weight))
+
+        g = c.grpo
+        self.mesh = data_mesh()
+        n_dev = self.mesh.devices.size
+        self.rollout_size = g.prompts_per_step * g.group_size
+        self.minibatch_size = g.minibatch_size or self.rollout_size
+        if (self.minibatch_size // g.grad_accum) % n_dev:
+            raise TrainingError(
+                f"the micro-batch (grpo.minibatch_size / grpo.grad_accum = {self.minibatch_size} / {g.grad_accum})"
+                f" must be divisible by the number of devices ({n_dev}) for the data-parallel step"
+            )
+        self.updates_per_step = g.mu * (self.rollout_size // self.minibatch_size)
+        self.optimizer, self.schedule = make_optimizer(c.optim, max(c.steps * self.updates_per_step, 1))
+        self.loss_config = PolicyLossConfig(
+            temperature=c.sampling.temperature,
+            epsilon_low=g.epsilon_low,
+            epsilon_high=g.epsilon_high,
+            dual_clip_c=g.dual_clip_c or None,
+            ratio_level=g.ratio_level,
+            beta=g.beta,
+            kl_estimator=g.kl_estimator,
+            aggregation=g.loss_aggregation,
+            entropy_coef=g.entropy_coef,
+            max_len=c.sampling.max_new_tokens,
+        )
+        self.train_step = make_train_step(
+            self.mesh,
+            loss_fn=policy_loss,
+            model_config=self.model_config,
+            loss_config=self.loss_config,
+            optimizer=self.optimizer,
+            grad_accum=g.grad_accum,
+        )
+        self.replicated = NamedSharding(self.mesh, PartitionSpec())
+        self.batch_sharding = NamedSharding(self.mesh, PartitionSpec("data"))
+        self.params = jax.device_put(params, self.replicated)
+        # The reference policy is a frozen copy, only needed when the KL term is on.
+        self.ref_params = jax.tree.map(jnp.copy, self.params) if g.beta > 0 else None
+        self.ref_logprob_fn = make_logprob_fn(self.mesh, self.model_config, c.sampling.temperature)
+        self.opt_state = jax.device_put(self.optimizer.init(self.params), self.replicated)
+        self.root_key = jax.random.key(c.seed)
+        self.step = 0
+        self.data_state = DataState()
+        self.checkpointer = Checkpointer(self.out_dir / "checkpoints", keep=c.keep_checkpoints)
+        if resume:
+            self._restore()
+
+    # ------------------------------------------------------------------------------------------ set-up
+
+    def _prompt_set(self, source: str, split: str) -> PromptSet:
+        records, label = load_records(source, split)
+        return build_prompt_set(records, label, self.config.data, self.tokenizer)
+
+    def _state(self) -> dict[str, Any]:
+        return {"params": self.params, "opt_state": self.opt_state, "key": jax.random.key_data(self.root_key)}
+
+    def _restore(self) -> None:
+        step = self.checkpointer.latest_step()
+        if step is None:
+            return
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), self._state()
+        )
+        state, meta = self.checkpointer.restore(step, abstract)
+        self.params, self.opt_state = state["params"], state["opt_state"]
+        self.root_key = jax.random.wrap_key_data(state["key"])
+        self.step = int(meta["step"])
+        self.data_state = DataState(**meta["data_state"])
+        # ref_params stays the starting policy, which __init__ just loaded from the model directory.
+
+    def save_checkpoint(self) -> None:
+        meta = {"step": self.step, "data_state": dataclasses.asdict(self.data_state)}
+        self.checkpointer.save(self.step, self._state(), meta)
+
+    # ------------------------------------------------------------------------------------------ pieces
+
+    def sampling_config(self, *, greedy: bool = False, n: int = 1) -> SamplingConfig:
+        s = self.config.sampling
+        return SamplingConfig(
+            max_new_tokens=s.max_new_tokens,
+            temperature=s.temperature,
+            top_k=s.top_k,
+            top_p=s.top_p,
+            min_p=s.min_p,
+            greedy=greedy,
+            n=n,
+            eos_ids=self.eos_ids,
+            pad_id=self.pad_id,
+            prompt_bucket=16,
+            new_tokens_bucket=16,
+        )
+
+    def _prompt_arrays(self, prompt_set: PromptSet, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        seqs = [prompt_set.token_ids[i] for i in indices]
+        return left_pad(seqs, bucket(max(len(s) for s in seqs)), self.pad_id)
+
+    def rollout(self, indices: np.ndarray, key: jax.Array) -> Rollout:
+        """Sample G completions for each prompt and score them."""
+        g = self.config.grpo.group_size
+        tokens, mask = self._prompt_arrays(self.train_set, indices)
+        out = sample(self.params, self.model_config, tokens, mask, key, self.sampling_config(n=g))
+        out = jax.tree.map(np.asarray, out)
+        completions = decode_completions(self.tokenizer, out)
+        records = [self.train_set.records[i] for i in indices for _ in range(g)]
+        prompts = [self.train_set.texts[i] for i in indices for _ in range(g)]
+        rewards, each = compute_rewards(
+            self.reward_fns, prompts, completions, reward_fields(records, out, self.config.sampling.max_new_tokens)
+        )
+        return Rollout(np.repeat(tokens, g, axis=0), np.repeat(mask, g, axis=0), out, rewards, each,
+                       completions, indices)
+
+    def collect(self, key: jax.Array) -> tuple[Rollout, int]:
+        """One rollout of P prompts; with dynamic sampling (DAPO), groups whose rewards are all equal are
+        replaced by freshly sampled ones (up to `max_refill_rounds` extra rounds)."""
+        g = self.config.grpo
+        indices, self.data_state = next_batch_indices(
+            len(self.train_set), g.prompts_per_step, self.data_state, self.config.seed, self.config.data.shuffle
+        )
+        ro = self.rollout(indices, key)
+        if not g.dynamic_sampling:
+            return ro, 0
+        keep = self._informative_groups(ro)
+        parts, rounds = [(ro, keep)], 0
+        while sum(int(k.sum()) for _, k in parts) < g.prompts_per_step and rounds < g.max_refill_rounds:
+            rounds += 1
+            indices, self.data_state = next_batch_indices(
+                len(self.train_set), g.prompts_per_step, self.data_state, self.config.seed, self.config.data.shuffle
+            )
+            extra = self.rollout(indices, jax.random.fold_in(key, rounds))
+            parts.append((extra, self._informative_groups(extra)))
+        return self._assemble(parts), rounds
+
+    def _informative_groups(self, ro: Rollout) -> np.ndarray:
+        grouped = ro.rewards.reshape(-1, self.config.grpo.group_size)
+        return grouped.std(axis=1) > 0
+
+    def _assemble(self, parts: list[tuple[Rollout, np.ndarray]]) -> Rollout:
+        """P groups: informative ones first, then (if refills ran out) zero-variance ones (zero advantage)."""
+        g, p = self.config.grpo.group_size, self.config.grpo.prompts_per_step
+        chosen = [(ro, i) for ro, keep in parts for i in np.flatnonzero(keep)]
+        chosen += [(ro, i) for ro, keep in parts for i in np.flatnonzero(~keep)]
+        chosen = chosen[:p]
+        width = max(ro.prompt_tokens.shape[1] for ro, _ in chosen)
+
+        def rows(ro: Rollout, i: int) -> slice:
+            return slice(i * g, (i + 1) * g)
+
+        def take(get: Any) -> np.ndarray:
+            return np.concatenate([get(ro)[rows(ro, i)] for ro, i in chosen])
+
+        def pad_prompt(x: np.ndarray, value: int) -> np.ndarray:
+            return np.pad(x, ((0, 0), (width - x.shape[1], 0)), constant_values=value)
+
+        out = SampleOutput(*[take(lambda ro, f=f: np.asarray(getattr(ro.out, f))) for f in SampleOutput._fields])
+        return Rollout(
+            prompt_tokens=take(lambda ro: pad_prompt(ro.prompt_tokens, self.pad_id)),
+            prompt_mask=take(lambda ro: pad_prompt(ro.prompt_mask, 0)),
+            out=out,
+            rewards=take(lambda ro: ro.rewards),
+            per_function={k: take(lambda ro, k=k: ro.per_function[k]) for k in parts[0][0].per_function},
+            completions=[ro.completions[j] for ro, i in chosen for j in range(i * g, (i + 1) * g)],
+            record_indices=np.asarray([ro.record_indices[i] for ro, i in chosen]),
+        )
+
+    def evaluate(self, limit: int | None = None) -> dict[str, float]:
+        if self.eval_set is None:
+            return {}
+        name, fn, _ = self.reward_fns[0]
+        return evaluate_greedy(self.params, self.model_config, self.tokenizer, self.eval_set, (name, fn),
+                               self.sampling_config(greedy=True), batch_size=self.config.eval_batch_size,
+                               limit=limit)
+
+    def update(self, ro: Rollout, key: jax.Array) -> dict[str, float]:
+        """Advantages, reference log-probs and `mu` passes of minibatch updates over the rollout."""
+        g = self.config.grpo
+        advantages = group_normalized_advantages(jnp.asarray(ro.rewards), group_size=g.group_size,
+                                                 scale=g.scale_rewards)
+        put = lambda x: jax.device_put(np.asarray(x), self.batch_sharding)  # noqa: E731
+        pt, pm, ct, cm = put(ro.prompt_tokens), put(ro.prompt_mask), put(ro.out.tokens), put(ro.out.mask)
+        if self.ref_params is not None:
+            ref_logp = self.ref_logprob_fn(self.ref_params, pt, pm, ct, cm)
+        else:
+            ref_logp = jnp.zeros(ro.out.tokens.shape, jnp.float32)
+        full = PolicyBatch(
+            np.asarray(ro.prompt_tokens), np.asarray(ro.prompt_mask), np.asarray(ro.out.tokens),
+            np.asarray(ro.out.mask), np.asarray(ro.out.logprobs_untruncated), np.asarray(ref_logp),
+            np.asarray(advantages),
+        )
+        history: list[dict[str, jax.Array]] = []
+        for epoch in range(g.mu):
+            order = np.asarray(jax.random.permutation(jax.random.fold_in(key, epoch), self.rollout_size))
+            for start in range(0, self.rollout_size, self.minibatch_size):
+                rows = order[start : start + self.minibatch_size]
+                batch = PolicyBatch(*[put(x[rows]) for x in full])
+                self.params, self.opt_state, metrics = self.train_step(self.params, self.opt_state, batch)
+                history.append(metrics)
+        history = jax.device_get(history)
+        merged = {k: float(np.mean([h[k] for h in history])) for k in history[0]}
+        for k in ("ratio/min",):
+            merged[k] = float(np.min([h[k] for h in history]))
+        merged["ratio/max"] = float(np.max([h["ratio/max"] for h in history]))
+        merged["update_skipped"] = float(np.sum([h["update_skipped"] for h in history]))
+        merged["last_update_skipped"] = float(history[-1]["update_skipped"])
+        merged["advantages/abs_mean"] = float(jnp.abs(advantages).mean())
+        return merged
+
+    # ------------------------------------------------------------------------------------------ the loop
+
+    def run(self) -> dict[str, Any]:
+        c = self.config
+        logger = RunLogger(self.out_dir, total_steps=c.steps, initial_step=self.step,
+                           tensorboard=c.tensorboard, progress_bar=c.progress_bar, desc=f"{c.algo}")
+        logger.message(
+            f"model {self.model_dir} ({self.model_config.num_params() / 1e6:.2f}M params), "
+            f"{len(self.train_set)} train prompts ({self.train_set.num_dropped} dropped as too long), "
+            f"{jax.device_count()} device(s)"
+        )
+        summary: dict[str, Any] = {}
+        eval_limit = c.eval_size or None
+        if self.step == 0 and self.eval_set is not None:
+            summary["before"] = self.evaluate(eval_limit)
+            logger.log(0, summary["before"])
+            logger.message(f"held-out greedy accuracy before: {summary['before']['eval/accuracy']:.3f}")
+        skipped_in_a_row = 0
+        try:
+            while self.step < c.steps:
+                self.step += 1
+                key = jax.random.fold_in(self.root_key, self.step)
+                sample_key, update_key = jax.random.split(key)
+                t0 = time.perf_counter()
+                ro, refills = self.collect(sample_key)
+                t1 = time.perf_counter()
+                metrics = self.update(ro, update_key)
+                t2 = time.perf_counter()
+                skipped_in_a_row = skipped_in_a_row + 1 if metrics["last_update_skipped"] else 0
+                metrics.update(self._rollout_metrics(ro, refills))
+                n_tokens = float(np.asarray(ro.out.mask).sum())
+                metrics.update({
+                    "learning_rate": float(self.schedule(self.step * self.updates_per_step - 1)),
+                    "time/rollout": t1 - t0,
+                    "time/update": t2 - t1,
+                    "time/step": t2 - t0,
+                    "tokens_per_second": n_tokens / max(t1 - t0, 1e-9),
+                })
+                if c.eval_every and self.step % c.eval_every == 0 and self.step < c.steps:
+                    metrics.update(self.evaluate(eval_limit))
+                if self.step % c.log_every == 0 or self.step == c.steps:
+                    logger.log(self.step, metrics)
+                if c.sample_every and self.step % c.sample_every == 0:
+                    logger.samples(self.step, self._sample_rows(ro))
+                logger.progress({"reward": metrics["reward/mean"], "kl": metrics.get("kl", 0.0),
+                                 "s/step": metrics["time/step"]})
+                if c.checkpoint_every and self.step % c.checkpoint_every == 0:
+                    self.save_checkpoint()
+                if skipped_in_a_row >= MAX_CONSECUTIVE_SKIPPED_UPDATES:
+                    raise TrainingError(
+                        f"step {self.step}: the last {skipped_in_a_row} steps had non-finite gradients and were "
+                        f"skipped; stopping. Checkpoints in {self.checkpointer.directory} are intact "
+                        f"(latest: {self.checkpointer.latest_step()})."
+                    )
+            if c.checkpoint_every and self.checkpointer.latest_step() != self.step:
+                self.save_checkpoint()
+        finally:
+            self.checkpointer.close()
+            logger.close()
+        if self.eval_set is not None:
+            summary["after"] = self.evaluate(eval_limit)
+            logger_final = RunLogger(self.out_dir, total_steps=0, tensorboard=False, progress_bar=False)
+            logger_final.log(self.step, summary["after"])
+            logger_final.close()
+        if c.export:
+            summary["export"] = str(save_hf_model(self.params, self.model_config, self.out_dir / "hf",
+                                                  tokenizer_dir=self.model_dir))
+        return summary
+
+    def _rollout_metrics(self, ro: Rollout, refills: int) -> dict[str, float]:
+        g = self.config.grpo.group_size
+        lengths = np.asarray(ro.out.lengths)
+        grouped = ro.rewards.reshape(-1, g)
+        out = {
+            "reward/mean": float(ro.rewards.mean()),
+            "reward/std": float(ro.rewards.std()),
+            "completion_length/mean": float(lengths.mean()),
+            "completion_length/max": float(lengths.max()),
+            "frac_truncated": float(1.0 - np.asarray(ro.out.stopped_on_eos).mean()),
+            "frac_zero_std_groups": float((grouped.std(axis=1) == 0).mean()),
+        }
+        for name, values in ro.per_function.items():
+            out[f"reward/{name}/mean"] = float(values.mean())
+        if self.config.grpo.dynamic_sampling:
+            out["dynamic_sampling/refill_rounds"] = float(refills)
+        return out
+
+    def _sample_rows(self, ro: Rollout, limit: int = 16) -> list[dict[str, Any]]:
+        g = self.config.grpo.group_size
+        rows = []
+        for j in range(min(limit, len(ro.completions))):
+            record_index = int(ro.record_indices[j // g])
+            rows.append({
+                "prompt": self.train_set.texts[record_index],
+                "completion": ro.completions[j],
+                "reward": float(ro.rewards[j]),
+                **{f"reward/{k}": float(v[j]) for k, v in ro.per_function.items()},
+            })
+        return rows
+
+
+def train_grpo(config: RunConfig, *, resume: bool = False) -> dict[str, Any]:
+    return GRPOTrainer(config, resume=resume).run()
+

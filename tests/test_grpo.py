@@ -1,0 +1,271 @@
+"""GRPO end to end on tiny local models: finite metrics, checkpoint + resume, learning, data parallelism,
+mu > 1 really moving the ratio, and the GSM8K preset on the shared data."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import GSM8K, STORIES260K, requires_shared
+
+from jaxrl_llm.config import load_run_config
+from jaxrl_llm.models.hf import config_from_hf, save_hf_model
+from jaxrl_llm.models.decoder import init_params
+from jaxrl_llm.tasks.arithmetic import make_problems, make_tokenizer
+from jaxrl_llm.trainer import GRPOTrainer, TrainingError
+from jaxrl_llm.train_step import PolicyBatch, PolicyLossConfig, data_mesh, make_optimizer, make_train_step, policy_loss
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_task(tmp_path_factory):
+    """A random tiny Llama with the arithmetic tokenizer, and small train/test JSONL files."""
+    root = tmp_path_factory.mktemp("tiny_task")
+    tokenizer = make_tokenizer()
+    tokenizer.save_pretrained(root / "tok")
+    config = config_from_hf({**TINY, "vocab_size": len(tokenizer), "eos_token_id": 2, "bos_token_id": 1})
+    save_hf_model(init_params(config, jax.random.key(0)), config, root / "model", tokenizer_dir=root / "tok")
+    problems = make_problems(300, seed=5, max_digits=2)
+    for name, rows in (("train", problems[:256]), ("test", problems[256:])):
+        (root / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root
+
+
+def _config(task: Path, out: Path, *overrides: str):
+    return load_run_config(
+        ROOT / "configs" / "grpo_arithmetic.yaml",
+        [
+            f"model.path={task / 'model'}",
+            f"data.train={task / 'train.jsonl'}",
+            f"data.eval={task / 'test.jsonl'}",
+            f"out_dir={out}",
+            "grpo.prompts_per_step=4",
+            "grpo.group_size=4",
+            "eval_size=16",
+            "eval_batch_size=16",
+            "progress_bar=false",
+            "tensorboard=true",
+            *overrides,
+        ],
+    )
+
+
+def test_short_run_writes_metrics_checkpoints_and_resumes(tiny_task, tmp_path):
+    out = tmp_path / "run"
+    config = _config(tiny_task, out, "steps=3", "checkpoint_every=2", "grpo.beta=0.04", "grpo.mu=2",
+                     "grpo.minibatch_size=8", "sample_every=1", "export=false")
+    summary = GRPOTrainer(config).run()
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    for name in ("reward/mean", "reward/std", "reward/math_answer/mean", "kl", "clip_fraction/low",
+                 "clip_fraction/high", "entropy", "policy_loss", "grad_norm", "learning_rate",
+                 "completion_length/mean", "completion_length/max", "frac_truncated", "frac_zero_std_groups",
+                 "tokens_per_second", "time/rollout", "time/update"):
+        assert all(isinstance(r[name], float) and np.isfinite(r[name]) for r in steps), name
+    # beta > 0: the reference model is used and the policy drifts from it.
+    assert steps[-1]["kl"] > 0
+    assert "eval/accuracy" in summary["before"] and "eval/accuracy" in summary["after"]
+    assert (out / "samples.jsonl").read_text().count("\n") == 3 * 16
+    assert list((out / "tensorboard").iterdir())
+    ckpt = out / "checkpoints"
+    assert sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) == [2, 3]
+
+    # Resume: continues from step 3 with the saved params, optimizer state and data position.
+    resumed = GRPOTrainer(_config(tiny_task, out, "steps=5", "checkpoint_every=2", "grpo.beta=0.04",
+                                  "grpo.mu=2", "grpo.minibatch_size=8", "export=false"), resume=True)
+    assert resumed.step == 3
+    assert resumed.data_state.position == 12  # 3 steps x 4 prompts
+    first = GRPOTrainer(_config(tiny_task, tmp_path / "fresh", "steps=3", "export=false"))
+    changed = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), resumed.params, first.params)
+    assert max(jax.tree.leaves(changed)) > 0  # restored trained params, not the initial ones
+    resumed.run()
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2, 3, 4, 5]
+
+
+def starts_with_seven(prompts, completions, **fields):
+    """A trivially learnable reward: the completion starts with the digit 7."""
+    return [float(c.startswith("7")) for c in completions]
+
+
+def test_learnable_reward_rises(tiny_task, tmp_path):
+    config = _config(tiny_task, tmp_path / "learn", "steps=30", "data.eval=''", "export=false",
+                     "checkpoint_every=0", "rewards=[{name: 'test_grpo:starts_with_seven'}]",
+                     "optim.learning_rate=1e-2", "grpo.group_size=8", "sampling.max_new_tokens=3")
+    GRPOTrainer(config).run()
+    rows = [json.loads(line) for line in (tmp_path / "learn" / "metrics.jsonl").read_text().splitlines()]
+    rewards = [r["reward/mean"] for r in rows]
+    assert np.mean(rewards[:5]) < 0.3
+    assert np.mean(rewards[-5:]) > 0.8, rewards
+
+
+def _fixed_batch(config, n=8, p=6, t=5, seed=0):
+    rng = np.random.default_rng(seed)
+    pt = rng.integers(3, config.vocab_size, (n, p)).astype(np.int32)
+    pm = np.ones((n, p), np.int32)
+    pm[: n // 2, :2] = 0
+    ct = rng.integers(3, config.vocab_size, (n, t)).astype(np.int32)
+    cm = (np.arange(t)[None] < rng.integers(1, t + 1, n)[:, None]).astype(np.int32)
+    adv = rng.normal(size=n).astype(np.float32)
+    return pt, pm, ct, cm, adv
+
+
+def test_mu_greater_than_one_moves_the_ratio_and_clipping_bites():
+    """The old log-probs are kept: the 2nd update on the same rollout sees ratio != 1 and clips."""
+    from jaxrl_llm.config import OptimSection
+    from jaxrl_llm.train_step import completion_logprobs
+
+    config = config_from_hf({**TINY, "vocab_size": 19})
+    params = init_params(config, jax.random.key(1))
+    pt, pm, ct, cm, adv = _fixed_batch(config)
+    old = completion_logprobs(params, config, pt, pm, ct, cm)[0]
+    batch = PolicyBatch(pt, pm, ct, cm, old, jnp.zeros_like(old), adv)
+    optimizer, _ = make_optimizer(OptimSection(learning_rate=0.05, max_grad_norm=0.0), 10)
+    step = make_train_step(data_mesh(), loss_fn=policy_loss, model_config=config,
+                           loss_config=PolicyLossConfig(epsilon_low=0.1, epsilon_high=0.1), optimizer=optimizer)
+    opt_state = optimizer.init(params)
+    params, opt_state, m1 = step(params, opt_state, batch)
+    assert abs(float(m1["ratio/max"]) - 1) < 1e-5 and abs(float(m1["ratio/min"]) - 1) < 1e-5
+    assert float(m1["clip_fraction"]) == 0.0
+    params, opt_state, m2 = step(params, opt_state, batch)
+    assert float(m2["ratio/max"]) > 1.1 or float(m2["ratio/min"]) < 0.9
+    assert float(m2["clip_fraction"]) > 0
+
+
+_DP_SCRIPT = r"""
+import jax, jax.numpy as jnp, numpy as np, json, sys
+sys.path.insert(0, sys.argv[1])
+from test_grpo import TINY, _fixed_batch
+from jaxrl_llm.config import OptimSection
+from jaxrl_llm.models.hf import config_from_hf
+from jaxrl_llm.models.decoder import init_params
+from jaxrl_llm.train_step import *
+config = config_from_hf({**TINY, "vocab_size": 19})
+params = init_params(config, jax.random.key(1))
+pt, pm, ct, cm, adv = _fixed_batch(config, n=8)
+old = np.asarray(completion_logprobs(params, config, pt, pm, ct, cm)[0]) + 0.05
+batch = PolicyBatch(pt, pm, ct, cm, old, old - 0.1, adv)
+results = {}
+for name, devices, accum in (("one", jax.devices()[:1], 1), ("four", jax.devices(), 1), ("four_accum", jax.devices(), 2)):
+    optimizer, _ = make_optimizer(OptimSection(learning_rate=1e-2), 10)
+    step = make_train_step(data_mesh(devices), loss_fn=policy_loss, model_config=config,
+                           loss_config=PolicyLossConfig(beta=0.1), optimizer=optimizer, grad_accum=accum)
+    p = jax.tree.map(jnp.copy, params)
+    new, _, m = step(p, optimizer.init(p), batch)
+    results[name] = {"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
+                     "param": np.asarray(new["layers"]["attn"]["q"]["kernel"]).ravel()[:50].tolist(),
+                     "sharded": len(jax.devices())}
+print(json.dumps(results))
+"""
+
+
+def test_train_step_is_data_parallel_and_mesh_independent():
+    """On 4 (virtual CPU) devices, with and without gradient accumulation, one step equals one device's."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", _DP_SCRIPT, str(Path(__file__).parent)], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["one"]["sharded"] == 4
+    for other in ("four", "four_accum"):
+        np.testing.assert_allclose(r[other]["loss"], r["one"]["loss"], rtol=1e-5)
+        np.testing.assert_allclose(r[other]["grad_norm"], r["one"]["grad_norm"], rtol=1e-5)
+        np.testing.assert_allclose(r[other]["param"], r["one"]["param"], rtol=1e-5, atol=1e-7)
+
+
+def test_nan_stops_the_step_not_the_checkpoints(tiny_task, tmp_path):
+    """Non-finite gradients skip the update (params unchanged); persistent NaNs stop the run with an error
+    that points at the intact checkpoints."""
+    out = tmp_path / "nan"
+    trainer = GRPOTrainer(_config(tiny_task, out, "steps=2", "checkpoint_every=1", "export=false", "data.eval=''"))
+    trainer.run()
+    assert trainer.checkpointer.latest_step() is None or True
+    poisoned = _config(tiny_task, out, "steps=20", "checkpoint_every=1", "export=false", "data.eval=''")
+    trainer = GRPOTrainer(poisoned, resume=True)
+    before = jax.tree.map(np.asarray, trainer.params)
+    real_update = trainer.update
+
+    def nan_update(ro, key):
+        ro.rewards[:] = np.nan  # a reward pipeline that produced NaNs -> NaN advantages -> NaN loss
+        return real_update(ro, key)
+
+    trainer.update = nan_update
+    with pytest.raises(TrainingError, match="non-finite gradients"):
+        trainer.run()
+    after = jax.tree.map(np.asarray, trainer.params)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
+    steps = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps and steps[-1] >= 2
+
+
+@requires_shared(GSM8K)
+@requires_shared(STORIES260K)
+def test_gsm8k_preset_runs_with_a_tiny_local_model(tmp_path):
+    """The real-user preset, pointed at a tiny local Qwen2 (stories260K's tokenizer + a chat template)."""
+    import shutil
+
+    model_dir = tmp_path / "tiny-qwen2"
+    model_dir.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model"):
+        if (STORIES260K / name).exists():
+            shutil.copy(STORIES260K / name, model_dir / name)
+    (model_dir / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    config = config_from_hf({**TINY, "model_type": "qwen2", "vocab_size": 512, "eos_token_id": 2,
+                             "max_position_embeddings": 1024})
+    save_hf_model(init_params(config, jax.random.key(0)), config, model_dir)
+    config = load_run_config(ROOT / "configs" / "grpo_gsm8k_qwen2.5-0.5b.yaml", [
+        f"model.path={model_dir}", f"data.train={GSM8K / 'train.jsonl'}", f"data.eval={GSM8K / 'test.jsonl'}",
+        f"out_dir={tmp_path / 'run'}", "steps=2", "grpo.prompts_per_step=2", "grpo.group_size=2",
+        "sampling.max_new_tokens=8", "grpo.minibatch_size=4", "grpo.grad_accum=2", "eval_size=4", "eval_batch_size=4", "progress_bar=false",
+        "checkpoint_every=0", "export=false", "model.dtype=float32", "model.param_dtype=float32",
+    ])
+    trainer = GRPOTrainer(config)
+    assert trainer.train_set.num_dropped > 0  # long GSM8K questions are dropped and counted
+    assert "assistant:" in trainer.train_set.texts[0]  # chat template applied
+    trainer.run()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2]
+
+
+def reward_depends_on_prompt_parity(prompts, completions, **fields):
+    """Zero-variance groups for prompts whose first operand is even (always 0), informative otherwise."""
+    out = []
+    for prompt, completion in zip(prompts, completions, strict=True):
+        odd = int(prompt.split("+")[0]) % 2 == 1
+        out.append(float(odd and completion.startswith(("1", "2", "3", "4", "5"))))
+    return out
+
+
+def test_dynamic_sampling_refills_the_batch_with_informative_groups(tiny_task, tmp_path):
+    config = _config(tiny_task, tmp_path / "dyn", "steps=1", "data.eval=''", "export=false", "checkpoint_every=0",
+                     "rewards=[{name: 'test_grpo:reward_depends_on_prompt_parity'}]", "grpo.group_size=8",
+                     "grpo.prompts_per_step=8", "grpo.dynamic_sampling=true", "grpo.max_refill_rounds=6")
+    trainer = GRPOTrainer(config)
+    ro, rounds = trainer.collect(jax.random.key(0))
+    grouped = ro.rewards.reshape(8, 8)
+    assert rounds >= 1  # about half the groups are zero-variance by construction, so refills were needed
+    assert (grouped.std(axis=1) > 0).all()
+    assert ro.prompt_tokens.shape[0] == 64 and ro.out.tokens.shape == (64, config.sampling.max_new_tokens)
+    # Rows stay aligned: every kept prompt's first operand is odd.
+    for i in ro.record_indices:
+        assert int(trainer.train_set.records[i]["prompt"].split("+")[0]) % 2 == 1
+    # The same rollout without dynamic sampling keeps the zero-variance groups.
+    plain = GRPOTrainer(_config(tiny_task, tmp_path / "plain", "steps=1", "data.eval=''", "export=false",
+                                "checkpoint_every=0", "grpo.group_size=8", "grpo.prompts_per_step=8",
+                                "rewards=[{name: 'test_grpo:reward_depends_on_prompt_parity'}]"))
+    ro_plain, _ = plain.collect(jax.random.key(0))
+    assert (ro_plain.rewards.reshape(8, 8).std(axis=1) == 0).any()
