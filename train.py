@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     before = summary.get("before", {}).get("eval/accuracy")
     after = summary.get("after", {}).get("eval/accuracy")
     if before is not None and after is not None:
-        print(f"held-out greedy accuracy: before {before:.3f} -> after {after:.3f} ({100 * (after - before):+.1f} points)")
+        gain = 100 * (after - before)
+        print(f"held-out greedy accuracy: before {before:.3f} -> after {after:.3f} ({gain:+.1f} points)")
     elif after is not None:
         print(f"held-out greedy accuracy: {after:.3f}")
     print(json.dumps(summary, indent=2))

@@ -19,8 +19,8 @@ from jaxrl_llm.config import RunConfig, to_yaml
 from jaxrl_llm.data import (
     DataState,
     PromptSet,
-    build_prompt_set,
     bucket,
+    build_prompt_set,
     eos_token_ids,
     left_pad,
     load_records,

@@ -16,11 +16,11 @@ import pytest
 from conftest import GSM8K, STORIES260K, requires_shared
 
 from jaxrl_llm.config import load_run_config
-from jaxrl_llm.models.hf import config_from_hf, save_hf_model
 from jaxrl_llm.models.decoder import init_params
+from jaxrl_llm.models.hf import config_from_hf, save_hf_model
 from jaxrl_llm.tasks.arithmetic import make_problems, make_tokenizer
-from jaxrl_llm.trainer import GRPOTrainer, TrainingError
 from jaxrl_llm.train_step import PolicyBatch, PolicyLossConfig, data_mesh, make_optimizer, make_train_step, policy_loss
+from jaxrl_llm.trainer import GRPOTrainer, TrainingError
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -157,7 +157,8 @@ pt, pm, ct, cm, adv = _fixed_batch(config, n=8)
 old = np.asarray(completion_logprobs(params, config, pt, pm, ct, cm)[0]) + 0.05
 batch = PolicyBatch(pt, pm, ct, cm, old, old - 0.1, adv)
 results = {}
-for name, devices, accum in (("one", jax.devices()[:1], 1), ("four", jax.devices(), 1), ("four_accum", jax.devices(), 2)):
+for name, devices, accum in (("one", jax.devices()[:1], 1), ("four", jax.devices(), 1),
+                             ("four_accum", jax.devices(), 2)):
     optimizer, _ = make_optimizer(OptimSection(learning_rate=1e-2), 10)
     step = make_train_step(data_mesh(devices), loss_fn=policy_loss, model_config=config,
                            loss_config=PolicyLossConfig(beta=0.1), optimizer=optimizer, grad_accum=accum)
@@ -190,7 +191,6 @@ def test_nan_stops_the_step_not_the_checkpoints(tiny_task, tmp_path):
     out = tmp_path / "nan"
     trainer = GRPOTrainer(_config(tiny_task, out, "steps=2", "checkpoint_every=1", "export=false", "data.eval=''"))
     trainer.run()
-    assert trainer.checkpointer.latest_step() is None or True
     poisoned = _config(tiny_task, out, "steps=20", "checkpoint_every=1", "export=false", "data.eval=''")
     trainer = GRPOTrainer(poisoned, resume=True)
     before = jax.tree.map(np.asarray, trainer.params)
@@ -204,7 +204,7 @@ def test_nan_stops_the_step_not_the_checkpoints(tiny_task, tmp_path):
     with pytest.raises(TrainingError, match="non-finite gradients"):
         trainer.run()
     after = jax.tree.map(np.asarray, trainer.params)
-    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True))
     steps = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
     assert steps and steps[-1] >= 2
 
@@ -228,7 +228,9 @@ def test_gsm8k_preset_runs_with_a_tiny_local_model(tmp_path):
                              "max_position_embeddings": 1024})
     save_hf_model(init_params(config, jax.random.key(0)), config, model_dir)
     config = load_run_config(ROOT / "configs" / "grpo_gsm8k_qwen2.5-0.5b.yaml", [
-        f"model.path={model_dir}", f"data.train={GSM8K / 'train.jsonl'}", f"data.eval={GSM8K / 'test.jsonl'}",
+        f"model.path={model_dir}",
+        f"data.train={GSM8K / 'train.jsonl'}",
+        f"data.eval={GSM8K / 'test.jsonl'}",
         f"out_dir={tmp_path / 'run'}", "steps=2", "grpo.prompts_per_step=2", "grpo.group_size=2",
         "sampling.max_new_tokens=8", "grpo.minibatch_size=4", "grpo.grad_accum=2", "eval_size=4", "eval_batch_size=4", "progress_bar=false",
         "checkpoint_every=0", "export=false", "model.dtype=float32", "model.param_dtype=float32",
