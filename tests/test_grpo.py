@@ -232,7 +232,8 @@ def test_gsm8k_preset_runs_with_a_tiny_local_model(tmp_path):
         f"data.train={GSM8K / 'train.jsonl'}",
         f"data.eval={GSM8K / 'test.jsonl'}",
         f"out_dir={tmp_path / 'run'}", "steps=2", "grpo.prompts_per_step=2", "grpo.group_size=2",
-        "sampling.max_new_tokens=8", "grpo.minibatch_size=4", "grpo.grad_accum=2", "eval_size=4", "eval_batch_size=4", "progress_bar=false",
+        "sampling.max_new_tokens=8", "grpo.minibatch_size=4", "grpo.grad_accum=2",
+        "eval_size=4", "eval_batch_size=4", "progress_bar=false",
         "checkpoint_every=0", "export=false", "model.dtype=float32", "model.param_dtype=float32",
     ])
     trainer = GRPOTrainer(config)

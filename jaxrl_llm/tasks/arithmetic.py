@@ -1,13 +1,15 @@
 """The default offline task: multi-digit arithmetic with verifiable answers, and its character tokenizer.
 
 A problem is a prompt such as `"482+39="` with the answer `"521"`; the model must write the digits and
-then EOS. Each record also has an `sft_answer`: the answer a sloppy teacher gives, which forgets
-every carry (`"482+39="` -> `"411"`) in a fraction `sloppy` of the records and is correct otherwise. The base model is
-fine-tuned on `sft_answer`, so it learns the right procedure and a common mistake side by side, and its
-greedy answers make that mistake often; RL with a verifiable reward (the true `answer`) has to find out
-which of its own behaviours is correct. `python -m jaxrl_llm.tasks.arithmetic --out data/arithmetic` writes `train.jsonl` / `test.jsonl`
-(disjoint problems, fixed seed). The tokenizer is a real `tokenizers` character-level model saved in the
-Hugging Face format, so `AutoTokenizer.from_pretrained` loads it like any other.
+then EOS. Each record also has an `sft_answer`: the answer a sloppy teacher gives, which forgets every
+carry (`"482+39="` -> `"411"`) in a fraction `sloppy` of the records and is correct otherwise. The base
+model is fine-tuned on `sft_answer`, so it learns the right procedure and a common mistake side by side,
+and its greedy answers make that mistake often; RL with a verifiable reward (the true `answer`) has to
+find out which of its own behaviours is correct.
+
+`python -m jaxrl_llm.tasks.arithmetic --out data/arithmetic` writes `train.jsonl` / `test.jsonl` (disjoint
+problems, fixed seed). The tokenizer is a real `tokenizers` character-level model saved in the Hugging Face
+format, so `AutoTokenizer.from_pretrained` loads it like any other.
 """
 
 from __future__ import annotations
