@@ -1,0 +1,162 @@
+"""Sampler throughput: jaxrl_llm.sampling.sample vs transformers' `generate` (torch CPU), same model and batch.
+
+    python bench/sampling.py [--batch 32] [--prompt-len 32] [--new-tokens 64] [--repeats 3] [--threads N]
+
+The model is a ~10M-parameter Qwen2-shaped decoder (q/k/v biases, tied embeddings, GQA) with random weights,
+built here with transformers and saved to a temporary directory, from which both sides load the same weights.
+Both sides sample (temperature 1.0, no top-k/top-p) `new_tokens` tokens for every row: `min_new_tokens =
+max_new_tokens` on the HF side, no EOS on ours, so each side makes exactly `batch * new_tokens` tokens.
+Compile time (JAX) is reported apart. Both sides are warmed up, then timed alternately `repeats` times and
+the best wall time of each counts; the process CPU time of that run is printed alongside (on a shared
+machine, wall times are only as good as the load allows: the load average is printed too).
+
+Model FLOPs per call (the useful work, not the padded work):
+    2 * N_matmul * tokens_processed + attention
+where N_matmul is the parameter count of the matrices every token multiplies (all but norms, biases and the
+input embedding lookup; the tied output matrix counts once), tokens_processed = batch * (prompt + new - 1)
+(prefill over the prompt, then one step per new token but the last), and attention adds
+4 * layers * heads * head_dim * context per processed token (q.k and p.v over the context the token sees).
+The achieved FLOP/s is printed as a fraction of a plain jitted float32 matmul's FLOP/s (1024^3, this run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+QWEN2_10M = dict(
+    vocab_size=8192,
+    hidden_size=256,
+    intermediate_size=1024,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-6,
+    use_sliding_window=False,
+)
+
+
+def build_model(model_dir: str):
+    """Random Qwen2-shaped HF model saved to `model_dir` (returned in eval mode, float32)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("qwen2", **QWEN2_10M)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(model_dir)
+    return model
+
+
+def matmul_flops_per_s(size: int = 1024, repeats: int = 20) -> float:
+    """FLOP/s of a jitted float32 `[size, size] @ [size, size]` (best of `repeats`): the practical limit."""
+    a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32)
+    matmul = jax.jit(lambda x, y: x @ y)
+    matmul(a, a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        matmul(a, a).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def model_flops(config, batch: int, prompt_len: int, new_tokens: int) -> float:
+    """Useful FLOPs of one sampling call (see the module docstring)."""
+    d, f, hd = config.hidden_size, config.intermediate_size, config.head_dim
+    q, kv = config.num_heads * hd, config.num_kv_heads * hd
+    per_layer = d * q + 2 * d * kv + q * d + 3 * d * f
+    n_matmul = config.num_layers * per_layer + d * config.vocab_size
+    contexts = np.concatenate([np.arange(1, prompt_len + 1), prompt_len + np.arange(1, new_tokens)])
+    attention = 4 * config.num_layers * config.num_heads * hd * contexts.sum()
+    return batch * (2 * n_matmul * len(contexts) + attention)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    args = parser.parse_args()
+
+    import torch
+
+    from jaxrl_llm.models.hf import load_hf_model
+    from jaxrl_llm.sampling import SamplingConfig, compile_sampler
+
+    torch.set_num_threads(args.threads)
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(1, QWEN2_10M["vocab_size"], (args.batch, args.prompt_len)).astype(np.int32)
+    mask = np.ones_like(prompts)
+    tokens_made = args.batch * args.new_tokens
+
+    with tempfile.TemporaryDirectory() as model_dir:
+        hf = build_model(model_dir)
+        config, params = load_hf_model(model_dir)
+
+    print(f"model: Qwen2-shaped, {config.num_params() / 1e6:.2f}M parameters, vocab {config.vocab_size}, "
+          f"{config.num_layers} layers, hidden {config.hidden_size}, heads {config.num_heads}/{config.num_kv_heads}")
+    print(f"batch {args.batch}, prompt {args.prompt_len}, new tokens {args.new_tokens} (sampled, T=1.0), "
+          f"{args.threads} CPU threads, jax {jax.__version__} {jax.devices()[0].platform}, torch {torch.__version__}")
+
+    # ---- ours
+    sampling = SamplingConfig(max_new_tokens=args.new_tokens, temperature=1.0, prompt_bucket=args.prompt_len,
+                              new_tokens_bucket=args.new_tokens)
+    start = time.perf_counter()
+    run = compile_sampler(params, config, prompts, mask, jax.random.key(0), sampling)
+    compile_s = time.perf_counter() - start
+    calls = iter(range(10**6))
+
+    def ours() -> None:
+        out = run(params, prompts, mask, jax.random.key(next(calls)))
+        out.tokens.block_until_ready()
+        assert int(out.lengths.sum()) == tokens_made
+
+    # ---- transformers
+    input_ids, attention_mask = torch.tensor(prompts, dtype=torch.long), torch.tensor(mask, dtype=torch.long)
+
+    def theirs() -> None:
+        with torch.no_grad():
+            out = hf.generate(input_ids, attention_mask=attention_mask, do_sample=True, temperature=1.0, top_k=None,
+                              top_p=None, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                              pad_token_id=0, eos_token_id=1)
+        assert out.shape == (args.batch, args.prompt_len + args.new_tokens)
+
+    # Warm up both, then alternate the timed runs so a change in machine load hits both sides alike.
+    ours()
+    theirs()
+    timings: dict[str, list[tuple[float, float]]] = {"ours": [], "hf": []}
+    for _ in range(args.repeats):
+        for name, fn in (("ours", ours), ("hf", theirs)):
+            wall, cpu = time.perf_counter(), time.process_time()
+            fn()
+            timings[name].append((time.perf_counter() - wall, time.process_time() - cpu))
+    (ours_s, ours_cpu), (hf_s, hf_cpu) = (min(timings[name]) for name in ("ours", "hf"))
+
+    ours_tok_s, hf_tok_s = tokens_made / ours_s, tokens_made / hf_s
+    limit = matmul_flops_per_s()
+    achieved = model_flops(config, args.batch, args.prompt_len, args.new_tokens) / ours_s
+    print(f"jaxrl_llm sample     : {ours_tok_s:9.0f} tokens/s  ({ours_s * 1e3:7.1f} ms per call, "
+          f"{ours_cpu * 1e3:7.1f} ms CPU; compile {compile_s:.2f} s, apart)")
+    print(f"transformers generate: {hf_tok_s:9.0f} tokens/s  ({hf_s * 1e3:7.1f} ms per call, "
+          f"{hf_cpu * 1e3:7.1f} ms CPU)")
+    print(f"ratio = ours_tok_s / hf_tok_s = {ours_tok_s / hf_tok_s:.2f}")
+    print(f"model FLOP/s: {achieved / 1e9:.1f} GFLOP/s = {achieved / limit:.2f} of a jitted f32 1024^3 matmul "
+          f"({limit / 1e9:.1f} GFLOP/s, same run)")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"1-minute load average at the end: {load:.2f} on {os.cpu_count()} cores")
+
+
+if __name__ == "__main__":
+    main()
