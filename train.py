@@ -16,6 +16,8 @@ ROOT = Path(__file__).resolve().parent
 DEFAULT_CONFIGS = {
     "grpo": ROOT / "configs" / "grpo_arithmetic.yaml",
     "sft": ROOT / "configs" / "sft_arithmetic.yaml",
+    "rloo": ROOT / "configs" / "rloo_arithmetic.yaml",
+    "reinforce_pp": ROOT / "configs" / "reinforce_pp_arithmetic.yaml",
 }
 
 
@@ -39,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
         summary = train_sft(config)
     else:
-        from jaxrl_llm.trainer import train_grpo
+        from jaxrl_llm.trainer import train_grpo  # GRPO, RLOO and REINFORCE++ share one loop
 
         summary = train_grpo(config, resume=args.resume)
     before = summary.get("before", {}).get("eval/accuracy")

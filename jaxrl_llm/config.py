@@ -16,7 +16,8 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-ALGORITHMS = ("sft", "grpo")
+ALGORITHMS = ("sft", "grpo", "rloo", "reinforce_pp")
+ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 
 
 class ConfigError(ValueError):
@@ -77,6 +78,8 @@ class GRPOSection:
     loss_aggregation: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum(-norm)
     scale_rewards: str = "group"  # group | batch | none (Dr.GRPO)
     entropy_coef: float = 0.0
+    # Advantage estimator: "" = the algorithm's own (grpo, rloo, reinforce_pp); or reinforce_pp_baseline.
+    estimator: str = ""
     dynamic_sampling: bool = False  # DAPO: drop zero-variance groups and refill the batch
     max_refill_rounds: int = 3
 
@@ -171,7 +174,9 @@ def validate(c: RunConfig) -> None:
     )
     _choice(g.scale_rewards, "grpo.scale_rewards", ("group", "batch", "none"))
     _choice(c.optim.schedule, "optim.schedule", ("constant", "cosine", "linear"))
-    if g.group_size < 2 and c.algo == "grpo":
+    if g.estimator:
+        _choice(g.estimator, "grpo.estimator", ESTIMATORS)
+    if g.group_size < 2 and c.algo in ("grpo", "rloo") and g.estimator != "reinforce_pp":
         raise ConfigError(f"grpo.group_size={g.group_size}: a group-relative advantage needs at least 2 samples")
     rollout = g.prompts_per_step * g.group_size
     minibatch = g.minibatch_size or rollout
@@ -196,6 +201,11 @@ def validate(c: RunConfig) -> None:
         raise ConfigError("rewards: at least one reward function is required")
     if c.steps < 0:
         raise ConfigError(f"steps={c.steps} must be >= 0")
+
+
+def advantage_estimator(c: RunConfig) -> str:
+    """The estimator a run uses: `grpo.estimator` if set, else the one named by `algo`."""
+    return c.grpo.estimator or (c.algo if c.algo in ESTIMATORS else "grpo")
 
 
 def to_dict(config: RunConfig) -> dict[str, Any]:

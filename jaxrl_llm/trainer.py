@@ -10,6 +10,7 @@ importance ratio and clipping are real when `mu > 1` or minibatches make several
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl_llm.checkpoint import Checkpointer
-from jaxrl_llm.config import RunConfig, to_yaml
+from jaxrl_llm.config import RunConfig, advantage_estimator, to_yaml
 from jaxrl_llm.data import (
     DataState,
     PromptSet,
@@ -36,7 +37,7 @@ from jaxrl_llm.evaluation import decode_completions, evaluate_greedy, reward_fie
 from jaxrl_llm.logging import RunLogger
 from jaxrl_llm.models.hf import load_hf_model, resolve_model_dir, save_hf_model
 from jaxrl_llm.rewards import RewardFunction, compute_rewards, resolve_reward
-from jaxrl_llm.rl.advantages import group_normalized_advantages
+from jaxrl_llm.rl.estimators import kl_in_reward, rollout_advantages
 from jaxrl_llm.sampling import SampleOutput, SamplingConfig, sample
 from jaxrl_llm.train_step import (
     PolicyBatch,
@@ -103,18 +104,23 @@ class GRPOTrainer:
             )
         self.updates_per_step = g.mu * (self.rollout_size // self.minibatch_size)
         self.optimizer, self.schedule = make_optimizer(c.optim, max(c.steps * self.updates_per_step, 1))
+        self.estimator = advantage_estimator(c)
         self.loss_config = PolicyLossConfig(
             temperature=c.sampling.temperature,
             epsilon_low=g.epsilon_low,
             epsilon_high=g.epsilon_high,
             dual_clip_c=g.dual_clip_c or None,
             ratio_level=g.ratio_level,
-            beta=g.beta,
+            beta=0.0 if kl_in_reward(self.estimator) else g.beta,
             kl_estimator=g.kl_estimator,
             aggregation=g.loss_aggregation,
             entropy_coef=g.entropy_coef,
             max_len=c.sampling.max_new_tokens,
         )
+        self.advantage_fn = jax.jit(functools.partial(
+            rollout_advantages, self.estimator, group_size=g.group_size, scale=g.scale_rewards, beta=g.beta,
+            kl_estimator=g.kl_estimator,
+        ))
         self.train_step = make_train_step(
             self.mesh,
             loss_fn=policy_loss,
@@ -265,17 +271,18 @@ class GRPOTrainer:
     def update(self, ro: Rollout, key: jax.Array) -> dict[str, float]:
         """Advantages, reference log-probs and `mu` passes of minibatch updates over the rollout."""
         g = self.config.grpo
-        advantages = group_normalized_advantages(jnp.asarray(ro.rewards), group_size=g.group_size,
-                                                 scale=g.scale_rewards)
         put = lambda x: jax.device_put(np.asarray(x), self.batch_sharding)  # noqa: E731
         pt, pm, ct, cm = put(ro.prompt_tokens), put(ro.prompt_mask), put(ro.out.tokens), put(ro.out.mask)
         if self.ref_params is not None:
             ref_logp = self.ref_logprob_fn(self.ref_params, pt, pm, ct, cm)
         else:
             ref_logp = jnp.zeros(ro.out.tokens.shape, jnp.float32)
+        old_logp = np.asarray(ro.out.logprobs_untruncated)
+        advantages = self.advantage_fn(jnp.asarray(ro.rewards), jnp.asarray(ro.out.mask), jnp.asarray(old_logp),
+                                       jnp.asarray(ref_logp))
         full = PolicyBatch(
             np.asarray(ro.prompt_tokens), np.asarray(ro.prompt_mask), np.asarray(ro.out.tokens),
-            np.asarray(ro.out.mask), np.asarray(ro.out.logprobs_untruncated), np.asarray(ref_logp),
+            np.asarray(ro.out.mask), old_logp, np.asarray(ref_logp),
             np.asarray(advantages),
         )
         history: list[dict[str, jax.Array]] = []
@@ -293,7 +300,8 @@ class GRPOTrainer:
         merged["ratio/max"] = float(np.max([h["ratio/max"] for h in history]))
         merged["update_skipped"] = float(np.sum([h["update_skipped"] for h in history]))
         merged["last_update_skipped"] = float(history[-1]["update_skipped"])
-        merged["advantages/abs_mean"] = float(jnp.abs(advantages).mean())
+        mask = np.asarray(ro.out.mask, bool)
+        merged["advantages/abs_mean"] = float(np.abs(np.asarray(advantages))[mask].mean()) if mask.any() else 0.0
         return merged
 
     # ------------------------------------------------------------------------------------------ the loop

@@ -272,3 +272,17 @@ def test_dynamic_sampling_refills_the_batch_with_informative_groups(tiny_task, t
                                 "rewards=[{name: 'test_grpo:reward_depends_on_prompt_parity'}]"))
     ro_plain, _ = plain.collect(jax.random.key(0))
     assert (ro_plain.rewards.reshape(8, 8).std(axis=1) == 0).any()
+
+
+@pytest.mark.parametrize("algo,extra", [("rloo", []), ("reinforce_pp", ["grpo.beta=0.05", "grpo.kl_estimator=k1"]),
+                                        ("grpo", ["grpo.estimator=reinforce_pp_baseline", "grpo.beta=0.05"])])
+def test_other_estimators_run_on_the_same_loop(tiny_task, tmp_path, algo, extra):
+    config = _config(tiny_task, tmp_path / algo, f"algo={algo}", "steps=2", "data.eval=''", "export=false",
+                     "checkpoint_every=0", *extra)
+    trainer = GRPOTrainer(config)
+    # REINFORCE++ moves the KL into the token rewards, so the loss carries none.
+    assert trainer.loss_config.beta == (0.0 if algo == "reinforce_pp" else config.grpo.beta)
+    trainer.run()
+    rows = [json.loads(line) for line in (tmp_path / algo / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(np.isfinite(r[k]) for r in rows for k in ("policy_loss", "grad_norm", "advantages/abs_mean"))
