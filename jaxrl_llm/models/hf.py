@@ -34,6 +34,8 @@ from jaxrl_llm.models.decoder import SUPPORTED_ROPE_SCALING, Params, param_shape
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _ARCHITECTURE = dict(zip(SUPPORTED_MODEL_TYPES, SUPPORTED_ARCHITECTURES, strict=True))
+# Sequence classifiers (reward models): the same decoder plus a `score` head (see models/reward_model.py).
+CLASSIFIER_ARCHITECTURES = tuple(a.replace("ForCausalLM", "ForSequenceClassification") for a in SUPPORTED_ARCHITECTURES)
 
 # Files a model directory may carry besides weights and config; copied verbatim on export.
 TOKENIZER_FILES = (
@@ -97,10 +99,11 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
             f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)} "
             f"({', '.join(SUPPORTED_ARCHITECTURES)})"
         )
-    bad_archs = [a for a in archs if a not in SUPPORTED_ARCHITECTURES]
+    bad_archs = [a for a in archs if a not in SUPPORTED_ARCHITECTURES + CLASSIFIER_ARCHITECTURES]
     if bad_archs:
         raise ConversionError(
-            f"unsupported architecture {bad_archs[0]!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"unsupported architecture {bad_archs[0]!r}; supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES + CLASSIFIER_ARCHITECTURES)}"
         )
     if hf.get("hidden_act", "silu") != "silu":
         raise ConversionError(f"unsupported hidden_act {hf['hidden_act']!r}; supported: 'silu'")
@@ -244,6 +247,21 @@ def read_hf_config(model_dir: Path) -> dict[str, Any]:
     return json.loads(config_file.read_text())
 
 
+def is_classifier(model_dir: Path) -> bool:
+    """Whether config.json names a `...ForSequenceClassification` architecture (a reward model)."""
+    return any(a in CLASSIFIER_ARCHITECTURES for a in read_hf_config(model_dir).get("architectures") or [])
+
+
+def read_tensor(path_or_id: str | os.PathLike[str], name: str) -> np.ndarray:
+    """One tensor of a checkpoint by its HF name (e.g. a classifier's `score.weight`), as numpy."""
+    model_dir = resolve_model_dir(path_or_id)
+    index = _safetensors_index(model_dir)
+    if name not in index:
+        raise ConversionError(f"tensor {name!r} is missing from the checkpoint in {model_dir}")
+    with safe_open(index[name], framework="numpy") as f:
+        return f.get_tensor(name)
+
+
 def _safetensors_index(model_dir: Path) -> dict[str, Path]:
     """Tensor name -> file that holds it."""
     index_file = model_dir / "model.safetensors.index.json"
@@ -311,7 +329,8 @@ def load_hf_model(
 
     ignored = [
         n for n in index if n not in used
-        and (n.endswith(_IGNORED_SUFFIXES) or (n == "lm_head.weight" and config.tie_word_embeddings))
+        and (n.endswith(_IGNORED_SUFFIXES) or (n == "lm_head.weight" and config.tie_word_embeddings)
+             or (n.startswith("score.") and is_classifier(model_dir)))
     ]
     unexpected = sorted(set(index) - used - set(ignored))
     if unexpected:

@@ -18,6 +18,13 @@ import numpy as np
 from jaxrl_llm.rewards.math_answers import math_answer_reward, math_verify_reward
 from jaxrl_llm.rewards.shaping import format_reward, overlong_reward
 
+
+def _reward_model_reward(prompts: Sequence[str], completions: Sequence[str], **fields: Any) -> list[float]:
+    from jaxrl_llm.models.reward_model import reward_model_reward
+
+    return reward_model_reward(prompts, completions, **fields)
+
+
 RewardFunction = Callable[..., Sequence[float]]
 
 REWARD_FUNCTIONS: dict[str, RewardFunction] = {
@@ -25,6 +32,7 @@ REWARD_FUNCTIONS: dict[str, RewardFunction] = {
     "math_verify": math_verify_reward,
     "format": format_reward,
     "overlong": overlong_reward,
+    "reward_model": _reward_model_reward,  # kwargs: {path: DIR_OR_HUB_ID of a ...ForSequenceClassification}
 }
 
 
