@@ -16,8 +16,10 @@ ROOT = Path(__file__).resolve().parent
 DEFAULT_CONFIGS = {
     "grpo": ROOT / "configs" / "grpo_arithmetic.yaml",
     "sft": ROOT / "configs" / "sft_arithmetic.yaml",
+    "rm": ROOT / "configs" / "rm_arithmetic.yaml",
     "rloo": ROOT / "configs" / "rloo_arithmetic.yaml",
     "reinforce_pp": ROOT / "configs" / "reinforce_pp_arithmetic.yaml",
+    "ppo": ROOT / "configs" / "ppo_arithmetic.yaml",
 }
 
 
@@ -36,10 +38,18 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"train.py: {e}", file=sys.stderr)
         return 2
-    if args.algo == "sft":
+    if args.algo == "rm":
+        from jaxrl_llm.reward_training import train_reward_model
+
+        summary = train_reward_model(config)
+    elif args.algo == "sft":
         from jaxrl_llm.sft import train_sft
 
         summary = train_sft(config)
+    elif args.algo == "ppo":
+        from jaxrl_llm.ppo import train_ppo
+
+        summary = train_ppo(config, resume=args.resume)
     else:
         from jaxrl_llm.trainer import train_grpo  # GRPO, RLOO and REINFORCE++ share one loop
 

@@ -16,7 +16,7 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-ALGORITHMS = ("sft", "grpo", "rloo", "reinforce_pp")
+ALGORITHMS = ("sft", "grpo", "rloo", "reinforce_pp", "ppo", "rm")
 ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 
 
@@ -44,6 +44,8 @@ class DataSection:
     eval_split: str = "test"
     prompt_field: str = "prompt"  # text, or a list of chat messages [{"role", "content"}]
     answer_field: str = "answer"  # passed to reward functions as a keyword (all fields are)
+    chosen_field: str = "chosen"  # --algo rm: preference pairs
+    rejected_field: str = "rejected"
     # Optional templates applied to each record: "{question}" style, filled from the record's fields.
     prompt_template: str = ""
     answer_template: str = ""
@@ -85,6 +87,24 @@ class GRPOSection:
 
 
 @dataclass
+class PPOSection:
+    """--algo ppo only; the loop's knobs (prompts_per_step, group_size, mu, minibatch_size, epsilons,
+    entropy_coef) stay in `grpo`. The KL to the reference is in the per-token reward, not in the loss."""
+
+    gamma: float = 1.0  # discount over completion tokens
+    lam: float = 0.95  # GAE lambda
+    value_clip: float = 0.2  # clip range of V around the rollout's values; 0 = no value clipping
+    critic_learning_rate: float = 5.0e-4  # the critic's own AdamW (same schedule / warmup as optim)
+    critic_warmup_steps: int = 0  # first steps train only the critic (the policy is not updated)
+    critic_init: str = "policy"  # "policy" (a copy of its decoder) or a model directory (e.g. a reward model)
+    kl_coef_init: float = 0.01  # beta of r_t = -beta * KL_t + [t = last] * score
+    kl_estimator: str = "k1"
+    kl_target: float = 0.0  # adaptive controller target (mean KL per token); 0 = fixed coefficient
+    kl_horizon: float = 10000.0  # adaptive controller horizon, in samples
+    whiten_advantages: bool = True
+
+
+@dataclass
 class RewardSpec:
     name: str = "math_answer"  # a built-in name or "module:function"
     weight: float = 1.0
@@ -120,6 +140,7 @@ class RunConfig:
     sampling: SamplingSection = field(default_factory=SamplingSection)
     grpo: GRPOSection = field(default_factory=GRPOSection)
     sft: SFTSection = field(default_factory=SFTSection)
+    ppo: PPOSection = field(default_factory=PPOSection)
     rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec()])
     optim: OptimSection = field(default_factory=OptimSection)
     log_every: int = 1
@@ -201,6 +222,21 @@ def validate(c: RunConfig) -> None:
         raise ConfigError("rewards: at least one reward function is required")
     if c.steps < 0:
         raise ConfigError(f"steps={c.steps} must be >= 0")
+    if c.algo == "ppo":
+        _validate_ppo(c.ppo)
+
+
+def _validate_ppo(p: PPOSection) -> None:
+    _choice(p.kl_estimator, "ppo.kl_estimator", ("k1", "k2", "k3"))
+    if not 0 <= p.gamma <= 1 or not 0 <= p.lam <= 1:
+        raise ConfigError(f"ppo.gamma={p.gamma} and ppo.lam={p.lam} must be in [0, 1]")
+    if p.value_clip < 0 or p.kl_coef_init < 0 or p.kl_target < 0 or p.critic_warmup_steps < 0:
+        raise ConfigError("ppo.value_clip, ppo.kl_coef_init, ppo.kl_target and ppo.critic_warmup_steps must be >= 0")
+    if p.kl_target > 0 and (p.kl_horizon <= 0 or p.kl_coef_init <= 0):
+        raise ConfigError("the adaptive KL controller (ppo.kl_target > 0) needs ppo.kl_horizon > 0 and "
+                          "ppo.kl_coef_init > 0")
+    if p.critic_learning_rate <= 0:
+        raise ConfigError(f"ppo.critic_learning_rate={p.critic_learning_rate} must be > 0")
 
 
 def advantage_estimator(c: RunConfig) -> str:

@@ -15,6 +15,7 @@ HF linear weights are `[out, in]`; ours are Flax kernels `[in, out]`, stacked ov
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -371,22 +372,27 @@ def save_hf_model(
     tokenizer_dir: str | os.PathLike[str] | None = None,
     max_shard_bytes: int = 2 * 1024**3,
     dtype: str | None = None,
+    extra_tensors: dict[str, np.ndarray] | None = None,
+    extra_config: dict[str, Any] | None = None,
 ) -> Path:
     """Write `params` as a HF directory: config.json, safetensors (sharded above `max_shard_bytes`, with
     `model.safetensors.index.json`), and the tokenizer files found in `tokenizer_dir`.
 
     `dtype` ("float32" / "bfloat16") casts on the way out; default: the parameters' dtype.
+    `extra_tensors` (HF names -> arrays, e.g. a classifier's `score.weight`) are written with the weights and
+    `extra_config` updates config.json (e.g. `architectures` of a sequence classifier).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    hf_config = config_to_hf(config)
+    hf_config = {**config_to_hf(config), **(extra_config or {})}
     cast = np.dtype(jnp.dtype(dtype)) if dtype else None
     if cast is not None:
         hf_config["torch_dtype"] = dtype
 
     shards: list[dict[str, np.ndarray]] = [{}]
     sizes = [0]
-    for name, tensor in hf_state_dict(params, config):
+    tensors = itertools.chain(hf_state_dict(params, config), (extra_tensors or {}).items())
+    for name, tensor in tensors:
         if cast is not None:
             tensor = tensor.astype(cast)
         if sizes[-1] and sizes[-1] + tensor.nbytes > max_shard_bytes:

@@ -101,3 +101,24 @@ def reward_model_reward(prompts: Sequence[str], completions: Sequence[str], *, p
 @functools.lru_cache(maxsize=4)
 def _cached_reward_model(path: str) -> RewardModel:
     return RewardModel(path)
+
+
+def save_hf_reward_model(params: Params, score_kernel: jax.Array, config: ModelConfig,
+                         out_dir: str | os.PathLike[str], *, tokenizer_dir: str | os.PathLike[str] | None = None,
+                         pad_token_id: int | None = None) -> Any:
+    """Write a HF `...ForSequenceClassification` directory (decoder + `score.weight [num_labels, D]`)."""
+    from jaxrl_llm.models.hf import save_hf_model
+
+    num_labels = int(score_kernel.shape[1])
+    architecture = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification",
+                    "qwen3": "Qwen3ForSequenceClassification", "mistral": "MistralForSequenceClassification"}
+    extra_config = {
+        "architectures": [architecture[config.model_type]],
+        "num_labels": num_labels,
+        "id2label": {str(i): f"LABEL_{i}" for i in range(num_labels)},
+        "label2id": {f"LABEL_{i}": i for i in range(num_labels)},
+        "pad_token_id": pad_token_id,
+    }
+    score = np.ascontiguousarray(np.asarray(score_kernel, np.float32).T)
+    return save_hf_model(params, config, out_dir, tokenizer_dir=tokenizer_dir,
+                         extra_tensors={"score.weight": score}, extra_config=extra_config)

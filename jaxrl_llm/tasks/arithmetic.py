@@ -80,12 +80,32 @@ def make_problems(
     return problems
 
 
+def make_preferences(problems: list[dict[str, str]], seed: int) -> list[dict[str, str]]:
+    """Preference pairs `{"prompt", "chosen", "rejected"}`: the true answer over a wrong one (the no-carry
+    mistake when the problem has a carry, else the true answer with one digit changed)."""
+    rng = np.random.default_rng(seed)
+    pairs = []
+    for p in problems:
+        a, b = (int(x) for x in p["prompt"][:-1].split("+"))
+        wrong = str(add_without_carry(a, b))
+        if wrong == p["answer"]:
+            digits = list(p["answer"])
+            i = int(rng.integers(len(digits)))
+            digits[i] = str((int(digits[i]) + int(rng.integers(1, 10))) % 10)
+            wrong = "".join(digits)
+        pairs.append({"prompt": p["prompt"], "chosen": p["answer"], "rejected": wrong})
+    return pairs
+
+
 def write_dataset(out: Path, train: int, test: int, seed: int, max_digits: int, ops: str, sloppy: float) -> None:
     problems = make_problems(train + test, seed, max_digits, ops, sloppy)
     out.mkdir(parents=True, exist_ok=True)
     for name, rows in (("train", problems[:train]), ("test", problems[train:])):
         with (out / f"{name}.jsonl").open("w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
+        if ops == "+":
+            with (out / f"preferences_{name}.jsonl").open("w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in make_preferences(rows, seed + 1))
 
 
 def main(argv: list[str] | None = None) -> None:
