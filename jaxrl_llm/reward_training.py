@@ -56,7 +56,9 @@ def bradley_terry_loss(
     return dpo_loss(chosen, rejected, zeros, zeros, beta=1.0, loss_type="sigmoid")
 
 
-def encode_pairs(records: list[dict[str, Any]], label: str, tokenizer: Any, c: RunConfig) -> list[tuple[list[int], ...]]:
+def encode_pairs(
+    records: list[dict[str, Any]], label: str, tokenizer: Any, c: RunConfig
+) -> list[tuple[list[int], ...]]:
     """`(chosen ids, rejected ids)` of `prompt + response` text (no special tokens, as `RewardModel` scores)."""
     d = c.data
     pairs = []
