@@ -351,8 +351,6 @@ def sample_from_logits(
 # --------------------------------------------------------------------------------------- the program
 
 
-_FAST = True
-_ATTN = "dot"
 LayerCaches = list[dict[str, jax.Array]]  # per layer {"k", "v": [B, S, KVH, hd]}
 
 
@@ -397,147 +395,6 @@ def decode_layers(
     return decoder.apply({"params": params}, x, method=lambda m, h: m.unembed(h)), new_caches
 
 
-class StepWeights(NamedTuple):
-    """One layer's weights for the decode loop's token step, prepared once per call (outside the loop):
-    q|k|v and gate|up concatenated into one matrix each (fewer, wider matmuls), biases and norm scales
-    as `[1, N]` rows (absent ones as None), all in the compute dtype."""
-
-    attn_norm: jax.Array
-    qkv: jax.Array
-    qkv_bias: jax.Array | None
-    q_norm: jax.Array | None
-    k_norm: jax.Array | None
-    o: jax.Array
-    o_bias: jax.Array | None
-    mlp_norm: jax.Array
-    gate_up: jax.Array
-    gate_up_bias: jax.Array | None
-    down: jax.Array
-    down_bias: jax.Array | None
-
-
-def step_weights(layer_params: list[Params], config: ModelConfig) -> list[StepWeights]:
-    """Per-layer `StepWeights` from `split_layers`' per-layer parameter pytrees."""
-    dtype = config.jnp_dtype
-
-    def cast(a: jax.Array) -> jax.Array:
-        return a.astype(dtype)
-
-    def bias(*denses: Params) -> jax.Array | None:
-        if "bias" not in denses[0]:
-            return None
-        return cast(jnp.concatenate([d["bias"] for d in denses])[None])
-
-    out = []
-    for w in layer_params:
-        attn, mlp = w["attn"], w["mlp"]
-        out.append(StepWeights(
-            attn_norm=w["attn_norm"]["scale"],
-            qkv=cast(jnp.concatenate([attn["q"]["kernel"], attn["k"]["kernel"], attn["v"]["kernel"]], axis=1)),
-            qkv_bias=bias(attn["q"], attn["k"], attn["v"]),
-            q_norm=attn["q_norm"]["scale"] if config.qk_norm else None,
-            k_norm=attn["k_norm"]["scale"] if config.qk_norm else None,
-            o=cast(attn["o"]["kernel"]),
-            o_bias=bias(attn["o"]),
-            mlp_norm=w["mlp_norm"]["scale"],
-            gate_up=cast(jnp.concatenate([mlp["gate"]["kernel"], mlp["up"]["kernel"]], axis=1)),
-            gate_up_bias=bias(mlp["gate"], mlp["up"]),
-            down=cast(mlp["down"]["kernel"]),
-            down_bias=bias(mlp["down"]),
-        ))
-    return out
-
-
-def _rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    """`RMSNorm` of the decoder (normalised in float32, then scaled in the compute dtype)."""
-    x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return scale.astype(x.dtype) * normed.astype(x.dtype)
-
-
-def _rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """`apply_rope` for one token: `x [B, heads, hd]`, `cos, sin [B, 1, hd]`."""
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos.astype(x.dtype) + rotated * sin.astype(x.dtype)
-
-
-def decode_token(
-    params: Params,
-    weights: list[StepWeights],
-    config: ModelConfig,
-    tokens: jax.Array,
-    positions: jax.Array,
-    allowed: jax.Array,
-    caches: LayerCaches,
-    cache_index: jax.Array,
-) -> tuple[jax.Array, LayerCaches]:
-    """One token step of the decode loop: `tokens [B]` at `positions [B]` written to cache slot
-    `cache_index`; `allowed [B, S]` the key slots it may attend to. Returns `(logits [B, V], caches)`.
-
-    The same math as `decode_layers` with `T = 1` (a test checks they agree), written for the hot loop:
-    fused q|k|v and gate|up matmuls, and attention as broadcast-multiply-reduce over the cache in its
-    stored `[B, S, KVH, hd]` layout. With one query per row the attention dots are tiny batched
-    matrix-vector products, for which XLA:CPU would transpose every layer's whole K and V cache on every
-    step (about a quarter of the step time on the benchmark model); the elementwise form reads each cache
-    once, in place.
-    """
-    c = config
-    b = tokens.shape[0]
-    h, kvh, hd = c.num_heads, c.num_kv_heads, c.head_dim
-    groups = h // kvh
-    x = params["embed"]["embedding"][tokens].astype(c.jnp_dtype)  # [B, D]
-    cos, sin = rope_cos_sin(c, positions[:, None])  # [B, 1, hd]
-    scale = 1.0 / math.sqrt(hd)
-    new_caches = []
-    for w, cache in zip(weights, caches, strict=True):
-        qkv = _rms_norm(x, w.attn_norm, c.rms_norm_eps) @ w.qkv
-        if w.qkv_bias is not None:
-            qkv = qkv + w.qkv_bias
-        q = qkv[:, : h * hd].reshape(b, h, hd)
-        k = qkv[:, h * hd : (h + kvh) * hd].reshape(b, kvh, hd)
-        v = qkv[:, (h + kvh) * hd :].reshape(b, kvh, hd)
-        if c.qk_norm:
-            q, k = _rms_norm(q, w.q_norm, c.rms_norm_eps), _rms_norm(k, w.k_norm, c.rms_norm_eps)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        if _ATTN == "dot":
-            k_all = jax.lax.dynamic_update_slice_in_dim(cache["k"], k[:, :, None].astype(cache["k"].dtype),
-                                                        cache_index, 2)
-            v_all = jax.lax.dynamic_update_slice_in_dim(cache["v"], v[:, :, None].astype(cache["v"].dtype),
-                                                        cache_index, 2)
-            new_caches.append({"k": k_all, "v": v_all})
-            qg = q.reshape(b, kvh, groups, hd)
-            scores = jnp.einsum("bkgd,bksd->bkgs", qg, k_all.astype(q.dtype), preferred_element_type=jnp.float32)
-            scores = jnp.where(allowed[:, None, None, :], scores * scale, -1e30)
-            probs = jax.nn.softmax(scores, axis=-1).astype(v_all.dtype)
-            out = jnp.einsum("bkgs,bksd->bkgd", probs, v_all.astype(q.dtype))
-        else:
-            k_all = jax.lax.dynamic_update_slice_in_dim(cache["k"], k[:, None].astype(cache["k"].dtype), cache_index, 1)
-            v_all = jax.lax.dynamic_update_slice_in_dim(cache["v"], v[:, None].astype(cache["v"].dtype), cache_index, 1)
-            new_caches.append({"k": k_all, "v": v_all})
-            # scores [B, S, KVH, G] = sum_d K[b, s, k, d] q[b, k, g, d], in float32.
-            q32 = q.reshape(b, 1, kvh, groups, hd).astype(jnp.float32)
-            scores = jnp.sum(k_all.astype(jnp.float32)[:, :, :, None, :] * q32, axis=-1) * scale
-            scores = jnp.where(allowed[:, :, None, None], scores, -1e30)
-            probs = jax.nn.softmax(scores, axis=1).astype(v_all.dtype)
-            # out [B, KVH, G, hd] = sum_s p[b, s, k, g] V[b, s, k, d].
-            out = jnp.sum(probs[..., None].astype(jnp.float32) * v_all.astype(jnp.float32)[:, :, :, None, :], axis=1)
-        attn = out.reshape(b, h * hd).astype(c.jnp_dtype) @ w.o
-        if w.o_bias is not None:
-            attn = attn + w.o_bias
-        x = x + attn
-        gate_up = _rms_norm(x, w.mlp_norm, c.rms_norm_eps) @ w.gate_up
-        if w.gate_up_bias is not None:
-            gate_up = gate_up + w.gate_up_bias
-        gate, up = gate_up[:, : c.intermediate_size], gate_up[:, c.intermediate_size :]
-        mlp = (jax.nn.silu(gate) * up) @ w.down
-        if w.down_bias is not None:
-            mlp = mlp + w.down_bias
-        x = x + mlp
-    x = _rms_norm(x, params["final_norm"]["scale"], c.rms_norm_eps)
-    return unembed(params, c, x).astype(jnp.float32), new_caches
-
-
 def _prefill(
     params: Params, layer_params: list[Params], config: ModelConfig, tokens: jax.Array, mask: jax.Array
 ) -> tuple[jax.Array, LayerCaches]:
@@ -567,7 +424,6 @@ def _sample_program(
     n, new_tokens = static.n, static.new_tokens
     prompt_len = prompt_tokens.shape[1]
     layer_params = split_layers(params, config)
-    weights = step_weights(layer_params, config)
 
     # Prefill the B prompts once; the n samples of a prompt share it.
     logits, prompt_caches = _prefill(params, layer_params, config, prompt_tokens, prompt_mask)
@@ -578,8 +434,6 @@ def _sample_program(
     caches = jax.tree.map(
         lambda c: jnp.pad(jnp.repeat(c, n, axis=0), ((0, 0), (0, new_tokens), (0, 0), (0, 0))), prompt_caches
     )
-    if _FAST and _ATTN == "dot":
-        caches = jax.tree.map(lambda c: jnp.transpose(c, (0, 2, 1, 3)), caches)
     rows = logits.shape[0]
     # Completion slots are all marked valid up front: causality (key slot <= query slot) already hides the
     # slots not written yet, so the key mask never changes inside the loop.
@@ -627,18 +481,11 @@ def _sample_program(
     def step(state):
         """Feed token `i - 1` (cache slot `P_b + i - 1`), then sample token `i`."""
         i, token, caches, done, length, outputs = state
-        slot = prompt_len + i - 1
-        if _FAST:
-            allowed = attention_allowed(key_mask, 1, slot, config.sliding_window)[:, 0]
-            logits, caches = decode_token(params, weights, config, token, first_position + i - 1, allowed, caches,
-                                          slot)
-        else:
-            logits, caches = decode_layers(
-                params, layer_params, config, token[:, None], (first_position + i - 1)[:, None], key_mask, caches,
-                slot,
-            )
-            logits = logits[:, 0]
-        token, done, length, outputs = emit(i, logits.astype(jnp.float32), done, length, outputs)
+        logits, caches = decode_layers(
+            params, layer_params, config, token[:, None], (first_position + i - 1)[:, None], key_mask, caches,
+            prompt_len + i - 1,
+        )
+        token, done, length, outputs = emit(i, logits[:, 0].astype(jnp.float32), done, length, outputs)
         return i + 1, token, caches, done, length, outputs
 
     _, _, _, done, length, outputs = jax.lax.while_loop(
