@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -119,3 +121,17 @@ def requires_shared(path: Path) -> pytest.MarkDecorator:
     return pytest.mark.skipif(
         not path.exists(), reason=f"{path} is absent (a clone without ../shared); real-checkpoint test skipped"
     )
+
+
+def jit_vmap_agree(fn, *args) -> None:
+    """``jit(fn)`` equals eager ``fn``; ``jit(vmap(fn))`` over 3 perturbed copies equals per-copy results."""
+    jitted = jax.jit(fn)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), jitted(*args), fn(*args))
+    copies = [
+        jax.tree.map(lambda a, k=k: a * (1 + 0.1 * k) if jnp.issubdtype(a.dtype, jnp.floating) else a, args)
+        for k in range(3)
+    ]
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *copies)
+    batched = jax.jit(jax.vmap(fn))(*stacked)
+    for k, c in enumerate(copies):
+        jax.tree.map(lambda a, b, k=k: np.testing.assert_allclose(a[k], b, rtol=1e-5, atol=1e-6), batched, jitted(*c))

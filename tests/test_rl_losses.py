@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import jit_vmap_agree as _jit_vmap_agree
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from jax.test_util import check_grads
@@ -16,20 +17,6 @@ from jaxrl_llm.rl import losses as L
 
 PROPS = settings(max_examples=40, deadline=None)
 LN2 = np.log(2.0)
-
-
-def _jit_vmap_agree(fn, *args) -> None:
-    """``jit(fn)`` equals eager ``fn``; ``jit(vmap(fn))`` over 3 perturbed copies equals per-copy results."""
-    jitted = jax.jit(fn)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), jitted(*args), fn(*args))
-    copies = [
-        jax.tree.map(lambda a, k=k: a * (1 + 0.1 * k) if jnp.issubdtype(a.dtype, jnp.floating) else a, args)
-        for k in range(3)
-    ]
-    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *copies)
-    batched = jax.jit(jax.vmap(fn))(*stacked)
-    for k, c in enumerate(copies):
-        jax.tree.map(lambda a, b, k=k: np.testing.assert_allclose(a[k], b, rtol=1e-5, atol=1e-6), batched, jitted(*c))
 
 
 # ------------------------------------------------------------------------------------------------------
