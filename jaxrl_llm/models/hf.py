@@ -323,7 +323,7 @@ def load_hf_model(
                     raise ConversionError(
                         f"tensor {name!r} has shape {list(got)}, expected {list(want)} from config.json"
                     )
-                target[...] = tensor.astype(spec.dtype)
+                target[...] = tensor.astype(spec.dtype, copy=False)
             return jax.device_put(out)
 
         params = _map_with_path(build, expected)
