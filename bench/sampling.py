@@ -23,12 +23,18 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+# Benchmark this checkout's `jaxrl_llm`, not whichever copy is installed (an editable install may point to
+# another clone: `python bench/sampling.py` puts only `bench/` on the path).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 QWEN2_10M = dict(
     vocab_size=8192,
@@ -92,6 +98,7 @@ def main() -> None:
 
     import torch
 
+    import jaxrl_llm
     from jaxrl_llm.models.hf import load_hf_model
     from jaxrl_llm.sampling import SamplingConfig, compile_sampler
 
@@ -109,6 +116,7 @@ def main() -> None:
           f"{config.num_layers} layers, hidden {config.hidden_size}, heads {config.num_heads}/{config.num_kv_heads}")
     print(f"batch {args.batch}, prompt {args.prompt_len}, new tokens {args.new_tokens} (sampled, T=1.0), "
           f"{args.threads} CPU threads, jax {jax.__version__} {jax.devices()[0].platform}, torch {torch.__version__}")
+    print(f"jaxrl_llm from {Path(jaxrl_llm.__file__).parent}")
 
     # ---- ours
     sampling = SamplingConfig(max_new_tokens=args.new_tokens, temperature=1.0, prompt_bucket=args.prompt_len,

@@ -9,19 +9,22 @@ Program shape (one XLA program per prompt bucket, completion bucket, batch size 
    last position is unembedded (`logits [B, V]`): the `[B, P_b, V]` prompt logits are never built.
 2. `n` samples per prompt: the prompt's caches and last logits are repeated `n` times along the batch
    (`jnp.repeat`, prompt-major rows), so the prompt is computed once, not `n` times, and padded with the
-   empty completion slots (`T_b` = `max_new_tokens` rounded up to a multiple of `new_tokens_bucket`).
+   empty completion slots (`T_b` = `max_new_tokens` rounded up to a multiple of `new_tokens_bucket`), and
+   transposed once to the decode loop's head-major layout `[B*n, KVH, P_b + T_b, hd]`.
 3. Decode: `lax.while_loop` over new tokens, one `T = 1` decoder step per iteration, until every row has
    emitted one of `eos_ids` or `max_new_tokens` tokens were made. The loop bound and the sampling knobs
    (temperature, top-k, top-p, min-p values, `max_new_tokens`) are traced values, so every call whose
    lengths fall into one bucket reuses one compiled program; only *whether* greedy / top-k / top-p / min-p
    is on, `n`, `eos_ids` and `pad_id` are static (they change the program).
 
-The decoder's layers run unrolled over per-layer weights and caches (`decode_layers`, the same Flax modules
-as `Decoder`): inside a while loop, `nn.scan` over the stacked `[L, ...]` arrays would copy every layer's
-weights and cache slice out and the updated cache back on every token.
+The decoder's layers run unrolled over per-layer weights and caches: `decode_layers` (the same Flax modules
+as `Decoder`) for the prefill, and `decode_token` (the same math in plain `jnp`, q|k|v and gate|up fused,
+head-major caches, so XLA does not transpose the caches on every step) in the loop: inside a while loop,
+`nn.scan` over the stacked `[L, ...]` arrays would copy every layer's weights and cache slice out and the
+updated cache back on every token.
 
 KV-cache memory: allocated once per call, inside the jitted program, as one key and one value buffer per
-layer, `[B*n, P_b + T_b, KVH, hd]` each (together the `[L, B*n, P_b + T_b, KVH, hd]` cache of
+layer, `[B*n, KVH, P_b + T_b, hd]` each (together as large as the `[L, B*n, P_b + T_b, KVH, hd]` cache of
 `init_cache`), in the model's compute dtype:
 
     cache_bytes = 2 * L * (B * n) * (P_b + T_b) * KVH * hd * itemsize(dtype)
@@ -29,10 +32,10 @@ layer, `[B*n, P_b + T_b, KVH, hd]` each (together the `[L, B*n, P_b + T_b, KVH, 
 (e.g. Qwen2.5-0.5B, L=24, KVH=2, hd=64, bf16, B*n=64, P_b + T_b = 1024: 2*24*64*1024*2*64*2 B = 805 MB).
 The prefill caches (`B` rows, `P_b` slots) live only until they are broadcast. The cache never crosses the
 jit boundary: it is created, updated and dropped inside the one program, carried by `lax.while_loop` as
-loop-carried buffers that XLA updates in place (a token step writes one `[B*n, 1, KVH, hd]` slice per layer
+loop-carried buffers that XLA updates in place (a token step writes one `[B*n, KVH, 1, hd]` slice per layer
 and buffer). That is what donating a cache passed in from outside would achieve, with nothing for the caller
-to manage; no copy of the cache is made per step. The per-layer weight slices (one copy of the layer
-weights) are also made once per call, outside the loop.
+to manage; no copy of the cache is made per step. The per-layer weights (`StepWeights`: one copy of the
+layer weights, q|k|v and gate|up concatenated) are also made once per call, outside the loop.
 
 Sampling semantics of one step, from the float32 logits `z [B*n, V]` of the next token:
 - greedy: `token = argmax(z)` (first index on ties, as torch). The sampled distribution is a point mass, so
@@ -351,7 +354,8 @@ def sample_from_logits(
 # --------------------------------------------------------------------------------------- the program
 
 
-LayerCaches = list[dict[str, jax.Array]]  # per layer {"k", "v": [B, S, KVH, hd]}
+_MASKED = -1e30  # the decoder's score for a masked key (finite: a fully masked row stays finite)
+LayerCaches = list[dict[str, jax.Array]]  # per layer {"k", "v": [B, S, KVH, hd]} ([B, KVH, S, hd] in the loop)
 
 
 def split_layers(params: Params, config: ModelConfig) -> list[Params]:
@@ -395,6 +399,133 @@ def decode_layers(
     return decoder.apply({"params": params}, x, method=lambda m, h: m.unembed(h)), new_caches
 
 
+class StepWeights(NamedTuple):
+    """One layer's weights for the decode loop's token step, prepared once per call (outside the loop):
+    q|k|v and gate|up concatenated into one matrix each (fewer, wider matmuls), biases and norm scales
+    as `[1, N]` rows (absent ones as None), all in the compute dtype."""
+
+    attn_norm: jax.Array
+    qkv: jax.Array
+    qkv_bias: jax.Array | None
+    q_norm: jax.Array | None
+    k_norm: jax.Array | None
+    o: jax.Array
+    o_bias: jax.Array | None
+    mlp_norm: jax.Array
+    gate_up: jax.Array
+    gate_up_bias: jax.Array | None
+    down: jax.Array
+    down_bias: jax.Array | None
+
+
+def step_weights(layer_params: list[Params], config: ModelConfig) -> list[StepWeights]:
+    """Per-layer `StepWeights` from `split_layers`' per-layer parameter pytrees."""
+    dtype = config.jnp_dtype
+
+    def cast(a: jax.Array) -> jax.Array:
+        return a.astype(dtype)
+
+    def bias(*denses: Params) -> jax.Array | None:
+        if "bias" not in denses[0]:
+            return None
+        return cast(jnp.concatenate([d["bias"] for d in denses])[None])
+
+    out = []
+    for w in layer_params:
+        attn, mlp = w["attn"], w["mlp"]
+        out.append(StepWeights(
+            attn_norm=w["attn_norm"]["scale"],
+            qkv=cast(jnp.concatenate([attn["q"]["kernel"], attn["k"]["kernel"], attn["v"]["kernel"]], axis=1)),
+            qkv_bias=bias(attn["q"], attn["k"], attn["v"]),
+            q_norm=attn["q_norm"]["scale"] if config.qk_norm else None,
+            k_norm=attn["k_norm"]["scale"] if config.qk_norm else None,
+            o=cast(attn["o"]["kernel"]),
+            o_bias=bias(attn["o"]),
+            mlp_norm=w["mlp_norm"]["scale"],
+            gate_up=cast(jnp.concatenate([mlp["gate"]["kernel"], mlp["up"]["kernel"]], axis=1)),
+            gate_up_bias=bias(mlp["gate"], mlp["up"]),
+            down=cast(mlp["down"]["kernel"]),
+            down_bias=bias(mlp["down"]),
+        ))
+    return out
+
+
+def _rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """`RMSNorm` of the decoder (normalised in float32, then scaled in the compute dtype)."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return scale.astype(x.dtype) * normed.astype(x.dtype)
+
+
+def _rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """`apply_rope` for one token: `x [B, heads, hd]`, `cos, sin [B, 1, hd]`."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos.astype(x.dtype) + rotated * sin.astype(x.dtype)
+
+
+def decode_token(
+    params: Params,
+    weights: list[StepWeights],
+    config: ModelConfig,
+    tokens: jax.Array,
+    positions: jax.Array,
+    allowed: jax.Array,
+    caches: LayerCaches,
+    cache_index: jax.Array,
+) -> tuple[jax.Array, LayerCaches]:
+    """One token step of the decode loop: `tokens [B]` at `positions [B]` written to cache slot
+    `cache_index`; `allowed [B, S]` the key slots it may attend to. Returns `(logits [B, V], caches)`.
+
+    The same math as `decode_layers` with `T = 1` (a test checks they agree), written for the hot loop:
+    - caches head-major, `{"k", "v": [B, KVH, S, hd]}` (the prefill's `[B, S, KVH, hd]` caches are
+      transposed once per call): the layouts the two attention dots read, so XLA:CPU does not transpose
+      every layer's whole K and V cache on every token (it did with `[B, S, KVH, hd]`: about a quarter of
+      the step's op time on the benchmark model); the new token's keys and values are written in place;
+    - plain `jnp` on `StepWeights` (no Flax module per layer), q|k|v and gate|up as one matmul each.
+    """
+    c = config
+    b = tokens.shape[0]
+    h, kvh, hd = c.num_heads, c.num_kv_heads, c.head_dim
+    groups = h // kvh
+    x = params["embed"]["embedding"][tokens].astype(c.jnp_dtype)  # [B, D]
+    cos, sin = rope_cos_sin(c, positions[:, None])  # [B, 1, hd]
+    new_caches = []
+    for w, cache in zip(weights, caches, strict=True):
+        qkv = _rms_norm(x, w.attn_norm, c.rms_norm_eps) @ w.qkv
+        if w.qkv_bias is not None:
+            qkv = qkv + w.qkv_bias
+        q = qkv[:, : h * hd].reshape(b, h, hd)
+        k = qkv[:, h * hd : (h + kvh) * hd].reshape(b, kvh, hd)
+        v = qkv[:, (h + kvh) * hd :].reshape(b, kvh, hd)
+        if c.qk_norm:
+            q, k = _rms_norm(q, w.q_norm, c.rms_norm_eps), _rms_norm(k, w.k_norm, c.rms_norm_eps)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        k_all = jax.lax.dynamic_update_slice_in_dim(cache["k"], k[:, :, None].astype(cache["k"].dtype), cache_index, 2)
+        v_all = jax.lax.dynamic_update_slice_in_dim(cache["v"], v[:, :, None].astype(cache["v"].dtype), cache_index, 2)
+        new_caches.append({"k": k_all, "v": v_all})
+        # The decoder's grouped-query attention for one query per row, on the head-major cache.
+        qg = q.reshape(b, kvh, groups, hd)
+        scores = jnp.einsum("bkgd,bksd->bkgs", qg, k_all.astype(q.dtype), preferred_element_type=jnp.float32)
+        scores = jnp.where(allowed[:, None, None, :], scores / math.sqrt(hd), _MASKED)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v_all.dtype)
+        out = jnp.einsum("bkgs,bksd->bkgd", probs, v_all.astype(q.dtype))
+        attn = out.reshape(b, h * hd).astype(c.jnp_dtype) @ w.o
+        if w.o_bias is not None:
+            attn = attn + w.o_bias
+        x = x + attn
+        gate_up = _rms_norm(x, w.mlp_norm, c.rms_norm_eps) @ w.gate_up
+        if w.gate_up_bias is not None:
+            gate_up = gate_up + w.gate_up_bias
+        gate, up = gate_up[:, : c.intermediate_size], gate_up[:, c.intermediate_size :]
+        mlp = (jax.nn.silu(gate) * up) @ w.down
+        if w.down_bias is not None:
+            mlp = mlp + w.down_bias
+        x = x + mlp
+    x = _rms_norm(x, params["final_norm"]["scale"], c.rms_norm_eps)
+    return unembed(params, c, x).astype(jnp.float32), new_caches
+
+
 def _prefill(
     params: Params, layer_params: list[Params], config: ModelConfig, tokens: jax.Array, mask: jax.Array
 ) -> tuple[jax.Array, LayerCaches]:
@@ -424,6 +555,7 @@ def _sample_program(
     n, new_tokens = static.n, static.new_tokens
     prompt_len = prompt_tokens.shape[1]
     layer_params = split_layers(params, config)
+    weights = step_weights(layer_params, config)
 
     # Prefill the B prompts once; the n samples of a prompt share it.
     logits, prompt_caches = _prefill(params, layer_params, config, prompt_tokens, prompt_mask)
@@ -431,8 +563,11 @@ def _sample_program(
     # n samples per prompt: broadcast the prompt's cache and logits (prompt-major rows), then extend each
     # layer's cache with the empty completion slots.
     logits = jnp.repeat(logits, n, axis=0)
+    # The decode loop keeps its caches head-major, `[B*n, KVH, S, hd]` (see `decode_token`): transposed
+    # here once per call, not by XLA inside every step.
     caches = jax.tree.map(
-        lambda c: jnp.pad(jnp.repeat(c, n, axis=0), ((0, 0), (0, new_tokens), (0, 0), (0, 0))), prompt_caches
+        lambda c: jnp.pad(jnp.repeat(jnp.swapaxes(c, 1, 2), n, axis=0), ((0, 0), (0, 0), (0, new_tokens), (0, 0))),
+        prompt_caches,
     )
     rows = logits.shape[0]
     # Completion slots are all marked valid up front: causality (key slot <= query slot) already hides the
@@ -481,11 +616,10 @@ def _sample_program(
     def step(state):
         """Feed token `i - 1` (cache slot `P_b + i - 1`), then sample token `i`."""
         i, token, caches, done, length, outputs = state
-        logits, caches = decode_layers(
-            params, layer_params, config, token[:, None], (first_position + i - 1)[:, None], key_mask, caches,
-            prompt_len + i - 1,
-        )
-        token, done, length, outputs = emit(i, logits[:, 0].astype(jnp.float32), done, length, outputs)
+        slot = prompt_len + i - 1
+        allowed = attention_allowed(key_mask, 1, slot, config.sliding_window)[:, 0]
+        logits, caches = decode_token(params, weights, config, token, first_position + i - 1, allowed, caches, slot)
+        token, done, length, outputs = emit(i, logits, done, length, outputs)
         return i + 1, token, caches, done, length, outputs
 
     _, _, _, done, length, outputs = jax.lax.while_loop(

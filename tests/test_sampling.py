@@ -12,7 +12,7 @@ from conftest import FAMILIES, STORIES260K, left_padded_batch, make_hf_model, re
 from scipy import stats
 
 from jaxrl_llm import sampling as sampling_module
-from jaxrl_llm.models.decoder import decode_step, forward, init_cache, positions_from_mask
+from jaxrl_llm.models.decoder import attention_allowed, decode_step, forward, init_cache, positions_from_mask
 from jaxrl_llm.models.hf import load_hf_model
 from jaxrl_llm.sampling import (
     Knobs,
@@ -20,9 +20,11 @@ from jaxrl_llm.sampling import (
     bucket_prompts,
     compiled_program_count,
     decode_layers,
+    decode_token,
     sample,
     sample_from_logits,
     split_layers,
+    step_weights,
     truncate_logits,
 )
 
@@ -317,6 +319,29 @@ def test_unrolled_decode_equals_decoder(hf_model_dir):
     got_next, _ = unrolled(params, jnp.asarray(tokens[:, :1]), positions[:, -1:] + 1, key_mask, caches, 9)
     np.testing.assert_allclose(got, want, atol=1e-5)
     np.testing.assert_allclose(got_next, want_next, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["mistral", "qwen3", "llama_linear_rope_bias"])
+def test_token_step_equals_decoder(kind, hf_model_dir):
+    """The decode loop's token step (head-major caches, fused matmuls) computes what `decode_step` computes:
+    sliding window (mistral), q/k norms (qwen3), o/MLP biases (llama_linear_rope_bias)."""
+    config, params = load_hf_model(hf_model_dir(kind))
+    tokens, mask = left_padded_batch(config.vocab_size, [9, 5], seed=8)
+    positions = positions_from_mask(jnp.asarray(mask))
+    key_mask = jnp.concatenate([jnp.asarray(mask), jnp.ones((2, 1), jnp.int32)], axis=1)
+    step = jax.jit(decode_step, static_argnums=1)
+    _, cache = step(params, config, tokens, positions, key_mask, init_cache(config, 2, 10), 0)
+    want, want_cache = step(params, config, tokens[:, :1], positions[:, -1:] + 1, key_mask, cache, 9)
+    caches = [{"k": jnp.swapaxes(cache["k"][i], 1, 2), "v": jnp.swapaxes(cache["v"][i], 1, 2)}
+              for i in range(config.num_layers)]
+    allowed = attention_allowed(key_mask, 1, 9, config.sliding_window)[:, 0]
+    token_step = jax.jit(lambda p, *args: decode_token(p, step_weights(split_layers(p, config), config), config,
+                                                       *args))
+    got, got_caches = token_step(params, jnp.asarray(tokens[:, 0]), positions[:, -1] + 1, allowed, caches, 9)
+    np.testing.assert_allclose(got, want[:, 0], atol=1e-5)
+    for i, layer_cache in enumerate(got_caches):
+        for name in ("k", "v"):
+            np.testing.assert_allclose(jnp.swapaxes(layer_cache[name], 1, 2), want_cache[name][i], atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- keys, groups, EOS, buckets
