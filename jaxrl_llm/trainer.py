@@ -348,7 +348,8 @@ class GRPOTrainer:
                     logger.log(self.step, metrics)
                 if c.sample_every and self.step % c.sample_every == 0:
                     logger.samples(self.step, self._sample_rows(ro))
-                logger.progress({"reward": metrics["reward/mean"], "kl": metrics.get("kl", metrics["approx_kl"]),
+                kl = metrics.get("kl", metrics.get("approx_kl", 0.0))
+                logger.progress({"reward": metrics["reward/mean"], "kl": kl,
                                  "s/step": metrics["time/step"]})
                 if c.checkpoint_every and self.step % c.checkpoint_every == 0:
                     self.save_checkpoint()
