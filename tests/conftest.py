@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -135,3 +136,26 @@ def jit_vmap_agree(fn, *args) -> None:
     batched = jax.jit(jax.vmap(fn))(*stacked)
     for k, c in enumerate(copies):
         jax.tree.map(lambda a, b, k=k: np.testing.assert_allclose(a[k], b, rtol=1e-5, atol=1e-6), batched, jitted(*c))
+
+
+# A tiny Llama for trainer tests (with the arithmetic task's tokenizer).
+TINY = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_task(tmp_path_factory):
+    """A random tiny Llama with the arithmetic tokenizer, and small train/test JSONL files."""
+    from jaxrl_llm.models.decoder import init_params
+    from jaxrl_llm.models.hf import config_from_hf, save_hf_model
+    from jaxrl_llm.tasks.arithmetic import make_problems, make_tokenizer
+
+    root = tmp_path_factory.mktemp("tiny_task")
+    tokenizer = make_tokenizer()
+    tokenizer.save_pretrained(root / "tok")
+    config = config_from_hf({**TINY, "vocab_size": len(tokenizer), "eos_token_id": 2, "bos_token_id": 1})
+    save_hf_model(init_params(config, jax.random.key(0)), config, root / "model", tokenizer_dir=root / "tok")
+    problems = make_problems(300, seed=5, max_digits=2)
+    for name, rows in (("train", problems[:256]), ("test", problems[256:])):
+        (root / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root

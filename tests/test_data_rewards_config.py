@@ -189,8 +189,13 @@ def test_default_presets_parse():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1] / "configs"
-    for preset in sorted(root.glob("*.yaml")):
-        load_run_config(preset)
+    from jaxrl_llm.config import ALGORITHMS
+
+    presets = sorted(root.glob("*.yaml"))
+    assert len(presets) >= 9
+    for preset in presets:
+        config = load_run_config(preset)  # raises ConfigError on a bad field or relation
+        assert config.algo in ALGORITHMS and config.steps > 0, preset
 
 
 def test_reward_fields_reach_functions(tmp_path):

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import TINY  # noqa: E402
 
 from jaxrl_llm.config import ConfigError, OptimSection, load_run_config
 from jaxrl_llm.models.decoder import forward, init_params
@@ -30,28 +31,12 @@ from jaxrl_llm.ppo import (
     rollout_value_metrics,
 )
 from jaxrl_llm.rl.kl_control import init_kl_controller
-from jaxrl_llm.tasks.arithmetic import make_problems, make_tokenizer
 from jaxrl_llm.train_step import data_mesh, make_optimizer, make_train_step
 
 ROOT = Path(__file__).resolve().parents[1]
 values_jit = jax.jit(critic_values, static_argnums=1)
 forward_jit = jax.jit(forward, static_argnums=1, static_argnames="return_hidden")
-TINY = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
 
-
-@pytest.fixture(scope="module")
-def tiny_task(tmp_path_factory):
-    """A random tiny Llama with the arithmetic tokenizer, and small train/test JSONL files."""
-    root = tmp_path_factory.mktemp("tiny_task")
-    tokenizer = make_tokenizer()
-    tokenizer.save_pretrained(root / "tok")
-    config = config_from_hf({**TINY, "vocab_size": len(tokenizer), "eos_token_id": 2, "bos_token_id": 1})
-    save_hf_model(init_params(config, jax.random.key(0)), config, root / "model", tokenizer_dir=root / "tok")
-    problems = make_problems(300, seed=5, max_digits=2)
-    for name, rows in (("train", problems[:256]), ("test", problems[256:])):
-        (root / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return root
 
 
 def _config(task: Path, out: Path, *overrides: str):
