@@ -1,0 +1,538 @@
+"""One GRPO step: jaxrl_llm's `GRPOTrainer` vs TRL's `GRPOTrainer` (torch, CPU), same model, prompts and reward.
+
+    pip install trl        # benchmark-only dependency (not a runtime dependency of jaxrl_llm)
+    python bench/grpo_vs_trl.py [--steps 5] [--warmup 2] [--prompt-tokens 20] [--threads 2] [--wait-quiet 120]
+                                [--bf16] [--remat] [--override KEY=VALUE] [--skip-trl]
+
+The model is a ~10M-parameter Qwen2-shaped decoder (q/k/v biases, GQA, tied embeddings: hidden 256, 10 layers,
+4 heads, 2 KV heads, MLP 1024; 9.97M parameters) with random weights and the 512-token stories260K tokenizer,
+built with transformers and saved to a temporary directory from which both trainers load it (float32).
+
+One step, on both sides: 4 prompts x G = 8 samples = 32 completions of exactly 32 new tokens (temperature 1,
+no top-k/top-p; EOS is forbidden: `min_new_tokens = 32` for TRL, no EOS ids for ours), a cheap rule reward
+(vowel fraction of the completion text), group-normalised advantages, the reference model's log-probs
+(beta = 0.04, k3 KL), and one AdamW update over the whole rollout (mu = 1, one minibatch, token-mean loss):
+TRL with per_device_train_batch_size = 32, steps_per_generation = 1, gradient_accumulation_steps = 1,
+num_iterations = 1 (so it takes the old log-probs as the detached current ones, as we take the sampler's),
+AdamW (torch's fused), and no gradient checkpointing on either side unless `--remat` (TRL's default is on).
+Every prompt has exactly `--prompt-tokens` tokens (BOS included), so neither side pads within a batch; ours
+still rounds the prompt width up to a multiple of 16 (the trainer's compile bucket), which counts as its cost.
+
+Both sides run in this process, never at the same time: our warm-up (`--warmup` steps; the first compiles), TRL's
+warm-up, then `--steps` timed steps of each in turn (TRL, ours, TRL, ours, ...; torch with
+`torch.set_num_threads`), so a slow drift of the machine's speed hits both alike. The median and the minimum
+over the timed steps are printed. Ours: `collect` + `update` (+ the step's metrics), as `GRPOTrainer.run`
+does; TRL: from `on_step_begin` to `on_step_end` (generation, rewards, reference pass, loss, backward,
+optimizer). The parts are timed by wrapping the sampler, the reference pass and the train step (ours, with a
+device sync each), and `_generate`, `_calculate_rewards` and the reference model's
+`_get_per_token_logps_and_entropies` (TRL).
+
+Shared machines: both sides want every core, and torch's OpenMP threads degrade by 10-20x when another process
+takes a core (spin-waiting), JAX's by ~2x. Each step prints the CPU fraction other processes used during it
+(from /proc/stat); `--wait-quiet S` waits up to S seconds before every timed step for the machine to go idle.
+
+Model FLOPs of the update (the useful work; padding excluded). Per row with prompt length p and c completion
+tokens, one forward pass covers S = p + c - 1 positions and unembeds the c positions that predict completion
+tokens:
+    F_fwd = 2 * N_layers * S + 2 * d * V * c + 4 * L * H * hd * (1 + 2 + ... + S)
+(N_layers: the matrices of the decoder layers; d * V: the tied output matrix; the last term: q.k and p.v over
+the context each position sees). The update is one reference forward plus the policy's forward and backward
+(backward = 2 x forward): F_update = 32 rows x 4 x F_fwd, i.e. the usual `8 * N * tokens` (6 N T for training,
+2 N T for the reference) with N split into what each token really multiplies, plus attention.
+It is reported as achieved FLOP/s over the FLOP/s of a plain jitted 1024^3 matmul (float32, or bfloat16 with
+`--bf16`) measured in this run (best of 50, before and after our side).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+STORIES260K = Path(os.environ.get("STORIES260K", "/work/shared/models/stories260K"))
+QWEN2_10M = dict(
+    vocab_size=512,
+    hidden_size=256,
+    intermediate_size=1024,
+    num_hidden_layers=10,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-6,
+    use_sliding_window=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+PROMPTS_PER_STEP, GROUP, NEW_TOKENS, BETA, LR = 4, 8, 32, 0.04, 1e-5
+
+
+def vowel_reward(prompts, completions, **fields) -> list[float]:
+    """The shared rule reward: fraction of the completion's characters that are vowels (cheap, varied)."""
+    return [sum(ch in "aeiouAEIOU" for ch in c) / max(len(c), 1) for c in completions]
+
+
+# ------------------------------------------------------------------------------------------------ set-up
+
+
+def build_task(root: Path, prompt_tokens: int) -> tuple[Path, Path, list[str]]:
+    """Random Qwen2 model dir (weights + tokenizer) and a JSONL of prompts of exactly `prompt_tokens` tokens."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(STORIES260K)
+    config = AutoConfig.for_model("qwen2", **QWEN2_10M)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model_dir = root / "qwen2-10m"
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+
+    names = ["Lily", "Tom", "Sue", "Ben", "Mia", "Max", "Anna", "Sam", "Lucy", "Tim", "Jack", "Emma"]
+    things = ["ball", "cat", "dog", "box", "tree", "car", "cake", "bird", "book", "hat", "fish", "toy"]
+    places = ["park", "garden", "house", "forest", "school", "shop", "river", "farm"]
+    templates = ["{n} found a {o} in the {p}.", "{n} found a {o} in the {p}. Then", "{n} saw a {o}.",
+                 "One day, {n} found a {o} in the {p}. Then", "{n} and the {o} went to the {p}."]
+    prompts = []
+    for template, n, o, p in itertools.product(templates, names, things, places):
+        text = template.format(n=n, o=o, p=p)
+        if len(tokenizer(text)["input_ids"]) == prompt_tokens:
+            prompts.append(text)
+    if len(prompts) < 64:
+        raise SystemExit(f"only {len(prompts)} prompts of exactly {prompt_tokens} tokens; try 16..22")
+    prompts = [prompts[i] for i in np.random.default_rng(0).permutation(len(prompts))[:256]]
+    data = root / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    return model_dir, data, prompts
+
+
+def model_dims(model_dir: Path) -> dict[str, int]:
+    hf = json.loads((model_dir / "config.json").read_text())
+    d, f, layers, heads = hf["hidden_size"], hf["intermediate_size"], hf["num_hidden_layers"], hf["num_attention_heads"]
+    hd, kvh, vocab = hf["head_dim"], hf["num_key_value_heads"], hf["vocab_size"]
+    per_layer = d * heads * hd + 2 * d * kvh * hd + heads * hd * d + 3 * d * f
+    return dict(d=d, layers=layers, heads=heads, hd=hd, vocab=vocab, n_layers=layers * per_layer)
+
+
+def update_flops(dims: dict[str, int], rows: int, prompt_len: int, completion_len: float) -> float:
+    """Useful FLOPs of reference forward + policy forward and backward (see the module docstring)."""
+    c = completion_len
+    s = prompt_len + c - 1
+    forward = (2 * dims["n_layers"] * s + 2 * dims["d"] * dims["vocab"] * c
+               + 4 * dims["layers"] * dims["heads"] * dims["hd"] * s * (s + 1) / 2)
+    return rows * 4 * forward
+
+
+def jax_matmul_flops(dtype: str = "float32", size: int = 1024, repeats: int = 50) -> float:
+    import jax
+    import jax.numpy as jnp
+
+    a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32).astype(dtype)
+    matmul = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
+    matmul(a, a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        matmul(a, a).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * size**3 / best
+
+
+def torch_matmul_flops(dtype: str = "float32", size: int = 1024, repeats: int = 50) -> float:
+    import torch
+
+    a = torch.randn(size, size).to(getattr(torch, dtype))
+    torch.mm(a, a)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.mm(a, a)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * size**3 / best
+
+
+class CpuMeter:
+    """CPU time the *other* processes of the machine used while this one ran (from /proc/stat and os.times):
+    a timed section is only trustworthy when this is near 0, since both sides want every core."""
+
+    def __init__(self) -> None:
+        self.start = self._read()
+
+    @staticmethod
+    def _read() -> tuple[float, float, float]:
+        busy = 0.0
+        try:
+            with open("/proc/stat") as f:
+                fields = [float(v) for v in f.readline().split()[1:]]
+            busy = (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # minus idle, iowait
+        except (OSError, ValueError, IndexError):
+            pass
+        own = os.times()
+        return time.perf_counter(), busy, own.user + own.system
+
+    def others(self) -> float:
+        """Fraction of all CPUs used by other processes since construction."""
+        wall0, busy0, own0 = self.start
+        wall1, busy1, own1 = self._read()
+        return max(0.0, (busy1 - busy0) - (own1 - own0)) / max((wall1 - wall0) * (os.cpu_count() or 1), 1e-9)
+
+
+def wait_until_quiet(limit_s: float, threshold: float = 0.05, window_s: float = 1.0) -> float:
+    """Wait (up to `limit_s`) until other processes use under `threshold` of the CPUs over `window_s`;
+    returns the seconds waited."""
+    start = time.perf_counter()
+    while limit_s > 0 and time.perf_counter() - start < limit_s:
+        meter = CpuMeter()
+        time.sleep(window_s)
+        if meter.others() < threshold:
+            break
+    return time.perf_counter() - start
+
+
+# ------------------------------------------------------------------------------------------------ ours
+
+
+class Timer:
+    """Accumulates the wall time of wrapped calls per name (reset per step)."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = {}
+
+    def wrap(self, name, fn, block=None):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            if block is not None:
+                out = block(out)
+            self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - t0
+            return out
+
+        return timed
+
+    def take(self) -> dict[str, float]:
+        out, self.totals = self.totals, {}
+        return out
+
+
+class Ours:
+    """Our side: `GRPOTrainer` built from dotted overrides; `step()` runs and times one GRPO step."""
+
+    def __init__(self, model_dir: Path, data: Path, out_dir: Path, bf16: bool, quiet_s: float,
+                 overrides: list[str]) -> None:
+        import jax
+
+        import jaxrl_llm.trainer as trainer_module
+        from jaxrl_llm.config import load_run_config
+
+        t_setup = time.perf_counter()
+        config = load_run_config(None, [
+            f"model.path={model_dir}", f"data.train={data}", "data.eval=''", "data.max_prompt_tokens=64",
+            f"out_dir={out_dir}", f"grpo.prompts_per_step={PROMPTS_PER_STEP}", f"grpo.group_size={GROUP}",
+            f"grpo.beta={BETA}", "grpo.mu=1", f"sampling.max_new_tokens={NEW_TOKENS}", "sampling.temperature=1.0",
+            f"optim.learning_rate={LR}", f"rewards=[{{name: '{__name__}:vowel_reward'}}]", "progress_bar=false",
+            "tensorboard=false", "checkpoint_every=0", "export=false",
+            f"model.dtype={'bfloat16' if bf16 else 'float32'}", *overrides,
+        ])
+        self.trainer = trainer = trainer_module.GRPOTrainer(config)
+        trainer.eos_ids = ()  # never stop early: exactly NEW_TOKENS tokens per row, like TRL's min_new_tokens
+        self.setup = time.perf_counter() - t_setup
+        self.timer = Timer()
+        trainer_module.sample = self.timer.wrap("sampling", trainer_module.sample, jax.block_until_ready)
+        trainer.ref_logprob_fn = self.timer.wrap("ref_pass", trainer.ref_logprob_fn, jax.block_until_ready)
+        trainer.train_step = self.timer.wrap("train_step", trainer.train_step, jax.block_until_ready)
+        self.key = trainer.root_key
+        self.quiet_s = quiet_s
+        self.records: list[dict] = []
+        self.prompt_width = 0
+        self.n_params = trainer.model_config.num_params()
+
+    def step(self, warmup: bool) -> None:
+        import jax
+
+        trainer = self.trainer
+        self.key, sample_key, update_key = jax.random.split(self.key, 3)
+        waited = wait_until_quiet(0.0 if warmup else self.quiet_s)
+        self.timer.take()
+        meter = CpuMeter()
+        t0 = time.perf_counter()
+        ro, _ = trainer.collect(sample_key)
+        t1 = time.perf_counter()
+        metrics = trainer.update(ro, update_key)
+        trainer.step += 1
+        metrics.update(trainer._rollout_metrics(ro, 0))
+        t2 = time.perf_counter()
+        parts = self.timer.take()
+        self.prompt_width = int(ro.prompt_tokens.shape[1])
+        self.records.append(dict(step=t2 - t0, rollout=t1 - t0, update=t2 - t1, **parts, train=parts["train_step"],
+                                 completion_length=metrics["completion_length/mean"], reward=metrics["reward/mean"],
+                                 others=meter.others(), warmup=warmup))
+        print(f"  ours step {len(self.records)}{' (warm-up)' if warmup else ''}: {t2 - t0:.3f} s "
+              f"(rollout {t1 - t0:.3f}, update {t2 - t1:.3f}), completion length "
+              f"{metrics['completion_length/mean']:.1f}, reward {metrics['reward/mean']:.3f}; "
+              f"others' CPU {self.records[-1]['others']:.2f} (waited {waited:.0f} s)", flush=True)
+
+
+# ------------------------------------------------------------------------------------------------ TRL
+
+
+def run_trl(model_dir: Path, prompts: list[str], out_dir: Path, warmup: int, steps: int, threads: int,
+            bf16: bool, remat: bool, quiet_s: float, after_step: Callable[[bool], None]) -> dict:
+    """TRL's trainer for `warmup + steps` steps; `after_step(warmup)` runs after each (our step, in turn)."""
+    import torch
+    import transformers
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.set_num_threads(threads)
+    transformers.logging.set_verbosity_error()
+    t_setup = time.perf_counter()
+    args = GRPOConfig(
+        output_dir=str(out_dir), use_cpu=True, bf16=bf16, fp16=False, seed=0,
+        per_device_train_batch_size=PROMPTS_PER_STEP * GROUP, num_generations=GROUP, steps_per_generation=1,
+        gradient_accumulation_steps=1, num_iterations=1, beta=BETA, max_completion_length=NEW_TOKENS,
+        temperature=1.0, top_p=1.0, top_k=0, generation_kwargs={"min_new_tokens": NEW_TOKENS},
+        loss_type="dapo", scale_rewards="group", epsilon=0.2, learning_rate=LR, lr_scheduler_type="constant",
+        adam_beta2=0.99, weight_decay=0.0, max_grad_norm=1.0, max_steps=warmup + steps, logging_steps=1,
+        report_to="none", save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+        gradient_checkpointing=remat,  # TRL's default is True; ours is model.remat=false
+        model_init_kwargs={"dtype": torch.float32},
+    )
+    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=vowel_reward, args=args,
+                          train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]))
+    for cb in (PrinterCallback, ProgressCallback):
+        trainer.remove_callback(cb)
+    setup_s = time.perf_counter() - t_setup
+    assert next(trainer.model.parameters()).dtype == torch.float32
+    assert trainer.ref_model is not None
+
+    timer = Timer()
+    trainer._generate = timer.wrap("sampling", trainer._generate)
+    trainer._calculate_rewards = timer.wrap("rewards", trainer._calculate_rewards)
+    logps = trainer._get_per_token_logps_and_entropies
+
+    def per_token_logps(model, *a, **kw):
+        name = "ref_pass" if model is trainer.ref_model else "policy_logps"
+        return timer.wrap(name, logps)(model, *a, **kw)
+
+    trainer._get_per_token_logps_and_entropies = per_token_logps
+    trainer._generate_and_score_completions = timer.wrap("rollout_and_ref", trainer._generate_and_score_completions)
+
+    records: list[dict] = []
+    log_rows: list[dict] = []
+
+    class StepClock(TrainerCallback):
+        """Times on_step_begin -> on_step_end: generation, rewards, reference pass, loss, backward, optimizer
+        (the batch fetch before and the logging after a step, both tiny here, fall outside)."""
+
+        def on_step_begin(self, *a, **kw):
+            self.waited = wait_until_quiet(quiet_s if len(records) >= warmup else 0.0)
+            timer.take()
+            self.meter = CpuMeter()
+            self.start = time.perf_counter()
+
+        def on_step_end(self, *a, **kw):
+            step = time.perf_counter() - self.start
+            i = len(records)
+            parts = timer.take()
+            rollout = parts.get("sampling", 0.0) + parts.get("rewards", 0.0)
+            update = step - rollout
+            records.append(dict(step=step, rollout=rollout, update=update, **parts, others=self.meter.others(),
+                                train=update - parts.get("ref_pass", 0.0), warmup=i < warmup))
+            print(f"  TRL  step {i + 1}{' (warm-up)' if i < warmup else ''}: {step:.3f} s "
+                  f"(rollout {rollout:.3f}, update {update:.3f}); others' CPU {records[-1]['others']:.2f} "
+                  f"(waited {self.waited:.0f} s)", flush=True)
+            after_step(i < warmup)
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            log_rows.append(dict(logs or {}))
+
+    trainer.add_callback(StepClock())
+    trainer.train()
+    lengths = [row["completions/mean_length"] for row in log_rows if "completions/mean_length" in row]
+    rewards = [row["reward"] for row in log_rows if "reward" in row]
+    for record, length, reward in zip(records, lengths, rewards, strict=False):
+        record.update(completion_length=length, reward=reward)
+    return dict(setup=setup_s, records=records,
+                n_params=sum(p.numel() for p in trainer.model.parameters()))
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+
+CLEAN = 0.1  # a timed step counts when other processes used under this fraction of the CPUs during it
+
+
+def timed(records: list[dict]) -> list[dict]:
+    """The timed steps that ran on a quiet machine, or all timed steps when none did."""
+    steps = [r for r in records if not r["warmup"]]
+    return [r for r in steps if r["others"] < CLEAN] or steps
+
+
+def stat(records: list[dict] | None, field: str, how: str) -> float | None:
+    """Median or minimum of `field` over the clean timed steps (see `timed`)."""
+    if records is None:
+        return None
+    values = [r.get(field, 0.0) for r in timed(records)]
+    if not values:
+        return float("nan")
+    return statistics.median(values) if how == "median" else min(values)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per side (median reported)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed first steps per side (JAX compiles here)")
+    parser.add_argument("--prompt-tokens", type=int, default=20, help="every prompt's length, BOS included")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch.set_num_threads")
+    parser.add_argument("--skip-trl", action="store_true", help="run our side only")
+    parser.add_argument("--bf16", action="store_true",
+                        help="bfloat16 compute on both sides (ours: model.dtype=bfloat16, float32 params; TRL: "
+                             "bf16=True autocast); the matmul baseline is then a bfloat16 one")
+    parser.add_argument("--remat", action="store_true",
+                        help="activation checkpointing on both sides (ours: model.remat=true; TRL: "
+                             "gradient_checkpointing=True, its default); off on both by default")
+    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra dotted config override for our side, e.g. model.remat=true (repeatable)")
+    parser.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
+                        help="before each timed step, wait up to S seconds for other processes to leave the CPUs "
+                             "idle (on a shared machine)")
+    args = parser.parse_args()
+    dtype = "bfloat16" if args.bf16 else "float32"
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's jaxrl_llm, installed or not
+
+    import jax
+    import torch
+    import transformers
+
+    versions = {"jax": jax.__version__, "torch": torch.__version__, "transformers": transformers.__version__}
+    try:
+        import trl
+
+        versions["trl"] = trl.__version__
+    except ImportError:
+        if not args.skip_trl:
+            raise SystemExit("TRL is not installed: pip install trl (or pass --skip-trl)") from None
+    print(f"python {platform.python_version()}, {os.cpu_count()} CPUs, " + ", ".join(f"{k} {v}"
+          for k, v in versions.items()) + f", JAX devices {jax.devices()}", flush=True)
+    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        model_dir, data, prompts = build_task(root, args.prompt_tokens)
+        dims = model_dims(model_dir)
+
+        wait_until_quiet(args.wait_quiet)
+        print(f"matmul baseline ({dtype} 1024^3, best of 50) ...", flush=True)
+        jax_mm = jax_matmul_flops(dtype)
+        print(f"  jax.jit matmul: {jax_mm / 1e9:.1f} GFLOP/s", flush=True)
+
+        print(f"ours: {PROMPTS_PER_STEP} prompts x G={GROUP}, {NEW_TOKENS} new tokens, beta={BETA}; warm-up "
+              "(the first step compiles)", flush=True)
+        overrides = [f"model.remat={str(args.remat).lower()}", *args.override]
+        runner = Ours(model_dir, data, root / "ours", args.bf16, args.wait_quiet, overrides)
+        for _ in range(args.warmup):
+            runner.step(warmup=True)
+        wait_until_quiet(args.wait_quiet)
+        jax_mm = max(jax_mm, jax_matmul_flops(dtype))  # again after compiling; the best of both counts
+        trl_res = None
+        if args.skip_trl:
+            for _ in range(args.steps):
+                runner.step(warmup=False)
+        else:
+            torch.set_num_threads(args.threads)
+            wait_until_quiet(args.wait_quiet)
+            torch_mm = torch_matmul_flops(dtype)
+            print(f"  torch matmul ({torch.get_num_threads()} threads): {torch_mm / 1e9:.1f} GFLOP/s", flush=True)
+            print("TRL warm-up, then TRL and ours in turn, one step each:", flush=True)
+            trl_res = run_trl(model_dir, prompts, root / "trl", args.warmup, args.steps, args.threads, args.bf16,
+                              args.remat, args.wait_quiet,
+                              lambda warmup: None if warmup else runner.step(warmup=False))
+        ours = dict(setup=runner.setup, records=runner.records, prompt_width=runner.prompt_width,
+                    n_params=runner.n_params)
+
+    rows = PROMPTS_PER_STEP * GROUP
+    o, t = ours["records"], (trl_res["records"] if trl_res else None)
+    o_len = stat(o, "completion_length", "median")
+    flops = update_flops(dims, rows, args.prompt_tokens, o_len)
+    print()
+    print(f"model: Qwen2-shaped, {ours['n_params'] / 1e6:.2f}M params (ours) / "
+          f"{(trl_res or ours)['n_params'] / 1e6:.2f}M (torch), prompts {args.prompt_tokens} tokens "
+          f"(ours padded to {ours['prompt_width']}), {rows} completions x {NEW_TOKENS} tokens per step")
+    print(f"set-up (load model, build trainer): ours {ours['setup']:.1f} s" +
+          (f", TRL {trl_res['setup']:.1f} s" if trl_res else ""))
+    print("warm-up steps (ours: include JAX compilation): ours " +
+          ", ".join(f"{r['step']:.2f}" for r in o if r["warmup"]) + " s" +
+          (", TRL " + ", ".join(f"{r['step']:.2f}" for r in t if r["warmup"]) + " s" if t else ""))
+    for name, recs in (("ours", o), ("TRL", t)):
+        if recs is None:
+            continue
+        steps = [r for r in recs if not r["warmup"]]
+        clean = [r for r in steps if r["others"] < CLEAN]
+        shares = ", ".join(f"{r['others']:.2f}" for r in steps)
+        print(f"{name}: {len(clean)} of {len(steps)} timed steps ran with other processes under {CLEAN:.0%} of the "
+              f"CPUs (others' share per step: {shares})" +
+              ("; statistics below use those steps only" if clean and len(clean) < len(steps) else "") +
+              ("; NONE did: the figures below are not trustworthy" if not clean else ""))
+    print()
+    header = (f"{'seconds per step':<33}{'ours med':>9}{'TRL med':>9}{'ratio':>7}"
+              f"{'ours min':>10}{'TRL min':>9}{'ratio':>7}")
+    print(header)
+    print("-" * len(header))
+
+    def line(label: str, field: str, fmt: str = ".3f") -> None:
+        cells = []
+        for how in ("median", "min"):
+            ov, tv = stat(o, field, how), stat(t, field, how)
+            ratio = f"{tv / ov:>7.2f}" if tv is not None and ov else f"{'':>7}"
+            cells.append(f"{ov:>{9 if how == 'median' else 10}{fmt}}" + (f"{tv:>9{fmt}}" if tv is not None
+                                                                          else f"{'-':>9}") + ratio)
+        print(f"{label:<33}" + "".join(cells))
+
+    line("step", "step")
+    line("  rollout (sampling + rewards)", "rollout")
+    line("    sampling (generate)", "sampling")
+    line("  update (ref + train + host)", "update")
+    line("    reference log-probs pass", "ref_pass")
+    line("    policy fwd+bwd+AdamW", "train")
+    line("mean completion length (tokens)", "completion_length", ".1f")
+    print()
+    print(f"update model FLOPs per step: {flops / 1e9:.2f} GFLOP "
+          f"(ref fwd + policy fwd/bwd over {rows} x ({args.prompt_tokens} + {o_len:.0f} - 1) positions)")
+    print(f"jitted {dtype} 1024^3 matmul: {jax_mm / 1e9:.1f} GFLOP/s" +
+          (f"; torch.mm ({args.threads} threads): {torch_mm / 1e9:.1f} GFLOP/s" if t else ""))
+    for how in ("median", "min"):
+        o_compute = stat(o, "ref_pass", how) + stat(o, "train", how)
+        text = (f"update FLOP/s / matmul FLOP/s ({how}): ours {flops / o_compute / jax_mm:.3f} "
+                f"(ref pass + train step, {flops / o_compute / 1e9:.1f} GFLOP/s), "
+                f"ours {flops / stat(o, 'update', how) / jax_mm:.3f} (whole trainer.update)")
+        if t:
+            t_update = stat(t, "update", how)
+            text += (f"; TRL {flops / t_update / jax_mm:.3f} of the JAX matmul, "
+                     f"{flops / t_update / torch_mm:.3f} of torch's")
+        print(text)
+    if t:
+        o_compute = stat(o, "ref_pass", "median") + stat(o, "train", "median")
+        print(f"\nRESULT: ours {stat(o, 'step', 'median'):.3f} s/step, TRL {stat(t, 'step', 'median'):.3f} s/step "
+              f"(medians): TRL/ours = {stat(t, 'step', 'median') / stat(o, 'step', 'median'):.2f}x "
+              f"(best steps: {stat(t, 'step', 'min') / stat(o, 'step', 'min'):.2f}x; target >= 3x); "
+              f"ours update at {flops / o_compute / jax_mm:.3f} of the jitted matmul's FLOP/s" +
+              ("" if all(r["others"] < CLEAN for r in timed(o) + timed(t)) else
+               " [NOT TRUSTWORTHY: other processes used the CPUs during these steps]"))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
