@@ -124,7 +124,7 @@ def requires_shared(path: Path) -> pytest.MarkDecorator:
     )
 
 
-def jit_vmap_agree(fn, *args) -> None:
+def assert_jit_vmap_agree(fn, *args) -> None:
     """``jit(fn)`` equals eager ``fn``; ``jit(vmap(fn))`` over 3 perturbed copies equals per-copy results."""
     jitted = jax.jit(fn)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), jitted(*args), fn(*args))

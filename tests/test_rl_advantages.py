@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import jit_vmap_agree as _jit_vmap_agree
+from conftest import assert_jit_vmap_agree
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -273,7 +273,7 @@ _M = jnp.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 1, 1, 0], [1, 1, 0, 0, 
     ],
 )
 def test_jit_and_vmap(fn, args):
-    _jit_vmap_agree(fn, *args)
+    assert_jit_vmap_agree(fn, *args)
 
 
 def test_gae_traced_gamma_lambda():

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import jit_vmap_agree as _jit_vmap_agree
+from conftest import assert_jit_vmap_agree
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from jax.test_util import check_grads
@@ -481,4 +481,4 @@ _VALS = jax.random.normal(_K[4], (2, 5))
     ],
 )
 def test_jit_and_vmap(fn, args):
-    _jit_vmap_agree(fn, *args)
+    assert_jit_vmap_agree(fn, *args)
