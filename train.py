@@ -38,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"train.py: {e}", file=sys.stderr)
         return 2
+    from jaxrl_llm.sharding import initialize_distributed
+
+    d = config.distributed
+    initialize_distributed(d.enabled, d.coordinator_address, d.num_processes, d.process_id, d.local_device_ids)
     if args.algo == "rm":
         from jaxrl_llm.reward_training import train_reward_model
 

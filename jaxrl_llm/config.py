@@ -130,6 +130,28 @@ class SFTSection:
 
 
 @dataclass
+class MeshSection:
+    """Device mesh (see `jaxrl_llm.sharding`): data * fsdp * tensor = all devices; one axis may be -1."""
+
+    data: int = -1  # data parallel: params replicated, batch split
+    fsdp: int = 1  # batch split, params and optimizer state sharded
+    tensor: int = 1  # attention heads and MLP columns split
+
+
+@dataclass
+class DistributedSection:
+    """Multi-host: `jax.distributed.initialize` before anything touches the devices. Empty fields are taken
+    from the environment (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, or what JAX detects
+    on SLURM, Open MPI and TPU pods); `enabled=false` and no such variables: one process."""
+
+    enabled: bool = False
+    coordinator_address: str = ""  # host:port of process 0
+    num_processes: int = 0
+    process_id: int = -1
+    local_device_ids: list[int] = field(default_factory=list)  # default: all local devices
+
+
+@dataclass
 class RunConfig:
     algo: str = "grpo"
     seed: int = 0
@@ -143,6 +165,8 @@ class RunConfig:
     ppo: PPOSection = field(default_factory=PPOSection)
     rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec()])
     optim: OptimSection = field(default_factory=OptimSection)
+    mesh: MeshSection = field(default_factory=MeshSection)
+    distributed: DistributedSection = field(default_factory=DistributedSection)
     log_every: int = 1
     sample_every: int = 10  # write sample completions with rewards every N steps
     eval_every: int = 0  # held-out greedy evaluation every N steps (0: only before and after)
@@ -195,6 +219,9 @@ def validate(c: RunConfig) -> None:
     )
     _choice(g.scale_rewards, "grpo.scale_rewards", ("group", "batch", "none"))
     _choice(c.optim.schedule, "optim.schedule", ("constant", "cosine", "linear"))
+    sizes = (c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
+    if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
+        raise ConfigError(f"mesh.data/fsdp/tensor = {sizes}: each is a positive size, and at most one is -1")
     if g.estimator:
         _choice(g.estimator, "grpo.estimator", ESTIMATORS)
     if g.group_size < 2 and c.algo in ("grpo", "rloo") and g.estimator != "reinforce_pp":

@@ -6,12 +6,14 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxrl_llm.data import PromptSet, bucket, left_pad
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params
 from jaxrl_llm.rewards import RewardFunction
 from jaxrl_llm.sampling import SampleOutput, SamplingConfig, sample
+from jaxrl_llm.sharding import to_host
 
 
 def decode_completions(tokenizer: Any, out: SampleOutput) -> list[str]:
@@ -41,6 +43,7 @@ def evaluate_greedy(
     *,
     batch_size: int = 256,
     limit: int | None = None,
+    mesh: Mesh | None = None,
 ) -> dict[str, float]:
     """`{"eval/accuracy", "eval/<reward>"}` over the first `limit` prompts, greedy decoding.
 
@@ -55,8 +58,8 @@ def evaluate_greedy(
         rows = [prompt_set.token_ids[i] for i in idx]
         rows += [rows[0]] * (min(batch_size, n) - len(rows))
         tokens, mask = left_pad(rows, width, sampling.pad_id)
-        out = sample(params, model_config, tokens, mask, jax.random.key(0), sampling)
-        out = SampleOutput(*[np.asarray(x)[: len(idx)] for x in out])
+        out = to_host(sample(params, model_config, tokens, mask, jax.random.key(0), sampling, mesh=mesh))
+        out = SampleOutput(*[x[: len(idx)] for x in out])
         records = [prompt_set.records[i] for i in idx]
         fields = reward_fields(records, out, sampling.max_new_tokens)
         scores.extend(fn([prompt_set.texts[i] for i in idx], decode_completions(tokenizer, out), **fields))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -19,16 +20,22 @@ def _plain(value: Any) -> Any:
 
 
 class RunLogger:
-    """Writes `metrics.jsonl`, `samples.jsonl` and TensorBoard events under `out_dir`; owns the progress bar."""
+    """Writes `metrics.jsonl`, `samples.jsonl` and TensorBoard events under `out_dir`; owns the progress bar.
+
+    In a multi-process run only process 0 writes (every process computes the same metrics)."""
 
     def __init__(self, out_dir: str | Path, *, total_steps: int, initial_step: int = 0,
                  tensorboard: bool = True, progress_bar: bool = True, desc: str = "train") -> None:
+        import jax
+
+        primary = jax.process_index() == 0
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.metrics_file = (self.out_dir / "metrics.jsonl").open("a")
-        self.samples_file = (self.out_dir / "samples.jsonl").open("a")
+        self.metrics_file = (self.out_dir / "metrics.jsonl").open("a") if primary else open(os.devnull, "w")  # noqa: SIM115
+        self.samples_file = (self.out_dir / "samples.jsonl").open("a") if primary else open(os.devnull, "w")  # noqa: SIM115
+        progress_bar = progress_bar and primary
         self.writer = None
-        if tensorboard:
+        if tensorboard and primary:
             from tensorboardX import SummaryWriter
 
             self.writer = SummaryWriter(str(self.out_dir / "tensorboard"))

@@ -24,11 +24,13 @@ loss_aggregation) are read from `config.grpo`; the PPO-only ones from `config.pp
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from jaxrl_llm.config import RunConfig
 from jaxrl_llm.data import DataState
@@ -38,6 +40,7 @@ from jaxrl_llm.rl.advantages import gae_advantages, masked_whiten
 from jaxrl_llm.rl.kl_control import KLControllerState, adaptive_kl_update, fixed_kl_update, init_kl_controller
 from jaxrl_llm.rl.logprobs import masked_mean
 from jaxrl_llm.rl.losses import KLEstimator, clipped_value_loss, explained_variance, kl_penalty, kl_shaped_token_rewards
+from jaxrl_llm.sharding import batch_sharding, global_array, init_optimizer_state, param_shardings, to_host
 from jaxrl_llm.train_step import Metrics, PolicyBatch, make_optimizer, make_train_step, policy_loss
 from jaxrl_llm.trainer import GRPOTrainer, Rollout, TrainingError
 
@@ -173,9 +176,11 @@ class PPOTrainer(GRPOTrainer):
         c, g, p = self.config, self.config.grpo, self.config.ppo
         # KL to the reference lives in the per-token reward, so the policy loss carries none.
         self.loss_config = dataclasses.replace(self.loss_config, beta=0.0)
-        self.train_step = make_train_step(self.mesh, loss_fn=policy_loss, model_config=self.model_config,
-                                          loss_config=self.loss_config, optimizer=self.optimizer,
-                                          grad_accum=g.grad_accum)
+        self.train_step = make_train_step(
+            self.mesh, loss_fn=policy_loss, model_config=self.model_config, loss_config=self.loss_config,
+            optimizer=self.optimizer, grad_accum=g.grad_accum, params_sharding=self.params_sharding,
+            opt_state_sharding=jax.tree.map(lambda x: x.sharding, self.opt_state),
+        )
         if p.kl_coef_init > 0 and self.ref_params is None:
             self.ref_params = jax.tree.map(jnp.copy, self.params)
         elif p.kl_coef_init == 0:
@@ -194,6 +199,9 @@ class PPOTrainer(GRPOTrainer):
         self.critic_optimizer, self.critic_schedule = make_optimizer(
             critic_optim, max(c.steps * self.updates_per_step, 1)
         )
+        critic_sharding = param_shardings(critic, self.mesh)
+        self.critic = jax.device_put(critic, critic_sharding)
+        self.critic_opt_state = init_optimizer_state(self.critic_optimizer, self.critic, critic_sharding, self.mesh)
         self.critic_step = make_train_step(
             self.mesh,
             loss_fn=critic_loss,
@@ -203,9 +211,9 @@ class PPOTrainer(GRPOTrainer):
             ),
             optimizer=self.critic_optimizer,
             grad_accum=g.grad_accum,
+            params_sharding=critic_sharding,
+            opt_state_sharding=jax.tree.map(lambda x: x.sharding, self.critic_opt_state),
         )
-        self.critic = jax.device_put(critic, self.replicated)
-        self.critic_opt_state = jax.device_put(self.critic_optimizer.init(self.critic), self.replicated)
         critic_config = self.critic_config
 
         def values_of(critic: CriticParams, pt: jax.Array, pm: jax.Array, ct: jax.Array, cm: jax.Array) -> jax.Array:
@@ -213,8 +221,8 @@ class PPOTrainer(GRPOTrainer):
 
         self.value_fn = jax.jit(
             values_of,
-            in_shardings=(self.replicated, *[self.batch_sharding] * 4),
-            out_shardings=self.batch_sharding,
+            in_shardings=(critic_sharding, *[batch_sharding(self.mesh)] * 4),
+            out_shardings=batch_sharding(self.mesh),
         )
         self.targets_fn = jax.jit(self._targets_and_metrics)
         self.kl_controller = init_kl_controller(p.kl_coef_init)
@@ -232,7 +240,7 @@ class PPOTrainer(GRPOTrainer):
 
     def _state(self) -> dict[str, Any]:
         return {**super()._state(), "critic": self.critic, "critic_opt_state": self.critic_opt_state,
-                "kl_coef": self.kl_controller.coef}
+                "kl_coef": global_array(np.asarray(self.kl_controller.coef), self.mesh, PartitionSpec())}
 
     def _restore(self) -> None:
         step = self.checkpointer.latest_step()
@@ -254,7 +262,7 @@ class PPOTrainer(GRPOTrainer):
     def update(self, ro: Rollout, key: jax.Array) -> dict[str, float]:
         """Values, KL-shaped token rewards, GAE; then `mu` epochs of (policy, critic) minibatch updates."""
         g, p = self.config.grpo, self.config.ppo
-        put = lambda x: jax.device_put(np.asarray(x), self.batch_sharding)  # noqa: E731
+        put = functools.partial(global_array, mesh=self.mesh)
         pt, pm, ct, cm = put(ro.prompt_tokens), put(ro.prompt_mask), put(ro.out.tokens), put(ro.out.mask)
         old_logp = put(np.asarray(ro.out.logprobs_untruncated, np.float32))
         ref_logp = self.ref_logprob_fn(self.ref_params, pt, pm, ct, cm) if self.ref_params is not None else old_logp
@@ -262,7 +270,7 @@ class PPOTrainer(GRPOTrainer):
         kl_coef = float(self.kl_controller.coef)
         targets, rollout_metrics = self.targets_fn(put(ro.rewards.astype(np.float32)), old_logp, ref_logp, values, cm,
                                                    self.kl_controller.coef)
-        to_np = lambda x: np.asarray(jax.device_get(x))  # noqa: E731
+        to_np = to_host
         policy_full = PolicyBatch(ro.prompt_tokens, ro.prompt_mask, ro.out.tokens, ro.out.mask, to_np(old_logp),
                                   to_np(ref_logp), to_np(targets.advantages))
         critic_full = CriticBatch(ro.prompt_tokens, ro.prompt_mask, ro.out.tokens, ro.out.mask, to_np(values),

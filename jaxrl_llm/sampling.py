@@ -67,6 +67,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, PartitionSpec
 
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import (
@@ -78,6 +79,7 @@ from jaxrl_llm.models.decoder import (
     rope_cos_sin,
     unembed,
 )
+from jaxrl_llm.sharding import BATCH_AXES, constrain, global_array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -540,7 +542,7 @@ def _prefill(
     return unembed(params, config, hidden[:, -1]).astype(jnp.float32), caches
 
 
-@functools.partial(jax.jit, static_argnames=("config", "static"))
+@functools.partial(jax.jit, static_argnames=("config", "static", "mesh"))
 def _sample_program(
     params: Params,
     prompt_tokens: jax.Array,
@@ -550,12 +552,20 @@ def _sample_program(
     *,
     config: ModelConfig,
     static: _Static,
+    mesh: Mesh | None = None,
 ) -> SampleOutput:
-    """Prefill + while-loop decode on bucketed inputs; outputs have `T_b = static.new_tokens` columns."""
+    """Prefill + while-loop decode on bucketed inputs; outputs have `T_b = static.new_tokens` columns.
+
+    On a `mesh`, rows are split over `("data", "fsdp")` and the caches' KV heads over `tensor`; the
+    per-layer token-step weights are gathered over `fsdp` once per call (kept split over `tensor`), not
+    on every token.
+    """
     n, new_tokens = static.n, static.new_tokens
     prompt_len = prompt_tokens.shape[1]
+    rows_spec = PartitionSpec(BATCH_AXES)
+    prompt_tokens, prompt_mask = constrain(prompt_tokens, mesh, rows_spec), constrain(prompt_mask, mesh, rows_spec)
     layer_params = split_layers(params, config)
-    weights = step_weights(layer_params, config)
+    weights = [_constrain_step_weights(w, mesh) for w in step_weights(layer_params, config)]
 
     # Prefill the B prompts once; the n samples of a prompt share it.
     logits, prompt_caches = _prefill(params, layer_params, config, prompt_tokens, prompt_mask)
@@ -566,7 +576,10 @@ def _sample_program(
     # The decode loop keeps its caches head-major, `[B*n, KVH, S, hd]` (see `decode_token`): transposed
     # here once per call, not by XLA inside every step.
     caches = jax.tree.map(
-        lambda c: jnp.pad(jnp.repeat(jnp.swapaxes(c, 1, 2), n, axis=0), ((0, 0), (0, 0), (0, new_tokens), (0, 0))),
+        lambda c: constrain(
+            jnp.pad(jnp.repeat(jnp.swapaxes(c, 1, 2), n, axis=0), ((0, 0), (0, 0), (0, new_tokens), (0, 0))),
+            mesh, PartitionSpec(BATCH_AXES, "tensor"),
+        ),
         prompt_caches,
     )
     rows = logits.shape[0]
@@ -627,7 +640,21 @@ def _sample_program(
     )
     tokens, logprobs, untruncated = outputs
     mask = (jnp.arange(new_tokens)[None, :] < length[:, None]).astype(jnp.int32)
-    return SampleOutput(tokens, mask, logprobs, untruncated, length, done)
+    out = SampleOutput(tokens, mask, logprobs, untruncated, length, done)
+    return jax.tree.map(lambda x: constrain(x, mesh, rows_spec), out)
+
+
+def _constrain_step_weights(w: StepWeights, mesh: Mesh | None) -> StepWeights:
+    """Token-step weights gathered over `fsdp` and split over `tensor` (columns of q|k|v and gate|up, rows
+    of o and down): each decode step then needs only the tensor-parallel reductions."""
+    if mesh is None:
+        return w
+    columns, rows, whole = PartitionSpec(None, "tensor"), PartitionSpec("tensor", None), PartitionSpec()
+    specs = StepWeights(attn_norm=whole, qkv=columns, qkv_bias=columns, q_norm=whole, k_norm=whole, o=rows,
+                        o_bias=whole, mlp_norm=whole, gate_up=columns, gate_up_bias=columns, down=rows,
+                        down_bias=whole)
+    return StepWeights(*[None if x is None else constrain(x, mesh, spec)
+                         for x, spec in zip(w, specs, strict=True)])
 
 
 # ------------------------------------------------------------------------------------------ host side
@@ -680,10 +707,15 @@ def _program_args(
     prompt_mask: Any,
     key: jax.Array,
     sampling: SamplingConfig,
+    mesh: Mesh | None = None,
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     tokens, mask = bucket_prompts(prompt_tokens, prompt_mask, sampling)
+    if mesh is not None:
+        # Every process holds the same host prompts; each device receives only its rows.
+        tokens, mask = global_array(tokens, mesh, PartitionSpec(BATCH_AXES)), global_array(
+            mask, mesh, PartitionSpec(BATCH_AXES))
     args = (params, tokens, mask, key, knobs_from_config(sampling))
-    return args, {"config": model_config, "static": _static_from_config(sampling)}
+    return args, {"config": model_config, "static": _static_from_config(sampling), "mesh": mesh}
 
 
 def sample(
@@ -693,14 +725,17 @@ def sample(
     prompt_mask: Any,
     key: jax.Array,
     sampling: SamplingConfig,
+    mesh: Mesh | None = None,
 ) -> SampleOutput:
     """Sample `sampling.n` completions for each prompt of a left-padded batch.
 
     `prompt_tokens, prompt_mask [B, P]` (numpy or jax; mask 1 = token, rows left-padded). `key` is a
     `jax.random.key`: the same key gives the same tokens, so a trainer folds a fresh one per step. Returns a
     `SampleOutput` with `B * n` prompt-major rows and exactly `sampling.max_new_tokens` columns.
+    With a `mesh` (and `params` placed by `jaxrl_llm.sharding`), the batch is split over its `data` and
+    `fsdp` axes and the KV cache's heads over `tensor`; the tokens are the same as on one device.
     """
-    args, static = _program_args(params, model_config, prompt_tokens, prompt_mask, key, sampling)
+    args, static = _program_args(params, model_config, prompt_tokens, prompt_mask, key, sampling, mesh)
     return _trim(_sample_program(*args, **static), sampling.max_new_tokens)
 
 
@@ -723,6 +758,7 @@ def compile_sampler(
     prompt_mask: Any,
     key: jax.Array,
     sampling: SamplingConfig,
+    mesh: Mesh | None = None,
 ) -> Callable[[Params, Any, Any, jax.Array], SampleOutput]:
     """Compile (ahead of time, without running) the program `sample` would use for these inputs.
 
@@ -730,11 +766,11 @@ def compile_sampler(
     program for any inputs of the same buckets and `sampling`, so callers can time compilation apart from
     generation (the CLI and the benchmark do).
     """
-    args, static = _program_args(params, model_config, prompt_tokens, prompt_mask, key, sampling)
+    args, static = _program_args(params, model_config, prompt_tokens, prompt_mask, key, sampling, mesh)
     compiled = _sample_program.lower(*args, **static).compile()
 
     def run(params: Params, prompt_tokens: Any, prompt_mask: Any, key: jax.Array) -> SampleOutput:
-        args, _ = _program_args(params, model_config, prompt_tokens, prompt_mask, key, sampling)
+        args, _ = _program_args(params, model_config, prompt_tokens, prompt_mask, key, sampling, mesh)
         return _trim(compiled(*args), sampling.max_new_tokens)
 
     return run

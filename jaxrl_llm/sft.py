@@ -13,7 +13,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl_llm.config import RunConfig, to_yaml
 from jaxrl_llm.data import (
@@ -34,7 +33,8 @@ from jaxrl_llm.models.decoder import Params, init_params
 from jaxrl_llm.models.hf import config_from_hf, load_hf_model, resolve_model_dir, save_hf_model
 from jaxrl_llm.rewards import resolve_reward
 from jaxrl_llm.sampling import SamplingConfig
-from jaxrl_llm.train_step import PolicyBatch, PolicyLossConfig, data_mesh, make_optimizer, make_train_step, sft_loss
+from jaxrl_llm.sharding import MeshShape, global_array, init_optimizer_state, make_mesh, param_shardings, to_host
+from jaxrl_llm.train_step import PolicyBatch, PolicyLossConfig, make_optimizer, make_train_step, sft_loss
 
 
 def _tokenizer_for_scratch(spec: str, out_dir: Path) -> tuple[Any, Path]:
@@ -94,20 +94,20 @@ def train_sft(c: RunConfig) -> dict[str, Any]:
     greedy = SamplingConfig(max_new_tokens=c.sampling.max_new_tokens, greedy=True, eos_ids=eos, pad_id=pad_id,
                             prompt_bucket=16, new_tokens_bucket=16)
 
-    mesh = data_mesh()
+    mesh = make_mesh(MeshShape(c.mesh.data, c.mesh.fsdp, c.mesh.tensor))
+    params_sharding = param_shardings(params, mesh)
+    params = jax.device_put(params, params_sharding)
     optimizer, schedule = make_optimizer(c.optim, max(c.steps, 1))
+    opt_state = init_optimizer_state(optimizer, params, params_sharding, mesh)
     step_fn = make_train_step(mesh, loss_fn=sft_loss, model_config=model_config,
-                              loss_config=PolicyLossConfig(), optimizer=optimizer)
-    replicated = NamedSharding(mesh, PartitionSpec())
-    batch_sharding = NamedSharding(mesh, PartitionSpec("data"))
-    params = jax.device_put(params, replicated)
-    opt_state = jax.device_put(optimizer.init(params), replicated)
+                              loss_config=PolicyLossConfig(), optimizer=optimizer, params_sharding=params_sharding,
+                              opt_state_sharding=jax.tree.map(lambda x: x.sharding, opt_state))
 
     def evaluate() -> dict[str, float]:
         if evals is None:
             return {}
         return evaluate_greedy(params, model_config, tokenizer, evals, reward, greedy,
-                               batch_size=c.sft.eval_batch_size, limit=c.eval_size or None)
+                               batch_size=c.sft.eval_batch_size, limit=c.eval_size or None, mesh=mesh)
 
     logger = RunLogger(out_dir, total_steps=c.steps, tensorboard=c.tensorboard, progress_bar=c.progress_bar,
                        desc="sft")
@@ -121,7 +121,7 @@ def train_sft(c: RunConfig) -> dict[str, Any]:
             pt, pm, ct, cm = completion_arrays(train, indices, tokenizer, c.data.answer_field, eos[0], pad_id)
             zeros = np.zeros(ct.shape, np.float32)
             batch = PolicyBatch(pt, pm, ct, cm, zeros, zeros, np.zeros(len(pt), np.float32))
-            batch = jax.device_put(batch, batch_sharding)
+            batch = jax.tree.map(lambda x: global_array(x, mesh), batch)
             params, opt_state, metrics = step_fn(params, opt_state, batch)
             metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
             metrics.update({"learning_rate": float(schedule(step - 1)), "time/step": time.perf_counter() - t0})
@@ -137,5 +137,7 @@ def train_sft(c: RunConfig) -> dict[str, Any]:
     summary: dict[str, Any] = {"after": evaluate()}
     if c.export:
         export_dir = Path(c.export_dir or out_dir / "hf")
-        summary["export"] = str(save_hf_model(params, model_config, export_dir, tokenizer_dir=tok_dir))
+        host_params = to_host(params)
+        if jax.process_index() == 0:
+            summary["export"] = str(save_hf_model(host_params, model_config, export_dir, tokenizer_dir=tok_dir))
     return summary

@@ -1,8 +1,9 @@
 """Loss composition -> gradients -> optax update, as one jitted, data-parallel function.
 
-`make_train_step` returns `step(params, opt_state, batch) -> (params, opt_state, metrics)`, jitted with the
-batch split over the `data` axis of a device mesh and params / optimizer state replicated (and donated):
-`jax.jit` inserts the gradient all-reduce, which is the design card's "pmapped train_step" in current JAX.
+`make_train_step` returns `step(params, opt_state, batch) -> (params, opt_state, metrics)`, jitted on a
+`(data, fsdp, tensor)` device mesh (`jaxrl_llm.sharding`): the batch split over `data` x `fsdp`, params and
+optimizer state placed by the partition rules (and donated). `jax.jit` inserts the gradient all-reduce and
+the FSDP / tensor-parallel collectives: the design card's "pmapped train_step" in current JAX.
 Gradient accumulation runs the micro-batches in a `lax.scan` inside the same jit; each micro-batch's loss is
 normalised by the *whole* minibatch's token (or sequence) count, so the summed gradient equals the
 full-batch gradient and token-mean is over the global token count however the batch is split.
@@ -17,7 +18,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -26,6 +26,7 @@ from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params, forward, unembed
 from jaxrl_llm.rl.logprobs import token_logprobs, token_logprobs_and_entropy
 from jaxrl_llm.rl.losses import clipped_policy_loss
+from jaxrl_llm.sharding import batch_sharding
 
 Metrics = dict[str, jax.Array]
 
@@ -173,14 +174,11 @@ def make_optimizer(cfg: OptimSection, total_updates: int) -> tuple[optax.Gradien
     return optax.apply_if_finite(optax.chain(*chain), max_consecutive_errors=1_000_000), schedule
 
 
-def data_mesh(devices: list[Any] | None = None) -> Mesh:
-    """A 1-D mesh named `data` over the local devices."""
-    return Mesh(np.asarray(devices or jax.devices()), ("data",))
-
-
-def _combine_metrics(stacked: Metrics) -> Metrics:
-    """Reduce per-micro-batch metrics `[A]`: min/max for extrema, sum for losses (already normalised by
-    the global count), mean otherwise."""
+def _combine_metrics(stacked: Metrics, micro_tokens: jax.Array) -> Metrics:
+    """Reduce per-micro-batch metrics `[A]`: min/max for extrema, sum for losses (already normalised by the
+    global count), and otherwise the token-weighted mean (the metrics are masked means over each
+    micro-batch's tokens), so they equal the whole minibatch's value however it is split."""
+    weights = micro_tokens / jnp.maximum(micro_tokens.sum(), 1.0)
     out = {}
     for name, values in stacked.items():
         if name.endswith("/min"):
@@ -190,7 +188,7 @@ def _combine_metrics(stacked: Metrics) -> Metrics:
         elif name.endswith("loss"):
             out[name] = values.sum()
         else:
-            out[name] = values.mean()
+            out[name] = (values * weights).sum()
     return out
 
 
@@ -226,9 +224,10 @@ def train_step(
         return jax.tree.map(jnp.add, grads, g), (loss, metrics)
 
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-    grads, (losses, metrics) = jax.lax.scan(accumulate, zeros, jax.tree.map(split, batch))
+    micro_batches = jax.tree.map(split, batch)
+    grads, (losses, metrics) = jax.lax.scan(accumulate, zeros, micro_batches)
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-    metrics = _combine_metrics(metrics)
+    metrics = _combine_metrics(metrics, micro_batches.completion_mask.sum(axis=(1, 2)).astype(jnp.float32))
     metrics["loss"] = losses.sum()
     metrics["grad_norm"] = optax.tree.norm(grads)
     updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -245,10 +244,17 @@ def make_train_step(
     loss_config: PolicyLossConfig,
     optimizer: optax.GradientTransformation,
     grad_accum: int = 1,
+    params_sharding: Any = None,
+    opt_state_sharding: Any = None,
 ) -> Callable[[Params, optax.OptState, PolicyBatch], tuple[Params, optax.OptState, Metrics]]:
-    """`train_step` jitted over `mesh`: batch sharded on `data`, params/optimizer state replicated, donated."""
+    """`train_step` jitted over `mesh`, params and optimizer state donated.
+
+    The batch is split over `("data", "fsdp")`; params and optimizer state are placed by
+    `params_sharding` / `opt_state_sharding` (pytrees of `NamedSharding`, from `jaxrl_llm.sharding`), or
+    replicated when not given. XLA inserts the gradient reductions (all-reduce over `data`, reduce-scatter
+    over `fsdp`) and the tensor-parallel collectives.
+    """
     replicated = NamedSharding(mesh, PartitionSpec())
-    batch_sharding = NamedSharding(mesh, PartitionSpec("data"))
     step = functools.partial(
         train_step,
         loss_fn=loss_fn,
@@ -257,21 +263,25 @@ def make_train_step(
         optimizer=optimizer,
         grad_accum=grad_accum,
     )
+    params_sharding = replicated if params_sharding is None else params_sharding
+    opt_state_sharding = replicated if opt_state_sharding is None else opt_state_sharding
     return jax.jit(
         step,
-        in_shardings=(replicated, replicated, batch_sharding),
-        out_shardings=(replicated, replicated, replicated),
+        in_shardings=(params_sharding, opt_state_sharding, batch_sharding(mesh)),
+        out_shardings=(params_sharding, opt_state_sharding, replicated),
         donate_argnums=(0, 1),
     )
 
 
-def make_logprob_fn(mesh: Mesh, model_config: ModelConfig, temperature: float) -> Callable[..., jax.Array]:
+def make_logprob_fn(
+    mesh: Mesh, model_config: ModelConfig, temperature: float, params_sharding: Any = None
+) -> Callable[..., jax.Array]:
     """Jitted `(params, prompt_tokens, prompt_mask, completion_tokens, completion_mask) -> logp [N, T]`
-    (the reference model's pass), batch sharded on `data`."""
-    replicated = NamedSharding(mesh, PartitionSpec())
-    batch_sharding = NamedSharding(mesh, PartitionSpec("data"))
+    (the reference model's pass), batch split over `("data", "fsdp")`."""
+    params_sharding = NamedSharding(mesh, PartitionSpec()) if params_sharding is None else params_sharding
+    rows = batch_sharding(mesh)
 
     def fn(params: Params, pt: jax.Array, pm: jax.Array, ct: jax.Array, cm: jax.Array) -> jax.Array:
         return completion_logprobs(params, model_config, pt, pm, ct, cm, temperature=temperature)[0]
 
-    return jax.jit(fn, in_shardings=(replicated, *[batch_sharding] * 4), out_shardings=batch_sharding)
+    return jax.jit(fn, in_shardings=(params_sharding, *[rows] * 4), out_shardings=rows)

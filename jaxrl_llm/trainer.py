@@ -39,10 +39,19 @@ from jaxrl_llm.models.hf import load_hf_model, resolve_model_dir, save_hf_model
 from jaxrl_llm.rewards import RewardFunction, compute_rewards, resolve_reward
 from jaxrl_llm.rl.estimators import kl_in_reward, rollout_advantages
 from jaxrl_llm.sampling import SampleOutput, SamplingConfig, sample
+from jaxrl_llm.sharding import (
+    MeshShape,
+    batch_divisor,
+    global_array,
+    init_optimizer_state,
+    make_mesh,
+    optimizer_state_shardings,
+    process_rows,
+    to_host,
+)
 from jaxrl_llm.train_step import (
     PolicyBatch,
     PolicyLossConfig,
-    data_mesh,
     make_logprob_fn,
     make_optimizer,
     make_train_step,
@@ -78,9 +87,13 @@ class GRPOTrainer:
         (self.out_dir / "config.yaml").write_text(to_yaml(c))
 
         self.model_dir = resolve_model_dir(c.model.path)
-        self.model_config, params = load_hf_model(
-            self.model_dir, dtype=c.model.dtype, param_dtype=c.model.param_dtype, remat=c.model.remat
+        self.mesh = make_mesh(MeshShape(c.mesh.data, c.mesh.fsdp, c.mesh.tensor))
+        # Each device reads only its shards of the checkpoint.
+        self.model_config, self.params = load_hf_model(
+            self.model_dir, mesh=self.mesh, dtype=c.model.dtype, param_dtype=c.model.param_dtype,
+            remat=c.model.remat,
         )
+        self.params_sharding = jax.tree.map(lambda x: x.sharding, self.params)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_ids = eos_token_ids(self.model_dir, self.tokenizer)
         self.pad_id = int(self.tokenizer.pad_token_id)
@@ -93,14 +106,13 @@ class GRPOTrainer:
             self.reward_fns.append((name, resolve_reward(spec.name, dict(spec.kwargs)), spec.weight))
 
         g = c.grpo
-        self.mesh = data_mesh()
-        n_dev = self.mesh.devices.size
+        n_dev = batch_divisor(self.mesh)
         self.rollout_size = g.prompts_per_step * g.group_size
         self.minibatch_size = g.minibatch_size or self.rollout_size
         if (self.minibatch_size // g.grad_accum) % n_dev:
             raise TrainingError(
                 f"the micro-batch (grpo.minibatch_size / grpo.grad_accum = {self.minibatch_size} / {g.grad_accum})"
-                f" must be divisible by the number of devices ({n_dev}) for the data-parallel step"
+                f" must be divisible by mesh.data * mesh.fsdp ({n_dev}) for the data-parallel step"
             )
         self.updates_per_step = g.mu * (self.rollout_size // self.minibatch_size)
         self.optimizer, self.schedule = make_optimizer(c.optim, max(c.steps * self.updates_per_step, 1))
@@ -128,14 +140,17 @@ class GRPOTrainer:
             loss_config=self.loss_config,
             optimizer=self.optimizer,
             grad_accum=g.grad_accum,
+            params_sharding=self.params_sharding,
+            opt_state_sharding=optimizer_state_shardings(
+                self.optimizer, jax.eval_shape(self.optimizer.init, self.params), self.params_sharding, self.mesh
+            ),
         )
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
-        self.batch_sharding = NamedSharding(self.mesh, PartitionSpec("data"))
-        self.params = jax.device_put(params, self.replicated)
         # The reference policy is a frozen copy, only needed when the KL term is on.
         self.ref_params = jax.tree.map(jnp.copy, self.params) if g.beta > 0 else None
-        self.ref_logprob_fn = make_logprob_fn(self.mesh, self.model_config, c.sampling.temperature)
-        self.opt_state = jax.device_put(self.optimizer.init(self.params), self.replicated)
+        self.ref_logprob_fn = make_logprob_fn(self.mesh, self.model_config, c.sampling.temperature,
+                                              self.params_sharding)
+        self.opt_state = init_optimizer_state(self.optimizer, self.params, self.params_sharding, self.mesh)
         self.root_key = jax.random.key(c.seed)
         self.step = 0
         self.data_state = DataState()
@@ -150,7 +165,9 @@ class GRPOTrainer:
         return build_prompt_set(records, label, self.config.data, self.tokenizer)
 
     def _state(self) -> dict[str, Any]:
-        return {"params": self.params, "opt_state": self.opt_state, "key": jax.random.key_data(self.root_key)}
+        # Host-side values are saved as replicated global arrays (what orbax needs with several processes).
+        key = global_array(np.asarray(jax.random.key_data(self.root_key)), self.mesh, PartitionSpec())
+        return {"params": self.params, "opt_state": self.opt_state, "key": key}
 
     def _restore(self) -> None:
         step = self.checkpointer.latest_step()
@@ -196,16 +213,29 @@ class GRPOTrainer:
         """Sample G completions for each prompt and score them."""
         g = self.config.grpo.group_size
         tokens, mask = self._prompt_arrays(self.train_set, indices)
-        out = sample(self.params, self.model_config, tokens, mask, key, self.sampling_config(n=g))
-        out = jax.tree.map(np.asarray, out)
+        out = to_host(sample(self.params, self.model_config, tokens, mask, key, self.sampling_config(n=g),
+                             mesh=self.mesh))
         completions = decode_completions(self.tokenizer, out)
         records = [self.train_set.records[i] for i in indices for _ in range(g)]
         prompts = [self.train_set.texts[i] for i in indices for _ in range(g)]
-        rewards, each = compute_rewards(
-            self.reward_fns, prompts, completions, reward_fields(records, out, self.config.sampling.max_new_tokens)
-        )
+        rewards, each = self._rewards(records, prompts, completions, out)
         return Rollout(np.repeat(tokens, g, axis=0), np.repeat(mask, g, axis=0), out, rewards, each,
                        completions, indices)
+
+    def _rewards(self, records: list[dict[str, Any]], prompts: list[str], completions: list[str],
+                 out: SampleOutput) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Rewards of every row; with several processes each scores only its own share of the rows (whole
+        groups), and the scores are then all-gathered."""
+        mine = process_rows(len(prompts)) if jax.process_count() > 1 else slice(None)
+        local = jax.tree.map(lambda x: np.asarray(x)[mine], out)
+        rewards, each = compute_rewards(self.reward_fns, prompts[mine], completions[mine],
+                                        reward_fields(records[mine], local, self.config.sampling.max_new_tokens))
+        if jax.process_count() == 1:
+            return rewards, each
+        from jax.experimental import multihost_utils
+
+        gathered = multihost_utils.process_allgather((rewards, each), tiled=True)
+        return np.asarray(gathered[0]), {k: np.asarray(v) for k, v in gathered[1].items()}
 
     def collect(self, key: jax.Array) -> tuple[Rollout, int]:
         """One rollout of P prompts; with dynamic sampling (DAPO), groups whose rewards are all equal are
@@ -266,24 +296,23 @@ class GRPOTrainer:
         name, fn, _ = self.reward_fns[0]
         return evaluate_greedy(self.params, self.model_config, self.tokenizer, self.eval_set, (name, fn),
                                self.sampling_config(greedy=True), batch_size=self.config.eval_batch_size,
-                               limit=limit)
+                               limit=limit, mesh=self.mesh)
 
     def update(self, ro: Rollout, key: jax.Array) -> dict[str, float]:
         """Advantages, reference log-probs and `mu` passes of minibatch updates over the rollout."""
         g = self.config.grpo
-        put = lambda x: jax.device_put(np.asarray(x), self.batch_sharding)  # noqa: E731
+        put = functools.partial(global_array, mesh=self.mesh)
         pt, pm, ct, cm = put(ro.prompt_tokens), put(ro.prompt_mask), put(ro.out.tokens), put(ro.out.mask)
         if self.ref_params is not None:
-            ref_logp = self.ref_logprob_fn(self.ref_params, pt, pm, ct, cm)
+            ref_logp = to_host(self.ref_logprob_fn(self.ref_params, pt, pm, ct, cm))
         else:
-            ref_logp = jnp.zeros(ro.out.tokens.shape, jnp.float32)
+            ref_logp = np.zeros(ro.out.tokens.shape, np.float32)
         old_logp = np.asarray(ro.out.logprobs_untruncated)
         advantages = self.advantage_fn(jnp.asarray(ro.rewards), jnp.asarray(ro.out.mask), jnp.asarray(old_logp),
                                        jnp.asarray(ref_logp))
         full = PolicyBatch(
             np.asarray(ro.prompt_tokens), np.asarray(ro.prompt_mask), np.asarray(ro.out.tokens),
-            np.asarray(ro.out.mask), old_logp, np.asarray(ref_logp),
-            np.asarray(advantages),
+            np.asarray(ro.out.mask), old_logp, ref_logp, np.asarray(advantages),
         )
         history: list[dict[str, jax.Array]] = []
         for epoch in range(g.mu):
@@ -301,7 +330,7 @@ class GRPOTrainer:
         merged["update_skipped"] = float(np.sum([h["update_skipped"] for h in history]))
         merged["last_update_skipped"] = float(history[-1]["update_skipped"])
         mask = np.asarray(ro.out.mask, bool)
-        merged["advantages/abs_mean"] = float(np.abs(np.asarray(advantages))[mask].mean()) if mask.any() else 0.0
+        merged["advantages/abs_mean"] = float(np.abs(full.advantages)[mask].mean()) if mask.any() else 0.0
         return merged
 
     # ------------------------------------------------------------------------------------------ the loop
@@ -370,8 +399,10 @@ class GRPOTrainer:
             logger_final.log(self.step, summary["after"])
             logger_final.close()
         if c.export:
-            summary["export"] = str(save_hf_model(self.params, self.model_config, self.out_dir / "hf",
-                                                  tokenizer_dir=self.model_dir))
+            params = to_host(self.params)  # gathered on every process; the first one writes
+            if jax.process_index() == 0:
+                summary["export"] = str(save_hf_model(params, self.model_config, self.out_dir / "hf",
+                                                      tokenizer_dir=self.model_dir))
         return summary
 
     def _rollout_metrics(self, ro: Rollout, refills: int) -> dict[str, float]:

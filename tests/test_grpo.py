@@ -18,7 +18,8 @@ from conftest import GSM8K, STORIES260K, TINY, requires_shared
 from jaxrl_llm.config import load_run_config
 from jaxrl_llm.models.decoder import init_params
 from jaxrl_llm.models.hf import config_from_hf, save_hf_model
-from jaxrl_llm.train_step import PolicyBatch, PolicyLossConfig, data_mesh, make_optimizer, make_train_step, policy_loss
+from jaxrl_llm.sharding import make_mesh
+from jaxrl_llm.train_step import PolicyBatch, PolicyLossConfig, make_optimizer, make_train_step, policy_loss
 from jaxrl_llm.trainer import GRPOTrainer, TrainingError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,7 +117,7 @@ def test_mu_greater_than_one_moves_the_ratio_and_clipping_bites():
     old = completion_logprobs(params, config, pt, pm, ct, cm)[0]
     batch = PolicyBatch(pt, pm, ct, cm, old, jnp.zeros_like(old), adv)
     optimizer, _ = make_optimizer(OptimSection(learning_rate=0.05, max_grad_norm=0.0), 10)
-    step = make_train_step(data_mesh(), loss_fn=policy_loss, model_config=config,
+    step = make_train_step(make_mesh(), loss_fn=policy_loss, model_config=config,
                            loss_config=PolicyLossConfig(epsilon_low=0.1, epsilon_high=0.1), optimizer=optimizer)
     opt_state = optimizer.init(params)
     params, opt_state, m1 = step(params, opt_state, batch)
@@ -135,6 +136,7 @@ from jaxrl_llm.config import OptimSection
 from jaxrl_llm.models.hf import config_from_hf
 from jaxrl_llm.models.decoder import init_params
 from jaxrl_llm.train_step import *
+from jaxrl_llm.sharding import make_mesh
 config = config_from_hf({**TINY, "vocab_size": 19})
 params = init_params(config, jax.random.key(1))
 pt, pm, ct, cm, adv = _fixed_batch(config, n=8)
@@ -144,7 +146,7 @@ results = {}
 for name, devices, accum in (("one", jax.devices()[:1], 1), ("four", jax.devices(), 1),
                              ("four_accum", jax.devices(), 2)):
     optimizer, _ = make_optimizer(OptimSection(learning_rate=1e-2), 10)
-    step = make_train_step(data_mesh(devices), loss_fn=policy_loss, model_config=config,
+    step = make_train_step(make_mesh(devices=devices), loss_fn=policy_loss, model_config=config,
                            loss_config=PolicyLossConfig(beta=0.1), optimizer=optimizer, grad_accum=accum)
     p = jax.tree.map(jnp.copy, params)
     new, _, m = step(p, optimizer.init(p), batch)

@@ -243,3 +243,18 @@ def test_mismatched_tensor_is_named(hf_model_dir, tmp_path):
     save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ConversionError, match=r"'model\.layers\.0\.self_attn\.k_proj\.weight' has shape \[8, 32\]"):
         load_hf_model(model_dir)
+
+
+def test_bfloat16_checkpoint_loads(tmp_path):
+    """A checkpoint stored in bfloat16 (how most released models ship) loads: each tensor equals torch's
+    bfloat16 values, in float32 or kept in bfloat16."""
+    import torch
+
+    model = make_hf_model("qwen2").to(torch.bfloat16)
+    model.save_pretrained(tmp_path)
+    want = model.model.layers[1].self_attn.q_proj.weight.detach().float().numpy().T
+    _, params32 = load_hf_model(tmp_path, param_dtype="float32")
+    _, params16 = load_hf_model(tmp_path, param_dtype="bfloat16")
+    np.testing.assert_array_equal(np.asarray(params32["layers"]["attn"]["q"]["kernel"][1]), want)
+    assert params16["layers"]["attn"]["q"]["kernel"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(params16["layers"]["attn"]["q"]["kernel"][1], np.float32), want)

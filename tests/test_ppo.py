@@ -31,7 +31,8 @@ from jaxrl_llm.ppo import (
     rollout_value_metrics,
 )
 from jaxrl_llm.rl.kl_control import init_kl_controller
-from jaxrl_llm.train_step import data_mesh, make_optimizer, make_train_step
+from jaxrl_llm.sharding import make_mesh
+from jaxrl_llm.train_step import make_optimizer, make_train_step
 
 ROOT = Path(__file__).resolve().parents[1]
 values_jit = jax.jit(critic_values, static_argnums=1)
@@ -167,7 +168,7 @@ def test_critic_step_moves_values_toward_returns():
     returns = np.where(cm > 0, np.random.default_rng(3).uniform(0.0, 1.0, ct.shape), 0.0).astype(np.float32)
     old_values = np.zeros(ct.shape, np.float32)
     optimizer, _ = make_optimizer(OptimSection(learning_rate=3e-3), 20)
-    step = make_train_step(data_mesh(), loss_fn=critic_loss, model_config=config,
+    step = make_train_step(make_mesh(), loss_fn=critic_loss, model_config=config,
                            loss_config=ValueLossConfig(clip_range=0.2), optimizer=optimizer,  # type: ignore[arg-type]
                            grad_accum=2)
     opt_state = optimizer.init(critic)

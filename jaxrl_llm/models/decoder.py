@@ -124,15 +124,33 @@ class RMSNorm(nn.Module):
         return scale.astype(self.dtype) * normed.astype(self.dtype)
 
 
-def _dense(config: ModelConfig, features: int, use_bias: bool, name: str) -> nn.Dense:
-    return nn.Dense(
-        features,
-        use_bias=use_bias,
-        dtype=config.jnp_dtype,
-        param_dtype=config.jnp_param_dtype,
-        kernel_init=nn.initializers.normal(config.initializer_range),
-        name=name,
-    )
+class Dense(nn.Module):
+    """`y = x @ kernel (+ bias)` over the last axis, with `x` flattened to 2-D around the matmul.
+
+    Same parameters as `flax.linen.Dense` (`kernel [D_in, D_out]`, `bias [D_out]`). Flattening `[B, T, D]`
+    to `[B * T, D]` lets XLA:CPU use one plain GEMM for the weight gradient instead of a batched contraction
+    with transposes (measured: the GRPO train step 2.0-2.4 s -> 1.4 s on the bench model).
+    """
+
+    features: int
+    use_bias: bool
+    dtype: jnp.dtype
+    param_dtype: jnp.dtype
+    init_std: float
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.param("kernel", nn.initializers.normal(self.init_std), (x.shape[-1], self.features),
+                            self.param_dtype)
+        flat = x.reshape(-1, x.shape[-1]).astype(self.dtype)
+        y = jnp.dot(flat, kernel.astype(self.dtype))
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype).astype(self.dtype)
+        return y.reshape(*x.shape[:-1], self.features)
+
+
+def _dense(config: ModelConfig, features: int, use_bias: bool, name: str) -> Dense:
+    return Dense(features, use_bias, config.jnp_dtype, config.jnp_param_dtype, config.initializer_range, name=name)
 
 
 def _norm(config: ModelConfig, name: str) -> RMSNorm:

@@ -26,11 +26,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import SUPPORTED_ROPE_SCALING, Params, param_shapes
+from jaxrl_llm.sharding import param_spec
+
+# safetensors' "numpy" framework cannot read bfloat16 (most released checkpoints); its "flax" one can, and
+# slices are read into host memory so a shard never passes through an accelerator it does not belong to.
+_HOST = jax.local_devices(backend="cpu")[0]
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -259,8 +265,8 @@ def read_tensor(path_or_id: str | os.PathLike[str], name: str) -> np.ndarray:
     index = _safetensors_index(model_dir)
     if name not in index:
         raise ConversionError(f"tensor {name!r} is missing from the checkpoint in {model_dir}")
-    with safe_open(index[name], framework="numpy") as f:
-        return f.get_tensor(name)
+    with safe_open(index[name], framework="flax") as f, jax.default_device(_HOST):
+        return np.asarray(f.get_tensor(name))
 
 
 def _safetensors_index(model_dir: Path) -> dict[str, Path]:
@@ -283,11 +289,14 @@ def _safetensors_index(model_dir: Path) -> dict[str, Path]:
 
 
 def load_hf_model(
-    path_or_id: str | os.PathLike[str], **config_overrides: Any
+    path_or_id: str | os.PathLike[str], *, mesh: Mesh | None = None, **config_overrides: Any
 ) -> tuple[ModelConfig, Params]:
     """Load a HF causal-LM directory (or hub id) as `(ModelConfig, params)` in `param_dtype`.
 
     `config_overrides` sets `ModelConfig` fields such as `param_dtype="bfloat16"`, `dtype`, `remat`.
+    With a `mesh`, every parameter is created straight into its shards (`jaxrl_llm.sharding` rules): each
+    device's slice is read from the safetensors files on its own, so no device (and no host buffer) ever
+    holds a full copy of a sharded tensor. Without one, parameters go to the default device.
     Errors name the missing, unexpected or mis-shaped tensor.
     """
     model_dir = resolve_model_dir(path_or_id)
@@ -299,32 +308,51 @@ def load_hf_model(
     with contextlib.ExitStack() as stack:
         handles: dict[Path, Any] = {}
 
-        def read(name: str) -> np.ndarray:
+        def handle(name: str) -> Any:
             if name not in index:
                 raise ConversionError(f"tensor {name!r} is missing from the checkpoint in {model_dir}")
             file = index[name]
             if file not in handles:
-                handles[file] = stack.enter_context(safe_open(file, framework="numpy"))
+                handles[file] = stack.enter_context(safe_open(file, framework="flax"))
             used.add(name)
-            return handles[file].get_tensor(name)
+            return handles[file]
+
+        def check_shape(path: tuple[str, ...], name: str, expected_shape: tuple[int, ...]) -> None:
+            got = tuple(handle(name).get_slice(name).get_shape())
+            want = expected_shape[::-1] if _is_kernel(path) else expected_shape
+            if got != tuple(want):
+                raise ConversionError(f"tensor {name!r} has shape {list(got)}, expected {list(want)} from config.json")
+
+        def read_block(path: tuple[str, ...], name: str, index: tuple[slice, ...], dtype: Any) -> np.ndarray:
+            """Our `[..., in, out]` block `index` of HF tensor `name` (kernels are stored `[out, in]`)."""
+            hf_slice = handle(name).get_slice(name)
+            with jax.default_device(_HOST):
+                block = np.asarray(hf_slice[index[::-1]] if _is_kernel(path) else hf_slice[index])
+            return (block.T if _is_kernel(path) else block).astype(dtype, copy=False)
 
         def build(path: tuple[str, ...], spec: jax.ShapeDtypeStruct) -> jax.Array:
-            out = np.empty(spec.shape, dtype=spec.dtype)
-            layers = range(config.num_layers) if path[0] == "layers" else [None]
+            stacked = path[0] == "layers"
+            layers = range(config.num_layers) if stacked else [None]
+            per_tensor_shape = spec.shape[1:] if stacked else spec.shape
             for layer in layers:
-                name = _tensor_name(path, layer)
-                tensor = read(name)
-                if _is_kernel(path):
-                    tensor = tensor.T
-                target = out[layer] if layer is not None else out
-                if tensor.shape != target.shape:
-                    want = target.T.shape if _is_kernel(path) else target.shape
-                    got = tensor.T.shape if _is_kernel(path) else tensor.shape
-                    raise ConversionError(
-                        f"tensor {name!r} has shape {list(got)}, expected {list(want)} from config.json"
-                    )
-                target[...] = tensor.astype(spec.dtype, copy=False)
-            return jax.device_put(out)
+                check_shape(path, _tensor_name(path, layer), per_tensor_shape)
+
+            def block(index: tuple[slice, ...]) -> np.ndarray:
+                index = tuple(index) + (slice(None),) * (len(spec.shape) - len(index))
+                if not stacked:
+                    return read_block(path, _tensor_name(path, None), index, spec.dtype)
+                chosen = range(config.num_layers)[index[0]]
+                first = read_block(path, _tensor_name(path, chosen[0]), index[1:], spec.dtype)
+                out = np.empty((len(chosen), *first.shape), spec.dtype)  # filled in place: one copy at a time
+                out[0] = first
+                for j, layer in enumerate(chosen[1:], start=1):
+                    out[j] = read_block(path, _tensor_name(path, layer), index[1:], spec.dtype)
+                return out
+
+            if mesh is None:
+                return jax.device_put(block(()))
+            sharding = NamedSharding(mesh, param_spec("/".join(path), spec.shape, mesh))
+            return jax.make_array_from_callback(spec.shape, sharding, block)
 
         params = _map_with_path(build, expected)
 

@@ -1,0 +1,549 @@
+"""Per-device memory planner: will this model, mesh and batch fit before anything is allocated or compiled?
+
+    python -m jaxrl_llm.plan --model Qwen/Qwen2.5-0.5B --mesh data=1,fsdp=8,tensor=1 --batch 8 --group-size 8 \\
+        --prompt-len 256 --new-tokens 512 --dtype bfloat16 --remat --device-memory 80GiB
+
+Only `config.json` is read (a local model directory, a path to the file itself, or a hub id, for which only
+that file is downloaded). Shapes come from `models.decoder.param_shapes` (`jax.eval_shape`: nothing is
+allocated) and placements from the partition rules of `jaxrl_llm.sharding`, evaluated on a
+`jax.sharding.AbstractMesh` of the requested axis sizes, so a `data=2,fsdp=16,tensor=8` plan runs on a laptop.
+
+Per-device bytes (`s` = itemsize of the compute dtype, `p` = of the parameter dtype; "shard" = the
+elements one device holds under the spec the rules give that array, see `shard_shape`):
+
+- params: `sum over parameters of shard(x) * p`; reference params (`--reference`, a KL term): the same again
+  (the trainer keeps a frozen copy of the starting policy, placed like the policy).
+- optimizer state: the optimizer's state tree (`jax.eval_shape(optimizer.init, shapes)`), every copy of the
+  parameter tree sharded like the parameters, counters replicated. AdamW: `2 * params` (mu and nu, in the
+  parameter dtype) + 17 bytes of counters.
+- gradients: the train step's float32 accumulator, `sum over parameters of shard(x) * 4`.
+- KV cache (sampler): `[L, B*n, S, KVH, hd]` keys and values split over `("data", "fsdp")` on the batch and
+  `tensor` on the KV heads (each only when it divides): `2 * L * (B*n / (data*fsdp)) * S * (KVH / tensor) *
+  hd * s`, `S = round_up(prompt_len, prompt_bucket) + round_up(new_tokens, new_tokens_bucket)`.
+- sampler weight copy: the decode loop's per-layer `StepWeights` (q|k|v and gate|up concatenated, cast to the
+  compute dtype, gathered over `fsdp`, split over `tensor`), made once per sampler call: see
+  `sampler_weight_bytes`.
+- activations of the train step: an order-of-magnitude estimate, see `activation_bytes`.
+
+The sampler and the train step are separate XLA programs, so their buffers are never live together:
+
+    peak = params + reference + optimizer + max(KV cache + sampler copy, gradients + activations)
+
+Not counted: the runtime's own reservation (CUDA context, and on GPUs JAX preallocates 75% of the memory
+unless `XLA_PYTHON_CLIENT_MEM_FRACTION` / `XLA_PYTHON_CLIENT_PREALLOCATE` say otherwise: pass the usable
+amount as `--device-memory`), the reference model's log-prob pass (a forward only, smaller than the train
+step), the prefill's transient `[B, P_b]` cache, rollout arrays, and fragmentation: keep some margin.
+
+`plan_memory` is the pure function; the command line is a thin shell around it that prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import re
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import AbstractMesh, PartitionSpec
+
+from jaxrl_llm import sharding
+from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.decoder import param_shapes
+
+P = PartitionSpec
+# The sampler's cache `[L, B*n, S, KVH, hd]` (`init_cache`'s layout): rows over the batch axes, KV heads over
+# `tensor`; the layer axis stays whole.
+KV_CACHE_SPEC = P(None, sharding.BATCH_AXES, None, "tensor", None)
+OPTIMIZERS = ("adamw", "lion", "sgd")
+DEFAULT_MODEL = "models/arith-base"
+# The trainer's sampler rounds prompt and completion lengths up to multiples of 16 (trainer.sampling_config).
+TRAINER_BUCKET = 16
+
+
+# ------------------------------------------------------------------------------------------- placement
+
+
+def axis_sizes_of(mesh_sizes: Sequence[int]) -> dict[str, int]:
+    """`{"data": d, "fsdp": f, "tensor": t}` from `(d, f, t)`; every size must be a positive integer."""
+    sizes = tuple(int(s) for s in mesh_sizes)
+    if len(sizes) != len(sharding.MESH_AXES) or any(s < 1 for s in sizes):
+        raise ValueError(f"mesh sizes must be three positive integers (data, fsdp, tensor), got {mesh_sizes}")
+    return dict(zip(sharding.MESH_AXES, sizes, strict=True))
+
+
+def abstract_mesh(axis_sizes: Mapping[str, int]) -> AbstractMesh:
+    """A device-less `(data, fsdp, tensor)` mesh of these sizes: `sharding`'s rules only read its axis sizes."""
+    return AbstractMesh(tuple(int(axis_sizes[a]) for a in sharding.MESH_AXES), sharding.MESH_AXES)
+
+
+def fit_spec_sizes(spec: PartitionSpec, shape: Sequence[int], axis_sizes: Mapping[str, int]) -> PartitionSpec:
+    """`sharding.fit_spec` from axis sizes instead of a `Mesh`: every entry whose axes' size product
+    `prod(axis_sizes[a] for a in entry)` does not divide its dimension is dropped (that dimension replicated).
+
+    It calls `sharding.fit_spec` itself on an `AbstractMesh`, so the planner and the real placement share one
+    divisibility rule by construction.
+    """
+    return sharding.fit_spec(spec, shape, abstract_mesh(axis_sizes))  # type: ignore[arg-type]
+
+
+def shard_shape(shape: Sequence[int], spec: PartitionSpec, axis_sizes: Mapping[str, int]) -> tuple[int, ...]:
+    """One device's block of an array of `shape` placed with `spec`: `shape[i] / prod(axis_sizes[a] for a in
+    spec[i])` (missing trailing entries and `None` mean replicated, size 1).
+
+    `spec` must already fit the shape (see `fit_spec_sizes`): a dimension its axes do not divide is an error.
+    """
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    if len(entries) > len(shape):
+        raise ValueError(f"partition spec {spec} has more entries than the array's shape {tuple(shape)}")
+    out = []
+    for dim, axes in zip(shape, entries, strict=True):
+        names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+        ways = math.prod(axis_sizes[a] for a in names)
+        if dim % ways:
+            raise ValueError(f"dimension {dim} of {tuple(shape)} is not divisible by {ways} ({spec}); fit the spec")
+        out.append(dim // ways)
+    return tuple(out)
+
+
+def _divided(n: int, ways: int) -> int:
+    """`n / ways` when `ways` divides `n`, else `n` (the fit rule: a dimension the axis does not divide stays
+    replicated)."""
+    return n // ways if n % ways == 0 else n
+
+
+def _nbytes(shape: Sequence[int], dtype: Any) -> int:
+    return math.prod(shape) * jnp.dtype(dtype).itemsize
+
+
+def tree_shard_bytes(shapes: Any, specs: Any, axis_sizes: Mapping[str, int], dtype: Any = None) -> int:
+    """`sum over leaves of prod(shard_shape(leaf.shape, spec, axis_sizes)) * itemsize(dtype or leaf.dtype)`:
+    one device's bytes of a pytree of `ShapeDtypeStruct`s with a matching pytree of `PartitionSpec`s."""
+    leaves = jax.tree.leaves(shapes)
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    if len(leaves) != len(spec_leaves):
+        raise ValueError(f"{len(leaves)} arrays but {len(spec_leaves)} specs")
+    return sum(
+        _nbytes(shard_shape(x.shape, spec, axis_sizes), dtype or x.dtype)
+        for x, spec in zip(leaves, spec_leaves, strict=True)
+    )
+
+
+def param_partition_specs(shapes: Any, axis_sizes: Mapping[str, int]) -> Any:
+    """`sharding.param_specs` of a parameter pytree for a mesh of these sizes (no devices needed)."""
+    return sharding.param_specs(shapes, abstract_mesh(axis_sizes))
+
+
+# ----------------------------------------------------------------------------------------- optimizers
+
+
+def make_plan_optimizer(name: str) -> optax.GradientTransformation:
+    """The optimizer whose state is planned: `adamw` is the trainer's own (`train_step.make_optimizer`:
+    clipping, AdamW, non-finite guard), `lion` keeps one moment, `sgd` none."""
+    if name == "adamw":
+        from jaxrl_llm.config import OptimSection
+        from jaxrl_llm.train_step import make_optimizer
+
+        return make_optimizer(OptimSection(), total_updates=1)[0]
+    if name == "lion":
+        return optax.lion(1e-4)
+    if name == "sgd":
+        return optax.sgd(1e-3)
+    raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
+
+
+def optimizer_state_bytes(
+    optimizer: optax.GradientTransformation, shapes: Any, axis_sizes: Mapping[str, int]
+) -> int:
+    """One device's bytes of `optimizer.init(params)`: the state's shapes by `jax.eval_shape`, placed by
+    `sharding.optimizer_state_shardings` (parameter copies like the parameters, counters replicated).
+    AdamW: `2 * sum(shard(x) * p) + 17`."""
+    mesh = abstract_mesh(axis_sizes)
+    state = jax.eval_shape(optimizer.init, shapes)
+    shardings = sharding.optimizer_state_shardings(optimizer, state, sharding.param_shardings(shapes, mesh), mesh)
+    specs = jax.tree.map(lambda s: s.spec, shardings)
+    return tree_shard_bytes(state, specs, axis_sizes)
+
+
+# ----------------------------------------------------------------------------------------- activations
+
+
+def activation_bytes(
+    config: ModelConfig,
+    rows: int,
+    seq_len: int,
+    completion_len: int,
+    axis_sizes: Mapping[str, int],
+    *,
+    remat: bool,
+) -> int:
+    """Estimate of one device's activation memory in the train step (forward residuals + backward transients).
+
+    `rows` = sequences of one micro-batch on this device, `seq_len` = `T` the forward length
+    (prompt + completion - 1), `completion_len` = `C` the positions that are unembedded. With `s` the
+    compute itemsize, heads `h = H/t`, KV heads `k = KVH/t`, intermediate `i = I/t`, vocabulary `v = V/t`
+    (each divided by the tensor size `t` only when it divides), and `b = rows`:
+
+        per_layer = b*T*(s*(5*D + 2*(h + k)*hd + 6*i) + 4*4*D) + b*h*T^2*(4 + s)
+            (residuals kept for the backward: residual stream, norm outputs and their float32 internals,
+            q/k/v/attention output, gate/up/silu/product; float32 softmax probabilities and their
+            compute-dtype copy; the coefficients 5, 6 and 4*4 were measured on XLA:CPU, see below)
+        head      = b*C*v*(s + 2*4) + b*T*D*4 + b*T^2
+            (logits, float32 log-softmax and probabilities for the entropy; final norm; the attention mask)
+        gathered  = 2 * (per-layer weights with heads and intermediate divided by t) * s   when fsdp > 1
+            (all-gathered weights of the layer in use and the next one)
+
+        no remat: (L + 1) * per_layer + head + gathered
+            (every layer's residuals, plus about one layer's worth of cotangents in the backward)
+        remat:    L * s*b*T*D + per_layer + head + gathered
+            (each layer keeps only its input; one layer's activations are rebuilt at a time)
+
+    Calibrated against XLA's temp allocation of the real train step (`compile().memory_analysis()`) on one
+    CPU device in float32: `gradients + activation_bytes` was 0.84-1.13x of it over the shapes tried (the test
+    suite asserts 1.2x on one). Not calibrated: bfloat16 (XLA:CPU upcasts it; there the estimate came out
+    1.2-1.6x low), the `gathered` term, and other backends, which fuse, rematerialise and reuse buffers in
+    their own way: treat the number as an order-of-magnitude estimate.
+    """
+    t = axis_sizes["tensor"]
+    b, tt, cc, s = rows, seq_len, completion_len, config.jnp_dtype.itemsize
+    d, hd = config.hidden_size, config.head_dim
+    h = _divided(config.num_heads, t)
+    k = _divided(config.num_kv_heads, t)
+    i = _divided(config.intermediate_size, t)
+    v = _divided(config.vocab_size, t)
+    per_layer = b * tt * (s * (5 * d + 2 * (h + k) * hd + 6 * i) + 4 * 4 * d) + b * h * tt * tt * (4 + s)
+    head = b * cc * v * (s + 2 * 4) + b * tt * d * 4 + b * tt * tt
+    gathered = 0
+    if axis_sizes["fsdp"] > 1:
+        layer_weights = d * (h + 2 * k) * hd + h * hd * d + 3 * d * i
+        gathered = 2 * layer_weights * s
+    if remat:
+        return config.num_layers * s * b * tt * d + per_layer + head + gathered
+    return (config.num_layers + 1) * per_layer + head + gathered
+
+
+def sampler_weight_bytes(config: ModelConfig, axis_sizes: Mapping[str, int]) -> int:
+    """One device's bytes of the decode loop's per-layer `StepWeights` (`sampling.step_weights`), made once per
+    sampler call in the compute dtype, gathered over `fsdp` and split over `tensor` (columns of q|k|v and
+    gate|up, rows of o and down, each only when `t` divides them):
+
+        L * s * (D*(H + 2*KVH)*hd / t + (H*hd / t)*D + D*2*I / t + (I / t)*D + biases)
+
+    q|k|v and gate|up are concatenations, hence always new buffers; o and down are only copied when the
+    compute dtype differs from the parameter dtype or `fsdp > 1` (a cast or a gather), else they are the
+    parameter shards themselves and count 0 here.
+    """
+    t, s = axis_sizes["tensor"], config.jnp_dtype.itemsize
+    d, hd, i = config.hidden_size, config.head_dim, config.intermediate_size
+    qkv_cols = (config.num_heads + 2 * config.num_kv_heads) * hd
+    per_layer = (d + config.qkv_bias) * _divided(qkv_cols, t) + (d + config.mlp_bias) * _divided(2 * i, t)
+    if config.dtype != config.param_dtype or axis_sizes["fsdp"] > 1:
+        per_layer += _divided(config.num_heads * hd, t) * d + d * config.o_bias
+        per_layer += _divided(i, t) * d + d * config.mlp_bias
+    return config.num_layers * per_layer * s
+
+
+# ------------------------------------------------------------------------------------------------- plan
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Per-device bytes of one RL step (see the module docstring for every formula)."""
+
+    mesh_sizes: tuple[int, int, int]
+    num_params: int
+    params: int
+    reference: int
+    optimizer: int
+    gradients: int
+    kv_cache: int
+    sampler_weights: int
+    activations_no_remat: int
+    activations_remat: int
+    remat: bool
+    rollout_rows: int  # sequences the sampler holds per device (B*n / (data*fsdp) when divisible)
+    cache_length: int  # S = rounded prompt + rounded completion
+    micro_rows: int  # sequences of one micro-batch per device
+    train_seq_len: int  # T of the train step's forward
+
+    @property
+    def activations(self) -> int:
+        """The activation estimate for the chosen `remat`."""
+        return self.activations_remat if self.remat else self.activations_no_remat
+
+    @property
+    def persistent(self) -> int:
+        """Bytes that live across the whole step: `params + reference + optimizer`."""
+        return self.params + self.reference + self.optimizer
+
+    @property
+    def rollout(self) -> int:
+        """The sampler program's own buffers: `kv_cache + sampler_weights`."""
+        return self.kv_cache + self.sampler_weights
+
+    @property
+    def update(self) -> int:
+        """The train step's own buffers: `gradients + activations`."""
+        return self.gradients + self.activations
+
+    @property
+    def total(self) -> int:
+        """Peak per device: `persistent + max(rollout, update)` (the two programs never run together)."""
+        return self.persistent + max(self.rollout, self.update)
+
+    def margin(self, device_memory: int) -> int:
+        """`device_memory - total` (negative: does not fit)."""
+        return device_memory - self.total
+
+    def fits(self, device_memory: int) -> bool:
+        """Whether `total <= device_memory`."""
+        return self.total <= device_memory
+
+
+def plan_memory(
+    config: ModelConfig,
+    mesh_sizes: tuple[int, int, int],
+    *,
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    group_size: int = 1,
+    minibatch: int = 0,
+    grad_accum: int = 1,
+    reference: bool = False,
+    optimizer: str | optax.GradientTransformation = "adamw",
+    prompt_bucket: int = 1,
+    new_tokens_bucket: int = 1,
+) -> MemoryPlan:
+    """Per-device memory of an RL step of `config` (its `dtype`, `param_dtype` and `remat` are used) on a
+    `(data, fsdp, tensor)` mesh of `mesh_sizes`, without devices or allocation.
+
+    `batch` prompts x `group_size` samples are generated (`N = batch * group_size` sequences, split over
+    `data * fsdp` when that divides `N`), each prompt padded to `round_up(prompt_len, prompt_bucket)` and
+    completions of `new_tokens` (the cache holds `round_up(new_tokens, new_tokens_bucket)` slots). The update
+    runs minibatches of `minibatch` sequences (0: all `N`) in `grad_accum` micro-batches; activations are
+    per micro-batch of `minibatch / grad_accum` sequences (split over `data * fsdp` when it divides).
+    """
+    sizes = axis_sizes_of(mesh_sizes)
+    if min(batch, group_size, prompt_len, new_tokens, grad_accum, prompt_bucket, new_tokens_bucket) < 1:
+        raise ValueError("batch, group_size, prompt_len, new_tokens, grad_accum and buckets must be >= 1")
+    rollout_seqs = batch * group_size
+    minibatch = minibatch or rollout_seqs
+    if minibatch % grad_accum:
+        raise ValueError(f"grad_accum={grad_accum} must divide the minibatch ({minibatch} sequences)")
+    batch_ways = sizes["data"] * sizes["fsdp"]
+
+    shapes = param_shapes(config)
+    specs = param_partition_specs(shapes, sizes)
+    params_bytes = tree_shard_bytes(shapes, specs, sizes)
+    grad_bytes = tree_shard_bytes(shapes, specs, sizes, jnp.float32)
+    opt = make_plan_optimizer(optimizer) if isinstance(optimizer, str) else optimizer
+    opt_bytes = optimizer_state_bytes(opt, shapes, sizes)
+
+    padded_prompt = _round_up(prompt_len, prompt_bucket)
+    cache_len = padded_prompt + _round_up(new_tokens, new_tokens_bucket)
+    cache_shape = (config.num_layers, rollout_seqs, cache_len, config.num_kv_heads, config.head_dim)
+    cache_block = shard_shape(cache_shape, fit_spec_sizes(KV_CACHE_SPEC, cache_shape, sizes), sizes)
+    kv_bytes = 2 * _nbytes(cache_block, config.jnp_dtype)
+
+    micro_rows = _divided(minibatch // grad_accum, batch_ways)
+    seq_len = padded_prompt + new_tokens - 1
+    acts = {
+        remat: activation_bytes(config, micro_rows, seq_len, new_tokens, sizes, remat=remat)
+        for remat in (False, True)
+    }
+    return MemoryPlan(
+        mesh_sizes=(sizes["data"], sizes["fsdp"], sizes["tensor"]),
+        num_params=sum(math.prod(x.shape) for x in jax.tree.leaves(shapes)),
+        params=params_bytes,
+        reference=params_bytes if reference else 0,
+        optimizer=opt_bytes,
+        gradients=grad_bytes,
+        kv_cache=kv_bytes,
+        sampler_weights=sampler_weight_bytes(config, sizes),
+        activations_no_remat=acts[False],
+        activations_remat=acts[True],
+        remat=config.remat,
+        rollout_rows=cache_block[1],
+        cache_length=cache_len,
+        micro_rows=micro_rows,
+        train_seq_len=seq_len,
+    )
+
+
+# ------------------------------------------------------------------------------------------------- CLI
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+
+
+def parse_bytes(text: str) -> int:
+    """`"80GiB"` -> 85899345920, `"80GB"` / `"80G"` -> 8e10 (decimal), `"1.5TiB"`, `"123"` (bytes)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read a memory size from {text!r}; write e.g. 80GiB, 16GB or 1073741824")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def format_bytes(n: int) -> str:
+    """Binary units: `format_bytes(3 * 2**30) == "3.00 GiB"`."""
+    sign, n_abs = ("-" if n < 0 else ""), abs(n)
+    for unit, size in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n_abs >= size:
+            return f"{sign}{n_abs / size:.2f} {unit}"
+    return f"{sign}{n_abs} B"
+
+
+def parse_mesh(text: str) -> tuple[int, int, int]:
+    """`"data=2,fsdp=2,tensor=2"` (omitted axes are 1) or `"2,2,2"` -> `(data, fsdp, tensor)`."""
+    sizes = dict.fromkeys(sharding.MESH_AXES, 1)
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    try:
+        if all("=" not in p for p in parts):
+            values = [int(p) for p in parts]
+            if len(values) != 3:
+                raise ValueError
+            sizes = dict(zip(sharding.MESH_AXES, values, strict=True))
+        else:
+            for part in parts:
+                name, value = (x.strip() for x in part.split("="))
+                if name not in sizes:
+                    raise ValueError
+                sizes[name] = int(value)
+    except ValueError:
+        raise ValueError(f"cannot read mesh {text!r}; write e.g. data=2,fsdp=2,tensor=2 (axes: data, fsdp, "
+                         "tensor; omitted ones are 1) or 2,2,2") from None
+    checked = axis_sizes_of([sizes[a] for a in sharding.MESH_AXES])
+    return checked["data"], checked["fsdp"], checked["tensor"]
+
+
+def load_hf_config_dict(model: str) -> dict[str, Any]:
+    """config.json of a model directory, of a path to that file, or of a hub id (downloads config.json only)."""
+    from jaxrl_llm.models.hf import ConversionError, read_hf_config
+
+    path = Path(model).expanduser()
+    if model == DEFAULT_MODEL and not path.exists():  # the committed model, from any working directory
+        path = Path(__file__).resolve().parents[1] / DEFAULT_MODEL
+    if path.is_dir():
+        return read_hf_config(path)
+    if path.is_file():
+        return json.loads(path.read_text())
+    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise ConversionError(f"model directory {path} does not exist (nor is it a hub id)")
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return json.loads(Path(hf_hub_download(model, "config.json")).read_text())
+    except Exception as e:  # offline, unknown repo, gated model: say which file of which id failed
+        raise ConversionError(f"could not fetch config.json of hub id {model!r}: {e}") from e
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m jaxrl_llm.plan",
+        description="Per-device memory of an RL step (params, reference, optimizer, gradients, KV cache, "
+        "activations) from config.json alone, and whether it fits.",
+    )
+    p.add_argument("--model", default=DEFAULT_MODEL, help="HF model directory, config.json or hub id")
+    p.add_argument("--mesh", default="data=1,fsdp=1,tensor=1", help="e.g. data=2,fsdp=2,tensor=2")
+    p.add_argument("--batch", type=int, default=16, help="prompts per step (B)")
+    p.add_argument("--group-size", type=int, default=1, help="samples per prompt (n); sequences = B*n")
+    p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (padded)")
+    p.add_argument("--new-tokens", type=int, default=64, help="max new tokens per completion")
+    p.add_argument("--minibatch", type=int, default=0, help="sequences per optimizer update (0: all B*n)")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per update")
+    p.add_argument("--bucket", type=int, default=TRAINER_BUCKET,
+                   help="round prompt and completion lengths up to a multiple (the trainer's sampler: 16)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="compute dtype")
+    p.add_argument("--param-dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--remat", action="store_true", help="rematerialise each layer in the backward pass")
+    p.add_argument("--reference", action="store_true", help="a frozen reference copy (KL term, beta > 0)")
+    p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
+    p.add_argument("--device-memory", default="80GiB", help="usable memory per device, e.g. 80GiB, 24GB")
+    return p
+
+
+def render(plan: MemoryPlan, config: ModelConfig, device_memory: int, *, model: str = "",
+           optimizer: str = "adamw") -> str:
+    """The CLI's table for `plan`."""
+    c = config
+    d, f, t = plan.mesh_sizes
+
+    def row(label: str, n: int | None, note: str = "") -> str:
+        value = "-" if n is None else format_bytes(n)
+        return f"  {label:<36}{value:>12}  {note}".rstrip()
+
+    act_note = (f"order-of-magnitude estimate; no remat {format_bytes(plan.activations_no_remat)}, "
+                f"remat {format_bytes(plan.activations_remat)}")
+    lines = [
+        f"model {model or '?'}: {c.model_type}, {plan.num_params / 1e6:,.2f}M params "
+        f"(L={c.num_layers} D={c.hidden_size} H={c.num_heads} KVH={c.num_kv_heads} hd={c.head_dim} "
+        f"I={c.intermediate_size} V={c.vocab_size}{' tied' if c.tie_word_embeddings else ''})",
+        f"mesh data={d} fsdp={f} tensor={t} ({d * f * t} devices); params {c.param_dtype}, compute {c.dtype}, "
+        f"{optimizer}, remat {'on' if c.remat else 'off'}",
+        f"rollout: {plan.rollout_rows} sequences per device, KV cache length {plan.cache_length}; "
+        f"update: {plan.micro_rows} sequences x {plan.train_seq_len} tokens per device per micro-batch",
+        "",
+        f"  {'per device':<36}{'bytes':>12}",
+        row("params (policy)", plan.params),
+        row("reference params", plan.reference if plan.reference else None,
+            "" if plan.reference else "(no --reference)"),
+        row(f"optimizer state ({optimizer})", plan.optimizer),
+        row("gradients (float32 accumulator)", plan.gradients),
+        row("KV cache (sampler)", plan.kv_cache),
+        row("sampler weight copy", plan.sampler_weights),
+        row(f"activations (train step{', remat' if plan.remat else ''})", plan.activations, act_note),
+        "  " + "-" * 48,
+        row("persistent: params+ref+optimizer", plan.persistent),
+        row("rollout: KV cache+sampler copy", plan.rollout),
+        row("update: gradients+activations", plan.update),
+        row("total (persistent + max of phases)", plan.total),
+        row("device memory", device_memory),
+        "",
+    ]
+    margin = plan.margin(device_memory)
+    if plan.fits(device_memory):
+        lines.append(f"FITS: margin {format_bytes(margin)} ({100 * margin / device_memory:.1f}% of the device free)")
+    else:
+        lines.append(f"DOES NOT FIT: short by {format_bytes(-margin)} ({plan.total / device_memory:.2f}x the device)"
+                     "; try a larger fsdp, --remat, --grad-accum, bfloat16, or a smaller batch")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m jaxrl_llm.plan ...`: print the plan table; exit 0 whether or not it fits, 2 on bad input."""
+    args = _parser().parse_args(argv)
+    from jaxrl_llm.models.hf import ConversionError, config_from_hf
+
+    try:
+        mesh_sizes = parse_mesh(args.mesh)
+        device_memory = parse_bytes(args.device_memory)
+        config = config_from_hf(load_hf_config_dict(args.model), dtype=args.dtype, param_dtype=args.param_dtype,
+                                remat=args.remat)
+        plan = plan_memory(
+            config, mesh_sizes, batch=args.batch, group_size=args.group_size, prompt_len=args.prompt_len,
+            new_tokens=args.new_tokens, minibatch=args.minibatch, grad_accum=args.grad_accum,
+            reference=args.reference, optimizer=args.optimizer, prompt_bucket=args.bucket,
+            new_tokens_bucket=args.bucket,
+        )
+    except (ValueError, ConversionError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(render(plan, config, device_memory, model=args.model, optimizer=args.optimizer))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
