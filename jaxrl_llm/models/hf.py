@@ -34,9 +34,14 @@ from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import SUPPORTED_ROPE_SCALING, Params, param_shapes
 from jaxrl_llm.sharding import param_spec
 
-# safetensors' "numpy" framework cannot read bfloat16 (most released checkpoints); its "flax" one can, and
-# slices are read into host memory so a shard never passes through an accelerator it does not belong to.
-_HOST = jax.local_devices(backend="cpu")[0]
+
+def _host() -> Any:
+    """The host (CPU) device. safetensors' "numpy" framework cannot read bfloat16 (most released checkpoints);
+    its "flax" one can, and reading under this default device keeps a shard from passing through an
+    accelerator it does not belong to. A function, not a constant: importing this module must not start the
+    JAX backend (`jax.distributed.initialize` has to come first in a multi-host run)."""
+    return jax.local_devices(backend="cpu")[0]
+
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -265,7 +270,7 @@ def read_tensor(path_or_id: str | os.PathLike[str], name: str) -> np.ndarray:
     index = _safetensors_index(model_dir)
     if name not in index:
         raise ConversionError(f"tensor {name!r} is missing from the checkpoint in {model_dir}")
-    with safe_open(index[name], framework="flax") as f, jax.default_device(_HOST):
+    with safe_open(index[name], framework="flax") as f, jax.default_device(_host()):
         return np.asarray(f.get_tensor(name))
 
 
@@ -326,7 +331,7 @@ def load_hf_model(
         def read_block(path: tuple[str, ...], name: str, index: tuple[slice, ...], dtype: Any) -> np.ndarray:
             """Our `[..., in, out]` block `index` of HF tensor `name` (kernels are stored `[out, in]`)."""
             hf_slice = handle(name).get_slice(name)
-            with jax.default_device(_HOST):
+            with jax.default_device(_host()):
                 block = np.asarray(hf_slice[index[::-1]] if _is_kernel(path) else hf_slice[index])
             return (block.T if _is_kernel(path) else block).astype(dtype, copy=False)
 
