@@ -1,0 +1,142 @@
+"""One GRPO step on an accelerator: sampler tokens/s and the train step's model FLOPs utilisation (MFU).
+
+    python bench/gpu_step.py                        # Qwen2.5-0.5B-shaped, random weights, bfloat16 compute
+    python bench/gpu_step.py --peak-tflops 989      # the device's dense bf16 peak (H100/H200 SXM: 989)
+    python bench/gpu_step.py --tiny                 # a seconds-long smoke run of the same code (CPU is fine)
+
+The model is built from a config alone (`config_from_hf` + `init_params`: no download, random weights):
+by default Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 query / 2 KV heads of 64, SwiGLU 4864, vocab
+151936, tied embeddings, q/k/v biases; 494M parameters), parameters in float32, compute in bfloat16, on a
+`(data, fsdp, tensor)` mesh over all devices (`--mesh`).
+
+One step = `--prompts` x `--group` completions of exactly `--new-tokens` tokens (no EOS ids, so every row
+makes every token) from `--prompt-len`-token prompts, then one `train_step` (clipped loss with a k3 KL term,
+AdamW) over all of them. Reported:
+- sampler: generated tokens / wall seconds of one jitted sampling call (prefill included), compile apart;
+- train step: model FLOPs / wall seconds / (`--peak-tflops` x devices). Model FLOPs per row of `S` positions
+  (`S = prompt + new - 1`, completions unembedded only): forward `2 N_layers S + 2 d V c + 4 L H hd S(S+1)/2`
+  (`N_layers` = the layers' matrix parameters, `c` completion tokens), training = 3 x forward.
+Prints one JSON line at the end (for BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+QWEN25_05B = {
+    "model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+    "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True,
+    "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+}
+TINY = {**QWEN25_05B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512}
+
+
+def train_flops(config, rows: int, prompt_len: int, new_tokens: int) -> float:
+    d, f, hd = config.hidden_size, config.intermediate_size, config.head_dim
+    q, kv = config.num_heads * hd, config.num_kv_heads * hd
+    n_layers = config.num_layers * (d * q + 2 * d * kv + q * d + 3 * d * f)
+    s = prompt_len + new_tokens - 1
+    forward = 2 * n_layers * s + 2 * d * config.vocab_size * new_tokens + 4 * config.num_layers * q * s * (s + 1) / 2
+    return 3 * rows * forward
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--mesh", default="data=-1,fsdp=1,tensor=1")
+    parser.add_argument("--remat", action="store_true")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="per device, dense, compute dtype")
+    parser.add_argument("--tiny", action="store_true")
+    args = parser.parse_args()
+
+    from jaxrl_llm.config import OptimSection
+    from jaxrl_llm.models.decoder import init_params
+    from jaxrl_llm.models.hf import config_from_hf
+    from jaxrl_llm.sampling import SamplingConfig, compile_sampler
+    from jaxrl_llm.sharding import (
+        MeshShape,
+        global_array,
+        init_optimizer_state,
+        make_mesh,
+        param_shardings,
+    )
+    from jaxrl_llm.train_step import PolicyBatch, PolicyLossConfig, make_optimizer, make_train_step, policy_loss
+
+    sizes = dict(kv.split("=") for kv in args.mesh.split(","))
+    mesh = make_mesh(MeshShape(int(sizes["data"]), int(sizes["fsdp"]), int(sizes["tensor"])))
+    config = config_from_hf(TINY if args.tiny else QWEN25_05B, dtype=args.dtype, remat=args.remat)
+    shapes = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+    shardings = param_shardings(shapes, mesh)
+    params = jax.jit(lambda: init_params(config, jax.random.key(0)), out_shardings=shardings)()
+    print(f"{config.num_params() / 1e6:.1f}M params, {jax.device_count()} x {jax.devices()[0].device_kind}, "
+          f"mesh {dict(mesh.shape)}, compute {args.dtype}, jax {jax.__version__}, {platform.node()}", flush=True)
+
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(1, config.vocab_size, (args.prompts, args.prompt_len)).astype(np.int32)
+    mask = np.ones_like(prompts)
+    sampling = SamplingConfig(max_new_tokens=args.new_tokens, temperature=1.0, n=args.group, eos_ids=(), pad_id=0,
+                              prompt_bucket=args.prompt_len, new_tokens_bucket=args.new_tokens)
+    start = time.perf_counter()
+    run = compile_sampler(params, config, prompts, mask, jax.random.key(0), sampling, mesh=mesh)
+    sample_compile = time.perf_counter() - start
+    sample_times = []
+    for i in range(args.steps):
+        start = time.perf_counter()
+        out = run(params, prompts, mask, jax.random.key(i))
+        jax.block_until_ready(out.tokens)
+        sample_times.append(time.perf_counter() - start)
+    rows = args.prompts * args.group
+    tokens_per_s = rows * args.new_tokens / min(sample_times)
+    print(f"sampler: {tokens_per_s:.0f} tokens/s (best of {args.steps}: {min(sample_times):.3f} s for {rows} x "
+          f"{args.new_tokens}; compile {sample_compile:.1f} s)", flush=True)
+
+    optimizer, _ = make_optimizer(OptimSection(learning_rate=1e-6), 100)
+    opt_state = init_optimizer_state(optimizer, params, shardings, mesh)
+    step = make_train_step(mesh, loss_fn=policy_loss, model_config=config,
+                           loss_config=PolicyLossConfig(beta=0.04, max_len=args.new_tokens), optimizer=optimizer,
+                           params_sharding=shardings,
+                           opt_state_sharding=jax.tree.map(lambda x: x.sharding, opt_state))
+    old = np.asarray(out.logprobs_untruncated, np.float32)
+    batch = PolicyBatch(np.repeat(prompts, args.group, 0), np.repeat(mask, args.group, 0), np.asarray(out.tokens),
+                        np.asarray(out.mask), old, old, rng.normal(size=rows).astype(np.float32))
+    batch = jax.tree.map(lambda x: global_array(x, mesh), batch)
+    start = time.perf_counter()
+    params, opt_state, metrics = step(params, opt_state, batch)
+    jax.block_until_ready(metrics)
+    step_compile = time.perf_counter() - start
+    step_times = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        params, opt_state, metrics = step(params, opt_state, batch)
+        jax.block_until_ready(metrics)
+        step_times.append(time.perf_counter() - start)
+    flops = train_flops(config, rows, args.prompt_len, args.new_tokens)
+    mfu = flops / min(step_times) / (args.peak_tflops * 1e12 * jax.device_count())
+    print(f"train step: {min(step_times):.3f} s (best of {args.steps}; first call incl. compile {step_compile:.1f} s),"
+          f" {flops / 1e12:.2f} TFLOP, MFU {mfu:.3f} of {args.peak_tflops:.0f} TFLOP/s x {jax.device_count()}; "
+          f"loss {float(metrics['loss']):.4f}", flush=True)
+    print(json.dumps({
+        "date": time.strftime("%Y-%m-%d"), "device": jax.devices()[0].device_kind, "devices": jax.device_count(),
+        "params_m": round(config.num_params() / 1e6, 1), "dtype": args.dtype, "mesh": dict(mesh.shape),
+        "rows": rows, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+        "sampler_tokens_per_s": round(tokens_per_s), "train_step_s": round(min(step_times), 4),
+        "train_tflop": round(flops / 1e12, 3), "mfu": round(mfu, 4),
+        "finite": bool(jnp.isfinite(metrics["loss"])),
+    }))
+
+
+if __name__ == "__main__":
+    main()
