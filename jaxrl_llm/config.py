@@ -62,6 +62,10 @@ class SamplingSection:
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
+    # Compile buckets: prompt widths and completion lengths are rounded up to these multiples, so calls with
+    # lengths in one bucket reuse one compiled sampler / train step. Smaller = less padding, more compiles.
+    prompt_bucket: int = 16
+    new_tokens_bucket: int = 16
 
 
 @dataclass
@@ -219,6 +223,9 @@ def validate(c: RunConfig) -> None:
     )
     _choice(g.scale_rewards, "grpo.scale_rewards", ("group", "batch", "none"))
     _choice(c.optim.schedule, "optim.schedule", ("constant", "cosine", "linear"))
+    if c.sampling.prompt_bucket < 1 or c.sampling.new_tokens_bucket < 1:
+        raise ConfigError(f"sampling.prompt_bucket={c.sampling.prompt_bucket} and sampling.new_tokens_bucket="
+                          f"{c.sampling.new_tokens_bucket} must be >= 1")
     sizes = (c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
     if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
         raise ConfigError(f"mesh.data/fsdp/tensor = {sizes}: each is a positive size, and at most one is -1")

@@ -51,7 +51,7 @@ def evaluate_greedy(
     """
     name, fn = reward
     n = len(prompt_set) if not limit else min(limit, len(prompt_set))
-    width = bucket(max(len(prompt_set.token_ids[i]) for i in range(n)))
+    width = bucket(max(len(prompt_set.token_ids[i]) for i in range(n)), sampling.prompt_bucket)
     scores: list[float] = []
     for start in range(0, n, batch_size):
         idx = np.arange(start, min(start + batch_size, n))

@@ -92,7 +92,7 @@ def train_sft(c: RunConfig) -> dict[str, Any]:
     pad_id = int(tokenizer.pad_token_id)
     reward = (c.rewards[0].name, resolve_reward(c.rewards[0].name, dict(c.rewards[0].kwargs)))
     greedy = SamplingConfig(max_new_tokens=c.sampling.max_new_tokens, greedy=True, eos_ids=eos, pad_id=pad_id,
-                            prompt_bucket=16, new_tokens_bucket=16)
+                            prompt_bucket=c.sampling.prompt_bucket, new_tokens_bucket=c.sampling.new_tokens_bucket)
 
     mesh = make_mesh(MeshShape(c.mesh.data, c.mesh.fsdp, c.mesh.tensor))
     params_sharding = param_shardings(params, mesh)

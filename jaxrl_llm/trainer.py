@@ -201,13 +201,13 @@ class GRPOTrainer:
             n=n,
             eos_ids=self.eos_ids,
             pad_id=self.pad_id,
-            prompt_bucket=16,
-            new_tokens_bucket=16,
+            prompt_bucket=s.prompt_bucket,
+            new_tokens_bucket=s.new_tokens_bucket,
         )
 
     def _prompt_arrays(self, prompt_set: PromptSet, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         seqs = [prompt_set.token_ids[i] for i in indices]
-        return left_pad(seqs, bucket(max(len(s) for s in seqs)), self.pad_id)
+        return left_pad(seqs, bucket(max(len(s) for s in seqs), self.config.sampling.prompt_bucket), self.pad_id)
 
     def rollout(self, indices: np.ndarray, key: jax.Array) -> Rollout:
         """Sample G completions for each prompt and score them."""
