@@ -173,6 +173,9 @@ class RunConfig:
     distributed: DistributedSection = field(default_factory=DistributedSection)
     log_every: int = 1
     sample_every: int = 10  # write sample completions with rewards every N steps
+    # Held-out accuracy = share of greedy answers this reward scores exactly 1: a built-in name or
+    # module:function; "" = the first of `rewards` (set it when that one is not a 0/1 check, e.g. a reward model).
+    eval_reward: str = ""
     eval_every: int = 0  # held-out greedy evaluation every N steps (0: only before and after)
     eval_size: int = 256  # held-out prompts per evaluation (0: all)
     eval_batch_size: int = 256

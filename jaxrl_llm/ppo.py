@@ -190,7 +190,7 @@ class PPOTrainer(GRPOTrainer):
             self.critic_config: ModelConfig = self.model_config
             critic = critic_from_policy(self.params, self.model_config)
         else:
-            self.critic_config, critic = load_critic(p.critic_init, dtype=c.model.dtype,
+            self.critic_config, critic = load_critic(p.critic_init, mesh=self.mesh, dtype=c.model.dtype,
                                                      param_dtype=c.model.param_dtype, remat=c.model.remat)
             if self.critic_config.vocab_size < len(self.tokenizer):
                 raise TrainingError(f"ppo.critic_init={p.critic_init}: vocabulary of {self.critic_config.vocab_size}"

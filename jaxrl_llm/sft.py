@@ -90,7 +90,8 @@ def train_sft(c: RunConfig) -> dict[str, Any]:
     evals = build_prompt_set(*load_records(c.data.eval, c.data.eval_split), c.data, tokenizer) if c.data.eval else None
     eos = eos_token_ids(tok_dir, tokenizer)
     pad_id = int(tokenizer.pad_token_id)
-    reward = (c.rewards[0].name, resolve_reward(c.rewards[0].name, dict(c.rewards[0].kwargs)))
+    reward = ((c.eval_reward, resolve_reward(c.eval_reward)) if c.eval_reward else
+              (c.rewards[0].name, resolve_reward(c.rewards[0].name, dict(c.rewards[0].kwargs))))
     greedy = SamplingConfig(max_new_tokens=c.sampling.max_new_tokens, greedy=True, eos_ids=eos, pad_id=pad_id,
                             prompt_bucket=c.sampling.prompt_bucket, new_tokens_bucket=c.sampling.new_tokens_bucket)
 

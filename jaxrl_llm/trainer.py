@@ -105,6 +105,9 @@ class GRPOTrainer:
             name = spec.name if all(s.name != spec.name for s in c.rewards[:i]) else f"{spec.name}_{i}"
             self.reward_fns.append((name, resolve_reward(spec.name, dict(spec.kwargs)), spec.weight))
 
+        self.eval_reward: tuple[str, RewardFunction] = (
+            (c.eval_reward, resolve_reward(c.eval_reward)) if c.eval_reward else self.reward_fns[0][:2]
+        )
         g = c.grpo
         n_dev = batch_divisor(self.mesh)
         self.rollout_size = g.prompts_per_step * g.group_size
@@ -293,7 +296,7 @@ class GRPOTrainer:
     def evaluate(self, limit: int | None = None) -> dict[str, float]:
         if self.eval_set is None:
             return {}
-        name, fn, _ = self.reward_fns[0]
+        name, fn = self.eval_reward
         return evaluate_greedy(self.params, self.model_config, self.tokenizer, self.eval_set, (name, fn),
                                self.sampling_config(greedy=True), batch_size=self.config.eval_batch_size,
                                limit=limit, mesh=self.mesh)

@@ -226,3 +226,26 @@ def test_other_estimators_run_on_the_same_loop(tiny_task, tmp_path, algo, extra)
     rows = [json.loads(line) for line in (tmp_path / algo / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     assert all(np.isfinite(r[k]) for r in rows for k in ("policy_loss", "grad_norm", "advantages/abs_mean"))
+
+
+def test_eval_reward_chooses_the_accuracy_check(tiny_task, tmp_path):
+    """Held-out accuracy uses `eval_reward` when set (e.g. an exact-answer check while training on another
+    reward), else the first training reward."""
+    rewards = [{"name": "format", "kwargs": {"pattern": r"\d+"}}]
+    summary = GRPOTrainer(load_run_config(
+        ROOT / "configs" / "grpo_arithmetic.yaml",
+        [f"model.path={tiny_task / 'model'}", f"data.train={tiny_task / 'train.jsonl'}",
+         f"data.eval={tiny_task / 'test.jsonl'}", f"out_dir={tmp_path / 'a'}", "steps=1", "grpo.prompts_per_step=2",
+         "grpo.group_size=2", "eval_size=4", "eval_batch_size=4", "progress_bar=false", "tensorboard=false",
+         "export=false", "checkpoint_every=0", "eval_reward=math_answer"],
+        rewards=rewards,
+    )).run()
+    assert "eval/math_answer" in summary["after"] and "eval/format" not in summary["after"]
+    default = GRPOTrainer(load_run_config(
+        ROOT / "configs" / "grpo_arithmetic.yaml",
+        [f"model.path={tiny_task / 'model'}", f"data.train={tiny_task / 'train.jsonl'}",
+         f"data.eval={tiny_task / 'test.jsonl'}", f"out_dir={tmp_path / 'b'}", "steps=0", "eval_size=4",
+         "eval_batch_size=4", "progress_bar=false", "tensorboard=false", "export=false", "checkpoint_every=0"],
+        rewards=rewards,
+    ))
+    assert default.evaluate(4).keys() == {"eval/accuracy", "eval/format"}
