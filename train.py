@@ -38,26 +38,30 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"train.py: {e}", file=sys.stderr)
         return 2
-    from jaxrl_llm.sharding import initialize_distributed
+    try:
+        from jaxrl_llm.sharding import initialize_distributed
 
-    d = config.distributed
-    initialize_distributed(d.enabled, d.coordinator_address, d.num_processes, d.process_id, d.local_device_ids)
-    if args.algo == "rm":
-        from jaxrl_llm.reward_training import train_reward_model
+        d = config.distributed
+        initialize_distributed(d.enabled, d.coordinator_address, d.num_processes, d.process_id, d.local_device_ids)
+        if args.algo == "rm":
+            from jaxrl_llm.reward_training import train_reward_model
 
-        summary = train_reward_model(config)
-    elif args.algo == "sft":
-        from jaxrl_llm.sft import train_sft
+            summary = train_reward_model(config)
+        elif args.algo == "sft":
+            from jaxrl_llm.sft import train_sft
 
-        summary = train_sft(config)
-    elif args.algo == "ppo":
-        from jaxrl_llm.ppo import train_ppo
+            summary = train_sft(config)
+        elif args.algo == "ppo":
+            from jaxrl_llm.ppo import train_ppo
 
-        summary = train_ppo(config, resume=args.resume)
-    else:
-        from jaxrl_llm.trainer import train_grpo  # GRPO, RLOO and REINFORCE++ share one loop
+            summary = train_ppo(config, resume=args.resume)
+        else:
+            from jaxrl_llm.trainer import train_grpo  # GRPO, RLOO and REINFORCE++ share one loop
 
-        summary = train_grpo(config, resume=args.resume)
+            summary = train_grpo(config, resume=args.resume)
+    except ConfigError as e:  # relations only known once devices / data are there (e.g. batch vs mesh)
+        print(f"train.py: {e}", file=sys.stderr)
+        return 2
     before = summary.get("before", {}).get("eval/accuracy")
     after = summary.get("after", {}).get("eval/accuracy")
     if before is not None and after is not None:

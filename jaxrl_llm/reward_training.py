@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxrl_llm.config import RunConfig, to_yaml
+from jaxrl_llm.config import ConfigError, RunConfig, to_yaml
 from jaxrl_llm.data import DataError, DataState, bucket, left_pad, load_records, load_tokenizer, next_batch_indices
 from jaxrl_llm.logging import RunLogger
 from jaxrl_llm.models.config import ModelConfig
@@ -105,6 +105,9 @@ def pair_accuracy(params: Params, config: ModelConfig, pairs: list[tuple[list[in
 
 
 def train_reward_model(c: RunConfig) -> dict[str, Any]:
+    if jax.process_count() > 1:
+        raise ConfigError("--algo rm runs in a single process (its step is not sharded); "
+                          "unset distributed.enabled / JAX_COORDINATOR_ADDRESS")
     out_dir = Path(c.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.yaml").write_text(to_yaml(c))

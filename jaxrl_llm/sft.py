@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxrl_llm.config import RunConfig, to_yaml
+from jaxrl_llm.config import ConfigError, RunConfig, to_yaml
 from jaxrl_llm.data import (
     DataState,
     PromptSet,
@@ -33,21 +33,34 @@ from jaxrl_llm.models.decoder import Params, init_params
 from jaxrl_llm.models.hf import config_from_hf, load_hf_model, resolve_model_dir, save_hf_model
 from jaxrl_llm.rewards import resolve_reward
 from jaxrl_llm.sampling import SamplingConfig
-from jaxrl_llm.sharding import MeshShape, global_array, init_optimizer_state, make_mesh, param_shardings, to_host
+from jaxrl_llm.sharding import (
+    MeshShape,
+    batch_divisor,
+    global_array,
+    init_optimizer_state,
+    make_mesh,
+    param_shardings,
+    to_host,
+)
 from jaxrl_llm.train_step import PolicyBatch, PolicyLossConfig, make_optimizer, make_train_step, sft_loss
 
 
 def _tokenizer_for_scratch(spec: str, out_dir: Path) -> tuple[Any, Path]:
     """The tokenizer of a from-scratch model, saved under `out_dir/tokenizer` so exports carry it."""
     target = out_dir / "tokenizer"
-    if spec == "arithmetic":
-        from jaxrl_llm.tasks.arithmetic import make_tokenizer
-
-        make_tokenizer().save_pretrained(target)
-    elif spec:
-        load_tokenizer(spec).save_pretrained(target)
-    else:
+    if not spec:
         raise ValueError("model.init is set (train from scratch) but model.tokenizer is empty")
+    if jax.process_index() == 0:  # one writer; the others wait for the files below
+        if spec == "arithmetic":
+            from jaxrl_llm.tasks.arithmetic import make_tokenizer
+
+            make_tokenizer().save_pretrained(target)
+        else:
+            load_tokenizer(spec).save_pretrained(target)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("jaxrl_llm: scratch tokenizer written")
     return load_tokenizer(target), target
 
 
@@ -96,6 +109,9 @@ def train_sft(c: RunConfig) -> dict[str, Any]:
                             prompt_bucket=c.sampling.prompt_bucket, new_tokens_bucket=c.sampling.new_tokens_bucket)
 
     mesh = make_mesh(MeshShape(c.mesh.data, c.mesh.fsdp, c.mesh.tensor))
+    if c.sft.batch_size % batch_divisor(mesh):
+        raise ConfigError(f"sft.batch_size={c.sft.batch_size} must be divisible by mesh.data * mesh.fsdp "
+                         f"({batch_divisor(mesh)}) for the data-parallel step")
     params_sharding = param_shardings(params, mesh)
     params = jax.device_put(params, params_sharding)
     optimizer, schedule = make_optimizer(c.optim, max(c.steps, 1))

@@ -233,6 +233,9 @@ class GRPOTrainer:
         local = jax.tree.map(lambda x: np.asarray(x)[mine], out)
         rewards, each = compute_rewards(self.reward_fns, prompts[mine], completions[mine],
                                         reward_fields(records[mine], local, self.config.sampling.max_new_tokens))
+        # float32 on every path: the cross-process all-gather carries float32, and the single-process run
+        # must see the same numbers (e.g. dynamic sampling's std > 0 test).
+        rewards, each = rewards.astype(np.float32), {k: v.astype(np.float32) for k, v in each.items()}
         if jax.process_count() == 1:
             return rewards, each
         from jax.experimental import multihost_utils

@@ -271,3 +271,15 @@ def test_two_processes_train_like_one(tiny_task: Path, tmp_path: Path) -> None:
     assert multi_log == sorted([("0", "4"), ("1", "4")] * 2 + [("0", "8"), ("1", "8")] * 2)
     assert (multi / "run" / "hf" / "config.json").is_file()
     assert (multi / "run" / "checkpoints").is_dir()
+
+
+def test_batch_not_divisible_by_the_mesh_is_a_clear_error(tiny_task: Path, tmp_path: Path) -> None:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "--algo", "sft", f"model.path={tiny_task / 'model'}",
+         f"data.train={tiny_task / 'train.jsonl'}", "data.eval=''", f"out_dir={tmp_path}", "steps=1",
+         "sft.batch_size=6", "progress_bar=false"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=env,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "sft.batch_size=6 must be divisible by mesh.data * mesh.fsdp (4)" in proc.stderr

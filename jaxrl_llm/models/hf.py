@@ -40,7 +40,10 @@ def _host() -> Any:
     its "flax" one can, and reading under this default device keeps a shard from passing through an
     accelerator it does not belong to. A function, not a constant: importing this module must not start the
     JAX backend (`jax.distributed.initialize` has to come first in a multi-host run)."""
-    return jax.local_devices(backend="cpu")[0]
+    try:
+        return jax.local_devices(backend="cpu")[0]
+    except RuntimeError:  # JAX_PLATFORMS without cpu: read on the default device (`default_device(None)`)
+        return None
 
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
