@@ -420,8 +420,38 @@ class StepWeights(NamedTuple):
     down_bias: jax.Array | None
 
 
-def step_weights(layer_params: list[Params], config: ModelConfig) -> list[StepWeights]:
-    """Per-layer `StepWeights` from `split_layers`' per-layer parameter pytrees."""
+def fusable_shards(config: ModelConfig, tensor: int) -> int:
+    """How many tensor-parallel shards the fused q|k|v and gate|up matrices are laid out for: `tensor` when
+    it divides every fused part's columns, else 1 (plain concatenation)."""
+    hd = config.head_dim
+    parts = (config.num_heads * hd, config.num_kv_heads * hd, config.intermediate_size)
+    return tensor if tensor > 1 and all(n % tensor == 0 for n in parts) else 1
+
+
+def _fuse(parts: list[jax.Array], shards: int) -> jax.Array:
+    """Concatenate `[..., n_i]` arrays on the last axis, shard-major: with `shards = t`, the columns are
+    `[p0_0 | p1_0 | ... | p0_1 | p1_1 | ...]` (`p_j` split into `t` equal blocks), so a `tensor`-sharded
+    fused matrix gives each device its own block of every part (no resharding in the token step)."""
+    if shards == 1:
+        return jnp.concatenate(parts, axis=-1)
+    blocks = [p.reshape(*p.shape[:-1], shards, p.shape[-1] // shards) for p in parts]
+    fused = jnp.concatenate(blocks, axis=-1)
+    return fused.reshape(*fused.shape[:-2], -1)
+
+
+def _unfuse(fused: jax.Array, widths: tuple[int, ...], shards: int) -> list[jax.Array]:
+    """Inverse of `_fuse` on the last axis of `fused [..., sum(widths)]`."""
+    blocked = fused.reshape(*fused.shape[:-1], shards, -1)
+    out, start = [], 0
+    for w in widths:
+        out.append(blocked[..., start : start + w // shards].reshape(*fused.shape[:-1], w))
+        start += w // shards
+    return out
+
+
+def step_weights(layer_params: list[Params], config: ModelConfig, shards: int = 1) -> list[StepWeights]:
+    """Per-layer `StepWeights` from `split_layers`' per-layer parameter pytrees, fused for `shards`
+    tensor-parallel shards (see `fusable_shards`, `_fuse`)."""
     dtype = config.jnp_dtype
 
     def cast(a: jax.Array) -> jax.Array:
@@ -430,21 +460,21 @@ def step_weights(layer_params: list[Params], config: ModelConfig) -> list[StepWe
     def bias(*denses: Params) -> jax.Array | None:
         if "bias" not in denses[0]:
             return None
-        return cast(jnp.concatenate([d["bias"] for d in denses])[None])
+        return cast(_fuse([d["bias"] for d in denses], shards)[None])
 
     out = []
     for w in layer_params:
         attn, mlp = w["attn"], w["mlp"]
         out.append(StepWeights(
             attn_norm=w["attn_norm"]["scale"],
-            qkv=cast(jnp.concatenate([attn["q"]["kernel"], attn["k"]["kernel"], attn["v"]["kernel"]], axis=1)),
+            qkv=cast(_fuse([attn["q"]["kernel"], attn["k"]["kernel"], attn["v"]["kernel"]], shards)),
             qkv_bias=bias(attn["q"], attn["k"], attn["v"]),
             q_norm=attn["q_norm"]["scale"] if config.qk_norm else None,
             k_norm=attn["k_norm"]["scale"] if config.qk_norm else None,
             o=cast(attn["o"]["kernel"]),
             o_bias=bias(attn["o"]),
             mlp_norm=w["mlp_norm"]["scale"],
-            gate_up=cast(jnp.concatenate([mlp["gate"]["kernel"], mlp["up"]["kernel"]], axis=1)),
+            gate_up=cast(_fuse([mlp["gate"]["kernel"], mlp["up"]["kernel"]], shards)),
             gate_up_bias=bias(mlp["gate"], mlp["up"]),
             down=cast(mlp["down"]["kernel"]),
             down_bias=bias(mlp["down"]),
@@ -475,6 +505,7 @@ def decode_token(
     allowed: jax.Array,
     caches: LayerCaches,
     cache_index: jax.Array,
+    shards: int = 1,
 ) -> tuple[jax.Array, LayerCaches]:
     """One token step of the decode loop: `tokens [B]` at `positions [B]` written to cache slot
     `cache_index`; `allowed [B, S]` the key slots it may attend to. Returns `(logits [B, V], caches)`.
@@ -484,7 +515,8 @@ def decode_token(
       transposed once per call): the layouts the two attention dots read, so XLA:CPU does not transpose
       every layer's whole K and V cache on every token (it did with `[B, S, KVH, hd]`: about a quarter of
       the step's op time on the benchmark model); the new token's keys and values are written in place;
-    - plain `jnp` on `StepWeights` (no Flax module per layer), q|k|v and gate|up as one matmul each.
+    - plain `jnp` on `StepWeights` (no Flax module per layer), q|k|v and gate|up as one matmul each, laid out
+      for `shards` tensor-parallel shards (`step_weights(..., shards)`).
     """
     c = config
     b = tokens.shape[0]
@@ -497,9 +529,8 @@ def decode_token(
         qkv = _rms_norm(x, w.attn_norm, c.rms_norm_eps) @ w.qkv
         if w.qkv_bias is not None:
             qkv = qkv + w.qkv_bias
-        q = qkv[:, : h * hd].reshape(b, h, hd)
-        k = qkv[:, h * hd : (h + kvh) * hd].reshape(b, kvh, hd)
-        v = qkv[:, (h + kvh) * hd :].reshape(b, kvh, hd)
+        q, k, v = _unfuse(qkv, (h * hd, kvh * hd, kvh * hd), shards)
+        q, k, v = q.reshape(b, h, hd), k.reshape(b, kvh, hd), v.reshape(b, kvh, hd)
         if c.qk_norm:
             q, k = _rms_norm(q, w.q_norm, c.rms_norm_eps), _rms_norm(k, w.k_norm, c.rms_norm_eps)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
@@ -519,7 +550,7 @@ def decode_token(
         gate_up = _rms_norm(x, w.mlp_norm, c.rms_norm_eps) @ w.gate_up
         if w.gate_up_bias is not None:
             gate_up = gate_up + w.gate_up_bias
-        gate, up = gate_up[:, : c.intermediate_size], gate_up[:, c.intermediate_size :]
+        gate, up = _unfuse(gate_up, (c.intermediate_size, c.intermediate_size), shards)
         mlp = (jax.nn.silu(gate) * up) @ w.down
         if w.down_bias is not None:
             mlp = mlp + w.down_bias
@@ -565,7 +596,8 @@ def _sample_program(
     rows_spec = PartitionSpec(BATCH_AXES)
     prompt_tokens, prompt_mask = constrain(prompt_tokens, mesh, rows_spec), constrain(prompt_mask, mesh, rows_spec)
     layer_params = split_layers(params, config)
-    weights = [_constrain_step_weights(w, mesh) for w in step_weights(layer_params, config)]
+    shards = fusable_shards(config, mesh.shape["tensor"]) if mesh is not None else 1
+    weights = [_constrain_step_weights(w, mesh) for w in step_weights(layer_params, config, shards)]
 
     # Prefill the B prompts once; the n samples of a prompt share it.
     logits, prompt_caches = _prefill(params, layer_params, config, prompt_tokens, prompt_mask)
@@ -631,7 +663,8 @@ def _sample_program(
         i, token, caches, done, length, outputs = state
         slot = prompt_len + i - 1
         allowed = attention_allowed(key_mask, 1, slot, config.sliding_window)[:, 0]
-        logits, caches = decode_token(params, weights, config, token, first_position + i - 1, allowed, caches, slot)
+        logits, caches = decode_token(params, weights, config, token, first_position + i - 1, allowed, caches, slot,
+                                      shards)
         token, done, length, outputs = emit(i, logits, done, length, outputs)
         return i + 1, token, caches, done, length, outputs
 

@@ -321,11 +321,16 @@ def test_unrolled_decode_equals_decoder(hf_model_dir):
     np.testing.assert_allclose(got_next, want_next, atol=1e-5)
 
 
+@pytest.mark.parametrize("shards", [1, 2])
 @pytest.mark.parametrize("kind", ["mistral", "qwen3", "llama_linear_rope_bias"])
-def test_token_step_equals_decoder(kind, hf_model_dir):
+def test_token_step_equals_decoder(kind, shards, hf_model_dir):
     """The decode loop's token step (head-major caches, fused matmuls) computes what `decode_step` computes:
-    sliding window (mistral), q/k norms (qwen3), o/MLP biases (llama_linear_rope_bias)."""
+    sliding window (mistral), q/k norms (qwen3), o/MLP biases (llama_linear_rope_bias); also with q|k|v and
+    gate|up fused shard-major for 2 tensor-parallel shards."""
     config, params = load_hf_model(hf_model_dir(kind))
+    from jaxrl_llm.sampling import fusable_shards
+
+    assert fusable_shards(config, shards) == shards  # the tiny models divide, so the 2-shard layout is used
     tokens, mask = left_padded_batch(config.vocab_size, [9, 5], seed=8)
     positions = positions_from_mask(jnp.asarray(mask))
     key_mask = jnp.concatenate([jnp.asarray(mask), jnp.ones((2, 1), jnp.int32)], axis=1)
@@ -335,8 +340,8 @@ def test_token_step_equals_decoder(kind, hf_model_dir):
     caches = [{"k": jnp.swapaxes(cache["k"][i], 1, 2), "v": jnp.swapaxes(cache["v"][i], 1, 2)}
               for i in range(config.num_layers)]
     allowed = attention_allowed(key_mask, 1, 9, config.sliding_window)[:, 0]
-    token_step = jax.jit(lambda p, *args: decode_token(p, step_weights(split_layers(p, config), config), config,
-                                                       *args))
+    token_step = jax.jit(lambda p, *args: decode_token(p, step_weights(split_layers(p, config), config, shards),
+                                                       config, *args, shards))
     got, got_caches = token_step(params, jnp.asarray(tokens[:, 0]), positions[:, -1] + 1, allowed, caches, 9)
     np.testing.assert_allclose(got, want[:, 0], atol=1e-5)
     for i, layer_cache in enumerate(got_caches):
