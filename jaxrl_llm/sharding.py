@@ -144,11 +144,6 @@ def optimizer_state_shardings(optimizer: optax.GradientTransformation, opt_state
     )
 
 
-def batch_spec(ndim: int = 1) -> PartitionSpec:
-    """Leading (sequence) axis over `("data", "fsdp")`, the rest replicated."""
-    return P(BATCH_AXES, *([None] * (ndim - 1)))
-
-
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """For every per-sequence array `[N, ...]`: rows split over `data` x `fsdp`."""
     return NamedSharding(mesh, P(BATCH_AXES))
@@ -157,10 +152,6 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 def batch_divisor(mesh: Mesh) -> int:
     """How many ways the batch is split: `data * fsdp`."""
     return _axis_size(mesh, BATCH_AXES)
-
-
-def replicated(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, P())
 
 
 def shard_params(params: Any, mesh: Mesh) -> Any:
