@@ -33,7 +33,6 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from jaxrl_llm.config import RunConfig
-from jaxrl_llm.data import DataState
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.heads import CriticParams, critic_from_policy, critic_values, load_critic
 from jaxrl_llm.rl.advantages import gae_advantages, masked_whiten
@@ -242,20 +241,12 @@ class PPOTrainer(GRPOTrainer):
         return {**super()._state(), "critic": self.critic, "critic_opt_state": self.critic_opt_state,
                 "kl_coef": global_array(np.asarray(self.kl_controller.coef), self.mesh, PartitionSpec())}
 
-    def _restore(self) -> None:
-        step = self.checkpointer.latest_step()
-        if step is None:
-            return
-        abstract = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), self._state()
-        )
-        state, meta = self.checkpointer.restore(step, abstract)
-        self.params, self.opt_state = state["params"], state["opt_state"]
-        self.critic, self.critic_opt_state = state["critic"], state["critic_opt_state"]
-        self.kl_controller = KLControllerState(coef=jnp.asarray(state["kl_coef"], jnp.float32))
-        self.root_key = jax.random.wrap_key_data(state["key"])
-        self.step = int(meta["step"])
-        self.data_state = DataState(**meta["data_state"])
+    def _restore(self) -> dict[str, Any] | None:
+        state = super()._restore()
+        if state is not None:
+            self.critic, self.critic_opt_state = state["critic"], state["critic_opt_state"]
+            self.kl_controller = KLControllerState(coef=jnp.asarray(state["kl_coef"], jnp.float32))
+        return state
 
     # ------------------------------------------------------------------------------------------ the update
 

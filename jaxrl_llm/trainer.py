@@ -172,10 +172,12 @@ class GRPOTrainer:
         key = global_array(np.asarray(jax.random.key_data(self.root_key)), self.mesh, PartitionSpec())
         return {"params": self.params, "opt_state": self.opt_state, "key": key}
 
-    def _restore(self) -> None:
+    def _restore(self) -> dict[str, Any] | None:
+        """Load the latest checkpoint into the run's state; returns the restored pytree (None: no checkpoint),
+        so subclasses can take their own entries of `_state` from it."""
         step = self.checkpointer.latest_step()
         if step is None:
-            return
+            return None
         abstract = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), self._state()
         )
@@ -185,6 +187,7 @@ class GRPOTrainer:
         self.step = int(meta["step"])
         self.data_state = DataState(**meta["data_state"])
         # ref_params stays the starting policy, which __init__ just loaded from the model directory.
+        return state
 
     def save_checkpoint(self) -> None:
         meta = {"step": self.step, "data_state": dataclasses.asdict(self.data_state)}
