@@ -10,7 +10,8 @@ Program shape (one XLA program per prompt bucket, completion bucket, batch size 
 2. `n` samples per prompt: the prompt's caches and last logits are repeated `n` times along the batch
    (`jnp.repeat`, prompt-major rows), so the prompt is computed once, not `n` times, and padded with the
    empty completion slots (`T_b` = `max_new_tokens` rounded up to a multiple of `new_tokens_bucket`), and
-   transposed once to the decode loop's head-major layout `[B*n, KVH, P_b + T_b, hd]`.
+   transposed once to the decode loop's layout (`loop_caches`): keys `[B*n, KVH, hd, P_b + T_b]`, values
+   `[B*n, KVH, P_b + T_b, hd]`.
 3. Decode: `lax.while_loop` over new tokens, one `T = 1` decoder step per iteration, until every row has
    emitted one of `eos_ids` or `max_new_tokens` tokens were made. The loop bound and the sampling knobs
    (temperature, top-k, top-p, min-p values, `max_new_tokens`) are traced values, so every call whose
@@ -19,21 +20,22 @@ Program shape (one XLA program per prompt bucket, completion bucket, batch size 
 
 The decoder's layers run unrolled over per-layer weights and caches: `decode_layers` (the same Flax modules
 as `Decoder`) for the prefill, and `decode_token` (the same math in plain `jnp`, q|k|v and gate|up fused,
-head-major caches, so XLA does not transpose the caches on every step) in the loop: inside a while loop,
+caches laid out as the attention contractions read them, so XLA does not transpose the caches on every
+step) in the loop: inside a while loop,
 `nn.scan` over the stacked `[L, ...]` arrays would copy every layer's weights and cache slice out and the
 updated cache back on every token.
 
 KV-cache memory: allocated once per call, inside the jitted program, as one key and one value buffer per
-layer, `[B*n, KVH, P_b + T_b, hd]` each (together as large as the `[L, B*n, P_b + T_b, KVH, hd]` cache of
-`init_cache`), in the model's compute dtype:
+layer, `[B*n, KVH, hd, P_b + T_b]` and `[B*n, KVH, P_b + T_b, hd]` (together as large as the
+`[L, B*n, P_b + T_b, KVH, hd]` cache of `init_cache`), in the model's compute dtype:
 
     cache_bytes = 2 * L * (B * n) * (P_b + T_b) * KVH * hd * itemsize(dtype)
 
 (e.g. Qwen2.5-0.5B, L=24, KVH=2, hd=64, bf16, B*n=64, P_b + T_b = 1024: 2*24*64*1024*2*64*2 B = 805 MB).
 The prefill caches (`B` rows, `P_b` slots) live only until they are broadcast. The cache never crosses the
 jit boundary: it is created, updated and dropped inside the one program, carried by `lax.while_loop` as
-loop-carried buffers that XLA updates in place (a token step writes one `[B*n, KVH, 1, hd]` slice per layer
-and buffer). That is what donating a cache passed in from outside would achieve, with nothing for the caller
+loop-carried buffers that XLA updates in place (a token step writes one slot, `B*n * KVH * hd` values, per
+layer and buffer). That is what donating a cache passed in from outside would achieve, with nothing for the caller
 to manage; no copy of the cache is made per step. The per-layer weights (`StepWeights`: one copy of the
 layer weights, q|k|v and gate|up concatenated) are also made once per call, outside the loop.
 
@@ -357,7 +359,7 @@ def sample_from_logits(
 
 
 _MASKED = -1e30  # the decoder's score for a masked key (finite: a fully masked row stays finite)
-LayerCaches = list[dict[str, jax.Array]]  # per layer {"k", "v": [B, S, KVH, hd]} ([B, KVH, S, hd] in the loop)
+LayerCaches = list[dict[str, jax.Array]]  # per layer {"k", "v": [B, S, KVH, hd]} (`loop_caches` layout in the loop)
 
 
 def split_layers(params: Params, config: ModelConfig) -> list[Params]:
@@ -482,6 +484,17 @@ def step_weights(layer_params: list[Params], config: ModelConfig, shards: int = 
     return out
 
 
+def loop_caches(caches: LayerCaches) -> LayerCaches:
+    """Decoder-layout caches `{"k", "v": [B, S, KVH, hd]}` -> the decode loop's layout: keys `[B, KVH, hd, S]`,
+    values `[B, KVH, S, hd]`, the layouts the two attention contractions of `decode_token` read."""
+    return [{"k": jnp.transpose(c["k"], (0, 2, 3, 1)), "v": jnp.swapaxes(c["v"], 1, 2)} for c in caches]
+
+
+def decoder_caches(caches: LayerCaches) -> LayerCaches:
+    """Inverse of `loop_caches`."""
+    return [{"k": jnp.transpose(c["k"], (0, 3, 1, 2)), "v": jnp.swapaxes(c["v"], 1, 2)} for c in caches]
+
+
 def _rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     """`RMSNorm` of the decoder (normalised in float32, then scaled in the compute dtype)."""
     x32 = x.astype(jnp.float32)
@@ -511,10 +524,13 @@ def decode_token(
     `cache_index`; `allowed [B, S]` the key slots it may attend to. Returns `(logits [B, V], caches)`.
 
     The same math as `decode_layers` with `T = 1` (a test checks they agree), written for the hot loop:
-    - caches head-major, `{"k", "v": [B, KVH, S, hd]}` (the prefill's `[B, S, KVH, hd]` caches are
-      transposed once per call): the layouts the two attention dots read, so XLA:CPU does not transpose
-      every layer's whole K and V cache on every token (it did with `[B, S, KVH, hd]`: about a quarter of
-      the step's op time on the benchmark model); the new token's keys and values are written in place;
+    - caches in `loop_caches` layout, keys `[B, KVH, hd, S]` and values `[B, KVH, S, hd]` (the prefill's
+      `[B, S, KVH, hd]` caches are transposed once per call): `q.K` is then a `[groups, hd] x [hd, S]`
+      product per row and head and `p.V` a `[groups, S] x [S, hd]` one, both on the cache as stored, so
+      XLA:CPU transposes no cache on any token (with `[B, S, KVH, hd]` it re-laid out every layer's whole
+      K and V cache per token: about a quarter of the step's op time on the benchmark model; keys
+      `[B, KVH, hd, S]` instead of `[B, KVH, S, hd]`: 1.1x per call, BENCHMARKS.md); the new token's keys
+      and values are written in place;
     - plain `jnp` on `StepWeights` (no Flax module per layer), q|k|v and gate|up as one matmul each, laid out
       for `shards` tensor-parallel shards (`step_weights(..., shards)`).
     """
@@ -534,12 +550,12 @@ def decode_token(
         if c.qk_norm:
             q, k = _rms_norm(q, w.q_norm, c.rms_norm_eps), _rms_norm(k, w.k_norm, c.rms_norm_eps)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        k_all = jax.lax.dynamic_update_slice_in_dim(cache["k"], k[:, :, None].astype(cache["k"].dtype), cache_index, 2)
+        k_all = jax.lax.dynamic_update_slice_in_dim(cache["k"], k[..., None].astype(cache["k"].dtype), cache_index, 3)
         v_all = jax.lax.dynamic_update_slice_in_dim(cache["v"], v[:, :, None].astype(cache["v"].dtype), cache_index, 2)
         new_caches.append({"k": k_all, "v": v_all})
-        # The decoder's grouped-query attention for one query per row, on the head-major cache.
+        # The decoder's grouped-query attention for one query per row, on the loop-layout caches.
         qg = q.reshape(b, kvh, groups, hd)
-        scores = jnp.einsum("bkgd,bksd->bkgs", qg, k_all.astype(q.dtype), preferred_element_type=jnp.float32)
+        scores = jnp.einsum("bkgd,bkds->bkgs", qg, k_all.astype(q.dtype), preferred_element_type=jnp.float32)
         scores = jnp.where(allowed[:, None, None, :], scores / math.sqrt(hd), _MASKED)
         probs = jax.nn.softmax(scores, axis=-1).astype(v_all.dtype)
         out = jnp.einsum("bkgs,bksd->bkgd", probs, v_all.astype(q.dtype))
@@ -605,15 +621,13 @@ def _sample_program(
     # n samples per prompt: broadcast the prompt's cache and logits (prompt-major rows), then extend each
     # layer's cache with the empty completion slots.
     logits = jnp.repeat(logits, n, axis=0)
-    # The decode loop keeps its caches head-major, `[B*n, KVH, S, hd]` (see `decode_token`): transposed
-    # here once per call, not by XLA inside every step.
-    caches = jax.tree.map(
-        lambda c: constrain(
-            jnp.pad(jnp.repeat(jnp.swapaxes(c, 1, 2), n, axis=0), ((0, 0), (0, 0), (0, new_tokens), (0, 0))),
-            mesh, PartitionSpec(BATCH_AXES, "tensor"),
-        ),
-        prompt_caches,
-    )
+    # The decode loop keeps its caches in `loop_caches` layout (see `decode_token`): transposed here once
+    # per call, not by XLA inside every step; the completion slots are padding on the slot axis.
+    def extend(a: jax.Array, slot_axis: int) -> jax.Array:
+        slots = [(0, new_tokens if axis == slot_axis else 0) for axis in range(a.ndim)]
+        return constrain(jnp.pad(jnp.repeat(a, n, axis=0), slots), mesh, PartitionSpec(BATCH_AXES, "tensor"))
+
+    caches = [{"k": extend(c["k"], 3), "v": extend(c["v"], 2)} for c in loop_caches(prompt_caches)]
     rows = logits.shape[0]
     # Completion slots are all marked valid up front: causality (key slot <= query slot) already hides the
     # slots not written yet, so the key mask never changes inside the loop.

@@ -21,6 +21,8 @@ from jaxrl_llm.sampling import (
     compiled_program_count,
     decode_layers,
     decode_token,
+    decoder_caches,
+    loop_caches,
     sample,
     sample_from_logits,
     split_layers,
@@ -337,16 +339,15 @@ def test_token_step_equals_decoder(kind, shards, hf_model_dir):
     step = jax.jit(decode_step, static_argnums=1)
     _, cache = step(params, config, tokens, positions, key_mask, init_cache(config, 2, 10), 0)
     want, want_cache = step(params, config, tokens[:, :1], positions[:, -1:] + 1, key_mask, cache, 9)
-    caches = [{"k": jnp.swapaxes(cache["k"][i], 1, 2), "v": jnp.swapaxes(cache["v"][i], 1, 2)}
-              for i in range(config.num_layers)]
+    caches = loop_caches([{"k": cache["k"][i], "v": cache["v"][i]} for i in range(config.num_layers)])
     allowed = attention_allowed(key_mask, 1, 9, config.sliding_window)[:, 0]
     token_step = jax.jit(lambda p, *args: decode_token(p, step_weights(split_layers(p, config), config, shards),
                                                        config, *args, shards))
     got, got_caches = token_step(params, jnp.asarray(tokens[:, 0]), positions[:, -1] + 1, allowed, caches, 9)
     np.testing.assert_allclose(got, want[:, 0], atol=1e-5)
-    for i, layer_cache in enumerate(got_caches):
+    for i, layer_cache in enumerate(decoder_caches(got_caches)):
         for name in ("k", "v"):
-            np.testing.assert_allclose(jnp.swapaxes(layer_cache[name], 1, 2), want_cache[name][i], atol=1e-5)
+            np.testing.assert_allclose(layer_cache[name], want_cache[name][i], atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- keys, groups, EOS, buckets
