@@ -1,6 +1,7 @@
 """Sampler throughput: jaxrl_llm.sampling.sample vs transformers' `generate` (torch CPU), same model and batch.
 
-    python bench/sampling.py [--batch 32] [--prompt-len 32] [--new-tokens 64] [--repeats 3] [--threads N]
+    python bench/sampling.py [--batch 32] [--prompt-len 32] [--new-tokens 64] [--repeats 5] [--threads N]
+                             [--cpu-devices D]
 
 The model is a ~10M-parameter Qwen2-shaped decoder (q/k/v biases, tied embeddings, GQA) with random weights,
 built here with transformers and saved to a temporary directory, from which both sides load the same weights.
@@ -17,11 +18,22 @@ input embedding lookup; the tied output matrix counts once), tokens_processed = 
 (prefill over the prompt, then one step per new token but the last), and attention adds
 4 * layers * heads * head_dim * context per processed token (q.k and p.v over the context the token sees).
 The achieved FLOP/s is printed as a fraction of a plain jitted float32 matmul's FLOP/s (1024^3, this run).
+
+`--cpu-devices D` (D > 1) splits the host into D XLA CPU devices (`jax_num_cpu_devices`) and samples with
+`sample(..., mesh=)` on a `data=D` mesh: each device decodes B/D rows, and XLA runs the D programs on
+different cores. The tokens equal the one-device sampler's for the same key (checked here).
+
+The decode-loop floor: the decode loop's matmuls alone (per layer `x @ qkv`, `x @ o`, `x @ gate_up`,
+`x @ down`, then the unembedding; the sampler's own `StepWeights`, same shapes and batch, `new - 1` steps in
+a jitted `fori_loop`; no attention, norms, cache writes or sampling), plus a prefill-only call (the sampler
+with one new token). `HF time / (floor + prefill)` is the ratio the sampler would reach if everything in its
+loop but the matmuls cost nothing: an upper bound for this machine and XLA:CPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import tempfile
@@ -87,6 +99,36 @@ def model_flops(config, batch: int, prompt_len: int, new_tokens: int) -> float:
     return batch * (2 * n_matmul * len(contexts) + attention)
 
 
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def decode_matmul_floor(params, config, batch: int, steps: int, repeats: int = 5) -> float:
+    """Best wall time of `steps` token steps that run only the decode loop's matmuls (the sampler's own
+    `StepWeights` and output matrix, `batch` rows): see the module docstring."""
+    from jaxrl_llm.sampling import split_layers, step_weights
+
+    weights = step_weights(split_layers(params, config), config)
+    output = params["embed"]["embedding"] if config.tie_word_embeddings else params["lm_head"]["kernel"].T
+    d, q = config.hidden_size, config.num_heads * config.head_dim
+
+    def token_step(_, x):
+        for w in weights:
+            qkv = x @ w.qkv
+            x = x + qkv[:, :q] @ w.o
+            gate_up = x @ w.gate_up
+            x = x + gate_up[:, : config.intermediate_size] @ w.down
+        logits = x @ output.T
+        return x + 1e-3 * logits[:, :d]  # keeps every product live and the steps dependent
+
+    loop = jax.jit(lambda x: jax.lax.fori_loop(0, steps, token_step, x))
+    x = jnp.ones((batch, d), config.jnp_dtype)
+    loop(x).block_until_ready()
+    return min(_timed(lambda: loop(x).block_until_ready()) for _ in range(repeats))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=32)
@@ -94,13 +136,17 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--cpu-devices", type=int, default=1, help="XLA CPU devices to split the batch over")
     args = parser.parse_args()
+    if args.cpu_devices > 1:
+        jax.config.update("jax_num_cpu_devices", args.cpu_devices)  # before the first use of a device
 
     import torch
 
     import jaxrl_llm
     from jaxrl_llm.models.hf import load_hf_model
     from jaxrl_llm.sampling import SamplingConfig, compile_sampler
+    from jaxrl_llm.sharding import MeshShape, make_mesh, shard_params
 
     torch.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
@@ -121,9 +167,19 @@ def main() -> None:
     # ---- ours
     sampling = SamplingConfig(max_new_tokens=args.new_tokens, temperature=1.0, prompt_bucket=args.prompt_len,
                               new_tokens_bucket=args.new_tokens)
+    mesh = None
+    if args.cpu_devices > 1:
+        mesh = make_mesh(MeshShape(data=args.cpu_devices, fsdp=1, tensor=1))
+        whole = compile_sampler(params, config, prompts, mask, jax.random.key(0), sampling)(
+            params, prompts, mask, jax.random.key(3))
+        params = shard_params(params, mesh)
+        print(f"sampling on a data={args.cpu_devices} mesh of CPU devices: {mesh.devices.ravel().tolist()}")
     start = time.perf_counter()
-    run = compile_sampler(params, config, prompts, mask, jax.random.key(0), sampling)
+    run = compile_sampler(params, config, prompts, mask, jax.random.key(0), sampling, mesh=mesh)
     compile_s = time.perf_counter() - start
+    if mesh is not None:
+        split = run(params, prompts, mask, jax.random.key(3))
+        assert np.array_equal(np.asarray(split.tokens), np.asarray(whole.tokens)), "mesh changed the tokens"
     calls = iter(range(10**6))
 
     def ours() -> None:
@@ -162,6 +218,15 @@ def main() -> None:
     print(f"ratio = ours_tok_s / hf_tok_s = {ours_tok_s / hf_tok_s:.2f}")
     print(f"model FLOP/s: {achieved / 1e9:.1f} GFLOP/s = {achieved / limit:.2f} of a jitted f32 1024^3 matmul "
           f"({limit / 1e9:.1f} GFLOP/s, same run)")
+    if mesh is None:
+        floor_s = decode_matmul_floor(params, config, args.batch, args.new_tokens - 1)
+        one_token = dataclasses.replace(sampling, max_new_tokens=1, new_tokens_bucket=1)
+        prefill = compile_sampler(params, config, prompts, mask, jax.random.key(0), one_token)
+        prefill_s = min(_timed(lambda: prefill(params, prompts, mask, jax.random.key(0)).tokens.block_until_ready())
+                        for _ in range(args.repeats))
+        print(f"decode-loop floor (its matmuls alone): {floor_s * 1e3:.1f} ms; prefill-only call: "
+              f"{prefill_s * 1e3:.1f} ms; ceiling ratio with the rest of the loop free: "
+              f"{hf_s / (floor_s + prefill_s):.2f}")
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"1-minute load average at the end: {load:.2f} on {os.cpu_count()} cores")
 

@@ -492,6 +492,33 @@ def test_cli_chat_template(tmp_path, capsys):
         main(["--model", str(STORIES260K), "--prompt", "Once", "--chat", "--max-new-tokens", "4"])
 
 
+@requires_shared(STORIES260K)
+def test_cli_cpu_devices_split_the_batch_and_keep_the_tokens():
+    """--cpu-devices 2 (a fresh process: the device count is fixed at start-up) samples the same completions
+    as one device for the same seed, with temperature and top-p on; a count that does not divide the prompts
+    is a usage error."""
+    import os
+    import subprocess
+    import sys
+
+    from jaxrl_llm.generate import main
+
+    def completions(*extra: str) -> list[str]:
+        command = [sys.executable, "-m", "jaxrl_llm.generate", "--model", str(STORIES260K), "--prompt", "Once",
+                   "--prompt", "Lily", "--prompt", "The dog", "--prompt", "Tom", "--max-new-tokens", "24",
+                   "--temperature", "0.9", "--top-p", "0.95", "--n", "2", "--seed", "5", *extra]
+        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, check=True)
+        return [line for line in done.stdout.splitlines() if not line.startswith("--- ") or "sample" in line]
+
+    one, split = completions(), completions("--cpu-devices", "2")
+    assert len(one) == 16 and split == one
+    assert len(set(one[1::2])) > 4  # really sampled: the 8 completions differ
+    with pytest.raises(SystemExit) as usage:
+        main(["--model", str(STORIES260K), "--prompt", "a", "--prompt", "b", "--cpu-devices", "3"])
+    assert usage.value.code == 2
+
+
 def test_bfloat16_model_samples_consistently(hf_model_dir):
     """bf16 params and compute (bf16 cache): log-probs stay float32 and agree with a fresh bf16 forward pass
     to bf16 precision (8 mantissa bits on logits of size ~1: a few 1e-3)."""

@@ -1,6 +1,6 @@
-"""Mesh independence on 8 virtual CPU devices: one GRPO train step and greedy sampling give the one-device
-results on meshes (data, fsdp, tensor) = (8,1,1), (2,4,1), (2,2,2), (1,2,4); parameters, optimizer state and
-checkpoint loading follow the partition rules."""
+"""Mesh independence on 8 virtual CPU devices: one GRPO train step, greedy decoding and temperature + top-p
+sampling give the one-device results on meshes (data, fsdp, tensor) = (8,1,1), (2,4,1), (2,2,2), (1,2,4);
+parameters, optimizer state and checkpoint loading follow the partition rules."""
 
 from __future__ import annotations
 
@@ -58,6 +58,7 @@ adv = rng.normal(0, 1, n).astype(np.float32)
 batch = PolicyBatch(pt, pm, ct, cm, old, ref, adv)
 loss_config = PolicyLossConfig(beta=0.1, epsilon_low=0.1, epsilon_high=0.1, aggregation="token-mean")
 sampling = SamplingConfig(max_new_tokens=24, greedy=True, n=2, eos_ids=(), pad_id=0)
+drawn = SamplingConfig(max_new_tokens=24, temperature=0.9, top_p=0.95, n=2, eos_ids=(), pad_id=0)
 prompts_t, prompts_m = pt[:8], pm[:8]
 
 
@@ -72,17 +73,19 @@ def run(shape, grad_accum=1):
                            optimizer=optimizer, grad_accum=grad_accum, params_sharding=shardings,
                            opt_state_sharding=jax.tree.map(lambda x: x.sharding, opt_state))
     greedy = to_host(sample(placed, config, prompts_t, prompts_m, jax.random.key(0), sampling, mesh=mesh))
+    sampled = to_host(sample(placed, config, prompts_t, prompts_m, jax.random.key(4), drawn, mesh=mesh))
     specs = {path_string(k): str(tuple(v.sharding.spec)) for k, v in jax.tree_util.tree_flatten_with_path(placed)[0]}
     mu_specs = {path_string(k): str(tuple(v.sharding.spec))
                 for k, v in jax.tree_util.tree_flatten_with_path(opt_state.inner_state[1][0].mu)[0]}
     new, new_opt, m = step(placed, opt_state, jax.tree.map(lambda x: global_array(x, mesh), batch))
     return {"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]), "kl": float(m.get("kl", 0.0)),
             "params": to_host(new), "tokens": np.asarray(greedy.tokens).tolist(), "specs": specs,
-            "mu_specs": mu_specs}
+            "mu_specs": mu_specs, "sampled": np.asarray(sampled.tokens).tolist(),
+            "sampled_logprobs": np.asarray(sampled.logprobs).tolist()}
 
 
 reference = run(None)
-out = {"one": {k: reference[k] for k in ("loss", "grad_norm", "kl", "tokens")}}
+out = {"one": {k: reference[k] for k in ("loss", "grad_norm", "kl", "tokens", "sampled", "sampled_logprobs")}}
 for shape, accum in [((8, 1, 1), 1), ((2, 4, 1), 1), ((2, 2, 2), 1), ((1, 2, 4), 1), ((2, 2, 2), 2)]:
     r = run(shape, accum)
     leaves = jax.tree_util.tree_flatten_with_path(reference["params"])[0]
@@ -90,7 +93,8 @@ for shape, accum in [((8, 1, 1), 1), ((2, 4, 1), 1), ((2, 2, 2), 1), ((1, 2, 4),
     rel = {path_string(k): float(np.linalg.norm(b - a) / np.linalg.norm(a)) for (k, a), b in zip(leaves, other)}
     out[f"{shape}/{accum}"] = {"loss": r["loss"], "grad_norm": r["grad_norm"], "kl": r["kl"],
                                "tokens": r["tokens"], "param_rel_diff": rel, "specs": r["specs"],
-                               "mu_specs": r["mu_specs"]}
+                               "mu_specs": r["mu_specs"], "sampled": r["sampled"],
+                               "sampled_logprobs": r["sampled_logprobs"]}
 
 # Loading a checkpoint straight into its shards.
 directory = tempfile.mkdtemp()
@@ -135,6 +139,17 @@ def test_greedy_sampling_matches_one_device(mesh_results: dict, mesh: str) -> No
     tokens = np.asarray(mesh_results[mesh]["tokens"])
     assert tokens.shape == (16, 24)
     np.testing.assert_array_equal(tokens, np.asarray(mesh_results["one"]["tokens"]))
+
+
+@pytest.mark.parametrize("mesh", [f"{m}/1" for m in MESHES])
+def test_sampled_tokens_match_one_device(mesh_results: dict, mesh: str) -> None:
+    """Temperature + top-p sampling with one key draws the same tokens on every mesh (each row's uniforms do
+    not depend on how rows are split), with the same log-probs."""
+    one, r = mesh_results["one"], mesh_results[mesh]
+    tokens = np.asarray(r["sampled"])
+    np.testing.assert_array_equal(tokens, np.asarray(one["sampled"]))
+    assert len({tuple(row) for row in tokens}) == len(tokens)  # sampled rows differ (n=2 share a prompt)
+    np.testing.assert_allclose(r["sampled_logprobs"], one["sampled_logprobs"], atol=1e-5)
 
 
 # What the rules say for this model on the (2, 2, 2) mesh (kernels are [in, out], layers stacked first).
