@@ -2,11 +2,15 @@
 
     pip install trl        # benchmark-only dependency (not a runtime dependency of jaxrl_llm)
     python bench/grpo_vs_trl.py [--steps 5] [--warmup 2] [--prompt-tokens 20] [--threads 2] [--wait-quiet 120]
-                                [--bf16] [--remat] [--override KEY=VALUE] [--skip-trl]
+                                [--bf16] [--remat] [--override KEY=VALUE] [--skip-trl] [--model DIR]
 
 The model is a ~10M-parameter Qwen2-shaped decoder (q/k/v biases, GQA, tied embeddings: hidden 256, 10 layers,
 4 heads, 2 KV heads, MLP 1024; 9.97M parameters) with random weights and the 512-token stories260K tokenizer,
 built with transformers and saved to a temporary directory from which both trainers load it (float32).
+`--model DIR` takes any HF causal-LM directory instead (e.g. SmolLM2-135M-Instruct from
+`../shared/models/smollm2-135m-instruct/fetch.py`); its prompts are then chat messages rendered with the model's
+chat template on both sides (ours `data.chat_template=true`, TRL's conversational prompts), all of exactly
+`--prompt-tokens` tokens (default: the most common length among the candidates).
 
 One step, on both sides: 4 prompts x G = 8 samples = 32 completions of exactly 32 new tokens (temperature 1,
 no top-k/top-p; EOS is forbidden: `min_new_tokens = 32` for TRL, no EOS ids for ours), a cheap rule reward
@@ -86,41 +90,55 @@ def vowel_reward(prompts, completions, **fields) -> list[float]:
 # ------------------------------------------------------------------------------------------------ set-up
 
 
-def build_task(root: Path, prompt_tokens: int) -> tuple[Path, Path, list[str]]:
-    """Random Qwen2 model dir (weights + tokenizer) and a JSONL of prompts of exactly `prompt_tokens` tokens."""
+def build_task(root: Path, prompt_tokens: int | None, model: str = "") -> tuple[Path, Path, list, int]:
+    """Model dir (random Qwen2 with the stories260K tokenizer, or `model`) and a JSONL of prompts of exactly
+    `prompt_tokens` tokens (chat messages for `model`); returns `(model_dir, data, prompts, prompt_tokens)`."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(STORIES260K)
-    config = AutoConfig.for_model("qwen2", **QWEN2_10M)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model_dir = root / "qwen2-10m"
-    model.save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
+    if model:
+        model_dir = Path(model)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(STORIES260K)
+        config = AutoConfig.for_model("qwen2", **QWEN2_10M)
+        torch.manual_seed(0)
+        hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model_dir = root / "qwen2-10m"
+        hf_model.save_pretrained(model_dir)
+        tokenizer.save_pretrained(model_dir)
+
+    def length(text: str) -> int:
+        if not model:
+            return len(tokenizer(text)["input_ids"])
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True)
+        return len(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     names = ["Lily", "Tom", "Sue", "Ben", "Mia", "Max", "Anna", "Sam", "Lucy", "Tim", "Jack", "Emma"]
     things = ["ball", "cat", "dog", "box", "tree", "car", "cake", "bird", "book", "hat", "fish", "toy"]
     places = ["park", "garden", "house", "forest", "school", "shop", "river", "farm"]
     templates = ["{n} found a {o} in the {p}.", "{n} found a {o} in the {p}. Then", "{n} saw a {o}.",
                  "One day, {n} found a {o} in the {p}. Then", "{n} and the {o} went to the {p}."]
-    prompts = []
-    for template, n, o, p in itertools.product(templates, names, things, places):
-        text = template.format(n=n, o=o, p=p)
-        if len(tokenizer(text)["input_ids"]) == prompt_tokens:
-            prompts.append(text)
+    candidates = [(t.format(n=n, o=o, p=p)) for t, n, o, p in itertools.product(templates, names, things, places)]
+    lengths = [length(text) for text in candidates]
+    if prompt_tokens is None:
+        prompt_tokens = 20 if not model else max(set(lengths), key=lengths.count)
+    prompts = [text for text, n in zip(candidates, lengths, strict=True) if n == prompt_tokens]
     if len(prompts) < 64:
-        raise SystemExit(f"only {len(prompts)} prompts of exactly {prompt_tokens} tokens; try 16..22")
+        raise SystemExit(f"only {len(prompts)} prompts of exactly {prompt_tokens} tokens; try another --prompt-tokens")
     prompts = [prompts[i] for i in np.random.default_rng(0).permutation(len(prompts))[:256]]
+    if model:  # conversational: both trainers render them with the model's chat template
+        prompts = [[{"role": "user", "content": p}] for p in prompts]
     data = root / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
-    return model_dir, data, prompts
+    return model_dir, data, prompts, prompt_tokens
 
 
 def model_dims(model_dir: Path) -> dict[str, int]:
     hf = json.loads((model_dir / "config.json").read_text())
     d, f, layers, heads = hf["hidden_size"], hf["intermediate_size"], hf["num_hidden_layers"], hf["num_attention_heads"]
-    hd, kvh, vocab = hf["head_dim"], hf["num_key_value_heads"], hf["vocab_size"]
+    hd, kvh, vocab = hf.get("head_dim") or d // heads, hf["num_key_value_heads"], hf["vocab_size"]
     per_layer = d * heads * hd + 2 * d * kvh * hd + heads * hd * d + 3 * d * f
     return dict(d=d, layers=layers, heads=heads, hd=hd, vocab=vocab, n_layers=layers * per_layer)
 
@@ -229,7 +247,7 @@ class Ours:
     """Our side: `GRPOTrainer` built from dotted overrides; `step()` runs and times one GRPO step."""
 
     def __init__(self, model_dir: Path, data: Path, out_dir: Path, bf16: bool, quiet_s: float,
-                 overrides: list[str]) -> None:
+                 overrides: list[str], chat: bool = False) -> None:
         import jax
 
         import jaxrl_llm.trainer as trainer_module
@@ -242,7 +260,8 @@ class Ours:
             f"grpo.beta={BETA}", "grpo.mu=1", f"sampling.max_new_tokens={NEW_TOKENS}", "sampling.temperature=1.0",
             f"optim.learning_rate={LR}", f"rewards=[{{name: '{__name__}:vowel_reward'}}]", "progress_bar=false",
             "tensorboard=false", "checkpoint_every=0", "export=false",
-            f"model.dtype={'bfloat16' if bf16 else 'float32'}", *overrides,
+            f"model.dtype={'bfloat16' if bf16 else 'float32'}", f"data.chat_template={str(chat).lower()}",
+            *overrides,
         ])
         self.trainer = trainer = trainer_module.GRPOTrainer(config)
         trainer.eos_ids = ()  # never stop early: exactly NEW_TOKENS tokens per row, like TRL's min_new_tokens
@@ -395,7 +414,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=5, help="timed steps per side (median reported)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed first steps per side (JAX compiles here)")
-    parser.add_argument("--prompt-tokens", type=int, default=20, help="every prompt's length, BOS included")
+    parser.add_argument("--prompt-tokens", type=int, default=None,
+                        help="every prompt's length, BOS included (default 20; with --model the commonest length)")
+    parser.add_argument("--model", default="", help="a HF model directory (default: a random 10M Qwen2)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch.set_num_threads")
     parser.add_argument("--skip-trl", action="store_true", help="run our side only")
     parser.add_argument("--bf16", action="store_true",
@@ -431,7 +452,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        model_dir, data, prompts = build_task(root, args.prompt_tokens)
+        model_dir, data, prompts, args.prompt_tokens = build_task(root, args.prompt_tokens, args.model)
         dims = model_dims(model_dir)
 
         wait_until_quiet(args.wait_quiet)
@@ -442,7 +463,7 @@ def main() -> None:
         print(f"ours: {PROMPTS_PER_STEP} prompts x G={GROUP}, {NEW_TOKENS} new tokens, beta={BETA}; warm-up "
               "(the first step compiles)", flush=True)
         overrides = [f"model.remat={str(args.remat).lower()}", *args.override]
-        runner = Ours(model_dir, data, root / "ours", args.bf16, args.wait_quiet, overrides)
+        runner = Ours(model_dir, data, root / "ours", args.bf16, args.wait_quiet, overrides, chat=bool(args.model))
         for _ in range(args.warmup):
             runner.step(warmup=True)
         wait_until_quiet(args.wait_quiet)
@@ -468,7 +489,7 @@ def main() -> None:
     o_len = stat(o, "completion_length", "median")
     flops = update_flops(dims, rows, args.prompt_tokens, o_len)
     print()
-    print(f"model: Qwen2-shaped, {ours['n_params'] / 1e6:.2f}M params (ours) / "
+    print(f"model: {args.model or 'Qwen2-shaped random'}, {ours['n_params'] / 1e6:.2f}M params (ours) / "
           f"{(trl_res or ours)['n_params'] / 1e6:.2f}M (torch), prompts {args.prompt_tokens} tokens "
           f"(ours padded to {ours['prompt_width']}), {rows} completions x {NEW_TOKENS} tokens per step")
     print(f"set-up (load model, build trainer): ours {ours['setup']:.1f} s" +

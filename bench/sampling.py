@@ -1,10 +1,15 @@
 """Sampler throughput: jaxrl_llm.sampling.sample vs transformers' `generate` (torch CPU), same model and batch.
 
     python bench/sampling.py [--batch 32] [--prompt-len 32] [--new-tokens 64] [--repeats 5] [--threads N]
-                             [--cpu-devices D]
+                             [--cpu-devices D] [--model DIR] [--dtype float32|bfloat16]
 
 The model is a ~10M-parameter Qwen2-shaped decoder (q/k/v biases, tied embeddings, GQA) with random weights,
 built here with transformers and saved to a temporary directory, from which both sides load the same weights.
+`--model DIR` takes any HF causal-LM directory instead (e.g. SmolLM2-135M-Instruct, built by
+`../shared/models/smollm2-135m-instruct/fetch.py`): the prompts are then chat questions rendered with its
+tokenizer's chat template (when it has one), left-padded to the longest (`--prompt-len` is ignored), the same
+batch and attention mask on both sides. `--dtype bfloat16` runs both sides in bfloat16 (our parameters and
+compute; the torch model cast with `.to(torch.bfloat16)`), and the matmul baseline is then a bfloat16 one.
 Both sides sample (temperature 1.0, no top-k/top-p) `new_tokens` tokens for every row: `min_new_tokens =
 max_new_tokens` on the HF side, no EOS on ours, so each side makes exactly `batch * new_tokens` tokens.
 Compile time (JAX) is reported apart. Both sides are warmed up, then timed alternately `repeats` times and
@@ -75,10 +80,39 @@ def build_model(model_dir: str):
     return model
 
 
-def matmul_flops_per_s(size: int = 1024, repeats: int = 20) -> float:
-    """FLOP/s of a jitted float32 `[size, size] @ [size, size]` (best of `repeats`): the practical limit."""
-    a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32)
-    matmul = jax.jit(lambda x, y: x @ y)
+QUESTIONS = [
+    "What is the capital of France?", "Write a short poem about the sea.", "Which number is larger, 47 or 62?",
+    "Explain why the sky is blue.", "Give me three tips for learning to cook.", "What is 12 + 35?",
+    "Describe a cat in one sentence.", "How do plants make their food?", "Name a famous painter and a painting.",
+    "Why do we need sleep?", "Tell me a fun fact about space.", "What is a prime number?",
+]
+
+
+def chat_prompts(model_dir: str, batch: int) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """`batch` chat questions rendered with the model's tokenizer (chat template when it has one), left-padded:
+    `(tokens, mask, pad_id, eos_id)`."""
+    from jaxrl_llm.data import left_pad, load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    rows = []
+    for i in range(batch):
+        text = QUESTIONS[i % len(QUESTIONS)]
+        if tokenizer.chat_template:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                tokenize=True)
+            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        else:
+            ids = tokenizer(text)["input_ids"]
+        rows.append(list(ids))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    tokens, mask = left_pad(rows, max(map(len, rows)), pad)
+    return tokens, mask, int(pad), int(tokenizer.eos_token_id)
+
+
+def matmul_flops_per_s(size: int = 1024, repeats: int = 20, dtype: str = "float32") -> float:
+    """FLOP/s of a jitted `[size, size] @ [size, size]` in `dtype` (best of `repeats`): the practical limit."""
+    a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32).astype(dtype)
+    matmul = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
     matmul(a, a).block_until_ready()
     best = float("inf")
     for _ in range(repeats):
@@ -137,6 +171,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--cpu-devices", type=int, default=1, help="XLA CPU devices to split the batch over")
+    parser.add_argument("--model", default="", help="a HF model directory (default: a random 10M Qwen2)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     args = parser.parse_args()
     if args.cpu_devices > 1:
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)  # before the first use of a device
@@ -149,18 +185,31 @@ def main() -> None:
     from jaxrl_llm.sharding import MeshShape, make_mesh, shard_params
 
     torch.set_num_threads(args.threads)
-    rng = np.random.default_rng(0)
-    prompts = rng.integers(1, QWEN2_10M["vocab_size"], (args.batch, args.prompt_len)).astype(np.int32)
-    mask = np.ones_like(prompts)
     tokens_made = args.batch * args.new_tokens
+    pad_id, eos_id = 0, 1
+    if args.model:
+        from transformers import AutoModelForCausalLM
 
-    with tempfile.TemporaryDirectory() as model_dir:
-        hf = build_model(model_dir)
-        config, params = load_hf_model(model_dir)
+        prompts, mask, pad_id, eos_id = chat_prompts(args.model, args.batch)
+        args.prompt_len = prompts.shape[1]
+        hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+        config, params = load_hf_model(args.model, dtype=args.dtype, param_dtype=args.dtype)
+        name = f"{args.model} ({config.model_type})"
+    else:
+        rng = np.random.default_rng(0)
+        prompts = rng.integers(1, QWEN2_10M["vocab_size"], (args.batch, args.prompt_len)).astype(np.int32)
+        mask = np.ones_like(prompts)
+        with tempfile.TemporaryDirectory() as model_dir:
+            hf = build_model(model_dir)
+            config, params = load_hf_model(model_dir, dtype=args.dtype, param_dtype=args.dtype)
+        name = "Qwen2-shaped random"
+    if args.dtype == "bfloat16":
+        hf = hf.to(torch.bfloat16)
 
-    print(f"model: Qwen2-shaped, {config.num_params() / 1e6:.2f}M parameters, vocab {config.vocab_size}, "
+    print(f"model: {name}, {config.num_params() / 1e6:.2f}M parameters, vocab {config.vocab_size}, "
           f"{config.num_layers} layers, hidden {config.hidden_size}, heads {config.num_heads}/{config.num_kv_heads}")
-    print(f"batch {args.batch}, prompt {args.prompt_len}, new tokens {args.new_tokens} (sampled, T=1.0), "
+    print(f"batch {args.batch}, prompt {args.prompt_len} (padding {int((mask == 0).sum())} of "
+          f"{mask.size} positions), new tokens {args.new_tokens} (sampled, T=1.0), {args.dtype}, "
           f"{args.threads} CPU threads, jax {jax.__version__} {jax.devices()[0].platform}, torch {torch.__version__}")
     print(f"jaxrl_llm from {Path(jaxrl_llm.__file__).parent}")
 
@@ -194,7 +243,7 @@ def main() -> None:
         with torch.no_grad():
             out = hf.generate(input_ids, attention_mask=attention_mask, do_sample=True, temperature=1.0, top_k=None,
                               top_p=None, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                              pad_token_id=0, eos_token_id=1)
+                              pad_token_id=pad_id, eos_token_id=eos_id)
         assert out.shape == (args.batch, args.prompt_len + args.new_tokens)
 
     # Warm up both, then alternate the timed runs so a change in machine load hits both sides alike.
@@ -209,14 +258,14 @@ def main() -> None:
     (ours_s, ours_cpu), (hf_s, hf_cpu) = (min(timings[name]) for name in ("ours", "hf"))
 
     ours_tok_s, hf_tok_s = tokens_made / ours_s, tokens_made / hf_s
-    limit = matmul_flops_per_s()
+    limit = matmul_flops_per_s(dtype=args.dtype)
     achieved = model_flops(config, args.batch, args.prompt_len, args.new_tokens) / ours_s
     print(f"jaxrl_llm sample     : {ours_tok_s:9.0f} tokens/s  ({ours_s * 1e3:7.1f} ms per call, "
           f"{ours_cpu * 1e3:7.1f} ms CPU; compile {compile_s:.2f} s, apart)")
     print(f"transformers generate: {hf_tok_s:9.0f} tokens/s  ({hf_s * 1e3:7.1f} ms per call, "
           f"{hf_cpu * 1e3:7.1f} ms CPU)")
     print(f"ratio = ours_tok_s / hf_tok_s = {ours_tok_s / hf_tok_s:.2f}")
-    print(f"model FLOP/s: {achieved / 1e9:.1f} GFLOP/s = {achieved / limit:.2f} of a jitted f32 1024^3 matmul "
+    print(f"model FLOP/s: {achieved / 1e9:.1f} GFLOP/s = {achieved / limit:.2f} of a jitted {args.dtype} 1024^3 matmul "
           f"({limit / 1e9:.1f} GFLOP/s, same run)")
     if mesh is None:
         floor_s = decode_matmul_floor(params, config, args.batch, args.new_tokens - 1)

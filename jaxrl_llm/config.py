@@ -30,6 +30,12 @@ class ModelSection:
     dtype: str = "float32"  # compute dtype: float32 | bfloat16
     param_dtype: str = "float32"
     remat: bool = False
+    # Memory of one float32 logits block [rows, chunk, V] when the train step and the reference pass compute
+    # log-probs and entropy from the final hidden states (MiB); 0 = all completion positions in one block.
+    logprob_block_mib: float = 256.0
+    # Full-sequence attention takes at most this many queries at a time (float32 scores [B, H, chunk, S], not
+    # [B, H, T, S]); 0 = all queries at once.
+    attention_query_chunk: int = 128
     # --algo sft only: architecture of a model trained from scratch (HF config.json keys, with model_type),
     # and its tokenizer: a directory, or "arithmetic" for the default task's character tokenizer.
     init: dict[str, Any] = field(default_factory=dict)
@@ -226,6 +232,13 @@ def validate(c: RunConfig) -> None:
     )
     _choice(g.scale_rewards, "grpo.scale_rewards", ("group", "batch", "none"))
     _choice(c.optim.schedule, "optim.schedule", ("constant", "cosine", "linear"))
+    if c.model.attention_query_chunk < 0:
+        raise ConfigError(f"model.attention_query_chunk={c.model.attention_query_chunk} must be >= 0 (0 = off)")
+    if c.model.logprob_block_mib < 0:
+        raise ConfigError(f"model.logprob_block_mib={c.model.logprob_block_mib}: the MiB of one log-prob block "
+                          "must be >= 0 (0 = all completion positions in one block)")
+    if c.optim.learning_rate <= 0:
+        raise ConfigError(f"optim.learning_rate={c.optim.learning_rate} must be > 0")
     if c.sampling.prompt_bucket < 1 or c.sampling.new_tokens_bucket < 1:
         raise ConfigError(f"sampling.prompt_bucket={c.sampling.prompt_bucket} and sampling.new_tokens_bucket="
                           f"{c.sampling.new_tokens_bucket} must be >= 1")

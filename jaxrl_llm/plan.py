@@ -11,11 +11,13 @@ allocated) and placements from the partition rules of `jaxrl_llm.sharding`, eval
 Per-device bytes (`s` = itemsize of the compute dtype, `p` = of the parameter dtype; "shard" = the
 elements one device holds under the spec the rules give that array, see `shard_shape`):
 
-- params: `sum over parameters of shard(x) * p`; reference params (`--reference`, a KL term): the same again
-  (the trainer keeps a frozen copy of the starting policy, placed like the policy).
-- optimizer state: the optimizer's state tree (`jax.eval_shape(optimizer.init, shapes)`), every copy of the
-  parameter tree sharded like the parameters, counters replicated. AdamW: `2 * params` (mu and nu, in the
-  parameter dtype) + 17 bytes of counters.
+- params: the float32 master weights, `sum over parameters of shard(x) * 4` (the trainers keep a float32 master
+  whatever `param_dtype` is, and compute with a `param_dtype` working copy); reference params (`--reference`,
+  a KL term): `sum of shard(x) * p` (a frozen copy of the starting policy in `param_dtype`, placed like the
+  policy).
+- optimizer state: the optimizer's state tree over the float32 master (`jax.eval_shape(optimizer.init, ...)`),
+  every copy of the parameter tree sharded like the parameters, counters replicated. AdamW: `2 * params` (mu
+  and nu, float32) + 17 bytes of counters.
 - gradients: the train step's float32 accumulator, `sum over parameters of shard(x) * 4`.
 - KV cache (sampler): `[L, B*n, S, KVH, hd]` keys and values split over `("data", "fsdp")` on the batch and
   `tensor` on the KV heads (each only when it divides): `2 * L * (B*n / (data*fsdp)) * S * (KVH / tensor) *
@@ -66,6 +68,8 @@ OPTIMIZERS = ("adamw", "lion", "sgd")
 DEFAULT_MODEL = "models/arith-base"
 # The trainer's sampler rounds prompt and completion lengths up to multiples of 16 (trainer.sampling_config).
 TRAINER_BUCKET = 16
+# Float32 `[rows, chunk, V]` blocks live at once in the log-prob head (measured on XLA:CPU, see activation_bytes).
+HEAD_BLOCKS = 3
 
 
 # ------------------------------------------------------------------------------------------- placement
@@ -183,6 +187,7 @@ def activation_bytes(
     axis_sizes: Mapping[str, int],
     *,
     remat: bool,
+    logprob_block_mib: float = 256.0,
 ) -> int:
     """Estimate of one device's activation memory in the train step (forward residuals + backward transients).
 
@@ -191,12 +196,17 @@ def activation_bytes(
     compute itemsize, heads `h = H/t`, KV heads `k = KVH/t`, intermediate `i = I/t`, vocabulary `v = V/t`
     (each divided by the tensor size `t` only when it divides), and `b = rows`:
 
-        per_layer = b*T*(s*(5*D + 2*(h + k)*hd + 6*i) + 4*4*D) + b*h*T^2*(4 + s)
+        per_layer = b*T*(s*(5*D + 2*(h + k)*hd + 6*i) + 4*4*D) + b*h*q*T*(4 + s)
             (residuals kept for the backward: residual stream, norm outputs and their float32 internals,
             q/k/v/attention output, gate/up/silu/product; float32 softmax probabilities and their
-            compute-dtype copy; the coefficients 5, 6 and 4*4 were measured on XLA:CPU, see below)
-        head      = b*C*v*(s + 2*4) + b*T*D*4 + b*T^2
-            (logits, float32 log-softmax and probabilities for the entropy; final norm; the attention mask)
+            compute-dtype copy over `q = min(T, attention_query_chunk)` queries at a time; the coefficients
+            5, 6 and 4*4 were measured on XLA:CPU, see below)
+        head      = HEAD_BLOCKS*4*b*c*v + D*v*s [dtype != float32] + D*v*4 [tied] + b*T*D*4 + b*T^2
+            (the log-probs come from the final hidden states `c` positions at a time, `c` =
+            `train_step.logprob_chunk_size(b, C, V, logprob_block_mib)`: HEAD_BLOCKS float32 `[b, c, v]`
+            blocks live at once (logits, probabilities, their cotangent); the output matrix's compute-dtype
+            copy; with tied embeddings, the head's float32 gradient before it joins the embedding's; final
+            norm; the attention mask)
         gathered  = 2 * (per-layer weights with heads and intermediate divided by t) * s   when fsdp > 1
             (all-gathered weights of the layer in use and the next one)
 
@@ -218,8 +228,13 @@ def activation_bytes(
     k = _divided(config.num_kv_heads, t)
     i = _divided(config.intermediate_size, t)
     v = _divided(config.vocab_size, t)
-    per_layer = b * tt * (s * (5 * d + 2 * (h + k) * hd + 6 * i) + 4 * 4 * d) + b * h * tt * tt * (4 + s)
-    head = b * cc * v * (s + 2 * 4) + b * tt * d * 4 + b * tt * tt
+    q = min(tt, config.attention_query_chunk or tt)
+    per_layer = b * tt * (s * (5 * d + 2 * (h + k) * hd + 6 * i) + 4 * 4 * d) + b * h * q * tt * (4 + s)
+    from jaxrl_llm.train_step import logprob_chunk_size
+
+    chunk = logprob_chunk_size(b, cc, config.vocab_size, logprob_block_mib)
+    head = HEAD_BLOCKS * 4 * b * chunk * v + b * tt * d * 4 + b * tt * tt
+    head += d * v * s * (config.dtype != "float32") + d * v * 4 * config.tie_word_embeddings
     gathered = 0
     if axis_sizes["fsdp"] > 1:
         layer_weights = d * (h + 2 * k) * hd + h * hd * d + 3 * d * i
@@ -276,6 +291,8 @@ class MemoryPlan:
     cache_length: int  # S = rounded prompt + rounded completion
     micro_rows: int  # sequences of one micro-batch per device
     train_seq_len: int  # T of the train step's forward
+    batch: int = 0  # the train step's minibatch arrays on this device (tokens, masks, old/ref log-probs, advantages)
+    gradient_buffers: int = 2  # float32 gradient-sized buffers of the train step (see `update`)
 
     @property
     def activations(self) -> int:
@@ -294,8 +311,15 @@ class MemoryPlan:
 
     @property
     def update(self) -> int:
-        """The train step's own buffers: `gradients + activations`."""
-        return self.gradients + self.activations
+        """The train step's own buffers: `gradient_buffers * gradients + activations` (the float32 accumulator,
+        the optimizer's update tree, and one micro-batch's gradients when `grad_accum > 1`)."""
+        return self.gradient_buffers * self.gradients + self.activations
+
+    @property
+    def train_step(self) -> int:
+        """The train step program alone, what XLA's `memory_analysis()` of it reports (arguments +
+        temporaries + un-aliased outputs): `params + optimizer + batch + gradients + activations`."""
+        return self.params + self.optimizer + self.batch + self.update
 
     @property
     def total(self) -> int:
@@ -325,6 +349,7 @@ def plan_memory(
     optimizer: str | optax.GradientTransformation = "adamw",
     prompt_bucket: int = 1,
     new_tokens_bucket: int = 1,
+    logprob_block_mib: float = 256.0,
 ) -> MemoryPlan:
     """Per-device memory of an RL step of `config` (its `dtype`, `param_dtype` and `remat` are used) on a
     `(data, fsdp, tensor)` mesh of `mesh_sizes`, without devices or allocation.
@@ -346,10 +371,14 @@ def plan_memory(
 
     shapes = param_shapes(config)
     specs = param_partition_specs(shapes, sizes)
-    params_bytes = tree_shard_bytes(shapes, specs, sizes)
+    # The trainers keep float32 master weights (and optimizer state) whatever `param_dtype` is; the frozen
+    # reference is held in `param_dtype` (train_step.master_weights / working_weights).
+    master = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), shapes)
+    params_bytes = tree_shard_bytes(master, specs, sizes)
+    reference_bytes = tree_shard_bytes(shapes, specs, sizes)
     grad_bytes = tree_shard_bytes(shapes, specs, sizes, jnp.float32)
     opt = make_plan_optimizer(optimizer) if isinstance(optimizer, str) else optimizer
-    opt_bytes = optimizer_state_bytes(opt, shapes, sizes)
+    opt_bytes = optimizer_state_bytes(opt, master, sizes)
 
     padded_prompt = _round_up(prompt_len, prompt_bucket)
     cache_len = padded_prompt + _round_up(new_tokens, new_tokens_bucket)
@@ -360,14 +389,18 @@ def plan_memory(
     micro_rows = _divided(minibatch // grad_accum, batch_ways)
     seq_len = padded_prompt + new_tokens - 1
     acts = {
-        remat: activation_bytes(config, micro_rows, seq_len, new_tokens, sizes, remat=remat)
+        remat: activation_bytes(config, micro_rows, seq_len, new_tokens, sizes, remat=remat,
+                                logprob_block_mib=logprob_block_mib)
         for remat in (False, True)
     }
+    minibatch_rows = _divided(minibatch, batch_ways)
+    # int32 prompt/completion tokens and masks, float32 old and reference log-probs, float32 advantages.
+    batch_bytes = minibatch_rows * (4 * 2 * padded_prompt + 4 * 4 * new_tokens + 4)
     return MemoryPlan(
         mesh_sizes=(sizes["data"], sizes["fsdp"], sizes["tensor"]),
         num_params=sum(math.prod(x.shape) for x in jax.tree.leaves(shapes)),
         params=params_bytes,
-        reference=params_bytes if reference else 0,
+        reference=reference_bytes if reference else 0,
         optimizer=opt_bytes,
         gradients=grad_bytes,
         kv_cache=kv_bytes,
@@ -379,6 +412,8 @@ def plan_memory(
         cache_length=cache_len,
         micro_rows=micro_rows,
         train_seq_len=seq_len,
+        batch=batch_bytes,
+        gradient_buffers=2 + (grad_accum > 1),
     )
 
 
@@ -469,8 +504,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="compute dtype")
     p.add_argument("--param-dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--remat", action="store_true", help="rematerialise each layer in the backward pass")
+    p.add_argument("--attention-query-chunk", type=int, default=128,
+                   help="model.attention_query_chunk: queries per attention block (0: all at once)")
     p.add_argument("--reference", action="store_true", help="a frozen reference copy (KL term, beta > 0)")
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
+    p.add_argument("--logprob-block-mib", type=float, default=256.0,
+                   help="model.logprob_block_mib: MiB of one float32 log-prob block (0: one block)")
     p.add_argument("--device-memory", default="80GiB", help="usable memory per device, e.g. 80GiB, 24GB")
     return p
 
@@ -509,6 +548,8 @@ def render(plan: MemoryPlan, config: ModelConfig, device_memory: int, *, model: 
         row("persistent: params+ref+optimizer", plan.persistent),
         row("rollout: KV cache+sampler copy", plan.rollout),
         row("update: gradients+activations", plan.update),
+        row("train step program alone", plan.train_step,
+            "params+optimizer+batch+update: what XLA's memory_analysis() reports"),
         row("total (persistent + max of phases)", plan.total),
         row("device memory", device_memory),
         "",
@@ -531,12 +572,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         mesh_sizes = parse_mesh(args.mesh)
         device_memory = parse_bytes(args.device_memory)
         config = config_from_hf(load_hf_config_dict(args.model), dtype=args.dtype, param_dtype=args.param_dtype,
-                                remat=args.remat)
+                                remat=args.remat, attention_query_chunk=args.attention_query_chunk)
         plan = plan_memory(
             config, mesh_sizes, batch=args.batch, group_size=args.group_size, prompt_len=args.prompt_len,
             new_tokens=args.new_tokens, minibatch=args.minibatch, grad_accum=args.grad_accum,
             reference=args.reference, optimizer=args.optimizer, prompt_bucket=args.bucket,
-            new_tokens_bucket=args.bucket,
+            new_tokens_bucket=args.bucket, logprob_block_mib=args.logprob_block_mib,
         )
     except (ValueError, ConversionError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -40,7 +40,15 @@ from jaxrl_llm.rl.kl_control import KLControllerState, adaptive_kl_update, fixed
 from jaxrl_llm.rl.logprobs import masked_mean
 from jaxrl_llm.rl.losses import KLEstimator, clipped_value_loss, explained_variance, kl_penalty, kl_shaped_token_rewards
 from jaxrl_llm.sharding import batch_sharding, global_array, init_optimizer_state, param_shardings, to_host
-from jaxrl_llm.train_step import Metrics, PolicyBatch, make_optimizer, make_train_step, policy_loss
+from jaxrl_llm.train_step import (
+    Metrics,
+    PolicyBatch,
+    make_optimizer,
+    make_train_step,
+    master_weights,
+    policy_loss,
+    working_weights,
+)
 from jaxrl_llm.trainer import GRPOTrainer, Rollout, TrainingError
 
 # --------------------------------------------------------------------------------------------------------
@@ -181,7 +189,7 @@ class PPOTrainer(GRPOTrainer):
             opt_state_sharding=jax.tree.map(lambda x: x.sharding, self.opt_state),
         )
         if p.kl_coef_init > 0 and self.ref_params is None:
-            self.ref_params = jax.tree.map(jnp.copy, self.params)
+            self.ref_params = working_weights(self.params, self.model_config)
         elif p.kl_coef_init == 0:
             self.ref_params = None  # no KL term: skip the reference pass (kl is then reported as 0)
 
@@ -190,7 +198,9 @@ class PPOTrainer(GRPOTrainer):
             critic = critic_from_policy(self.params, self.model_config)
         else:
             self.critic_config, critic = load_critic(p.critic_init, mesh=self.mesh, dtype=c.model.dtype,
-                                                     param_dtype=c.model.param_dtype, remat=c.model.remat)
+                                                     param_dtype=c.model.param_dtype, remat=c.model.remat,
+                                                     attention_query_chunk=c.model.attention_query_chunk)
+            critic = master_weights(critic)
             if self.critic_config.vocab_size < len(self.tokenizer):
                 raise TrainingError(f"ppo.critic_init={p.critic_init}: vocabulary of {self.critic_config.vocab_size}"
                                     f" tokens, smaller than the policy's tokenizer ({len(self.tokenizer)})")

@@ -30,7 +30,7 @@ from jaxrl_llm.models.decoder import Params
 from jaxrl_llm.models.hf import is_classifier, load_hf_model, read_tensor, resolve_model_dir
 from jaxrl_llm.models.reward_model import save_hf_reward_model, sequence_scores
 from jaxrl_llm.rl.losses import dpo_loss
-from jaxrl_llm.train_step import make_optimizer
+from jaxrl_llm.train_step import make_optimizer, master_weights, working_weights
 
 
 class PreferenceBatch(NamedTuple):
@@ -82,12 +82,14 @@ def initial_reward_model(c: RunConfig) -> tuple[ModelConfig, dict[str, Any], Pat
     """Decoder from `model.path` (its lm head dropped) and a score head: the classifier's, or N(0, 0.02)."""
     model_dir = resolve_model_dir(c.model.path)
     config, decoder = load_hf_model(model_dir, tie_word_embeddings=True, dtype=c.model.dtype,
-                                    param_dtype=c.model.param_dtype, remat=c.model.remat)
+                                    param_dtype=c.model.param_dtype, remat=c.model.remat,
+                                    attention_query_chunk=c.model.attention_query_chunk)
     if is_classifier(model_dir):
         score = jnp.asarray(read_tensor(model_dir, "score.weight").T)
     else:
         score = config.initializer_range * jax.random.normal(jax.random.key(c.seed), (config.hidden_size, 1))
-    return config, {"decoder": decoder, "score": score}, model_dir
+    # Float32 master weights; the step computes with the working copy in param_dtype (train_step.master_weights).
+    return config, master_weights({"decoder": decoder, "score": score}), model_dir
 
 
 def pair_accuracy(params: Params, config: ModelConfig, pairs: list[tuple[list[int], ...]], pad_id: int,
@@ -124,7 +126,9 @@ def train_reward_model(c: RunConfig) -> dict[str, Any]:
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(p: dict[str, Any], state: optax.OptState, batch: PreferenceBatch):
-        (loss, metrics), grads = jax.value_and_grad(bradley_terry_loss, has_aux=True)(p, batch, model_config=config)
+        (loss, metrics), grads = jax.value_and_grad(
+            lambda master: bradley_terry_loss(working_weights(master, config), batch, model_config=config),
+            has_aux=True)(p)
         updates, state = optimizer.update(grads, state, p)
         return optax.apply_updates(p, updates), state, {**metrics, "grad_norm": optax.tree.norm(grads)}
 

@@ -42,7 +42,14 @@ from jaxrl_llm.sharding import (
     param_shardings,
     to_host,
 )
-from jaxrl_llm.train_step import PolicyBatch, PolicyLossConfig, make_optimizer, make_train_step, sft_loss
+from jaxrl_llm.train_step import (
+    PolicyBatch,
+    PolicyLossConfig,
+    make_optimizer,
+    make_train_step,
+    master_weights,
+    sft_loss,
+)
 
 
 def _tokenizer_for_scratch(spec: str, out_dir: Path) -> tuple[Any, Path]:
@@ -66,16 +73,17 @@ def _tokenizer_for_scratch(spec: str, out_dir: Path) -> tuple[Any, Path]:
 
 def initial_model(c: RunConfig, out_dir: Path) -> tuple[ModelConfig, Params, Any, Path]:
     """`(model_config, params, tokenizer, tokenizer_dir)`: random init from `model.init`, else `model.path`."""
-    overrides = dict(dtype=c.model.dtype, param_dtype=c.model.param_dtype, remat=c.model.remat)
+    overrides = dict(dtype=c.model.dtype, param_dtype=c.model.param_dtype, remat=c.model.remat,
+                     attention_query_chunk=c.model.attention_query_chunk)
     if c.model.init:
         tokenizer, tok_dir = _tokenizer_for_scratch(c.model.tokenizer, out_dir)
         hf = {"vocab_size": len(tokenizer), "bos_token_id": tokenizer.bos_token_id,
               "eos_token_id": tokenizer.eos_token_id, **dict(c.model.init)}
         model_config = config_from_hf(hf, **overrides)
-        return model_config, init_params(model_config, jax.random.key(c.seed)), tokenizer, tok_dir
+        return model_config, master_weights(init_params(model_config, jax.random.key(c.seed))), tokenizer, tok_dir
     model_dir = resolve_model_dir(c.model.path)
     model_config, params = load_hf_model(model_dir, **overrides)
-    return model_config, params, load_tokenizer(model_dir), model_dir
+    return model_config, master_weights(params), load_tokenizer(model_dir), model_dir
 
 
 def completion_arrays(prompt_set: PromptSet, indices: np.ndarray, tokenizer: Any, answer_field: str,
@@ -117,7 +125,8 @@ def train_sft(c: RunConfig) -> dict[str, Any]:
     optimizer, schedule = make_optimizer(c.optim, max(c.steps, 1))
     opt_state = init_optimizer_state(optimizer, params, params_sharding, mesh)
     step_fn = make_train_step(mesh, loss_fn=sft_loss, model_config=model_config,
-                              loss_config=PolicyLossConfig(), optimizer=optimizer, params_sharding=params_sharding,
+                              loss_config=PolicyLossConfig(logprob_block_mib=c.model.logprob_block_mib),
+                              optimizer=optimizer, params_sharding=params_sharding,
                               opt_state_sharding=jax.tree.map(lambda x: x.sharding, opt_state))
 
     def evaluate() -> dict[str, float]:
@@ -156,5 +165,6 @@ def train_sft(c: RunConfig) -> dict[str, Any]:
         export_dir = Path(c.export_dir or out_dir / "hf")
         host_params = to_host(params)
         if jax.process_index() == 0:
-            summary["export"] = str(save_hf_model(host_params, model_config, export_dir, tokenizer_dir=tok_dir))
+            summary["export"] = str(save_hf_model(host_params, model_config, export_dir, tokenizer_dir=tok_dir,
+                                                  dtype=model_config.param_dtype))
     return summary

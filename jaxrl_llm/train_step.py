@@ -23,8 +23,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_llm.config import OptimSection
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.decoder import Params, forward, unembed
-from jaxrl_llm.rl.logprobs import token_logprobs, token_logprobs_and_entropy
+from jaxrl_llm.models.decoder import Params, forward, unembedding_matrix
+from jaxrl_llm.rl.logprobs import token_logprobs_from_hidden
 from jaxrl_llm.rl.losses import clipped_policy_loss
 from jaxrl_llm.sharding import batch_sharding
 
@@ -61,6 +61,18 @@ class PolicyLossConfig:
     aggregation: str = "token-mean"
     entropy_coef: float = 0.0
     max_len: int | None = None
+    # Budget of one float32 logits block `[rows, chunk, V]` in MiB: the completion's log-probs and entropy are
+    # computed from the final hidden states `chunk` positions at a time (remat in the backward), never as a full
+    # `[N, T, V]`. 0 = one block of all positions (what small vocabularies want).
+    logprob_block_mib: float = 256.0
+
+
+def logprob_chunk_size(rows: int, length: int, vocab_size: int, block_mib: float) -> int:
+    """Completion positions per log-prob chunk: the most whose float32 logits `[rows, chunk, V]` fit in
+    `block_mib` MiB (at least 1); `length` (one block, no chunking) when everything fits or `block_mib == 0`."""
+    if block_mib <= 0:
+        return length
+    return max(1, min(length, int(block_mib * 2**20) // (4 * rows * vocab_size)))
 
 
 def completion_logprobs(
@@ -73,20 +85,24 @@ def completion_logprobs(
     *,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    block_mib: float = 256.0,
 ) -> tuple[jax.Array, jax.Array | None]:
     """log pi(y_t | x, y_<t) at `temperature` for every completion token, `[N, T]` float32 (and entropy).
 
-    One forward pass over `prompt + completion[:-1]`; only the hidden states that predict completion tokens
-    are unembedded, so no `[N, P + T, V]` logits are built.
+    One forward pass over `prompt + completion[:-1]` to the final hidden states `[N, T, D]`; the log-probs come
+    from `token_logprobs_from_hidden` (`hidden @ W_out` in the compute dtype with float32 accumulation, one
+    `[N, chunk, V]` float32 block at a time, see `logprob_chunk_size`), so neither `[N, P + T, V]` nor
+    `[N, T, V]` logits are built for a large vocabulary.
     """
     p = prompt_tokens.shape[1]
     tokens = jnp.concatenate([prompt_tokens, completion_tokens], axis=1)[:, :-1]
     mask = jnp.concatenate([prompt_mask, completion_mask], axis=1)[:, :-1]
     hidden = forward(params, config, tokens, mask, return_hidden=True)[:, p - 1 :]
-    logits = unembed(params, config, hidden)
-    if with_entropy:
-        return token_logprobs_and_entropy(logits, completion_tokens, temperature=temperature)
-    return token_logprobs(logits, completion_tokens, temperature=temperature), None
+    n, t = completion_tokens.shape
+    chunk = logprob_chunk_size(n, t, config.vocab_size, block_mib)
+    out = token_logprobs_from_hidden(hidden, unembedding_matrix(params, config), completion_tokens,
+                                     temperature=temperature, chunk_size=chunk, with_entropy=with_entropy)
+    return out if with_entropy else (out, None)
 
 
 def policy_loss(
@@ -109,6 +125,7 @@ def policy_loss(
         batch.completion_mask,
         temperature=c.temperature,
         with_entropy=True,
+        block_mib=c.logprob_block_mib,
     )
     return clipped_policy_loss(
         logp,
@@ -142,7 +159,8 @@ def sft_loss(
 ) -> tuple[jax.Array, Metrics]:
     """Cross-entropy of the completion tokens: `-sum_t m_t log pi(y_t) / num_tokens` (token-mean)."""
     logp, _ = completion_logprobs(
-        params, model_config, batch.prompt_tokens, batch.prompt_mask, batch.completion_tokens, batch.completion_mask
+        params, model_config, batch.prompt_tokens, batch.prompt_mask, batch.completion_tokens, batch.completion_mask,
+        block_mib=loss_config.logprob_block_mib,
     )
     mask = batch.completion_mask.astype(jnp.float32)
     loss = -(logp * mask).sum() / jnp.maximum(num_tokens, 1.0)
@@ -150,6 +168,22 @@ def sft_loss(
 
 
 LossFn = Callable[..., tuple[jax.Array, Metrics]]
+
+
+def master_weights(params: Any) -> Any:
+    """The optimizer's copy of the weights: every floating leaf in float32 (a no-op for float32 params).
+
+    Trainers keep this copy (and AdamW moments of its dtype) whatever `model.param_dtype` says: a bf16 weight
+    near 0.05 moves in steps of 2^-12 ~ 2.4e-4, so updates of lr ~ 1e-6 would round away in bf16.
+    """
+    return jax.tree.map(lambda p: p.astype(jnp.float32) if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
+
+
+def working_weights(params: Any, config: ModelConfig) -> Any:
+    """The weights the model computes with: floating leaves cast to `config.param_dtype` (bf16 halves the bytes
+    the forward reads); the gradient through the cast lands on the float32 master in float32."""
+    dtype = config.jnp_param_dtype
+    return jax.tree.map(lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
 
 
 def make_optimizer(cfg: OptimSection, total_updates: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -203,7 +237,10 @@ def train_step(
     optimizer: optax.GradientTransformation,
     grad_accum: int,
 ) -> tuple[Params, optax.OptState, Metrics]:
-    """One optimizer update from a minibatch `[N, ...]` split into `grad_accum` micro-batches."""
+    """One optimizer update from a minibatch `[N, ...]` split into `grad_accum` micro-batches.
+
+    `params` are the float32 master weights (`master_weights`); the loss runs on `working_weights` (the master
+    cast to `model_config.param_dtype`), and the update is applied to the master."""
     mask = batch.completion_mask
     num_tokens = mask.sum().astype(jnp.float32)
     num_seqs = (mask.sum(axis=1) > 0).sum().astype(jnp.float32)
@@ -212,12 +249,11 @@ def train_step(
         # Strided micro-batches keep each device's rows on the micro-batch axis (no resharding).
         return x.reshape(x.shape[0] // grad_accum, grad_accum, *x.shape[1:]).swapaxes(0, 1)
 
-    grad_fn = jax.value_and_grad(
-        functools.partial(
-            loss_fn, model_config=model_config, loss_config=loss_config, num_tokens=num_tokens, num_seqs=num_seqs
-        ),
-        has_aux=True,
-    )
+    def loss_of_master(master: Params, micro: PolicyBatch) -> tuple[jax.Array, Metrics]:
+        return loss_fn(working_weights(master, model_config), micro, model_config=model_config,
+                       loss_config=loss_config, num_tokens=num_tokens, num_seqs=num_seqs)
+
+    grad_fn = jax.value_and_grad(loss_of_master, has_aux=True)
 
     def accumulate(grads: Params, micro: PolicyBatch) -> tuple[Params, tuple[jax.Array, Metrics]]:
         (loss, metrics), g = grad_fn(params, micro)
@@ -274,7 +310,7 @@ def make_train_step(
 
 
 def make_logprob_fn(
-    mesh: Mesh, model_config: ModelConfig, temperature: float, params_sharding: Any = None
+    mesh: Mesh, model_config: ModelConfig, temperature: float, params_sharding: Any = None, block_mib: float = 256.0
 ) -> Callable[..., jax.Array]:
     """Jitted `(params, prompt_tokens, prompt_mask, completion_tokens, completion_mask) -> logp [N, T]`
     (the reference model's pass), batch split over `("data", "fsdp")`."""
@@ -282,6 +318,7 @@ def make_logprob_fn(
     rows = batch_sharding(mesh)
 
     def fn(params: Params, pt: jax.Array, pm: jax.Array, ct: jax.Array, cm: jax.Array) -> jax.Array:
-        return completion_logprobs(params, model_config, pt, pm, ct, cm, temperature=temperature)[0]
+        return completion_logprobs(params, model_config, pt, pm, ct, cm, temperature=temperature,
+                                   block_mib=block_mib)[0]
 
     return jax.jit(fn, in_shardings=(params_sharding, *[rows] * 4), out_shardings=rows)

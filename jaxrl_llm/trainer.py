@@ -55,7 +55,9 @@ from jaxrl_llm.train_step import (
     make_logprob_fn,
     make_optimizer,
     make_train_step,
+    master_weights,
     policy_loss,
+    working_weights,
 )
 
 
@@ -89,10 +91,13 @@ class GRPOTrainer:
         self.model_dir = resolve_model_dir(c.model.path)
         self.mesh = make_mesh(MeshShape(c.mesh.data, c.mesh.fsdp, c.mesh.tensor))
         # Each device reads only its shards of the checkpoint.
-        self.model_config, self.params = load_hf_model(
+        # Float32 master weights whatever model.param_dtype says; the train step computes with the working
+        # copy in param_dtype (see train_step.master_weights).
+        config, params = load_hf_model(
             self.model_dir, mesh=self.mesh, dtype=c.model.dtype, param_dtype=c.model.param_dtype,
-            remat=c.model.remat,
+            remat=c.model.remat, attention_query_chunk=c.model.attention_query_chunk,
         )
+        self.model_config, self.params = config, master_weights(params)
         self.params_sharding = jax.tree.map(lambda x: x.sharding, self.params)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_ids = eos_token_ids(self.model_dir, self.tokenizer)
@@ -131,6 +136,7 @@ class GRPOTrainer:
             aggregation=g.loss_aggregation,
             entropy_coef=g.entropy_coef,
             max_len=c.sampling.max_new_tokens,
+            logprob_block_mib=c.model.logprob_block_mib,
         )
         self.advantage_fn = jax.jit(functools.partial(
             rollout_advantages, self.estimator, group_size=g.group_size, scale=g.scale_rewards, beta=g.beta,
@@ -150,9 +156,9 @@ class GRPOTrainer:
         )
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
         # The reference policy is a frozen copy, only needed when the KL term is on.
-        self.ref_params = jax.tree.map(jnp.copy, self.params) if g.beta > 0 else None
+        self.ref_params = working_weights(self.params, self.model_config) if g.beta > 0 else None
         self.ref_logprob_fn = make_logprob_fn(self.mesh, self.model_config, c.sampling.temperature,
-                                              self.params_sharding)
+                                              self.params_sharding, block_mib=c.model.logprob_block_mib)
         self.opt_state = init_optimizer_state(self.optimizer, self.params, self.params_sharding, self.mesh)
         self.root_key = jax.random.key(c.seed)
         self.step = 0
@@ -411,6 +417,7 @@ class GRPOTrainer:
             params = to_host(self.params)  # gathered on every process; the first one writes
             if jax.process_index() == 0:
                 summary["export"] = str(save_hf_model(params, self.model_config, self.out_dir / "hf",
+                                                      dtype=self.model_config.param_dtype,
                                                       tokenizer_dir=self.model_dir))
         return summary
 

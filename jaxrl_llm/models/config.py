@@ -47,6 +47,9 @@ class ModelConfig:
     param_dtype: DType = "float32"
     dtype: DType = "float32"  # compute dtype; softmax and norms still reduce in float32
     remat: bool = False  # rematerialise each layer in the backward pass
+    # Full-sequence attention runs over at most this many queries at a time (float32 scores [B, H, chunk, S]
+    # instead of [B, H, T, S], recomputed per chunk in the backward); 0 = all queries at once.
+    attention_query_chunk: int = 128
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

@@ -93,12 +93,36 @@ def attention_allowed(
     return allowed[None] & key_mask.astype(bool)[:, None, :]
 
 
-def grouped_query_attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.Array:
+def grouped_query_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, *, query_chunk: int = 0
+) -> jax.Array:
     """softmax(q k^T / sqrt(hd)) v with GQA.
 
     q `[B, T, H, hd]`, k/v `[B, S, KVH, hd]`, allowed `[B, T, S]` -> `[B, T, H * hd]`. Scores and softmax
     in float32; each group of `H / KVH` query heads shares one key/value head.
+
+    `query_chunk > 0` and `T > query_chunk`: the queries are taken `query_chunk` at a time (`lax.map`, each chunk
+    under `jax.checkpoint`), so the float32 scores live as `[B, H, query_chunk, S]` blocks, forward and backward,
+    not `[B, H, T, S]`. Each query's softmax still runs over all its keys: the result is the same function.
     """
+    t = q.shape[1]
+    if not query_chunk or t <= query_chunk:
+        return _attention_block(q, k, v, allowed)
+    n_full, rem = divmod(t, query_chunk)
+
+    def chunk(start: jax.Array | int, size: int) -> jax.Array:
+        return _attention_block(jax.lax.dynamic_slice_in_dim(q, start, size, axis=1), k, v,
+                                jax.lax.dynamic_slice_in_dim(allowed, start, size, axis=1))
+
+    blocks = jax.lax.map(jax.checkpoint(lambda start: chunk(start, query_chunk)),
+                         jnp.arange(n_full, dtype=jnp.int32) * query_chunk)  # [n, B, chunk, H * hd]
+    out = jnp.moveaxis(blocks, 0, 1).reshape(q.shape[0], n_full * query_chunk, -1)
+    if rem:
+        out = jnp.concatenate([out, jax.checkpoint(lambda: chunk(n_full * query_chunk, rem))()], axis=1)
+    return out
+
+
+def _attention_block(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.Array:
     b, t, h, hd = q.shape
     kvh = k.shape[2]
     q = q.reshape(b, t, kvh, h // kvh, hd)
@@ -185,7 +209,7 @@ class Attention(nn.Module):
                                                         cache_index, axis=1)
             layer_cache = {"k": k_all, "v": v_all}
             k, v = k_all.astype(q.dtype), v_all.astype(q.dtype)
-        out = grouped_query_attention(q, k, v, allowed)
+        out = grouped_query_attention(q, k, v, allowed, query_chunk=c.attention_query_chunk)
         return _dense(c, c.hidden_size, c.o_bias, "o")(out), layer_cache
 
 
@@ -322,6 +346,14 @@ def forward(
 def unembed(params: Params, config: ModelConfig, hidden: jax.Array) -> jax.Array:
     """Logits from final hidden states with the model's (possibly tied) output matrix."""
     return Decoder(config).apply({"params": params}, hidden, method=Decoder.unembed)
+
+
+def unembedding_matrix(params: Params, config: ModelConfig) -> jax.Array:
+    """The output matrix `W_out [D, V]` in the compute dtype, so `logits = hidden @ W_out`: the LM head's kernel,
+    or the transposed embedding when the embeddings are tied (what `Decoder.unembed` multiplies by)."""
+    if config.tie_word_embeddings:
+        return params["embed"]["embedding"].astype(config.jnp_dtype).T
+    return params["lm_head"]["kernel"].astype(config.jnp_dtype)
 
 
 def decode_step(

@@ -229,10 +229,13 @@ def _map_over_time_chunks(
 
     Full chunks run under ``lax.map`` (one compiled body, one block live at a time) with
     ``jax.checkpoint`` so the backward pass recomputes each block's float32 softmax instead of keeping
-    all of them; a ragged tail chunk is one extra static call.
+    all of them; a ragged tail chunk is one extra static call. ``chunk_size >= num_steps`` is one direct call.
     """
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    if chunk_size >= num_steps:
+        # One block holds everything: nothing to save by recomputing it in the backward pass.
+        return block_fn(0, num_steps)
     n_full, rem = divmod(num_steps, chunk_size)
     pieces: list[tuple[Array, ...]] = []
     if n_full:
