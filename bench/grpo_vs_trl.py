@@ -83,8 +83,10 @@ PROMPTS_PER_STEP, GROUP, NEW_TOKENS, BETA, LR = 4, 8, 32, 0.04, 1e-5
 
 
 def vowel_reward(prompts, completions, **fields) -> list[float]:
-    """The shared rule reward: fraction of the completion's characters that are vowels (cheap, varied)."""
-    return [sum(ch in "aeiouAEIOU" for ch in c) / max(len(c), 1) for c in completions]
+    """The shared rule reward: fraction of the completion's characters that are vowels (cheap, varied).
+    TRL passes conversational completions as `[{"role": "assistant", "content": ...}]`: their text is scored."""
+    texts = [c if isinstance(c, str) else "".join(m["content"] for m in c) for c in completions]
+    return [sum(ch in "aeiouAEIOU" for ch in t) / max(len(t), 1) for t in texts]
 
 
 # ------------------------------------------------------------------------------------------------ set-up

@@ -43,11 +43,11 @@ from jaxrl_llm.sharding import batch_sharding, global_array, init_optimizer_stat
 from jaxrl_llm.train_step import (
     Metrics,
     PolicyBatch,
+    frozen_copy,
     make_optimizer,
     make_train_step,
     master_weights,
     policy_loss,
-    working_weights,
 )
 from jaxrl_llm.trainer import GRPOTrainer, Rollout, TrainingError
 
@@ -189,7 +189,7 @@ class PPOTrainer(GRPOTrainer):
             opt_state_sharding=jax.tree.map(lambda x: x.sharding, self.opt_state),
         )
         if p.kl_coef_init > 0 and self.ref_params is None:
-            self.ref_params = working_weights(self.params, self.model_config)
+            self.ref_params = frozen_copy(self.params, self.model_config)
         elif p.kl_coef_init == 0:
             self.ref_params = None  # no KL term: skip the reference pass (kl is then reported as 0)
 

@@ -179,6 +179,19 @@ def master_weights(params: Any) -> Any:
     return jax.tree.map(lambda p: p.astype(jnp.float32) if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
 
 
+def frozen_copy(params: Any, config: ModelConfig) -> Any:
+    """A reference model's weights: `working_weights`, but always new buffers (never the master's own, which the
+    train step donates and overwrites)."""
+    dtype = config.jnp_param_dtype
+
+    def copy(p: jax.Array) -> jax.Array:
+        if not jnp.issubdtype(p.dtype, jnp.floating) or p.dtype == dtype:
+            return jnp.copy(p)
+        return p.astype(dtype)
+
+    return jax.tree.map(copy, params)
+
+
 def working_weights(params: Any, config: ModelConfig) -> Any:
     """The weights the model computes with: floating leaves cast to `config.param_dtype` (bf16 halves the bytes
     the forward reads); the gradient through the cast lands on the float32 master in float32."""

@@ -52,12 +52,12 @@ from jaxrl_llm.sharding import (
 from jaxrl_llm.train_step import (
     PolicyBatch,
     PolicyLossConfig,
+    frozen_copy,
     make_logprob_fn,
     make_optimizer,
     make_train_step,
     master_weights,
     policy_loss,
-    working_weights,
 )
 
 
@@ -156,7 +156,7 @@ class GRPOTrainer:
         )
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
         # The reference policy is a frozen copy, only needed when the KL term is on.
-        self.ref_params = working_weights(self.params, self.model_config) if g.beta > 0 else None
+        self.ref_params = frozen_copy(self.params, self.model_config) if g.beta > 0 else None
         self.ref_logprob_fn = make_logprob_fn(self.mesh, self.model_config, c.sampling.temperature,
                                               self.params_sharding, block_mib=c.model.logprob_block_mib)
         self.opt_state = init_optimizer_state(self.optimizer, self.params, self.params_sharding, self.mesh)
