@@ -347,7 +347,10 @@ def token_logprobs_from_hidden(
     def block(start: Array | int, size: int) -> tuple[Array, ...]:
         h = lax.dynamic_slice_in_dim(hidden, start, size, axis=time_axis)
         tok = lax.dynamic_slice_in_dim(tokens, start, size, axis=time_axis)
-        z = jnp.einsum("...td,dv->...tv", h, unembed, preferred_element_type=jnp.float32)
+        # A 2-D matmul on [rows * size, D]: its weight gradient is then a plain GEMM (a batched einsum's gradient
+        # contracts two axes, which XLA:CPU lowers through strided transposes).
+        flat = jnp.dot(h.reshape(-1, h.shape[-1]), unembed, preferred_element_type=jnp.float32)
+        z = flat.reshape(*h.shape[:-1], unembed.shape[-1])
         logp, ent = _logprobs_entropy_f32(z, tok, temperature, with_entropy)
         return (logp,) if ent is None else (logp, ent)
 
