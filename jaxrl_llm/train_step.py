@@ -170,33 +170,37 @@ def sft_loss(
 LossFn = Callable[..., tuple[jax.Array, Metrics]]
 
 
+def cast_floating(params: Any, dtype: Any, *, copy: bool = False) -> Any:
+    """Every floating leaf of `params` in `dtype` (other leaves as they are); a leaf already in `dtype` is returned
+    itself, or a new buffer with `copy=True`."""
+
+    def cast(p: jax.Array) -> jax.Array:
+        if jnp.issubdtype(p.dtype, jnp.floating) and p.dtype != dtype:
+            return p.astype(dtype)
+        return jnp.copy(p) if copy else p
+
+    return jax.tree.map(cast, params)
+
+
 def master_weights(params: Any) -> Any:
     """The optimizer's copy of the weights: every floating leaf in float32 (a no-op for float32 params).
 
     Trainers keep this copy (and AdamW moments of its dtype) whatever `model.param_dtype` says: a bf16 weight
     near 0.05 moves in steps of 2^-12 ~ 2.4e-4, so updates of lr ~ 1e-6 would round away in bf16.
     """
-    return jax.tree.map(lambda p: p.astype(jnp.float32) if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
-
-
-def frozen_copy(params: Any, config: ModelConfig) -> Any:
-    """A reference model's weights: `working_weights`, but always new buffers (never the master's own, which the
-    train step donates and overwrites)."""
-    dtype = config.jnp_param_dtype
-
-    def copy(p: jax.Array) -> jax.Array:
-        if not jnp.issubdtype(p.dtype, jnp.floating) or p.dtype == dtype:
-            return jnp.copy(p)
-        return p.astype(dtype)
-
-    return jax.tree.map(copy, params)
+    return cast_floating(params, jnp.float32)
 
 
 def working_weights(params: Any, config: ModelConfig) -> Any:
     """The weights the model computes with: floating leaves cast to `config.param_dtype` (bf16 halves the bytes
     the forward reads); the gradient through the cast lands on the float32 master in float32."""
-    dtype = config.jnp_param_dtype
-    return jax.tree.map(lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
+    return cast_floating(params, config.jnp_param_dtype)
+
+
+def frozen_copy(params: Any, config: ModelConfig) -> Any:
+    """A reference model's weights: `working_weights`, but always new buffers (never the master's own, which the
+    train step donates and overwrites)."""
+    return cast_floating(params, config.jnp_param_dtype, copy=True)
 
 
 def make_optimizer(cfg: OptimSection, total_updates: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
