@@ -1,8 +1,13 @@
-"""jaxrl_llm trainer: `python train.py --algo grpo [--config FILE] [--resume] [section.field=value ...]`.
+"""jaxrl_llm trainer: `python train.py --algo grpo [--config FILE] [--resume | --overwrite] [key=value ...]`.
 
 Without `--config`, each algorithm runs its offline default preset on the arithmetic task
-(`configs/grpo_arithmetic.yaml`, `configs/sft_arithmetic.yaml`). Dotted overrides such as `grpo.beta=0.04
-steps=10` are applied last and type-checked.
+(`configs/grpo_arithmetic.yaml`, `configs/sft_arithmetic.yaml`, ...). Dotted overrides such as
+`grpo.beta=0.04 steps=10` are applied last and type-checked.
+
+A run owns its out_dir: a new run refuses a directory that holds another run (`--resume` continues it,
+`--overwrite` starts over), and `--resume` refuses config changes to the math unless
+`--allow-config-change`. Errors are one line on stderr (exit 2: usage, config, data; 1: runtime);
+`--debug` shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -23,45 +28,58 @@ DEFAULT_CONFIGS = {
 }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line and exit 2, like every other usage error
+        from jaxrl_llm.errors import UsageError
+
+        raise UsageError(f"{message} (see python train.py --help)")
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = _Parser(prog="train.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--algo", choices=sorted(DEFAULT_CONFIGS), default="grpo")
     parser.add_argument("--config", type=Path, help="YAML preset (default: the algorithm's offline preset)")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in out_dir")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start over in an out_dir that holds a run (deletes its checkpoints, metrics, export)")
+    parser.add_argument("--allow-config-change", action="store_true",
+                        help="--resume even if the config changes the math or shapes of the checkpointed run")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo.beta=0.04 steps=10")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
-    from jaxrl_llm.config import ConfigError, load_run_config
 
-    try:
-        config = load_run_config(args.config or DEFAULT_CONFIGS[args.algo], args.overrides, algo=args.algo)
+def main(argv: list[str]) -> int:
+    args = _parse(argv)
+    from jaxrl_llm.config import ConfigError, config_source, load_run_config, validate_environment
+
+    preset = args.config or DEFAULT_CONFIGS[args.algo]
+    config = load_run_config(preset, args.overrides, algo=args.algo)
+    from jaxrl_llm.sharding import initialize_distributed
+
+    d = config.distributed
+    initialize_distributed(d.enabled, d.coordinator_address, d.num_processes, d.process_id, d.local_device_ids)
+    try:  # input paths, mesh and batch sizes against the devices, before any model loads
+        validate_environment(config)
     except ConfigError as e:
-        print(f"train.py: {e}", file=sys.stderr)
-        return 2
-    try:
-        from jaxrl_llm.sharding import initialize_distributed
+        raise ConfigError(f"{e} ({config_source(str(e), preset, args.overrides)})") from e
+    options = dict(resume=args.resume, overwrite=args.overwrite, allow_config_change=args.allow_config_change)
+    if args.algo == "rm":
+        from jaxrl_llm.reward_training import train_reward_model
 
-        d = config.distributed
-        initialize_distributed(d.enabled, d.coordinator_address, d.num_processes, d.process_id, d.local_device_ids)
-        if args.algo == "rm":
-            from jaxrl_llm.reward_training import train_reward_model
+        summary = train_reward_model(config, **options)
+    elif args.algo == "sft":
+        from jaxrl_llm.sft import train_sft
 
-            summary = train_reward_model(config)
-        elif args.algo == "sft":
-            from jaxrl_llm.sft import train_sft
+        summary = train_sft(config, **options)
+    elif args.algo == "ppo":
+        from jaxrl_llm.ppo import train_ppo
 
-            summary = train_sft(config)
-        elif args.algo == "ppo":
-            from jaxrl_llm.ppo import train_ppo
+        summary = train_ppo(config, **options)
+    else:
+        from jaxrl_llm.trainer import train_grpo  # GRPO, RLOO and REINFORCE++ share one loop
 
-            summary = train_ppo(config, resume=args.resume)
-        else:
-            from jaxrl_llm.trainer import train_grpo  # GRPO, RLOO and REINFORCE++ share one loop
-
-            summary = train_grpo(config, resume=args.resume)
-    except ConfigError as e:  # relations only known once devices / data are there (e.g. batch vs mesh)
-        print(f"train.py: {e}", file=sys.stderr)
-        return 2
+        summary = train_grpo(config, **options)
     before = summary.get("before", {}).get("eval/accuracy")
     after = summary.get("after", {}).get("eval/accuracy")
     if before is not None and after is not None:
@@ -69,9 +87,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"held-out greedy accuracy: before {before:.3f} -> after {after:.3f} ({gain:+.1f} points)")
     elif after is not None:
         print(f"held-out greedy accuracy: {after:.3f}")
+    if "diverged" in summary:
+        print(f"train.py: warning: the final policy diverged: {summary['diverged']}", file=sys.stderr)
     print(json.dumps(summary, indent=2))
     return 0
 
 
+def cli(argv: list[str] | None = None) -> int:
+    """`main` behind the error boundary: one line per error, exit 2 / 1, a traceback only with --debug."""
+    from jaxrl_llm.cli import run_command
+
+    return run_command("train.py", main, argv)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

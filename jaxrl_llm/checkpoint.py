@@ -1,11 +1,19 @@
-"""Orbax checkpoints of a run (params, optimizer state, step, RNG key, data position), keep-last-K, resume."""
+"""Orbax checkpoints of a run (params, optimizer state, step, RNG key, data position), keep-last-K, resume.
+
+A checkpoint that cannot be read (a truncated file, a half-written step left by a crash) is moved aside to
+`corrupt_checkpoints/` next to the checkpoint directory, with a warning, and the previous one is used.
+"""
 
 from __future__ import annotations
 
+import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
 import orbax.checkpoint as ocp
+
+from jaxrl_llm.errors import RunDirError, one_line
 
 
 class Checkpointer:
@@ -13,9 +21,12 @@ class Checkpointer:
 
     def __init__(self, directory: str | Path, keep: int = 2) -> None:
         self.directory = Path(directory).absolute()
-        self.manager = ocp.CheckpointManager(
-            self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=max(keep, 1), create=True),
+        self.keep = max(keep, 1)
+        self.manager = self._manager()
+
+    def _manager(self) -> ocp.CheckpointManager:
+        return ocp.CheckpointManager(
+            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=self.keep, create=True)
         )
 
     def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
@@ -39,6 +50,54 @@ class Checkpointer:
         )
         return restored.state, restored.meta
 
+    def restore_latest(self, abstract_state: Any) -> tuple[Any, dict[str, Any]]:
+        """The newest checkpoint that reads back whole; unreadable ones are moved aside with a warning.
+
+        Raises `RunDirError` when there is no readable checkpoint at all."""
+        steps = sorted(self.all_steps(), reverse=True)
+        if not steps:
+            raise RunDirError(f"--resume: no checkpoint in {self.directory}; start without --resume")
+        for step in steps:
+            try:
+                return self.restore(step, abstract_state)
+            except Exception as e:  # any failure to read this step: try the one before
+                aside = self.directory.parent / "corrupt_checkpoints" / str(step)
+                print(f"jaxrl_llm: warning: checkpoint {self.directory / str(step)} cannot be read "
+                      f"({type(e).__name__}: {one_line(str(e))[:200]}); moved to {aside}, "
+                      f"falling back to the previous one", file=sys.stderr)
+                aside.parent.mkdir(parents=True, exist_ok=True)
+                if aside.exists():
+                    shutil.rmtree(aside)
+                shutil.move(str(self.directory / str(step)), aside)
+                self.manager.close()
+                self.manager = self._manager()
+        raise RunDirError(f"--resume: none of the checkpoints in {self.directory} ({steps}) can be read; they "
+                          f"were moved to {self.directory.parent / 'corrupt_checkpoints'}")
+
+    def set_aside(self, first_step: int, folder: str) -> list[int]:
+        """Move the checkpoints of steps >= `first_step` to `folder` next to the checkpoint directory (so a
+        resume starts before them, and nothing is deleted); returns their steps."""
+        self.manager.wait_until_finished()
+        moved = [s for s in self.all_steps() if s >= first_step]
+        for step in moved:
+            target = self.directory.parent / folder / str(step)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if target.exists():
+                shutil.rmtree(target)
+            shutil.move(str(self.directory / str(step)), target)
+        if moved:
+            self.manager.close()
+            self.manager = self._manager()
+        return moved
+
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def abstract_like(tree: Any) -> Any:
+    """Shapes, dtypes and shardings of `tree`'s arrays: what `restore` fills."""
+    import jax
+
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
+                        tree)

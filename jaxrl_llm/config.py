@@ -9,6 +9,7 @@ config fails before anything is compiled.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,12 +17,11 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from jaxrl_llm.errors import ConfigError, one_line
+
 ALGORITHMS = ("sft", "grpo", "rloo", "reinforce_pp", "ppo", "rm")
 ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message names the field(s) at fault."""
 
 
 @dataclass
@@ -119,6 +119,7 @@ class RewardSpec:
     name: str = "math_answer"  # a built-in name or "module:function"
     weight: float = 1.0
     kwargs: dict[str, Any] = field(default_factory=dict)
+    timeout_s: float = 0.0  # > 0: a call that takes longer stops the run with an error naming the function
 
 
 @dataclass
@@ -162,6 +163,18 @@ class DistributedSection:
 
 
 @dataclass
+class DivergenceSection:
+    """Collapse checks on each RL step's metrics (`jaxrl_llm.divergence`); a condition that holds for
+    `patience` steps in a row is a divergence, handled by the run's `on_divergence`."""
+
+    patience: int = 5  # consecutive steps a condition must hold (0 = checks off)
+    entropy_floor: float = 0.01  # nats/token: below it the policy is deterministic (collapsed to one answer)
+    entropy_ceiling: float = 0.95  # fraction of log V: above it the policy is ~uniform noise
+    kl_max: float = 10.0  # mean KL to the reference per token (nats); above it the policy ran away
+    reward_stuck: bool = True  # every completion of the step scored the same, and the same as the last step
+
+
+@dataclass
 class RunConfig:
     algo: str = "grpo"
     seed: int = 0
@@ -177,6 +190,8 @@ class RunConfig:
     optim: OptimSection = field(default_factory=OptimSection)
     mesh: MeshSection = field(default_factory=MeshSection)
     distributed: DistributedSection = field(default_factory=DistributedSection)
+    divergence: DivergenceSection = field(default_factory=DivergenceSection)
+    on_divergence: str = "stop"  # stop: end the run, keep the last good checkpoint, no export | warn: log only
     log_every: int = 1
     sample_every: int = 10  # write sample completions with rewards every N steps
     # Held-out accuracy = share of greedy answers this reward scores exactly 1: a built-in name or
@@ -194,22 +209,61 @@ class RunConfig:
 
 
 def load_run_config(path: str | Path | None, overrides: list[str] | None = None, **fields: Any) -> RunConfig:
-    """Defaults < YAML file < `fields` < dotted `overrides` ("grpo.beta=0.04"), type-checked, validated."""
-    try:
-        merged = OmegaConf.structured(RunConfig)
-        if path is not None:
-            if not Path(path).is_file():
-                raise ConfigError(f"config file {path} does not exist")
+    """Defaults < YAML file < `fields` < dotted `overrides` ("grpo.beta=0.04"), type-checked, validated.
+
+    Every error names the key and where its value came from: the YAML file or the command line."""
+    overrides = list(overrides or [])
+    merged = OmegaConf.structured(RunConfig)
+    if path is not None:
+        if not Path(path).is_file():
+            raise ConfigError(f"config file {path} does not exist (--config takes a YAML preset, e.g. configs/)")
+        try:
             merged = OmegaConf.merge(merged, OmegaConf.load(path))
-        if fields:
-            merged = OmegaConf.merge(merged, OmegaConf.create(fields))
-        if overrides:
-            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+        except OmegaConfBaseException as e:
+            raise ConfigError(_omegaconf_message(e, f"in {path}")) from e
+        except Exception as e:  # YAML syntax: the parser's message has the line and column
+            raise ConfigError(f"{path} is not valid YAML: {one_line(str(e))}") from e
+    if fields:
+        merged = OmegaConf.merge(merged, OmegaConf.create(fields))
+    for item in overrides:
+        key, eq, _ = item.partition("=")
+        if not eq or not key.strip():
+            raise ConfigError(f"command-line override {item!r} must be key=value, e.g. grpo.beta=0.04 or steps=10")
+        try:
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
+        except OmegaConfBaseException as e:
+            raise ConfigError(_omegaconf_message(e, f"on the command line ({item!r})")) from e
+    try:
         config: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as e:
-        raise ConfigError(f"invalid configuration{f' in {path}' if path else ''}: {e}") from e
-    validate(config)
+        raise ConfigError(_omegaconf_message(e, f"in {path}" if path else "")) from e
+    try:
+        validate(config)
+    except ConfigError as e:
+        raise ConfigError(f"{e} ({config_source(str(e), path, overrides)})") from e
     return config
+
+
+def _omegaconf_message(e: OmegaConfBaseException, where: str) -> str:
+    key = getattr(e, "full_key", None)
+    msg = (str(getattr(e, "msg", None) or e).strip().splitlines() or [type(e).__name__])[0]
+    return f"config key {key} {where}: {msg}".replace("  ", " ") if key else f"invalid configuration {where}: {msg}"
+
+
+def config_source(message: str, path: str | Path | None, overrides: list[str]) -> str:
+    """Where the first `key=` named in a validation message was set: the command line, the YAML or a default."""
+    key = message.split("=", 1)[0].split()[-1] if "=" in message else ""
+    if key and any(o.split("=", 1)[0].strip() == key for o in overrides):
+        return "set on the command line"
+    if key and path is not None:
+        node: Any = OmegaConf.load(path)
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) or OmegaConf.is_dict(node) else None
+            if node is None:
+                break
+        if node is not None:
+            return f"set in {path}"
+    return "the default" if key else f"from {path or 'the defaults'}"
 
 
 def _choice(value: str, name: str, choices: tuple[str, ...]) -> None:
@@ -217,9 +271,60 @@ def _choice(value: str, name: str, choices: tuple[str, ...]) -> None:
         raise ConfigError(f"{name}={value!r}: expected one of {', '.join(choices)}")
 
 
+# Bounds of every numeric field, checked before anything loads: (key, low, high, low_inclusive).
+_AT_LEAST = 0.0, float("inf"), True
+_POSITIVE = 0.0, float("inf"), False
+_AT_LEAST_1 = 1.0, float("inf"), True
+_FRACTION = 0.0, 1.0, True
+NUMERIC_BOUNDS: dict[str, tuple[float, float, bool]] = {
+    "seed": _AT_LEAST, "steps": _AT_LEAST, "log_every": _AT_LEAST_1, "sample_every": _AT_LEAST,
+    "eval_every": _AT_LEAST, "eval_size": _AT_LEAST, "eval_batch_size": _AT_LEAST_1,
+    "checkpoint_every": _AT_LEAST, "keep_checkpoints": _AT_LEAST_1,
+    "model.logprob_block_mib": _AT_LEAST, "model.attention_query_chunk": _AT_LEAST,
+    "data.max_prompt_tokens": _AT_LEAST_1,
+    "sampling.max_new_tokens": _AT_LEAST_1, "sampling.temperature": _POSITIVE, "sampling.top_k": _AT_LEAST,
+    "sampling.top_p": (0.0, 1.0, False), "sampling.min_p": _FRACTION, "sampling.prompt_bucket": _AT_LEAST_1,
+    "sampling.new_tokens_bucket": _AT_LEAST_1,
+    "grpo.prompts_per_step": _AT_LEAST_1, "grpo.group_size": _AT_LEAST_1, "grpo.mu": _AT_LEAST_1,
+    "grpo.minibatch_size": _AT_LEAST, "grpo.grad_accum": _AT_LEAST_1, "grpo.epsilon_low": _AT_LEAST,
+    "grpo.epsilon_high": _AT_LEAST, "grpo.dual_clip_c": _AT_LEAST, "grpo.beta": _AT_LEAST,
+    "grpo.entropy_coef": (-float("inf"), float("inf"), True), "grpo.max_refill_rounds": _AT_LEAST,
+    "optim.learning_rate": _POSITIVE, "optim.warmup_steps": _AT_LEAST, "optim.end_lr_ratio": _FRACTION,
+    "optim.weight_decay": _AT_LEAST, "optim.beta1": (0.0, 1.0, True), "optim.beta2": (0.0, 1.0, True),
+    "optim.max_grad_norm": _AT_LEAST,
+    "sft.batch_size": _AT_LEAST_1, "sft.eval_batch_size": _AT_LEAST_1,
+    "divergence.patience": _AT_LEAST, "divergence.entropy_floor": _AT_LEAST,
+    "divergence.entropy_ceiling": (0.0, 1.0, False), "divergence.kl_max": _POSITIVE,
+}
+_EXCLUSIVE_HIGH = {"optim.beta1", "optim.beta2"}  # Adam's moment decay must stay below 1
+
+
+def _get(c: Any, key: str) -> Any:
+    for part in key.split("."):
+        c = getattr(c, part)
+    return c
+
+
+def _check_number(key: str, value: float, bounds: tuple[float, float, bool]) -> None:
+    low, high, low_inclusive = bounds
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}={value} must be a finite number")
+    too_low = value < low if low_inclusive else value <= low
+    too_high = value >= high if key in _EXCLUSIVE_HIGH else value > high
+    if too_low or too_high:
+        lo = f"{'>=' if low_inclusive else '>'} {low:g}"
+        hi = "" if high == float("inf") else f" and {'<' if key in _EXCLUSIVE_HIGH else '<='} {high:g}"
+        raise ConfigError(f"{key}={value} must be {lo}{hi}")
+
+
 def validate(c: RunConfig) -> None:
-    """Check relations between fields, naming each number involved."""
+    """Check every numeric field's range and the relations between fields, naming each number involved."""
+    for key, bounds in NUMERIC_BOUNDS.items():
+        _check_number(key, _get(c, key), bounds)
+    if c.algo == "ppo":
+        _validate_ppo(c.ppo)
     _choice(c.algo, "algo", ALGORITHMS)
+    _choice(c.on_divergence, "on_divergence", ("stop", "warn"))
     _choice(c.model.dtype, "model.dtype", ("float32", "bfloat16"))
     _choice(c.model.param_dtype, "model.param_dtype", ("float32", "bfloat16"))
     g = c.grpo
@@ -232,19 +337,9 @@ def validate(c: RunConfig) -> None:
     )
     _choice(g.scale_rewards, "grpo.scale_rewards", ("group", "batch", "none"))
     _choice(c.optim.schedule, "optim.schedule", ("constant", "cosine", "linear"))
-    if c.model.attention_query_chunk < 0:
-        raise ConfigError(f"model.attention_query_chunk={c.model.attention_query_chunk} must be >= 0 (0 = off)")
-    if c.model.logprob_block_mib < 0:
-        raise ConfigError(f"model.logprob_block_mib={c.model.logprob_block_mib}: the MiB of one log-prob block "
-                          "must be >= 0 (0 = all completion positions in one block)")
-    if c.optim.learning_rate <= 0:
-        raise ConfigError(f"optim.learning_rate={c.optim.learning_rate} must be > 0")
-    if c.sampling.prompt_bucket < 1 or c.sampling.new_tokens_bucket < 1:
-        raise ConfigError(f"sampling.prompt_bucket={c.sampling.prompt_bucket} and sampling.new_tokens_bucket="
-                          f"{c.sampling.new_tokens_bucket} must be >= 1")
     sizes = (c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
     if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
-        raise ConfigError(f"mesh.data/fsdp/tensor = {sizes}: each is a positive size, and at most one is -1")
+        raise ConfigError(f"mesh.data/fsdp/tensor={sizes}: each is a positive size, and at most one is -1")
     if g.estimator:
         _choice(g.estimator, "grpo.estimator", ESTIMATORS)
     if g.group_size < 2 and c.algo in ("grpo", "rloo") and g.estimator != "reinforce_pp":
@@ -258,26 +353,55 @@ def validate(c: RunConfig) -> None:
         )
     if minibatch % g.grad_accum:
         raise ConfigError(f"grpo.grad_accum={g.grad_accum} must divide grpo.minibatch_size={minibatch}")
-    if g.mu < 1:
-        raise ConfigError(f"grpo.mu={g.mu} must be >= 1")
-    if g.epsilon_low < 0 or g.epsilon_high < 0:
-        raise ConfigError("grpo.epsilon_low and grpo.epsilon_high must be >= 0")
     if g.dual_clip_c and g.dual_clip_c <= 1:
         raise ConfigError(f"grpo.dual_clip_c={g.dual_clip_c} must be > 1 (or 0 to disable)")
-    if c.sampling.temperature <= 0:
-        raise ConfigError(f"sampling.temperature={c.sampling.temperature} must be > 0")
-    if c.sampling.max_new_tokens < 1:
-        raise ConfigError("sampling.max_new_tokens must be >= 1")
     if not c.rewards:
-        raise ConfigError("rewards: at least one reward function is required")
-    if c.steps < 0:
-        raise ConfigError(f"steps={c.steps} must be >= 0")
-    if c.algo == "ppo":
-        _validate_ppo(c.ppo)
+        raise ConfigError("rewards=[]: at least one reward function is required")
+    for i, spec in enumerate(c.rewards):
+        _check_number(f"rewards.{i}.weight", spec.weight, (-float("inf"), float("inf"), True))
+        _check_number(f"rewards.{i}.timeout_s", spec.timeout_s, _AT_LEAST)
+    if not c.out_dir.strip():
+        raise ConfigError("out_dir='': a run needs an output directory (e.g. runs/my_run)")
+
+
+def validate_environment(c: RunConfig) -> None:
+    """The input paths, and the mesh and batch sizes against the devices JAX sees (after `jax.distributed` is
+    initialised), so a run that cannot start fails before any model loads."""
+    import jax
+
+    for key in ("data.train", "data.eval"):
+        source = _get(c, key)
+        if source and not source.startswith("hf:") and not Path(source).is_file():
+            kind = "a directory, not a JSONL file" if Path(source).is_dir() else "missing"
+            raise ConfigError(f"{key}={source}: the data file is {kind} (a JSONL path, or hf:NAME for a hub dataset)")
+    model_path = Path(c.model.path)
+    local = model_path.exists() or c.model.path.startswith((".", "/", "~")) or c.model.path.count("/") > 1
+    if not c.model.init and local and not model_path.is_dir():
+        raise ConfigError(f"model.path={c.model.path}: no such model directory (a Hugging Face model directory "
+                          f"with config.json, or a hub id such as Qwen/Qwen2.5-0.5B-Instruct)")
+
+    from jaxrl_llm.sharding import MeshShape
+
+    n = jax.device_count()
+    try:
+        data, fsdp, _ = MeshShape(c.mesh.data, c.mesh.fsdp, c.mesh.tensor).resolve(n)
+    except ValueError as e:
+        raise ConfigError(f"mesh.data/fsdp/tensor: {e}") from e
+    ways = data * fsdp
+    g = c.grpo
+    if c.algo == "sft" and c.sft.batch_size % ways:
+        raise ConfigError(f"sft.batch_size={c.sft.batch_size} must be divisible by mesh.data * mesh.fsdp ({ways})")
+    if c.algo not in ("sft", "rm"):
+        micro = (g.minibatch_size or g.prompts_per_step * g.group_size) // g.grad_accum
+        if micro % ways:
+            raise ConfigError(f"the micro-batch grpo.minibatch_size / grpo.grad_accum = {micro} sequences must be "
+                              f"divisible by mesh.data * mesh.fsdp ({ways}) for the data-parallel step")
 
 
 def _validate_ppo(p: PPOSection) -> None:
     _choice(p.kl_estimator, "ppo.kl_estimator", ("k1", "k2", "k3"))
+    for key in ("gamma", "lam", "value_clip", "critic_learning_rate", "kl_coef_init", "kl_target", "kl_horizon"):
+        _check_number(f"ppo.{key}", getattr(p, key), (-float("inf"), float("inf"), True))
     if not 0 <= p.gamma <= 1 or not 0 <= p.lam <= 1:
         raise ConfigError(f"ppo.gamma={p.gamma} and ppo.lam={p.lam} must be in [0, 1]")
     if p.value_clip < 0 or p.kl_coef_init < 0 or p.kl_target < 0 or p.critic_warmup_steps < 0:

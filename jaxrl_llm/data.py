@@ -17,10 +17,7 @@ from typing import Any
 import numpy as np
 
 from jaxrl_llm.config import DataSection
-
-
-class DataError(ValueError):
-    """Malformed data: the message names the file and line (or the dataset and record)."""
+from jaxrl_llm.errors import ConversionError, DataError
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
@@ -29,8 +26,13 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise DataError(f"data file {path} does not exist")
     records = []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{line_no}: not UTF-8 text (byte {raw[e.start]:#04x} at column "
+                                f"{e.start + 1}); save the file as UTF-8") from e
             if not line.strip():
                 continue
             try:
@@ -40,6 +42,8 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
             if not isinstance(record, dict):
                 raise DataError(f"{path}:{line_no}: expected a JSON object, got {type(record).__name__}")
             records.append(record)
+    if not records:
+        raise DataError(f"{path}: the file has no records (one JSON object per line expected)")
     return records
 
 
@@ -50,7 +54,11 @@ def load_records(source: str, split: str = "train") -> tuple[list[dict[str, Any]
         import datasets
 
         name, _, subset = source[3:].partition(":")
-        dataset = datasets.load_dataset(name, subset or None, split=split)
+        try:
+            dataset = datasets.load_dataset(name, subset or None, split=split)
+        except Exception as e:  # offline, unknown name or split: say which dataset, one line
+            raise DataError(f"hub dataset {source} (split {split!r}) cannot be loaded: {type(e).__name__}: "
+                            f"{str(e).splitlines()[0] if str(e) else ''}") from e
         return [dict(r) for r in dataset], f"{name}[{split}]"
     return read_jsonl(source), source
 
@@ -161,6 +169,10 @@ def load_tokenizer(model_dir: str | Path) -> Any:
     """The model's tokenizer, left-padding, with a pad token (unk, else EOS) when it defines none."""
     from transformers import AutoTokenizer
 
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if Path(model_dir).is_dir() and not any((Path(model_dir) / n).is_file() for n in names):
+        raise ConversionError(f"{model_dir} has no tokenizer files (any of {', '.join(names)}); copy the "
+                              f"tokenizer that belongs to this model into it (tokenizer.save_pretrained(DIR))")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.unk_token or tokenizer.eos_token

@@ -11,7 +11,7 @@ from jax.sharding import Mesh
 from jaxrl_llm.data import PromptSet, bucket, left_pad
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params
-from jaxrl_llm.rewards import RewardFunction
+from jaxrl_llm.rewards import RewardFunction, call_reward
 from jaxrl_llm.sampling import SampleOutput, SamplingConfig, sample
 from jaxrl_llm.sharding import to_host
 
@@ -62,6 +62,8 @@ def evaluate_greedy(
         out = SampleOutput(*[x[: len(idx)] for x in out])
         records = [prompt_set.records[i] for i in idx]
         fields = reward_fields(records, out, sampling.max_new_tokens)
-        scores.extend(fn([prompt_set.texts[i] for i in idx], decode_completions(tokenizer, out), **fields))
+        values, _ = call_reward(name, fn, [prompt_set.texts[i] for i in idx], decode_completions(tokenizer, out),
+                                fields)
+        scores.extend(values.tolist())
     values = np.asarray(scores, np.float64)
     return {"eval/accuracy": float((values == 1.0).mean()), f"eval/{name}": float(values.mean())}

@@ -1,10 +1,16 @@
-"""Run outputs: metrics to JSONL and TensorBoard, sample completions to JSONL, a tqdm progress bar."""
+"""Run outputs: metrics to JSONL and TensorBoard, sample completions to JSONL, a tqdm progress bar.
+
+One row per step, whatever happened: a resumed run first drops the rows of the steps after its checkpoint
+(they are replayed identically) from `metrics.jsonl` and `samples.jsonl`, and rebuilds the TensorBoard events
+from the rows kept, so neither holds a step twice.
+"""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +31,19 @@ class RunLogger:
     In a multi-process run only process 0 writes (every process computes the same metrics)."""
 
     def __init__(self, out_dir: str | Path, *, total_steps: int, initial_step: int = 0,
-                 tensorboard: bool = True, progress_bar: bool = True, desc: str = "train") -> None:
+                 tensorboard: bool = True, progress_bar: bool = True, desc: str = "train",
+                 resume_step: int | None = None) -> None:
         import jax
 
         primary = jax.process_index() == 0
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
+        kept: list[dict[str, Any]] = []
+        if primary and resume_step is not None:
+            kept = truncate_rows(self.out_dir / "metrics.jsonl", resume_step)
+            truncate_rows(self.out_dir / "samples.jsonl", resume_step)
+            if (self.out_dir / "tensorboard").is_dir():
+                shutil.rmtree(self.out_dir / "tensorboard")
         self.metrics_file = (self.out_dir / "metrics.jsonl").open("a") if primary else open(os.devnull, "w")  # noqa: SIM115
         self.samples_file = (self.out_dir / "samples.jsonl").open("a") if primary else open(os.devnull, "w")  # noqa: SIM115
         progress_bar = progress_bar and primary
@@ -39,6 +52,8 @@ class RunLogger:
             from tensorboardX import SummaryWriter
 
             self.writer = SummaryWriter(str(self.out_dir / "tensorboard"))
+            for row in kept:
+                self._scalars(row)
         self.bar = tqdm(total=total_steps, initial=initial_step, desc=desc, disable=not progress_bar,
                         dynamic_ncols=True)
 
@@ -46,10 +61,13 @@ class RunLogger:
         row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         self.metrics_file.write(json.dumps(row) + "\n")
         self.metrics_file.flush()
+        self._scalars(row)
+
+    def _scalars(self, row: dict[str, Any]) -> None:
         if self.writer is not None:
             for name, value in row.items():
                 if name != "step" and isinstance(value, float):
-                    self.writer.add_scalar(name, value, step)
+                    self.writer.add_scalar(name, value, row["step"])
 
     def progress(self, postfix: dict[str, float], advance: int = 1) -> None:
         self.bar.set_postfix({k: f"{v:.3g}" for k, v in postfix.items()}, refresh=False)
@@ -69,3 +87,31 @@ class RunLogger:
         self.samples_file.close()
         if self.writer is not None:
             self.writer.close()
+
+
+def truncate_rows(path: Path, last_step: int) -> list[dict[str, Any]]:
+    """Keep only the JSONL rows of `path` with `step <= last_step` (rewritten atomically); returns them."""
+    if not path.is_file():
+        return []
+    kept, lines = [], []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a line cut by a crash mid-write
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= last_step:
+            kept.append(row)
+            lines.append(line)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text("".join(f"{line}\n" for line in lines))
+    os.replace(tmp, path)
+    return kept
+
+
+def write_summary(out_dir: str | Path, summary: dict[str, Any]) -> None:
+    """`out_dir/summary.json`: the run's before/after evaluation, export and divergence verdict."""
+    import jax
+
+    if jax.process_index() == 0:
+        path = Path(out_dir) / "summary.json"
+        path.write_text(json.dumps(summary, indent=2, default=_plain) + "\n")

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from jaxrl_llm.config import RunConfig
+from jaxrl_llm.config import ConfigError, RunConfig
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.heads import CriticParams, critic_from_policy, critic_values, load_critic
 from jaxrl_llm.rl.advantages import gae_advantages, masked_whiten
@@ -49,7 +49,7 @@ from jaxrl_llm.train_step import (
     master_weights,
     policy_loss,
 )
-from jaxrl_llm.trainer import GRPOTrainer, Rollout, TrainingError
+from jaxrl_llm.trainer import GRPOTrainer, Rollout
 
 # --------------------------------------------------------------------------------------------------------
 # Pure pieces
@@ -178,8 +178,18 @@ def kl_controller_step(state: KLControllerState, mean_kl: float, n_samples: int,
 class PPOTrainer(GRPOTrainer):
     """GRPOTrainer's loop (collect, evaluation, logging, checkpoints) with a critic, GAE and KL in the reward."""
 
-    def __init__(self, config: RunConfig, *, resume: bool = False) -> None:
-        super().__init__(config, resume=False)  # restore below, once the critic's state exists
+    def __init__(self, config: RunConfig, *, resume: bool = False, overwrite: bool = False,
+                 allow_config_change: bool = False) -> None:
+        # The restore comes below, once the critic's state exists.
+        super().__init__(config, resume=resume, overwrite=overwrite, allow_config_change=allow_config_change,
+                         restore=False)
+        try:
+            self._build_critic(resume)
+        except BaseException:
+            self.run_dir.release()
+            raise
+
+    def _build_critic(self, resume: bool) -> None:
         c, g, p = self.config, self.config.grpo, self.config.ppo
         # KL to the reference lives in the per-token reward, so the policy loss carries none.
         self.loss_config = dataclasses.replace(self.loss_config, beta=0.0)
@@ -202,7 +212,7 @@ class PPOTrainer(GRPOTrainer):
                                                      attention_query_chunk=c.model.attention_query_chunk)
             critic = master_weights(critic)
             if self.critic_config.vocab_size < len(self.tokenizer):
-                raise TrainingError(f"ppo.critic_init={p.critic_init}: vocabulary of {self.critic_config.vocab_size}"
+                raise ConfigError(f"ppo.critic_init={p.critic_init}: vocabulary of {self.critic_config.vocab_size}"
                                     f" tokens, smaller than the policy's tokenizer ({len(self.tokenizer)})")
         critic_optim = dataclasses.replace(c.optim, learning_rate=p.critic_learning_rate)
         self.critic_optimizer, self.critic_schedule = make_optimizer(
@@ -251,11 +261,10 @@ class PPOTrainer(GRPOTrainer):
         return {**super()._state(), "critic": self.critic, "critic_opt_state": self.critic_opt_state,
                 "kl_coef": global_array(np.asarray(self.kl_controller.coef), self.mesh, PartitionSpec())}
 
-    def _restore(self) -> dict[str, Any] | None:
+    def _restore(self) -> dict[str, Any]:
         state = super()._restore()
-        if state is not None:
-            self.critic, self.critic_opt_state = state["critic"], state["critic_opt_state"]
-            self.kl_controller = KLControllerState(coef=jnp.asarray(state["kl_coef"], jnp.float32))
+        self.critic, self.critic_opt_state = state["critic"], state["critic_opt_state"]
+        self.kl_controller = KLControllerState(coef=jnp.asarray(state["kl_coef"], jnp.float32))
         return state
 
     # ------------------------------------------------------------------------------------------ the update
@@ -331,5 +340,6 @@ def _merge_update_metrics(history: list[dict[str, Any]], *, policy_updated: bool
     return merged
 
 
-def train_ppo(config: RunConfig, *, resume: bool = False) -> dict[str, Any]:
-    return PPOTrainer(config, resume=resume).run()
+def train_ppo(config: RunConfig, **run_dir_options: bool) -> dict[str, Any]:
+    """Build the PPO trainer (`resume`, `overwrite`, `allow_config_change`: see `run_dir`) and run it."""
+    return PPOTrainer(config, **run_dir_options).run()

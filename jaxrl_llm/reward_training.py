@@ -12,6 +12,7 @@ wrong one). The result is a `...ForSequenceClassification` directory that transf
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from pathlib import Path
@@ -22,14 +23,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxrl_llm.config import ConfigError, RunConfig, to_yaml
+from jaxrl_llm.checkpoint import Checkpointer, abstract_like
+from jaxrl_llm.config import ConfigError, RunConfig
 from jaxrl_llm.data import DataError, DataState, bucket, left_pad, load_records, load_tokenizer, next_batch_indices
-from jaxrl_llm.logging import RunLogger
+from jaxrl_llm.logging import RunLogger, write_summary
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params
 from jaxrl_llm.models.hf import is_classifier, load_hf_model, read_tensor, resolve_model_dir
 from jaxrl_llm.models.reward_model import save_hf_reward_model, sequence_scores
 from jaxrl_llm.rl.losses import dpo_loss
+from jaxrl_llm.run_dir import open_run_dir
 from jaxrl_llm.train_step import make_optimizer, master_weights, working_weights
 
 
@@ -106,13 +109,24 @@ def pair_accuracy(params: Params, config: ModelConfig, pairs: list[tuple[list[in
     return correct / len(pairs)
 
 
-def train_reward_model(c: RunConfig) -> dict[str, Any]:
+def train_reward_model(c: RunConfig, *, resume: bool = False, overwrite: bool = False,
+                       allow_config_change: bool = False) -> dict[str, Any]:
+    """Train a reward model in `c.out_dir` (claimed by `run_dir.open_run_dir`); `resume` continues from its
+    latest checkpoint."""
     if jax.process_count() > 1:
         raise ConfigError("--algo rm runs in a single process (its step is not sharded); "
                           "unset distributed.enabled / JAX_COORDINATOR_ADDRESS")
+    export_dir = Path(c.export_dir or Path(c.out_dir) / "hf")
+    run_dir = open_run_dir(c, resume=resume, overwrite=overwrite, allow_config_change=allow_config_change,
+                           export_dir=export_dir, input_dirs=(c.model.path,))
+    try:
+        return _train_reward_model(c, export_dir, resume)
+    finally:
+        run_dir.release()
+
+
+def _train_reward_model(c: RunConfig, export_dir: Path, resume: bool) -> dict[str, Any]:
     out_dir = Path(c.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.yaml").write_text(to_yaml(c))
     config, params, model_dir = initial_reward_model(c)
     tokenizer = load_tokenizer(model_dir)
     pad_id = int(tokenizer.pad_token_id)
@@ -123,6 +137,11 @@ def train_reward_model(c: RunConfig) -> dict[str, Any]:
 
     optimizer, schedule = make_optimizer(c.optim, max(c.steps, 1))
     opt_state = optimizer.init(params)
+    checkpointer = Checkpointer(out_dir / "checkpoints", keep=c.keep_checkpoints)
+    first_step, state = 1, DataState()
+    if resume:
+        (params, opt_state), meta = checkpointer.restore_latest(abstract_like((params, opt_state)))
+        first_step, state = int(meta["step"]) + 1, DataState(**meta["data_state"])
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(p: dict[str, Any], state: optax.OptState, batch: PreferenceBatch):
@@ -137,29 +156,38 @@ def train_reward_model(c: RunConfig) -> dict[str, Any]:
             return {}
         return {"eval/pair_accuracy": pair_accuracy(params, config, evals, pad_id, c.sft.eval_batch_size)}
 
-    summary: dict[str, Any] = {"before": evaluate()}
-    logger = RunLogger(out_dir, total_steps=c.steps, tensorboard=c.tensorboard, progress_bar=c.progress_bar,
-                       desc="rm")
-    logger.message(f"reward model on {len(train)} preference pairs; held-out pair accuracy before: "
-                   f"{summary['before'].get('eval/pair_accuracy', float('nan')):.3f}")
-    state = DataState()
+    summary: dict[str, Any] = {}
+    logger = RunLogger(out_dir, total_steps=c.steps, initial_step=first_step - 1, tensorboard=c.tensorboard,
+                       progress_bar=c.progress_bar, desc="rm", resume_step=first_step - 1 if resume else None)
+    if not resume:
+        summary["before"] = evaluate()
+        if summary["before"]:
+            logger.log(0, summary["before"])
+        logger.message(f"reward model on {len(train)} preference pairs; held-out pair accuracy before: "
+                       f"{summary['before'].get('eval/pair_accuracy', float('nan')):.3f}")
     try:
-        for i in range(1, c.steps + 1):
+        for i in range(first_step, c.steps + 1):
             t0 = time.perf_counter()
             idx, state = next_batch_indices(len(train), c.sft.batch_size, state, c.seed, c.data.shuffle)
             params, opt_state, metrics = step(params, opt_state, make_batch(train, idx, pad_id))
             metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
             metrics.update({"learning_rate": float(schedule(i - 1)), "time/step": time.perf_counter() - t0})
-            if c.eval_every and i % c.eval_every == 0:
+            if (c.eval_every and i % c.eval_every == 0) or i == c.steps:
                 metrics.update(evaluate())
-            if i % c.log_every == 0:
+                if i == c.steps:
+                    summary["after"] = {k: v for k, v in metrics.items() if k.startswith("eval/")}
+            if i % c.log_every == 0 or i == c.steps:
                 logger.log(i, metrics)
             logger.progress({"loss": metrics["loss"], "acc": metrics["rewards/accuracies"]})
+            if c.checkpoint_every and (i % c.checkpoint_every == 0 or i == c.steps):
+                checkpointer.save(i, (params, opt_state), {"step": i, "data_state": dataclasses.asdict(state)})
     finally:
+        checkpointer.close()
         logger.close()
-    summary["after"] = evaluate()
+    if "after" not in summary:
+        summary["after"] = evaluate()
     if c.export:
-        export_dir = Path(c.export_dir or out_dir / "hf")
         summary["export"] = str(save_hf_reward_model(params["decoder"], params["score"], config, export_dir,
                                                      tokenizer_dir=model_dir, pad_token_id=pad_id))
+    write_summary(out_dir, summary)
     return summary

@@ -7,6 +7,7 @@ deliberately short budget, so its greedy held-out accuracy is well below 100% an
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxrl_llm.config import ConfigError, RunConfig, to_yaml
+from jaxrl_llm.checkpoint import Checkpointer, abstract_like
+from jaxrl_llm.config import ConfigError, RunConfig
 from jaxrl_llm.data import (
     DataState,
     PromptSet,
@@ -27,11 +29,12 @@ from jaxrl_llm.data import (
     next_batch_indices,
 )
 from jaxrl_llm.evaluation import evaluate_greedy
-from jaxrl_llm.logging import RunLogger
+from jaxrl_llm.logging import RunLogger, write_summary
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params, init_params
 from jaxrl_llm.models.hf import config_from_hf, load_hf_model, resolve_model_dir, save_hf_model
 from jaxrl_llm.rewards import resolve_reward
+from jaxrl_llm.run_dir import open_run_dir
 from jaxrl_llm.sampling import SamplingConfig
 from jaxrl_llm.sharding import (
     MeshShape,
@@ -102,10 +105,20 @@ def completion_arrays(prompt_set: PromptSet, indices: np.ndarray, tokenizer: Any
     return pt, pm, ct, cm
 
 
-def train_sft(c: RunConfig) -> dict[str, Any]:
+def train_sft(c: RunConfig, *, resume: bool = False, overwrite: bool = False,
+              allow_config_change: bool = False) -> dict[str, Any]:
+    """Run SFT in `c.out_dir` (claimed by `run_dir.open_run_dir`); `resume` continues from its checkpoint."""
+    export_dir = Path(c.export_dir or Path(c.out_dir) / "hf")
+    run_dir = open_run_dir(c, resume=resume, overwrite=overwrite, allow_config_change=allow_config_change,
+                           export_dir=export_dir, input_dirs=() if c.model.init else (c.model.path,))
+    try:
+        return _train_sft(c, export_dir, resume)
+    finally:
+        run_dir.release()
+
+
+def _train_sft(c: RunConfig, export_dir: Path, resume: bool) -> dict[str, Any]:
     out_dir = Path(c.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.yaml").write_text(to_yaml(c))
     model_config, params, tokenizer, tok_dir = initial_model(c, out_dir)
     train = build_prompt_set(*load_records(c.data.train, c.data.split), c.data, tokenizer)
     evals = build_prompt_set(*load_records(c.data.eval, c.data.eval_split), c.data, tokenizer) if c.data.eval else None
@@ -128,6 +141,11 @@ def train_sft(c: RunConfig) -> dict[str, Any]:
                               loss_config=PolicyLossConfig(logprob_block_mib=c.model.logprob_block_mib),
                               optimizer=optimizer, params_sharding=params_sharding,
                               opt_state_sharding=jax.tree.map(lambda x: x.sharding, opt_state))
+    checkpointer = Checkpointer(out_dir / "checkpoints", keep=c.keep_checkpoints)
+    first_step, state = 1, DataState()
+    if resume:
+        (params, opt_state), meta = checkpointer.restore_latest(abstract_like((params, opt_state)))
+        first_step, state = int(meta["step"]) + 1, DataState(**meta["data_state"])
 
     def evaluate() -> dict[str, float]:
         if evals is None:
@@ -135,13 +153,13 @@ def train_sft(c: RunConfig) -> dict[str, Any]:
         return evaluate_greedy(params, model_config, tokenizer, evals, reward, greedy,
                                batch_size=c.sft.eval_batch_size, limit=c.eval_size or None, mesh=mesh)
 
-    logger = RunLogger(out_dir, total_steps=c.steps, tensorboard=c.tensorboard, progress_bar=c.progress_bar,
-                       desc="sft")
+    logger = RunLogger(out_dir, total_steps=c.steps, initial_step=first_step - 1, tensorboard=c.tensorboard,
+                       progress_bar=c.progress_bar, desc="sft", resume_step=first_step - 1 if resume else None)
     logger.message(f"SFT of a {model_config.num_params() / 1e6:.2f}M-parameter {model_config.model_type} "
                    f"on {len(train)} examples")
-    state = DataState()
+    summary: dict[str, Any] = {}
     try:
-        for step in range(1, c.steps + 1):
+        for step in range(first_step, c.steps + 1):
             t0 = time.perf_counter()
             indices, state = next_batch_indices(len(train), c.sft.batch_size, state, c.seed, c.data.shuffle)
             pt, pm, ct, cm = completion_arrays(train, indices, tokenizer, c.data.answer_field, eos[0], pad_id)
@@ -151,20 +169,27 @@ def train_sft(c: RunConfig) -> dict[str, Any]:
             params, opt_state, metrics = step_fn(params, opt_state, batch)
             metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
             metrics.update({"learning_rate": float(schedule(step - 1)), "time/step": time.perf_counter() - t0})
-            if c.eval_every and step % c.eval_every == 0:
+            if (c.eval_every and step % c.eval_every == 0) or step == c.steps:
                 metrics.update(evaluate())
-                logger.message(f"step {step}: loss {metrics['sft_loss']:.4f}, "
-                               f"held-out accuracy {metrics['eval/accuracy']:.3f}")
-            if step % c.log_every == 0:
+                if "eval/accuracy" in metrics:
+                    logger.message(f"step {step}: loss {metrics['sft_loss']:.4f}, "
+                                   f"held-out accuracy {metrics['eval/accuracy']:.3f}")
+                if step == c.steps:
+                    summary["after"] = {k: v for k, v in metrics.items() if k.startswith("eval/")}
+            if step % c.log_every == 0 or step == c.steps:
                 logger.log(step, metrics)
             logger.progress({"loss": metrics["sft_loss"]})
+            if c.checkpoint_every and (step % c.checkpoint_every == 0 or step == c.steps):
+                checkpointer.save(step, (params, opt_state), {"step": step, "data_state": dataclasses.asdict(state)})
     finally:
+        checkpointer.close()
         logger.close()
-    summary: dict[str, Any] = {"after": evaluate()}
+    if "after" not in summary:  # no step ran (steps reached already)
+        summary["after"] = evaluate()
     if c.export:
-        export_dir = Path(c.export_dir or out_dir / "hf")
         host_params = to_host(params)
         if jax.process_index() == 0:
             summary["export"] = str(save_hf_model(host_params, model_config, export_dir, tokenizer_dir=tok_dir,
                                                   dtype=model_config.param_dtype))
+    write_summary(out_dir, summary)
     return summary

@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl_llm.checkpoint import Checkpointer
-from jaxrl_llm.config import RunConfig, advantage_estimator, to_yaml
+from jaxrl_llm.config import RunConfig, advantage_estimator
 from jaxrl_llm.data import (
     DataState,
     PromptSet,
@@ -33,11 +33,14 @@ from jaxrl_llm.data import (
     load_tokenizer,
     next_batch_indices,
 )
+from jaxrl_llm.divergence import DivergenceLimits, DivergenceState, update_divergence
+from jaxrl_llm.errors import ConfigError, DivergenceError, TrainingError
 from jaxrl_llm.evaluation import decode_completions, evaluate_greedy, reward_fields
-from jaxrl_llm.logging import RunLogger
+from jaxrl_llm.logging import RunLogger, write_summary
 from jaxrl_llm.models.hf import load_hf_model, resolve_model_dir, save_hf_model
 from jaxrl_llm.rewards import RewardFunction, compute_rewards, resolve_reward
 from jaxrl_llm.rl.estimators import kl_in_reward, rollout_advantages
+from jaxrl_llm.run_dir import open_run_dir
 from jaxrl_llm.sampling import SampleOutput, SamplingConfig, sample
 from jaxrl_llm.sharding import (
     MeshShape,
@@ -60,11 +63,6 @@ from jaxrl_llm.train_step import (
     policy_loss,
 )
 
-
-class TrainingError(RuntimeError):
-    """The run cannot continue (e.g. non-finite updates for too long); checkpoints already written are kept."""
-
-
 MAX_CONSECUTIVE_SKIPPED_UPDATES = 5
 
 
@@ -82,12 +80,27 @@ class Rollout:
 class GRPOTrainer:
     """Holds the run's state between steps; `run()` executes `config.steps` GRPO steps."""
 
-    def __init__(self, config: RunConfig, *, resume: bool = False) -> None:
+    def __init__(self, config: RunConfig, *, resume: bool = False, overwrite: bool = False,
+                 allow_config_change: bool = False, restore: bool = True) -> None:
+        """`resume`: continue from the latest checkpoint in `out_dir` (`restore=False` leaves the restore to a
+        subclass); `overwrite`: start over in an out_dir that holds a run; see `run_dir.open_run_dir`."""
         self.config = c = config
         self.out_dir = Path(c.out_dir)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        (self.out_dir / "config.yaml").write_text(to_yaml(c))
+        self.resumed = resume
+        self.run_dir = open_run_dir(c, resume=resume, overwrite=overwrite, allow_config_change=allow_config_change,
+                                    export_dir=self.export_dir, input_dirs=(c.model.path,))
+        try:
+            self._build(resume and restore)
+        except BaseException:
+            self.run_dir.release()
+            raise
 
+    @property
+    def export_dir(self) -> Path:
+        return Path(self.config.export_dir or Path(self.config.out_dir) / "hf")
+
+    def _build(self, restore: bool) -> None:
+        c = self.config
         self.model_dir = resolve_model_dir(c.model.path)
         self.mesh = make_mesh(MeshShape(c.mesh.data, c.mesh.fsdp, c.mesh.tensor))
         # Each device reads only its shards of the checkpoint.
@@ -108,7 +121,7 @@ class GRPOTrainer:
         self.reward_fns: list[tuple[str, RewardFunction, float]] = []
         for i, spec in enumerate(c.rewards):
             name = spec.name if all(s.name != spec.name for s in c.rewards[:i]) else f"{spec.name}_{i}"
-            self.reward_fns.append((name, resolve_reward(spec.name, dict(spec.kwargs)), spec.weight))
+            self.reward_fns.append((name, resolve_reward(spec.name, dict(spec.kwargs)), spec.weight, spec.timeout_s))
 
         self.eval_reward: tuple[str, RewardFunction] = (
             (c.eval_reward, resolve_reward(c.eval_reward)) if c.eval_reward else self.reward_fns[0][:2]
@@ -118,7 +131,7 @@ class GRPOTrainer:
         self.rollout_size = g.prompts_per_step * g.group_size
         self.minibatch_size = g.minibatch_size or self.rollout_size
         if (self.minibatch_size // g.grad_accum) % n_dev:
-            raise TrainingError(
+            raise ConfigError(
                 f"the micro-batch (grpo.minibatch_size / grpo.grad_accum = {self.minibatch_size} / {g.grad_accum})"
                 f" must be divisible by mesh.data * mesh.fsdp ({n_dev}) for the data-parallel step"
             )
@@ -164,7 +177,9 @@ class GRPOTrainer:
         self.step = 0
         self.data_state = DataState()
         self.checkpointer = Checkpointer(self.out_dir / "checkpoints", keep=c.keep_checkpoints)
-        if resume:
+        self.divergence = DivergenceState()
+        self.reward_seconds: dict[str, float] = {}
+        if restore:
             self._restore()
 
     # ------------------------------------------------------------------------------------------ set-up
@@ -178,25 +193,24 @@ class GRPOTrainer:
         key = global_array(np.asarray(jax.random.key_data(self.root_key)), self.mesh, PartitionSpec())
         return {"params": self.params, "opt_state": self.opt_state, "key": key}
 
-    def _restore(self) -> dict[str, Any] | None:
-        """Load the latest checkpoint into the run's state; returns the restored pytree (None: no checkpoint),
-        so subclasses can take their own entries of `_state` from it."""
-        step = self.checkpointer.latest_step()
-        if step is None:
-            return None
+    def _restore(self) -> dict[str, Any]:
+        """Load the latest readable checkpoint into the run's state and return the restored pytree, so
+        subclasses can take their own entries of `_state` from it. Raises `RunDirError` without one."""
         abstract = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), self._state()
         )
-        state, meta = self.checkpointer.restore(step, abstract)
+        state, meta = self.checkpointer.restore_latest(abstract)
         self.params, self.opt_state = state["params"], state["opt_state"]
         self.root_key = jax.random.wrap_key_data(state["key"])
         self.step = int(meta["step"])
         self.data_state = DataState(**meta["data_state"])
+        self.divergence = DivergenceState.from_json(meta.get("divergence"))
         # ref_params stays the starting policy, which __init__ just loaded from the model directory.
         return state
 
     def save_checkpoint(self) -> None:
-        meta = {"step": self.step, "data_state": dataclasses.asdict(self.data_state)}
+        meta = {"step": self.step, "data_state": dataclasses.asdict(self.data_state),
+                "divergence": self.divergence.to_json()}
         self.checkpointer.save(self.step, self._state(), meta)
 
     # ------------------------------------------------------------------------------------------ pieces
@@ -241,7 +255,8 @@ class GRPOTrainer:
         mine = process_rows(len(prompts)) if jax.process_count() > 1 else slice(None)
         local = jax.tree.map(lambda x: np.asarray(x)[mine], out)
         rewards, each = compute_rewards(self.reward_fns, prompts[mine], completions[mine],
-                                        reward_fields(records[mine], local, self.config.sampling.max_new_tokens))
+                                        reward_fields(records[mine], local, self.config.sampling.max_new_tokens),
+                                        timings=self.reward_seconds)
         # float32 on every path: the cross-process all-gather carries float32, and the single-process run
         # must see the same numbers (e.g. dynamic sampling's std > 0 test).
         rewards, each = rewards.astype(np.float32), {k: v.astype(np.float32) for k, v in each.items()}
@@ -351,9 +366,16 @@ class GRPOTrainer:
     # ------------------------------------------------------------------------------------------ the loop
 
     def run(self) -> dict[str, Any]:
+        try:
+            return self._run()
+        finally:
+            self.run_dir.release()
+
+    def _run(self) -> dict[str, Any]:
         c = self.config
         logger = RunLogger(self.out_dir, total_steps=c.steps, initial_step=self.step,
-                           tensorboard=c.tensorboard, progress_bar=c.progress_bar, desc=f"{c.algo}")
+                           tensorboard=c.tensorboard, progress_bar=c.progress_bar, desc=f"{c.algo}",
+                           resume_step=self.step if self.resumed else None)
         logger.message(
             f"model {self.model_dir} ({self.model_config.num_params() / 1e6:.2f}M params), "
             f"{len(self.train_set)} train prompts ({self.train_set.num_dropped} dropped as too long), "
@@ -365,12 +387,15 @@ class GRPOTrainer:
             summary["before"] = self.evaluate(eval_limit)
             logger.log(0, summary["before"])
             logger.message(f"held-out greedy accuracy before: {summary['before']['eval/accuracy']:.3f}")
+        limits = DivergenceLimits(**dataclasses.asdict(c.divergence))
+        diverged: dict[str, str] = {}
         skipped_in_a_row = 0
         try:
             while self.step < c.steps:
                 self.step += 1
                 key = jax.random.fold_in(self.root_key, self.step)
                 sample_key, update_key = jax.random.split(key)
+                self.reward_seconds = {}
                 t0 = time.perf_counter()
                 ro, refills = self.collect(sample_key)
                 t1 = time.perf_counter()
@@ -385,16 +410,32 @@ class GRPOTrainer:
                     "time/update": t2 - t1,
                     "time/step": t2 - t0,
                     "tokens_per_second": n_tokens / max(t1 - t0, 1e-9),
+                    **{f"time/reward/{name}": s for name, s in self.reward_seconds.items()},
                 })
-                if c.eval_every and self.step % c.eval_every == 0 and self.step < c.steps:
-                    metrics.update(self.evaluate(eval_limit))
-                if self.step % c.log_every == 0 or self.step == c.steps:
+                self.divergence, diverged = update_divergence(self.divergence, metrics,
+                                                              vocab_size=self.model_config.vocab_size, limits=limits)
+                last = self.step == c.steps or (diverged and c.on_divergence == "stop")
+                if self.eval_set is not None and (last or (c.eval_every and self.step % c.eval_every == 0)):
+                    metrics.update(self.evaluate(eval_limit))  # the final evaluation shares the last step's row
+                    if last:
+                        summary["after"] = {k: v for k, v in metrics.items() if k.startswith("eval/")}
+                if self.step % c.log_every == 0 or last:
                     logger.log(self.step, metrics)
                 if c.sample_every and self.step % c.sample_every == 0:
                     logger.samples(self.step, self._sample_rows(ro))
                 kl = metrics.get("kl", metrics.get("approx_kl", 0.0))
                 logger.progress({"reward": metrics["reward/mean"], "kl": kl,
                                  "s/step": metrics["time/step"]})
+                if diverged:
+                    logger.message(f"step {self.step}: the policy diverged: {'; '.join(diverged.values())}")
+                    if c.on_divergence == "stop":
+                        # Checkpoints written while the collapse built up are not good ones: set them aside,
+                        # so the latest checkpoint (and a --resume) is the last good policy.
+                        first_bad = self.step - max(self.divergence.streaks[n] for n in diverged) + 1
+                        moved = self.checkpointer.set_aside(first_bad, "diverged_checkpoints")
+                        if moved:
+                            logger.message(f"checkpoints of steps {moved} moved to diverged_checkpoints/")
+                        break
                 if c.checkpoint_every and self.step % c.checkpoint_every == 0:
                     self.save_checkpoint()
                 if skipped_in_a_row >= MAX_CONSECUTIVE_SKIPPED_UPDATES:
@@ -403,22 +444,29 @@ class GRPOTrainer:
                         f"skipped; stopping. Checkpoints in {self.checkpointer.directory} are intact "
                         f"(latest: {self.checkpointer.latest_step()})."
                     )
-            if c.checkpoint_every and self.checkpointer.latest_step() != self.step:
+            stopped = bool(diverged) and c.on_divergence == "stop"
+            if c.checkpoint_every and self.checkpointer.latest_step() != self.step and not stopped:
                 self.save_checkpoint()
         finally:
             self.checkpointer.close()
             logger.close()
-        if self.eval_set is not None:
-            summary["after"] = self.evaluate(eval_limit)
-            logger_final = RunLogger(self.out_dir, total_steps=0, tensorboard=False, progress_bar=False)
-            logger_final.log(self.step, summary["after"])
-            logger_final.close()
+        if diverged:
+            summary["diverged"] = {"step": self.step, "conditions": diverged,
+                                   "last_good_checkpoint": self.checkpointer.latest_step()}
+        write_summary(self.out_dir, summary)
+        if diverged and c.on_divergence == "stop":
+            raise DivergenceError(
+                f"step {self.step}: the policy diverged ({'; '.join(diverged.values())}); stopped without export "
+                f"(on_divergence=stop). Last good checkpoint: step {self.checkpointer.latest_step()} in "
+                f"{self.checkpointer.directory}; lower optim.learning_rate, or resume from it"
+            )
         if c.export:
             params = to_host(self.params)  # gathered on every process; the first one writes
             if jax.process_index() == 0:
-                summary["export"] = str(save_hf_model(params, self.model_config, self.out_dir / "hf",
+                summary["export"] = str(save_hf_model(params, self.model_config, self.export_dir,
                                                       dtype=self.model_config.param_dtype,
                                                       tokenizer_dir=self.model_dir))
+                write_summary(self.out_dir, summary)
         return summary
 
     def _rollout_metrics(self, ro: Rollout, refills: int) -> dict[str, float]:
@@ -453,6 +501,7 @@ class GRPOTrainer:
         return rows
 
 
-def train_grpo(config: RunConfig, *, resume: bool = False) -> dict[str, Any]:
-    return GRPOTrainer(config, resume=resume).run()
+def train_grpo(config: RunConfig, **run_dir_options: bool) -> dict[str, Any]:
+    """Build the trainer (`resume`, `overwrite`, `allow_config_change`: see `run_dir`) and run it."""
+    return GRPOTrainer(config, **run_dir_options).run()
 

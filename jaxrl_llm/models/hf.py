@@ -30,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from jaxrl_llm.errors import ConversionError
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import SUPPORTED_ROPE_SCALING, Params, param_shapes
 from jaxrl_llm.sharding import param_spec
@@ -95,9 +96,6 @@ _GLOBAL_TENSORS = {
 # Tensors some checkpoints carry that the model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
-
-class ConversionError(ValueError):
-    """A checkpoint that cannot be converted: the message names the file or tensor at fault."""
 
 
 # ----------------------------------------------------------------------------------------------- config

@@ -1,0 +1,46 @@
+"""The commands' error boundary: every failure becomes one line on stderr and an exit code.
+
+`run_command(prog, main, argv)` calls `main(argv)` and turns what it raises into `prog: error: ...`:
+project errors (`jaxrl_llm.errors`) with their own exit code (2 for usage, config and data; 1 for runtime),
+file-system errors (exit 1), anything else as an internal error (exit 1). With `--debug` in `argv` the
+exception propagates with its traceback instead.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+from jaxrl_llm.errors import JaxrlError, one_line
+
+DEBUG_FLAG = "--debug"
+
+
+def error_line(prog: str, error: BaseException) -> tuple[str, int]:
+    """`(message, exit code)` for an exception raised by a command."""
+    if isinstance(error, JaxrlError):
+        return f"{prog}: error: {one_line(str(error))}", error.exit_code
+    if isinstance(error, OSError):
+        where = f" ({error.filename})" if getattr(error, "filename", None) else ""
+        reason = error.strerror or str(error)
+        return f"{prog}: error: file system: {one_line(reason)}{where}", 1
+    return (f"{prog}: error: internal error {type(error).__name__}: {one_line(str(error))} "
+            f"(rerun with {DEBUG_FLAG} for the traceback, and please report it)"), 1
+
+
+def run_command(prog: str, main: Callable[[list[str]], int], argv: list[str] | None = None) -> int:
+    """Run `main(argv)` (without `--debug`) and return its exit code; see the module docstring."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = DEBUG_FLAG in argv
+    if debug:
+        argv.remove(DEBUG_FLAG)
+        return main(argv)
+    try:
+        return main(argv)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted; checkpoints written so far are kept (resume with --resume)", file=sys.stderr)
+        return 130
+    except Exception as e:  # the boundary: nothing below prints a traceback unless --debug
+        message, code = error_line(prog, e)
+        print(message, file=sys.stderr)
+        return code

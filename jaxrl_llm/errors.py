@@ -1,0 +1,60 @@
+"""The project's errors: each kind knows its exit code, so every command reports it as one line.
+
+    UsageError (exit 2): the input is wrong and the user must change it — config, data, model directory,
+                         out_dir, command line.
+    RunError   (exit 1): the input was accepted but the run failed — a reward function, training itself.
+
+Messages say what is wrong, where (file:line, or the config key and whether it came from the YAML or the
+command line) and what to do; they are single lines (`one_line`).
+"""
+
+from __future__ import annotations
+
+
+class JaxrlError(Exception):
+    """Base of every error the commands report as one line; `exit_code` is the process's exit status."""
+
+    exit_code = 1
+
+
+class UsageError(JaxrlError):
+    """An input the user must change (exit 2)."""
+
+    exit_code = 2
+
+
+class ConfigError(UsageError, ValueError):
+    """A configuration that cannot run; the message names the field(s) at fault."""
+
+
+class DataError(UsageError, ValueError):
+    """Malformed data: the message names the file and line (or the dataset and record)."""
+
+
+class ConversionError(UsageError, ValueError):
+    """A model directory or checkpoint that cannot be loaded or converted: names the file or tensor at fault."""
+
+
+class RunDirError(UsageError):
+    """The out_dir cannot be used as asked: another run's outputs, a lock, or nothing to resume."""
+
+
+class RunError(JaxrlError, RuntimeError):
+    """The run started but cannot go on (exit 1); checkpoints already written are kept."""
+
+
+class RewardError(RunError):
+    """A reward function failed, hung or returned something unusable; the message names it."""
+
+
+class TrainingError(RunError):
+    """Training cannot continue (non-finite updates for too long, a diverged policy)."""
+
+
+class DivergenceError(TrainingError):
+    """The policy collapsed (see `jaxrl_llm.divergence`); the last good checkpoint is kept."""
+
+
+def one_line(text: str) -> str:
+    """`text` with its lines joined, so a message is always a single line on stderr."""
+    return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
