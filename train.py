@@ -28,15 +28,10 @@ DEFAULT_CONFIGS = {
 }
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line and exit 2, like every other usage error
-        from jaxrl_llm.errors import UsageError
-
-        raise UsageError(f"{message} (see python train.py --help)")
-
-
 def _parse(argv: list[str]) -> argparse.Namespace:
-    parser = _Parser(prog="train.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from jaxrl_llm.cli import CommandParser
+
+    parser = CommandParser(prog="train.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--algo", choices=sorted(DEFAULT_CONFIGS), default="grpo")
     parser.add_argument("--config", type=Path, help="YAML preset (default: the algorithm's offline preset)")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in out_dir")
@@ -44,9 +39,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                         help="start over in an out_dir that holds a run (deletes its checkpoints, metrics, export)")
     parser.add_argument("--allow-config-change", action="store_true",
                         help="--resume even if the config changes the math or shapes of the checkpointed run")
-    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo.beta=0.04 steps=10")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # options and key=value overrides in any order
 
 
 def main(argv: list[str]) -> int:

@@ -56,7 +56,8 @@ class Checkpointer:
         Raises `RunDirError` when there is no readable checkpoint at all."""
         steps = sorted(self.all_steps(), reverse=True)
         if not steps:
-            raise RunDirError(f"--resume: no checkpoint in {self.directory}; start without --resume")
+            raise RunDirError(f"--resume: no finished checkpoint in {self.directory} (a run stopped before its first "
+                              f"checkpoint was written leaves none); start over with --overwrite instead of --resume")
         for step in steps:
             try:
                 return self.restore(step, abstract_state)

@@ -8,12 +8,24 @@ exception propagates with its traceback instead.
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Callable
 
-from jaxrl_llm.errors import JaxrlError, one_line
+from jaxrl_llm.errors import JaxrlError, UsageError, one_line
 
 DEBUG_FLAG = "--debug"
+
+
+class CommandParser(argparse.ArgumentParser):
+    """An argument parser whose errors are `UsageError`s (one line, exit 2), and which knows `--debug`."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.add_argument(DEBUG_FLAG, action="store_true", help="show the traceback of an error")
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(f"{message} (see {self.prog} --help)")
 
 
 def error_line(prog: str, error: BaseException) -> tuple[str, int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -229,6 +230,8 @@ def load_run_config(path: str | Path | None, overrides: list[str] | None = None,
         key, eq, _ = item.partition("=")
         if not eq or not key.strip():
             raise ConfigError(f"command-line override {item!r} must be key=value, e.g. grpo.beta=0.04 or steps=10")
+        if not _.strip():  # `data.eval=` means the empty string (YAML would read null)
+            item = f"{key}=''"
         try:
             merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
         except OmegaConfBaseException as e:
@@ -251,19 +254,20 @@ def _omegaconf_message(e: OmegaConfBaseException, where: str) -> str:
 
 
 def config_source(message: str, path: str | Path | None, overrides: list[str]) -> str:
-    """Where the first `key=` named in a validation message was set: the command line, the YAML or a default."""
-    key = message.split("=", 1)[0].split()[-1] if "=" in message else ""
-    if key and any(o.split("=", 1)[0].strip() == key for o in overrides):
+    """Where the `key=value` settings a message names were set: the command line, the YAML file or defaults."""
+    keys = [k for k in re.findall(r"([a-z_][a-z0-9_.]*)=", message) if "." in k or hasattr(RunConfig, k)]
+    given = {o.split("=", 1)[0].strip() for o in overrides}
+    if any(k in given for k in keys):
         return "set on the command line"
-    if key and path is not None:
-        node: Any = OmegaConf.load(path)
-        for part in key.split("."):
-            node = node.get(part) if isinstance(node, dict) or OmegaConf.is_dict(node) else None
-            if node is None:
-                break
-        if node is not None:
-            return f"set in {path}"
-    return "the default" if key else f"from {path or 'the defaults'}"
+    if keys and path is not None:
+        tree: Any = OmegaConf.to_container(OmegaConf.load(path))
+        for key in keys:
+            node = tree
+            for part in key.split("."):
+                node = node.get(part) if isinstance(node, dict) else None
+            if node is not None:
+                return f"set in {path}"
+    return "the default" if keys else f"from {path or 'the defaults'}"
 
 
 def _choice(value: str, name: str, choices: tuple[str, ...]) -> None:
@@ -386,7 +390,8 @@ def validate_environment(c: RunConfig) -> None:
     try:
         data, fsdp, _ = MeshShape(c.mesh.data, c.mesh.fsdp, c.mesh.tensor).resolve(n)
     except ValueError as e:
-        raise ConfigError(f"mesh.data/fsdp/tensor: {e}") from e
+        raise ConfigError(f"mesh.data={c.mesh.data}, mesh.fsdp={c.mesh.fsdp}, mesh.tensor={c.mesh.tensor}: "
+                          f"{str(e).split(': ', 1)[-1]}") from e
     ways = data * fsdp
     g = c.grpo
     if c.algo == "sft" and c.sft.batch_size % ways:

@@ -165,14 +165,21 @@ def bucket(n: int, multiple: int = 16) -> int:
     return max(multiple, -(-n // multiple) * multiple)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def check_tokenizer_files(model_dir: str | Path) -> None:
+    """A clear error for a model directory without a tokenizer (transformers' own is a misleading hint)."""
+    if Path(model_dir).is_dir() and not any((Path(model_dir) / n).is_file() for n in TOKENIZER_FILES):
+        raise ConversionError(f"{model_dir} has no tokenizer files (any of {', '.join(TOKENIZER_FILES)}); copy "
+                              f"the tokenizer that belongs to this model into it (tokenizer.save_pretrained(DIR))")
+
+
 def load_tokenizer(model_dir: str | Path) -> Any:
     """The model's tokenizer, left-padding, with a pad token (unk, else EOS) when it defines none."""
     from transformers import AutoTokenizer
 
-    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-    if Path(model_dir).is_dir() and not any((Path(model_dir) / n).is_file() for n in names):
-        raise ConversionError(f"{model_dir} has no tokenizer files (any of {', '.join(names)}); copy the "
-                              f"tokenizer that belongs to this model into it (tokenizer.save_pretrained(DIR))")
+    check_tokenizer_files(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.unk_token or tokenizer.eos_token

@@ -29,6 +29,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxrl_llm.cli import CommandParser, run_command
+from jaxrl_llm.data import check_tokenizer_files
+from jaxrl_llm.errors import UsageError
 from jaxrl_llm.models.hf import load_hf_model, resolve_model_dir
 from jaxrl_llm.sampling import SamplingConfig, compile_sampler
 from jaxrl_llm.sharding import MeshShape, make_mesh, shard_params
@@ -56,7 +59,7 @@ def encode_prompts(tokenizer: Any, prompts: Sequence[str], chat: bool) -> list[l
     if not chat:
         return [list(tokenizer(p)["input_ids"]) for p in prompts]
     if not getattr(tokenizer, "chat_template", None):
-        raise SystemExit("--chat: this tokenizer has no chat template (drop --chat to use the raw prompt)")
+        raise UsageError("--chat: this tokenizer has no chat template (drop --chat to use the raw prompt)")
     texts = [
         tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
         for p in prompts
@@ -86,7 +89,7 @@ def completion_text(tokenizer: Any, prompt_ids: list[int], completion_ids: list[
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="python -m jaxrl_llm.generate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", required=True, help="local HF model directory or hub id")
@@ -105,6 +108,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--cpu-devices", type=int, default=1,
                         help="split the batch over N XLA CPU devices (the number of prompts must divide by N)")
     args = parser.parse_args(argv)
+    for name in ("max_new_tokens", "n"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
+    if args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1 or not 0 <= args.min_p < 1:
+        parser.error("--temperature and --top-k must be >= 0, --top-p in (0, 1], --min-p in [0, 1)")
     if args.cpu_devices < 1 or len(args.prompt) % args.cpu_devices:
         parser.error(f"--cpu-devices {args.cpu_devices} must be >= 1 and divide the number of prompts "
                      f"({len(args.prompt)})")
@@ -121,6 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     model_dir = resolve_model_dir(args.model)
+    check_tokenizer_files(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     config, params = load_hf_model(model_dir, param_dtype=args.dtype, dtype=args.dtype)
     if mesh is not None:
@@ -163,4 +172,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command("python -m jaxrl_llm.generate", main))

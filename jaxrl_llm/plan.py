@@ -57,6 +57,8 @@ import optax
 from jax.sharding import AbstractMesh, PartitionSpec
 
 from jaxrl_llm import sharding
+from jaxrl_llm.cli import CommandParser, run_command
+from jaxrl_llm.errors import UsageError
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import param_shapes
 
@@ -486,7 +488,7 @@ def load_hf_config_dict(model: str) -> dict[str, Any]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = CommandParser(
         prog="python -m jaxrl_llm.plan",
         description="Per-device memory of an RL step (params, reference, optimizer, gradients, KV cache, "
         "activations) from config.json alone, and whether it fits.",
@@ -566,7 +568,7 @@ def render(plan: MemoryPlan, config: ModelConfig, device_memory: int, *, model: 
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m jaxrl_llm.plan ...`: print the plan table; exit 0 whether or not it fits, 2 on bad input."""
     args = _parser().parse_args(argv)
-    from jaxrl_llm.models.hf import ConversionError, config_from_hf
+    from jaxrl_llm.models.hf import config_from_hf
 
     try:
         mesh_sizes = parse_mesh(args.mesh)
@@ -579,12 +581,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             reference=args.reference, optimizer=args.optimizer, prompt_bucket=args.bucket,
             new_tokens_bucket=args.bucket, logprob_block_mib=args.logprob_block_mib,
         )
-    except (ValueError, ConversionError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except (ValueError, OSError) as e:  # bad sizes, mesh or model: the user's input (ConversionError included)
+        raise UsageError(str(e)) from e
     print(render(plan, config, device_memory, model=args.model, optimizer=args.optimizer))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command("python -m jaxrl_llm.plan", main))

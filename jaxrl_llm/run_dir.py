@@ -37,7 +37,7 @@ RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "samples.jsonl", "tensorboard", "
                "corrupt_checkpoints", "diverged_checkpoints", "summary.json")
 CONFIG_FILES = ("config.yaml", "configs")
 # Config keys a resume may change freely: cadence, memory knobs and reporting; the math stays the same.
-SAFE_TO_CHANGE = ("steps", "log_every", "sample_every", "eval_every", "eval_size", "eval_batch_size",
+SAFE_TO_CHANGE = ("out_dir", "steps", "log_every", "sample_every", "eval_every", "eval_size", "eval_batch_size",
                   "checkpoint_every", "keep_checkpoints", "export", "export_dir", "tensorboard", "progress_bar",
                   "on_divergence", "divergence.", "distributed.", "mesh.", "model.remat", "model.logprob_block_mib",
                   "model.attention_query_chunk", "sft.eval_batch_size", "data.eval", "data.eval_split",
@@ -180,10 +180,13 @@ def open_run_dir(config: RunConfig, *, resume: bool = False, overwrite: bool = F
         if export is not None and Path(source).exists() and Path(source).resolve() == export.resolve():
             raise RunDirError(f"export_dir={export} is the run's input model.path; export elsewhere "
                               f"(default: out_dir/hf)")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise RunDirError(f"out_dir={out_dir} is a file, not a directory; choose a directory for the run's outputs")
     if jax.process_index() != 0:  # one process owns the directory; the others only read and write files
         return RunDirectory(out_dir, None, 0)
     if resume and not (out_dir / "checkpoints").is_dir():
-        raise RunDirError(f"--resume: {out_dir} has no checkpoints to resume from; start without --resume")
+        raise RunDirError(f"--resume: {out_dir} has no checkpoints to resume from; start without --resume "
+                          f"(with --overwrite if the directory holds other outputs)")
     out_dir.mkdir(parents=True, exist_ok=True)
     lock = _acquire_lock(out_dir)
     run_dir = RunDirectory(out_dir, lock, 0)

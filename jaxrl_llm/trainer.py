@@ -389,6 +389,7 @@ class GRPOTrainer:
             logger.message(f"held-out greedy accuracy before: {summary['before']['eval/accuracy']:.3f}")
         limits = DivergenceLimits(**dataclasses.asdict(c.divergence))
         diverged: dict[str, str] = {}
+        flagged: dict[str, Any] = {}  # the latest divergence (on_divergence=warn runs on past it)
         skipped_in_a_row = 0
         try:
             while self.step < c.steps:
@@ -427,6 +428,7 @@ class GRPOTrainer:
                 logger.progress({"reward": metrics["reward/mean"], "kl": kl,
                                  "s/step": metrics["time/step"]})
                 if diverged:
+                    flagged = {"step": self.step, "conditions": diverged}
                     logger.message(f"step {self.step}: the policy diverged: {'; '.join(diverged.values())}")
                     if c.on_divergence == "stop":
                         # Checkpoints written while the collapse built up are not good ones: set them aside,
@@ -450,9 +452,8 @@ class GRPOTrainer:
         finally:
             self.checkpointer.close()
             logger.close()
-        if diverged:
-            summary["diverged"] = {"step": self.step, "conditions": diverged,
-                                   "last_good_checkpoint": self.checkpointer.latest_step()}
+        if flagged:
+            summary["diverged"] = {**flagged, "last_good_checkpoint": self.checkpointer.latest_step()}
         write_summary(self.out_dir, summary)
         if diverged and c.on_divergence == "stop":
             raise DivergenceError(

@@ -14,11 +14,13 @@ format, so `AutoTokenizer.from_pretrained` loads it like any other.
 
 from __future__ import annotations
 
-import argparse
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
+
+from jaxrl_llm.cli import CommandParser, run_command
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 CHARACTERS = list("0123456789+-*= ")
@@ -108,8 +110,9 @@ def write_dataset(out: Path, train: int, test: int, seed: int, max_digits: int, 
                 f.writelines(json.dumps(r) + "\n" for r in make_preferences(rows, seed + 1))
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Write the arithmetic task's train/test JSONL files.")
+def main(argv: list[str] | None = None) -> int:
+    parser = CommandParser(prog="python -m jaxrl_llm.tasks.arithmetic",
+                           description="Write the arithmetic task's train/test JSONL files.")
     parser.add_argument("--out", default="data/arithmetic")
     parser.add_argument("--train", type=int, default=20000)
     parser.add_argument("--test", type=int, default=1000)
@@ -118,8 +121,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ops", default="+")
     parser.add_argument("--sloppy", type=float, default=0.6, help="share of sft_answer that forget carries")
     args = parser.parse_args(argv)
+    if args.train < 1 or args.test < 0:
+        parser.error(f"--train {args.train} must be >= 1 and --test {args.test} >= 0")
     write_dataset(Path(args.out), args.train, args.test, args.seed, args.max_digits, args.ops, args.sloppy)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_command("python -m jaxrl_llm.tasks.arithmetic", main))

@@ -12,14 +12,16 @@ scored correct, claim wrong) within 20 steps.
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from jaxrl_llm.cli import CommandParser, run_command
 
 
 def make_problems(count: int, seed: int, low: int = 10, high: int = 99) -> list[dict[str, object]]:
@@ -73,20 +75,24 @@ def larger_number_reward(prompts: Sequence[str], completions: Sequence[str], *, 
     return [float(claimed_larger(c, n) == int(a)) for c, n, a in zip(completions, numbers, answer, strict=True)]
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Write the larger-number task's train/test JSONL files.")
+def main(argv: list[str] | None = None) -> int:
+    parser = CommandParser(prog="python -m jaxrl_llm.tasks.larger_number",
+                           description="Write the larger-number task's train/test JSONL files.")
     parser.add_argument("--out", default="data/larger_number")
     parser.add_argument("--train", type=int, default=6000)
     parser.add_argument("--test", type=int, default=500)
     parser.add_argument("--seed", type=int, default=2024)
     args = parser.parse_args(argv)
+    if args.train < 1 or args.test < 0:
+        parser.error(f"--train {args.train} must be >= 1 and --test {args.test} >= 0")
     problems = make_problems(args.train + args.test, args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name, rows in (("train", problems[: args.train]), ("test", problems[args.train :])):
         with (out / f"{name}.jsonl").open("w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_command("python -m jaxrl_llm.tasks.larger_number", main))
