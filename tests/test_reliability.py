@@ -417,3 +417,47 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous(tiny_task, refer
     assert (out / "corrupt_checkpoints" / "4").is_dir()  # kept aside, not deleted
     assert _stable(_rows(out)) == _stable(_rows(reference_run))  # steps 3-4 replayed from checkpoint 2
     assert [r["step"] for r in _rows(out)] == [0, 1, 2, 3, 4]
+
+
+# ------------------------------------------------------------------------------------ SFT and RM resume
+
+
+def _sft_rm_args(algo: str, task: Path, out: Path, pairs: Path) -> list[str]:
+    common = [f"out_dir={out}", "progress_bar=false", "tensorboard=false", "export=false", "sft.batch_size=8",
+              "checkpoint_every=2", "optim.learning_rate=3e-3", "optim.schedule=constant", "eval_every=0",
+              "log_every=1"]
+    if algo == "sft":
+        return ["--algo", "sft", *common, f"data.train={task / 'train.jsonl'}", f"data.eval={task / 'test.jsonl'}",
+                "eval_size=8", "eval_batch_size=8", "sft.eval_batch_size=8", "data.answer_field=answer",
+                f"model.tokenizer={task / 'tok'}"]
+    return ["--algo", "rm", *common, f"model.path={task / 'model'}", f"data.train={pairs / 'train.jsonl'}",
+            f"data.eval={pairs / 'test.jsonl'}", "eval_size=16", "sft.eval_batch_size=16"]
+
+
+@pytest.mark.parametrize("algo", ["sft", "rm"])
+def test_sft_and_reward_model_runs_resume_exactly(algo, tiny_task, tmp_path, capsys, monkeypatch):
+    """4 steps straight vs 2 steps, then --resume to 4: the same rows (one per step) and the same final score."""
+    from jaxrl_llm.tasks.arithmetic import make_preferences, make_problems
+
+    monkeypatch.chdir(ROOT)
+    pairs = tmp_path / "pairs"
+    pairs.mkdir()
+    rows = make_preferences(make_problems(80, seed=1, max_digits=2), seed=2)
+    for name, part in (("train", rows[:64]), ("test", rows[64:])):
+        (pairs / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert train.cli([*_sft_rm_args(algo, tiny_task, straight, pairs), "steps=4"]) == 0
+    assert train.cli([*_sft_rm_args(algo, tiny_task, resumed, pairs), "steps=2"]) == 0
+    assert sorted(p.name for p in (resumed / "checkpoints").iterdir()) == ["2"]
+    code = train.cli([*_sft_rm_args(algo, tiny_task, resumed, pairs), "steps=4", "--resume"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "resuming with changed steps: 2 -> 4" in err
+    # The first segment ended at step 2 with its final evaluation in that row; otherwise the rows are the same.
+    no_eval = [{k: v for k, v in r.items() if not k.startswith("eval/")} for r in _stable(_rows(resumed))]
+    assert no_eval == [{k: v for k, v in r.items() if not k.startswith("eval/")} for r in _stable(_rows(straight))]
+    assert _stable(_rows(resumed))[-1] == _stable(_rows(straight))[-1]
+    first = 0 if algo == "rm" else 1  # the reward model logs its "before" evaluation as step 0
+    assert [r["step"] for r in _rows(resumed)] == list(range(first, 5))
+    loss = "sft_loss" if algo == "sft" else "loss"
+    assert _rows(resumed)[-1][loss] == _rows(straight)[-1][loss]
