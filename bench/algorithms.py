@@ -98,12 +98,14 @@ def bench(alg: Algorithm, args: argparse.Namespace) -> dict[str, float]:
     if alg.key == "rm_ppo":
         rm_dir = args.out / "rm"
         rm_hf = rm_dir / "hf"
-        wall += run([sys.executable, "train.py", "--algo", "rm", f"out_dir={rm_dir}", f"export_dir={rm_hf}",
-                     f"seed={args.seed}", "progress_bar=false", "tensorboard=false"], args.out / "rm.log")
+        wall += run([sys.executable, "train.py", "--algo", "rm", "--overwrite", f"out_dir={rm_dir}",
+                     f"export_dir={rm_hf}", f"seed={args.seed}", "progress_bar=false", "tensorboard=false"],
+                    args.out / "rm.log")
         rewards = ("rewards=[{name: math_answer, weight: 0.0}, "
                    f"{{name: reward_model, weight: 1.0, kwargs: {{path: {json.dumps(str(rm_hf))}}}}}]")
         overrides += [f"ppo.critic_init={rm_hf}", rewards]
-    cmd = [sys.executable, "train.py", "--algo", alg.algo, "--config", f"configs/{alg.config}", *overrides]
+    cmd = [sys.executable, "train.py", "--algo", alg.algo, "--overwrite", "--config", f"configs/{alg.config}",
+           *overrides]
     wall += run(cmd, args.out / f"{alg.key}.log")
     return {**read_run(out, args.steps), "wall": wall}
 

@@ -378,6 +378,12 @@ def validate_environment(c: RunConfig) -> None:
         if source and not source.startswith("hf:") and not Path(source).is_file():
             kind = "a directory, not a JSONL file" if Path(source).is_dir() else "missing"
             raise ConfigError(f"{key}={source}: the data file is {kind} (a JSONL path, or hf:NAME for a hub dataset)")
+    from jaxrl_llm.rewards import resolve_reward
+
+    for spec in c.rewards:  # an unknown name or a module that does not import fails here, not after the model load
+        resolve_reward(spec.name, dict(spec.kwargs))
+    if c.eval_reward:
+        resolve_reward(c.eval_reward)
     model_path = Path(c.model.path)
     local = model_path.exists() or c.model.path.startswith((".", "/", "~")) or c.model.path.count("/") > 1
     if not c.model.init and local and not model_path.is_dir():

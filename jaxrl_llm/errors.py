@@ -47,6 +47,10 @@ class RewardError(RunError):
     """A reward function failed, hung or returned something unusable; the message names it."""
 
 
+class RewardNameError(ConfigError, RewardError):
+    """A reward function named in the config that does not exist or does not import (a config error, exit 2)."""
+
+
 class TrainingError(RunError):
     """Training cannot continue (non-finite updates for too long, a diverged policy)."""
 

@@ -197,9 +197,11 @@ def test_cli_on_committed_model_fits_and_does_not_fit() -> None:
 
 
 def test_cli_rejects_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
-    assert plan.main(["--mesh", "data=2,pipe=2"]) == 2
-    assert "cannot read mesh" in capsys.readouterr().err
-    assert plan.main(["--model", "./no/such/dir"]) == 2
+    from jaxrl_llm.cli import run_command
+
+    assert run_command("plan", plan.main, ["--mesh", "data=2,pipe=2"]) == 2
+    assert "plan: error: cannot read mesh" in capsys.readouterr().err
+    assert run_command("plan", plan.main, ["--model", "./no/such/dir"]) == 2
     assert "does not exist" in capsys.readouterr().err
 
 

@@ -178,8 +178,8 @@ CASES = [
     ("model_no_tokenizer", ["model.path=B/no_tokenizer"], 2, ["has no tokenizer files"]),
     ("model_unsupported", ["model.path=B/gpt2"], 2, ["unsupported model_type 'gpt2'", "supported model types"]),
     # --- rewards
-    ("reward_unknown", ["rewards=[{name: exact}]"], 1, ["unknown reward function 'exact'", "math_answer"]),
-    ("reward_import", ["rewards=[{name: 'no_such_module:fn'}]"], 1, ["'no_such_module:fn' cannot be imported"]),
+    ("reward_unknown", ["rewards=[{name: exact}]"], 2, ["unknown reward function 'exact'", "math_answer"]),
+    ("reward_import", ["rewards=[{name: 'no_such_module:fn'}]"], 2, ["'no_such_module:fn' cannot be imported"]),
     ("reward_dict", ["data.eval=", _reward("returns_dict")], 1, ["'test_reliability:returns_dict' returned a dict"]),
     ("reward_length", ["data.eval=", _reward("returns_short")], 1, ["returns_short' returned 3 rewards for 4"]),
     ("reward_nan", ["data.eval=", _reward("returns_nan")], 1, ["returns_nan' returned a non-finite reward"]),

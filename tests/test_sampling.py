@@ -12,6 +12,7 @@ from conftest import FAMILIES, STORIES260K, left_padded_batch, make_hf_model, re
 from scipy import stats
 
 from jaxrl_llm import sampling as sampling_module
+from jaxrl_llm.errors import UsageError
 from jaxrl_llm.models.decoder import attention_allowed, decode_step, forward, init_cache, positions_from_mask
 from jaxrl_llm.models.hf import load_hf_model
 from jaxrl_llm.sampling import (
@@ -488,7 +489,7 @@ def test_cli_chat_template(tmp_path, capsys):
     assert main(["--model", str(model_dir), "--prompt", "Once", "--chat", "--max-new-tokens", "12", "--greedy"]) == 0
     # "<s>Once upon a" + " time, there was ...": the story's greedy continuation (reference_greedy.json)
     assert " time, there was a little girl" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="no chat template"):
+    with pytest.raises(UsageError, match="no chat template"):
         main(["--model", str(STORIES260K), "--prompt", "Once", "--chat", "--max-new-tokens", "4"])
 
 
@@ -514,9 +515,9 @@ def test_cli_cpu_devices_split_the_batch_and_keep_the_tokens():
     one, split = completions(), completions("--cpu-devices", "2")
     assert len(one) == 16 and split == one
     assert len(set(one[1::2])) > 4  # really sampled: the 8 completions differ
-    with pytest.raises(SystemExit) as usage:
+    with pytest.raises(UsageError, match="--cpu-devices 3 must be >= 1 and divide the number of prompts") as usage:
         main(["--model", str(STORIES260K), "--prompt", "a", "--prompt", "b", "--cpu-devices", "3"])
-    assert usage.value.code == 2
+    assert usage.value.exit_code == 2
 
 
 def test_bfloat16_model_samples_consistently(hf_model_dir):

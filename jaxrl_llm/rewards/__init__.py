@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxrl_llm.errors import RewardError, one_line
+from jaxrl_llm.errors import RewardError, RewardNameError, one_line
 from jaxrl_llm.rewards.math_answers import math_answer_reward, math_verify_reward
 from jaxrl_llm.rewards.shaping import format_reward, overlong_reward
 
@@ -49,9 +49,9 @@ def resolve_reward(name: str, kwargs: dict[str, Any] | None = None) -> RewardFun
         try:
             fn = getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError) as e:
-            raise RewardError(f"reward function {name!r} cannot be imported: {e}") from e
+            raise RewardNameError(f"reward function {name!r} cannot be imported: {e}") from e
     else:
-        raise RewardError(
+        raise RewardNameError(
             f"unknown reward function {name!r}: use one of {', '.join(REWARD_FUNCTIONS)} or 'module:function'"
         )
     return functools.partial(fn, **kwargs) if kwargs else fn

@@ -74,7 +74,9 @@ def kl_penalty(
         kl = 0.5 * jnp.square(d)
     elif estimator == "k3":
         d = jnp.clip(d, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-        kl = jnp.exp(d) - d - 1.0
+        # expm1 keeps the small-|d| digits that exp(d) - 1 rounds away; the max removes the last rounding
+        # below 0 (e.g. d = 6e-8 gave -6e-8), so the estimate is >= 0 as the formula is.
+        kl = jnp.maximum(jnp.expm1(d) - d, 0.0)
     else:
         raise ValueError(f"unknown KL estimator {estimator!r}; expected 'k1', 'k2' or 'k3'")
     if clamp is not None:
