@@ -118,7 +118,7 @@ def train_reward_model(c: RunConfig, *, resume: bool = False, overwrite: bool = 
                           "unset distributed.enabled / JAX_COORDINATOR_ADDRESS")
     export_dir = Path(c.export_dir or Path(c.out_dir) / "hf")
     run_dir = open_run_dir(c, resume=resume, overwrite=overwrite, allow_config_change=allow_config_change,
-                           export_dir=export_dir, input_dirs=(c.model.path,))
+                           export_dir=export_dir if c.export else None, input_dirs=(c.model.path,))
     try:
         return _train_reward_model(c, export_dir, resume)
     finally:

@@ -151,15 +151,13 @@ def _previous_configs(out_dir: Path) -> list[Path]:
     return sorted((out_dir / "configs").glob("[0-9][0-9][0-9]-*.yaml"))
 
 
-def _remove_outputs(out_dir: Path, export_dir: Path | None) -> None:
+def _remove_outputs(out_dir: Path) -> None:
     for name in RUN_OUTPUTS + CONFIG_FILES:
         target = out_dir / name
         if target.is_dir():
             shutil.rmtree(target)
         elif target.exists():
             target.unlink()
-    if export_dir is not None and export_dir.is_dir():
-        shutil.rmtree(export_dir)
 
 
 def _outside(path: Path, out_dir: Path) -> bool:
@@ -197,16 +195,20 @@ def open_run_dir(config: RunConfig, *, resume: bool = False, overwrite: bool = F
             found = [name for name in RUN_OUTPUTS if (out_dir / name).exists()]
             foreign_export = (export is not None and _outside(export, out_dir) and export.is_dir()
                               and any(export.iterdir()))
-            if (found or foreign_export) and not overwrite:
-                what = ", ".join(found + ([f"an export in {export}"] if foreign_export else []))
+            if found and not overwrite:
                 raise RunDirError(
-                    f"{out_dir} holds another run ({what}); continue it with --resume, or start over with "
-                    f"--overwrite (deletes those outputs), or choose another out_dir"
+                    f"{out_dir} holds another run ({', '.join(found)}); continue it with --resume, or start over "
+                    f"with --overwrite (deletes those outputs), or choose another out_dir"
                 )
-            if found or foreign_export:
+            if foreign_export and not overwrite:
+                raise RunDirError(f"export_dir={export} already holds files; choose another export_dir, or pass "
+                                  f"--overwrite to replace them when this run exports")
+            if found:
                 _notice(f"--overwrite: removing the previous run's outputs in {out_dir}")
-                _remove_outputs(out_dir, export if foreign_export else None)
+                _remove_outputs(out_dir)
                 previous = []
+            if foreign_export:  # not ours to delete: its files are replaced when this run exports
+                _notice(f"--overwrite: the export will replace the model files in {export}")
             (out_dir / "config.yaml").unlink(missing_ok=True)  # no run outputs: the config of this start
         else:
             _check_resume_config(config, previous, allow_config_change)

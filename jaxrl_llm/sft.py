@@ -110,7 +110,8 @@ def train_sft(c: RunConfig, *, resume: bool = False, overwrite: bool = False,
     """Run SFT in `c.out_dir` (claimed by `run_dir.open_run_dir`); `resume` continues from its checkpoint."""
     export_dir = Path(c.export_dir or Path(c.out_dir) / "hf")
     run_dir = open_run_dir(c, resume=resume, overwrite=overwrite, allow_config_change=allow_config_change,
-                           export_dir=export_dir, input_dirs=() if c.model.init else (c.model.path,))
+                           export_dir=export_dir if c.export else None,
+                           input_dirs=() if c.model.init else (c.model.path,))
     try:
         return _train_sft(c, export_dir, resume)
     finally:

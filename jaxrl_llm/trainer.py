@@ -88,7 +88,8 @@ class GRPOTrainer:
         self.out_dir = Path(c.out_dir)
         self.resumed = resume
         self.run_dir = open_run_dir(c, resume=resume, overwrite=overwrite, allow_config_change=allow_config_change,
-                                    export_dir=self.export_dir, input_dirs=(c.model.path,))
+                                    export_dir=self.export_dir if c.export else None,
+                                    input_dirs=(c.model.path,))
         try:
             self._build(resume and restore)
         except BaseException:

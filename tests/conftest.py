@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
+
+# A persistent XLA compilation cache shared by the suite's processes (in-process runs and the subprocesses
+# of the CLI, crash and multi-process tests inherit it): a program compiled once, by any test, loads from
+# disk afterwards. Entries are keyed by the program, JAX version and flags, so a stale entry is never used.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(tempfile.gettempdir()) / "jaxrl_llm_test_xla_cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax
 import jax.numpy as jnp

@@ -191,6 +191,7 @@ CASES = [
     # --- file system
     ("out_dir_is_file", ["out_dir=B/out_file"], 2, ["out_file is a file, not a directory"]),
     ("export_over_input", ["export=true", "export_dir=T/model"], 2, ["is the run's input model.path"]),
+    ("export_dir_not_empty", ["export=true", "export_dir=B/gpt2"], 2, ["export_dir=", "already holds files"]),
 ]
 
 
