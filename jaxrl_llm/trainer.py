@@ -457,10 +457,12 @@ class GRPOTrainer:
             summary["diverged"] = {**flagged, "last_good_checkpoint": self.checkpointer.latest_step()}
         write_summary(self.out_dir, summary)
         if diverged and c.on_divergence == "stop":
+            good = self.checkpointer.latest_step()
+            kept = (f"Last good checkpoint: step {good} in {self.checkpointer.directory}" if good is not None else
+                    f"No checkpoint was written before it (checkpoint_every={c.checkpoint_every})")
             raise DivergenceError(
                 f"step {self.step}: the policy diverged ({'; '.join(diverged.values())}); stopped without export "
-                f"(on_divergence=stop). Last good checkpoint: step {self.checkpointer.latest_step()} in "
-                f"{self.checkpointer.directory}; lower optim.learning_rate, or resume from it"
+                f"(on_divergence=stop). {kept}; lower optim.learning_rate, or resume from a good checkpoint"
             )
         if c.export:
             params = to_host(self.params)  # gathered on every process; the first one writes
