@@ -49,6 +49,14 @@ def test_k2_k3_nonnegative(logp, ref_logp):
     assert (np.asarray(_KL["k3"](logp, ref_logp)) >= 0).all()
 
 
+def test_k3_keeps_its_digits_for_tiny_log_ratios():
+    """k3 = e^d - d - 1 against float64 for |d| from 1e-7 to 5 (float32's e^d - d - 1 gave -6e-8 at d = 6e-8)."""
+    d = np.array([6e-8, -6e-8, 1e-5, -3e-4, 9.9e-3, -1.01e-2, 0.099, -0.101, 0.5, -2.0, 5.0], np.float32)
+    got = np.asarray(_KL["k3"](np.zeros_like(d)[None], d[None]))[0]
+    d64 = d.astype(np.float64)
+    np.testing.assert_allclose(got, np.expm1(d64) - d64, rtol=2e-6)
+
+
 @PROPS
 @given(logp=_LOGP, estimator=st.sampled_from(["k1", "k2", "k3"]))
 def test_kl_estimators_zero_when_p_equals_q(logp, estimator):
