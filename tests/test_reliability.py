@@ -48,6 +48,14 @@ def raises(prompts, completions, **_):
     raise KeyError("answer_text")
 
 
+def slow_exact(prompts, completions, **fields):
+    """The default exact-answer reward, 2 s late: keeps a run busy while a second one tries its out_dir."""
+    from jaxrl_llm.rewards import math_answer_reward
+
+    time.sleep(2.0)
+    return math_answer_reward(prompts, completions, **fields)
+
+
 def hangs(prompts, completions, **_):
     time.sleep(60)
     return [0.0] * len(completions)
@@ -290,8 +298,8 @@ def test_resume_checks_the_config(tiny_task, tmp_path, capsys):
 def test_a_second_run_into_a_running_out_dir_is_refused(tiny_task, tmp_path):
     """Two real processes: the second exits 2 naming the first's PID; the first finishes normally."""
     out = tmp_path / "run"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    argv = [sys.executable, "train.py", *_base(tiny_task, out), "steps=3", "data.eval="]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT / "tests")}  # for the test's reward
+    argv = [sys.executable, "train.py", *_base(tiny_task, out), "steps=3", "data.eval=", _reward("slow_exact")]
     first = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while not (out / ".lock").exists() and time.time() < deadline and first.poll() is None:
