@@ -9,6 +9,7 @@ config fails before anything is compiled.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 import re
 from dataclasses import dataclass, field
@@ -21,7 +22,6 @@ from omegaconf.errors import OmegaConfBaseException
 from jaxrl_llm.errors import ConfigError, one_line
 
 ALGORITHMS = ("sft", "grpo", "rloo", "reinforce_pp", "ppo", "rm")
-ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 
 
 
@@ -345,7 +345,7 @@ def validate(c: RunConfig) -> None:
     if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
         raise ConfigError(f"mesh.data/fsdp/tensor={sizes}: each is a positive size, and at most one is -1")
     if g.estimator:
-        _choice(g.estimator, "grpo.estimator", ESTIMATORS)
+        resolve_estimator(g.estimator)
     if g.group_size < 2 and c.algo in ("grpo", "rloo") and g.estimator != "reinforce_pp":
         raise ConfigError(f"grpo.group_size={g.group_size}: a group-relative advantage needs at least 2 samples")
     rollout = g.prompts_per_step * g.group_size
@@ -424,9 +424,32 @@ def _validate_ppo(p: PPOSection) -> None:
         raise ConfigError(f"ppo.critic_learning_rate={p.critic_learning_rate} must be > 0")
 
 
+def resolve_estimator(name: str) -> str:
+    """`name` if registered (`jaxrl_llm.rl.estimators.ADVANTAGE_ESTIMATORS`); a `module:function` is imported and
+    registered under that name (its `kl_in_reward` attribute, if any, says where the KL goes)."""
+    from jaxrl_llm.rl.estimators import ADVANTAGE_ESTIMATORS, register_estimator
+
+    if name in ADVANTAGE_ESTIMATORS:
+        return name
+    if ":" not in name:
+        raise ConfigError(f"grpo.estimator={name!r}: expected one of {', '.join(ADVANTAGE_ESTIMATORS)}, or "
+                          f"'module:function' (see docs/extending.md)")
+    module_name, _, attr = name.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"grpo.estimator={name!r} cannot be imported: {e}") from e
+    register_estimator(name, kl_in_reward=bool(getattr(fn, "kl_in_reward", False)))(fn)
+    return name
+
+
 def advantage_estimator(c: RunConfig) -> str:
-    """The estimator a run uses: `grpo.estimator` if set, else the one named by `algo`."""
-    return c.grpo.estimator or (c.algo if c.algo in ESTIMATORS else "grpo")
+    """The estimator a run uses: `grpo.estimator` if set, else the one named by `algo` (else GRPO's)."""
+    from jaxrl_llm.rl.estimators import ADVANTAGE_ESTIMATORS
+
+    if c.grpo.estimator:
+        return resolve_estimator(c.grpo.estimator)
+    return c.algo if c.algo in ADVANTAGE_ESTIMATORS else "grpo"
 
 
 def to_dict(config: RunConfig) -> dict[str, Any]:

@@ -52,5 +52,42 @@ def test_reinforce_pp_baseline_centres_per_group_then_whitens_the_batch():
 
 
 def test_unknown_estimator_is_named():
-    with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'"):
+    with pytest.raises(ValueError, match="unknown advantage estimator .ppo.; expected one of grpo, rloo"):
         rollout_advantages("ppo", REWARDS, MASK, ZEROS, ZEROS, group_size=2)  # type: ignore[arg-type]
+
+
+def sign_of_reward(rewards, mask, old_logp, ref_logp, *, group_size, scale="group", beta=0.0, kl_estimator="k1"):
+    """An estimator from outside the package: +1 per token for a reward above the group's mean, else -1."""
+    grouped = rewards.reshape(-1, group_size)
+    above = (grouped > grouped.mean(axis=1, keepdims=True)).reshape(-1)
+    return jnp.where(above, 1.0, -1.0)[:, None] * mask.astype(jnp.float32)
+
+
+def test_an_estimator_registered_from_outside_is_a_config_choice():
+    from jaxrl_llm.rl.estimators import ADVANTAGE_ESTIMATORS, register_estimator
+
+    register_estimator("sign_of_reward_test")(sign_of_reward)
+    try:
+        adv = rollout_advantages("sign_of_reward_test", REWARDS, MASK, ZEROS, ZEROS, group_size=2)
+        np.testing.assert_array_equal(adv, [[1, 1, 0], [-1, 0, 0], [1, 1, 1], [-1, -1, 0]])
+        assert not kl_in_reward("sign_of_reward_test")
+    finally:
+        del ADVANTAGE_ESTIMATORS["sign_of_reward_test"]
+
+
+def test_training_with_a_module_function_estimator(tiny_task, tmp_path):
+    """`grpo.estimator=module:function` imports, registers and trains with it: every advantage is +-1."""
+    import json
+
+    import train
+
+    out = tmp_path / "run"
+    code = train.cli([f"model.path={tiny_task / 'model'}", f"data.train={tiny_task / 'train.jsonl'}", "data.eval=",
+                      f"out_dir={out}", "steps=2", "grpo.prompts_per_step=2", "grpo.group_size=4",
+                      "progress_bar=false", "tensorboard=false", "export=false",
+                      "grpo.estimator=test_rl_estimators:sign_of_reward",
+                      "rewards=[{name: 'test_grpo:starts_with_seven'}]"])
+    assert code == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["advantages/abs_mean"] for r in rows] == [1.0, 1.0]
+    assert train.cli(["out_dir=" + str(tmp_path / "x"), "grpo.estimator=nope"]) == 2

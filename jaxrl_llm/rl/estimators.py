@@ -1,12 +1,20 @@
-"""Which advantage a rollout gets: one pure dispatch over the estimators of `advantages.py`.
+"""Which advantage a rollout gets: a registry of estimators over the functions of `advantages.py`.
 
-GRPO, RLOO and REINFORCE++ share the trainer's loop and differ only here (and in where the KL to the
-reference goes: in the loss for GRPO / RLOO / REINFORCE++-baseline, in the per-token reward for REINFORCE++).
+Every estimator has one signature,
+
+    fn(rewards [N], mask [N, T], old_logp [N, T], ref_logp [N, T], *, group_size, scale, beta, kl_estimator)
+        -> advantages [N, T] float32 (0 at padding)
+
+and is registered under a name (`register_estimator`); the config's `grpo.estimator` picks it, and config
+validation lists the registered names. GRPO, RLOO and REINFORCE++ share the trainer's loop and differ only
+here (and in where the KL to the reference goes: `kl_in_reward=True` puts `-beta * KL_t` into the token
+rewards, as REINFORCE++ does, and takes it out of the loss). `docs/extending.md` adds one from outside.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,17 +27,77 @@ from jaxrl_llm.rl.advantages import (
 )
 from jaxrl_llm.rl.losses import kl_shaped_token_rewards
 
-Estimator = Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
-ESTIMATORS: tuple[str, ...] = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+EstimatorFn = Callable[..., jax.Array]
+
+
+class AdvantageEstimator(NamedTuple):
+    fn: EstimatorFn
+    kl_in_reward: bool = False  # True: the KL to the reference is in the token rewards, not in the loss
+
+
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
+
+
+def register_estimator(name: str, *, kl_in_reward: bool = False) -> Callable[[EstimatorFn], EstimatorFn]:
+    """Decorator: `@register_estimator("name")` makes `fn` (the signature above) a choice of `grpo.estimator`."""
+    def add(fn: EstimatorFn) -> EstimatorFn:
+        ADVANTAGE_ESTIMATORS[name] = AdvantageEstimator(fn, kl_in_reward)
+        return fn
+
+    return add
+
+
+def _broadcast(per_seq: jax.Array, mask: jax.Array) -> jax.Array:
+    return per_seq[:, None] * mask.astype(jnp.float32)
+
+
+@register_estimator("grpo")
+def grpo_estimator(rewards: jax.Array, mask: jax.Array, old_logp: jax.Array, ref_logp: jax.Array, *,
+                   group_size: int, scale: str = "group", beta: float = 0.0, kl_estimator: str = "k1") -> jax.Array:
+    """`(r_i - mean_group r) / (std + eps)` (`scale` = group / batch / none), broadcast over valid tokens."""
+    return _broadcast(group_normalized_advantages(rewards, group_size=group_size, scale=scale), mask)  # type: ignore[arg-type]
+
+
+@register_estimator("rloo")
+def rloo_estimator(rewards: jax.Array, mask: jax.Array, old_logp: jax.Array, ref_logp: jax.Array, *,
+                   group_size: int, scale: str = "group", beta: float = 0.0, kl_estimator: str = "k1") -> jax.Array:
+    """`r_i - mean_{j != i} r_j` over the group, broadcast over valid tokens."""
+    return _broadcast(rloo_advantages(rewards, group_size=group_size), mask)
+
+
+@register_estimator("reinforce_pp", kl_in_reward=True)
+def reinforce_pp_estimator(rewards: jax.Array, mask: jax.Array, old_logp: jax.Array, ref_logp: jax.Array, *,
+                           group_size: int, scale: str = "group", beta: float = 0.0,
+                           kl_estimator: str = "k1") -> jax.Array:
+    """Token rewards `r_t = -beta * KL_t + [t = last] * r_i` (KL of the rollout's log-probs against the
+    reference, `kl_estimator`), returns-to-go, whitened over the batch's valid tokens."""
+    token_rewards = kl_shaped_token_rewards(rewards, old_logp, ref_logp, mask, kl_coef=beta,
+                                            estimator=kl_estimator)  # type: ignore[arg-type]
+    return reinforce_plus_plus_advantages(token_rewards, mask)
+
+
+@register_estimator("reinforce_pp_baseline")
+def reinforce_pp_baseline_estimator(rewards: jax.Array, mask: jax.Array, old_logp: jax.Array, ref_logp: jax.Array,
+                                    *, group_size: int, scale: str = "group", beta: float = 0.0,
+                                    kl_estimator: str = "k1") -> jax.Array:
+    """`r_i - mean_group r`, broadcast, whitened over the batch's valid tokens."""
+    return reinforce_plus_plus_baseline_advantages(rewards, mask, group_size=group_size)
 
 
 def kl_in_reward(estimator: str) -> bool:
-    """REINFORCE++ puts `-beta * KL_t` into the token rewards; the others put KL into the loss."""
-    return estimator == "reinforce_pp"
+    """Whether the estimator puts `-beta * KL_t` into the token rewards (then the loss carries no KL)."""
+    return _lookup(estimator).kl_in_reward
+
+
+def _lookup(estimator: str) -> AdvantageEstimator:
+    if estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of "
+                         f"{', '.join(ADVANTAGE_ESTIMATORS)}")
+    return ADVANTAGE_ESTIMATORS[estimator]
 
 
 def rollout_advantages(
-    estimator: Estimator,
+    estimator: str,
     rewards: jax.Array,
     mask: jax.Array,
     old_logp: jax.Array,
@@ -40,28 +108,9 @@ def rollout_advantages(
     beta: float = 0.0,
     kl_estimator: str = "k1",
 ) -> jax.Array:
-    """Per-token advantages `[N, T]` of a group-major rollout.
-
-    - `grpo`: `(r_i - mean_group r) / (std + eps)` (`scale` = group / batch / none), broadcast over tokens.
-    - `rloo`: `r_i - mean_{j != i} r_j` over the group, broadcast over tokens.
-    - `reinforce_pp`: token rewards `r_t = -beta * KL_t + [t = last] * r_i` (KL from the rollout's
-      log-probs against the reference, `kl_estimator`, k1 by default), returns-to-go, batch-whitened.
-    - `reinforce_pp_baseline`: `r_i - mean_group r`, broadcast, batch-whitened over valid tokens.
+    """Per-token advantages `[N, T]` of a group-major rollout from the registered `estimator`.
 
     Shapes: `rewards [N]`, `mask, old_logp, ref_logp [N, T]` -> `[N, T]` float32 (0 at padding).
     """
-    valid = mask.astype(jnp.float32)
-    if estimator == "grpo":
-        per_seq = group_normalized_advantages(rewards, group_size=group_size, scale=scale)  # type: ignore[arg-type]
-    elif estimator == "rloo":
-        per_seq = rloo_advantages(rewards, group_size=group_size)
-    elif estimator == "reinforce_pp":
-        token_rewards = kl_shaped_token_rewards(
-            rewards, old_logp, ref_logp, mask, kl_coef=beta, estimator=kl_estimator  # type: ignore[arg-type]
-        )
-        return reinforce_plus_plus_advantages(token_rewards, mask)
-    elif estimator == "reinforce_pp_baseline":
-        return reinforce_plus_plus_baseline_advantages(rewards, mask, group_size=group_size)
-    else:
-        raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of {', '.join(ESTIMATORS)}")
-    return per_seq[:, None] * valid
+    return _lookup(estimator).fn(rewards, mask, old_logp, ref_logp, group_size=group_size, scale=scale, beta=beta,
+                                 kl_estimator=kl_estimator)
