@@ -142,6 +142,7 @@ def _train_reward_model(c: RunConfig, export_dir: Path, resume: bool) -> dict[st
     if resume:
         (params, opt_state), meta = checkpointer.restore_latest(abstract_like((params, opt_state)))
         first_step, state = int(meta["step"]) + 1, DataState(**meta["data_state"])
+        print(f"resumed from the checkpoint of step {first_step - 1} in {checkpointer.directory}")
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(p: dict[str, Any], state: optax.OptState, batch: PreferenceBatch):

@@ -147,6 +147,7 @@ def _train_sft(c: RunConfig, export_dir: Path, resume: bool) -> dict[str, Any]:
     if resume:
         (params, opt_state), meta = checkpointer.restore_latest(abstract_like((params, opt_state)))
         first_step, state = int(meta["step"]) + 1, DataState(**meta["data_state"])
+        print(f"resumed from the checkpoint of step {first_step - 1} in {checkpointer.directory}")
 
     def evaluate() -> dict[str, float]:
         if evals is None:

@@ -382,6 +382,8 @@ class GRPOTrainer:
             f"{len(self.train_set)} train prompts ({self.train_set.num_dropped} dropped as too long), "
             f"{jax.device_count()} device(s)"
         )
+        if self.resumed:
+            logger.message(f"resumed from the checkpoint of step {self.step} in {self.checkpointer.directory}")
         summary: dict[str, Any] = {}
         eval_limit = c.eval_size or None
         if self.step == 0 and self.eval_set is not None:
