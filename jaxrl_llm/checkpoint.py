@@ -50,17 +50,17 @@ class Checkpointer:
         )
         return restored.state, restored.meta
 
-    def restore_latest(self, abstract_state: Any) -> tuple[Any, dict[str, Any]]:
-        """The newest checkpoint that reads back whole; unreadable ones are moved aside with a warning.
-
-        Raises `RunDirError` when there is no readable checkpoint at all."""
+    def restore_latest(self, like: Any) -> tuple[Any, dict[str, Any]]:
+        """The newest checkpoint that reads back whole, into the shapes, dtypes and shardings of the pytree
+        `like`; unreadable ones are moved aside with a warning. Raises `RunDirError` without a readable one."""
+        abstract_state = abstract_like(like)
         steps = sorted(self.all_steps(), reverse=True)
         if not steps:
             raise RunDirError(f"--resume: no finished checkpoint in {self.directory} (a run stopped before its first "
                               f"checkpoint was written leaves none); start over with --overwrite instead of --resume")
         for step in steps:
             try:
-                return self.restore(step, abstract_state)
+                restored = self.restore(step, abstract_state)
             except Exception as e:  # any failure to read this step: try the one before
                 aside = self.directory.parent / "corrupt_checkpoints" / str(step)
                 print(f"jaxrl_llm: warning: checkpoint {self.directory / str(step)} cannot be read "
@@ -72,6 +72,9 @@ class Checkpointer:
                 shutil.move(str(self.directory / str(step)), aside)
                 self.manager.close()
                 self.manager = self._manager()
+                continue
+            print(f"jaxrl_llm: resumed from the checkpoint of step {step} in {self.directory}", file=sys.stderr)
+            return restored
         raise RunDirError(f"--resume: none of the checkpoints in {self.directory} ({steps}) can be read; they "
                           f"were moved to {self.directory.parent / 'corrupt_checkpoints'}")
 

@@ -25,8 +25,6 @@ from typing import Any
 
 # Conditions a good, converged policy may meet too: they count only when the reward has not improved.
 NEED_NO_GAIN = ("entropy_collapsed", "reward_stuck", "completions_empty", "completions_truncated")
-CONDITIONS = ("entropy_collapsed", "entropy_uniform", "kl_exploded", "reward_stuck", "completions_empty",
-              "completions_truncated")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,8 +103,3 @@ def update_divergence(state: DivergenceState, metrics: dict[str, float], *, voca
     new = DivergenceState(streaks, baseline, None if reward is None else float(reward),
                           None if baseline_reward is None else float(baseline_reward))
     return new, diverged
-
-
-def suspect(state: DivergenceState) -> bool:
-    """Whether some condition is building up (so the current weights are not known to be good)."""
-    return any(n > 0 for n in state.streaks.values())

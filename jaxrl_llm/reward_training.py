@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxrl_llm.checkpoint import Checkpointer, abstract_like
+from jaxrl_llm.checkpoint import Checkpointer
 from jaxrl_llm.config import ConfigError, RunConfig
 from jaxrl_llm.data import DataError, DataState, bucket, left_pad, load_records, load_tokenizer, next_batch_indices
 from jaxrl_llm.logging import RunLogger, write_summary
@@ -140,9 +140,8 @@ def _train_reward_model(c: RunConfig, export_dir: Path, resume: bool) -> dict[st
     checkpointer = Checkpointer(out_dir / "checkpoints", keep=c.keep_checkpoints)
     first_step, state = 1, DataState()
     if resume:
-        (params, opt_state), meta = checkpointer.restore_latest(abstract_like((params, opt_state)))
+        (params, opt_state), meta = checkpointer.restore_latest((params, opt_state))
         first_step, state = int(meta["step"]) + 1, DataState(**meta["data_state"])
-        print(f"resumed from the checkpoint of step {first_step - 1} in {checkpointer.directory}")
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(p: dict[str, Any], state: optax.OptState, batch: PreferenceBatch):

@@ -100,7 +100,6 @@ class RunDirectory:
 
     path: Path
     lock_file: Path | None
-    start_index: int
 
     def release(self) -> None:
         if self.lock_file is None:
@@ -181,13 +180,13 @@ def open_run_dir(config: RunConfig, *, resume: bool = False, overwrite: bool = F
     if out_dir.exists() and not out_dir.is_dir():
         raise RunDirError(f"out_dir={out_dir} is a file, not a directory; choose a directory for the run's outputs")
     if jax.process_index() != 0:  # one process owns the directory; the others only read and write files
-        return RunDirectory(out_dir, None, 0)
+        return RunDirectory(out_dir, None)
     if resume and not (out_dir / "checkpoints").is_dir():
         raise RunDirError(f"--resume: {out_dir} has no checkpoints to resume from; start without --resume "
                           f"(with --overwrite if the directory holds other outputs)")
     out_dir.mkdir(parents=True, exist_ok=True)
     lock = _acquire_lock(out_dir)
-    run_dir = RunDirectory(out_dir, lock, 0)
+    run_dir = RunDirectory(out_dir, lock)
     atexit.register(run_dir.release)
     try:
         previous = _previous_configs(out_dir)
@@ -212,10 +211,9 @@ def open_run_dir(config: RunConfig, *, resume: bool = False, overwrite: bool = F
             (out_dir / "config.yaml").unlink(missing_ok=True)  # no run outputs: the config of this start
         else:
             _check_resume_config(config, previous, allow_config_change)
-        run_dir.start_index = len(previous) + 1
         history = out_dir / "configs"
         history.mkdir(exist_ok=True)
-        name = f"{run_dir.start_index:03d}-{'resume' if resume else 'start'}.yaml"
+        name = f"{len(previous) + 1:03d}-{'resume' if resume else 'start'}.yaml"
         (history / name).write_text(to_yaml(config))
         if not (out_dir / "config.yaml").exists():
             (out_dir / "config.yaml").write_text(to_yaml(config))

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxrl_llm.checkpoint import Checkpointer, abstract_like
+from jaxrl_llm.checkpoint import Checkpointer
 from jaxrl_llm.config import ConfigError, RunConfig
 from jaxrl_llm.data import (
     DataState,
@@ -145,9 +145,8 @@ def _train_sft(c: RunConfig, export_dir: Path, resume: bool) -> dict[str, Any]:
     checkpointer = Checkpointer(out_dir / "checkpoints", keep=c.keep_checkpoints)
     first_step, state = 1, DataState()
     if resume:
-        (params, opt_state), meta = checkpointer.restore_latest(abstract_like((params, opt_state)))
+        (params, opt_state), meta = checkpointer.restore_latest((params, opt_state))
         first_step, state = int(meta["step"]) + 1, DataState(**meta["data_state"])
-        print(f"resumed from the checkpoint of step {first_step - 1} in {checkpointer.directory}")
 
     def evaluate() -> dict[str, float]:
         if evals is None:

@@ -197,10 +197,7 @@ class GRPOTrainer:
     def _restore(self) -> dict[str, Any]:
         """Load the latest readable checkpoint into the run's state and return the restored pytree, so
         subclasses can take their own entries of `_state` from it. Raises `RunDirError` without one."""
-        abstract = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), self._state()
-        )
-        state, meta = self.checkpointer.restore_latest(abstract)
+        state, meta = self.checkpointer.restore_latest(self._state())
         self.params, self.opt_state = state["params"], state["opt_state"]
         self.root_key = jax.random.wrap_key_data(state["key"])
         self.step = int(meta["step"])
@@ -382,8 +379,6 @@ class GRPOTrainer:
             f"{len(self.train_set)} train prompts ({self.train_set.num_dropped} dropped as too long), "
             f"{jax.device_count()} device(s)"
         )
-        if self.resumed:
-            logger.message(f"resumed from the checkpoint of step {self.step} in {self.checkpointer.directory}")
         summary: dict[str, Any] = {}
         eval_limit = c.eval_size or None
         if self.step == 0 and self.eval_set is not None:

@@ -424,6 +424,7 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous(tiny_task, refer
     assert code == 0, err
     assert f"checkpoint {out / 'checkpoints' / '4'} cannot be read" in err and "falling back" in err
     assert (out / "corrupt_checkpoints" / "4").is_dir()  # kept aside, not deleted
+    assert f"resumed from the checkpoint of step 2 in {out / 'checkpoints'}" in err
     assert _stable(_rows(out)) == _stable(_rows(reference_run))  # steps 3-4 replayed from checkpoint 2
     assert [r["step"] for r in _rows(out)] == [0, 1, 2, 3, 4]
 
