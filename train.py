@@ -2,7 +2,7 @@
 
 Without `--config`, each algorithm runs its offline default preset on the arithmetic task
 (`configs/grpo_arithmetic.yaml`, `configs/sft_arithmetic.yaml`, ...). Dotted overrides such as
-`grpo.beta=0.04 steps=10` are applied last and type-checked.
+`rl.beta=0.04 steps=10` are applied last and type-checked.
 
 A run owns its out_dir: a new run refuses a directory that holds another run (`--resume` continues it,
 `--overwrite` starts over), and `--resume` refuses config changes to the math unless
@@ -39,7 +39,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                         help="start over in an out_dir that holds a run (deletes its checkpoints, metrics, export)")
     parser.add_argument("--allow-config-change", action="store_true",
                         help="--resume even if the config changes the math or shapes of the checkpointed run")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo.beta=0.04 steps=10")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rl.beta=0.04 steps=10")
     return parser.parse_intermixed_args(argv)  # options and key=value overrides in any order
 
 
@@ -58,22 +58,9 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         raise ConfigError(f"{e} ({config_source(str(e), preset, args.overrides)})") from e
     options = dict(resume=args.resume, overwrite=args.overwrite, allow_config_change=args.allow_config_change)
-    if args.algo == "rm":
-        from jaxrl_llm.reward_training import train_reward_model
+    from jaxrl_llm.trainers import train
 
-        summary = train_reward_model(config, **options)
-    elif args.algo == "sft":
-        from jaxrl_llm.sft import train_sft
-
-        summary = train_sft(config, **options)
-    elif args.algo == "ppo":
-        from jaxrl_llm.ppo import train_ppo
-
-        summary = train_ppo(config, **options)
-    else:
-        from jaxrl_llm.trainer import train_grpo  # GRPO, RLOO and REINFORCE++ share one loop
-
-        summary = train_grpo(config, **options)
+    summary = train(config, **options)
     before = summary.get("before", {}).get("eval/accuracy")
     after = summary.get("after", {}).get("eval/accuracy")
     if before is not None and after is not None:

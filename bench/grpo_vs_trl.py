@@ -246,37 +246,42 @@ class Timer:
 
 
 class Ours:
-    """Our side: `GRPOTrainer` built from dotted overrides; `step()` runs and times one GRPO step."""
+    """Our side: the GRPO algorithm of the loop shell, built from dotted overrides; `step()` runs and times one
+    GRPO step (collect + update, as `trainers.loop.Trainer.run_step` does)."""
 
     def __init__(self, model_dir: Path, data: Path, out_dir: Path, bf16: bool, quiet_s: float,
                  overrides: list[str], chat: bool = False) -> None:
         import jax
 
-        import jaxrl_llm.trainer as trainer_module
+        import jaxrl_llm.trainers.rollouts as rollouts_module
         from jaxrl_llm.config import load_run_config
+        from jaxrl_llm.data import DataState
+        from jaxrl_llm.trainers.grpo import GRPOFamily
 
         t_setup = time.perf_counter()
         config = load_run_config(None, [
             f"model.path={model_dir}", f"data.train={data}", "data.eval=''", "data.max_prompt_tokens=64",
-            f"out_dir={out_dir}", f"grpo.prompts_per_step={PROMPTS_PER_STEP}", f"grpo.group_size={GROUP}",
-            f"grpo.beta={BETA}", "grpo.mu=1", f"sampling.max_new_tokens={NEW_TOKENS}", "sampling.temperature=1.0",
+            f"out_dir={out_dir}", f"rl.prompts_per_step={PROMPTS_PER_STEP}", f"rl.group_size={GROUP}",
+            f"rl.beta={BETA}", "rl.mu=1", f"sampling.max_new_tokens={NEW_TOKENS}", "sampling.temperature=1.0",
             f"optim.learning_rate={LR}", f"rewards=[{{name: '{__name__}:vowel_reward'}}]", "progress_bar=false",
             "tensorboard=false", "checkpoint_every=0", "export=false",
             f"model.dtype={'bfloat16' if bf16 else 'float32'}", f"data.chat_template={str(chat).lower()}",
             *overrides,
         ])
-        self.trainer = trainer = trainer_module.GRPOTrainer(config)
-        trainer.eos_ids = ()  # never stop early: exactly NEW_TOKENS tokens per row, like TRL's min_new_tokens
+        self.trainer = trainer = GRPOFamily(config)
+        trainer.policy.eos_ids = ()  # never stop early: exactly NEW_TOKENS tokens per row, like TRL's min_new_tokens
+        self.data_state = DataState()
         self.setup = time.perf_counter() - t_setup
         self.timer = Timer()
-        trainer_module.sample = self.timer.wrap("sampling", trainer_module.sample, jax.block_until_ready)
+        rollouts_module.sample = self.timer.wrap("sampling", rollouts_module.sample, jax.block_until_ready)
         trainer.ref_logprob_fn = self.timer.wrap("ref_pass", trainer.ref_logprob_fn, jax.block_until_ready)
-        trainer.train_step = self.timer.wrap("train_step", trainer.train_step, jax.block_until_ready)
-        self.key = trainer.root_key
+        # The whole jitted update (mu epochs x minibatches of train_step; one train step at mu = 1).
+        trainer.update_fn = self.timer.wrap("train_step", trainer.update_fn, jax.block_until_ready)
+        self.key = jax.random.key(config.seed)
         self.quiet_s = quiet_s
         self.records: list[dict] = []
         self.prompt_width = 0
-        self.n_params = trainer.model_config.num_params()
+        self.n_params = trainer.policy.model_config.num_params()
 
     def step(self, warmup: bool) -> None:
         import jax
@@ -287,11 +292,11 @@ class Ours:
         self.timer.take()
         meter = CpuMeter()
         t0 = time.perf_counter()
-        ro, _ = trainer.collect(sample_key)
+        self.step_index = getattr(self, "step_index", 0) + 1
+        ro, self.data_state, collected = trainer.collect(self.data_state, sample_key)
         t1 = time.perf_counter()
-        metrics = trainer.update(ro, update_key)
-        trainer.step += 1
-        metrics.update(trainer._rollout_metrics(ro, 0))
+        metrics = trainer.update(ro, self.step_index, update_key)
+        metrics.update(collected)
         t2 = time.perf_counter()
         parts = self.timer.take()
         self.prompt_width = int(ro.prompt_tokens.shape[1])

@@ -21,8 +21,11 @@ from omegaconf.errors import OmegaConfBaseException
 
 from jaxrl_llm.errors import ConfigError, one_line
 
-ALGORITHMS = ("sft", "grpo", "rloo", "reinforce_pp", "ppo", "rm")
-
+# Keys of earlier versions and what replaced them: a config that still uses one gets a one-line error.
+RENAMED = {
+    "grpo": "rl (the RL loop's section, for GRPO, RLOO, REINFORCE++ and PPO alike)",
+    "rl.ratio_level": "rl.policy_loss (token -> ppo_clip, sequence -> gspo)",
+}
 
 
 @dataclass
@@ -76,7 +79,10 @@ class SamplingSection:
 
 
 @dataclass
-class GRPOSection:
+class RLSection:
+    """The RL loop (GRPO family and PPO): rollout sizes, the update's epochs and minibatches, the policy loss
+    and the advantage estimator (both picked by name from their registries)."""
+
     prompts_per_step: int = 16  # P
     group_size: int = 8  # G: samples per prompt
     mu: int = 1  # optimisation passes over each rollout
@@ -85,7 +91,7 @@ class GRPOSection:
     epsilon_low: float = 0.2
     epsilon_high: float = 0.2
     dual_clip_c: float = 0.0  # 0 = off; else > 1
-    ratio_level: str = "token"  # token | sequence (GSPO)
+    policy_loss: str = "ppo_clip"  # rl.losses.POLICY_LOSSES: ppo_clip (token ratio) | gspo (sequence ratio)
     beta: float = 0.0  # KL coefficient to the reference model; 0 skips the reference pass
     kl_estimator: str = "k3"
     loss_aggregation: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum(-norm)
@@ -100,7 +106,7 @@ class GRPOSection:
 @dataclass
 class PPOSection:
     """--algo ppo only; the loop's knobs (prompts_per_step, group_size, mu, minibatch_size, epsilons,
-    entropy_coef) stay in `grpo`. The KL to the reference is in the per-token reward, not in the loss."""
+    entropy_coef) are in `rl`. The KL to the reference is in the per-token reward, not in the loss."""
 
     gamma: float = 1.0  # discount over completion tokens
     lam: float = 0.95  # GAE lambda
@@ -184,7 +190,7 @@ class RunConfig:
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
     sampling: SamplingSection = field(default_factory=SamplingSection)
-    grpo: GRPOSection = field(default_factory=GRPOSection)
+    rl: RLSection = field(default_factory=RLSection)
     sft: SFTSection = field(default_factory=SFTSection)
     ppo: PPOSection = field(default_factory=PPOSection)
     rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec()])
@@ -210,7 +216,7 @@ class RunConfig:
 
 
 def load_run_config(path: str | Path | None, overrides: list[str] | None = None, **fields: Any) -> RunConfig:
-    """Defaults < YAML file < `fields` < dotted `overrides` ("grpo.beta=0.04"), type-checked, validated.
+    """Defaults < YAML file < `fields` < dotted `overrides` ("rl.beta=0.04"), type-checked, validated.
 
     Every error names the key and where its value came from: the YAML file or the command line."""
     overrides = list(overrides or [])
@@ -219,7 +225,12 @@ def load_run_config(path: str | Path | None, overrides: list[str] | None = None,
         if not Path(path).is_file():
             raise ConfigError(f"config file {path} does not exist (--config takes a YAML preset, e.g. configs/)")
         try:
-            merged = OmegaConf.merge(merged, OmegaConf.load(path))
+            loaded = OmegaConf.load(path)
+        except Exception as e:  # YAML syntax: the parser's message has the line and column
+            raise ConfigError(f"{path} is not valid YAML: {one_line(str(e))}") from e
+        _check_renamed(OmegaConf.to_container(loaded), f"in {path}")
+        try:
+            merged = OmegaConf.merge(merged, loaded)
         except OmegaConfBaseException as e:
             raise ConfigError(_omegaconf_message(e, f"in {path}")) from e
         except Exception as e:  # YAML syntax: the parser's message has the line and column
@@ -229,7 +240,8 @@ def load_run_config(path: str | Path | None, overrides: list[str] | None = None,
     for item in overrides:
         key, eq, _ = item.partition("=")
         if not eq or not key.strip():
-            raise ConfigError(f"command-line override {item!r} must be key=value, e.g. grpo.beta=0.04 or steps=10")
+            raise ConfigError(f"command-line override {item!r} must be key=value, e.g. rl.beta=0.04 or steps=10")
+        _check_renamed(key.strip(), f"on the command line ({item!r})")
         if not _.strip():  # `data.eval=` means the empty string (YAML would read null)
             item = f"{key}=''"
         try:
@@ -245,6 +257,19 @@ def load_run_config(path: str | Path | None, overrides: list[str] | None = None,
     except ConfigError as e:
         raise ConfigError(f"{e} ({config_source(str(e), path, overrides)})") from e
     return config
+
+
+def _check_renamed(tree: Any, where: str) -> None:
+    """`ConfigError` naming the new key when `tree` (a YAML mapping, or one dotted key) uses a renamed one."""
+    if isinstance(tree, str):
+        keys = [tree]
+    else:
+        tree = tree if isinstance(tree, dict) else {}
+        keys = [str(k) for k in tree] + [f"{k}.{sub}" for k, v in tree.items() if isinstance(v, dict) for sub in v]
+    for key in keys:
+        for old, new in RENAMED.items():
+            if key == old or key.startswith(old + "."):
+                raise ConfigError(f"config key {key} {where} was renamed to {new}")
 
 
 def _omegaconf_message(e: OmegaConfBaseException, where: str) -> str:
@@ -289,10 +314,10 @@ NUMERIC_BOUNDS: dict[str, tuple[float, float, bool]] = {
     "sampling.max_new_tokens": _AT_LEAST_1, "sampling.temperature": _POSITIVE, "sampling.top_k": _AT_LEAST,
     "sampling.top_p": (0.0, 1.0, False), "sampling.min_p": _FRACTION, "sampling.prompt_bucket": _AT_LEAST_1,
     "sampling.new_tokens_bucket": _AT_LEAST_1,
-    "grpo.prompts_per_step": _AT_LEAST_1, "grpo.group_size": _AT_LEAST_1, "grpo.mu": _AT_LEAST_1,
-    "grpo.minibatch_size": _AT_LEAST, "grpo.grad_accum": _AT_LEAST_1, "grpo.epsilon_low": _AT_LEAST,
-    "grpo.epsilon_high": _AT_LEAST, "grpo.dual_clip_c": _AT_LEAST, "grpo.beta": _AT_LEAST,
-    "grpo.entropy_coef": (-float("inf"), float("inf"), True), "grpo.max_refill_rounds": _AT_LEAST,
+    "rl.prompts_per_step": _AT_LEAST_1, "rl.group_size": _AT_LEAST_1, "rl.mu": _AT_LEAST_1,
+    "rl.minibatch_size": _AT_LEAST, "rl.grad_accum": _AT_LEAST_1, "rl.epsilon_low": _AT_LEAST,
+    "rl.epsilon_high": _AT_LEAST, "rl.dual_clip_c": _AT_LEAST, "rl.beta": _AT_LEAST,
+    "rl.entropy_coef": (-float("inf"), float("inf"), True), "rl.max_refill_rounds": _AT_LEAST,
     "optim.learning_rate": _POSITIVE, "optim.warmup_steps": _AT_LEAST, "optim.end_lr_ratio": _FRACTION,
     "optim.weight_decay": _AT_LEAST, "optim.beta1": (0.0, 1.0, True), "optim.beta2": (0.0, 1.0, True),
     "optim.max_grad_norm": _AT_LEAST,
@@ -327,19 +352,23 @@ def validate(c: RunConfig) -> None:
         _check_number(key, _get(c, key), bounds)
     if c.algo == "ppo":
         _validate_ppo(c.ppo)
-    _choice(c.algo, "algo", ALGORITHMS)
+    from jaxrl_llm.trainers import ALGORITHMS
+
+    _choice(c.algo, "algo", tuple(ALGORITHMS))
     _choice(c.on_divergence, "on_divergence", ("stop", "warn"))
     _choice(c.model.dtype, "model.dtype", ("float32", "bfloat16"))
     _choice(c.model.param_dtype, "model.param_dtype", ("float32", "bfloat16"))
-    g = c.grpo
-    _choice(g.kl_estimator, "grpo.kl_estimator", ("k1", "k2", "k3"))
-    _choice(g.ratio_level, "grpo.ratio_level", ("token", "sequence"))
+    g = c.rl
+    _choice(g.kl_estimator, "rl.kl_estimator", ("k1", "k2", "k3"))
+    from jaxrl_llm.rl.losses import POLICY_LOSSES
+
+    _choice(g.policy_loss, "rl.policy_loss", tuple(POLICY_LOSSES))
     _choice(
         g.loss_aggregation,
-        "grpo.loss_aggregation",
+        "rl.loss_aggregation",
         ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
     )
-    _choice(g.scale_rewards, "grpo.scale_rewards", ("group", "batch", "none"))
+    _choice(g.scale_rewards, "rl.scale_rewards", ("group", "batch", "none"))
     _choice(c.optim.schedule, "optim.schedule", ("constant", "cosine", "linear"))
     sizes = (c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
     if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
@@ -347,18 +376,18 @@ def validate(c: RunConfig) -> None:
     if g.estimator:
         resolve_estimator(g.estimator)
     if g.group_size < 2 and c.algo in ("grpo", "rloo") and g.estimator != "reinforce_pp":
-        raise ConfigError(f"grpo.group_size={g.group_size}: a group-relative advantage needs at least 2 samples")
+        raise ConfigError(f"rl.group_size={g.group_size}: a group-relative advantage needs at least 2 samples")
     rollout = g.prompts_per_step * g.group_size
     minibatch = g.minibatch_size or rollout
     if rollout % minibatch:
         raise ConfigError(
-            f"grpo.minibatch_size={minibatch} must divide the rollout size "
-            f"grpo.prompts_per_step * grpo.group_size = {g.prompts_per_step} * {g.group_size} = {rollout}"
+            f"rl.minibatch_size={minibatch} must divide the rollout size "
+            f"rl.prompts_per_step * rl.group_size = {g.prompts_per_step} * {g.group_size} = {rollout}"
         )
     if minibatch % g.grad_accum:
-        raise ConfigError(f"grpo.grad_accum={g.grad_accum} must divide grpo.minibatch_size={minibatch}")
+        raise ConfigError(f"rl.grad_accum={g.grad_accum} must divide rl.minibatch_size={minibatch}")
     if g.dual_clip_c and g.dual_clip_c <= 1:
-        raise ConfigError(f"grpo.dual_clip_c={g.dual_clip_c} must be > 1 (or 0 to disable)")
+        raise ConfigError(f"rl.dual_clip_c={g.dual_clip_c} must be > 1 (or 0 to disable)")
     if not c.rewards:
         raise ConfigError("rewards=[]: at least one reward function is required")
     for i, spec in enumerate(c.rewards):
@@ -399,13 +428,13 @@ def validate_environment(c: RunConfig) -> None:
         raise ConfigError(f"mesh.data={c.mesh.data}, mesh.fsdp={c.mesh.fsdp}, mesh.tensor={c.mesh.tensor}: "
                           f"{str(e).split(': ', 1)[-1]}") from e
     ways = data * fsdp
-    g = c.grpo
+    g = c.rl
     if c.algo == "sft" and c.sft.batch_size % ways:
         raise ConfigError(f"sft.batch_size={c.sft.batch_size} must be divisible by mesh.data * mesh.fsdp ({ways})")
     if c.algo not in ("sft", "rm"):
         micro = (g.minibatch_size or g.prompts_per_step * g.group_size) // g.grad_accum
         if micro % ways:
-            raise ConfigError(f"the micro-batch grpo.minibatch_size / grpo.grad_accum = {micro} sequences must be "
+            raise ConfigError(f"the micro-batch rl.minibatch_size / rl.grad_accum = {micro} sequences must be "
                               f"divisible by mesh.data * mesh.fsdp ({ways}) for the data-parallel step")
 
 
@@ -432,23 +461,23 @@ def resolve_estimator(name: str) -> str:
     if name in ADVANTAGE_ESTIMATORS:
         return name
     if ":" not in name:
-        raise ConfigError(f"grpo.estimator={name!r}: expected one of {', '.join(ADVANTAGE_ESTIMATORS)}, or "
+        raise ConfigError(f"rl.estimator={name!r}: expected one of {', '.join(ADVANTAGE_ESTIMATORS)}, or "
                           f"'module:function' (see docs/extending.md)")
     module_name, _, attr = name.partition(":")
     try:
         fn = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
-        raise ConfigError(f"grpo.estimator={name!r} cannot be imported: {e}") from e
+        raise ConfigError(f"rl.estimator={name!r} cannot be imported: {e}") from e
     register_estimator(name, kl_in_reward=bool(getattr(fn, "kl_in_reward", False)))(fn)
     return name
 
 
 def advantage_estimator(c: RunConfig) -> str:
-    """The estimator a run uses: `grpo.estimator` if set, else the one named by `algo` (else GRPO's)."""
+    """The estimator a run uses: `rl.estimator` if set, else the one named by `algo` (else GRPO's)."""
     from jaxrl_llm.rl.estimators import ADVANTAGE_ESTIMATORS
 
-    if c.grpo.estimator:
-        return resolve_estimator(c.grpo.estimator)
+    if c.rl.estimator:
+        return resolve_estimator(c.rl.estimator)
     return c.algo if c.algo in ADVANTAGE_ESTIMATORS else "grpo"
 
 

@@ -46,6 +46,7 @@ PARTITION_RULES: tuple[tuple[str, PartitionSpec], ...] = (
     (r"norm/scale$", P()),  # RMSNorm scales [L, D] / [L, hd] / [D]
     (r"lm_head/kernel$", P("fsdp", "tensor")),  # [D, V]
     (r"(value_head|score)/kernel$", P("fsdp", None)),  # [D, 1] / [D, labels]
+    (r"^score$", P("fsdp", None)),  # the reward model's bare score matrix [D, 1]
     (r"(value_head|score)/bias$", P()),
 )
 

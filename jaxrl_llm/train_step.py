@@ -7,6 +7,18 @@ the FSDP / tensor-parallel collectives: the design card's "pmapped train_step" i
 Gradient accumulation runs the micro-batches in a `lax.scan` inside the same jit; each micro-batch's loss is
 normalised by the *whole* minibatch's token (or sequence) count, so the summed gradient equals the
 full-batch gradient and token-mean is over the global token count however the batch is split.
+
+`scanned_updates` runs the epochs x minibatches of one rollout as a `lax.scan` inside the caller's jit (as in
+purejaxrl)::
+
+    for epoch in range(epochs):                                  scan over epochs * N / M updates
+        order = permutation(fold_in(key, epoch), N)              the shuffle, on the device
+        for rows in order.reshape(N // M, M):
+            carry, metrics = step(carry, batch[rows])            one optimizer update (train_step)
+    metrics = reduce_metrics(metrics stacked over the updates)
+
+The rollout goes to the devices once; each minibatch is a gather on the device, constrained back to the batch
+sharding, so the data-parallel train step inside sees the layout it would as its own jit.
 """
 
 from __future__ import annotations
@@ -14,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +41,8 @@ from jaxrl_llm.rl.losses import clipped_policy_loss
 from jaxrl_llm.sharding import batch_sharding
 
 Metrics = dict[str, jax.Array]
+Carry = TypeVar("Carry")
+StepFn = Callable[[Any, Any], tuple[Any, Metrics]]
 
 
 class PolicyBatch(NamedTuple):
@@ -55,7 +69,7 @@ class PolicyLossConfig:
     epsilon_low: float = 0.2
     epsilon_high: float = 0.2
     dual_clip_c: float | None = None
-    ratio_level: str = "token"
+    policy_loss: str = "ppo_clip"  # a name in rl.losses.POLICY_LOSSES
     beta: float = 0.0
     kl_estimator: str = "k3"
     aggregation: str = "token-mean"
@@ -135,7 +149,7 @@ def policy_loss(
         epsilon_low=c.epsilon_low,
         epsilon_high=c.epsilon_high,
         dual_clip_c=c.dual_clip_c,
-        ratio_level=c.ratio_level,  # type: ignore[arg-type]
+        surrogate=c.policy_loss,
         ref_logp=batch.ref_logp if c.beta > 0 else None,
         kl_coef=c.beta,
         kl_estimator=c.kl_estimator,  # type: ignore[arg-type]
@@ -225,22 +239,48 @@ def make_optimizer(cfg: OptimSection, total_updates: int) -> tuple[optax.Gradien
     return optax.apply_if_finite(optax.chain(*chain), max_consecutive_errors=1_000_000), schedule
 
 
-def _combine_metrics(stacked: Metrics, micro_tokens: jax.Array) -> Metrics:
-    """Reduce per-micro-batch metrics `[A]`: min/max for extrema, sum for losses (already normalised by the
-    global count), and otherwise the token-weighted mean (the metrics are masked means over each
-    micro-batch's tokens), so they equal the whole minibatch's value however it is split."""
-    weights = micro_tokens / jnp.maximum(micro_tokens.sum(), 1.0)
+COUNTERS = ("update_skipped",)  # metric names summed, not averaged (suffixes)
+
+
+def reduce_metrics(stacked: Metrics, weights: jax.Array | None = None, *, sum_losses: bool = False) -> Metrics:
+    """One reducer for metrics stacked over micro-batches or over the updates of a step, `[A]` each -> scalars.
+
+    ::
+
+        name/min -> min,  name/max -> max,  *update_skipped -> sum (and last_update_skipped = the last entry)
+        *loss    -> sum if sum_losses (micro-batch losses are already normalised by the global count)
+        others   -> sum_a w_a x_a,  w = weights / sum(weights)  (uniform without weights)
+
+    Micro-batch metrics are masked means over each micro-batch's tokens, so token-count weights make them equal
+    the whole minibatch's value however it is split.
+    """
+    first = next(iter(stacked.values()))
+    w = jnp.ones(first.shape[:1], jnp.float32) if weights is None else weights.astype(jnp.float32)
+    w = w / jnp.maximum(w.sum(), 1e-12)
     out = {}
     for name, values in stacked.items():
         if name.endswith("/min"):
             out[name] = values.min()
         elif name.endswith("/max"):
             out[name] = values.max()
-        elif name.endswith("loss"):
+        elif name.endswith(COUNTERS):
+            out[name] = values.sum()
+            out[name.replace("update_skipped", "last_update_skipped")] = values[-1]
+        elif sum_losses and name.endswith("loss"):
             out[name] = values.sum()
         else:
-            out[name] = (values * weights).sum()
+            out[name] = (values * w).sum()
     return out
+
+
+def batch_counts(batch: Any) -> tuple[jax.Array, jax.Array]:
+    """`(num_tokens, num_seqs)` of a batch: valid completion tokens and sequences with at least one, or the
+    row count for both when the batch has no `completion_mask` (a preference batch)."""
+    mask = getattr(batch, "completion_mask", None)
+    if mask is None:
+        rows = jnp.asarray(jax.tree.leaves(batch)[0].shape[0], jnp.float32)
+        return rows, rows
+    return mask.sum().astype(jnp.float32), (mask.sum(axis=1) > 0).sum().astype(jnp.float32)
 
 
 def train_step(
@@ -258,9 +298,7 @@ def train_step(
 
     `params` are the float32 master weights (`master_weights`); the loss runs on `working_weights` (the master
     cast to `model_config.param_dtype`), and the update is applied to the master."""
-    mask = batch.completion_mask
-    num_tokens = mask.sum().astype(jnp.float32)
-    num_seqs = (mask.sum(axis=1) > 0).sum().astype(jnp.float32)
+    num_tokens, num_seqs = batch_counts(batch)
 
     def split(x: jax.Array) -> jax.Array:
         # Strided micro-batches keep each device's rows on the micro-batch axis (no resharding).
@@ -280,7 +318,8 @@ def train_step(
     micro_batches = jax.tree.map(split, batch)
     grads, (losses, metrics) = jax.lax.scan(accumulate, zeros, micro_batches)
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-    metrics = _combine_metrics(metrics, micro_batches.completion_mask.sum(axis=(1, 2)).astype(jnp.float32))
+    micro_tokens = jax.vmap(lambda micro: batch_counts(micro)[0])(micro_batches)
+    metrics = reduce_metrics(metrics, micro_tokens, sum_losses=True)
     metrics["loss"] = losses.sum()
     metrics["grad_norm"] = optax.tree.norm(grads)
     updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -339,3 +378,26 @@ def make_logprob_fn(
                                    block_mib=block_mib)[0]
 
     return jax.jit(fn, in_shardings=(params_sharding, *[rows] * 4), out_shardings=rows)
+
+
+def minibatch_rows(key: jax.Array, num_rows: int, *, epochs: int, minibatch_size: int) -> jax.Array:
+    """Row indices of every update, `[epochs * num_rows // minibatch_size, minibatch_size]` int32: each epoch a
+    fresh permutation `permutation(fold_in(key, epoch), num_rows)` cut into consecutive minibatches."""
+    orders = [jax.random.permutation(jax.random.fold_in(key, epoch), num_rows) for epoch in range(epochs)]
+    return jnp.concatenate(orders).reshape(-1, minibatch_size).astype(jnp.int32)
+
+
+def scanned_updates(step: StepFn, carry: Carry, batch: Any, key: jax.Array, *, epochs: int, minibatch_size: int,
+                    constrain: Callable[[Any], Any] = lambda x: x) -> tuple[Carry, Metrics, Metrics]:
+    """Run `step(carry, minibatch) -> (carry, metrics)` over `epochs` shuffled passes of `batch` (a pytree of
+    arrays with the row axis first). Returns `(carry, reduced metrics, stacked metrics [U])`; `constrain` puts
+    each gathered minibatch back in the batch sharding."""
+    num_rows = jax.tree.leaves(batch)[0].shape[0]
+    rows = minibatch_rows(key, num_rows, epochs=epochs, minibatch_size=minibatch_size)
+
+    def one_update(carry: Carry, idx: jax.Array) -> tuple[Carry, Metrics]:
+        minibatch = constrain(jax.tree.map(lambda x: jnp.take(x, idx, axis=0), batch))
+        return step(carry, minibatch)
+
+    carry, stacked = jax.lax.scan(one_update, carry, rows)
+    return carry, reduce_metrics(stacked), stacked

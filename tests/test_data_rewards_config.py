@@ -167,29 +167,45 @@ def test_weighted_sum_of_rewards():
 
 def test_config_overrides_and_type_errors(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("grpo:\n  group_size: 4\n  prompts_per_step: 2\n")
-    c = load_run_config(path, ["grpo.beta=0.04", "steps=3"])
-    assert (c.grpo.group_size, c.grpo.beta, c.steps) == (4, 0.04, 3)
-    with pytest.raises(ConfigError, match="grpo.group_size"):
-        load_run_config(path, ["grpo.group_size=many"])
+    path.write_text("rl:\n  group_size: 4\n  prompts_per_step: 2\n")
+    c = load_run_config(path, ["rl.beta=0.04", "steps=3"])
+    assert (c.rl.group_size, c.rl.beta, c.steps) == (4, 0.04, 3)
+    with pytest.raises(ConfigError, match="rl.group_size"):
+        load_run_config(path, ["rl.group_size=many"])
     with pytest.raises(ConfigError, match="does not exist"):
         load_run_config(tmp_path / "missing.yaml")
 
 
+def test_renamed_keys_name_their_new_names(tmp_path):
+    """Configs written for earlier versions fail with the new key, from a YAML file or the command line."""
+    old = tmp_path / "old.yaml"
+    old.write_text("grpo:\n  group_size: 4\n")
+    with pytest.raises(ConfigError, match=r"config key grpo in .*old.yaml was renamed to rl"):
+        load_run_config(old)
+    with pytest.raises(ConfigError, match=r"grpo.beta on the command line .* renamed to rl"):
+        load_run_config(None, ["grpo.beta=0.04"])
+    with pytest.raises(ConfigError, match=r"rl.ratio_level .* renamed to rl.policy_loss \(token -> ppo_clip"):
+        load_run_config(None, ["rl.ratio_level=sequence"])
+    # The choices of the registries are the config's choices.
+    assert load_run_config(None, ["rl.policy_loss=gspo"]).rl.policy_loss == "gspo"
+    with pytest.raises(ConfigError, match="rl.policy_loss='clip': expected one of ppo_clip, gspo"):
+        load_run_config(None, ["rl.policy_loss=clip"])
+
+
 def test_divisibility_is_checked_up_front(tmp_path):
     with pytest.raises(ConfigError, match=r"minibatch_size=6 must divide .* 2 \* 4 = 8"):
-        load_run_config(None, ["grpo.prompts_per_step=2", "grpo.group_size=4", "grpo.minibatch_size=6"])
+        load_run_config(None, ["rl.prompts_per_step=2", "rl.group_size=4", "rl.minibatch_size=6"])
     with pytest.raises(ConfigError, match="grad_accum=3 must divide"):
-        load_run_config(None, ["grpo.grad_accum=3"])
+        load_run_config(None, ["rl.grad_accum=3"])
     with pytest.raises(ConfigError, match="loss_aggregation='mean'"):
-        load_run_config(None, ["grpo.loss_aggregation=mean"])
+        load_run_config(None, ["rl.loss_aggregation=mean"])
 
 
 def test_default_presets_parse():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1] / "configs"
-    from jaxrl_llm.config import ALGORITHMS
+    from jaxrl_llm.trainers import ALGORITHMS
 
     presets = sorted(root.glob("*.yaml"))
     assert len(presets) >= 9

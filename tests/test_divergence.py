@@ -78,7 +78,7 @@ def test_patience_zero_turns_the_checks_off():
 
 
 def _args(out: Path, *extra: str) -> list[str]:
-    return [f"out_dir={out}", "optim.learning_rate=1e3", "steps=8", "grpo.prompts_per_step=4", "eval_size=16",
+    return [f"out_dir={out}", "optim.learning_rate=1e3", "steps=8", "rl.prompts_per_step=4", "eval_size=16",
             "eval_batch_size=16", "checkpoint_every=2", "progress_bar=false", "tensorboard=false",
             "divergence.patience=3", *extra]
 

@@ -13,11 +13,13 @@ import pytest
 from conftest import GSM8K, STORIES260K, TINY, requires_shared
 
 from jaxrl_llm.config import load_run_config
+from jaxrl_llm.data import DataState
+from jaxrl_llm.errors import TrainingError
 from jaxrl_llm.models.decoder import init_params
 from jaxrl_llm.models.hf import config_from_hf, save_hf_model
 from jaxrl_llm.sharding import make_mesh
 from jaxrl_llm.train_step import PolicyBatch, PolicyLossConfig, make_optimizer, make_train_step, policy_loss
-from jaxrl_llm.trainer import GRPOTrainer, TrainingError
+from jaxrl_llm.trainers import make_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,8 +33,8 @@ def _config(task: Path, out: Path, *overrides: str):
             f"data.train={task / 'train.jsonl'}",
             f"data.eval={task / 'test.jsonl'}",
             f"out_dir={out}",
-            "grpo.prompts_per_step=4",
-            "grpo.group_size=4",
+            "rl.prompts_per_step=4",
+            "rl.group_size=4",
             "eval_size=16",
             "eval_batch_size=16",
             "progress_bar=false",
@@ -44,9 +46,9 @@ def _config(task: Path, out: Path, *overrides: str):
 
 def test_short_run_writes_metrics_checkpoints_and_resumes(tiny_task, tmp_path):
     out = tmp_path / "run"
-    config = _config(tiny_task, out, "steps=3", "checkpoint_every=2", "grpo.beta=0.04", "grpo.mu=2",
-                     "grpo.minibatch_size=8", "sample_every=1", "export=false")
-    summary = GRPOTrainer(config).run()
+    config = _config(tiny_task, out, "steps=3", "checkpoint_every=2", "rl.beta=0.04", "rl.mu=2",
+                     "rl.minibatch_size=8", "sample_every=1", "export=false")
+    summary = make_trainer(config).run()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward/mean" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
@@ -64,12 +66,12 @@ def test_short_run_writes_metrics_checkpoints_and_resumes(tiny_task, tmp_path):
     assert sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) == [2, 3]
 
     # Resume: continues from step 3 with the saved params, optimizer state and data position.
-    resumed = GRPOTrainer(_config(tiny_task, out, "steps=5", "checkpoint_every=2", "grpo.beta=0.04",
-                                  "grpo.mu=2", "grpo.minibatch_size=8", "export=false"), resume=True)
+    resumed = make_trainer(_config(tiny_task, out, "steps=5", "checkpoint_every=2", "rl.beta=0.04",
+                                  "rl.mu=2", "rl.minibatch_size=8", "export=false"), resume=True)
     assert resumed.step == 3
     assert resumed.data_state.position == 12  # 3 steps x 4 prompts
-    first = GRPOTrainer(_config(tiny_task, tmp_path / "fresh", "steps=3", "export=false"))
-    changed = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), resumed.params, first.params)
+    first = make_trainer(_config(tiny_task, tmp_path / "fresh", "steps=3", "export=false"))
+    changed = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), resumed.algorithm.params, first.algorithm.params)
     assert max(jax.tree.leaves(changed)) > 0  # restored trained params, not the initial ones
     resumed.run()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -84,8 +86,8 @@ def starts_with_seven(prompts, completions, **fields):
 def test_learnable_reward_rises(tiny_task, tmp_path):
     config = _config(tiny_task, tmp_path / "learn", "steps=30", "data.eval=''", "export=false",
                      "checkpoint_every=0", "rewards=[{name: 'test_grpo:starts_with_seven'}]",
-                     "optim.learning_rate=1e-2", "grpo.group_size=8", "sampling.max_new_tokens=3")
-    GRPOTrainer(config).run()
+                     "optim.learning_rate=1e-2", "rl.group_size=8", "sampling.max_new_tokens=3")
+    make_trainer(config).run()
     rows = [json.loads(line) for line in (tmp_path / "learn" / "metrics.jsonl").read_text().splitlines()]
     rewards = [r["reward/mean"] for r in rows]
     assert np.mean(rewards[:5]) < 0.3
@@ -129,21 +131,21 @@ def test_nan_stops_the_step_not_the_checkpoints(tiny_task, tmp_path):
     """Non-finite gradients skip the update (params unchanged); persistent NaNs stop the run with an error
     that points at the intact checkpoints."""
     out = tmp_path / "nan"
-    trainer = GRPOTrainer(_config(tiny_task, out, "steps=2", "checkpoint_every=1", "export=false", "data.eval=''"))
+    trainer = make_trainer(_config(tiny_task, out, "steps=2", "checkpoint_every=1", "export=false", "data.eval=''"))
     trainer.run()
     poisoned = _config(tiny_task, out, "steps=20", "checkpoint_every=1", "export=false", "data.eval=''")
-    trainer = GRPOTrainer(poisoned, resume=True)
-    before = jax.tree.map(np.asarray, trainer.params)
-    real_update = trainer.update
+    trainer = make_trainer(poisoned, resume=True)
+    before = jax.tree.map(np.asarray, trainer.algorithm.params)
+    real_update = trainer.algorithm.update
 
-    def nan_update(ro, key):
+    def nan_update(ro, step, key):
         ro.rewards[:] = np.nan  # a reward pipeline that produced NaNs -> NaN advantages -> NaN loss
-        return real_update(ro, key)
+        return real_update(ro, step, key)
 
-    trainer.update = nan_update
+    trainer.algorithm.update = nan_update
     with pytest.raises(TrainingError, match="non-finite gradients"):
         trainer.run()
-    after = jax.tree.map(np.asarray, trainer.params)
+    after = jax.tree.map(np.asarray, trainer.algorithm.params)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True))
     steps = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
     assert steps and steps[-1] >= 2
@@ -171,14 +173,14 @@ def test_gsm8k_preset_runs_with_a_tiny_local_model(tmp_path):
         f"model.path={model_dir}",
         f"data.train={GSM8K / 'train.jsonl'}",
         f"data.eval={GSM8K / 'test.jsonl'}",
-        f"out_dir={tmp_path / 'run'}", "steps=2", "grpo.prompts_per_step=2", "grpo.group_size=2",
-        "sampling.max_new_tokens=8", "grpo.minibatch_size=4", "grpo.grad_accum=2",
+        f"out_dir={tmp_path / 'run'}", "steps=2", "rl.prompts_per_step=2", "rl.group_size=2",
+        "sampling.max_new_tokens=8", "rl.minibatch_size=4", "rl.grad_accum=2",
         "eval_size=4", "eval_batch_size=4", "progress_bar=false",
         "checkpoint_every=0", "export=false", "model.dtype=float32", "model.param_dtype=float32",
     ])
-    trainer = GRPOTrainer(config)
-    assert trainer.train_set.num_dropped > 0  # long GSM8K questions are dropped and counted
-    assert "assistant:" in trainer.train_set.texts[0]  # chat template applied
+    trainer = make_trainer(config)
+    assert trainer.algorithm.collector.prompts.num_dropped > 0  # long GSM8K questions are dropped and counted
+    assert "assistant:" in trainer.algorithm.collector.prompts.texts[0]  # chat template applied
     trainer.run()
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2]
@@ -195,33 +197,33 @@ def reward_depends_on_prompt_parity(prompts, completions, **fields):
 
 def test_dynamic_sampling_refills_the_batch_with_informative_groups(tiny_task, tmp_path):
     config = _config(tiny_task, tmp_path / "dyn", "steps=1", "data.eval=''", "export=false", "checkpoint_every=0",
-                     "rewards=[{name: 'test_grpo:reward_depends_on_prompt_parity'}]", "grpo.group_size=8",
-                     "grpo.prompts_per_step=8", "grpo.dynamic_sampling=true", "grpo.max_refill_rounds=6")
-    trainer = GRPOTrainer(config)
-    ro, rounds = trainer.collect(jax.random.key(0))
+                     "rewards=[{name: 'test_grpo:reward_depends_on_prompt_parity'}]", "rl.group_size=8",
+                     "rl.prompts_per_step=8", "rl.dynamic_sampling=true", "rl.max_refill_rounds=6")
+    trainer = make_trainer(config)
+    ro, _, rounds = trainer.algorithm.collector.collect(trainer.algorithm.params, DataState(), jax.random.key(0))
     grouped = ro.rewards.reshape(8, 8)
     assert rounds >= 1  # about half the groups are zero-variance by construction, so refills were needed
     assert (grouped.std(axis=1) > 0).all()
     assert ro.prompt_tokens.shape[0] == 64 and ro.out.tokens.shape == (64, config.sampling.max_new_tokens)
     # Rows stay aligned: every kept prompt's first operand is odd.
     for i in ro.record_indices:
-        assert int(trainer.train_set.records[i]["prompt"].split("+")[0]) % 2 == 1
+        assert int(trainer.algorithm.collector.prompts.records[i]["prompt"].split("+")[0]) % 2 == 1
     # The same rollout without dynamic sampling keeps the zero-variance groups.
-    plain = GRPOTrainer(_config(tiny_task, tmp_path / "plain", "steps=1", "data.eval=''", "export=false",
-                                "checkpoint_every=0", "grpo.group_size=8", "grpo.prompts_per_step=8",
+    plain = make_trainer(_config(tiny_task, tmp_path / "plain", "steps=1", "data.eval=''", "export=false",
+                                "checkpoint_every=0", "rl.group_size=8", "rl.prompts_per_step=8",
                                 "rewards=[{name: 'test_grpo:reward_depends_on_prompt_parity'}]"))
-    ro_plain, _ = plain.collect(jax.random.key(0))
+    ro_plain, _, _ = plain.algorithm.collector.collect(plain.algorithm.params, DataState(), jax.random.key(0))
     assert (ro_plain.rewards.reshape(8, 8).std(axis=1) == 0).any()
 
 
-@pytest.mark.parametrize("algo,extra", [("rloo", []), ("reinforce_pp", ["grpo.beta=0.05", "grpo.kl_estimator=k1"]),
-                                        ("grpo", ["grpo.estimator=reinforce_pp_baseline", "grpo.beta=0.05"])])
+@pytest.mark.parametrize("algo,extra", [("rloo", []), ("reinforce_pp", ["rl.beta=0.05", "rl.kl_estimator=k1"]),
+                                        ("grpo", ["rl.estimator=reinforce_pp_baseline", "rl.beta=0.05"])])
 def test_other_estimators_run_on_the_same_loop(tiny_task, tmp_path, algo, extra):
     config = _config(tiny_task, tmp_path / algo, f"algo={algo}", "steps=2", "data.eval=''", "export=false",
                      "checkpoint_every=0", *extra)
-    trainer = GRPOTrainer(config)
+    trainer = make_trainer(config)
     # REINFORCE++ moves the KL into the token rewards, so the loss carries none.
-    assert trainer.loss_config.beta == (0.0 if algo == "reinforce_pp" else config.grpo.beta)
+    assert trainer.algorithm.loss_config.beta == (0.0 if algo == "reinforce_pp" else config.rl.beta)
     trainer.run()
     rows = [json.loads(line) for line in (tmp_path / algo / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
@@ -232,20 +234,20 @@ def test_eval_reward_chooses_the_accuracy_check(tiny_task, tmp_path):
     """Held-out accuracy uses `eval_reward` when set (e.g. an exact-answer check while training on another
     reward), else the first training reward."""
     rewards = [{"name": "format", "kwargs": {"pattern": r"\d+"}}]
-    summary = GRPOTrainer(load_run_config(
+    summary = make_trainer(load_run_config(
         ROOT / "configs" / "grpo_arithmetic.yaml",
         [f"model.path={tiny_task / 'model'}", f"data.train={tiny_task / 'train.jsonl'}",
-         f"data.eval={tiny_task / 'test.jsonl'}", f"out_dir={tmp_path / 'a'}", "steps=1", "grpo.prompts_per_step=2",
-         "grpo.group_size=2", "eval_size=4", "eval_batch_size=4", "progress_bar=false", "tensorboard=false",
+         f"data.eval={tiny_task / 'test.jsonl'}", f"out_dir={tmp_path / 'a'}", "steps=1", "rl.prompts_per_step=2",
+         "rl.group_size=2", "eval_size=4", "eval_batch_size=4", "progress_bar=false", "tensorboard=false",
          "export=false", "checkpoint_every=0", "eval_reward=math_answer"],
         rewards=rewards,
     )).run()
     assert "eval/math_answer" in summary["after"] and "eval/format" not in summary["after"]
-    default = GRPOTrainer(load_run_config(
+    default = make_trainer(load_run_config(
         ROOT / "configs" / "grpo_arithmetic.yaml",
         [f"model.path={tiny_task / 'model'}", f"data.train={tiny_task / 'train.jsonl'}",
          f"data.eval={tiny_task / 'test.jsonl'}", f"out_dir={tmp_path / 'b'}", "steps=0", "eval_size=4",
          "eval_batch_size=4", "progress_bar=false", "tensorboard=false", "export=false", "checkpoint_every=0"],
         rewards=rewards,
     ))
-    assert default.evaluate(4).keys() == {"eval/accuracy", "eval/format"}
+    assert default.algorithm.evaluate(4).keys() == {"eval/accuracy", "eval/format"}

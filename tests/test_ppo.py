@@ -21,18 +21,12 @@ from jaxrl_llm.models.heads import (
     load_critic,
 )
 from jaxrl_llm.models.hf import config_from_hf, save_hf_model
-from jaxrl_llm.ppo import (
-    CriticBatch,
-    PPOTrainer,
-    ValueLossConfig,
-    critic_loss,
-    kl_controller_step,
-    ppo_targets,
-    rollout_value_metrics,
-)
-from jaxrl_llm.rl.kl_control import init_kl_controller
+from jaxrl_llm.rl.estimators import ppo_targets, rollout_value_metrics
+from jaxrl_llm.rl.kl_control import init_kl_controller, kl_controller_update
 from jaxrl_llm.sharding import make_mesh
 from jaxrl_llm.train_step import make_optimizer, make_train_step
+from jaxrl_llm.trainers import make_trainer
+from jaxrl_llm.trainers.ppo import CriticBatch, ValueLossConfig, critic_loss, kl_controller_kind
 
 ROOT = Path(__file__).resolve().parents[1]
 values_jit = jax.jit(critic_values, static_argnums=1)
@@ -48,9 +42,9 @@ def _config(task: Path, out: Path, *overrides: str):
             f"data.train={task / 'train.jsonl'}",
             f"data.eval={task / 'test.jsonl'}",
             f"out_dir={out}",
-            "grpo.prompts_per_step=8",
-            "grpo.group_size=1",  # PPO needs no groups
-            "grpo.minibatch_size=4",
+            "rl.prompts_per_step=8",
+            "rl.group_size=1",  # PPO needs no groups
+            "rl.minibatch_size=4",
             "eval_size=16",
             "eval_batch_size=16",
             "progress_bar=false",
@@ -116,11 +110,12 @@ def test_ppo_targets_on_a_hand_made_rollout():
 
 def test_kl_controller_fixed_and_adaptive():
     state = init_kl_controller(0.1)
-    assert float(kl_controller_step(state, 0.5, 64, target=0.0, horizon=100.0).coef) == pytest.approx(0.1)
+    assert float(kl_controller_update(state, 0.5, 64, kind=kl_controller_kind(0.0)).coef) == pytest.approx(0.1)
     # KL / target - 1 = 4, clipped to 0.2: beta * (1 + 0.2 * 64 / 100)
-    up = kl_controller_step(state, 0.5, 64, target=0.1, horizon=100.0)
+    up = kl_controller_update(state, 0.5, 64, kind=kl_controller_kind(0.1), target=0.1, horizon=100.0)
     assert float(up.coef) == pytest.approx(0.1 * (1 + 0.2 * 0.64))
-    down = kl_controller_step(state, 0.05, 64, target=0.1, horizon=100.0)  # error -0.5 -> -0.2
+    # error -0.5 -> clipped to -0.2
+    down = kl_controller_update(state, 0.05, 64, kind=kl_controller_kind(0.1), target=0.1, horizon=100.0)
     assert float(down.coef) == pytest.approx(0.1 * (1 - 0.2 * 0.64))
 
 
@@ -221,10 +216,10 @@ def test_load_critic_from_a_causal_lm_or_a_reward_model(tmp_path):
 def short_run(tiny_task, tmp_path_factory):
     """3 PPO steps: 1 critic warm-up step, adaptive KL (fast horizon), mu 2 x 2 minibatches, checkpoints."""
     out = tmp_path_factory.mktemp("ppo") / "run"
-    overrides = ("checkpoint_every=2", "grpo.mu=2", "ppo.critic_warmup_steps=1", "ppo.kl_target=0.001",
-                 "ppo.kl_horizon=100", "ppo.kl_coef_init=0.05", "optim.learning_rate=1e-3", "grpo.entropy_coef=0.01",
+    overrides = ("checkpoint_every=2", "rl.mu=2", "ppo.critic_warmup_steps=1", "ppo.kl_target=0.001",
+                 "ppo.kl_horizon=100", "ppo.kl_coef_init=0.05", "optim.learning_rate=1e-3", "rl.entropy_coef=0.01",
                  "sample_every=1")
-    trainer = PPOTrainer(_config(tiny_task, out, "steps=3", *overrides))
+    trainer = make_trainer(_config(tiny_task, out, "steps=3", *overrides))
     summary = trainer.run()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return out, overrides, trainer, summary, [r for r in rows if "reward/mean" in r]
@@ -247,7 +242,7 @@ def test_ppo_runs_end_to_end_with_finite_metrics(short_run):
     # The adaptive controller moves beta every step (KL is never exactly on target).
     assert steps[0]["kl_coef"] == pytest.approx(0.05)
     assert steps[1]["kl_coef"] != pytest.approx(0.05, rel=1e-6)
-    assert trainer.loss_config.beta == 0.0  # KL is in the reward, not the loss
+    assert trainer.algorithm.loss_config.beta == 0.0  # KL is in the reward, not the loss
     assert "frac_zero_std_groups" not in steps[0]  # group_size 1
     assert "eval/accuracy" in summary["before"] and "eval/accuracy" in summary["after"]
     assert sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == [2, 3]
@@ -255,15 +250,15 @@ def test_ppo_runs_end_to_end_with_finite_metrics(short_run):
 
 def test_ppo_resumes_critic_and_kl_state(short_run, tiny_task):
     out, overrides, trainer, _, steps = short_run
-    resumed = PPOTrainer(_config(tiny_task, out, "steps=4", "data.eval=''", *overrides), resume=True)
+    resumed = make_trainer(_config(tiny_task, out, "steps=4", "data.eval=''", *overrides), resume=True)
     assert resumed.step == 3 and resumed.data_state.position == trainer.data_state.position
-    same = jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), (resumed.params, resumed.critic),
-                        (trainer.params, trainer.critic))
+    same = jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), (resumed.algorithm.params, resumed.algorithm.critic),
+                        (trainer.algorithm.params, trainer.algorithm.critic))
     assert all(jax.tree.leaves(same))  # the trained policy and critic, not the initial ones
-    assert float(resumed.kl_controller.coef) == pytest.approx(float(trainer.kl_controller.coef))
-    assert float(resumed.kl_controller.coef) != pytest.approx(0.05, rel=1e-6)
-    opt_same = jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), resumed.critic_opt_state,
-                            trainer.critic_opt_state)
+    assert float(resumed.algorithm.kl_controller.coef) == pytest.approx(float(trainer.algorithm.kl_controller.coef))
+    assert float(resumed.algorithm.kl_controller.coef) != pytest.approx(0.05, rel=1e-6)
+    opt_same = jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), resumed.algorithm.state_.critic_opt_state,
+                            trainer.algorithm.state_.critic_opt_state)
     assert all(jax.tree.leaves(opt_same))
     resumed.run()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -66,7 +66,7 @@ def hangs(prompts, completions, **_):
 
 def _base(task: Path, out: Path) -> list[str]:
     return [f"model.path={task / 'model'}", f"data.train={task / 'train.jsonl'}", f"data.eval={task / 'test.jsonl'}",
-            f"out_dir={out}", "steps=1", "grpo.prompts_per_step=2", "grpo.group_size=2", "eval_size=4",
+            f"out_dir={out}", "steps=1", "rl.prompts_per_step=2", "rl.group_size=2", "eval_size=4",
             "eval_batch_size=4", "progress_bar=false", "tensorboard=false", "export=false"]
 
 
@@ -100,9 +100,9 @@ def bad_inputs(tiny_task, tmp_path_factory):
         "empty.jsonl": "\n\n",
         "no_prompt.jsonl": '{"prompt": "1+1=", "answer": "2"}\n{"question": "2+2=", "answer": "4"}\n',
         "wrong_type.jsonl": '{"prompt": 12, "answer": "2"}\n',
-        "bad_yaml.yaml": "grpo:\n  beta: [1\n",
-        "typo.yaml": "grpo:\n  betta: 0.1\n",
-        "zero_mu.yaml": "grpo:\n  mu: 0\n",
+        "bad_yaml.yaml": "rl:\n  beta: [1\n",
+        "typo.yaml": "rl:\n  betta: 0.1\n",
+        "zero_mu.yaml": "rl:\n  mu: 0\n",
     }
     for name, text in files.items():
         (root / name).write_text(text)
@@ -128,17 +128,17 @@ def _reward(fn: str, extra: str = "") -> str:
 # (id, extra argv (B = the bad-input dir, T = the tiny task), exit code, substrings of the one-line message)
 CASES = [
     # --- config values from the command line
-    ("typo_key", ["grpo.betta=0.1"], 2, ["grpo.betta", "command line", "Did you mean: 'beta'"]),
-    ("not_a_number", ["grpo.beta=abc"], 2, ["grpo.beta", "command line", "could not be converted"]),
+    ("typo_key", ["rl.betta=0.1"], 2, ["rl.betta", "command line", "Did you mean: 'beta'"]),
+    ("not_a_number", ["rl.beta=abc"], 2, ["rl.beta", "command line", "could not be converted"]),
     ("negative_steps", ["steps=-1"], 2, ["steps=-1 must be >= 0", "command line"]),
-    ("zero_prompts", ["grpo.prompts_per_step=0"], 2, ["grpo.prompts_per_step=0 must be >= 1"]),
-    ("zero_group", ["grpo.group_size=0"], 2, ["grpo.group_size=0 must be >= 1"]),
-    ("group_of_one", ["grpo.group_size=1"], 2, ["grpo.group_size=1", "at least 2 samples"]),
-    ("zero_grad_accum", ["grpo.grad_accum=0"], 2, ["grpo.grad_accum=0 must be >= 1"]),
-    ("grad_accum_not_dividing", ["grpo.grad_accum=3"], 2, ["grpo.grad_accum=3 must divide"]),
-    ("zero_mu", ["grpo.mu=0"], 2, ["grpo.mu=0 must be >= 1"]),
-    ("negative_minibatch", ["grpo.minibatch_size=-4"], 2, ["grpo.minibatch_size=-4 must be >= 0"]),
-    ("minibatch_not_dividing", ["grpo.minibatch_size=3"], 2, ["grpo.minibatch_size=3 must divide the rollout"]),
+    ("zero_prompts", ["rl.prompts_per_step=0"], 2, ["rl.prompts_per_step=0 must be >= 1"]),
+    ("zero_group", ["rl.group_size=0"], 2, ["rl.group_size=0 must be >= 1"]),
+    ("group_of_one", ["rl.group_size=1"], 2, ["rl.group_size=1", "at least 2 samples"]),
+    ("zero_grad_accum", ["rl.grad_accum=0"], 2, ["rl.grad_accum=0 must be >= 1"]),
+    ("grad_accum_not_dividing", ["rl.grad_accum=3"], 2, ["rl.grad_accum=3 must divide"]),
+    ("zero_mu", ["rl.mu=0"], 2, ["rl.mu=0 must be >= 1"]),
+    ("negative_minibatch", ["rl.minibatch_size=-4"], 2, ["rl.minibatch_size=-4 must be >= 0"]),
+    ("minibatch_not_dividing", ["rl.minibatch_size=3"], 2, ["rl.minibatch_size=3 must divide the rollout"]),
     ("zero_log_every", ["log_every=0"], 2, ["log_every=0 must be >= 1"]),
     ("zero_eval_batch", ["eval_batch_size=0"], 2, ["eval_batch_size=0 must be >= 1"]),
     ("negative_sample_every", ["sample_every=-1"], 2, ["sample_every=-1 must be >= 0"]),
@@ -153,7 +153,7 @@ CASES = [
     ("top_p_above_one", ["sampling.top_p=1.5"], 2, ["sampling.top_p=1.5 must be > 0 and <= 1"]),
     ("zero_new_tokens", ["sampling.max_new_tokens=0"], 2, ["sampling.max_new_tokens=0 must be >= 1"]),
     ("negative_seed", ["seed=-1"], 2, ["seed=-1 must be >= 0"]),
-    ("bad_choice", ["grpo.loss_aggregation=mean"], 2, ["grpo.loss_aggregation='mean'", "token-mean"]),
+    ("bad_choice", ["rl.loss_aggregation=mean"], 2, ["rl.loss_aggregation='mean'", "token-mean"]),
     ("bad_dtype", ["model.dtype=float16"], 2, ["model.dtype='float16'", "bfloat16"]),
     ("bad_on_divergence", ["on_divergence=ignore"], 2, ["on_divergence='ignore'", "stop, warn"]),
     ("negative_timeout", [_reward("raises", ", timeout_s: -1")], 2, ["rewards.0.timeout_s=-1.0 must be >= 0"]),
@@ -163,8 +163,8 @@ CASES = [
     # --- config files
     ("yaml_missing", ["--config", "B/missing.yaml"], 2, ["missing.yaml does not exist"]),
     ("yaml_syntax", ["--config", "B/bad_yaml.yaml"], 2, ["bad_yaml.yaml is not valid YAML", "line 2"]),
-    ("yaml_typo", ["--config", "B/typo.yaml"], 2, ["grpo.betta", "typo.yaml", "Did you mean: 'beta'"]),
-    ("yaml_bad_value", ["--config", "B/zero_mu.yaml"], 2, ["grpo.mu=0 must be >= 1", "set in", "zero_mu.yaml"]),
+    ("yaml_typo", ["--config", "B/typo.yaml"], 2, ["rl.betta", "typo.yaml", "Did you mean: 'beta'"]),
+    ("yaml_bad_value", ["--config", "B/zero_mu.yaml"], 2, ["rl.mu=0 must be >= 1", "set in", "zero_mu.yaml"]),
     # --- command line
     ("unknown_algo", ["--algo", "dpo"], 2, ["argument --algo: invalid choice: 'dpo'"]),
     ("unknown_flag", ["--fast"], 2, ["unrecognized arguments: --fast"]),
@@ -223,8 +223,8 @@ def test_bad_input_gets_one_line(case, tiny_task, bad_inputs, tmp_path, capsys, 
 
 
 def test_debug_shows_the_traceback(tiny_task, tmp_path, capsys):
-    with pytest.raises(Exception, match="grpo.grad_accum=0"):
-        train.cli(["--debug", *_base(tiny_task, tmp_path / "run"), "grpo.grad_accum=0"])
+    with pytest.raises(Exception, match="rl.grad_accum=0"):
+        train.cli(["--debug", *_base(tiny_task, tmp_path / "run"), "rl.grad_accum=0"])
 
 
 def test_unexpected_errors_are_one_line_too(capsys):
@@ -276,9 +276,9 @@ def test_resume_checks_the_config(tiny_task, tmp_path, capsys):
     out = tmp_path / "run"
     base = [*_base(tiny_task, out), "checkpoint_every=1", "data.eval="]
     assert _run_cli(base, capsys)[0] == 0
-    code, err = _run_cli([*base, "--resume", "steps=2", "optim.learning_rate=1e-3", "grpo.group_size=4"], capsys)
+    code, err = _run_cli([*base, "--resume", "steps=2", "optim.learning_rate=1e-3", "rl.group_size=4"], capsys)
     assert code == 2
-    assert "grpo.group_size: 2 -> 4" in err and "optim.learning_rate: 0.0001 -> 0.001" in err
+    assert "rl.group_size: 2 -> 4" in err and "optim.learning_rate: 0.0001 -> 0.001" in err
     assert "--allow-config-change" in err
     assert len(list((out / "configs").iterdir())) == 1  # the refused start left no config behind
     code, err = _run_cli([*base, "--resume", "steps=2", "log_every=2"], capsys)  # safe: proceeds with a notice

@@ -85,8 +85,8 @@ def test_reward_model_training_learns_and_exports_a_transformers_classifier(tmp_
     from jaxrl_llm.config import load_run_config
     from jaxrl_llm.models.decoder import init_params
     from jaxrl_llm.models.hf import config_from_hf, save_hf_model
-    from jaxrl_llm.reward_training import train_reward_model
     from jaxrl_llm.tasks.arithmetic import make_preferences, make_problems, make_tokenizer
+    from jaxrl_llm.trainers import train
 
     tokenizer = make_tokenizer()
     tokenizer.save_pretrained(tmp_path / "tok")
@@ -101,7 +101,7 @@ def test_reward_model_training_learns_and_exports_a_transformers_classifier(tmp_
                                  f"data.eval={tmp_path / 'test.jsonl'}", f"out_dir={tmp_path / 'run'}", "steps=150",
                                  "sft.batch_size=32", "optim.learning_rate=3e-3", "progress_bar=false",
                                  "tensorboard=false", "eval_every=0"], algo="rm")
-    summary = train_reward_model(run)
+    summary = train(run)
     assert summary["after"]["eval/pair_accuracy"] >= summary["before"]["eval/pair_accuracy"] + 0.15
 
     hf = AutoModelForSequenceClassification.from_pretrained(summary["export"]).eval()

@@ -200,7 +200,7 @@ def test_policy_loss_sequence_level_gspo_hand_computed():
     a = jnp.array([1.0, -1.0])
 
     def f(x):
-        return L.clipped_policy_loss(x, old, a, mask, ratio_level="sequence", aggregation="seq-mean-token-mean")
+        return L.clipped_policy_loss(x, old, a, mask, surrogate="gspo", aggregation="seq-mean-token-mean")
 
     loss, m = f(logp)
     # row 0: s = exp(mean(0.1, 0.2, 0.3)) = e^0.2 = 1.221403 > 1.2 with A>0 -> clipped, -1.2 per token
@@ -212,8 +212,8 @@ def test_policy_loss_sequence_level_gspo_hand_computed():
     # gradient: row 0 clipped -> 0; row 1: (1 / S)(1 / L_1)(-s A) = (1/2)(1/2)(1) = 0.25 per valid token
     grad = jax.grad(lambda x: f(x)[0])(logp)
     np.testing.assert_allclose(grad, [[0.0, 0.0, 0.0], [0.25, 0.25, 0.0]], rtol=1e-5, atol=1e-7)
-    with pytest.raises(ValueError, match="ratio_level"):
-        L.clipped_policy_loss(logp, old, a, mask, ratio_level="seq")
+    with pytest.raises(ValueError, match="policy loss"):
+        L.clipped_policy_loss(logp, old, a, mask, surrogate="seq")
 
 
 def test_policy_loss_padding_garbage_changes_nothing():
@@ -329,7 +329,7 @@ def test_gradient_is_zero_exactly_where_clipped_on_the_pushing_side(log_ratio, a
     [
         {},
         {"dual_clip_c": 3.0, "epsilon_high": 0.28, "aggregation": "seq-mean-token-sum-norm", "max_len": 8},
-        {"ratio_level": "sequence", "aggregation": "seq-mean-token-mean"},
+        {"surrogate": "gspo", "aggregation": "seq-mean-token-mean"},
     ],
 )
 def test_composed_loss_gradient_matches_finite_differences(options):
@@ -469,7 +469,7 @@ _VALS = jax.random.normal(_K[4], (2, 5))
                 L.clipped_policy_loss,
                 epsilon_high=0.28,
                 dual_clip_c=3.0,
-                ratio_level="sequence",
+                surrogate="gspo",
                 aggregation="seq-mean-token-sum-norm",
             ),
             (_LP, _OLD, _A, _M),

@@ -16,9 +16,8 @@ import pytest
 from jaxrl_llm.config import load_run_config
 from jaxrl_llm.data import load_tokenizer
 from jaxrl_llm.models.reward_model import load_hf_reward_model, sequence_scores
-from jaxrl_llm.ppo import PPOTrainer
-from jaxrl_llm.reward_training import train_reward_model
 from jaxrl_llm.tasks.arithmetic import make_preferences
+from jaxrl_llm.trainers import make_trainer, train
 
 ROOT = Path(__file__).resolve().parents[1]
 QUIET = ("progress_bar=false", "tensorboard=false")
@@ -42,7 +41,7 @@ def chain(tiny_task, tmp_path_factory):
         "steps=4", "sft.batch_size=16", "eval_every=0",
         "optim.learning_rate=3e-3", "optim.warmup_steps=0", "log_every=1", *QUIET,
     ], algo="rm")
-    rm_summary = train_reward_model(rm_config)
+    rm_summary = train(rm_config)
     rm_dir = Path(rm_summary["export"])
 
     # 2. --algo ppo with the preset, its reward model and critic swapped for the export.
@@ -50,11 +49,11 @@ def chain(tiny_task, tmp_path_factory):
     ppo_config = load_run_config(preset, [
         f"model.path={tiny_task / 'model'}", f"data.train={tiny_task / 'train.jsonl'}",
         f"data.eval={tiny_task / 'test.jsonl'}", f"out_dir={root / 'ppo'}", f"ppo.critic_init={rm_dir}",
-        "steps=2", "grpo.prompts_per_step=8", "grpo.group_size=2", "grpo.mu=1", "grpo.minibatch_size=16",
+        "steps=2", "rl.prompts_per_step=8", "rl.group_size=2", "rl.mu=1", "rl.minibatch_size=16",
         "eval_size=16", "eval_batch_size=16", "sample_every=1", "checkpoint_every=0", "export=false", *QUIET,
     ], rewards=[{"name": "math_answer", "weight": 0.0},
                 {"name": "reward_model", "weight": 1.0, "kwargs": {"path": str(rm_dir)}}])
-    trainer = PPOTrainer(ppo_config)
+    trainer = make_trainer(ppo_config)
     summary = trainer.run()
     rows = _records(root / "ppo" / "metrics.jsonl")
     return {"rm_dir": rm_dir, "rm_summary": rm_summary, "rm_rows": _records(root / "rm" / "metrics.jsonl"),

@@ -232,7 +232,7 @@ def _run_config(task: Path, out: Path) -> str:
         f"out_dir: {out}\nsteps: 2\nseed: 3\neval_size: 4\neval_batch_size: 4\nprogress_bar: false\n"
         "tensorboard: false\ncheckpoint_every: 2\nsample_every: 0\n"
         "sampling: {max_new_tokens: 6, temperature: 1.0}\n"
-        "grpo: {prompts_per_step: 4, group_size: 4, beta: 0.04, mu: 2, minibatch_size: 8}\n"
+        "rl: {prompts_per_step: 4, group_size: 4, beta: 0.04, mu: 2, minibatch_size: 8}\n"
         "optim: {learning_rate: 1.0e-3}\n"
         "rewards: [{name: 'multihost_reward:starts_with_digit'}]\n"
     )

@@ -129,18 +129,19 @@ def test_bf16_weights_update_through_a_float32_master() -> None:
 def test_trainer_keeps_float32_master_with_bf16_params(tiny_task, tmp_path) -> None:
     from test_grpo import _config
 
-    from jaxrl_llm.trainer import GRPOTrainer
+    from jaxrl_llm.trainers import make_trainer
 
     config = _config(tiny_task, tmp_path / "run", "steps=1", "model.param_dtype=bfloat16", "model.dtype=bfloat16",
-                     "optim.learning_rate=1e-6", "optim.warmup_steps=0", "grpo.beta=0.04", "checkpoint_every=0",
+                     "optim.learning_rate=1e-6", "optim.warmup_steps=0", "rl.beta=0.04", "checkpoint_every=0",
                      "eval_size=4",
-                     "grpo.entropy_coef=0.01",  # a gradient even when every reward is 0 (random model)
+                     "rl.entropy_coef=0.01",  # a gradient even when every reward is 0 (random model)
                      "eval_batch_size=4")
-    trainer = GRPOTrainer(config)
+    run = make_trainer(config)
+    trainer = run.algorithm
     before = np.asarray(trainer.params["layers"]["mlp"]["up"]["kernel"])
     assert before.dtype == np.float32
     assert trainer.ref_params["layers"]["mlp"]["up"]["kernel"].dtype == jnp.bfloat16
-    trainer.run()
+    run.run()
     after = np.asarray(trainer.params["layers"]["mlp"]["up"]["kernel"])
     assert after.dtype == np.float32 and (after != before).mean() > 0.9
     mu = trainer.opt_state.inner_state[1][0].mu["layers"]["mlp"]["up"]["kernel"]

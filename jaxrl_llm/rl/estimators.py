@@ -5,7 +5,7 @@ Every estimator has one signature,
     fn(rewards [N], mask [N, T], old_logp [N, T], ref_logp [N, T], *, group_size, scale, beta, kl_estimator)
         -> advantages [N, T] float32 (0 at padding)
 
-and is registered under a name (`register_estimator`); the config's `grpo.estimator` picks it, and config
+and is registered under a name (`register_estimator`); the config's `rl.estimator` picks it, and config
 validation lists the registered names. GRPO, RLOO and REINFORCE++ share the trainer's loop and differ only
 here (and in where the KL to the reference goes: `kl_in_reward=True` puts `-beta * KL_t` into the token
 rewards, as REINFORCE++ does, and takes it out of the loss). `docs/extending.md` adds one from outside.
@@ -20,12 +20,15 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_llm.rl.advantages import (
+    gae_advantages,
     group_normalized_advantages,
+    masked_whiten,
     reinforce_plus_plus_advantages,
     reinforce_plus_plus_baseline_advantages,
     rloo_advantages,
 )
-from jaxrl_llm.rl.losses import kl_shaped_token_rewards
+from jaxrl_llm.rl.logprobs import masked_mean
+from jaxrl_llm.rl.losses import KLEstimator, explained_variance, kl_penalty, kl_shaped_token_rewards
 
 EstimatorFn = Callable[..., jax.Array]
 
@@ -33,15 +36,17 @@ EstimatorFn = Callable[..., jax.Array]
 class AdvantageEstimator(NamedTuple):
     fn: EstimatorFn
     kl_in_reward: bool = False  # True: the KL to the reference is in the token rewards, not in the loss
+    needs_values: bool = False  # True: a critic's values `[N, T]` come as `values=` (PPO's GAE)
 
 
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
 
 
-def register_estimator(name: str, *, kl_in_reward: bool = False) -> Callable[[EstimatorFn], EstimatorFn]:
-    """Decorator: `@register_estimator("name")` makes `fn` (the signature above) a choice of `grpo.estimator`."""
+def register_estimator(name: str, *, kl_in_reward: bool = False,
+                       needs_values: bool = False) -> Callable[[EstimatorFn], EstimatorFn]:
+    """Decorator: `@register_estimator("name")` makes `fn` (the signature above) a choice of `rl.estimator`."""
     def add(fn: EstimatorFn) -> EstimatorFn:
-        ADVANTAGE_ESTIMATORS[name] = AdvantageEstimator(fn, kl_in_reward)
+        ADVANTAGE_ESTIMATORS[name] = AdvantageEstimator(fn, kl_in_reward, needs_values)
         return fn
 
     return add
@@ -84,9 +89,75 @@ def reinforce_pp_baseline_estimator(rewards: jax.Array, mask: jax.Array, old_log
     return reinforce_plus_plus_baseline_advantages(rewards, mask, group_size=group_size)
 
 
+class PPOTargets(NamedTuple):
+    """What a PPO rollout turns into before the updates; every field `[N, T]` float32, 0 at padding.
+
+    kl: `KL_t` per token (old policy vs reference); token_rewards: `r_t`; advantages: `A_t` (whitened if
+    asked); returns: `R_t = A_t + V_t` (from the raw, un-whitened advantages): the critic's target.
+    """
+
+    kl: jax.Array
+    token_rewards: jax.Array
+    advantages: jax.Array
+    returns: jax.Array
+
+
+def ppo_targets(scores: jax.Array, old_logp: jax.Array, ref_logp: jax.Array, values: jax.Array, mask: jax.Array,
+                kl_coef: jax.Array | float, *, gamma: float = 1.0, lam: float = 0.95, kl_estimator: KLEstimator = "k1",
+                whiten_advantages: bool = True) -> PPOTargets:
+    """Per-token rewards, GAE advantages and returns of one rollout (Ziegler et al. 2019; Schulman et al. 2016).
+
+    ::
+
+        KL_t  = kl_penalty(old_logp, ref_logp)             k1: log pi_old(y_t) - log pi_ref(y_t)
+        r_t   = -kl_coef * KL_t + [t = last valid] * score
+        delta_t = r_t + gamma * V_{t+1} - V_t               (V after the last token = 0)
+        A_t   = delta_t + gamma * lam * A_{t+1},   R_t = A_t + V_t
+        A_t   <- (A_t - mean A) / sqrt(var A + 1e-8)         over all valid tokens, if whiten_advantages
+
+    Shapes: `scores [N]`; `old_logp, ref_logp, values, mask [N, T]`; `kl_coef` a scalar (may be traced).
+    """
+    kl = kl_penalty(old_logp, ref_logp, estimator=kl_estimator, mask=mask)
+    token_rewards = kl_shaped_token_rewards(scores, old_logp, ref_logp, mask, kl_coef=kl_coef, estimator=kl_estimator)
+    advantages, returns = gae_advantages(token_rewards, values, mask, gamma=gamma, lam=lam)
+    if whiten_advantages:
+        advantages = masked_whiten(advantages, mask)
+    return PPOTargets(kl, token_rewards, advantages, returns)
+
+
+@register_estimator("gae", kl_in_reward=True, needs_values=True)
+def gae_estimator(rewards: jax.Array, mask: jax.Array, old_logp: jax.Array, ref_logp: jax.Array, *,
+                  group_size: int, scale: str = "group", beta: float = 0.0, kl_estimator: str = "k1",
+                  values: jax.Array, gamma: float = 1.0, lam: float = 0.95) -> jax.Array:
+    """PPO's advantages: `ppo_targets(...).advantages` with `kl_coef = beta`, whitened (needs the critic's
+    `values [N, T]`)."""
+    return ppo_targets(rewards, old_logp, ref_logp, values, mask, beta, gamma=gamma, lam=lam,
+                       kl_estimator=kl_estimator).advantages  # type: ignore[arg-type]
+
+
+def rollout_value_metrics(targets: PPOTargets, values: jax.Array, mask: jax.Array) -> dict[str, jax.Array]:
+    """Scalars of a rollout before any update: `kl` (mean per token), `returns/mean`, `values/mean`,
+    `explained_variance` of the rollout's values against the returns, `token_reward/sum_mean` (mean over
+    sequences of sum_t r_t). Shapes: `values, mask [N, T]`."""
+    valid = mask.astype(jnp.float32)
+    has_tokens = (valid.sum(axis=-1) > 0).astype(jnp.float32)
+    return {
+        "kl": masked_mean(targets.kl, mask),
+        "returns/mean": masked_mean(targets.returns, mask),
+        "values/mean": masked_mean(values, mask),
+        "explained_variance": explained_variance(values, targets.returns, mask),
+        "token_reward/sum_mean": (targets.token_rewards * valid).sum() / jnp.maximum(has_tokens.sum(), 1.0),
+    }
+
+
 def kl_in_reward(estimator: str) -> bool:
     """Whether the estimator puts `-beta * KL_t` into the token rewards (then the loss carries no KL)."""
     return _lookup(estimator).kl_in_reward
+
+
+def needs_values(estimator: str) -> bool:
+    """Whether the estimator needs a critic's values (only PPO has one)."""
+    return _lookup(estimator).needs_values
 
 
 def _lookup(estimator: str) -> AdvantageEstimator:

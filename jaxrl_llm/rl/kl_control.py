@@ -73,3 +73,4 @@ def kl_controller_update(
             raise ValueError("the adaptive KL controller needs target and horizon")
         return adaptive_kl_update(state, current_kl, n_steps, target=target, horizon=horizon)
     raise ValueError(f"unknown KL controller {kind!r}; expected 'fixed' or 'adaptive'")
+

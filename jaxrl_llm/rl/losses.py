@@ -6,6 +6,7 @@ modes are static (mark them with ``static_argnames``); coefficients such as ``kl
 (1 = completion token). Formulas and references: ``docs/algorithms.md``.
 """
 
+from collections.abc import Callable
 from typing import Literal
 
 import jax
@@ -22,7 +23,6 @@ from jaxrl_llm.rl.logprobs import (
 )
 
 KLEstimator = Literal["k1", "k2", "k3"]
-RatioLevel = Literal["token", "sequence"]
 PreferenceLossType = Literal["sigmoid", "ipo", "hinge"]
 
 # exp() of a log-ratio beyond this is numerically meaningless (e^20 ~ 5e8) and only risks inf / nan.
@@ -180,16 +180,126 @@ def truncated_importance_weights(
     return jax.lax.stop_gradient(jnp.where(_valid(mask), w, 0.0))
 
 
+# A policy loss maps the token log-probs to a per-token surrogate loss and the importance ratio it used:
+#
+#     fn(logp, old_logp, advantages, mask, *, epsilon_low, epsilon_high, dual_clip_c) -> (loss [B, T], ratio [B, T])
+#
+# with `advantages [B, T]` and log-ratios already clipped to [-20, 20] at valid positions (0 at padding).
+# `register_policy_loss("name")` makes one a choice of `rl.policy_loss`; `compose_policy_loss` adds the rest.
+PolicyLossFn = Callable[..., tuple[Array, Array]]
+POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+
+
+def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Decorator: `@register_policy_loss("name")` adds `fn` (the signature above) to `POLICY_LOSSES`."""
+    def add(fn: PolicyLossFn) -> PolicyLossFn:
+        POLICY_LOSSES[name] = fn
+        return fn
+
+    return add
+
+
+def _token_log_ratio(logp: Array, old_logp: Array, mask: Array) -> Array:
+    log_ratio = jnp.where(_valid(mask), _f32(logp) - _f32(old_logp), 0.0)
+    return jnp.clip(log_ratio, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+
+
+@register_policy_loss("ppo_clip")
+def ppo_clip_loss(logp: Array, old_logp: Array, advantages: Array, mask: Array, *,
+                  epsilon_low: float | Array = 0.2, epsilon_high: float | Array = 0.2,
+                  dual_clip_c: float | None = None) -> tuple[Array, Array]:
+    """Token-level clipped surrogate (PPO, GRPO, DAPO, Dr.GRPO): ``rho_t = pi(y_t) / pi_old(y_t)``,
+    ``l_t = clipped_surrogate(rho_t, A_t)``. Shapes: all ``[B, T]`` -> ``([B, T], [B, T])``."""
+    ratio = jnp.exp(_token_log_ratio(logp, old_logp, mask))
+    return clipped_surrogate(ratio, advantages, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
+                             dual_clip_c=dual_clip_c), ratio
+
+
+@register_policy_loss("gspo")
+def gspo_loss(logp: Array, old_logp: Array, advantages: Array, mask: Array, *,
+              epsilon_low: float | Array = 0.2, epsilon_high: float | Array = 0.2,
+              dual_clip_c: float | None = None) -> tuple[Array, Array]:
+    """Sequence-level clipped surrogate, GSPO (Zheng et al. 2025)::
+
+        s_i   = exp(mean_t log(pi(y_t) / pi_old(y_t)))          over the valid tokens of sequence i
+        rho_t = sg(s_i) * pi(y_t) / sg(pi(y_t))                  value s_i, gradient of log pi(y_t) scaled by s_i
+        l_t   = clipped_surrogate(rho_t, A_t)
+
+    With a sequence-level advantage and ``aggregation="seq-mean-token-mean"`` this is exactly GSPO's gradient.
+    Shapes: all ``[B, T]`` -> ``([B, T], [B, T])``."""
+    sg = jax.lax.stop_gradient
+    seq_log_ratio = masked_mean(_token_log_ratio(logp, old_logp, mask), mask, axis=-1, keepdims=True)
+    ratio = jnp.exp(sg(seq_log_ratio) + jnp.where(_valid(mask), _f32(logp) - sg(_f32(logp)), 0.0))
+    return clipped_surrogate(ratio, advantages, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
+                             dual_clip_c=dual_clip_c), ratio
+
+
+def clip_metrics(ratio: Array, token_log_ratio: Array, advantages: Array, mask: Array, *,
+                 epsilon_low: float | Array, epsilon_high: float | Array,
+                 dual_clip_c: float | None) -> dict[str, Array]:
+    """Diagnostics of a clipped update, means over valid tokens (no gradient)::
+
+        clip_fraction/low  = mean[A < 0 and rho < 1 - epsilon_low]
+        clip_fraction/high = mean[A > 0 and rho > 1 + epsilon_high]
+        clip_fraction/dual = mean[A < 0 and rho > c],  clip_fraction = low + high
+        approx_kl = mean[rho_tok - 1 - log rho_tok]   (k3 estimate of KL(pi_old || pi) from the token log-ratios)
+        ratio/mean, ratio/min, ratio/max
+
+    Shapes: all ``[B, T]``."""
+    r, tok_lr = jax.lax.stop_gradient(ratio), jax.lax.stop_gradient(token_log_ratio)
+    low = (advantages < 0) & (r < 1.0 - epsilon_low)
+    high = (advantages > 0) & (r > 1.0 + epsilon_high)
+    dual = (advantages < 0) & (r > dual_clip_c) if dual_clip_c is not None else jnp.zeros_like(_valid(mask))
+    return {
+        "clip_fraction": masked_mean(low | high, mask),
+        "clip_fraction/low": masked_mean(low, mask),
+        "clip_fraction/high": masked_mean(high, mask),
+        "clip_fraction/dual": masked_mean(dual, mask),
+        "approx_kl": masked_mean(jnp.exp(tok_lr) - 1.0 - tok_lr, mask),
+        "ratio/mean": masked_mean(r, mask),
+        "ratio/min": masked_min(r, mask),
+        "ratio/max": masked_max(r, mask),
+    }
+
+
+def compose_policy_loss(
+    surrogate: Array,
+    mask: Array,
+    *,
+    kl: Array | None = None,
+    kl_coef: float | Array = 0.0,
+    entropy: Array | None = None,
+    entropy_coef: float | Array = 0.0,
+    aggregation: AggregationMode = "token-mean",
+    max_len: int | None = None,
+    num_tokens: Array | float | None = None,
+    num_seqs: Array | float | None = None,
+) -> tuple[Array, dict[str, Array]]:
+    """``aggregate(l) + kl_coef * aggregate(KL) - entropy_coef * aggregate(H)`` (each term aggregated on its own,
+    the same since aggregation is linear), and the metrics ``policy_loss``, ``kl``, ``entropy`` (means over
+    valid tokens) of the terms given. Shapes: ``surrogate, mask, kl, entropy [B, T]``."""
+    agg = dict(mode=aggregation, max_len=max_len, num_tokens=num_tokens, num_seqs=num_seqs)
+    pg_loss = aggregate_loss(surrogate, mask, **agg)
+    loss, metrics = pg_loss, {"policy_loss": pg_loss}
+    if kl is not None:
+        loss = loss + jnp.asarray(kl_coef, jnp.float32) * aggregate_loss(kl, mask, **agg)
+        metrics["kl"] = masked_mean(kl, mask)
+    if entropy is not None:
+        loss = loss - jnp.asarray(entropy_coef, jnp.float32) * aggregate_loss(entropy, mask, **agg)
+        metrics["entropy"] = masked_mean(entropy, mask)
+    return loss, metrics
+
+
 def clipped_policy_loss(
     logp: Array,
     old_logp: Array,
     advantages: Array,
     mask: Array,
     *,
+    surrogate: str = "ppo_clip",
     epsilon_low: float | Array = 0.2,
     epsilon_high: float | Array = 0.2,
     dual_clip_c: float | None = None,
-    ratio_level: RatioLevel = "token",
     ref_logp: Array | None = None,
     kl_coef: float | Array = 0.0,
     kl_estimator: KLEstimator = "k3",
@@ -203,22 +313,16 @@ def clipped_policy_loss(
     num_tokens: Array | float | None = None,
     num_seqs: Array | float | None = None,
 ) -> tuple[Array, dict[str, Array]]:
-    """The composed clipped policy-gradient loss of PPO / GRPO / DAPO / Dr.GRPO / GSPO, with metrics.
+    """The policy loss of PPO / GRPO / DAPO / Dr.GRPO / GSPO: a registered surrogate, composed with KL and
+    entropy terms, with metrics. Per token::
 
-    Per token, with ``rho`` the importance ratio of the current policy to the one that produced the data::
-
-        l_t   = w_t * clipped_surrogate(rho_t, A_t)  +  kl_coef * KL_t(pi || pi_ref)  -  entropy_coef * H_t
+        l_t   = w_t * POLICY_LOSSES[surrogate](...)_t  +  kl_coef * KL_t(pi || pi_ref)  -  entropy_coef * H_t
         loss  = aggregate(l, mask, aggregation)
 
-    (each term aggregated separately, which is the same since aggregation is linear).
-
-    * ``ratio_level="token"``: ``rho_t = pi(y_t) / pi_old(y_t)`` (PPO, GRPO).
-    * ``ratio_level="sequence"``: GSPO (Zheng et al. 2025),
-      ``s_i = exp(mean_t log(pi(y_t) / pi_old(y_t)))`` over the valid tokens of sequence ``i``, applied to
-      every token as ``rho_t = sg(s_i) * pi(y_t) / sg(pi(y_t))``: same value as ``s_i``, and with a
-      sequence-level advantage and ``aggregation="seq-mean-token-mean"`` exactly GSPO's gradient.
-    * ``epsilon_low`` / ``epsilon_high``: asymmetric clip range (DAPO clip-higher uses 0.2 / 0.28).
-    * ``dual_clip_c``: dual clip (Ye et al. 2019) bounding the loss of negative-advantage tokens by ``-c*A``.
+    * ``surrogate``: ``"ppo_clip"`` (token ratio, `ppo_clip_loss`) or ``"gspo"`` (sequence ratio, `gspo_loss`),
+      or any name added with `register_policy_loss`.
+    * ``epsilon_low`` / ``epsilon_high``: asymmetric clip range (DAPO clip-higher uses 0.2 / 0.28);
+      ``dual_clip_c``: dual clip (Ye et al. 2019) bounding the loss of negative-advantage tokens by ``-c*A``.
     * ``sampler_logp``: if given, ``w_t = truncated_importance_weights(old_logp, sampler_logp, cap=tis_cap)``
       corrects the sampler / trainer mismatch (TIS, Yao et al. 2025); otherwise ``w_t = 1``.
     * ``ref_logp``: if given, the KL to the reference policy enters the loss (GRPO style, k3 by default).
@@ -226,81 +330,32 @@ def clipped_policy_loss(
 
     ``advantages`` may be ``[B]`` (one per sequence, broadcast over tokens) or ``[B, T]``. Log-ratios are
     clipped to ``[-20, 20]`` before ``exp`` and padded positions are neutralised before any ``exp``.
-
-    Metrics (float32 scalars, no gradient; means over valid tokens):
-      ``policy_loss`` (aggregated surrogate part), ``clip_fraction`` = low + high, ``clip_fraction/low``
-      (``A < 0`` and ``rho < 1 - epsilon_low``), ``clip_fraction/high`` (``A > 0`` and
-      ``rho > 1 + epsilon_high``), ``clip_fraction/dual`` (``A < 0`` and ``rho > c``), ``approx_kl``
-      (k3 estimate of ``KL(pi_old || pi)`` from token log-ratios, ``rho - 1 - log rho``), ``ratio/mean``,
-      ``ratio/min``, ``ratio/max``; plus ``kl`` if ``ref_logp``, ``entropy`` if ``entropy``,
-      ``is_weight/mean`` if ``sampler_logp`` is given.
-
-    Static (Python values; ``static_argnames`` under ``jax.jit``): ``dual_clip_c``, ``ratio_level``,
-    ``kl_estimator``, ``kl_clamp``, ``tis_cap``, ``aggregation``, ``max_len``. Traceable: the epsilons,
-    ``kl_coef``, ``entropy_coef``, ``num_tokens``, ``num_seqs``; ``None`` arrays are empty pytrees.
-
-    Shapes: ``logp``, ``old_logp``, ``mask`` (and ``ref_logp``, ``entropy``, ``sampler_logp``) ``[B, T]``.
-    Returns ``(loss, metrics)`` with a float32 scalar loss.
+    Metrics: ``policy_loss``, `clip_metrics`, plus ``kl`` / ``entropy`` / ``is_weight/mean`` when those inputs
+    are given. Static: ``surrogate``, ``dual_clip_c``, ``kl_estimator``, ``kl_clamp``, ``tis_cap``,
+    ``aggregation``, ``max_len``. Shapes: ``logp``, ``old_logp``, ``mask`` (and ``ref_logp``, ``entropy``,
+    ``sampler_logp``) ``[B, T]``; returns ``(loss, metrics)`` with a float32 scalar loss.
     """
-    if ratio_level not in ("token", "sequence"):
-        raise ValueError(f"unknown ratio_level {ratio_level!r}; expected 'token' or 'sequence'")
-    valid = _valid(mask)
+    if surrogate not in POLICY_LOSSES:
+        raise ValueError(f"unknown policy loss {surrogate!r}; expected one of {', '.join(POLICY_LOSSES)}")
     logp = _f32(logp)
     adv = _f32(advantages)
     if adv.ndim == logp.ndim - 1:
         adv = adv[..., None]
     adv = jnp.broadcast_to(adv, logp.shape)
-    agg = dict(mode=aggregation, max_len=max_len, num_tokens=num_tokens, num_seqs=num_seqs)
-
-    token_log_ratio = jnp.where(valid, logp - _f32(old_logp), 0.0)
-    token_log_ratio = jnp.clip(token_log_ratio, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    if ratio_level == "token":
-        log_ratio = token_log_ratio
-    else:
-        seq_log_ratio = masked_mean(token_log_ratio, mask, axis=-1, keepdims=True)
-        sg = jax.lax.stop_gradient
-        log_ratio = sg(seq_log_ratio) + jnp.where(valid, logp - sg(logp), 0.0)
-    ratio = jnp.exp(log_ratio)
-
-    surrogate = clipped_surrogate(
-        ratio, adv, epsilon_low=epsilon_low, epsilon_high=epsilon_high, dual_clip_c=dual_clip_c
-    )
+    clip = dict(epsilon_low=epsilon_low, epsilon_high=epsilon_high, dual_clip_c=dual_clip_c)
+    token_loss, ratio = POLICY_LOSSES[surrogate](logp, old_logp, adv, mask, **clip)
     metrics: dict[str, Array] = {}
     if sampler_logp is not None:
         weights = truncated_importance_weights(old_logp, sampler_logp, mask, cap=tis_cap)
-        surrogate = surrogate * weights
+        token_loss = token_loss * weights
         metrics["is_weight/mean"] = masked_mean(weights, mask)
-    pg_loss = aggregate_loss(surrogate, mask, **agg)
-    loss = pg_loss
-
-    if ref_logp is not None:
-        kl = kl_penalty(logp, ref_logp, estimator=kl_estimator, clamp=kl_clamp, mask=mask)
-        loss = loss + jnp.asarray(kl_coef, jnp.float32) * aggregate_loss(kl, mask, **agg)
-        metrics["kl"] = masked_mean(kl, mask)
-    if entropy is not None:
-        loss = loss - jnp.asarray(entropy_coef, jnp.float32) * aggregate_loss(entropy, mask, **agg)
-        metrics["entropy"] = masked_mean(entropy, mask)
-
-    r = jax.lax.stop_gradient(ratio)
-    low = (adv < 0) & (r < 1.0 - epsilon_low)
-    high = (adv > 0) & (r > 1.0 + epsilon_high)
-    dual = (adv < 0) & (r > dual_clip_c) if dual_clip_c is not None else jnp.zeros_like(valid)
-    tok_lr = jax.lax.stop_gradient(token_log_ratio)
-    metrics.update(
-        {
-            "policy_loss": pg_loss,
-            "clip_fraction": masked_mean(low | high, mask),
-            "clip_fraction/low": masked_mean(low, mask),
-            "clip_fraction/high": masked_mean(high, mask),
-            "clip_fraction/dual": masked_mean(dual, mask),
-            "approx_kl": masked_mean(jnp.exp(tok_lr) - 1.0 - tok_lr, mask),
-            "ratio/mean": masked_mean(r, mask),
-            "ratio/min": masked_min(r, mask),
-            "ratio/max": masked_max(r, mask),
-        }
-    )
-    metrics = {k: jax.lax.stop_gradient(v) for k, v in metrics.items()}
-    return loss, metrics
+    kl = kl_penalty(logp, ref_logp, estimator=kl_estimator, clamp=kl_clamp, mask=mask) if ref_logp is not None else None
+    loss, terms = compose_policy_loss(token_loss, mask, kl=kl, kl_coef=kl_coef, entropy=entropy,
+                                      entropy_coef=entropy_coef, aggregation=aggregation, max_len=max_len,
+                                      num_tokens=num_tokens, num_seqs=num_seqs)
+    metrics.update(terms)
+    metrics.update(clip_metrics(ratio, _token_log_ratio(logp, old_logp, mask), adv, mask, **clip))
+    return loss, {k: jax.lax.stop_gradient(v) for k, v in metrics.items()}
 
 
 # --------------------------------------------------------------------------------------------------------

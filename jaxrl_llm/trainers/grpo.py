@@ -1,0 +1,179 @@
+"""The GRPO family (`--algo grpo | rloo | reinforce_pp`, and Dr.GRPO / DAPO / GSPO by settings): one algorithm
+of the loop shell, differing only in the advantage estimator and the policy loss picked from the registries.
+
+    collect:  P prompts x G samples, scored (trainers/rollouts.py); the sampler's log-probs are the old policy's
+    update:   [reference log-probs] -> advantages (rl.estimators) -> one jit: rl.mu epochs x minibatches of
+              train_step (lax.scan, shuffle on the device)
+
+The sampler's log-probs (full distribution at the sampling temperature) are kept as the old policy's, so the
+importance ratio and clipping are real when `mu > 1` or minibatches make several updates per rollout.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxrl_llm.config import RunConfig, advantage_estimator
+from jaxrl_llm.data import DataState
+from jaxrl_llm.errors import ConfigError
+from jaxrl_llm.rl.estimators import kl_in_reward, rollout_advantages
+from jaxrl_llm.sharding import batch_divisor, batch_sharding, global_array, init_optimizer_state, to_host
+from jaxrl_llm.train_step import (
+    Metrics,
+    PolicyBatch,
+    PolicyLossConfig,
+    frozen_copy,
+    make_logprob_fn,
+    make_optimizer,
+    policy_loss,
+    scanned_updates,
+    train_step,
+)
+from jaxrl_llm.trainers.policy import GreedyEvaluation, load_policy
+from jaxrl_llm.trainers.rollouts import Rollout, RolloutCollector
+
+
+def policy_loss_config(c: RunConfig, *, beta: float) -> PolicyLossConfig:
+    """The policy loss's static knobs from `rl` (`beta`: the KL coefficient the loss carries)."""
+    r = c.rl
+    return PolicyLossConfig(temperature=c.sampling.temperature, epsilon_low=r.epsilon_low,
+                            epsilon_high=r.epsilon_high, dual_clip_c=r.dual_clip_c or None, policy_loss=r.policy_loss,
+                            beta=beta, kl_estimator=r.kl_estimator, aggregation=r.loss_aggregation,
+                            entropy_coef=r.entropy_coef, max_len=c.sampling.max_new_tokens,
+                            logprob_block_mib=c.model.logprob_block_mib)
+
+
+def update_sizes(c: RunConfig, mesh: Any) -> tuple[int, int, int]:
+    """`(rollout size, minibatch size, optimizer updates per step)`; the micro-batch must split over the mesh."""
+    r = c.rl
+    rollout = r.prompts_per_step * r.group_size
+    minibatch = r.minibatch_size or rollout
+    if (minibatch // r.grad_accum) % batch_divisor(mesh):
+        raise ConfigError(f"the micro-batch (rl.minibatch_size / rl.grad_accum = {minibatch} / {r.grad_accum}) must "
+                          f"be divisible by mesh.data * mesh.fsdp ({batch_divisor(mesh)}) for the data-parallel step")
+    return rollout, minibatch, r.mu * (rollout // minibatch)
+
+
+class GRPOFamily:
+    """GRPO, Dr.GRPO, DAPO, GSPO, RLOO, REINFORCE++: group sampling, a registered estimator, a clipped loss."""
+
+    label: ClassVar[str] = "grpo"
+    collect_phase: ClassVar[str] = "rollout"
+    evaluates_before: ClassVar[bool] = True
+
+    @staticmethod
+    def input_dirs(config: RunConfig) -> tuple[str, ...]:
+        return (config.model.path,)
+
+    def __init__(self, config: RunConfig) -> None:
+        self.config = c = config
+        self.label = c.algo  # type: ignore[misc]
+        self.policy = p = load_policy(c)
+        self.mesh, self.vocab_size = p.mesh, p.model_config.vocab_size
+        self.collector = RolloutCollector(p)
+        self.evaluation = GreedyEvaluation(p, c.eval_batch_size)
+        r = c.rl
+        self.rollout_size, self.minibatch_size, self.updates_per_step = update_sizes(c, p.mesh)
+        self.optimizer, self.schedule = make_optimizer(c.optim, max(c.steps * self.updates_per_step, 1))
+        self.opt_state = init_optimizer_state(self.optimizer, p.params, p.params_sharding, p.mesh)
+        self.estimator = advantage_estimator(c)
+        self.loss_config = policy_loss_config(c, beta=0.0 if kl_in_reward(self.estimator) else r.beta)
+        self.advantage_fn = jax.jit(functools.partial(
+            rollout_advantages, self.estimator, group_size=r.group_size, scale=r.scale_rewards, beta=r.beta,
+            kl_estimator=r.kl_estimator,
+        ))
+        # The reference policy is a frozen copy, only needed when the KL term is on.
+        self.ref_params = frozen_copy(p.params, p.model_config) if r.beta > 0 else None
+        self.ref_logprob_fn = make_logprob_fn(p.mesh, p.model_config, c.sampling.temperature, p.params_sharding,
+                                              block_mib=c.model.logprob_block_mib)
+        self.update_fn = self._make_update_fn()
+
+    def _make_update_fn(self) -> Any:
+        """`(params, opt_state, batch [N, ...], key) -> (params, opt_state, metrics)`: the whole update as one jit."""
+        c, p, rows = self.config, self.policy, batch_sharding(self.policy.mesh)
+        step = functools.partial(train_step, loss_fn=policy_loss, model_config=p.model_config,
+                                 loss_config=self.loss_config, optimizer=self.optimizer, grad_accum=c.rl.grad_accum)
+
+        def update(params: Any, opt_state: optax.OptState, batch: PolicyBatch,
+                   key: jax.Array) -> tuple[Any, Any, Metrics]:
+            def one(carry: tuple[Any, Any], minibatch: PolicyBatch) -> tuple[tuple[Any, Any], Metrics]:
+                new_params, new_opt_state, metrics = step(*carry, minibatch)
+                return (new_params, new_opt_state), metrics
+
+            (params, opt_state), metrics, _ = scanned_updates(
+                one, (params, opt_state), batch, key, epochs=c.rl.mu, minibatch_size=self.minibatch_size,
+                constrain=lambda b: jax.lax.with_sharding_constraint(b, rows))
+            return params, opt_state, metrics
+
+        state_shardings = (p.params_sharding, jax.tree.map(lambda x: x.sharding, self.opt_state))
+        replicated = jax.sharding.NamedSharding(p.mesh, jax.sharding.PartitionSpec())
+        return jax.jit(update, in_shardings=(*state_shardings, rows, replicated),
+                       out_shardings=(*state_shardings, replicated), donate_argnums=(0, 1))
+
+    # ------------------------------------------------------------------------------------------ the shell's API
+
+    @property
+    def params(self) -> Any:
+        return self.policy.params
+
+    def describe(self) -> str:
+        p, prompts = self.policy, self.collector.prompts
+        return (f"model {p.tokenizer_dir} ({p.model_config.num_params() / 1e6:.2f}M params), {len(prompts)} train "
+                f"prompts ({prompts.num_dropped} dropped as too long), {jax.device_count()} device(s)")
+
+    def state(self) -> dict[str, Any]:
+        return {"params": self.policy.params, "opt_state": self.opt_state}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        # ref_params stays the starting policy, which __init__ loaded from the model directory.
+        self.policy.params, self.opt_state = state["params"], state["opt_state"]
+
+    def collect(self, data_state: DataState, key: jax.Array) -> tuple[Rollout, DataState, dict[str, float]]:
+        ro, data_state, refills = self.collector.collect(self.policy.params, data_state, key)
+        metrics = self.collector.metrics(ro, refills)
+        metrics["completion_tokens"] = float(np.asarray(ro.out.mask).sum())
+        return ro, data_state, metrics
+
+    def reference_logprobs(self, ro: Rollout) -> np.ndarray:
+        """log pi_ref of the rollout's tokens `[N, T]` (zeros when no KL term needs them)."""
+        if self.ref_params is None:
+            return np.zeros(ro.out.tokens.shape, np.float32)
+        put = functools.partial(global_array, mesh=self.mesh)
+        return to_host(self.ref_logprob_fn(self.ref_params, put(ro.prompt_tokens), put(ro.prompt_mask),
+                                           put(ro.out.tokens), put(ro.out.mask)))
+
+    def update(self, ro: Rollout, step: int, key: jax.Array) -> dict[str, float]:
+        """Reference log-probs, advantages, then `mu` epochs of minibatch updates in one jit."""
+        ref_logp = self.reference_logprobs(ro)
+        old_logp = np.asarray(ro.out.logprobs_untruncated, np.float32)
+        advantages = np.asarray(self.advantage_fn(jnp.asarray(ro.rewards), jnp.asarray(ro.out.mask),
+                                                  jnp.asarray(old_logp), jnp.asarray(ref_logp)))
+        batch = PolicyBatch(np.asarray(ro.prompt_tokens), np.asarray(ro.prompt_mask), np.asarray(ro.out.tokens),
+                            np.asarray(ro.out.mask), old_logp, ref_logp, advantages)
+        batch = jax.tree.map(lambda x: global_array(x, self.mesh), batch)
+        self.policy.params, self.opt_state, metrics = self.update_fn(self.policy.params, self.opt_state, batch, key)
+        out = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        mask = np.asarray(ro.out.mask, bool)
+        out["advantages/abs_mean"] = float(np.abs(advantages)[mask].mean()) if mask.any() else 0.0
+        out["learning_rate"] = float(self.schedule(step * self.updates_per_step - 1))
+        return out
+
+    def evaluate(self, limit: int | None) -> dict[str, float]:
+        return self.evaluation(self.policy.params, limit)
+
+    def progress(self, metrics: dict[str, float]) -> dict[str, float]:
+        return {"reward": metrics["reward/mean"], "kl": metrics.get("kl", metrics.get("approx_kl", 0.0)),
+                "s/step": metrics["time/step"]}
+
+    def sample_rows(self, ro: Rollout) -> list[dict[str, Any]]:
+        return self.collector.sample_rows(ro)
+
+    def export(self, directory: Path) -> str:
+        return self.policy.export(directory)

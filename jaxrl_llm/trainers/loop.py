@@ -1,0 +1,225 @@
+"""The loop shell: the one place a run's side effects live, whatever the algorithm.
+
+    open out_dir (lock, refuse/overwrite, resume checks) -> build the algorithm -> [restore the checkpoint]
+    -> evaluate before -> for each step:  key -> algorithm.collect -> algorithm.update -> metrics
+       -> divergence and skip guards -> evaluation / logs / samples / checkpoint -> summary, export
+
+An algorithm (GRPO family, PPO, SFT, reward model: `trainers/__init__.ALGORITHMS`) supplies its state and four
+steps, and never touches files:
+
+    init(config)                 build models, optimizers and jitted functions
+    collect(data_state, key)     -> (batch, data_state, metrics)      sample and score, or read examples
+    update(batch, step, key)     -> metrics                            one jitted update (epochs x minibatches)
+    state() / load_state(tree)   the pytree a checkpoint holds
+    evaluate(limit), export(dir), progress(metrics), sample_rows(batch), describe()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from jaxrl_llm.checkpoint import Checkpointer
+from jaxrl_llm.config import RunConfig
+from jaxrl_llm.data import DataState
+from jaxrl_llm.divergence import DivergenceLimits, DivergenceState, update_divergence
+from jaxrl_llm.errors import DivergenceError, TrainingError
+from jaxrl_llm.logging import RunLogger, write_summary
+from jaxrl_llm.run_dir import open_run_dir
+from jaxrl_llm.sharding import global_array
+
+MAX_CONSECUTIVE_SKIPPED_UPDATES = 5
+
+
+class Algorithm(Protocol):
+    """What the loop shell asks of an algorithm (see the module docstring)."""
+
+    label: ClassVar[str]  # the progress bar's name
+    collect_phase: ClassVar[str]  # "rollout" (sampling) or "data" (reading examples): names time/<phase>
+    evaluates_before: ClassVar[bool]  # evaluate the starting model before step 1
+    mesh: Any
+    vocab_size: int
+
+    def __init__(self, config: RunConfig) -> None: ...
+    @staticmethod
+    def input_dirs(config: RunConfig) -> tuple[str, ...]: ...
+    def describe(self) -> str: ...
+    def state(self) -> dict[str, Any]: ...
+    def load_state(self, state: dict[str, Any]) -> None: ...
+    def collect(self, data_state: DataState, key: jax.Array) -> tuple[Any, DataState, dict[str, float]]: ...
+    def update(self, batch: Any, step: int, key: jax.Array) -> dict[str, float]: ...
+    def evaluate(self, limit: int | None) -> dict[str, float]: ...
+    def progress(self, metrics: dict[str, float]) -> dict[str, float]: ...
+    def sample_rows(self, batch: Any) -> list[dict[str, Any]]: ...
+    def export(self, directory: Path) -> str: ...
+
+
+class Trainer:
+    """One run of `algorithm_cls` in `config.out_dir`; `run()` executes the steps up to `config.steps`.
+
+    `resume`: continue from the latest readable checkpoint; `overwrite`: start over in an out_dir that holds a
+    run; `allow_config_change`: resume with math-changing settings (see `run_dir.open_run_dir`)."""
+
+    def __init__(self, config: RunConfig, algorithm_cls: type[Algorithm], *, resume: bool = False,
+                 overwrite: bool = False, allow_config_change: bool = False) -> None:
+        self.config = c = config
+        self.out_dir = Path(c.out_dir)
+        self.resumed = resume
+        self.run_dir = open_run_dir(c, resume=resume, overwrite=overwrite, allow_config_change=allow_config_change,
+                                    export_dir=self.export_dir if c.export else None,
+                                    input_dirs=algorithm_cls.input_dirs(c))
+        try:
+            self.algorithm = algorithm_cls(c)
+            self.root_key = jax.random.key(c.seed)
+            self.step = 0
+            self.data_state = DataState()
+            self.divergence = DivergenceState()
+            self.checkpointer = Checkpointer(self.out_dir / "checkpoints", keep=c.keep_checkpoints)
+            if resume:
+                self.restore()
+        except BaseException:
+            self.run_dir.release()
+            raise
+
+    @property
+    def export_dir(self) -> Path:
+        return Path(self.config.export_dir or Path(self.config.out_dir) / "hf")
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+
+    def _state(self) -> dict[str, Any]:
+        # Host-side values are saved as replicated global arrays (what orbax needs with several processes).
+        key = global_array(np.asarray(jax.random.key_data(self.root_key)), self.algorithm.mesh, PartitionSpec())
+        return {**self.algorithm.state(), "key": key}
+
+    def restore(self) -> None:
+        """Load the latest readable checkpoint; `RunDirError` without one."""
+        state, meta = self.checkpointer.restore_latest(self._state())
+        self.root_key = jax.random.wrap_key_data(state.pop("key"))
+        self.algorithm.load_state(state)
+        self.step = int(meta["step"])
+        self.data_state = DataState(**meta["data_state"])
+        self.divergence = DivergenceState.from_json(meta.get("divergence"))
+
+    def save_checkpoint(self) -> None:
+        meta = {"step": self.step, "data_state": dataclasses.asdict(self.data_state),
+                "divergence": self.divergence.to_json()}
+        self.checkpointer.save(self.step, self._state(), meta)
+
+    # ------------------------------------------------------------------------------------------ the loop
+
+    def run_step(self) -> tuple[Any, dict[str, float]]:
+        """Collect and update once (`self.step` already advanced); the batch and the step's metrics."""
+        algo = self.algorithm
+        key = jax.random.fold_in(self.root_key, self.step)
+        collect_key, update_key = jax.random.split(key)
+        t0 = time.perf_counter()
+        batch, self.data_state, collected = algo.collect(self.data_state, collect_key)
+        t1 = time.perf_counter()
+        metrics = algo.update(batch, self.step, update_key)
+        t2 = time.perf_counter()
+        tokens = collected.pop("completion_tokens", None)
+        metrics.update(collected)
+        metrics.update({f"time/{algo.collect_phase}": t1 - t0, "time/update": t2 - t1, "time/step": t2 - t0})
+        if tokens is not None:
+            metrics["tokens_per_second"] = tokens / max(t1 - t0, 1e-9)
+        metrics.setdefault("last_update_skipped", metrics.get("update_skipped", 0.0))
+        return batch, metrics
+
+    def run(self) -> dict[str, Any]:
+        try:
+            return self._run()
+        finally:
+            self.run_dir.release()
+
+    def _run(self) -> dict[str, Any]:
+        c, algo = self.config, self.algorithm
+        logger = RunLogger(self.out_dir, total_steps=c.steps, initial_step=self.step, tensorboard=c.tensorboard,
+                           progress_bar=c.progress_bar, desc=algo.label,
+                           resume_step=self.step if self.resumed else None)
+        logger.message(algo.describe())
+        summary: dict[str, Any] = {}
+        eval_limit = c.eval_size or None
+        if self.step == 0 and algo.evaluates_before:
+            summary["before"] = algo.evaluate(eval_limit)
+            if summary["before"]:
+                logger.log(0, summary["before"])
+                logger.message(f"held-out evaluation before: {_eval_text(summary['before'])}")
+        limits = DivergenceLimits(**dataclasses.asdict(c.divergence))
+        diverged: dict[str, str] = {}
+        flagged: dict[str, Any] = {}  # the latest divergence (on_divergence=warn runs on past it)
+        skipped_in_a_row = 0
+        try:
+            while self.step < c.steps:
+                self.step += 1
+                batch, metrics = self.run_step()
+                skipped_in_a_row = skipped_in_a_row + 1 if metrics.pop("last_update_skipped") else 0
+                self.divergence, diverged = update_divergence(self.divergence, metrics, vocab_size=algo.vocab_size,
+                                                              limits=limits)
+                last = self.step == c.steps or (diverged and c.on_divergence == "stop")
+                if last or (c.eval_every and self.step % c.eval_every == 0):
+                    evaluation = algo.evaluate(eval_limit)  # the final evaluation shares the last step's row
+                    metrics.update(evaluation)
+                    if evaluation:
+                        logger.message(f"step {self.step}: held-out {_eval_text(evaluation)}")
+                    if last:
+                        summary["after"] = evaluation
+                if self.step % c.log_every == 0 or last:
+                    logger.log(self.step, metrics)
+                if c.sample_every and self.step % c.sample_every == 0:
+                    logger.samples(self.step, algo.sample_rows(batch))
+                logger.progress(algo.progress(metrics))
+                if diverged:
+                    flagged = {"step": self.step, "conditions": diverged}
+                    logger.message(f"step {self.step}: the policy diverged: {'; '.join(diverged.values())}")
+                    if c.on_divergence == "stop":
+                        # Checkpoints written while the collapse built up are not good ones: set them aside,
+                        # so the latest checkpoint (and a --resume) is the last good policy.
+                        first_bad = self.step - max(self.divergence.streaks[n] for n in diverged) + 1
+                        moved = self.checkpointer.set_aside(first_bad, "diverged_checkpoints")
+                        if moved:
+                            logger.message(f"checkpoints of steps {moved} moved to diverged_checkpoints/")
+                        break
+                if c.checkpoint_every and self.step % c.checkpoint_every == 0:
+                    self.save_checkpoint()
+                if skipped_in_a_row >= MAX_CONSECUTIVE_SKIPPED_UPDATES:
+                    raise TrainingError(
+                        f"step {self.step}: the last {skipped_in_a_row} steps had non-finite gradients and were "
+                        f"skipped; stopping. Checkpoints in {self.checkpointer.directory} are intact "
+                        f"(latest: {self.checkpointer.latest_step()})."
+                    )
+            stopped = bool(diverged) and c.on_divergence == "stop"
+            if c.checkpoint_every and self.checkpointer.latest_step() != self.step and not stopped:
+                self.save_checkpoint()
+        finally:
+            self.checkpointer.close()
+            logger.close()
+        if "after" not in summary:  # no step ran (the run had reached `steps` already)
+            summary["after"] = algo.evaluate(eval_limit)
+        if not summary["after"]:
+            del summary["after"]
+        if flagged:
+            summary["diverged"] = {**flagged, "last_good_checkpoint": self.checkpointer.latest_step()}
+        write_summary(self.out_dir, summary)
+        if diverged and c.on_divergence == "stop":
+            good = self.checkpointer.latest_step()
+            kept = (f"Last good checkpoint: step {good} in {self.checkpointer.directory}" if good is not None else
+                    f"No checkpoint was written before it (checkpoint_every={c.checkpoint_every})")
+            raise DivergenceError(
+                f"step {self.step}: the policy diverged ({'; '.join(diverged.values())}); stopped without export "
+                f"(on_divergence=stop). {kept}; lower optim.learning_rate, or resume from a good checkpoint"
+            )
+        if c.export:
+            summary["export"] = algo.export(self.export_dir)
+            write_summary(self.out_dir, summary)
+        return summary
+
+
+def _eval_text(evaluation: dict[str, float]) -> str:
+    return ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in evaluation.items())

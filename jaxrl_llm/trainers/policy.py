@@ -1,0 +1,136 @@
+"""What the policy-training algorithms share: the mesh, the causal LM and its tokenizer, the prompt sets, the
+sampler's settings and the held-out greedy evaluation.
+
+`load_policy(config)` reads `model.path` (a HF directory or hub id) onto the mesh, each device reading only its
+shards, and keeps float32 master weights whatever `model.param_dtype` says (the train step computes with the
+working copy, see `train_step.master_weights`). SFT can start from random weights instead (`model.init`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxrl_llm.config import RunConfig
+from jaxrl_llm.data import PromptSet, bucket, build_prompt_set, eos_token_ids, left_pad, load_records, load_tokenizer
+from jaxrl_llm.evaluation import evaluate_greedy
+from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.decoder import Params, init_params
+from jaxrl_llm.models.hf import config_from_hf, load_hf_model, resolve_model_dir, save_hf_model
+from jaxrl_llm.rewards import RewardFunction, resolve_reward
+from jaxrl_llm.sampling import SamplingConfig
+from jaxrl_llm.sharding import MeshShape, make_mesh, param_shardings, to_host
+from jaxrl_llm.train_step import master_weights
+
+
+@dataclasses.dataclass
+class Policy:
+    """The trained causal LM and everything needed to prompt it, sample from it and export it."""
+
+    config: RunConfig
+    mesh: Mesh
+    model_config: ModelConfig
+    params: Params  # float32 master weights, on the mesh
+    tokenizer: Any
+    tokenizer_dir: Path  # the model directory (or the from-scratch tokenizer's), copied into exports
+    eos_ids: tuple[int, ...]
+
+    @property
+    def pad_id(self) -> int:
+        return int(self.tokenizer.pad_token_id)
+
+    @property
+    def params_sharding(self) -> Any:
+        return jax.tree.map(lambda x: x.sharding, self.params)
+
+    def prompt_set(self, source: str, split: str) -> PromptSet:
+        records, label = load_records(source, split)
+        return build_prompt_set(records, label, self.config.data, self.tokenizer)
+
+    def sampling_config(self, *, greedy: bool = False, n: int = 1) -> SamplingConfig:
+        s = self.config.sampling
+        return SamplingConfig(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k,
+                              top_p=s.top_p, min_p=s.min_p, greedy=greedy, n=n, eos_ids=self.eos_ids,
+                              pad_id=self.pad_id, prompt_bucket=s.prompt_bucket,
+                              new_tokens_bucket=s.new_tokens_bucket)
+
+    def prompt_arrays(self, prompt_set: PromptSet, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Left-padded prompt tokens and mask `[B, P]`, `P` rounded up to `sampling.prompt_bucket`."""
+        seqs = [prompt_set.token_ids[i] for i in indices]
+        return left_pad(seqs, bucket(max(len(s) for s in seqs), self.config.sampling.prompt_bucket), self.pad_id)
+
+    def export(self, directory: Path) -> str:
+        params = to_host(self.params)  # gathered on every process; the first one writes
+        if jax.process_index() != 0:
+            return str(directory)
+        return str(save_hf_model(params, self.model_config, directory, dtype=self.model_config.param_dtype,
+                                 tokenizer_dir=self.tokenizer_dir))
+
+
+def eval_reward(c: RunConfig) -> tuple[str, RewardFunction]:
+    """The held-out accuracy's reward: `eval_reward` if set, else the first of `rewards`."""
+    if c.eval_reward:
+        return c.eval_reward, resolve_reward(c.eval_reward)
+    return c.rewards[0].name, resolve_reward(c.rewards[0].name, dict(c.rewards[0].kwargs))
+
+
+class GreedyEvaluation:
+    """Held-out greedy accuracy of the policy on `data.eval` (nothing when it is empty)."""
+
+    def __init__(self, policy: Policy, batch_size: int) -> None:
+        c = policy.config
+        self.policy, self.batch_size = policy, batch_size
+        self.prompts = policy.prompt_set(c.data.eval, c.data.eval_split) if c.data.eval else None
+        self.reward = eval_reward(c)
+
+    def __call__(self, params: Params, limit: int | None) -> dict[str, float]:
+        if self.prompts is None:
+            return {}
+        p = self.policy
+        return evaluate_greedy(params, p.model_config, p.tokenizer, self.prompts, self.reward,
+                               p.sampling_config(greedy=True), batch_size=self.batch_size, limit=limit, mesh=p.mesh)
+
+
+def _scratch_tokenizer(spec: str, out_dir: Path) -> tuple[Any, Path]:
+    """The tokenizer of a from-scratch model, saved under `out_dir/tokenizer` so exports carry it."""
+    target = out_dir / "tokenizer"
+    if not spec:
+        raise ValueError("model.init is set (train from scratch) but model.tokenizer is empty")
+    if jax.process_index() == 0:  # one writer; the others wait for the files below
+        if spec == "arithmetic":
+            from jaxrl_llm.tasks.arithmetic import make_tokenizer
+
+            make_tokenizer().save_pretrained(target)
+        else:
+            load_tokenizer(spec).save_pretrained(target)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("jaxrl_llm: scratch tokenizer written")
+    return load_tokenizer(target), target
+
+
+def load_policy(c: RunConfig, *, from_scratch: bool = False) -> Policy:
+    """The policy of a run: `model.path` loaded onto the mesh, or (`from_scratch` with `model.init`, SFT) a
+    randomly initialised model of that architecture with `model.tokenizer`."""
+    mesh = make_mesh(MeshShape(c.mesh.data, c.mesh.fsdp, c.mesh.tensor))
+    overrides = dict(dtype=c.model.dtype, param_dtype=c.model.param_dtype, remat=c.model.remat,
+                     attention_query_chunk=c.model.attention_query_chunk)
+    if from_scratch and c.model.init:
+        tokenizer, tok_dir = _scratch_tokenizer(c.model.tokenizer, Path(c.out_dir))
+        hf = {"vocab_size": len(tokenizer), "bos_token_id": tokenizer.bos_token_id,
+              "eos_token_id": tokenizer.eos_token_id, **dict(c.model.init)}
+        model_config = config_from_hf(hf, **overrides)
+        params = master_weights(init_params(model_config, jax.random.key(c.seed)))
+        params = jax.device_put(params, param_shardings(params, mesh))
+    else:
+        tok_dir = resolve_model_dir(c.model.path)
+        model_config, params = load_hf_model(tok_dir, mesh=mesh, **overrides)
+        params = master_weights(params)
+        tokenizer = load_tokenizer(tok_dir)
+    return Policy(c, mesh, model_config, params, tokenizer, Path(tok_dir), eos_token_ids(tok_dir, tokenizer))

@@ -1,0 +1,194 @@
+"""Reward-model training (`--algo rm`): Bradley-Terry on preference pairs, exported as a HF classifier.
+
+    loss = -log sigmoid(r(x, y_chosen) - r(x, y_rejected))          (Bradley & Terry 1952; Ouyang et al. 2022)
+
+with `r` the score at the last token of `prompt + response` (`models/reward_model.sequence_scores`). The
+model starts from a causal LM's decoder (`model.path`) with a fresh score head, or from a classifier's own
+head. Data: JSONL with `prompt`, `chosen`, `rejected` (`data.chosen_field` / `data.rejected_field`);
+`python -m jaxrl_llm.tasks.arithmetic` writes such pairs for the default task (the true answer over a
+wrong one). The update is the same jitted, data-parallel `train_step` as every other algorithm's. The result
+is a `...ForSequenceClassification` directory that transformers loads and the `reward_model` reward uses.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any, ClassVar, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_llm.config import RunConfig
+from jaxrl_llm.data import DataError, DataState, bucket, left_pad, load_records, load_tokenizer, next_batch_indices
+from jaxrl_llm.errors import ConfigError
+from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.decoder import Params
+from jaxrl_llm.models.hf import is_classifier, load_hf_model, read_tensor, resolve_model_dir
+from jaxrl_llm.models.reward_model import save_hf_reward_model, sequence_scores
+from jaxrl_llm.rl.losses import dpo_loss
+from jaxrl_llm.sharding import (
+    MeshShape,
+    batch_divisor,
+    global_array,
+    init_optimizer_state,
+    make_mesh,
+    param_shardings,
+    to_host,
+)
+from jaxrl_llm.train_step import Metrics, make_optimizer, make_train_step, master_weights
+
+
+class PreferenceBatch(NamedTuple):
+    """Left-padded `prompt + response` token ids and masks `[B, T]` for both sides of each pair."""
+
+    chosen_tokens: jax.Array
+    chosen_mask: jax.Array
+    rejected_tokens: jax.Array
+    rejected_mask: jax.Array
+
+
+def bradley_terry_loss(params: dict[str, Any], batch: PreferenceBatch, *,
+                       model_config: ModelConfig) -> tuple[jax.Array, Metrics]:
+    """`mean_i -log sigmoid(r_chosen_i - r_rejected_i)` and DPO-style metrics (accuracy, margins).
+
+    This is `dpo_loss` with `beta = 1` and a zero reference: the "implicit rewards" are the scores themselves.
+    """
+    score = functools.partial(sequence_scores, params["decoder"], params["score"], model_config)
+    chosen = score(batch.chosen_tokens, batch.chosen_mask)[:, 0]
+    rejected = score(batch.rejected_tokens, batch.rejected_mask)[:, 0]
+    zeros = jnp.zeros_like(chosen)
+    return dpo_loss(chosen, rejected, zeros, zeros, beta=1.0, loss_type="sigmoid")
+
+
+def pair_loss(params: dict[str, Any], batch: PreferenceBatch, *, model_config: ModelConfig, loss_config: Any,
+              num_tokens: jax.Array, num_seqs: jax.Array) -> tuple[jax.Array, Metrics]:
+    """`bradley_terry_loss` under the `train_step` contract: a micro-batch's summed loss over the whole
+    minibatch's pair count (`num_seqs`), so accumulated micro-batches give the full-batch mean."""
+    loss, metrics = bradley_terry_loss(params, batch, model_config=model_config)
+    return loss * batch.chosen_tokens.shape[0] / num_seqs, metrics
+
+
+def encode_pairs(records: list[dict[str, Any]], label: str, tokenizer: Any,
+                 c: RunConfig) -> list[tuple[list[int], ...]]:
+    """`(chosen ids, rejected ids)` of `prompt + response` text (no special tokens, as `RewardModel` scores)."""
+    d = c.data
+    pairs = []
+    for i, r in enumerate(records, start=1):
+        missing = [f for f in (d.prompt_field, d.chosen_field, d.rejected_field) if f not in r]
+        if missing:
+            raise DataError(f"{label}:{i}: preference record lacks {missing} (fields: {sorted(r)})")
+        pairs.append(tuple(tokenizer(str(r[d.prompt_field]) + str(r[side]), add_special_tokens=False)["input_ids"]
+                           for side in (d.chosen_field, d.rejected_field)))
+    return pairs
+
+
+def make_batch(pairs: list[tuple[list[int], ...]], indices: np.ndarray, pad_id: int) -> PreferenceBatch:
+    chosen = [pairs[i][0] for i in indices]
+    rejected = [pairs[i][1] for i in indices]
+    width = bucket(max(map(len, chosen + rejected)))
+    return PreferenceBatch(*left_pad(chosen, width, pad_id), *left_pad(rejected, width, pad_id))
+
+
+def initial_reward_model(c: RunConfig, mesh: Any) -> tuple[ModelConfig, dict[str, Any], Path]:
+    """Decoder from `model.path` (its lm head dropped) and a score head: the classifier's, or N(0, 0.02)."""
+    model_dir = resolve_model_dir(c.model.path)
+    config, decoder = load_hf_model(model_dir, tie_word_embeddings=True, dtype=c.model.dtype, mesh=mesh,
+                                    param_dtype=c.model.param_dtype, remat=c.model.remat,
+                                    attention_query_chunk=c.model.attention_query_chunk)
+    if is_classifier(model_dir):
+        score = jnp.asarray(read_tensor(model_dir, "score.weight").T)
+    else:
+        score = config.initializer_range * jax.random.normal(jax.random.key(c.seed), (config.hidden_size, 1))
+    # Float32 master weights; the step computes with the working copy in param_dtype (train_step.master_weights).
+    return config, master_weights({"decoder": decoder, "score": score}), model_dir
+
+
+def pair_accuracy(params: Params, config: ModelConfig, pairs: list[tuple[list[int], ...]], pad_id: int,
+                  batch_size: int) -> float:
+    """Share of pairs whose chosen response scores strictly higher than the rejected one."""
+    @jax.jit
+    def accuracy(p: dict[str, Any], batch: PreferenceBatch) -> jax.Array:
+        return bradley_terry_loss(p, batch, model_config=config)[1]["rewards/accuracies"]
+
+    correct = 0.0
+    for start in range(0, len(pairs), batch_size):
+        idx = np.arange(start, min(start + batch_size, len(pairs)))
+        correct += float(accuracy(params, make_batch(pairs, idx, pad_id))) * len(idx)
+    return correct / len(pairs)
+
+
+class RewardModelTraining:
+    """A scalar reward model trained on preference pairs."""
+
+    label: ClassVar[str] = "rm"
+    collect_phase: ClassVar[str] = "data"
+    evaluates_before: ClassVar[bool] = True
+
+    @staticmethod
+    def input_dirs(config: RunConfig) -> tuple[str, ...]:
+        return (config.model.path,)
+
+    def __init__(self, config: RunConfig) -> None:
+        self.config = c = config
+        if jax.process_count() > 1:
+            raise ConfigError("--algo rm runs in a single process (its evaluation is not sharded across hosts); "
+                              "unset distributed.enabled / JAX_COORDINATOR_ADDRESS")
+        self.mesh = make_mesh(MeshShape(c.mesh.data, c.mesh.fsdp, c.mesh.tensor))
+        if c.sft.batch_size % batch_divisor(self.mesh):
+            raise ConfigError(f"sft.batch_size={c.sft.batch_size} must be divisible by mesh.data * mesh.fsdp "
+                              f"({batch_divisor(self.mesh)}) for the data-parallel step")
+        self.model_config, params, self.model_dir = initial_reward_model(c, self.mesh)
+        self.vocab_size = self.model_config.vocab_size
+        sharding = param_shardings(params, self.mesh)
+        self.params = jax.device_put(params, sharding)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.pad_id = int(self.tokenizer.pad_token_id)
+        self.pairs = encode_pairs(*load_records(c.data.train, c.data.split), self.tokenizer, c)
+        evals = encode_pairs(*load_records(c.data.eval, c.data.eval_split), self.tokenizer, c) if c.data.eval else None
+        self.eval_pairs = evals[: c.eval_size] if evals is not None and c.eval_size else evals
+        self.optimizer, self.schedule = make_optimizer(c.optim, max(c.steps, 1))
+        self.opt_state = init_optimizer_state(self.optimizer, self.params, sharding, self.mesh)
+        self.step_fn = make_train_step(self.mesh, loss_fn=pair_loss, model_config=self.model_config,
+                                       loss_config=None,  # type: ignore[arg-type]
+                                       optimizer=self.optimizer, params_sharding=sharding,
+                                       opt_state_sharding=jax.tree.map(lambda x: x.sharding, self.opt_state))
+
+    def describe(self) -> str:
+        return f"reward model on {len(self.pairs)} preference pairs"
+
+    def state(self) -> dict[str, Any]:
+        return {"params": self.params, "opt_state": self.opt_state}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.params, self.opt_state = state["params"], state["opt_state"]
+
+    def collect(self, data_state: DataState, key: jax.Array) -> tuple[PreferenceBatch, DataState, dict[str, float]]:
+        c = self.config
+        idx, data_state = next_batch_indices(len(self.pairs), c.sft.batch_size, data_state, c.seed, c.data.shuffle)
+        return make_batch(self.pairs, idx, self.pad_id), data_state, {}
+
+    def update(self, batch: PreferenceBatch, step: int, key: jax.Array) -> dict[str, float]:
+        batch = jax.tree.map(lambda x: global_array(x, self.mesh), batch)
+        self.params, self.opt_state, metrics = self.step_fn(self.params, self.opt_state, batch)
+        out = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        out["learning_rate"] = float(self.schedule(step - 1))
+        return out
+
+    def evaluate(self, limit: int | None) -> dict[str, float]:
+        if self.eval_pairs is None:
+            return {}
+        return {"eval/pair_accuracy": pair_accuracy(self.params, self.model_config, self.eval_pairs, self.pad_id,
+                                                    self.config.sft.eval_batch_size)}
+
+    def progress(self, metrics: dict[str, float]) -> dict[str, float]:
+        return {"loss": metrics["loss"], "acc": metrics["rewards/accuracies"]}
+
+    def sample_rows(self, batch: PreferenceBatch) -> list[dict[str, Any]]:
+        return []
+
+    def export(self, directory: Path) -> str:
+        params = to_host(self.params)
+        return str(save_hf_reward_model(params["decoder"], params["score"], self.model_config, directory,
+                                        tokenizer_dir=self.model_dir, pad_token_id=self.pad_id))

@@ -1,0 +1,161 @@
+"""Rollouts of the RL algorithms: P prompts x G samples, scored by the reward functions.
+
+    prompts (data order) -> sample (jit, on the mesh) -> decode -> rewards (host; each process scores its
+    own groups, then all-gather) -> Rollout
+
+With dynamic sampling (DAPO), groups whose rewards are all equal carry no learning signal and are replaced by
+freshly sampled ones, up to `max_refill_rounds` extra rounds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxrl_llm.data import DataState, PromptSet, next_batch_indices
+from jaxrl_llm.evaluation import decode_completions, reward_fields
+from jaxrl_llm.models.decoder import Params
+from jaxrl_llm.rewards import RewardFunction, compute_rewards, resolve_reward
+from jaxrl_llm.sampling import SampleOutput, sample
+from jaxrl_llm.sharding import process_rows, to_host
+from jaxrl_llm.trainers.policy import Policy
+
+
+@dataclasses.dataclass
+class Rollout:
+    prompt_tokens: np.ndarray  # [N, P], N = prompts * group_size, group-major
+    prompt_mask: np.ndarray
+    out: SampleOutput
+    rewards: np.ndarray  # [N]
+    per_function: dict[str, np.ndarray]
+    completions: list[str]
+    record_indices: np.ndarray  # [N // G] prompt records
+
+
+class RolloutCollector:
+    """Samples and scores rollouts from `data.train` with the run's reward functions."""
+
+    def __init__(self, policy: Policy) -> None:
+        c = policy.config
+        self.policy = policy
+        self.prompts: PromptSet = policy.prompt_set(c.data.train, c.data.split)
+        self.group_size, self.prompts_per_step = c.rl.group_size, c.rl.prompts_per_step
+        self.dynamic_sampling, self.max_refill_rounds = c.rl.dynamic_sampling, c.rl.max_refill_rounds
+        self.reward_fns: list[tuple[str, RewardFunction, float, float]] = []
+        for i, spec in enumerate(c.rewards):
+            name = spec.name if all(s.name != spec.name for s in c.rewards[:i]) else f"{spec.name}_{i}"
+            self.reward_fns.append((name, resolve_reward(spec.name, dict(spec.kwargs)), spec.weight, spec.timeout_s))
+        self.reward_seconds: dict[str, float] = {}
+
+    def _next_indices(self, state: DataState) -> tuple[np.ndarray, DataState]:
+        c = self.policy.config
+        return next_batch_indices(len(self.prompts), self.prompts_per_step, state, c.seed, c.data.shuffle)
+
+    def collect(self, params: Params, state: DataState, key: jax.Array) -> tuple[Rollout, DataState, int]:
+        """One rollout of P groups, the data position after it, and the refill rounds it took."""
+        self.reward_seconds = {}
+        indices, state = self._next_indices(state)
+        ro = self.rollout(params, indices, key)
+        if not self.dynamic_sampling:
+            return ro, state, 0
+        parts, rounds = [(ro, self.informative_groups(ro))], 0
+        while sum(int(k.sum()) for _, k in parts) < self.prompts_per_step and rounds < self.max_refill_rounds:
+            rounds += 1
+            indices, state = self._next_indices(state)
+            extra = self.rollout(params, indices, jax.random.fold_in(key, rounds))
+            parts.append((extra, self.informative_groups(extra)))
+        return self._assemble(parts), state, rounds
+
+    def rollout(self, params: Params, indices: np.ndarray, key: jax.Array) -> Rollout:
+        """Sample G completions for each prompt and score them."""
+        p, g = self.policy, self.group_size
+        tokens, mask = p.prompt_arrays(self.prompts, indices)
+        out = to_host(sample(params, p.model_config, tokens, mask, key, p.sampling_config(n=g), mesh=p.mesh))
+        completions = decode_completions(p.tokenizer, out)
+        records = [self.prompts.records[i] for i in indices for _ in range(g)]
+        texts = [self.prompts.texts[i] for i in indices for _ in range(g)]
+        rewards, each = self._rewards(records, texts, completions, out)
+        return Rollout(np.repeat(tokens, g, axis=0), np.repeat(mask, g, axis=0), out, rewards, each,
+                       completions, indices)
+
+    def _rewards(self, records: list[dict[str, Any]], prompts: list[str], completions: list[str],
+                 out: SampleOutput) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Rewards of every row; with several processes each scores only its own share of the rows (whole
+        groups), and the scores are then all-gathered."""
+        mine = process_rows(len(prompts)) if jax.process_count() > 1 else slice(None)
+        local = jax.tree.map(lambda x: np.asarray(x)[mine], out)
+        rewards, each = compute_rewards(self.reward_fns, prompts[mine], completions[mine],
+                                        reward_fields(records[mine], local, self.policy.config.sampling.max_new_tokens),
+                                        timings=self.reward_seconds)
+        # float32 on every path: the cross-process all-gather carries float32, and the single-process run
+        # must see the same numbers (e.g. dynamic sampling's std > 0 test).
+        rewards, each = rewards.astype(np.float32), {k: v.astype(np.float32) for k, v in each.items()}
+        if jax.process_count() == 1:
+            return rewards, each
+        from jax.experimental import multihost_utils
+
+        gathered = multihost_utils.process_allgather((rewards, each), tiled=True)
+        return np.asarray(gathered[0]), {k: np.asarray(v) for k, v in gathered[1].items()}
+
+    def informative_groups(self, ro: Rollout) -> np.ndarray:
+        return ro.rewards.reshape(-1, self.group_size).std(axis=1) > 0
+
+    def _assemble(self, parts: list[tuple[Rollout, np.ndarray]]) -> Rollout:
+        """P groups: informative ones first, then (if refills ran out) zero-variance ones (zero advantage)."""
+        g, pad_id = self.group_size, self.policy.pad_id
+        chosen = [(ro, i) for ro, keep in parts for i in np.flatnonzero(keep)]
+        chosen += [(ro, i) for ro, keep in parts for i in np.flatnonzero(~keep)]
+        chosen = chosen[: self.prompts_per_step]
+        width = max(ro.prompt_tokens.shape[1] for ro, _ in chosen)
+
+        def take(get: Any) -> np.ndarray:
+            return np.concatenate([get(ro)[i * g : (i + 1) * g] for ro, i in chosen])
+
+        def pad_prompt(x: np.ndarray, value: int) -> np.ndarray:
+            return np.pad(x, ((0, 0), (width - x.shape[1], 0)), constant_values=value)
+
+        out = SampleOutput(*[take(lambda ro, f=f: np.asarray(getattr(ro.out, f))) for f in SampleOutput._fields])
+        return Rollout(
+            prompt_tokens=take(lambda ro: pad_prompt(ro.prompt_tokens, pad_id)),
+            prompt_mask=take(lambda ro: pad_prompt(ro.prompt_mask, 0)),
+            out=out,
+            rewards=take(lambda ro: ro.rewards),
+            per_function={k: take(lambda ro, k=k: ro.per_function[k]) for k in parts[0][0].per_function},
+            completions=[ro.completions[j] for ro, i in chosen for j in range(i * g, (i + 1) * g)],
+            record_indices=np.asarray([ro.record_indices[i] for ro, i in chosen]),
+        )
+
+    def metrics(self, ro: Rollout, refills: int) -> dict[str, float]:
+        """Reward, length and truncation statistics of a rollout (before any update)."""
+        lengths = np.asarray(ro.out.lengths)
+        out = {
+            "reward/mean": float(ro.rewards.mean()),
+            "reward/std": float(ro.rewards.std()),
+            "completion_length/mean": float(lengths.mean()),
+            "completion_length/max": float(lengths.max()),
+            "frac_truncated": float(1.0 - np.asarray(ro.out.stopped_on_eos).mean()),
+        }
+        if self.group_size > 1:  # every "group" of one has zero std: the number would mean nothing
+            out["frac_zero_std_groups"] = float((ro.rewards.reshape(-1, self.group_size).std(axis=1) == 0).mean())
+        for name, values in ro.per_function.items():
+            out[f"reward/{name}/mean"] = float(values.mean())
+        for name, seconds in self.reward_seconds.items():
+            out[f"time/reward/{name}"] = seconds
+        if self.dynamic_sampling:
+            out["dynamic_sampling/refill_rounds"] = float(refills)
+        return out
+
+    def sample_rows(self, ro: Rollout, limit: int = 16) -> list[dict[str, Any]]:
+        rows = []
+        for j in range(min(limit, len(ro.completions))):
+            record_index = int(ro.record_indices[j // self.group_size])
+            rows.append({
+                "prompt": self.prompts.texts[record_index],
+                "completion": ro.completions[j],
+                "reward": float(ro.rewards[j]),
+                **{f"reward/{k}": float(v[j]) for k, v in ro.per_function.items()},
+            })
+        return rows
