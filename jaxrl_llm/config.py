@@ -360,9 +360,7 @@ def validate(c: RunConfig) -> None:
     _choice(c.model.param_dtype, "model.param_dtype", ("float32", "bfloat16"))
     g = c.rl
     _choice(g.kl_estimator, "rl.kl_estimator", ("k1", "k2", "k3"))
-    from jaxrl_llm.rl.losses import POLICY_LOSSES
-
-    _choice(g.policy_loss, "rl.policy_loss", tuple(POLICY_LOSSES))
+    resolve_policy_loss(g.policy_loss)
     _choice(
         g.loss_aggregation,
         "rl.loss_aggregation",
@@ -374,7 +372,11 @@ def validate(c: RunConfig) -> None:
     if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
         raise ConfigError(f"mesh.data/fsdp/tensor={sizes}: each is a positive size, and at most one is -1")
     if g.estimator:
-        resolve_estimator(g.estimator)
+        from jaxrl_llm.rl.estimators import needs_values
+
+        if needs_values(resolve_estimator(g.estimator)) != (c.algo == "ppo"):
+            raise ConfigError(f"rl.estimator={g.estimator} with algo={c.algo}: PPO's advantages are GAE over its "
+                              f"critic's values (rl.estimator=gae or empty), and only --algo ppo has a critic")
     if g.group_size < 2 and c.algo in ("grpo", "rloo") and g.estimator != "reinforce_pp":
         raise ConfigError(f"rl.group_size={g.group_size}: a group-relative advantage needs at least 2 samples")
     rollout = g.prompts_per_step * g.group_size
@@ -453,23 +455,38 @@ def _validate_ppo(p: PPOSection) -> None:
         raise ConfigError(f"ppo.critic_learning_rate={p.critic_learning_rate} must be > 0")
 
 
+def _resolve(key: str, name: str, registry: dict[str, Any], register: Any) -> str:
+    """`name` if in `registry`; a `module:function` is imported and added with `register(name, fn)`."""
+    if name in registry:
+        return name
+    if ":" not in name:
+        raise ConfigError(f"{key}={name!r}: expected one of {', '.join(registry)}, or 'module:function' "
+                          f"(see docs/extending.md)")
+    module_name, _, attr = name.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"{key}={name!r} cannot be imported: {e}") from e
+    register(name, fn)
+    return name
+
+
 def resolve_estimator(name: str) -> str:
     """`name` if registered (`jaxrl_llm.rl.estimators.ADVANTAGE_ESTIMATORS`); a `module:function` is imported and
     registered under that name (its `kl_in_reward` attribute, if any, says where the KL goes)."""
     from jaxrl_llm.rl.estimators import ADVANTAGE_ESTIMATORS, register_estimator
 
-    if name in ADVANTAGE_ESTIMATORS:
-        return name
-    if ":" not in name:
-        raise ConfigError(f"rl.estimator={name!r}: expected one of {', '.join(ADVANTAGE_ESTIMATORS)}, or "
-                          f"'module:function' (see docs/extending.md)")
-    module_name, _, attr = name.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"rl.estimator={name!r} cannot be imported: {e}") from e
-    register_estimator(name, kl_in_reward=bool(getattr(fn, "kl_in_reward", False)))(fn)
-    return name
+    def register(key: str, fn: Any) -> None:
+        register_estimator(key, kl_in_reward=bool(getattr(fn, "kl_in_reward", False)))(fn)
+
+    return _resolve("rl.estimator", name, ADVANTAGE_ESTIMATORS, register)
+
+
+def resolve_policy_loss(name: str) -> str:
+    """`name` if registered (`jaxrl_llm.rl.losses.POLICY_LOSSES`); a `module:function` is imported and registered."""
+    from jaxrl_llm.rl.losses import POLICY_LOSSES, register_policy_loss
+
+    return _resolve("rl.policy_loss", name, POLICY_LOSSES, lambda key, fn: register_policy_loss(key)(fn))
 
 
 def advantage_estimator(c: RunConfig) -> str:

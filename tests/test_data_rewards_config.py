@@ -190,6 +190,8 @@ def test_renamed_keys_name_their_new_names(tmp_path):
     assert load_run_config(None, ["rl.policy_loss=gspo"]).rl.policy_loss == "gspo"
     with pytest.raises(ConfigError, match="rl.policy_loss='clip': expected one of ppo_clip, gspo"):
         load_run_config(None, ["rl.policy_loss=clip"])
+    with pytest.raises(ConfigError, match="rl.estimator=gae with algo=grpo: .* only --algo ppo has a critic"):
+        load_run_config(None, ["rl.estimator=gae"])
 
 
 def test_divisibility_is_checked_up_front(tmp_path):

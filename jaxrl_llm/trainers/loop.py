@@ -145,9 +145,8 @@ class Trainer:
                            resume_step=self.step if self.resumed else None)
         logger.message(algo.describe())
         summary: dict[str, Any] = {}
-        eval_limit = c.eval_size or None
         if self.step == 0 and algo.evaluates_before:
-            summary["before"] = algo.evaluate(eval_limit)
+            summary["before"] = algo.evaluate(c.eval_size or None)
             if summary["before"]:
                 logger.log(0, summary["before"])
                 logger.message(f"held-out evaluation before: {_eval_text(summary['before'])}")
@@ -163,28 +162,10 @@ class Trainer:
                 self.divergence, diverged = update_divergence(self.divergence, metrics, vocab_size=algo.vocab_size,
                                                               limits=limits)
                 last = self.step == c.steps or (diverged and c.on_divergence == "stop")
-                if last or (c.eval_every and self.step % c.eval_every == 0):
-                    evaluation = algo.evaluate(eval_limit)  # the final evaluation shares the last step's row
-                    metrics.update(evaluation)
-                    if evaluation:
-                        logger.message(f"step {self.step}: held-out {_eval_text(evaluation)}")
-                    if last:
-                        summary["after"] = evaluation
-                if self.step % c.log_every == 0 or last:
-                    logger.log(self.step, metrics)
-                if c.sample_every and self.step % c.sample_every == 0:
-                    logger.samples(self.step, algo.sample_rows(batch))
-                logger.progress(algo.progress(metrics))
+                self._record(logger, batch, metrics, summary, last)
                 if diverged:
                     flagged = {"step": self.step, "conditions": diverged}
-                    logger.message(f"step {self.step}: the policy diverged: {'; '.join(diverged.values())}")
-                    if c.on_divergence == "stop":
-                        # Checkpoints written while the collapse built up are not good ones: set them aside,
-                        # so the latest checkpoint (and a --resume) is the last good policy.
-                        first_bad = self.step - max(self.divergence.streaks[n] for n in diverged) + 1
-                        moved = self.checkpointer.set_aside(first_bad, "diverged_checkpoints")
-                        if moved:
-                            logger.message(f"checkpoints of steps {moved} moved to diverged_checkpoints/")
+                    if self._on_divergence(logger, diverged):
                         break
                 if c.checkpoint_every and self.step % c.checkpoint_every == 0:
                     self.save_checkpoint()
@@ -200,8 +181,42 @@ class Trainer:
         finally:
             self.checkpointer.close()
             logger.close()
+        return self._finish(summary, diverged, flagged)
+
+    def _record(self, logger: RunLogger, batch: Any, metrics: dict[str, float], summary: dict[str, Any],
+                last: bool) -> None:
+        """Evaluation (every `eval_every` steps and at the last), the metrics row, samples and the progress bar."""
+        c, algo = self.config, self.algorithm
+        if last or (c.eval_every and self.step % c.eval_every == 0):
+            evaluation = algo.evaluate(c.eval_size or None)  # the final evaluation shares the last step's row
+            metrics.update(evaluation)
+            if evaluation:
+                logger.message(f"step {self.step}: held-out {_eval_text(evaluation)}")
+            if last:
+                summary["after"] = evaluation
+        if self.step % c.log_every == 0 or last:
+            logger.log(self.step, metrics)
+        if c.sample_every and self.step % c.sample_every == 0:
+            logger.samples(self.step, algo.sample_rows(batch))
+        logger.progress(algo.progress(metrics))
+
+    def _on_divergence(self, logger: RunLogger, diverged: dict[str, str]) -> bool:
+        """Report a divergence; with `on_divergence=stop`, set aside the checkpoints written while the collapse
+        built up (so the latest checkpoint, and a --resume, is the last good policy) and return True."""
+        logger.message(f"step {self.step}: the policy diverged: {'; '.join(diverged.values())}")
+        if self.config.on_divergence != "stop":
+            return False
+        first_bad = self.step - max(self.divergence.streaks[n] for n in diverged) + 1
+        moved = self.checkpointer.set_aside(first_bad, "diverged_checkpoints")
+        if moved:
+            logger.message(f"checkpoints of steps {moved} moved to diverged_checkpoints/")
+        return True
+
+    def _finish(self, summary: dict[str, Any], diverged: dict[str, str], flagged: dict[str, Any]) -> dict[str, Any]:
+        """summary.json; then either `DivergenceError` (stopped on a divergence, no export) or the export."""
+        c, algo = self.config, self.algorithm
         if "after" not in summary:  # no step ran (the run had reached `steps` already)
-            summary["after"] = algo.evaluate(eval_limit)
+            summary["after"] = algo.evaluate(c.eval_size or None)
         if not summary["after"]:
             del summary["after"]
         if flagged:
