@@ -142,7 +142,7 @@ def _timed(fn) -> float:
 def decode_matmul_floor(params, config, batch: int, steps: int, repeats: int = 5) -> float:
     """Best wall time of `steps` token steps that run only the decode loop's matmuls (the sampler's own
     `StepWeights` and output matrix, `batch` rows): see the module docstring."""
-    from jaxrl_llm.sampling import split_layers, step_weights
+    from jaxrl_llm.models.decode import split_layers, step_weights
 
     weights = step_weights(split_layers(params, config), config)
     output = params["embed"]["embedding"] if config.tie_word_embeddings else params["lm_head"]["kernel"].T

@@ -72,15 +72,17 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.decoder import (
-    Decoder,
-    DecoderLayer,
-    Params,
-    attention_allowed,
-    positions_from_mask,
-    rope_cos_sin,
-    unembed,
+from jaxrl_llm.models.decode import (
+    constrain_step_weights,
+    decode_token,
+    fusable_shards,
+    loop_caches,
+    prefill,
+    split_layers,
+    step_weights,
 )
+from jaxrl_llm.models.decoder import Params
+from jaxrl_llm.models.layers import attention_allowed
 from jaxrl_llm.sharding import BATCH_AXES, constrain, global_array
 
 
@@ -358,235 +360,41 @@ def sample_from_logits(
 # --------------------------------------------------------------------------------------- the program
 
 
-_MASKED = -1e30  # the decoder's score for a masked key (finite: a fully masked row stays finite)
-LayerCaches = list[dict[str, jax.Array]]  # per layer {"k", "v": [B, S, KVH, hd]} (`loop_caches` layout in the loop)
+def _completion_caches(prompt_caches: list[dict[str, jax.Array]], n: int, new_tokens: int,
+                       mesh: Mesh | None) -> list[dict[str, jax.Array]]:
+    """The prompts' caches broadcast to `n` samples each (prompt-major rows), in the decode loop's
+    `loop_caches` layout (transposed here once per call, not by XLA inside every step), with `new_tokens`
+    empty completion slots appended on the slot axis."""
+    def extend(a: jax.Array, slot_axis: int) -> jax.Array:
+        slots = [(0, new_tokens if axis == slot_axis else 0) for axis in range(a.ndim)]
+        return constrain(jnp.pad(jnp.repeat(a, n, axis=0), slots), mesh, PartitionSpec(BATCH_AXES, "tensor"))
+
+    return [{"k": extend(c["k"], 3), "v": extend(c["v"], 2)} for c in loop_caches(prompt_caches)]
 
 
-def split_layers(params: Params, config: ModelConfig) -> list[Params]:
-    """The stacked `[L, ...]` layer parameters as `L` per-layer pytrees (static slices)."""
-    return [jax.tree.map(lambda a, i=i: a[i], params["layers"]) for i in range(config.num_layers)]
-
-
-def decode_layers(
-    params: Params,
-    layer_params: list[Params],
-    config: ModelConfig,
-    tokens: jax.Array,
-    positions: jax.Array,
-    key_mask: jax.Array,
-    caches: LayerCaches,
-    cache_index: jax.Array | int,
-    return_hidden: bool = False,
-) -> tuple[jax.Array, LayerCaches]:
-    """`decode_step` with the layer loop unrolled over per-layer caches: `(logits [B, T, V], caches)`.
-
-    The same modules and math as `Decoder.__call__` (embed -> `DecoderLayer` x L -> final norm -> unembed;
-    a test checks the logits agree), driven differently for the sampler's hot loop. Inside a
-    `lax.while_loop`, the decoder's `nn.scan` over stacked layers slices every layer's weights and cache
-    into temporaries and stacks the updated cache back each step (several copies of the whole cache and of
-    the weights per token); with one buffer per layer and per-layer weights sliced once per call, each step
-    writes only the new token's keys and values in place: about 2x faster sampling calls on the CPU
-    benchmark model (BENCHMARKS.md).
-    """
-    decoder = Decoder(config)
-    x = decoder.apply({"params": params}, tokens, method=lambda m, t: m.embed(t))
-    cos, sin = rope_cos_sin(config, positions)
-    allowed = attention_allowed(key_mask, tokens.shape[1], cache_index, config.sliding_window)
-    layer = DecoderLayer(config)
-    new_caches = []
-    for weights, cache in zip(layer_params, caches, strict=True):
-        x, cache = layer.apply({"params": weights}, x, cache, cos, sin, allowed, cache_index)
-        new_caches.append(cache)
-    x = decoder.apply({"params": params}, x, method=lambda m, h: m.final_norm(h))
-    if return_hidden:
-        return x, new_caches
-    return decoder.apply({"params": params}, x, method=lambda m, h: m.unembed(h)), new_caches
-
-
-class StepWeights(NamedTuple):
-    """One layer's weights for the decode loop's token step, prepared once per call (outside the loop):
-    q|k|v and gate|up concatenated into one matrix each (fewer, wider matmuls), biases and norm scales
-    as `[1, N]` rows (absent ones as None), all in the compute dtype."""
-
-    attn_norm: jax.Array
-    qkv: jax.Array
-    qkv_bias: jax.Array | None
-    q_norm: jax.Array | None
-    k_norm: jax.Array | None
-    o: jax.Array
-    o_bias: jax.Array | None
-    mlp_norm: jax.Array
-    gate_up: jax.Array
-    gate_up_bias: jax.Array | None
-    down: jax.Array
-    down_bias: jax.Array | None
-
-
-def fusable_shards(config: ModelConfig, tensor: int) -> int:
-    """How many tensor-parallel shards the fused q|k|v and gate|up matrices are laid out for: `tensor` when
-    it divides every fused part's columns, else 1 (plain concatenation)."""
-    hd = config.head_dim
-    parts = (config.num_heads * hd, config.num_kv_heads * hd, config.intermediate_size)
-    return tensor if tensor > 1 and all(n % tensor == 0 for n in parts) else 1
-
-
-def _fuse(parts: list[jax.Array], shards: int) -> jax.Array:
-    """Concatenate `[..., n_i]` arrays on the last axis, shard-major: with `shards = t`, the columns are
-    `[p0_0 | p1_0 | ... | p0_1 | p1_1 | ...]` (`p_j` split into `t` equal blocks), so a `tensor`-sharded
-    fused matrix gives each device its own block of every part (no resharding in the token step)."""
-    if shards == 1:
-        return jnp.concatenate(parts, axis=-1)
-    blocks = [p.reshape(*p.shape[:-1], shards, p.shape[-1] // shards) for p in parts]
-    fused = jnp.concatenate(blocks, axis=-1)
-    return fused.reshape(*fused.shape[:-2], -1)
-
-
-def _unfuse(fused: jax.Array, widths: tuple[int, ...], shards: int) -> list[jax.Array]:
-    """Inverse of `_fuse` on the last axis of `fused [..., sum(widths)]`."""
-    blocked = fused.reshape(*fused.shape[:-1], shards, -1)
-    out, start = [], 0
-    for w in widths:
-        out.append(blocked[..., start : start + w // shards].reshape(*fused.shape[:-1], w))
-        start += w // shards
-    return out
-
-
-def step_weights(layer_params: list[Params], config: ModelConfig, shards: int = 1) -> list[StepWeights]:
-    """Per-layer `StepWeights` from `split_layers`' per-layer parameter pytrees, fused for `shards`
-    tensor-parallel shards (see `fusable_shards`, `_fuse`)."""
-    dtype = config.jnp_dtype
-
-    def cast(a: jax.Array) -> jax.Array:
-        return a.astype(dtype)
-
-    def bias(*denses: Params) -> jax.Array | None:
-        if "bias" not in denses[0]:
-            return None
-        return cast(_fuse([d["bias"] for d in denses], shards)[None])
-
-    out = []
-    for w in layer_params:
-        attn, mlp = w["attn"], w["mlp"]
-        out.append(StepWeights(
-            attn_norm=w["attn_norm"]["scale"],
-            qkv=cast(_fuse([attn["q"]["kernel"], attn["k"]["kernel"], attn["v"]["kernel"]], shards)),
-            qkv_bias=bias(attn["q"], attn["k"], attn["v"]),
-            q_norm=attn["q_norm"]["scale"] if config.qk_norm else None,
-            k_norm=attn["k_norm"]["scale"] if config.qk_norm else None,
-            o=cast(attn["o"]["kernel"]),
-            o_bias=bias(attn["o"]),
-            mlp_norm=w["mlp_norm"]["scale"],
-            gate_up=cast(_fuse([mlp["gate"]["kernel"], mlp["up"]["kernel"]], shards)),
-            gate_up_bias=bias(mlp["gate"], mlp["up"]),
-            down=cast(mlp["down"]["kernel"]),
-            down_bias=bias(mlp["down"]),
-        ))
-    return out
-
-
-def loop_caches(caches: LayerCaches) -> LayerCaches:
-    """Decoder-layout caches `{"k", "v": [B, S, KVH, hd]}` -> the decode loop's layout: keys `[B, KVH, hd, S]`,
-    values `[B, KVH, S, hd]`, the layouts the two attention contractions of `decode_token` read."""
-    return [{"k": jnp.transpose(c["k"], (0, 2, 3, 1)), "v": jnp.swapaxes(c["v"], 1, 2)} for c in caches]
-
-
-def decoder_caches(caches: LayerCaches) -> LayerCaches:
-    """Inverse of `loop_caches`."""
-    return [{"k": jnp.transpose(c["k"], (0, 3, 1, 2)), "v": jnp.swapaxes(c["v"], 1, 2)} for c in caches]
-
-
-def _rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    """`RMSNorm` of the decoder (normalised in float32, then scaled in the compute dtype)."""
-    x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return scale.astype(x.dtype) * normed.astype(x.dtype)
-
-
-def _rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """`apply_rope` for one token: `x [B, heads, hd]`, `cos, sin [B, 1, hd]`."""
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos.astype(x.dtype) + rotated * sin.astype(x.dtype)
-
-
-def decode_token(
-    params: Params,
-    weights: list[StepWeights],
-    config: ModelConfig,
-    tokens: jax.Array,
-    positions: jax.Array,
-    allowed: jax.Array,
-    caches: LayerCaches,
-    cache_index: jax.Array,
-    shards: int = 1,
-) -> tuple[jax.Array, LayerCaches]:
-    """One token step of the decode loop: `tokens [B]` at `positions [B]` written to cache slot
-    `cache_index`; `allowed [B, S]` the key slots it may attend to. Returns `(logits [B, V], caches)`.
-
-    The same math as `decode_layers` with `T = 1` (a test checks they agree), written for the hot loop:
-    - caches in `loop_caches` layout, keys `[B, KVH, hd, S]` and values `[B, KVH, S, hd]` (the prefill's
-      `[B, S, KVH, hd]` caches are transposed once per call): `q.K` is then a `[groups, hd] x [hd, S]`
-      product per row and head and `p.V` a `[groups, S] x [S, hd]` one, both on the cache as stored, so
-      XLA:CPU transposes no cache on any token (with `[B, S, KVH, hd]` it re-laid out every layer's whole
-      K and V cache per token: about a quarter of the step's op time on the benchmark model; keys
-      `[B, KVH, hd, S]` instead of `[B, KVH, S, hd]`: 1.1x per call, BENCHMARKS.md); the new token's keys
-      and values are written in place;
-    - plain `jnp` on `StepWeights` (no Flax module per layer), q|k|v and gate|up as one matmul each, laid out
-      for `shards` tensor-parallel shards (`step_weights(..., shards)`).
-    """
-    c = config
-    b = tokens.shape[0]
-    h, kvh, hd = c.num_heads, c.num_kv_heads, c.head_dim
-    groups = h // kvh
-    x = params["embed"]["embedding"][tokens].astype(c.jnp_dtype)  # [B, D]
-    cos, sin = rope_cos_sin(c, positions[:, None])  # [B, 1, hd]
-    new_caches = []
-    for w, cache in zip(weights, caches, strict=True):
-        qkv = _rms_norm(x, w.attn_norm, c.rms_norm_eps) @ w.qkv
-        if w.qkv_bias is not None:
-            qkv = qkv + w.qkv_bias
-        q, k, v = _unfuse(qkv, (h * hd, kvh * hd, kvh * hd), shards)
-        q, k, v = q.reshape(b, h, hd), k.reshape(b, kvh, hd), v.reshape(b, kvh, hd)
-        if c.qk_norm:
-            q, k = _rms_norm(q, w.q_norm, c.rms_norm_eps), _rms_norm(k, w.k_norm, c.rms_norm_eps)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        k_all = jax.lax.dynamic_update_slice_in_dim(cache["k"], k[..., None].astype(cache["k"].dtype), cache_index, 3)
-        v_all = jax.lax.dynamic_update_slice_in_dim(cache["v"], v[:, :, None].astype(cache["v"].dtype), cache_index, 2)
-        new_caches.append({"k": k_all, "v": v_all})
-        # The decoder's grouped-query attention for one query per row, on the loop-layout caches.
-        qg = q.reshape(b, kvh, groups, hd)
-        scores = jnp.einsum("bkgd,bkds->bkgs", qg, k_all.astype(q.dtype), preferred_element_type=jnp.float32)
-        scores = jnp.where(allowed[:, None, None, :], scores / math.sqrt(hd), _MASKED)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v_all.dtype)
-        out = jnp.einsum("bkgs,bksd->bkgd", probs, v_all.astype(q.dtype))
-        attn = out.reshape(b, h * hd).astype(c.jnp_dtype) @ w.o
-        if w.o_bias is not None:
-            attn = attn + w.o_bias
-        x = x + attn
-        gate_up = _rms_norm(x, w.mlp_norm, c.rms_norm_eps) @ w.gate_up
-        if w.gate_up_bias is not None:
-            gate_up = gate_up + w.gate_up_bias
-        gate, up = _unfuse(gate_up, (c.intermediate_size, c.intermediate_size), shards)
-        mlp = (jax.nn.silu(gate) * up) @ w.down
-        if w.down_bias is not None:
-            mlp = mlp + w.down_bias
-        x = x + mlp
-    x = _rms_norm(x, params["final_norm"]["scale"], c.rms_norm_eps)
-    return unembed(params, c, x).astype(jnp.float32), new_caches
-
-
-def _prefill(
-    params: Params, layer_params: list[Params], config: ModelConfig, tokens: jax.Array, mask: jax.Array
-) -> tuple[jax.Array, LayerCaches]:
-    """Prompt `[B, P]` -> (next-token logits `[B, V]` float32, per-layer caches `[B, P, KVH, hd]`)."""
-    shape = (tokens.shape[0], tokens.shape[1], config.num_kv_heads, config.head_dim)
-    empty = {"k": jnp.zeros(shape, config.jnp_dtype), "v": jnp.zeros(shape, config.jnp_dtype)}
-    caches = [empty] * len(layer_params)
-    # Left padding puts every row's last prompt token in the last column: only it needs logits.
-    hidden, caches = decode_layers(
-        params, layer_params, config, tokens, positions_from_mask(mask), mask, caches, 0, return_hidden=True
+def _emit(i: jax.Array | int, logits: jax.Array, done: jax.Array, length: jax.Array, outputs: tuple[jax.Array, ...],
+          *, key: jax.Array, knobs: Knobs, static: _Static) -> tuple[jax.Array, jax.Array, jax.Array, tuple]:
+    """Sample completion token `i` for every row from `logits [R, V]` into column `i` of `outputs` (tokens,
+    log-probs, untruncated log-probs); rows already done get padding. Returns `(token, done, length, outputs)`."""
+    token, logprob, untruncated = sample_from_logits(
+        logits,
+        jax.random.fold_in(key, i),
+        knobs,
+        greedy=static.greedy,
+        use_top_k=static.top_k,
+        use_top_p=static.top_p,
+        use_min_p=static.min_p,
     )
-    return unembed(params, config, hidden[:, -1]).astype(jnp.float32), caches
+    active = ~done
+    token = jnp.where(active, token, static.pad_id)
+    columns = (token, jnp.where(active, logprob, 0.0), jnp.where(active, untruncated, 0.0))
+    outputs = tuple(
+        jax.lax.dynamic_update_slice_in_dim(buf, col[:, None].astype(buf.dtype), i, axis=1)
+        for buf, col in zip(outputs, columns, strict=True)
+    )
+    eos_ids = jnp.asarray(static.eos_ids, jnp.int32)
+    hit_eos = jnp.any(token[:, None] == eos_ids, axis=-1) if static.eos_ids else jnp.zeros_like(done)
+    return token, done | (active & hit_eos), length + active.astype(jnp.int32), outputs
 
 
 @functools.partial(jax.jit, static_argnames=("config", "static", "mesh"))
@@ -613,21 +421,13 @@ def _sample_program(
     prompt_tokens, prompt_mask = constrain(prompt_tokens, mesh, rows_spec), constrain(prompt_mask, mesh, rows_spec)
     layer_params = split_layers(params, config)
     shards = fusable_shards(config, mesh.shape["tensor"]) if mesh is not None else 1
-    weights = [_constrain_step_weights(w, mesh) for w in step_weights(layer_params, config, shards)]
+    weights = [constrain_step_weights(w, mesh) for w in step_weights(layer_params, config, shards)]
 
     # Prefill the B prompts once; the n samples of a prompt share it.
-    logits, prompt_caches = _prefill(params, layer_params, config, prompt_tokens, prompt_mask)
+    logits, prompt_caches = prefill(params, layer_params, config, prompt_tokens, prompt_mask)
 
-    # n samples per prompt: broadcast the prompt's cache and logits (prompt-major rows), then extend each
-    # layer's cache with the empty completion slots.
     logits = jnp.repeat(logits, n, axis=0)
-    # The decode loop keeps its caches in `loop_caches` layout (see `decode_token`): transposed here once
-    # per call, not by XLA inside every step; the completion slots are padding on the slot axis.
-    def extend(a: jax.Array, slot_axis: int) -> jax.Array:
-        slots = [(0, new_tokens if axis == slot_axis else 0) for axis in range(a.ndim)]
-        return constrain(jnp.pad(jnp.repeat(a, n, axis=0), slots), mesh, PartitionSpec(BATCH_AXES, "tensor"))
-
-    caches = [{"k": extend(c["k"], 3), "v": extend(c["v"], 2)} for c in loop_caches(prompt_caches)]
+    caches = _completion_caches(prompt_caches, n, new_tokens, mesh)
     rows = logits.shape[0]
     # Completion slots are all marked valid up front: causality (key slot <= query slot) already hides the
     # slots not written yet, so the key mask never changes inside the loop.
@@ -635,28 +435,7 @@ def _sample_program(
         [jnp.repeat(prompt_mask, n, axis=0), jnp.ones((rows, new_tokens), prompt_mask.dtype)], axis=1
     )
     first_position = jnp.repeat(jnp.sum(prompt_mask, axis=-1, dtype=jnp.int32), n)  # of completion token 0
-    eos_ids = jnp.asarray(static.eos_ids, jnp.int32)
-
-    def emit(i, logits, done, length, outputs):
-        """Sample completion token `i` for every row from `logits`; rows already done get padding."""
-        token, logprob, untruncated = sample_from_logits(
-            logits,
-            jax.random.fold_in(key, i),
-            knobs,
-            greedy=static.greedy,
-            use_top_k=static.top_k,
-            use_top_p=static.top_p,
-            use_min_p=static.min_p,
-        )
-        active = ~done
-        token = jnp.where(active, token, static.pad_id)
-        columns = (token, jnp.where(active, logprob, 0.0), jnp.where(active, untruncated, 0.0))
-        outputs = tuple(
-            jax.lax.dynamic_update_slice_in_dim(buf, col[:, None].astype(buf.dtype), i, axis=1)
-            for buf, col in zip(outputs, columns, strict=True)
-        )
-        hit_eos = jnp.any(token[:, None] == eos_ids, axis=-1) if static.eos_ids else jnp.zeros_like(done)
-        return token, done | (active & hit_eos), length + active.astype(jnp.int32), outputs
+    emit = functools.partial(_emit, key=key, knobs=knobs, static=static)
 
     outputs = (
         jnp.full((rows, new_tokens), static.pad_id, jnp.int32),
@@ -689,22 +468,6 @@ def _sample_program(
     mask = (jnp.arange(new_tokens)[None, :] < length[:, None]).astype(jnp.int32)
     out = SampleOutput(tokens, mask, logprobs, untruncated, length, done)
     return jax.tree.map(lambda x: constrain(x, mesh, rows_spec), out)
-
-
-def _constrain_step_weights(w: StepWeights, mesh: Mesh | None) -> StepWeights:
-    """Token-step weights gathered over `fsdp` and split over `tensor` (columns of q|k|v and gate|up, rows
-    of o and down): each decode step then needs only the tensor-parallel reductions."""
-    if mesh is None:
-        return w
-    columns, rows, whole = PartitionSpec(None, "tensor"), PartitionSpec("tensor", None), PartitionSpec()
-    specs = StepWeights(attn_norm=whole, qkv=columns, qkv_bias=columns, q_norm=whole, k_norm=whole, o=rows,
-                        o_bias=whole, mlp_norm=whole, gate_up=columns, gate_up_bias=columns, down=rows,
-                        down_bias=whole)
-    return StepWeights(*[None if x is None else constrain(x, mesh, spec)
-                         for x, spec in zip(w, specs, strict=True)])
-
-
-# ------------------------------------------------------------------------------------------ host side
 
 
 def bucket_prompts(

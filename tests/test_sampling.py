@@ -13,6 +13,7 @@ from scipy import stats
 
 from jaxrl_llm import sampling as sampling_module
 from jaxrl_llm.errors import UsageError
+from jaxrl_llm.models.decode import decode_layers, decode_token, decoder_caches, loop_caches, split_layers, step_weights
 from jaxrl_llm.models.decoder import attention_allowed, decode_step, forward, init_cache, positions_from_mask
 from jaxrl_llm.models.hf import load_hf_model
 from jaxrl_llm.sampling import (
@@ -20,14 +21,8 @@ from jaxrl_llm.sampling import (
     SamplingConfig,
     bucket_prompts,
     compiled_program_count,
-    decode_layers,
-    decode_token,
-    decoder_caches,
-    loop_caches,
     sample,
     sample_from_logits,
-    split_layers,
-    step_weights,
     truncate_logits,
 )
 
@@ -331,7 +326,7 @@ def test_token_step_equals_decoder(kind, shards, hf_model_dir):
     sliding window (mistral), q/k norms (qwen3), o/MLP biases (llama_linear_rope_bias); also with q|k|v and
     gate|up fused shard-major for 2 tensor-parallel shards."""
     config, params = load_hf_model(hf_model_dir(kind))
-    from jaxrl_llm.sampling import fusable_shards
+    from jaxrl_llm.models.decode import fusable_shards
 
     assert fusable_shards(config, shards) == shards  # the tiny models divide, so the 2-shard layout is used
     tokens, mask = left_padded_batch(config.vocab_size, [9, 5], seed=8)
@@ -370,13 +365,13 @@ def test_n_samples_share_one_prefill_and_are_prompt_major(hf_model_dir, monkeypa
     config, params = load_hf_model(hf_model_dir("qwen2"))
     tokens, mask = left_padded_batch(config.vocab_size, [4, 7, 2], seed=5)
     prefill_batches = []
-    original = sampling_module._prefill
+    original = sampling_module.prefill
 
     def recording_prefill(params, layer_params, config, tokens, mask):
         prefill_batches.append(tokens.shape[0])  # at trace time
         return original(params, layer_params, config, tokens, mask)
 
-    monkeypatch.setattr(sampling_module, "_prefill", recording_prefill)
+    monkeypatch.setattr(sampling_module, "prefill", recording_prefill)
     greedy = sample(params, config, tokens, mask, jax.random.key(0), SamplingConfig(12, greedy=True, n=3))
     single = sample(params, config, tokens, mask, jax.random.key(0), SamplingConfig(12, greedy=True))
     assert prefill_batches == [3, 3]  # B = 3 prompts prefilled, not B * n = 9 rows
@@ -412,13 +407,13 @@ def test_one_compile_per_bucket(hf_model_dir, monkeypatch):
     """Calls whose prompt length, max_new_tokens and knob values fall into one bucket reuse one program."""
     config, params = load_hf_model(hf_model_dir("llama3_rope"))
     traces = []
-    original = sampling_module._prefill
+    original = sampling_module.prefill
 
     def counting_prefill(*args):
         traces.append(1)
         return original(*args)
 
-    monkeypatch.setattr(sampling_module, "_prefill", counting_prefill)
+    monkeypatch.setattr(sampling_module, "prefill", counting_prefill)
     programs = compiled_program_count()
     calls = [([3, 5, 2, 1, 4], 5, dict(temperature=1.0, top_k=3)),
              ([16, 1, 9, 9, 2], 16, dict(temperature=0.5, top_k=40)),

@@ -18,120 +18,27 @@ RoPE uses the Hugging Face `rotate_half` convention (the two halves of each head
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.layers import (  # noqa: F401  (re-exported: the decoder's public math)
+    SUPPORTED_ROPE_SCALING,
+    apply_rope,
+    attention_allowed,
+    grouped_query_attention,
+    positions_from_mask,
+    rms_norm,
+    rope_cos_sin,
+    rope_inverse_frequencies,
+    swiglu,
+)
 
 Params = dict[str, Any]
 Cache = dict[str, jax.Array]
-
-# A large finite negative: a fully padded query row then gets a uniform (finite) softmax instead of NaN.
-_MASKED = -1e30
-
-SUPPORTED_ROPE_SCALING = ("linear", "llama3")
-
-
-def rope_inverse_frequencies(config: ModelConfig) -> np.ndarray:
-    """`inv_freq [hd/2]` = theta^(-2i/hd), adjusted by `rope_scaling` (transformers' `rope_utils`)."""
-    hd = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, hd, 2, dtype=np.float32) / hd))
-    scaling = config.rope_scaling_dict
-    if scaling is None:
-        return inv_freq.astype(np.float32)
-    kind = scaling.get("rope_type", scaling.get("type"))
-    factor = float(scaling["factor"])
-    if kind == "linear":
-        return (inv_freq / factor).astype(np.float32)
-    if kind == "llama3":
-        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-        old_context = float(scaling["original_max_position_embeddings"])
-        wavelen = 2 * math.pi / inv_freq
-        scaled = np.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
-        smooth = (old_context / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= old_context / high) & (wavelen <= old_context / low)
-        return np.where(medium, smoothed, scaled).astype(np.float32)
-    raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: {', '.join(SUPPORTED_ROPE_SCALING)}")
-
-
-def rope_cos_sin(config: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """`cos, sin [B, T, hd]` for integer `positions [B, T]`, computed in float32."""
-    inv_freq = jnp.asarray(rope_inverse_frequencies(config))
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, hd/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """`x * cos + rotate_half(x) * sin` for `x [B, T, heads, hd]`, `cos, sin [B, T, hd]`."""
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    cos, sin = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
-    return x * cos + rotated * sin
-
-
-def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
-    """Positions `[B, T]` of a left-padded batch: `cumsum(mask) - 1`, 0 on padding."""
-    return jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=-1) - 1, 0)
-
-
-def attention_allowed(
-    key_mask: jax.Array, num_queries: int, cache_index: jax.Array | int, sliding_window: int | None
-) -> jax.Array:
-    """Boolean `[B, T, S]`: query `t` (slot `cache_index + t`) may attend to key slot `s`."""
-    q_slot = cache_index + jnp.arange(num_queries)[:, None]
-    k_slot = jnp.arange(key_mask.shape[-1])[None, :]
-    allowed = k_slot <= q_slot
-    if sliding_window is not None:
-        allowed &= q_slot - k_slot < sliding_window
-    return allowed[None] & key_mask.astype(bool)[:, None, :]
-
-
-def grouped_query_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, *, query_chunk: int = 0
-) -> jax.Array:
-    """softmax(q k^T / sqrt(hd)) v with GQA.
-
-    q `[B, T, H, hd]`, k/v `[B, S, KVH, hd]`, allowed `[B, T, S]` -> `[B, T, H * hd]`. Scores and softmax
-    in float32; each group of `H / KVH` query heads shares one key/value head.
-
-    `query_chunk > 0` and `T > query_chunk`: the queries are taken `query_chunk` at a time (`lax.map`, each chunk
-    under `jax.checkpoint`), so the float32 scores live as `[B, H, query_chunk, S]` blocks, forward and backward,
-    not `[B, H, T, S]`. Each query's softmax still runs over all its keys: the result is the same function.
-    """
-    t = q.shape[1]
-    if not query_chunk or t <= query_chunk:
-        return _attention_block(q, k, v, allowed)
-    n_full, rem = divmod(t, query_chunk)
-
-    def chunk(start: jax.Array | int, size: int) -> jax.Array:
-        return _attention_block(jax.lax.dynamic_slice_in_dim(q, start, size, axis=1), k, v,
-                                jax.lax.dynamic_slice_in_dim(allowed, start, size, axis=1))
-
-    blocks = jax.lax.map(jax.checkpoint(lambda start: chunk(start, query_chunk)),
-                         jnp.arange(n_full, dtype=jnp.int32) * query_chunk)  # [n, B, chunk, H * hd]
-    out = jnp.moveaxis(blocks, 0, 1).reshape(q.shape[0], n_full * query_chunk, -1)
-    if rem:
-        out = jnp.concatenate([out, jax.checkpoint(lambda: chunk(n_full * query_chunk, rem))()], axis=1)
-    return out
-
-
-def _attention_block(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.Array:
-    b, t, h, hd = q.shape
-    kvh = k.shape[2]
-    q = q.reshape(b, t, kvh, h // kvh, hd)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) / math.sqrt(hd)
-    scores = jnp.where(allowed[:, None, None], scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-    return out.reshape(b, t, h * hd)
-
 
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * scale, normalised in float32 (as transformers' LlamaRMSNorm)."""
@@ -143,9 +50,7 @@ class RMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return scale.astype(self.dtype) * normed.astype(self.dtype)
+        return rms_norm(x, scale, self.eps, self.dtype)
 
 
 class Dense(nn.Module):
@@ -223,7 +128,7 @@ class MLP(nn.Module):
         c = self.config
         gate = _dense(c, c.intermediate_size, c.mlp_bias, "gate")(x)
         up = _dense(c, c.intermediate_size, c.mlp_bias, "up")(x)
-        return _dense(c, c.hidden_size, c.mlp_bias, "down")(jax.nn.silu(gate) * up)
+        return _dense(c, c.hidden_size, c.mlp_bias, "down")(swiglu(gate, up))
 
 
 class DecoderLayer(nn.Module):
