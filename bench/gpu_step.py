@@ -29,23 +29,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-QWEN25_05B = {
-    "model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
-    "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True,
-    "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
-}
-TINY = {**QWEN25_05B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512}
-
-
-def train_flops(config, rows: int, prompt_len: int, new_tokens: int) -> float:
-    d, f, hd = config.hidden_size, config.intermediate_size, config.head_dim
-    q, kv = config.num_heads * hd, config.num_kv_heads * hd
-    n_layers = config.num_layers * (d * q + 2 * d * kv + q * d + 3 * d * f)
-    s = prompt_len + new_tokens - 1
-    forward = 2 * n_layers * s + 2 * d * config.vocab_size * new_tokens + 4 * config.num_layers * q * s * (s + 1) / 2
-    return 3 * rows * forward
+from common import QWEN25_05B, QWEN25_05B_TINY, model_dims, train_flops
 
 
 def main() -> None:
@@ -77,7 +61,7 @@ def main() -> None:
 
     sizes = dict(kv.split("=") for kv in args.mesh.split(","))
     mesh = make_mesh(MeshShape(int(sizes["data"]), int(sizes["fsdp"]), int(sizes["tensor"])))
-    config = config_from_hf(TINY if args.tiny else QWEN25_05B, dtype=args.dtype, remat=args.remat)
+    config = config_from_hf(QWEN25_05B_TINY if args.tiny else QWEN25_05B, dtype=args.dtype, remat=args.remat)
     shapes = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
     shardings = param_shardings(shapes, mesh)
     params = jax.jit(lambda: init_params(config, jax.random.key(0)), out_shardings=shardings)()
@@ -123,7 +107,7 @@ def main() -> None:
         params, opt_state, metrics = step(params, opt_state, batch)
         jax.block_until_ready(metrics)
         step_times.append(time.perf_counter() - start)
-    flops = train_flops(config, rows, args.prompt_len, args.new_tokens)
+    flops = train_flops(model_dims(config), rows, args.prompt_len, args.new_tokens)
     mfu = flops / min(step_times) / (args.peak_tflops * 1e12 * jax.device_count())
     print(f"train step: {min(step_times):.3f} s (best of {args.steps}; first call incl. compile {step_compile:.1f} s),"
           f" {flops / 1e12:.2f} TFLOP, MFU {mfu:.3f} of {args.peak_tflops:.0f} TFLOP/s x {jax.device_count()}; "

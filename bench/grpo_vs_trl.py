@@ -62,23 +62,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+from common import (
+    QWEN2_STORIES_10M,
+    jax_matmul_flops,
+    model_dims,
+    random_hf_model,
+    torch_matmul_flops,
+    update_flops,
+)
 
 STORIES260K = Path(os.environ.get("STORIES260K", "/work/shared/models/stories260K"))
-QWEN2_10M = dict(
-    vocab_size=512,
-    hidden_size=256,
-    intermediate_size=1024,
-    num_hidden_layers=10,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    max_position_embeddings=512,
-    tie_word_embeddings=True,
-    rms_norm_eps=1e-6,
-    use_sliding_window=False,
-    bos_token_id=1,
-    eos_token_id=2,
-)
 PROMPTS_PER_STEP, GROUP, NEW_TOKENS, BETA, LR = 4, 8, 32, 0.04, 1e-5
 
 
@@ -95,19 +88,15 @@ def vowel_reward(prompts, completions, **fields) -> list[float]:
 def build_task(root: Path, prompt_tokens: int | None, model: str = "") -> tuple[Path, Path, list, int]:
     """Model dir (random Qwen2 with the stories260K tokenizer, or `model`) and a JSONL of prompts of exactly
     `prompt_tokens` tokens (chat messages for `model`); returns `(model_dir, data, prompts, prompt_tokens)`."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     if model:
         model_dir = Path(model)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     else:
         tokenizer = AutoTokenizer.from_pretrained(STORIES260K)
-        config = AutoConfig.for_model("qwen2", **QWEN2_10M)
-        torch.manual_seed(0)
-        hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model_dir = root / "qwen2-10m"
-        hf_model.save_pretrained(model_dir)
+        random_hf_model(QWEN2_STORIES_10M, out_dir=model_dir)
         tokenizer.save_pretrained(model_dir)
 
     def length(text: str) -> int:
@@ -135,51 +124,6 @@ def build_task(root: Path, prompt_tokens: int | None, model: str = "") -> tuple[
     data = root / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     return model_dir, data, prompts, prompt_tokens
-
-
-def model_dims(model_dir: Path) -> dict[str, int]:
-    hf = json.loads((model_dir / "config.json").read_text())
-    d, f, layers, heads = hf["hidden_size"], hf["intermediate_size"], hf["num_hidden_layers"], hf["num_attention_heads"]
-    hd, kvh, vocab = hf.get("head_dim") or d // heads, hf["num_key_value_heads"], hf["vocab_size"]
-    per_layer = d * heads * hd + 2 * d * kvh * hd + heads * hd * d + 3 * d * f
-    return dict(d=d, layers=layers, heads=heads, hd=hd, vocab=vocab, n_layers=layers * per_layer)
-
-
-def update_flops(dims: dict[str, int], rows: int, prompt_len: int, completion_len: float) -> float:
-    """Useful FLOPs of reference forward + policy forward and backward (see the module docstring)."""
-    c = completion_len
-    s = prompt_len + c - 1
-    forward = (2 * dims["n_layers"] * s + 2 * dims["d"] * dims["vocab"] * c
-               + 4 * dims["layers"] * dims["heads"] * dims["hd"] * s * (s + 1) / 2)
-    return rows * 4 * forward
-
-
-def jax_matmul_flops(dtype: str = "float32", size: int = 1024, repeats: int = 50) -> float:
-    import jax
-    import jax.numpy as jnp
-
-    a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32).astype(dtype)
-    matmul = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
-    matmul(a, a).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        matmul(a, a).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * size**3 / best
-
-
-def torch_matmul_flops(dtype: str = "float32", size: int = 1024, repeats: int = 50) -> float:
-    import torch
-
-    a = torch.randn(size, size).to(getattr(torch, dtype))
-    torch.mm(a, a)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        torch.mm(a, a)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * size**3 / best
 
 
 class CpuMeter:

@@ -52,33 +52,7 @@ import numpy as np
 # Benchmark this checkout's `jaxrl_llm`, not whichever copy is installed (an editable install may point to
 # another clone: `python bench/sampling.py` puts only `bench/` on the path).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-QWEN2_10M = dict(
-    vocab_size=8192,
-    hidden_size=256,
-    intermediate_size=1024,
-    num_hidden_layers=8,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    max_position_embeddings=512,
-    tie_word_embeddings=True,
-    rms_norm_eps=1e-6,
-    use_sliding_window=False,
-)
-
-
-def build_model(model_dir: str):
-    """Random Qwen2-shaped HF model saved to `model_dir` (returned in eval mode, float32)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model("qwen2", **QWEN2_10M)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    model.save_pretrained(model_dir)
-    return model
-
+from common import QWEN2_VOCAB8K_10M, jax_matmul_flops, model_dims, random_hf_model, sampling_flops  # noqa: E402
 
 QUESTIONS = [
     "What is the capital of France?", "Write a short poem about the sea.", "Which number is larger, 47 or 62?",
@@ -107,30 +81,6 @@ def chat_prompts(model_dir: str, batch: int) -> tuple[np.ndarray, np.ndarray, in
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     tokens, mask = left_pad(rows, max(map(len, rows)), pad)
     return tokens, mask, int(pad), int(tokenizer.eos_token_id)
-
-
-def matmul_flops_per_s(size: int = 1024, repeats: int = 20, dtype: str = "float32") -> float:
-    """FLOP/s of a jitted `[size, size] @ [size, size]` in `dtype` (best of `repeats`): the practical limit."""
-    a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32).astype(dtype)
-    matmul = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
-    matmul(a, a).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        matmul(a, a).block_until_ready()
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best
-
-
-def model_flops(config, batch: int, prompt_len: int, new_tokens: int) -> float:
-    """Useful FLOPs of one sampling call (see the module docstring)."""
-    d, f, hd = config.hidden_size, config.intermediate_size, config.head_dim
-    q, kv = config.num_heads * hd, config.num_kv_heads * hd
-    per_layer = d * q + 2 * d * kv + q * d + 3 * d * f
-    n_matmul = config.num_layers * per_layer + d * config.vocab_size
-    contexts = np.concatenate([np.arange(1, prompt_len + 1), prompt_len + np.arange(1, new_tokens)])
-    attention = 4 * config.num_layers * config.num_heads * hd * contexts.sum()
-    return batch * (2 * n_matmul * len(contexts) + attention)
 
 
 def _timed(fn) -> float:
@@ -197,10 +147,10 @@ def main() -> None:
         name = f"{args.model} ({config.model_type})"
     else:
         rng = np.random.default_rng(0)
-        prompts = rng.integers(1, QWEN2_10M["vocab_size"], (args.batch, args.prompt_len)).astype(np.int32)
+        prompts = rng.integers(1, QWEN2_VOCAB8K_10M["vocab_size"], (args.batch, args.prompt_len)).astype(np.int32)
         mask = np.ones_like(prompts)
         with tempfile.TemporaryDirectory() as model_dir:
-            hf = build_model(model_dir)
+            hf = random_hf_model(QWEN2_VOCAB8K_10M, out_dir=model_dir)
             config, params = load_hf_model(model_dir, dtype=args.dtype, param_dtype=args.dtype)
         name = "Qwen2-shaped random"
     if args.dtype == "bfloat16":
@@ -258,8 +208,8 @@ def main() -> None:
     (ours_s, ours_cpu), (hf_s, hf_cpu) = (min(timings[name]) for name in ("ours", "hf"))
 
     ours_tok_s, hf_tok_s = tokens_made / ours_s, tokens_made / hf_s
-    limit = matmul_flops_per_s(dtype=args.dtype)
-    achieved = model_flops(config, args.batch, args.prompt_len, args.new_tokens) / ours_s
+    limit = jax_matmul_flops(dtype=args.dtype, repeats=20)
+    achieved = sampling_flops(model_dims(config), args.batch, args.prompt_len, args.new_tokens) / ours_s
     print(f"jaxrl_llm sample     : {ours_tok_s:9.0f} tokens/s  ({ours_s * 1e3:7.1f} ms per call, "
           f"{ours_cpu * 1e3:7.1f} ms CPU; compile {compile_s:.2f} s, apart)")
     print(f"transformers generate: {hf_tok_s:9.0f} tokens/s  ({hf_s * 1e3:7.1f} ms per call, "

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
+
+# The repository root, so tests share bench/common.py (the random-model builder and the FLOP counter).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # A persistent XLA compilation cache shared by the suite's processes (in-process runs and the subprocesses
 # of the CLI, crash and multi-process tests inherit it): a program compiled once, by any test, loads from
@@ -65,24 +69,12 @@ FAMILIES: dict[str, dict] = {
 
 
 def make_hf_model(kind: str, seed: int = 0):
-    """A random transformers causal LM of family `kind` (torch, float32, eager attention)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """A random transformers causal LM of family `kind` (torch, float32, eager attention, random norms and
+    biases so a converter that drops or swaps them fails): `bench/common.py`'s builder, shared with the
+    benchmarks."""
+    from bench.common import random_hf_model
 
-    kwargs = dict(FAMILIES[kind])
-    model_type = kwargs.pop("model_type")
-    config = AutoConfig.for_model(model_type, **kwargs)
-    config._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    # Random norms and biases too, so a converter that drops or swaps them fails.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.copy_(0.1 * torch.randn_like(p))
-    return model
+    return random_hf_model(FAMILIES[kind], seed, eager=True, random_norms_and_biases=True)
 
 
 @pytest.fixture(scope="session")
