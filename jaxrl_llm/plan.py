@@ -337,22 +337,36 @@ class MemoryPlan:
         return self.total <= device_memory
 
 
-def plan_memory(
-    config: ModelConfig,
-    mesh_sizes: tuple[int, int, int],
-    *,
-    batch: int,
-    prompt_len: int,
-    new_tokens: int,
-    group_size: int = 1,
-    minibatch: int = 0,
-    grad_accum: int = 1,
-    reference: bool = False,
-    optimizer: str | optax.GradientTransformation = "adamw",
-    prompt_bucket: int = 1,
-    new_tokens_bucket: int = 1,
-    logprob_block_mib: float = 256.0,
-) -> MemoryPlan:
+def _weight_bytes(config: ModelConfig, sizes: dict[str, int],
+                  optimizer: str | optax.GradientTransformation) -> dict[str, int]:
+    """One device's bytes of the float32 master weights, the reference (in `param_dtype`), the float32
+    gradients and the optimizer state, and the parameter count. The trainers keep float32 master weights (and
+    optimizer state) whatever `param_dtype` is (train_step.master_weights / working_weights)."""
+    shapes = param_shapes(config)
+    specs = param_partition_specs(shapes, sizes)
+    master = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), shapes)
+    opt = make_plan_optimizer(optimizer) if isinstance(optimizer, str) else optimizer
+    return {
+        "num_params": sum(math.prod(x.shape) for x in jax.tree.leaves(shapes)),
+        "params": tree_shard_bytes(master, specs, sizes),
+        "reference": tree_shard_bytes(shapes, specs, sizes),
+        "gradients": tree_shard_bytes(shapes, specs, sizes, jnp.float32),
+        "optimizer": optimizer_state_bytes(opt, master, sizes),
+    }
+
+
+def _check_sizes(batch: int, group_size: int, prompt_len: int, new_tokens: int, minibatch: int, grad_accum: int,
+                 prompt_bucket: int, new_tokens_bucket: int) -> None:
+    if min(batch, group_size, prompt_len, new_tokens, grad_accum, prompt_bucket, new_tokens_bucket) < 1:
+        raise ValueError("batch, group_size, prompt_len, new_tokens, grad_accum and buckets must be >= 1")
+    if minibatch % grad_accum:
+        raise ValueError(f"grad_accum={grad_accum} must divide the minibatch ({minibatch} sequences)")
+
+
+def plan_memory(config: ModelConfig, mesh_sizes: tuple[int, int, int], *, batch: int, prompt_len: int,
+                new_tokens: int, group_size: int = 1, minibatch: int = 0, grad_accum: int = 1,
+                reference: bool = False, optimizer: str | optax.GradientTransformation = "adamw",
+                prompt_bucket: int = 1, new_tokens_bucket: int = 1, logprob_block_mib: float = 256.0) -> MemoryPlan:
     """Per-device memory of an RL step of `config` (its `dtype`, `param_dtype` and `remat` are used) on a
     `(data, fsdp, tensor)` mesh of `mesh_sizes`, without devices or allocation.
 
@@ -363,52 +377,33 @@ def plan_memory(
     per micro-batch of `minibatch / grad_accum` sequences (split over `data * fsdp` when it divides).
     """
     sizes = axis_sizes_of(mesh_sizes)
-    if min(batch, group_size, prompt_len, new_tokens, grad_accum, prompt_bucket, new_tokens_bucket) < 1:
-        raise ValueError("batch, group_size, prompt_len, new_tokens, grad_accum and buckets must be >= 1")
     rollout_seqs = batch * group_size
     minibatch = minibatch or rollout_seqs
-    if minibatch % grad_accum:
-        raise ValueError(f"grad_accum={grad_accum} must divide the minibatch ({minibatch} sequences)")
+    _check_sizes(batch, group_size, prompt_len, new_tokens, minibatch, grad_accum, prompt_bucket, new_tokens_bucket)
     batch_ways = sizes["data"] * sizes["fsdp"]
-
-    shapes = param_shapes(config)
-    specs = param_partition_specs(shapes, sizes)
-    # The trainers keep float32 master weights (and optimizer state) whatever `param_dtype` is; the frozen
-    # reference is held in `param_dtype` (train_step.master_weights / working_weights).
-    master = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), shapes)
-    params_bytes = tree_shard_bytes(master, specs, sizes)
-    reference_bytes = tree_shard_bytes(shapes, specs, sizes)
-    grad_bytes = tree_shard_bytes(shapes, specs, sizes, jnp.float32)
-    opt = make_plan_optimizer(optimizer) if isinstance(optimizer, str) else optimizer
-    opt_bytes = optimizer_state_bytes(opt, master, sizes)
-
+    weights = _weight_bytes(config, sizes, optimizer)
     padded_prompt = _round_up(prompt_len, prompt_bucket)
     cache_len = padded_prompt + _round_up(new_tokens, new_tokens_bucket)
     cache_shape = (config.num_layers, rollout_seqs, cache_len, config.num_kv_heads, config.head_dim)
     cache_block = shard_shape(cache_shape, fit_spec_sizes(KV_CACHE_SPEC, cache_shape, sizes), sizes)
-    kv_bytes = 2 * _nbytes(cache_block, config.jnp_dtype)
 
     micro_rows = _divided(minibatch // grad_accum, batch_ways)
     seq_len = padded_prompt + new_tokens - 1
-    acts = {
-        remat: activation_bytes(config, micro_rows, seq_len, new_tokens, sizes, remat=remat,
-                                logprob_block_mib=logprob_block_mib)
-        for remat in (False, True)
-    }
-    minibatch_rows = _divided(minibatch, batch_ways)
+    acts = [activation_bytes(config, micro_rows, seq_len, new_tokens, sizes, remat=remat,
+                             logprob_block_mib=logprob_block_mib) for remat in (False, True)]
     # int32 prompt/completion tokens and masks, float32 old and reference log-probs, float32 advantages.
-    batch_bytes = minibatch_rows * (4 * 2 * padded_prompt + 4 * 4 * new_tokens + 4)
+    batch_bytes = _divided(minibatch, batch_ways) * (4 * 2 * padded_prompt + 4 * 4 * new_tokens + 4)
     return MemoryPlan(
         mesh_sizes=(sizes["data"], sizes["fsdp"], sizes["tensor"]),
-        num_params=sum(math.prod(x.shape) for x in jax.tree.leaves(shapes)),
-        params=params_bytes,
-        reference=reference_bytes if reference else 0,
-        optimizer=opt_bytes,
-        gradients=grad_bytes,
-        kv_cache=kv_bytes,
+        num_params=weights["num_params"],
+        params=weights["params"],
+        reference=weights["reference"] if reference else 0,
+        optimizer=weights["optimizer"],
+        gradients=weights["gradients"],
+        kv_cache=2 * _nbytes(cache_block, config.jnp_dtype),
         sampler_weights=sampler_weight_bytes(config, sizes),
-        activations_no_remat=acts[False],
-        activations_remat=acts[True],
+        activations_no_remat=acts[0],
+        activations_remat=acts[1],
         remat=config.remat,
         rollout_rows=cache_block[1],
         cache_length=cache_len,

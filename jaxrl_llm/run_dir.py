@@ -191,24 +191,7 @@ def open_run_dir(config: RunConfig, *, resume: bool = False, overwrite: bool = F
     try:
         previous = _previous_configs(out_dir)
         if not resume:
-            found = [name for name in RUN_OUTPUTS if (out_dir / name).exists()]
-            foreign_export = (export is not None and _outside(export, out_dir) and export.is_dir()
-                              and any(export.iterdir()))
-            if found and not overwrite:
-                raise RunDirError(
-                    f"{out_dir} holds another run ({', '.join(found)}); continue it with --resume, or start over "
-                    f"with --overwrite (deletes those outputs), or choose another out_dir"
-                )
-            if foreign_export and not overwrite:
-                raise RunDirError(f"export_dir={export} already holds files; choose another export_dir, or pass "
-                                  f"--overwrite to replace them when this run exports")
-            if found:
-                _notice(f"--overwrite: removing the previous run's outputs in {out_dir}")
-                _remove_outputs(out_dir)
-                previous = []
-            if foreign_export:  # not ours to delete: its files are replaced when this run exports
-                _notice(f"--overwrite: the export will replace the model files in {export}")
-            (out_dir / "config.yaml").unlink(missing_ok=True)  # no run outputs: the config of this start
+            previous = _start_fresh(out_dir, export, overwrite, previous)
         else:
             _check_resume_config(config, previous, allow_config_change)
         history = out_dir / "configs"
@@ -221,6 +204,29 @@ def open_run_dir(config: RunConfig, *, resume: bool = False, overwrite: bool = F
         run_dir.release()
         raise
     return run_dir
+
+
+def _start_fresh(out_dir: Path, export: Path | None, overwrite: bool, previous: list[Path]) -> list[Path]:
+    """A new start in `out_dir`: refuse another run's outputs (or a foreign export_dir holding files) unless
+    `overwrite`, which removes our outputs; returns the config history that remains."""
+    found = [name for name in RUN_OUTPUTS if (out_dir / name).exists()]
+    foreign_export = export is not None and _outside(export, out_dir) and export.is_dir() and any(export.iterdir())
+    if found and not overwrite:
+        raise RunDirError(
+            f"{out_dir} holds another run ({', '.join(found)}); continue it with --resume, or start over "
+            f"with --overwrite (deletes those outputs), or choose another out_dir"
+        )
+    if foreign_export and not overwrite:
+        raise RunDirError(f"export_dir={export} already holds files; choose another export_dir, or pass "
+                          f"--overwrite to replace them when this run exports")
+    if found:
+        _notice(f"--overwrite: removing the previous run's outputs in {out_dir}")
+        _remove_outputs(out_dir)
+        previous = []
+    if foreign_export:  # not ours to delete: its files are replaced when this run exports
+        _notice(f"--overwrite: the export will replace the model files in {export}")
+    (out_dir / "config.yaml").unlink(missing_ok=True)  # no run outputs: the config of this start
+    return previous
 
 
 def _check_resume_config(config: RunConfig, previous: list[Path], allow: bool) -> None:

@@ -397,6 +397,25 @@ def _emit(i: jax.Array | int, logits: jax.Array, done: jax.Array, length: jax.Ar
     return token, done | (active & hit_eos), length + active.astype(jnp.int32), outputs
 
 
+def _decode_loop(step: Callable[..., tuple[jax.Array, Any]], emit: Callable[..., tuple], max_new: jax.Array,
+                 state: tuple) -> tuple[jax.Array, jax.Array, tuple]:
+    """`lax.while_loop` over tokens `i = 1, 2, ...` while `i < max_new` and some row is not done: `step` feeds
+    token `i - 1` and gives the logits of token `i`, `emit` samples it. `state = (i, token, caches, done, length,
+    outputs)`; returns the final `(done, length, outputs)`."""
+    def keep_going(state: tuple) -> jax.Array:
+        i, _, _, done, _, _ = state
+        return (i < max_new) & ~jnp.all(done)
+
+    def body(state: tuple) -> tuple:
+        i, token, caches, done, length, outputs = state
+        logits, caches = step(i, token, caches)
+        token, done, length, outputs = emit(i, logits, done, length, outputs)
+        return i + 1, token, caches, done, length, outputs
+
+    _, _, _, done, length, outputs = jax.lax.while_loop(keep_going, body, state)
+    return done, length, outputs
+
+
 @functools.partial(jax.jit, static_argnames=("config", "static", "mesh"))
 def _sample_program(
     params: Params,
@@ -436,34 +455,21 @@ def _sample_program(
     )
     first_position = jnp.repeat(jnp.sum(prompt_mask, axis=-1, dtype=jnp.int32), n)  # of completion token 0
     emit = functools.partial(_emit, key=key, knobs=knobs, static=static)
-
     outputs = (
         jnp.full((rows, new_tokens), static.pad_id, jnp.int32),
         jnp.zeros((rows, new_tokens), jnp.float32),
         jnp.zeros((rows, new_tokens), jnp.float32),
     )
-    done = jnp.zeros((rows,), bool)
-    length = jnp.zeros((rows,), jnp.int32)
-    token, done, length, outputs = emit(0, logits, done, length, outputs)
+    token, done, length, outputs = emit(0, logits, jnp.zeros((rows,), bool), jnp.zeros((rows,), jnp.int32), outputs)
     max_new = jnp.minimum(knobs.max_new_tokens, new_tokens)
 
-    def keep_going(state):
-        i, _, _, done, _, _ = state
-        return (i < max_new) & ~jnp.all(done)
-
-    def step(state):
-        """Feed token `i - 1` (cache slot `P_b + i - 1`), then sample token `i`."""
-        i, token, caches, done, length, outputs = state
+    def step(i: jax.Array, token: jax.Array, caches: Any) -> tuple[jax.Array, Any]:
+        """Feed token `i - 1` (cache slot `P_b + i - 1`): the logits of token `i` and the caches."""
         slot = prompt_len + i - 1
         allowed = attention_allowed(key_mask, 1, slot, config.sliding_window)[:, 0]
-        logits, caches = decode_token(params, weights, config, token, first_position + i - 1, allowed, caches, slot,
-                                      shards)
-        token, done, length, outputs = emit(i, logits, done, length, outputs)
-        return i + 1, token, caches, done, length, outputs
+        return decode_token(params, weights, config, token, first_position + i - 1, allowed, caches, slot, shards)
 
-    _, _, _, done, length, outputs = jax.lax.while_loop(
-        keep_going, step, (jnp.int32(1), token, caches, done, length, outputs)
-    )
+    done, length, outputs = _decode_loop(step, emit, max_new, (jnp.int32(1), token, caches, done, length, outputs))
     tokens, logprobs, untruncated = outputs
     mask = (jnp.arange(new_tokens)[None, :] < length[:, None]).astype(jnp.int32)
     out = SampleOutput(tokens, mask, logprobs, untruncated, length, done)

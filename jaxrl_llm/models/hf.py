@@ -101,9 +101,9 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # ----------------------------------------------------------------------------------------------- config
 
 
-def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
-    """`ModelConfig` from a config.json dict (transformers 4.x `rope_theta/rope_scaling` or 5.x
-    `rope_parameters`). Raises `ConversionError` naming the supported types for anything else."""
+def _check_supported(hf: dict[str, Any]) -> str:
+    """The config's `model_type`, or `ConversionError` naming what is supported (model types, architectures,
+    activations)."""
     model_type = hf.get("model_type")
     archs = hf.get("architectures") or []
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -120,31 +120,44 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
         )
     if hf.get("hidden_act", "silu") != "silu":
         raise ConversionError(f"unsupported hidden_act {hf['hidden_act']!r}; supported: 'silu'")
+    return str(model_type)
 
+
+def _rope_settings(hf: dict[str, Any]) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
+    """`(rope_theta, rope_scaling)` from transformers 4.x `rope_theta/rope_scaling` or 5.x `rope_parameters`;
+    the scaling as sorted `(key, value)` pairs (hashable), None for the default."""
     rope = dict(hf.get("rope_parameters") or {})
     rope_theta = float(hf.get("rope_theta", rope.pop("rope_theta", 10000.0)))
     rope.pop("rope_theta", None)
     scaling = hf.get("rope_scaling") or rope
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if kind == "default":
-        rope_scaling = None
-    elif kind in SUPPORTED_ROPE_SCALING:
-        params = {k: v for k, v in scaling.items() if k not in ("type", "rope_theta") and v is not None}
-        rope_scaling = tuple(sorted({**params, "rope_type": kind}.items()))
-    else:
+        return rope_theta, None
+    if kind not in SUPPORTED_ROPE_SCALING:
         raise ConversionError(
             f"unsupported rope_scaling type {kind!r}; supported: default, {', '.join(SUPPORTED_ROPE_SCALING)}"
         )
+    params = {k: v for k, v in scaling.items() if k not in ("type", "rope_theta") and v is not None}
+    return rope_theta, tuple(sorted({**params, "rope_type": kind}.items()))
 
-    sliding_window = None
+
+def _sliding_window(hf: dict[str, Any], model_type: str) -> int | None:
     if model_type == "mistral":
-        sliding_window = hf.get("sliding_window")
-    elif hf.get("use_sliding_window"):
+        return int(hf["sliding_window"]) if hf.get("sliding_window") else None
+    if hf.get("use_sliding_window"):
         raise ConversionError(
             f"{model_type} with use_sliding_window=True is not supported (per-layer windows); "
             "sliding windows are supported for model_type 'mistral' only"
         )
+    return None
 
+
+def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
+    """`ModelConfig` from a config.json dict (transformers 4.x `rope_theta/rope_scaling` or 5.x
+    `rope_parameters`). Raises `ConversionError` naming the supported types for anything else."""
+    model_type = _check_supported(hf)
+    rope_theta, rope_scaling = _rope_settings(hf)
+    sliding_window = _sliding_window(hf, model_type)
     heads = int(hf["num_attention_heads"])
     hidden = int(hf["hidden_size"])
     attention_bias = bool(hf.get("attention_bias", False))
@@ -166,7 +179,7 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
         mlp_bias=bool(hf.get("mlp_bias", False)),
         qk_norm=model_type == "qwen3",
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        sliding_window=int(sliding_window) if sliding_window else None,
+        sliding_window=sliding_window,
         initializer_range=float(hf.get("initializer_range", 0.02)),
         model_type=model_type,
         bos_token_id=hf.get("bos_token_id"),
@@ -307,73 +320,82 @@ def load_hf_model(
     """
     model_dir = resolve_model_dir(path_or_id)
     config = config_from_hf(read_hf_config(model_dir), **config_overrides)
-    index = _safetensors_index(model_dir)
-    expected = param_shapes(config)
-    used: set[str] = set()
-
     with contextlib.ExitStack() as stack:
-        handles: dict[Path, Any] = {}
-
-        def handle(name: str) -> Any:
-            if name not in index:
-                raise ConversionError(f"tensor {name!r} is missing from the checkpoint in {model_dir}")
-            file = index[name]
-            if file not in handles:
-                handles[file] = stack.enter_context(safe_open(file, framework="flax"))
-            used.add(name)
-            return handles[file]
-
-        def check_shape(path: tuple[str, ...], name: str, expected_shape: tuple[int, ...]) -> None:
-            got = tuple(handle(name).get_slice(name).get_shape())
-            want = expected_shape[::-1] if _is_kernel(path) else expected_shape
-            if got != tuple(want):
-                raise ConversionError(f"tensor {name!r} has shape {list(got)}, expected {list(want)} from config.json")
-
-        def read_block(path: tuple[str, ...], name: str, index: tuple[slice, ...], dtype: Any) -> np.ndarray:
-            """Our `[..., in, out]` block `index` of HF tensor `name` (kernels are stored `[out, in]`)."""
-            hf_slice = handle(name).get_slice(name)
-            with jax.default_device(_host()):
-                block = np.asarray(hf_slice[index[::-1]] if _is_kernel(path) else hf_slice[index])
-            return (block.T if _is_kernel(path) else block).astype(dtype, copy=False)
-
-        def build(path: tuple[str, ...], spec: jax.ShapeDtypeStruct) -> jax.Array:
-            stacked = path[0] == "layers"
-            layers = range(config.num_layers) if stacked else [None]
-            per_tensor_shape = spec.shape[1:] if stacked else spec.shape
-            for layer in layers:
-                check_shape(path, _tensor_name(path, layer), per_tensor_shape)
-
-            def block(index: tuple[slice, ...]) -> np.ndarray:
-                index = tuple(index) + (slice(None),) * (len(spec.shape) - len(index))
-                if not stacked:
-                    return read_block(path, _tensor_name(path, None), index, spec.dtype)
-                chosen = range(config.num_layers)[index[0]]
-                first = read_block(path, _tensor_name(path, chosen[0]), index[1:], spec.dtype)
-                out = np.empty((len(chosen), *first.shape), spec.dtype)  # filled in place: one copy at a time
-                out[0] = first
-                for j, layer in enumerate(chosen[1:], start=1):
-                    out[j] = read_block(path, _tensor_name(path, layer), index[1:], spec.dtype)
-                return out
-
-            if mesh is None:
-                return jax.device_put(block(()))
-            sharding = NamedSharding(mesh, param_spec("/".join(path), spec.shape, mesh))
-            return jax.make_array_from_callback(spec.shape, sharding, block)
-
-        params = _map_with_path(build, expected)
-
-    ignored = [
-        n for n in index if n not in used
-        and (n.endswith(_IGNORED_SUFFIXES) or (n == "lm_head.weight" and config.tie_word_embeddings)
-             or (n.startswith("score.") and is_classifier(model_dir)))
-    ]
-    unexpected = sorted(set(index) - used - set(ignored))
-    if unexpected:
-        raise ConversionError(
-            f"unexpected tensors in {model_dir} for model_type {config.model_type!r}: {unexpected[:5]}"
-            + (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else "")
-        )
+        reader = _TensorReader(model_dir, stack)
+        params = _map_with_path(lambda path, spec: reader.param(path, spec, config, mesh), param_shapes(config))
+    reader.check_all_used(config)
     return config, params
+
+
+class _TensorReader:
+    """Reads our parameters' blocks from a checkpoint's safetensors files (opened on first use), remembering
+    which HF tensors it used; kernels are stored `[out, in]` by HF and `[..., in, out]` by us."""
+
+    def __init__(self, model_dir: Path, stack: contextlib.ExitStack) -> None:
+        self.model_dir, self.stack = model_dir, stack
+        self.index = _safetensors_index(model_dir)
+        self.handles: dict[Path, Any] = {}
+        self.used: set[str] = set()
+
+    def handle(self, name: str) -> Any:
+        if name not in self.index:
+            raise ConversionError(f"tensor {name!r} is missing from the checkpoint in {self.model_dir}")
+        file = self.index[name]
+        if file not in self.handles:
+            self.handles[file] = self.stack.enter_context(safe_open(file, framework="flax"))
+        self.used.add(name)
+        return self.handles[file]
+
+    def check_shape(self, path: tuple[str, ...], name: str, expected_shape: tuple[int, ...]) -> None:
+        got = tuple(self.handle(name).get_slice(name).get_shape())
+        want = expected_shape[::-1] if _is_kernel(path) else expected_shape
+        if got != tuple(want):
+            raise ConversionError(f"tensor {name!r} has shape {list(got)}, expected {list(want)} from config.json")
+
+    def read_block(self, path: tuple[str, ...], name: str, index: tuple[slice, ...], dtype: Any) -> np.ndarray:
+        """Our `[..., in, out]` block `index` of HF tensor `name`."""
+        hf_slice = self.handle(name).get_slice(name)
+        with jax.default_device(_host()):
+            block = np.asarray(hf_slice[index[::-1]] if _is_kernel(path) else hf_slice[index])
+        return (block.T if _is_kernel(path) else block).astype(dtype, copy=False)
+
+    def param(self, path: tuple[str, ...], spec: jax.ShapeDtypeStruct, config: ModelConfig,
+              mesh: Mesh | None) -> jax.Array:
+        """Parameter `path` (stacked `[L, ...]` under `layers`), each device reading only its own block."""
+        stacked = path[0] == "layers"
+        for layer in range(config.num_layers) if stacked else [None]:
+            self.check_shape(path, _tensor_name(path, layer), spec.shape[1:] if stacked else spec.shape)
+
+        def block(index: tuple[slice, ...]) -> np.ndarray:
+            index = tuple(index) + (slice(None),) * (len(spec.shape) - len(index))
+            if not stacked:
+                return self.read_block(path, _tensor_name(path, None), index, spec.dtype)
+            chosen = range(config.num_layers)[index[0]]
+            first = self.read_block(path, _tensor_name(path, chosen[0]), index[1:], spec.dtype)
+            out = np.empty((len(chosen), *first.shape), spec.dtype)  # filled in place: one copy at a time
+            out[0] = first
+            for j, layer in enumerate(chosen[1:], start=1):
+                out[j] = self.read_block(path, _tensor_name(path, layer), index[1:], spec.dtype)
+            return out
+
+        if mesh is None:
+            return jax.device_put(block(()))
+        sharding = NamedSharding(mesh, param_spec("/".join(path), spec.shape, mesh))
+        return jax.make_array_from_callback(spec.shape, sharding, block)
+
+    def check_all_used(self, config: ModelConfig) -> None:
+        """`ConversionError` listing checkpoint tensors no parameter read (other than known, ignorable ones)."""
+        ignored = [
+            n for n in self.index if n not in self.used
+            and (n.endswith(_IGNORED_SUFFIXES) or (n == "lm_head.weight" and config.tie_word_embeddings)
+                 or (n.startswith("score.") and is_classifier(self.model_dir)))
+        ]
+        unexpected = sorted(set(self.index) - self.used - set(ignored))
+        if unexpected:
+            raise ConversionError(
+                f"unexpected tensors in {self.model_dir} for model_type {config.model_type!r}: {unexpected[:5]}"
+                + (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else "")
+            )
 
 
 def _map_with_path(fn: Any, tree: Params, prefix: tuple[str, ...] = ()) -> Params:
@@ -396,6 +418,34 @@ def hf_state_dict(params: Params, config: ModelConfig) -> Iterator[tuple[str, np
         for layer in layers:
             tensor = array[layer] if layer is not None else array
             yield _tensor_name(path, layer), np.ascontiguousarray(tensor.T if _is_kernel(path) else tensor)
+
+
+def _write_safetensors(out: Path, tensors: Any, cast: np.dtype | None, max_shard_bytes: int) -> None:
+    """`(name, array)` pairs (cast to `cast`) as `model.safetensors`, or as shards of at most `max_shard_bytes`
+    with `model.safetensors.index.json`; earlier weight files in `out` are removed first."""
+    shards: list[dict[str, np.ndarray]] = [{}]
+    sizes = [0]
+    for name, tensor in tensors:
+        if cast is not None:
+            tensor = tensor.astype(cast)
+        if sizes[-1] and sizes[-1] + tensor.nbytes > max_shard_bytes:
+            shards.append({})
+            sizes.append(0)
+        shards[-1][name] = tensor
+        sizes[-1] += tensor.nbytes
+    for stale in out.glob("model*.safetensors*"):
+        stale.unlink()
+    metadata = {"format": "pt"}  # transformers refuses safetensors without it
+    if len(shards) == 1:
+        save_file(shards[0], out / "model.safetensors", metadata=metadata)
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, out / file, metadata=metadata)
+        weight_map.update(dict.fromkeys(shard, file))
+    index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
 def save_hf_model(
@@ -423,31 +473,8 @@ def save_hf_model(
     if cast is not None:
         hf_config["torch_dtype"] = dtype
 
-    shards: list[dict[str, np.ndarray]] = [{}]
-    sizes = [0]
     tensors = itertools.chain(hf_state_dict(params, config), (extra_tensors or {}).items())
-    for name, tensor in tensors:
-        if cast is not None:
-            tensor = tensor.astype(cast)
-        if sizes[-1] and sizes[-1] + tensor.nbytes > max_shard_bytes:
-            shards.append({})
-            sizes.append(0)
-        shards[-1][name] = tensor
-        sizes[-1] += tensor.nbytes
-
-    for stale in out.glob("model*.safetensors*"):
-        stale.unlink()
-    metadata = {"format": "pt"}  # transformers refuses safetensors without it
-    if len(shards) == 1:
-        save_file(shards[0], out / "model.safetensors", metadata=metadata)
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, out / file, metadata=metadata)
-            weight_map.update(dict.fromkeys(shard, file))
-        index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    _write_safetensors(out, tensors, cast, max_shard_bytes)
     (out / "config.json").write_text(json.dumps(hf_config, indent=2))
 
     if tokenizer_dir is not None:

@@ -65,12 +65,6 @@ class GRPOFamily:
     """GRPO, Dr.GRPO, DAPO, GSPO, RLOO, REINFORCE++: group sampling, a registered estimator, a clipped loss."""
 
     label: ClassVar[str] = "grpo"
-    collect_phase: ClassVar[str] = "rollout"
-    evaluates_before: ClassVar[bool] = True
-
-    @staticmethod
-    def input_dirs(config: RunConfig) -> tuple[str, ...]:
-        return (config.model.path,)
 
     def __init__(self, config: RunConfig) -> None:
         self.config = c = config

@@ -38,17 +38,16 @@ MAX_CONSECUTIVE_SKIPPED_UPDATES = 5
 
 
 class Algorithm(Protocol):
-    """What the loop shell asks of an algorithm (see the module docstring)."""
+    """What the loop shell asks of an algorithm (see the module docstring). Optional class attributes, read
+    with defaults: `collect_phase` ("rollout"; "data" for algorithms that read examples: names
+    `time/<phase>`), `evaluates_before` (True: evaluate the starting model before step 1), `from_scratch`
+    (False: the run reads `model.path`, which an export must not overwrite)."""
 
     label: ClassVar[str]  # the progress bar's name
-    collect_phase: ClassVar[str]  # "rollout" (sampling) or "data" (reading examples): names time/<phase>
-    evaluates_before: ClassVar[bool]  # evaluate the starting model before step 1
     mesh: Any
     vocab_size: int
 
     def __init__(self, config: RunConfig) -> None: ...
-    @staticmethod
-    def input_dirs(config: RunConfig) -> tuple[str, ...]: ...
     def describe(self) -> str: ...
     def state(self) -> dict[str, Any]: ...
     def load_state(self, state: dict[str, Any]) -> None: ...
@@ -73,7 +72,7 @@ class Trainer:
         self.resumed = resume
         self.run_dir = open_run_dir(c, resume=resume, overwrite=overwrite, allow_config_change=allow_config_change,
                                     export_dir=self.export_dir if c.export else None,
-                                    input_dirs=algorithm_cls.input_dirs(c))
+                                    input_dirs=_input_dirs(c, algorithm_cls))
         try:
             self.algorithm = algorithm_cls(c)
             self.root_key = jax.random.key(c.seed)
@@ -126,7 +125,8 @@ class Trainer:
         t2 = time.perf_counter()
         tokens = collected.pop("completion_tokens", None)
         metrics.update(collected)
-        metrics.update({f"time/{algo.collect_phase}": t1 - t0, "time/update": t2 - t1, "time/step": t2 - t0})
+        phase = getattr(algo, "collect_phase", "rollout")
+        metrics.update({f"time/{phase}": t1 - t0, "time/update": t2 - t1, "time/step": t2 - t0})
         if tokens is not None:
             metrics["tokens_per_second"] = tokens / max(t1 - t0, 1e-9)
         metrics.setdefault("last_update_skipped", metrics.get("update_skipped", 0.0))
@@ -145,7 +145,7 @@ class Trainer:
                            resume_step=self.step if self.resumed else None)
         logger.message(algo.describe())
         summary: dict[str, Any] = {}
-        if self.step == 0 and algo.evaluates_before:
+        if self.step == 0 and getattr(algo, "evaluates_before", True):
             summary["before"] = algo.evaluate(c.eval_size or None)
             if summary["before"]:
                 logger.log(0, summary["before"])
@@ -234,6 +234,12 @@ class Trainer:
             summary["export"] = algo.export(self.export_dir)
             write_summary(self.out_dir, summary)
         return summary
+
+
+def _input_dirs(c: RunConfig, algorithm_cls: type[Algorithm]) -> tuple[str, ...]:
+    """The directories a run reads (the model), which its outputs must not overwrite."""
+    from_scratch = getattr(algorithm_cls, "from_scratch", False) and bool(c.model.init)
+    return () if from_scratch else (c.model.path,)
 
 
 def _eval_text(evaluation: dict[str, float]) -> str:

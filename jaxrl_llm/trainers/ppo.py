@@ -111,12 +111,6 @@ class PPO:
     """PPO with a critic, GAE and the KL to the reference in the per-token reward."""
 
     label: ClassVar[str] = "ppo"
-    collect_phase: ClassVar[str] = "rollout"
-    evaluates_before: ClassVar[bool] = True
-
-    @staticmethod
-    def input_dirs(config: RunConfig) -> tuple[str, ...]:
-        return (config.model.path,)
 
     def __init__(self, config: RunConfig) -> None:
         self.config = c = config

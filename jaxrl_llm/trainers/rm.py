@@ -124,11 +124,6 @@ class RewardModelTraining:
 
     label: ClassVar[str] = "rm"
     collect_phase: ClassVar[str] = "data"
-    evaluates_before: ClassVar[bool] = True
-
-    @staticmethod
-    def input_dirs(config: RunConfig) -> tuple[str, ...]:
-        return (config.model.path,)
 
     def __init__(self, config: RunConfig) -> None:
         self.config = c = config

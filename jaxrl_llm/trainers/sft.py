@@ -46,10 +46,7 @@ class SFT:
     label: ClassVar[str] = "sft"
     collect_phase: ClassVar[str] = "data"
     evaluates_before: ClassVar[bool] = False
-
-    @staticmethod
-    def input_dirs(config: RunConfig) -> tuple[str, ...]:
-        return () if config.model.init else (config.model.path,)
+    from_scratch: ClassVar[bool] = True  # model.init: random weights, no model directory read
 
     def __init__(self, config: RunConfig) -> None:
         self.config = c = config
