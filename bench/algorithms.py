@@ -85,7 +85,7 @@ def read_run(out_dir: Path, steps: int) -> dict[str, float]:
     train_rows = {r["step"]: r for r in rows if "reward/mean" in r}  # one per step (log_every = 1)
     if not before or not after or sorted(train_rows) != list(range(1, steps + 1)):
         raise RuntimeError(f"{out_dir}/metrics.jsonl lacks the before/after evaluations or some of {steps} steps")
-    prompts, group = config["grpo"]["prompts_per_step"], config["grpo"]["group_size"]
+    prompts, group = config["rl"]["prompts_per_step"], config["rl"]["group_size"]
     refills = sum(int(r.get("dynamic_sampling/refill_rounds", 0)) for r in train_rows.values())
     return {"before": before[0], "after": after[-1], "steps": steps, "prompts": prompts, "group": group,
             "sampled": (steps + refills) * prompts * group, "refills": refills}

@@ -234,7 +234,7 @@ def _check_resume_config(config: RunConfig, previous: list[Path], allow: bool) -
     if source is None:
         _notice(f"--resume: {config.out_dir} keeps no config of the checkpointed run; not compared")
         return
-    old = yaml.safe_load(source.read_text()) or {}
+    old = _current_names(yaml.safe_load(source.read_text()) or {})
     new = to_dict(config)
     changes = config_changes(old, new)
     unsafe = unsafe_changes(changes, config)
@@ -248,6 +248,17 @@ def _check_resume_config(config: RunConfig, previous: list[Path], allow: bool) -
         _notice(f"--allow-config-change: resuming with {_describe(unsafe)}")
     if safe:
         _notice(f"resuming with changed {_describe(safe)}")
+
+
+def _current_names(old: dict[str, Any]) -> dict[str, Any]:
+    """A config written by an earlier version, with its renamed keys under their current names (`grpo:` is
+    `rl:`, `ratio_level: token|sequence` is `policy_loss: ppo_clip|gspo`), so such a run still resumes."""
+    if "grpo" in old and "rl" not in old:
+        rl = dict(old.pop("grpo") or {})
+        if "ratio_level" in rl:
+            rl["policy_loss"] = {"token": "ppo_clip", "sequence": "gspo"}.get(rl.pop("ratio_level"), "ppo_clip")
+        old = {**old, "rl": rl}
+    return old
 
 
 def config_path_fallback(out_dir: Path) -> Path | None:

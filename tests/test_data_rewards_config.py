@@ -186,6 +186,21 @@ def test_renamed_keys_name_their_new_names(tmp_path):
         load_run_config(None, ["grpo.beta=0.04"])
     with pytest.raises(ConfigError, match=r"rl.ratio_level .* renamed to rl.policy_loss \(token -> ppo_clip"):
         load_run_config(None, ["rl.ratio_level=sequence"])
+    # A run started by an earlier version (its config.yaml says grpo:, ratio_level) still resumes: the renamed
+    # keys are read under their new names, so only real changes count.
+    import yaml
+
+    from jaxrl_llm.config import to_dict
+    from jaxrl_llm.run_dir import _current_names, config_changes
+
+    current = load_run_config(None, ["rl.group_size=4"])
+    written = to_dict(current)
+    written["grpo"] = {k: v for k, v in written.pop("rl").items() if k != "policy_loss"}
+    written["grpo"]["ratio_level"] = "token"
+    old = _current_names(yaml.safe_load(yaml.safe_dump(written)))
+    assert config_changes(old, to_dict(current)) == []
+    old["rl"]["group_size"] = 8
+    assert config_changes(old, to_dict(current)) == [("rl.group_size", 8, 4)]
     # The choices of the registries are the config's choices.
     assert load_run_config(None, ["rl.policy_loss=gspo"]).rl.policy_loss == "gspo"
     with pytest.raises(ConfigError, match="rl.policy_loss='clip': expected one of ppo_clip, gspo"):

@@ -1,0 +1,174 @@
+"""The loop shell and the jitted update: `scanned_updates` equals the host loop of train steps it replaced,
+the one metric reducer's rules, and `trainers.loop.Trainer` driving an algorithm written outside the package
+(the contract of docs/extending.md: state, collect, update; checkpoint and resume by the shell)."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import TINY
+
+from jaxrl_llm.config import OptimSection, load_run_config
+from jaxrl_llm.data import DataState, next_batch_indices
+from jaxrl_llm.models.decoder import init_params
+from jaxrl_llm.models.hf import config_from_hf
+from jaxrl_llm.sharding import make_mesh
+from jaxrl_llm.train_step import (
+    PolicyBatch,
+    PolicyLossConfig,
+    completion_logprobs,
+    make_optimizer,
+    policy_loss,
+    reduce_metrics,
+    scanned_updates,
+    train_step,
+)
+from jaxrl_llm.trainers.loop import Trainer
+
+
+def _rollout(config, n=8, p=6, t=5, seed=0):
+    rng = np.random.default_rng(seed)
+    pt = rng.integers(3, config.vocab_size, (n, p)).astype(np.int32)
+    pm = np.ones((n, p), np.int32)
+    pm[: n // 2, :2] = 0
+    ct = rng.integers(3, config.vocab_size, (n, t)).astype(np.int32)
+    cm = (np.arange(t)[None] < rng.integers(1, t + 1, n)[:, None]).astype(np.int32)
+    return pt, pm, ct, cm, rng.normal(size=n).astype(np.float32)
+
+
+def test_scanned_update_equals_the_host_loop_of_train_steps():
+    """mu = 2 epochs x 2 minibatches of 4 rows in one jit (shuffle on the device) == the same permutations cut
+    into minibatches on the host and one jitted train step each: same params, optimizer state and metrics."""
+    config = config_from_hf({**TINY, "vocab_size": 19})
+    params = init_params(config, jax.random.key(1))
+    pt, pm, ct, cm, adv = _rollout(config)
+    old = completion_logprobs(params, config, pt, pm, ct, cm)[0]
+    batch = PolicyBatch(pt, pm, ct, cm, old, jnp.zeros_like(old), adv)
+    optimizer, _ = make_optimizer(OptimSection(learning_rate=0.05, max_grad_norm=0.0), 10)
+    step = functools.partial(train_step, loss_fn=policy_loss, model_config=config,
+                             loss_config=PolicyLossConfig(epsilon_low=0.1, epsilon_high=0.1), optimizer=optimizer,
+                             grad_accum=1)
+    key = jax.random.key(7)
+
+    @jax.jit
+    def scanned(params, opt_state, batch, key):
+        def one(carry, minibatch):
+            p, o, m = step(*carry, minibatch)
+            return (p, o), m
+
+        (p, o), reduced, stacked = scanned_updates(one, (params, opt_state), batch, key, epochs=2, minibatch_size=4)
+        return p, o, reduced, stacked
+
+    p_scan, o_scan, reduced, stacked = scanned(params, optimizer.init(params), batch, key)
+
+    jit_step = jax.jit(step)
+    p_host, o_host, history = params, optimizer.init(params), []
+    for epoch in range(2):
+        order = np.asarray(jax.random.permutation(jax.random.fold_in(key, epoch), 8))
+        for start in (0, 4):
+            rows = order[start : start + 4]
+            p_host, o_host, m = jit_step(p_host, o_host, jax.tree.map(lambda x, r=rows: np.asarray(x)[r], batch))
+            history.append(m)
+    for a, b in zip(jax.tree.leaves((p_scan, o_scan)), jax.tree.leaves((p_host, o_host)), strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
+    assert stacked["policy_loss"].shape == (4,)
+    np.testing.assert_allclose(stacked["policy_loss"], [h["policy_loss"] for h in history], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(reduced["ratio/max"], max(float(h["ratio/max"]) for h in history), rtol=1e-6)
+    np.testing.assert_allclose(reduced["clip_fraction"], np.mean([h["clip_fraction"] for h in history]), rtol=1e-5)
+    assert float(reduced["ratio/max"]) > 1.05  # the later minibatches really were off-policy
+
+
+def test_reduce_metrics_rules():
+    stacked = {"ratio/min": jnp.array([0.9, 0.8, 1.0]), "ratio/max": jnp.array([1.1, 1.3, 1.0]),
+               "update_skipped": jnp.array([0.0, 1.0, 1.0]), "entropy": jnp.array([1.0, 2.0, 4.0]),
+               "policy_loss": jnp.array([0.5, 0.25, 0.25])}
+    out = {k: float(v) for k, v in reduce_metrics(stacked).items()}
+    assert out["ratio/min"] == pytest.approx(0.8) and out["ratio/max"] == pytest.approx(1.3)
+    assert out["update_skipped"] == 2.0 and out["last_update_skipped"] == 1.0
+    assert out["entropy"] == pytest.approx(7 / 3) and out["policy_loss"] == pytest.approx(1 / 3)
+    # Micro-batches: token-weighted means, losses summed (each is already normalised by the global count).
+    micro = {k: float(v) for k, v in reduce_metrics(stacked, jnp.array([1.0, 1.0, 2.0]), sum_losses=True).items()}
+    assert micro["entropy"] == pytest.approx((1 + 2 + 8) / 4) and micro["policy_loss"] == pytest.approx(1.0)
+
+
+class CountingAlgorithm:
+    """A minimal algorithm from outside the package: its 'model' is one counter, incremented by the batch's
+    sum each update; the shell owns its checkpoints."""
+
+    label = "count"
+    collect_phase = "data"
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+        self.mesh = make_mesh()
+        self.vocab_size = 1
+        self.total = jnp.zeros((), jnp.float32)
+        self.seen: list[int] = []
+
+    def describe(self) -> str:
+        return "a counter"
+
+    def state(self) -> dict[str, Any]:
+        return {"total": self.total}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.total = state["total"]
+
+    def collect(self, data_state: DataState, key: jax.Array):
+        indices, data_state = next_batch_indices(10, 2, data_state, seed=0, shuffle=False)
+        return indices, data_state, {"batch/first": float(indices[0])}
+
+    def update(self, batch: np.ndarray, step: int, key: jax.Array) -> dict[str, float]:
+        self.seen.extend(int(i) for i in batch)
+        self.total = self.total + float(batch.sum())
+        return {"loss": float(self.total), "update_skipped": 0.0}
+
+    def evaluate(self, limit: int | None) -> dict[str, float]:
+        return {"eval/total": float(self.total)}
+
+    def progress(self, metrics: dict[str, float]) -> dict[str, float]:
+        return {"loss": metrics["loss"]}
+
+    def sample_rows(self, batch: np.ndarray) -> list[dict[str, Any]]:
+        return [{"index": int(i)} for i in batch]
+
+    def export(self, directory: Path) -> str:
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "total.txt").write_text(str(float(self.total)))
+        return str(directory)
+
+
+def test_the_shell_drives_an_outside_algorithm_and_resumes_it(tmp_path):
+    def config(steps: int):
+        return load_run_config(None, [f"out_dir={tmp_path / 'run'}", f"steps={steps}", "checkpoint_every=2",
+                                      "progress_bar=false", "tensorboard=false", "sample_every=1", "data.eval=''",
+                                      f"model.path={tmp_path / 'no_model'}"])
+
+    straight = Trainer(load_run_config(None, [f"out_dir={tmp_path / 'straight'}", "steps=5", "progress_bar=false",
+                                              "tensorboard=false", "checkpoint_every=0", "export=false",
+                                              f"model.path={tmp_path / 'no_model'}"]), CountingAlgorithm)
+    straight_summary = straight.run()
+    assert straight.algorithm.seen == list(range(10))  # 5 steps x 2 examples, in data order
+
+    first = Trainer(config(3), CountingAlgorithm)
+    first.run()
+    resumed = Trainer(config(5), CountingAlgorithm, resume=True)
+    assert resumed.step == 3 and float(resumed.algorithm.total) == float(first.algorithm.total)
+    summary = resumed.run()
+    assert resumed.algorithm.seen == list(range(6, 10))  # the data position came back with the checkpoint
+    assert summary["after"] == straight_summary["after"] == {"eval/total": 45.0}
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5]
+    assert [r["loss"] for r in steps] == [1.0, 6.0, 15.0, 28.0, 45.0]
+    assert all("time/data" in r and "time/update" in r for r in steps)  # the algorithm's collect phase name
+    assert (tmp_path / "run" / "hf" / "total.txt").read_text() == "45.0"
+    samples = (tmp_path / "run" / "samples.jsonl").read_text().splitlines()
+    assert [json.loads(s)["index"] for s in samples] == list(range(10))
