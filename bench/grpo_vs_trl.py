@@ -214,7 +214,7 @@ class Ours:
         ])
         self.trainer = trainer = GRPOFamily(config)
         trainer.policy.eos_ids = ()  # never stop early: exactly NEW_TOKENS tokens per row, like TRL's min_new_tokens
-        self.data_state = DataState()
+        self.data_state, self.step_index = DataState(), 0
         self.setup = time.perf_counter() - t_setup
         self.timer = Timer()
         rollouts_module.sample = self.timer.wrap("sampling", rollouts_module.sample, jax.block_until_ready)
@@ -236,7 +236,7 @@ class Ours:
         self.timer.take()
         meter = CpuMeter()
         t0 = time.perf_counter()
-        self.step_index = getattr(self, "step_index", 0) + 1
+        self.step_index += 1
         ro, self.data_state, collected = trainer.collect(self.data_state, sample_key)
         t1 = time.perf_counter()
         metrics = trainer.update(ro, self.step_index, update_key)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import TINY
+from test_grpo import _fixed_batch
 
 from jaxrl_llm.config import OptimSection, load_run_config
 from jaxrl_llm.data import DataState, next_batch_indices
@@ -33,22 +34,12 @@ from jaxrl_llm.train_step import (
 from jaxrl_llm.trainers.loop import Trainer
 
 
-def _rollout(config, n=8, p=6, t=5, seed=0):
-    rng = np.random.default_rng(seed)
-    pt = rng.integers(3, config.vocab_size, (n, p)).astype(np.int32)
-    pm = np.ones((n, p), np.int32)
-    pm[: n // 2, :2] = 0
-    ct = rng.integers(3, config.vocab_size, (n, t)).astype(np.int32)
-    cm = (np.arange(t)[None] < rng.integers(1, t + 1, n)[:, None]).astype(np.int32)
-    return pt, pm, ct, cm, rng.normal(size=n).astype(np.float32)
-
-
 def test_scanned_update_equals_the_host_loop_of_train_steps():
     """mu = 2 epochs x 2 minibatches of 4 rows in one jit (shuffle on the device) == the same permutations cut
     into minibatches on the host and one jitted train step each: same params, optimizer state and metrics."""
     config = config_from_hf({**TINY, "vocab_size": 19})
     params = init_params(config, jax.random.key(1))
-    pt, pm, ct, cm, adv = _rollout(config)
+    pt, pm, ct, cm, adv = _fixed_batch(config)
     old = completion_logprobs(params, config, pt, pm, ct, cm)[0]
     batch = PolicyBatch(pt, pm, ct, cm, old, jnp.zeros_like(old), adv)
     optimizer, _ = make_optimizer(OptimSection(learning_rate=0.05, max_grad_norm=0.0), 10)

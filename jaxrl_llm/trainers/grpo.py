@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -118,9 +117,9 @@ class GRPOFamily:
         return self.policy.params
 
     def describe(self) -> str:
-        p, prompts = self.policy, self.collector.prompts
-        return (f"model {p.tokenizer_dir} ({p.model_config.num_params() / 1e6:.2f}M params), {len(prompts)} train "
-                f"prompts ({prompts.num_dropped} dropped as too long), {jax.device_count()} device(s)")
+        p = self.policy
+        return (f"model {p.tokenizer_dir} ({p.model_config.num_params() / 1e6:.2f}M params), "
+                f"{self.collector.describe()}, {jax.device_count()} device(s)")
 
     def state(self) -> dict[str, Any]:
         return {"params": self.policy.params, "opt_state": self.opt_state}
@@ -131,31 +130,23 @@ class GRPOFamily:
 
     def collect(self, data_state: DataState, key: jax.Array) -> tuple[Rollout, DataState, dict[str, float]]:
         ro, data_state, refills = self.collector.collect(self.policy.params, data_state, key)
-        metrics = self.collector.metrics(ro, refills)
-        metrics["completion_tokens"] = float(np.asarray(ro.out.mask).sum())
-        return ro, data_state, metrics
-
-    def reference_logprobs(self, ro: Rollout) -> np.ndarray:
-        """log pi_ref of the rollout's tokens `[N, T]` (zeros when no KL term needs them)."""
-        if self.ref_params is None:
-            return np.zeros(ro.out.tokens.shape, np.float32)
-        put = functools.partial(global_array, mesh=self.mesh)
-        return to_host(self.ref_logprob_fn(self.ref_params, put(ro.prompt_tokens), put(ro.prompt_mask),
-                                           put(ro.out.tokens), put(ro.out.mask)))
+        return ro, data_state, self.collector.metrics(ro, refills)
 
     def update(self, ro: Rollout, step: int, key: jax.Array) -> dict[str, float]:
-        """Reference log-probs, advantages, then `mu` epochs of minibatch updates in one jit."""
-        ref_logp = self.reference_logprobs(ro)
-        old_logp = np.asarray(ro.out.logprobs_untruncated, np.float32)
-        advantages = np.asarray(self.advantage_fn(jnp.asarray(ro.rewards), jnp.asarray(ro.out.mask),
-                                                  jnp.asarray(old_logp), jnp.asarray(ref_logp)))
-        batch = PolicyBatch(np.asarray(ro.prompt_tokens), np.asarray(ro.prompt_mask), np.asarray(ro.out.tokens),
-                            np.asarray(ro.out.mask), old_logp, ref_logp, advantages)
-        batch = jax.tree.map(lambda x: global_array(x, self.mesh), batch)
+        """Reference log-probs, advantages, then `mu` epochs of minibatch updates in one jit; the rollout goes
+        to the devices once and stays there."""
+        put = functools.partial(global_array, mesh=self.mesh)
+        pt, pm, ct, cm = put(ro.prompt_tokens), put(ro.prompt_mask), put(ro.out.tokens), put(ro.out.mask)
+        old_logp = put(np.asarray(ro.out.logprobs_untruncated, np.float32))
+        # log pi_ref of the rollout's tokens, zeros when no KL term needs them.
+        ref_logp = (self.ref_logprob_fn(self.ref_params, pt, pm, ct, cm) if self.ref_params is not None
+                    else put(np.zeros(ro.out.tokens.shape, np.float32)))
+        advantages = self.advantage_fn(put(ro.rewards.astype(np.float32)), cm, old_logp, ref_logp)
+        batch = PolicyBatch(pt, pm, ct, cm, old_logp, ref_logp, advantages)
         self.policy.params, self.opt_state, metrics = self.update_fn(self.policy.params, self.opt_state, batch, key)
         out = {k: float(v) for k, v in jax.device_get(metrics).items()}
         mask = np.asarray(ro.out.mask, bool)
-        out["advantages/abs_mean"] = float(np.abs(advantages)[mask].mean()) if mask.any() else 0.0
+        out["advantages/abs_mean"] = float(np.abs(to_host(advantages))[mask].mean()) if mask.any() else 0.0
         out["learning_rate"] = float(self.schedule(step * self.updates_per_step - 1))
         return out
 

@@ -209,10 +209,9 @@ class PPO:
         return self.state_.critic
 
     def describe(self) -> str:
-        p, prompts = self.policy, self.collector.prompts
+        p = self.policy
         return (f"model {p.tokenizer_dir} ({p.model_config.num_params() / 1e6:.2f}M params) and a critic, "
-                f"{len(prompts)} train prompts ({prompts.num_dropped} dropped as too long), "
-                f"{jax.device_count()} device(s)")
+                f"{self.collector.describe()}, {jax.device_count()} device(s)")
 
     def state(self) -> dict[str, Any]:
         kl_coef = global_array(np.asarray(self.kl_controller.coef), self.mesh, PartitionSpec())
@@ -226,9 +225,7 @@ class PPO:
 
     def collect(self, data_state: DataState, key: jax.Array) -> tuple[Rollout, DataState, dict[str, float]]:
         ro, data_state, refills = self.collector.collect(self.policy.params, data_state, key)
-        metrics = self.collector.metrics(ro, refills)
-        metrics["completion_tokens"] = float(np.asarray(ro.out.mask).sum())
-        return ro, data_state, metrics
+        return ro, data_state, self.collector.metrics(ro, refills)
 
     def update(self, ro: Rollout, step: int, key: jax.Array) -> dict[str, float]:
         """Values, KL-shaped token rewards, GAE; then `mu` epochs of (policy, critic) minibatch updates."""

@@ -128,10 +128,15 @@ class RolloutCollector:
             record_indices=np.asarray([ro.record_indices[i] for ro, i in chosen]),
         )
 
+    def describe(self) -> str:
+        return f"{len(self.prompts)} train prompts ({self.prompts.num_dropped} dropped as too long)"
+
     def metrics(self, ro: Rollout, refills: int) -> dict[str, float]:
-        """Reward, length and truncation statistics of a rollout (before any update)."""
+        """Reward, length and truncation statistics of a rollout (before any update), and `completion_tokens`
+        (the loop shell turns it into tokens_per_second)."""
         lengths = np.asarray(ro.out.lengths)
         out = {
+            "completion_tokens": float(np.asarray(ro.out.mask).sum()),
             "reward/mean": float(ro.rewards.mean()),
             "reward/std": float(ro.rewards.std()),
             "completion_length/mean": float(lengths.mean()),
