@@ -21,7 +21,7 @@ from jaxrl_llm.models.heads import (
     load_critic,
 )
 from jaxrl_llm.models.hf import config_from_hf, save_hf_model
-from jaxrl_llm.rl.estimators import ppo_targets, rollout_value_metrics
+from jaxrl_llm.rl.estimators import ppo_targets, rollout_advantages, rollout_value_metrics
 from jaxrl_llm.rl.kl_control import init_kl_controller, kl_controller_update
 from jaxrl_llm.sharding import make_mesh
 from jaxrl_llm.train_step import make_optimizer, make_train_step
@@ -106,6 +106,20 @@ def test_ppo_targets_on_a_hand_made_rollout():
     # gamma = lambda = 1, no KL: A_t = score - V_t (the return-to-go minus the value).
     plain = ppo_targets(scores, old_logp, ref_logp, values, mask, 0.0, gamma=1.0, lam=1.0, whiten_advantages=False)
     np.testing.assert_allclose(plain.advantages, [[0.5, 0.4, 0.2], [-0.2, -0.1, 0.0]], atol=1e-6)
+
+
+def test_gae_is_the_registered_estimator_of_ppo_targets():
+    """`rl.estimator=gae` (the registry entry validation names) gives PPO's whitened GAE advantages."""
+    rng = np.random.default_rng(0)
+    mask = jnp.asarray([[1, 1, 1, 0], [1, 1, 0, 0]])
+    old, ref, values = (jnp.asarray(rng.normal(size=(2, 4)), jnp.float32) for _ in range(3))
+    scores = jnp.asarray([1.0, -0.5])
+    expected = ppo_targets(scores, old, ref, values, mask, 0.1, gamma=0.9, lam=0.5).advantages
+    got = rollout_advantages("gae", scores, mask, old, ref, group_size=1, beta=0.1, values=values, gamma=0.9, lam=0.5)
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
+    assert float(jnp.abs(got).max()) > 0.1
+    with pytest.raises(ValueError, match="needs a critic's values"):
+        rollout_advantages("gae", scores, mask, old, ref, group_size=1)
 
 
 def test_kl_controller_fixed_and_adaptive():

@@ -178,10 +178,15 @@ def rollout_advantages(
     scale: str = "group",
     beta: float = 0.0,
     kl_estimator: str = "k1",
+    **critic: jax.Array | float,
 ) -> jax.Array:
-    """Per-token advantages `[N, T]` of a group-major rollout from the registered `estimator`.
+    """Per-token advantages `[N, T]` of a group-major rollout from the registered `estimator`; `critic` are the
+    extra keywords of an estimator registered with `needs_values` (`values [N, T]`, and GAE's `gamma`, `lam`).
 
     Shapes: `rewards [N]`, `mask, old_logp, ref_logp [N, T]` -> `[N, T]` float32 (0 at padding).
     """
-    return _lookup(estimator).fn(rewards, mask, old_logp, ref_logp, group_size=group_size, scale=scale, beta=beta,
-                                 kl_estimator=kl_estimator)
+    entry = _lookup(estimator)
+    if entry.needs_values and "values" not in critic:
+        raise ValueError(f"advantage estimator {estimator!r} needs a critic's values=[N, T]")
+    return entry.fn(rewards, mask, old_logp, ref_logp, group_size=group_size, scale=scale, beta=beta,
+                    kl_estimator=kl_estimator, **critic)
