@@ -114,13 +114,27 @@ print(json.dumps(out))
 """
 
 
-@pytest.fixture(scope="module")
-def mesh_results() -> dict:
+def _run_mesh_script() -> str:
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=600,
                           cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return proc.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def mesh_results(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> dict:
+    """The 8-device script's results, computed once per test session: with pytest-xdist workers, the first
+    worker runs it and the others read its file (pytest-xdist's recipe for a fixture run once)."""
+    if worker_id == "master":  # no xdist
+        return json.loads(_run_mesh_script())
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp().parent / "mesh_results.json"  # this session's, shared by the workers
+    with FileLock(str(shared) + ".lock"):
+        if not shared.is_file():
+            shared.write_text(_run_mesh_script())
+    return json.loads(shared.read_text())
 
 
 @pytest.mark.parametrize("mesh", [f"{m}/1" for m in MESHES] + ["(2, 2, 2)/2"])
