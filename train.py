@@ -1,8 +1,12 @@
-"""jaxrl_llm trainer: `python train.py --algo grpo [--config FILE] [--resume | --overwrite] [key=value ...]`.
+"""jaxrl_llm trainer: `python train.py [--algo grpo] [--config FILE] [--resume | --overwrite] [key=value ...]`.
 
 Without `--config`, each algorithm runs its offline default preset on the arithmetic task
-(`configs/grpo_arithmetic.yaml`, `configs/sft_arithmetic.yaml`, ...). Dotted overrides such as
-`rl.beta=0.04 steps=10` are applied last and type-checked.
+(`configs/grpo_arithmetic.yaml`, `configs/sft_arithmetic.yaml`, ...); with it, `algo` comes from the file
+unless `--algo` is given. Dotted overrides such as `rl.beta=0.04 steps=10` are applied last and type-checked.
+Relative paths in the YAML file are relative to its folder; on the command line, to the current folder.
+
+`--print-config` prints the resolved config, every field with a one-line comment, and exits (all fields:
+docs/config.md). Ctrl-C or SIGTERM stops after the current step with a checkpoint (exit 130).
 
 A run owns its out_dir: a new run refuses a directory that holds another run (`--resume` continues it,
 `--overwrite` starts over), and `--resume` refuses config changes to the math unless
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -32,8 +37,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     from jaxrl_llm.cli import CommandParser
 
     parser = CommandParser(prog="train.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--algo", choices=sorted(DEFAULT_CONFIGS), default="grpo")
+    parser.add_argument("--algo", choices=sorted(DEFAULT_CONFIGS),
+                        help="the algorithm (default: the config file's algo, else grpo)")
     parser.add_argument("--config", type=Path, help="YAML preset (default: the algorithm's offline preset)")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config with a comment per field, and exit")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in out_dir")
     parser.add_argument("--overwrite", action="store_true",
                         help="start over in an out_dir that holds a run (deletes its checkpoints, metrics, export)")
@@ -47,8 +55,13 @@ def main(argv: list[str]) -> int:
     args = _parse(argv)
     from jaxrl_llm.config import ConfigError, config_source, load_run_config, validate_environment
 
-    preset = args.config or DEFAULT_CONFIGS[args.algo]
-    config = load_run_config(preset, args.overrides, algo=args.algo)
+    preset = args.config or DEFAULT_CONFIGS[args.algo or "grpo"]
+    config = load_run_config(preset, args.overrides, **({"algo": args.algo} if args.algo else {}))
+    if args.print_config:
+        from jaxrl_llm.config_docs import commented_yaml
+
+        print(commented_yaml(config), end="")
+        return 0
     from jaxrl_llm.sharding import initialize_distributed
 
     d = config.distributed
@@ -60,7 +73,15 @@ def main(argv: list[str]) -> int:
     options = dict(resume=args.resume, overwrite=args.overwrite, allow_config_change=args.allow_config_change)
     from jaxrl_llm.trainers import train
 
-    summary = train(config, **options)
+    from jaxrl_llm.errors import RunInterrupted
+
+    try:
+        summary = train(config, **options)
+    except RunInterrupted as e:
+        if "--resume" in str(e):  # the exact command that continues this run
+            again = [a for a in argv if a not in ("--overwrite", "--resume")]
+            raise RunInterrupted(f"{e}: python train.py {shlex.join([*again, '--resume'])}", e.step) from None
+        raise
     before = summary.get("before", {}).get("eval/accuracy")
     after = summary.get("after", {}).get("eval/accuracy")
     if before is not None and after is not None:

@@ -1,5 +1,9 @@
 """Orbax checkpoints of a run (params, optimizer state, step, RNG key, data position), keep-last-K, resume.
 
+`keep_only_weights` reduces a finished run's checkpoints to one holding the policy weights (the entries of
+`WEIGHT_KEYS`) and the position: what `final_checkpoint: weights` keeps. A resume from it restores those and
+starts the rest of the state (optimizer moments) from the algorithm's fresh initial state, with a notice.
+
 A checkpoint that cannot be read (a truncated file, a half-written step left by a crash) is moved aside to
 `corrupt_checkpoints/` next to the checkpoint directory, with a warning, and the previous one is used.
 """
@@ -14,6 +18,9 @@ from typing import Any
 import orbax.checkpoint as ocp
 
 from jaxrl_llm.errors import RunDirError, one_line
+
+
+WEIGHT_KEYS = ("params", "key")  # what a weights-only checkpoint keeps of the state
 
 
 class Checkpointer:
@@ -50,9 +57,25 @@ class Checkpointer:
         )
         return restored.state, restored.meta
 
+    def keep_only_weights(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
+        """Replace every checkpoint by one of `step` holding only `WEIGHT_KEYS` of `state`."""
+        self.manager.wait_until_finished()
+        for old in self.all_steps():
+            self.manager.delete(old)
+        self.save(step, {k: state[k] for k in WEIGHT_KEYS}, {**meta, "weights_only": True})
+        self.manager.wait_until_finished()
+
+    def _weights_only(self, step: int) -> bool:
+        try:
+            meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+        except Exception:  # unreadable: the full restore below reports it
+            return False
+        return bool(meta and meta.get("weights_only"))
+
     def restore_latest(self, like: Any) -> tuple[Any, dict[str, Any]]:
         """The newest checkpoint that reads back whole, into the shapes, dtypes and shardings of the pytree
-        `like`; unreadable ones are moved aside with a warning. Raises `RunDirError` without a readable one."""
+        `like`; unreadable ones are moved aside with a warning. Raises `RunDirError` without a readable one.
+        A weights-only checkpoint fills the rest of the state from `like`."""
         abstract_state = abstract_like(like)
         steps = sorted(self.all_steps(), reverse=True)
         if not steps:
@@ -60,7 +83,13 @@ class Checkpointer:
                               f"checkpoint was written leaves none); start over with --overwrite instead of --resume")
         for step in steps:
             try:
-                restored = self.restore(step, abstract_state)
+                if self._weights_only(step):
+                    weights, meta = self.restore(step, {k: abstract_state[k] for k in WEIGHT_KEYS})
+                    print(f"jaxrl_llm: the checkpoint of step {step} holds only the policy weights "
+                          f"(final_checkpoint=weights): the optimizer state starts afresh", file=sys.stderr)
+                    restored = ({**like, **weights}, meta)
+                else:
+                    restored = self.restore(step, abstract_state)
             except Exception as e:  # any failure to read this step: try the one before
                 aside = self.directory.parent / "corrupt_checkpoints" / str(step)
                 print(f"jaxrl_llm: warning: checkpoint {self.directory / str(step)} cannot be read "

@@ -12,7 +12,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from jaxrl_llm.errors import JaxrlError, UsageError, one_line
+from jaxrl_llm.errors import JaxrlError, RunInterrupted, UsageError, one_line
 
 DEBUG_FLAG = "--debug"
 
@@ -49,6 +49,9 @@ def run_command(prog: str, main: Callable[[list[str]], int], argv: list[str] | N
         return main(argv)
     try:
         return main(argv)
+    except RunInterrupted as e:  # the run saved a checkpoint and says how to resume
+        print(f"{prog}: {one_line(str(e))}", file=sys.stderr)
+        return e.exit_code
     except KeyboardInterrupt:
         print(f"{prog}: interrupted; checkpoints written so far are kept (resume with --resume)", file=sys.stderr)
         return 130

@@ -11,12 +11,14 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
+import os
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from jaxrl_llm.errors import ConfigError, one_line
@@ -30,10 +32,12 @@ RENAMED = {
 
 @dataclass
 class ModelSection:
-    path: str = "models/arith-base"  # HF directory or hub id; for --algo sft: where the new model is written
+    """The policy model: where it is, its dtypes and memory knobs."""
+
+    path: str = ""  # required: a Hugging Face model directory or hub id (--algo sft with model.init: unused)
     dtype: str = "float32"  # compute dtype: float32 | bfloat16
-    param_dtype: str = "float32"
-    remat: bool = False
+    param_dtype: str = "float32"  # stored weights: float32 | bfloat16 (float32 master weights are kept)
+    remat: bool = False  # recompute each layer's activations in the backward pass (less memory, more time)
     # Memory of one float32 logits block [rows, chunk, V] when the train step and the reference pass compute
     # log-probs and entropy from the final hidden states (MiB); 0 = all completion positions in one block.
     logprob_block_mib: float = 256.0
@@ -43,39 +47,43 @@ class ModelSection:
     # --algo sft only: architecture of a model trained from scratch (HF config.json keys, with model_type),
     # and its tokenizer: a directory, or "arithmetic" for the default task's character tokenizer.
     init: dict[str, Any] = field(default_factory=dict)
-    tokenizer: str = ""
+    tokenizer: str = ""  # --algo sft with model.init: a tokenizer directory, or "arithmetic"
 
 
 @dataclass
 class DataSection:
-    train: str = "data/arithmetic/train.jsonl"  # JSONL path, or hf:NAME[:CONFIG] for a hub dataset
-    eval: str = "data/arithmetic/test.jsonl"
-    split: str = "train"  # hub datasets only
-    eval_split: str = "test"
+    """Training and held-out data: files or hub datasets, which fields hold what, prompt rendering."""
+
+    train: str = ""  # required: a JSONL path, or hf:NAME[:CONFIG] for a hub dataset
+    eval: str = ""  # held-out prompts for greedy accuracy (JSONL or hf:NAME); "" = no evaluation
+    split: str = "train"  # hub datasets only: the split of data.train
+    eval_split: str = "test"  # hub datasets only: the split of data.eval
     prompt_field: str = "prompt"  # text, or a list of chat messages [{"role", "content"}]
     answer_field: str = "answer"  # passed to reward functions as a keyword (all fields are)
-    chosen_field: str = "chosen"  # --algo rm: preference pairs
-    rejected_field: str = "rejected"
+    chosen_field: str = "chosen"  # --algo rm: the preferred response of a pair
+    rejected_field: str = "rejected"  # --algo rm: the other response
     # Optional templates applied to each record: "{question}" style, filled from the record's fields.
-    prompt_template: str = ""
-    answer_template: str = ""
+    prompt_template: str = ""  # e.g. "Question: {question}"; "" = the prompt field as it is
+    answer_template: str = ""  # e.g. "{solution}"; "" = the answer field as it is
     chat_template: bool = False  # render the prompt with the tokenizer's chat template
-    system_prompt: str = ""
-    max_prompt_tokens: int = 64  # longer prompts are dropped (with a count), never cut
-    shuffle: bool = True
+    system_prompt: str = ""  # prepended as a system message (chat) or as text
+    max_prompt_tokens: int = 512  # longer prompts are dropped (with a count), never cut
+    shuffle: bool = True  # reshuffle the training records every epoch (seeded)
 
 
 @dataclass
 class SamplingSection:
-    max_new_tokens: int = 8
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
+    """How rollouts are sampled (the held-out evaluation decodes greedily with the same length limit)."""
+
+    max_new_tokens: int = 256  # completion length limit; a longer completion is cut (counted in frac_truncated)
+    temperature: float = 1.0  # rollout sampling temperature (evaluation is greedy)
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # nucleus sampling; 1 = off
+    min_p: float = 0.0  # drop tokens below min_p * the top probability; 0 = off
     # Compile buckets: prompt widths and completion lengths are rounded up to these multiples, so calls with
     # lengths in one bucket reuse one compiled sampler / train step. Smaller = less padding, more compiles.
     prompt_bucket: int = 16
-    new_tokens_bucket: int = 16
+    new_tokens_bucket: int = 16  # completion lengths are rounded up to a multiple of this
 
 
 @dataclass
@@ -88,19 +96,19 @@ class RLSection:
     mu: int = 1  # optimisation passes over each rollout
     minibatch_size: int = 0  # sequences per optimizer step; 0 = the whole rollout (P * G)
     grad_accum: int = 1  # micro-batches per optimizer step (divides minibatch_size)
-    epsilon_low: float = 0.2
-    epsilon_high: float = 0.2
+    epsilon_low: float = 0.2  # ratio clip range below 1 (PPO epsilon)
+    epsilon_high: float = 0.2  # ratio clip range above 1 (DAPO clip-higher: 0.28)
     dual_clip_c: float = 0.0  # 0 = off; else > 1
     policy_loss: str = "ppo_clip"  # rl.losses.POLICY_LOSSES: ppo_clip (token ratio) | gspo (sequence ratio)
     beta: float = 0.0  # KL coefficient to the reference model; 0 skips the reference pass
-    kl_estimator: str = "k3"
+    kl_estimator: str = "k3"  # k1 | k2 | k3 (Schulman's estimators of the KL term)
     loss_aggregation: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum(-norm)
     scale_rewards: str = "group"  # group | batch | none (Dr.GRPO)
-    entropy_coef: float = 0.0
+    entropy_coef: float = 0.0  # adds -entropy_coef * entropy to the loss
     # Advantage estimator: "" = the algorithm's own (grpo, rloo, reinforce_pp); or reinforce_pp_baseline.
     estimator: str = ""
     dynamic_sampling: bool = False  # DAPO: drop zero-variance groups and refill the batch
-    max_refill_rounds: int = 3
+    max_refill_rounds: int = 3  # DAPO: extra sampling rounds per step at most
 
 
 @dataclass
@@ -115,36 +123,42 @@ class PPOSection:
     critic_warmup_steps: int = 0  # first steps train only the critic (the policy is not updated)
     critic_init: str = "policy"  # "policy" (a copy of its decoder) or a model directory (e.g. a reward model)
     kl_coef_init: float = 0.01  # beta of r_t = -beta * KL_t + [t = last] * score
-    kl_estimator: str = "k1"
+    kl_estimator: str = "k1"  # the per-token KL in the reward: k1 | k2 | k3
     kl_target: float = 0.0  # adaptive controller target (mean KL per token); 0 = fixed coefficient
     kl_horizon: float = 10000.0  # adaptive controller horizon, in samples
-    whiten_advantages: bool = True
+    whiten_advantages: bool = True  # normalise GAE advantages over the batch
 
 
 @dataclass
 class RewardSpec:
-    name: str = "math_answer"  # a built-in name or "module:function"
-    weight: float = 1.0
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    """One reward function of the weighted sum."""
+
+    name: str = ""  # a built-in (math_answer, math_verify, format, overlong, reward_model) or "module:function"
+    weight: float = 1.0  # the step's reward is the weighted sum of the functions
+    kwargs: dict[str, Any] = field(default_factory=dict)  # keywords bound to the function (e.g. {path: DIR})
     timeout_s: float = 0.0  # > 0: a call that takes longer stops the run with an error naming the function
 
 
 @dataclass
 class OptimSection:
-    learning_rate: float = 1e-5
-    warmup_steps: int = 0
+    """AdamW (optax) with warmup, a schedule and gradient clipping."""
+
+    learning_rate: float = 1e-5  # AdamW peak learning rate
+    warmup_steps: int = 0  # linear warmup from 0
     schedule: str = "constant"  # constant | cosine | linear (decay to end_lr_ratio * lr after warmup)
-    end_lr_ratio: float = 0.0
-    weight_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.99
-    max_grad_norm: float = 1.0
+    end_lr_ratio: float = 0.0  # cosine / linear: the final learning rate as a fraction of the peak
+    weight_decay: float = 0.0  # AdamW decoupled weight decay
+    beta1: float = 0.9  # AdamW first-moment decay
+    beta2: float = 0.99  # AdamW second-moment decay
+    max_grad_norm: float = 1.0  # global-norm gradient clipping; 0 = off
 
 
 @dataclass
 class SFTSection:
-    batch_size: int = 64
-    eval_batch_size: int = 256
+    """Batch sizes of the supervised algorithms (--algo sft and --algo rm)."""
+
+    batch_size: int = 64  # --algo sft / rm: examples per optimizer step
+    eval_batch_size: int = 256  # --algo sft / rm: examples per evaluation batch
 
 
 @dataclass
@@ -162,10 +176,10 @@ class DistributedSection:
     from the environment (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, or what JAX detects
     on SLURM, Open MPI and TPU pods); `enabled=false` and no such variables: one process."""
 
-    enabled: bool = False
+    enabled: bool = False  # call jax.distributed.initialize (several processes)
     coordinator_address: str = ""  # host:port of process 0
-    num_processes: int = 0
-    process_id: int = -1
+    num_processes: int = 0  # 0 = from the environment
+    process_id: int = -1  # -1 = from the environment
     local_device_ids: list[int] = field(default_factory=list)  # default: all local devices
 
 
@@ -183,36 +197,41 @@ class DivergenceSection:
 
 @dataclass
 class RunConfig:
-    algo: str = "grpo"
-    seed: int = 0
-    steps: int = 100
-    out_dir: str = "runs/default"
+    """A whole run."""
+
+    algo: str = "grpo"  # grpo | rloo | reinforce_pp | ppo | sft | rm (train.py --algo)
+    seed: int = 0  # the run's root random key (sampling, data order, dropout-free init)
+    steps: int = 100  # training steps (one rollout + update each, for the RL algorithms)
+    out_dir: str = "runs/default"  # metrics, samples, checkpoints and the export go here
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
     sampling: SamplingSection = field(default_factory=SamplingSection)
     rl: RLSection = field(default_factory=RLSection)
     sft: SFTSection = field(default_factory=SFTSection)
     ppo: PPOSection = field(default_factory=PPOSection)
-    rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec()])
+    rewards: list[RewardSpec] = field(default_factory=list)  # required for RL: [{name: ..., weight: ...}, ...]
     optim: OptimSection = field(default_factory=OptimSection)
     mesh: MeshSection = field(default_factory=MeshSection)
     distributed: DistributedSection = field(default_factory=DistributedSection)
     divergence: DivergenceSection = field(default_factory=DivergenceSection)
     on_divergence: str = "stop"  # stop: end the run, keep the last good checkpoint, no export | warn: log only
-    log_every: int = 1
-    sample_every: int = 10  # write sample completions with rewards every N steps
+    log_every: int = 1  # a metrics row (and a plain log line when not on a terminal) every N steps
+    sample_every: int = 10  # write sample completions with rewards at step 1 and every N steps (0 = never)
     # Held-out accuracy = share of greedy answers this reward scores exactly 1: a built-in name or
     # module:function; "" = the first of `rewards` (set it when that one is not a 0/1 check, e.g. a reward model).
     eval_reward: str = ""
     eval_every: int = 0  # held-out greedy evaluation every N steps (0: only before and after)
     eval_size: int = 256  # held-out prompts per evaluation (0: all)
-    eval_batch_size: int = 256
-    checkpoint_every: int = 50
-    keep_checkpoints: int = 2
+    eval_batch_size: int = 256  # prompts per greedy evaluation batch
+    checkpoint_every: int = 50  # orbax checkpoint every N steps, and at the end (0 = never)
+    keep_checkpoints: int = 2  # the newest K checkpoints are kept
+    # full: the final checkpoint holds the optimizer state too (an exact --resume); weights: only the policy
+    # weights are kept at the end of a finished run (earlier checkpoints and optimizer moments deleted).
+    final_checkpoint: str = "full"
     export: bool = True  # write the final policy as a Hugging Face directory
     export_dir: str = ""  # default: out_dir/hf
-    tensorboard: bool = True
-    progress_bar: bool = True
+    tensorboard: bool = True  # TensorBoard events under out_dir/tensorboard
+    progress_bar: bool = True  # a tqdm bar on a terminal; plain log lines otherwise
 
 
 def load_run_config(path: str | Path | None, overrides: list[str] | None = None, **fields: Any) -> RunConfig:
@@ -220,6 +239,7 @@ def load_run_config(path: str | Path | None, overrides: list[str] | None = None,
 
     Every error names the key and where its value came from: the YAML file or the command line."""
     overrides = list(overrides or [])
+    add_import_path(Path.cwd())  # `python train.py` puts the script's folder on sys.path, not the current one
     merged = OmegaConf.structured(RunConfig)
     if path is not None:
         if not Path(path).is_file():
@@ -229,6 +249,9 @@ def load_run_config(path: str | Path | None, overrides: list[str] | None = None,
         except Exception as e:  # YAML syntax: the parser's message has the line and column
             raise ConfigError(f"{path} is not valid YAML: {one_line(str(e))}") from e
         _check_renamed(OmegaConf.to_container(loaded), f"in {path}")
+        if isinstance(loaded, DictConfig):
+            loaded = OmegaConf.create(resolve_yaml_paths(OmegaConf.to_container(loaded), Path(path).parent))
+        add_import_path(Path(path).parent)  # reward / estimator modules beside the YAML file
         try:
             merged = OmegaConf.merge(merged, loaded)
         except OmegaConfBaseException as e:
@@ -257,6 +280,65 @@ def load_run_config(path: str | Path | None, overrides: list[str] | None = None,
     except ConfigError as e:
         raise ConfigError(f"{e} ({config_source(str(e), path, overrides)})") from e
     return config
+
+
+# Fields holding paths: relative values in a YAML file are relative to the file's folder, on the command line to
+# the current folder. The ones that may also be a hub id keep a value that only looks like one ("org/name").
+PATH_FIELDS = ("out_dir", "export_dir", "model.path", "model.tokenizer", "data.train", "data.eval",
+               "ppo.critic_init")
+HUB_ID_FIELDS = ("model.path", "model.tokenizer", "ppo.critic_init", "rewards[].kwargs.path")
+NOT_A_PATH = {"model.tokenizer": "arithmetic", "ppo.critic_init": "policy"}
+
+
+def looks_local(value: str) -> bool:
+    """A path no hub id can be: absolute, ./ ../ ~, or more than one `/` (hub ids are NAME or ORG/NAME)."""
+    return value.startswith((".", "/", "~")) or value.count("/") > 1 or "\\" in value
+
+
+def shown_path(path: Path) -> str:
+    """An absolute path as a run shows it: relative to the current folder when inside it, else absolute."""
+    path = Path(os.path.normpath(path.expanduser().absolute()))
+    try:
+        return str(path.relative_to(Path.cwd())) or "."
+    except ValueError:
+        return str(path)
+
+
+def resolve_path(key: str, value: Any, base: Path) -> Any:
+    """`value` of the path field `key`, read from a YAML file in `base`, made relative to the current folder."""
+    if not isinstance(value, str) or not value or value.startswith("hf:") or NOT_A_PATH.get(key) == value:
+        return value
+    if Path(value).expanduser().is_absolute():
+        return value
+    if key in HUB_ID_FIELDS and not looks_local(value) and not (base / value).exists():
+        return value  # a hub id (a missing local directory is reported when the run checks its inputs)
+    return shown_path(base / value)
+
+
+def resolve_yaml_paths(tree: Any, base: Path) -> Any:
+    """The YAML mapping `tree` with its path fields (`PATH_FIELDS`, rewards' `kwargs.path`) resolved against `base`."""
+    if not isinstance(tree, dict):
+        return tree
+    tree = {k: (dict(v) if isinstance(v, dict) else v) for k, v in tree.items()}
+    for key in PATH_FIELDS:
+        section, _, name = key.rpartition(".")
+        node = tree.get(section) if section else tree
+        if isinstance(node, dict) and name in node:
+            node[name] = resolve_path(key, node[name], base)
+    if isinstance(tree.get("rewards"), list):
+        tree["rewards"] = [
+            {**r, "kwargs": {**r["kwargs"], "path": resolve_path("rewards[].kwargs.path", r["kwargs"]["path"], base)}}
+            if isinstance(r, dict) and isinstance(r.get("kwargs"), dict) and "path" in r["kwargs"] else r
+            for r in tree["rewards"]
+        ]
+    return tree
+
+
+def add_import_path(folder: Path) -> None:
+    """Let `module:function` names import modules from `folder` (appended: installed packages win)."""
+    entry = str(folder.expanduser().absolute())
+    if entry not in sys.path:
+        sys.path.append(entry)
 
 
 def _check_renamed(tree: Any, where: str) -> None:
@@ -356,6 +438,7 @@ def validate(c: RunConfig) -> None:
 
     _choice(c.algo, "algo", tuple(ALGORITHMS))
     _choice(c.on_divergence, "on_divergence", ("stop", "warn"))
+    _choice(c.final_checkpoint, "final_checkpoint", ("full", "weights"))
     _choice(c.model.dtype, "model.dtype", ("float32", "bfloat16"))
     _choice(c.model.param_dtype, "model.param_dtype", ("float32", "bfloat16"))
     g = c.rl
@@ -390,8 +473,6 @@ def validate(c: RunConfig) -> None:
         raise ConfigError(f"rl.grad_accum={g.grad_accum} must divide rl.minibatch_size={minibatch}")
     if g.dual_clip_c and g.dual_clip_c <= 1:
         raise ConfigError(f"rl.dual_clip_c={g.dual_clip_c} must be > 1 (or 0 to disable)")
-    if not c.rewards:
-        raise ConfigError("rewards=[]: at least one reward function is required")
     for i, spec in enumerate(c.rewards):
         _check_number(f"rewards.{i}.weight", spec.weight, (-float("inf"), float("inf"), True))
         _check_number(f"rewards.{i}.timeout_s", spec.timeout_s, _AT_LEAST)
@@ -404,9 +485,10 @@ def validate_environment(c: RunConfig) -> None:
     initialised), so a run that cannot start fails before any model loads."""
     import jax
 
+    check_required(c)
     for key in ("data.train", "data.eval"):
         source = _get(c, key)
-        if source and not source.startswith("hf:") and not Path(source).is_file():
+        if source and not source.startswith(("hf:", "python:")) and not Path(source).is_file():
             kind = "a directory, not a JSONL file" if Path(source).is_dir() else "missing"
             raise ConfigError(f"{key}={source}: the data file is {kind} (a JSONL path, or hf:NAME for a hub dataset)")
     from jaxrl_llm.rewards import resolve_reward
@@ -415,11 +497,10 @@ def validate_environment(c: RunConfig) -> None:
         resolve_reward(spec.name, dict(spec.kwargs))
     if c.eval_reward:
         resolve_reward(c.eval_reward)
-    model_path = Path(c.model.path)
-    local = model_path.exists() or c.model.path.startswith((".", "/", "~")) or c.model.path.count("/") > 1
-    if not c.model.init and local and not model_path.is_dir():
-        raise ConfigError(f"model.path={c.model.path}: no such model directory (a Hugging Face model directory "
-                          f"with config.json, or a hub id such as Qwen/Qwen2.5-0.5B-Instruct)")
+    if not (c.algo == "sft" and c.model.init):
+        check_model_source("model.path", c.model.path)
+    if c.algo == "ppo" and c.ppo.critic_init != "policy":
+        check_model_source("ppo.critic_init", c.ppo.critic_init)
 
     from jaxrl_llm.sharding import MeshShape
 
@@ -438,6 +519,60 @@ def validate_environment(c: RunConfig) -> None:
         if micro % ways:
             raise ConfigError(f"the micro-batch rl.minibatch_size / rl.grad_accum = {micro} sequences must be "
                               f"divisible by mesh.data * mesh.fsdp ({ways}) for the data-parallel step")
+
+
+REWARD_FREE_ALGOS = ("sft", "rm")  # trained on examples or pairs; every other algorithm needs `rewards`
+
+
+def check_required(c: RunConfig) -> None:
+    """One line naming every required setting the run lacks (the defaults name no model, data or reward)."""
+    missing = []
+    if not c.model.path and not (c.algo == "sft" and c.model.init):
+        missing.append("model.path (a Hugging Face model directory or hub id)")
+    if not c.data.train:
+        missing.append("data.train (a JSONL file, or hf:NAME for a hub dataset)")
+    if c.algo not in REWARD_FREE_ALGOS and not c.rewards:
+        missing.append("rewards (a list such as [{name: math_answer}] or [{name: my_module:my_reward}])")
+    if missing:
+        raise ConfigError(f"algo={c.algo} needs {'; '.join(missing)}: set {'them' if len(missing) > 1 else 'it'} "
+                          f"in the YAML file or on the command line (python train.py --print-config lists every "
+                          f"field)")
+    if c.data.eval and c.algo != "rm" and not (c.rewards or c.eval_reward):
+        raise ConfigError(f"data.eval={c.data.eval} needs a reward to score the held-out answers: set eval_reward "
+                          f"(e.g. math_answer) or rewards, or data.eval='' for no evaluation")
+
+
+HUB_TIMEOUT_S = 10.0
+
+
+def check_model_source(key: str, value: str) -> None:
+    """`value` is a model directory, or a hub id that is cached or exists on the hub; else a one-line
+    `ConfigError` that says which (a local-looking path is "not found", never looked up on the hub)."""
+    path = Path(value).expanduser()
+    if path.is_dir():
+        return
+    if path.exists():
+        raise ConfigError(f"{key}={value} is a file; it must be a model directory (with config.json) or a hub id")
+    if looks_local(value):
+        raise ConfigError(f"{key}={value}: not found (no directory {shown_path(path)}; relative paths in a YAML "
+                          f"file are relative to its folder, on the command line to the current folder)")
+    from huggingface_hub import constants, model_info, try_to_load_from_cache
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    if isinstance(try_to_load_from_cache(value, "config.json"), str):
+        return
+    where = f"{key}={value}: not a local directory ({shown_path(path)} does not exist), and as a hub id it"
+    if constants.HF_HUB_OFFLINE:
+        raise ConfigError(f"{where} is not in the local cache (HF_HUB_OFFLINE is set)")
+    try:
+        model_info(value, timeout=HUB_TIMEOUT_S)
+    except GatedRepoError as e:
+        raise ConfigError(f"{where} is gated: accept its license on the hub and log in (hf auth login)") from e
+    except RepositoryNotFoundError as e:
+        raise ConfigError(f"{where} is not on the Hugging Face hub (or is private: log in with hf auth login)") from e
+    except Exception as e:  # no network, DNS, proxy, timeout: one line, at once
+        raise ConfigError(f"{where} cannot be looked up: the hub is unreachable ({type(e).__name__}: "
+                          f"{one_line(str(e))[:120]}); check the path, or download the model while online") from e
 
 
 def _validate_ppo(p: PPOSection) -> None:

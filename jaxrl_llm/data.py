@@ -47,9 +47,29 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     return records
 
 
+# Datasets handed over in Python (`jaxrl_llm.train(train_dataset=...)`), named `python:NAME` in the config.
+PYTHON_DATASETS: dict[str, list[dict[str, Any]]] = {}
+
+
+def register_dataset(name: str, dataset: Any) -> str:
+    """Keep an in-memory dataset (a list of dicts, or a `datasets.Dataset`) as the source `python:NAME`."""
+    records = [dict(r) if hasattr(r, "keys") else r for r in dataset]
+    for i, record in enumerate(records):
+        if not isinstance(record, dict):
+            raise DataError(f"{name}[{i}]: expected a dict (a record with a prompt), got {type(record).__name__}")
+    if not records:
+        raise DataError(f"{name}: the dataset is empty")
+    PYTHON_DATASETS[name] = records
+    return f"python:{name}"
+
+
 def load_records(source: str, split: str = "train") -> tuple[list[dict[str, Any]], str]:
-    """Records from a JSONL path or `hf:NAME[:CONFIG]` (a hub dataset through `datasets`), and a label
-    for error messages."""
+    """Records from a JSONL path, `hf:NAME[:CONFIG]` (a hub dataset through `datasets`) or `python:NAME` (a
+    registered in-memory dataset), and a label for error messages."""
+    if source.startswith("python:"):
+        if source[7:] not in PYTHON_DATASETS:
+            raise DataError(f"{source}: no such in-memory dataset (pass it to jaxrl_llm.train again)")
+        return PYTHON_DATASETS[source[7:]], source[7:]
     if source.startswith("hf:"):
         import datasets
 

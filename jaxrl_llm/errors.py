@@ -59,6 +59,18 @@ class DivergenceError(TrainingError):
     """The policy collapsed (see `jaxrl_llm.divergence`); the last good checkpoint is kept."""
 
 
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM stopped the run after a step; its checkpoint is saved (exit 130, no traceback).
+
+    A `KeyboardInterrupt`, so Python code that catches interrupts (a notebook) sees it as one."""
+
+    exit_code = 130
+
+    def __init__(self, message: str, step: int) -> None:
+        super().__init__(message)
+        self.step = step
+
+
 def one_line(text: str) -> str:
     """`text` with its lines joined, so a message is always a single line on stderr."""
     return " ".join(part.strip() for part in str(text).splitlines() if part.strip())

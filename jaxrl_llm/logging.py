@@ -1,4 +1,6 @@
-"""Run outputs: metrics to JSONL and TensorBoard, sample completions to JSONL, a tqdm progress bar.
+"""Run outputs: metrics to JSONL and TensorBoard, sample completions to JSONL, and the console: a tqdm progress
+bar on a terminal, or (output to a file or pipe, as on a cluster, or `progress_bar=false`) one plain line per
+logged step, so a log file reads line by line.
 
 One row per step, whatever happened: a resumed run first drops the rows of the steps after its checkpoint
 (they are replayed identically) from `metrics.jsonl` and `samples.jsonl`, and rebuilds the TensorBoard events
@@ -11,6 +13,7 @@ import json
 import math
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +49,10 @@ class RunLogger:
                 shutil.rmtree(self.out_dir / "tensorboard")
         self.metrics_file = (self.out_dir / "metrics.jsonl").open("a") if primary else open(os.devnull, "w")  # noqa: SIM115
         self.samples_file = (self.out_dir / "samples.jsonl").open("a") if primary else open(os.devnull, "w")  # noqa: SIM115
-        progress_bar = progress_bar and primary
+        self.primary, self.total_steps = primary, total_steps
+        # tqdm draws on stderr: anywhere but a terminal its redraws would make the log one long line.
+        self.plain = primary and not (progress_bar and sys.stderr.isatty())
+        progress_bar = progress_bar and primary and not self.plain
         self.writer = None
         if tensorboard and primary:
             from tensorboardX import SummaryWriter
@@ -73,13 +79,21 @@ class RunLogger:
         self.bar.set_postfix({k: f"{v:.3g}" for k, v in postfix.items()}, refresh=False)
         self.bar.update(advance)
 
+    def line(self, step: int, fields: dict[str, float]) -> None:
+        """The plain log line of a step (only when there is no progress bar)."""
+        if self.plain:
+            values = "  ".join(f"{v:.2f} s/step" if k == "s/step" else f"{k} {v:.4g}" for k, v in fields.items())
+            print(f"step {step}/{self.total_steps}  {values}", flush=True)
+
     def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
         for row in rows:
             self.samples_file.write(json.dumps({"step": step, **row}) + "\n")
         self.samples_file.flush()
 
     def message(self, text: str) -> None:
-        self.bar.write(text)
+        if self.primary:
+            self.bar.write(text)
+            sys.stdout.flush()
 
     def close(self) -> None:
         self.bar.close()

@@ -38,12 +38,30 @@ REWARD_FUNCTIONS: dict[str, RewardFunction] = {
     "reward_model": _reward_model_reward,  # kwargs: {path: DIR_OR_HUB_ID of a ...ForSequenceClassification}
 }
 
+# Functions handed over in Python (`jaxrl_llm.train(reward_funcs=[fn])`), by the name their config entry uses.
+PYTHON_REWARDS: dict[str, RewardFunction] = {}
+
+
+def register_reward(fn: RewardFunction, name: str = "") -> str:
+    """Make the callable `fn` a reward function named `name` (default: its `__name__`); returns the name.
+    A built-in's name raises `RewardNameError`; registering a name again replaces its function."""
+    name = name or getattr(fn, "__name__", "") or type(fn).__name__
+    if not callable(fn):
+        raise RewardNameError(f"reward function {name!r} is a {type(fn).__name__}, not a callable")
+    if name in REWARD_FUNCTIONS or ":" in name:
+        raise RewardNameError(f"reward function name {name!r} is taken (built-ins: {', '.join(REWARD_FUNCTIONS)}); "
+                              f"give the function another name")
+    PYTHON_REWARDS[name] = fn
+    return name
 
 
 def resolve_reward(name: str, kwargs: dict[str, Any] | None = None) -> RewardFunction:
-    """A built-in by name, or `module:function` imported; `kwargs` bound as keywords."""
+    """A built-in by name, a registered Python function, or `module:function` imported; `kwargs` bound as
+    keywords."""
     if name in REWARD_FUNCTIONS:
         fn = REWARD_FUNCTIONS[name]
+    elif name in PYTHON_REWARDS:
+        fn = PYTHON_REWARDS[name]
     elif ":" in name:
         module_name, _, attr = name.partition(":")
         try:

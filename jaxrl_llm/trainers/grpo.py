@@ -154,8 +154,9 @@ class GRPOFamily:
         return self.evaluation(self.policy.params, limit)
 
     def progress(self, metrics: dict[str, float]) -> dict[str, float]:
-        return {"reward": metrics["reward/mean"], "kl": metrics.get("kl", metrics.get("approx_kl", 0.0)),
-                "s/step": metrics["time/step"]}
+        # `kl` only with a reference (beta > 0): approx_kl, the on-policy ratio's, is ~0 and would read as a bug.
+        kl = {"kl": metrics["kl"]} if "kl" in metrics else {}
+        return {"reward": metrics["reward/mean"], **kl, "s/step": metrics["time/step"]}
 
     def sample_rows(self, ro: Rollout) -> list[dict[str, Any]]:
         return self.collector.sample_rows(ro)

@@ -17,6 +17,9 @@ steps, and never touches files:
 from __future__ import annotations
 
 import dataclasses
+import signal
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
@@ -29,12 +32,18 @@ from jaxrl_llm.checkpoint import Checkpointer
 from jaxrl_llm.config import RunConfig
 from jaxrl_llm.data import DataState
 from jaxrl_llm.divergence import DivergenceLimits, DivergenceState, update_divergence
-from jaxrl_llm.errors import DivergenceError, TrainingError
+from jaxrl_llm.errors import DivergenceError, RunInterrupted, TrainingError
 from jaxrl_llm.logging import RunLogger, write_summary
 from jaxrl_llm.run_dir import open_run_dir
 from jaxrl_llm.sharding import global_array
 
 MAX_CONSECUTIVE_SKIPPED_UPDATES = 5
+TRUNCATION_WARNING = 0.5  # a step where at least this share of completions hit sampling.max_new_tokens is named
+NO_SIGNAL_REPEAT = 10  # a run of steps without learning signal is named at its first step and every N after
+
+# The plain log line (not on a terminal): these metrics, when the step has them, after the algorithm's own.
+PLAIN_LINE_FIELDS = (("reward/mean", "reward"), ("kl", "kl"), ("entropy", "entropy"),
+                     ("frac_zero_std_groups", "zero_std_groups"), ("frac_truncated", "truncated"))
 
 
 class Algorithm(Protocol):
@@ -106,10 +115,26 @@ class Trainer:
         self.data_state = DataState(**meta["data_state"])
         self.divergence = DivergenceState.from_json(meta.get("divergence"))
 
-    def save_checkpoint(self) -> None:
-        meta = {"step": self.step, "data_state": dataclasses.asdict(self.data_state),
+    def _meta(self) -> dict[str, Any]:
+        return {"step": self.step, "data_state": dataclasses.asdict(self.data_state),
                 "divergence": self.divergence.to_json()}
-        self.checkpointer.save(self.step, self._state(), meta)
+
+    def save_checkpoint(self) -> None:
+        self.checkpointer.save(self.step, self._state(), self._meta())
+
+    def _stop_if_requested(self, logger: RunLogger) -> None:
+        """After a Ctrl-C / SIGTERM: checkpoint the last finished step and raise `RunInterrupted`."""
+        requested = self.stop_requests.requested
+        if requested is None:
+            return
+        if self.step > 0 and self.checkpointer.latest_step() != self.step:
+            self.save_checkpoint()
+        self.checkpointer.manager.wait_until_finished()
+        saved = self.checkpointer.latest_step()
+        where = (f"the checkpoint of step {saved} is in {self.checkpointer.directory}; continue with --resume"
+                 if saved is not None else "no checkpoint had been written yet (nothing to resume)")
+        logger.message(f"stopped by {requested} after step {self.step}")
+        raise RunInterrupted(f"stopped by {requested} after step {self.step}; {where}", self.step)
 
     # ------------------------------------------------------------------------------------------ the loop
 
@@ -134,7 +159,8 @@ class Trainer:
 
     def run(self) -> dict[str, Any]:
         try:
-            return self._run()
+            with StopRequests() as self.stop_requests:
+                return self._run()
         finally:
             self.run_dir.release()
 
@@ -143,6 +169,9 @@ class Trainer:
         logger = RunLogger(self.out_dir, total_steps=c.steps, initial_step=self.step, tensorboard=c.tensorboard,
                            progress_bar=c.progress_bar, desc=algo.label,
                            resume_step=self.step if self.resumed else None)
+        logger.message(f"resumed from step {self.step}; writing to {self.out_dir}" if self.resumed else
+                       f"writing to {self.out_dir} (a new run; checkpoints every {c.checkpoint_every} steps)"
+                       if c.checkpoint_every else f"writing to {self.out_dir} (a new run; checkpoint_every=0)")
         logger.message(algo.describe())
         summary: dict[str, Any] = {}
         if self.step == 0 and getattr(algo, "evaluates_before", True):
@@ -153,9 +182,11 @@ class Trainer:
         limits = DivergenceLimits(**dataclasses.asdict(c.divergence))
         diverged: dict[str, str] = {}
         flagged: dict[str, Any] = {}  # the latest divergence (on_divergence=warn runs on past it)
-        skipped_in_a_row = 0
+        skipped_in_a_row = no_signal_in_a_row = 0
+        warned_truncation = False
         try:
             while self.step < c.steps:
+                self._stop_if_requested(logger)
                 self.step += 1
                 batch, metrics = self.run_step()
                 skipped_in_a_row = skipped_in_a_row + 1 if metrics.pop("last_update_skipped") else 0
@@ -163,6 +194,17 @@ class Trainer:
                                                               limits=limits)
                 last = self.step == c.steps or (diverged and c.on_divergence == "stop")
                 self._record(logger, batch, metrics, summary, last)
+                no_signal_in_a_row = no_signal_in_a_row + 1 if _no_learning_signal(metrics, c.algo) else 0
+                if no_signal_in_a_row % NO_SIGNAL_REPEAT == 1:
+                    logger.message(f"warning: step {self.step}: no learning signal ({_no_signal_text(metrics)}): "
+                                   f"every completion of each group scored the same, so the update is zero; "
+                                   f"read samples.jsonl, check the reward function, or raise "
+                                   f"sampling.temperature / rl.group_size")
+                if not warned_truncation and metrics.get("frac_truncated", 0.0) >= TRUNCATION_WARNING:
+                    warned_truncation = True
+                    logger.message(f"warning: step {self.step}: {metrics['frac_truncated']:.0%} of the completions "
+                                   f"were cut at sampling.max_new_tokens={c.sampling.max_new_tokens}; raise it "
+                                   f"if the answers need more tokens")
                 if diverged:
                     flagged = {"step": self.step, "conditions": diverged}
                     if self._on_divergence(logger, diverged):
@@ -178,6 +220,10 @@ class Trainer:
             stopped = bool(diverged) and c.on_divergence == "stop"
             if c.checkpoint_every and self.checkpointer.latest_step() != self.step and not stopped:
                 self.save_checkpoint()
+            if c.final_checkpoint == "weights" and not stopped and self.step == c.steps:
+                self.checkpointer.keep_only_weights(self.step, self._state(), self._meta())
+                logger.message(f"final_checkpoint=weights: checkpoints reduced to the policy weights of step "
+                               f"{self.step}")
         finally:
             self.checkpointer.close()
             logger.close()
@@ -196,9 +242,11 @@ class Trainer:
                 summary["after"] = evaluation
         if self.step % c.log_every == 0 or last:
             logger.log(self.step, metrics)
-        if c.sample_every and self.step % c.sample_every == 0:
+        if c.sample_every and (self.step % c.sample_every == 0 or self.step == 1):
             logger.samples(self.step, algo.sample_rows(batch))
         logger.progress(algo.progress(metrics))
+        if self.step % c.log_every == 0 or last:
+            logger.line(self.step, _plain_line(algo.progress(metrics), metrics))
 
     def _on_divergence(self, logger: RunLogger, diverged: dict[str, str]) -> bool:
         """Report a divergence; with `on_divergence=stop`, set aside the checkpoints written while the collapse
@@ -234,6 +282,59 @@ class Trainer:
             summary["export"] = algo.export(self.export_dir)
             write_summary(self.out_dir, summary)
         return summary
+
+
+class StopRequests:
+    """Ctrl-C (SIGINT) and SIGTERM while a run is open: the first asks the loop to stop after the current step
+    (which it checkpoints); a second Ctrl-C stops at once. Handlers are restored on exit; outside the main
+    thread (where Python cannot install them) nothing changes."""
+
+    def __init__(self) -> None:
+        self.requested: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopRequests:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if self.requested is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = name
+        print(f"jaxrl_llm: {name}: finishing this step, then saving a checkpoint and stopping "
+              f"(Ctrl-C again stops at once, without saving)", file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _no_learning_signal(metrics: dict[str, float], algo: str) -> bool:
+    """The update had nothing to learn from: a zero gradient, or (group-relative advantages) no group whose
+    completions scored differently. PPO's critic makes advantages without reward variance, so only its
+    gradient counts."""
+    zero_grad = metrics.get("grad_norm", 1.0) == 0.0 and not metrics.get("update_skipped", 0.0)
+    return zero_grad or (algo != "ppo" and metrics.get("frac_zero_std_groups", 0.0) == 1.0)
+
+
+def _no_signal_text(metrics: dict[str, float]) -> str:
+    parts = [f"{k}={metrics[k]:.3g}" for k in ("frac_zero_std_groups", "grad_norm") if k in metrics]
+    return ", ".join(parts)
+
+
+def _plain_line(progress: dict[str, float], metrics: dict[str, float]) -> dict[str, float]:
+    """The plain log line's fields: the algorithm's progress fields, the shared ones, evaluation, s/step."""
+    fields = {k: v for k, v in progress.items() if k != "s/step"}
+    for key, label in PLAIN_LINE_FIELDS:
+        if key in metrics and label not in fields:
+            fields[label] = metrics[key]
+    fields.update({k.removeprefix("eval/"): v for k, v in metrics.items() if k.startswith("eval/")})
+    if "time/step" in metrics:
+        fields["s/step"] = metrics["time/step"]
+    return fields
 
 
 def _input_dirs(c: RunConfig, algorithm_cls: type[Algorithm]) -> tuple[str, ...]:

@@ -263,7 +263,8 @@ class PPO:
         return self.evaluation(self.policy.params, limit)
 
     def progress(self, metrics: dict[str, float]) -> dict[str, float]:
-        return {"reward": metrics["reward/mean"], "kl": metrics.get("kl", 0.0), "s/step": metrics["time/step"]}
+        kl = {"kl": metrics["kl"]} if "kl" in metrics else {}
+        return {"reward": metrics["reward/mean"], **kl, "s/step": metrics["time/step"]}
 
     def sample_rows(self, ro: Rollout) -> list[dict[str, Any]]:
         return self.collector.sample_rows(ro)
