@@ -71,9 +71,8 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         raise ConfigError(f"{e} ({config_source(str(e), preset, args.overrides)})") from e
     options = dict(resume=args.resume, overwrite=args.overwrite, allow_config_change=args.allow_config_change)
-    from jaxrl_llm.trainers import train
-
     from jaxrl_llm.errors import RunInterrupted
+    from jaxrl_llm.trainers import train
 
     try:
         summary = train(config, **options)

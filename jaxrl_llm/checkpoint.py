@@ -19,7 +19,6 @@ import orbax.checkpoint as ocp
 
 from jaxrl_llm.errors import RunDirError, one_line
 
-
 WEIGHT_KEYS = ("params", "key")  # what a weights-only checkpoint keeps of the state
 
 

@@ -474,6 +474,9 @@ def load_hf_config_dict(model: str) -> dict[str, Any]:
         return json.loads(path.read_text())
     if path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1:
         raise ConversionError(f"model directory {path} does not exist (nor is it a hub id)")
+    from jaxrl_llm.config import check_model_source
+
+    check_model_source("--model", model)  # offline or unknown: one line at once, not the download's retries
     from huggingface_hub import hf_hub_download
 
     try:
@@ -486,29 +489,85 @@ def _parser() -> argparse.ArgumentParser:
     p = CommandParser(
         prog="python -m jaxrl_llm.plan",
         description="Per-device memory of an RL step (params, reference, optimizer, gradients, KV cache, "
-        "activations) from config.json alone, and whether it fits.",
+        "activations) from config.json alone, and whether it fits. `--config FILE [overrides]` plans the run "
+        "that training config describes (its model, mesh, batch sizes, lengths, dtypes, remat, reference); "
+        "the options below override it.",
     )
-    p.add_argument("--model", default=DEFAULT_MODEL, help="HF model directory, config.json or hub id")
-    p.add_argument("--mesh", default="data=1,fsdp=1,tensor=1", help="e.g. data=2,fsdp=2,tensor=2")
-    p.add_argument("--batch", type=int, default=16, help="prompts per step (B)")
-    p.add_argument("--group-size", type=int, default=1, help="samples per prompt (n); sequences = B*n")
-    p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (padded)")
-    p.add_argument("--new-tokens", type=int, default=64, help="max new tokens per completion")
-    p.add_argument("--minibatch", type=int, default=0, help="sequences per optimizer update (0: all B*n)")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per update")
-    p.add_argument("--bucket", type=int, default=TRAINER_BUCKET,
-                   help="round prompt and completion lengths up to a multiple (the trainer's sampler: 16)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="compute dtype")
-    p.add_argument("--param-dtype", default="float32", choices=("float32", "bfloat16"))
-    p.add_argument("--remat", action="store_true", help="rematerialise each layer in the backward pass")
-    p.add_argument("--attention-query-chunk", type=int, default=128,
-                   help="model.attention_query_chunk: queries per attention block (0: all at once)")
-    p.add_argument("--reference", action="store_true", help="a frozen reference copy (KL term, beta > 0)")
+    p.add_argument("--config", type=Path, help="a training YAML (as train.py --config), with dotted overrides")
+    p.add_argument("overrides", nargs="*", help="dotted overrides of --config, e.g. rl.group_size=16")
+    p.add_argument("--model", help=f"HF model directory, config.json or hub id (default: {DEFAULT_MODEL})")
+    p.add_argument("--mesh", help="e.g. data=2,fsdp=2,tensor=2 (default: 1,1,1, or the config's mesh)")
+    p.add_argument("--devices", type=int, help="devices, for a config mesh with a -1 axis (default: what JAX sees)")
+    p.add_argument("--prompts-per-step", "--batch", dest="prompts_per_step", type=int,
+                   help="rl.prompts_per_step: prompts per step (default 16)")
+    p.add_argument("--group-size", type=int, help="rl.group_size: samples per prompt (default 8)")
+    p.add_argument("--prompt-len", type=int, help="data.max_prompt_tokens: prompt tokens (default 64)")
+    p.add_argument("--new-tokens", type=int, help="sampling.max_new_tokens (default 64)")
+    p.add_argument("--minibatch", type=int, help="rl.minibatch_size: sequences per update (0: all; default 0)")
+    p.add_argument("--grad-accum", type=int, help="rl.grad_accum: micro-batches per update (default 1)")
+    p.add_argument("--bucket", type=int,
+                   help="round prompt and completion lengths up to a multiple (default: the sampler's 16)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), help="model.dtype: compute dtype")
+    p.add_argument("--param-dtype", choices=("float32", "bfloat16"), help="model.param_dtype")
+    p.add_argument("--remat", action="store_true", default=None, help="model.remat: rematerialise each layer")
+    p.add_argument("--attention-query-chunk", type=int,
+                   help="model.attention_query_chunk: queries per attention block (0: all at once; default 128)")
+    p.add_argument("--reference", action="store_true", default=None,
+                   help="a frozen reference copy (rl.beta > 0; from a config: beta > 0, or PPO's KL)")
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
-    p.add_argument("--logprob-block-mib", type=float, default=256.0,
-                   help="model.logprob_block_mib: MiB of one float32 log-prob block (0: one block)")
+    p.add_argument("--logprob-block-mib", type=float,
+                   help="model.logprob_block_mib: MiB of one float32 log-prob block (0: one block; default 256)")
     p.add_argument("--device-memory", default="80GiB", help="usable memory per device, e.g. 80GiB, 24GB")
     return p
+
+
+# (argparse dest, default without a config, the same setting in a RunConfig)
+_SETTINGS: tuple[tuple[str, Any, Any], ...] = (
+    ("model", DEFAULT_MODEL, lambda c: c.model.path),
+    ("prompts_per_step", 16, lambda c: c.rl.prompts_per_step),
+    ("group_size", 8, lambda c: c.rl.group_size),
+    ("prompt_len", 64, lambda c: c.data.max_prompt_tokens),
+    ("new_tokens", 64, lambda c: c.sampling.max_new_tokens),
+    ("minibatch", 0, lambda c: c.rl.minibatch_size),
+    ("grad_accum", 1, lambda c: c.rl.grad_accum),
+    ("bucket", TRAINER_BUCKET, lambda c: None),  # from a config: its own two buckets (below)
+    ("dtype", "float32", lambda c: c.model.dtype),
+    ("param_dtype", "float32", lambda c: c.model.param_dtype),
+    ("remat", False, lambda c: c.model.remat),
+    ("attention_query_chunk", 128, lambda c: c.model.attention_query_chunk),
+    ("reference", False, lambda c: c.rl.beta > 0 or (c.algo == "ppo" and c.ppo.kl_coef_init > 0)),
+    ("logprob_block_mib", 256.0, lambda c: c.model.logprob_block_mib),
+)
+
+
+def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The planned run's settings: command-line options over the `--config` run's, over the defaults."""
+    from jaxrl_llm.config import load_run_config
+
+    config = load_run_config(args.config, args.overrides) if args.config else None
+    if args.overrides and config is None:
+        raise UsageError(f"overrides {args.overrides} need --config FILE (options such as --group-size work alone)")
+    out: dict[str, Any] = {}
+    for name, default, from_config in _SETTINGS:
+        given = getattr(args, name)
+        out[name] = given if given is not None else from_config(config) if config is not None else default
+    if out["bucket"] is None:
+        sampling = config.sampling  # type: ignore[union-attr]
+        out["prompt_bucket"], out["new_tokens_bucket"] = sampling.prompt_bucket, sampling.new_tokens_bucket
+    else:
+        out["prompt_bucket"] = out["new_tokens_bucket"] = out["bucket"]
+    if args.mesh:
+        out["mesh"] = parse_mesh(args.mesh)
+    elif config is not None:
+        from jaxrl_llm.sharding import MeshShape
+
+        devices = args.devices or jax.device_count()
+        out["mesh"] = MeshShape(config.mesh.data, config.mesh.fsdp, config.mesh.tensor).resolve(devices)
+    else:
+        out["mesh"] = (1, 1, 1)
+    if not out["model"]:
+        raise UsageError("the config names no model.path; give --model DIR_OR_HUB_ID")
+    return out
 
 
 def render(plan: MemoryPlan, config: ModelConfig, device_memory: int, *, model: str = "",
@@ -562,23 +621,28 @@ def render(plan: MemoryPlan, config: ModelConfig, device_memory: int, *, model: 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m jaxrl_llm.plan ...`: print the plan table; exit 0 whether or not it fits, 2 on bad input."""
-    args = _parser().parse_args(argv)
+    args = _parser().parse_intermixed_args(argv)
     from jaxrl_llm.models.hf import config_from_hf
 
     try:
-        mesh_sizes = parse_mesh(args.mesh)
+        run = resolve_settings(args)
         device_memory = parse_bytes(args.device_memory)
-        config = config_from_hf(load_hf_config_dict(args.model), dtype=args.dtype, param_dtype=args.param_dtype,
-                                remat=args.remat, attention_query_chunk=args.attention_query_chunk)
+        config = config_from_hf(load_hf_config_dict(run["model"]), dtype=run["dtype"], param_dtype=run["param_dtype"],
+                                remat=run["remat"], attention_query_chunk=run["attention_query_chunk"])
         plan = plan_memory(
-            config, mesh_sizes, batch=args.batch, group_size=args.group_size, prompt_len=args.prompt_len,
-            new_tokens=args.new_tokens, minibatch=args.minibatch, grad_accum=args.grad_accum,
-            reference=args.reference, optimizer=args.optimizer, prompt_bucket=args.bucket,
-            new_tokens_bucket=args.bucket, logprob_block_mib=args.logprob_block_mib,
+            config, run["mesh"], batch=run["prompts_per_step"], group_size=run["group_size"],
+            prompt_len=run["prompt_len"], new_tokens=run["new_tokens"], minibatch=run["minibatch"],
+            grad_accum=run["grad_accum"], reference=run["reference"], optimizer=args.optimizer,
+            prompt_bucket=run["prompt_bucket"], new_tokens_bucket=run["new_tokens_bucket"],
+            logprob_block_mib=run["logprob_block_mib"],
         )
     except (ValueError, OSError) as e:  # bad sizes, mesh or model: the user's input (ConversionError included)
         raise UsageError(str(e)) from e
-    print(render(plan, config, device_memory, model=args.model, optimizer=args.optimizer))
+    if args.config:
+        print(f"planning {args.config}: rl.prompts_per_step={run['prompts_per_step']} x rl.group_size="
+              f"{run['group_size']}, data.max_prompt_tokens={run['prompt_len']}, sampling.max_new_tokens="
+              f"{run['new_tokens']}, rl.minibatch_size={run['minibatch']}, rl.grad_accum={run['grad_accum']}")
+    print(render(plan, config, device_memory, model=run["model"], optimizer=args.optimizer))
     return 0
 
 

@@ -159,3 +159,34 @@ def tiny_task(tmp_path_factory):
     for name, rows in (("train", problems[:256]), ("test", problems[256:])):
         (root / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return root
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory):
+    """A random tiny Llama with a small byte-level BPE tokenizer (trained here) and a ChatML chat template,
+    like an instruct model's, in a Hugging Face directory."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from jaxrl_llm.models.decoder import init_params
+    from jaxrl_llm.models.hf import config_from_hf, save_hf_model
+
+    root = tmp_path_factory.mktemp("tiny_chat_model")
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    texts = [f"user What is {a} + {b}? Reply with the number. assistant {a + b}" for a in range(30) for b in range(9)]
+    bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=320, special_tokens=specials,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tokenizer.chat_template = CHATML
+    tokenizer.save_pretrained(root / "tok")
+    config = config_from_hf({**TINY, "vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id,
+                             "max_position_embeddings": 256})
+    save_hf_model(init_params(config, jax.random.key(0)), config, root / "model", tokenizer_dir=root / "tok")
+    return root / "model"

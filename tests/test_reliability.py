@@ -181,7 +181,13 @@ CASES = [
     ("data_prompt_type", ["data.train=B/wrong_type.jsonl"], 2, ["wrong_type.jsonl:1", "must be text or chat"]),
     ("data_prompts_too_long", ["data.max_prompt_tokens=1"], 2, ["no prompt fits data.max_prompt_tokens=1"]),
     # --- model
-    ("model_missing", ["model.path=B/nowhere"], 2, ["model.path=", "no such model directory"]),
+    ("model_missing", ["model.path=B/nowhere"], 2, ["model.path=", "not found", "relative to its folder"]),
+    # a path with one "/" could be a hub id: looked up once, failing at once without a network
+    ("model_missing_or_hub_offline", ["model.path=nowhere/model"], 2,
+     ["model.path=nowhere/model", "not a local directory", "as a hub id"]),
+    ("model_path_unset", ["model.path="], 2, ["algo=grpo needs model.path", "--print-config"]),
+    ("no_rewards", ["rewards=[]"], 2, ["needs rewards"]),
+    ("eval_without_reward", ["rewards=[]", "algo=sft"], 2, ["data.eval=", "needs a reward"]),
     ("model_no_config", ["model.path=B/no_config"], 2, ["config.json is missing"]),
     ("model_no_tokenizer", ["model.path=B/no_tokenizer"], 2, ["has no tokenizer files"]),
     ("model_unsupported", ["model.path=B/gpt2"], 2, ["unsupported model_type 'gpt2'", "supported model types"]),
