@@ -495,7 +495,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", type=Path, help="a training YAML (as train.py --config), with dotted overrides")
     p.add_argument("overrides", nargs="*", help="dotted overrides of --config, e.g. rl.group_size=16")
-    p.add_argument("--model", help=f"HF model directory, config.json or hub id (default: {DEFAULT_MODEL})")
+    p.add_argument("--model", help="HF model directory, config.json or hub id (or the --config run's model.path)")
     p.add_argument("--mesh", help="e.g. data=2,fsdp=2,tensor=2 (default: 1,1,1, or the config's mesh)")
     p.add_argument("--devices", type=int, help="devices, for a config mesh with a -1 axis (default: what JAX sees)")
     p.add_argument("--prompts-per-step", "--batch", dest="prompts_per_step", type=int,
@@ -523,7 +523,7 @@ def _parser() -> argparse.ArgumentParser:
 
 # (argparse dest, default without a config, the same setting in a RunConfig)
 _SETTINGS: tuple[tuple[str, Any, Any], ...] = (
-    ("model", DEFAULT_MODEL, lambda c: c.model.path),
+    ("model", "", lambda c: c.model.path),
     ("prompts_per_step", 16, lambda c: c.rl.prompts_per_step),
     ("group_size", 8, lambda c: c.rl.group_size),
     ("prompt_len", 64, lambda c: c.data.max_prompt_tokens),
@@ -566,7 +566,7 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
     else:
         out["mesh"] = (1, 1, 1)
     if not out["model"]:
-        raise UsageError("the config names no model.path; give --model DIR_OR_HUB_ID")
+        raise UsageError("no model to plan: give --model DIR_OR_HUB_ID, or --config FILE of a run")
     return out
 
 
