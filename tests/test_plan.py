@@ -219,9 +219,15 @@ def test_hub_id_downloads_config_json_only(monkeypatch: pytest.MonkeyPatch, tmp_
         requested.append((repo_id, filename))
         return str(tmp_path / filename)
 
+    def fake_model_info(repo_id: str, **kwargs: object) -> object:  # the quick existence check before it
+        requested.append((repo_id, "model_info"))
+        return object()
+
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
+    monkeypatch.setattr(huggingface_hub, "model_info", fake_model_info)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     assert plan.load_hf_config_dict("Qwen/Qwen2.5-0.5B") == qwen
-    assert requested == [("Qwen/Qwen2.5-0.5B", "config.json")]
+    assert requested == [("Qwen/Qwen2.5-0.5B", "model_info"), ("Qwen/Qwen2.5-0.5B", "config.json")]
     p = plan.plan_memory(config_from_hf(qwen), (1, 8, 1), batch=64, prompt_len=256, new_tokens=512)
     assert 494_000_000 < p.num_params < 495_000_000  # Qwen2.5-0.5B: 494M parameters (tied embeddings)
     # KV cache: 2 * 24 layers * (64/8 rows) * 768 * 2 KV heads * 64 * 4 bytes.

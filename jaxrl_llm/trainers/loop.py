@@ -3,6 +3,7 @@
     open out_dir (lock, refuse/overwrite, resume checks) -> build the algorithm -> [restore the checkpoint]
     -> evaluate before -> for each step:  key -> algorithm.collect -> algorithm.update -> metrics
        -> divergence and skip guards -> evaluation / logs / samples / checkpoint -> summary, export
+    (Ctrl-C / SIGTERM: the step in flight finishes, is checkpointed, and `RunInterrupted` ends the run.)
 
 An algorithm (GRPO family, PPO, SFT, reward model: `trainers/__init__.ALGORITHMS`) supplies its state and four
 steps, and never touches files:
@@ -197,7 +198,8 @@ class Trainer:
                 no_signal_in_a_row = no_signal_in_a_row + 1 if _no_learning_signal(metrics, c.algo) else 0
                 if no_signal_in_a_row % NO_SIGNAL_REPEAT == 1:
                     logger.message(f"warning: step {self.step}: no learning signal ({_no_signal_text(metrics)}): "
-                                   f"every completion of each group scored the same, so the update is zero; "
+                                   f"the update changes nothing (every group's completions scored alike, or "
+                                   f"a zero gradient); "
                                    f"read samples.jsonl, check the reward function, or raise "
                                    f"sampling.temperature / rl.group_size")
                 if not warned_truncation and metrics.get("frac_truncated", 0.0) >= TRUNCATION_WARNING:
