@@ -30,6 +30,7 @@ DEFAULT_CONFIGS = {
     "rloo": ROOT / "configs" / "rloo_arithmetic.yaml",
     "reinforce_pp": ROOT / "configs" / "reinforce_pp_arithmetic.yaml",
     "ppo": ROOT / "configs" / "ppo_arithmetic.yaml",
+    "dpo": ROOT / "configs" / "dpo_arithmetic.yaml",
 }
 
 

@@ -130,6 +130,20 @@ class PPOSection:
 
 
 @dataclass
+class DPOSection:
+    """--algo dpo: preference optimisation on (prompt, chosen, rejected) pairs, against a frozen reference."""
+
+    loss: str = "sigmoid"  # sigmoid (DPO) | ipo | hinge (SLiC) | simpo (reference-free, length-normalised)
+    beta: float = 0.1  # the implicit reward is beta * (log pi - log pi_ref) of a response (simpo: of its mean)
+    label_smoothing: float = 0.0  # sigmoid / simpo: the share of flipped labels assumed (conservative DPO)
+    simpo_gamma: float = 0.5  # simpo: the target reward margin
+    # Reference log-probs: "step" = a frozen copy's, computed inside each jitted step; "precompute" = once for
+    # the whole dataset before training (no reference weights kept during the updates).
+    reference: str = "step"
+    eval_prompts: str = ""  # prompts with answers (JSONL / hf:NAME) for greedy task accuracy; "" = none
+
+
+@dataclass
 class RewardSpec:
     """One reward function of the weighted sum."""
 
@@ -155,10 +169,10 @@ class OptimSection:
 
 @dataclass
 class SFTSection:
-    """Batch sizes of the supervised algorithms (--algo sft and --algo rm)."""
+    """Batch sizes of the supervised algorithms (--algo sft, rm and dpo)."""
 
-    batch_size: int = 64  # --algo sft / rm: examples per optimizer step
-    eval_batch_size: int = 256  # --algo sft / rm: examples per evaluation batch
+    batch_size: int = 64  # --algo sft / rm / dpo: examples (pairs) per optimizer step
+    eval_batch_size: int = 256  # --algo sft / rm / dpo: examples (pairs) per evaluation batch
 
 
 @dataclass
@@ -199,7 +213,7 @@ class DivergenceSection:
 class RunConfig:
     """A whole run."""
 
-    algo: str = "grpo"  # grpo | rloo | reinforce_pp | ppo | sft | rm (train.py --algo)
+    algo: str = "grpo"  # grpo | rloo | reinforce_pp | ppo | sft | rm | dpo (train.py --algo)
     seed: int = 0  # the run's root random key (sampling, data order, dropout-free init)
     steps: int = 100  # training steps (one rollout + update each, for the RL algorithms)
     out_dir: str = "runs/default"  # metrics, samples, checkpoints and the export go here
@@ -209,6 +223,7 @@ class RunConfig:
     rl: RLSection = field(default_factory=RLSection)
     sft: SFTSection = field(default_factory=SFTSection)
     ppo: PPOSection = field(default_factory=PPOSection)
+    dpo: DPOSection = field(default_factory=DPOSection)
     rewards: list[RewardSpec] = field(default_factory=list)  # required for RL: [{name: ..., weight: ...}, ...]
     optim: OptimSection = field(default_factory=OptimSection)
     mesh: MeshSection = field(default_factory=MeshSection)
@@ -285,7 +300,7 @@ def load_run_config(path: str | Path | None, overrides: list[str] | None = None,
 # Fields holding paths: relative values in a YAML file are relative to the file's folder, on the command line to
 # the current folder. The ones that may also be a hub id keep a value that only looks like one ("org/name").
 PATH_FIELDS = ("out_dir", "export_dir", "model.path", "model.tokenizer", "data.train", "data.eval",
-               "ppo.critic_init")
+               "ppo.critic_init", "dpo.eval_prompts")
 HUB_ID_FIELDS = ("model.path", "model.tokenizer", "ppo.critic_init", "rewards[].kwargs.path")
 NOT_A_PATH = {"model.tokenizer": "arithmetic", "ppo.critic_init": "policy"}
 
@@ -404,6 +419,7 @@ NUMERIC_BOUNDS: dict[str, tuple[float, float, bool]] = {
     "optim.weight_decay": _AT_LEAST, "optim.beta1": (0.0, 1.0, True), "optim.beta2": (0.0, 1.0, True),
     "optim.max_grad_norm": _AT_LEAST,
     "sft.batch_size": _AT_LEAST_1, "sft.eval_batch_size": _AT_LEAST_1,
+    "dpo.beta": _POSITIVE, "dpo.label_smoothing": (0.0, 0.5, True), "dpo.simpo_gamma": _AT_LEAST,
     "divergence.patience": _AT_LEAST, "divergence.entropy_floor": _AT_LEAST,
     "divergence.entropy_ceiling": (0.0, 1.0, False), "divergence.kl_max": _POSITIVE,
 }
@@ -434,6 +450,8 @@ def validate(c: RunConfig) -> None:
         _check_number(key, _get(c, key), bounds)
     if c.algo == "ppo":
         _validate_ppo(c.ppo)
+    _choice(c.dpo.loss, "dpo.loss", ("sigmoid", "ipo", "hinge", "simpo"))
+    _choice(c.dpo.reference, "dpo.reference", ("step", "precompute"))
     from jaxrl_llm.trainers import ALGORITHMS
 
     _choice(c.algo, "algo", tuple(ALGORITHMS))
@@ -486,7 +504,7 @@ def validate_environment(c: RunConfig) -> None:
     import jax
 
     check_required(c)
-    for key in ("data.train", "data.eval"):
+    for key in ("data.train", "data.eval", "dpo.eval_prompts"):
         source = _get(c, key)
         if source and not source.startswith(("hf:", "python:")) and not Path(source).is_file():
             kind = "a directory, not a JSONL file" if Path(source).is_dir() else "missing"
@@ -512,16 +530,16 @@ def validate_environment(c: RunConfig) -> None:
                           f"{str(e).split(': ', 1)[-1]}") from e
     ways = data * fsdp
     g = c.rl
-    if c.algo == "sft" and c.sft.batch_size % ways:
+    if c.algo in ("sft", "dpo") and c.sft.batch_size % ways:
         raise ConfigError(f"sft.batch_size={c.sft.batch_size} must be divisible by mesh.data * mesh.fsdp ({ways})")
-    if c.algo not in ("sft", "rm"):
+    if c.algo not in ("sft", "rm", "dpo"):
         micro = (g.minibatch_size or g.prompts_per_step * g.group_size) // g.grad_accum
         if micro % ways:
             raise ConfigError(f"the micro-batch rl.minibatch_size / rl.grad_accum = {micro} sequences must be "
                               f"divisible by mesh.data * mesh.fsdp ({ways}) for the data-parallel step")
 
 
-REWARD_FREE_ALGOS = ("sft", "rm")  # trained on examples or pairs; every other algorithm needs `rewards`
+REWARD_FREE_ALGOS = ("sft", "rm", "dpo")  # trained on examples or pairs; every other algorithm needs `rewards`
 
 
 def check_required(c: RunConfig) -> None:
@@ -537,7 +555,10 @@ def check_required(c: RunConfig) -> None:
         raise ConfigError(f"algo={c.algo} needs {'; '.join(missing)}: set {'them' if len(missing) > 1 else 'it'} "
                           f"in the YAML file or on the command line (python train.py --print-config lists every "
                           f"field)")
-    if c.data.eval and c.algo != "rm" and not (c.rewards or c.eval_reward):
+    if c.algo == "dpo" and c.dpo.eval_prompts and not (c.rewards or c.eval_reward):
+        raise ConfigError(f"dpo.eval_prompts={c.dpo.eval_prompts} needs a reward to score the greedy answers: set "
+                          f"eval_reward (e.g. math_answer) or rewards")
+    if c.data.eval and c.algo not in ("rm", "dpo") and not (c.rewards or c.eval_reward):
         raise ConfigError(f"data.eval={c.data.eval} needs a reward to score the held-out answers: set eval_reward "
                           f"(e.g. math_answer) or rewards, or data.eval='' for no evaluation")
 

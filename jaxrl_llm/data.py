@@ -117,12 +117,11 @@ def build_prompt_set(records: Sequence[dict[str, Any]], label: str, cfg: DataSec
         if cfg.prompt_field not in record:
             raise DataError(f"{where}: no {cfg.prompt_field!r} field (fields: {sorted(record)})")
         prompt = record[cfg.prompt_field]
-        if isinstance(prompt, list) or cfg.chat_template:
-            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-            if not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
-                raise DataError(f"{where}: chat prompt must be a list of {{'role', 'content'}} messages")
-            if cfg.system_prompt and messages[0]["role"] != "system":
-                messages = [{"role": "system", "content": cfg.system_prompt}, *messages]
+        if isinstance(prompt, list) and not all(isinstance(m, dict) and "role" in m and "content" in m
+                                                for m in prompt):
+            raise DataError(f"{where}: chat prompt must be a list of {{'role', 'content'}} messages")
+        messages = _chat_messages(prompt, cfg)
+        if messages is not None:
             if getattr(tokenizer, "chat_template", None) is None:
                 raise DataError(f"{where}: chat prompt given but the tokenizer has no chat template")
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -141,6 +140,95 @@ def build_prompt_set(records: Sequence[dict[str, Any]], label: str, cfg: DataSec
     if not token_ids:
         raise DataError(f"{label}: no prompt fits data.max_prompt_tokens={cfg.max_prompt_tokens} ({dropped} dropped)")
     return PromptSet(token_ids, texts, kept, dropped)
+
+
+def _chat_messages(prompt: Any, cfg: DataSection) -> list[dict[str, Any]] | None:
+    """The chat messages a prompt is rendered from (with the system prompt), or None for a text prompt."""
+    if not (isinstance(prompt, list) or cfg.chat_template):
+        return None
+    messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    if cfg.system_prompt and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": cfg.system_prompt}, *messages]
+    return messages
+
+
+def response_text(value: Any, where: str, name: str) -> str:
+    """A preference response: text, or chat messages (TRL's conversational format) whose last turn is it."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(isinstance(m, dict) and "content" in m for m in value):
+        return str(value[-1]["content"])
+    raise DataError(f"{where}: {name!r} must be text or chat messages [{{'role', 'content'}}], "
+                    f"got {type(value).__name__}")
+
+
+def _check_pair_fields(records: Sequence[dict[str, Any]], label: str, cfg: DataSection) -> None:
+    for i, r in enumerate(records, start=1):
+        missing = [f for f in (cfg.prompt_field, cfg.chosen_field, cfg.rejected_field) if f not in r]
+        if missing:
+            raise DataError(f"{label}:{i}: preference record lacks {missing} (fields: {sorted(r)})")
+
+
+def pair_texts(records: Sequence[dict[str, Any]], label: str, cfg: DataSection,
+               tokenizer: Any) -> list[tuple[str, ...]]:
+    """`(prompt + chosen, prompt + rejected)` as whole texts, what a reward model scores: with chat messages (or
+    `data.chat_template`), each response rendered as the assistant turn of the tokenizer's chat template."""
+    _check_pair_fields(records, label, cfg)
+    out = []
+    for i, r in enumerate(records, start=1):
+        where = f"{label}:{i}"
+        messages = _chat_messages(r[cfg.prompt_field], cfg)
+        sides = [response_text(r[f], where, f) for f in (cfg.chosen_field, cfg.rejected_field)]
+        if messages is None:
+            out.append((str(r[cfg.prompt_field]) + sides[0], str(r[cfg.prompt_field]) + sides[1]))
+            continue
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise DataError(f"{where}: chat prompt given but the tokenizer has no chat template")
+        out.append(tuple(tokenizer.apply_chat_template([*messages, {"role": "assistant", "content": text}],
+                                                       tokenize=False) for text in sides))
+    return out
+
+
+@dataclasses.dataclass
+class PreferenceSet:
+    """Preference pairs for a policy: each prompt tokenized as the policy sees it (`build_prompt_set`), each
+    response as the completion it would sample (`response + EOS`); pairs that do not fit are dropped."""
+
+    prompt_ids: list[list[int]]
+    chosen_ids: list[list[int]]
+    rejected_ids: list[list[int]]
+    records: list[dict[str, Any]]
+    num_dropped: int
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+
+def build_preference_set(records: Sequence[dict[str, Any]], label: str, cfg: DataSection, tokenizer: Any,
+                         eos_id: int, max_response_tokens: int) -> PreferenceSet:
+    """Prompts rendered and tokenized like the policy's (template, chat template, system prompt), responses as
+    `tokens(response) + [eos_id]`; pairs whose prompt exceeds `data.max_prompt_tokens` or a response
+    `max_response_tokens` are dropped and counted."""
+    _check_pair_fields(records, label, cfg)
+    for i, r in enumerate(records, start=1):
+        for f in (cfg.chosen_field, cfg.rejected_field):
+            response_text(r[f], f"{label}:{i}", f)
+    prompts = build_prompt_set(records, label, cfg, tokenizer)
+    out = PreferenceSet([], [], [], [], prompts.num_dropped)
+    for ids, record in zip(prompts.token_ids, prompts.records, strict=True):
+        sides = [tokenizer(response_text(record[f], label, f), add_special_tokens=False)["input_ids"] + [eos_id]
+                 for f in (cfg.chosen_field, cfg.rejected_field)]
+        if max(map(len, sides)) > max_response_tokens:
+            out.num_dropped += 1
+            continue
+        out.prompt_ids.append(ids)
+        out.chosen_ids.append(sides[0])
+        out.rejected_ids.append(sides[1])
+        out.records.append(record)
+    if not out.prompt_ids:
+        raise DataError(f"{label}: no preference pair fits data.max_prompt_tokens / sampling.max_new_tokens "
+                        f"({out.num_dropped} dropped)")
+    return out
 
 
 def left_pad(sequences: Sequence[Sequence[int]], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:

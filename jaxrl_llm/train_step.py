@@ -287,26 +287,36 @@ def train_step(
     params: Params,
     opt_state: optax.OptState,
     batch: PolicyBatch,
+    frozen: Any = None,
     *,
     loss_fn: LossFn,
     model_config: ModelConfig,
     loss_config: PolicyLossConfig,
     optimizer: optax.GradientTransformation,
     grad_accum: int,
+    compose: Callable[[Params, Any], Params] | None = None,
 ) -> tuple[Params, optax.OptState, Metrics]:
     """One optimizer update from a minibatch `[N, ...]` split into `grad_accum` micro-batches.
 
-    `params` are the float32 master weights (`master_weights`); the loss runs on `working_weights` (the master
-    cast to `model_config.param_dtype`), and the update is applied to the master."""
+    `params` are the float32 master weights (`master_weights`) of what is trained; the loss runs on
+    `working_weights` (the master cast to `model_config.param_dtype`), and the update is applied to the master.
+    `frozen` is a pytree the loss reads but nothing updates or differentiates (a reference model, LoRA's base
+    weights): it reaches `loss_fn` as `frozen=`, and `compose(working weights, frozen)`, when given, makes the
+    model's weights from both (LoRA: base + scale * A @ B)."""
     num_tokens, num_seqs = batch_counts(batch)
 
     def split(x: jax.Array) -> jax.Array:
         # Strided micro-batches keep each device's rows on the micro-batch axis (no resharding).
         return x.reshape(x.shape[0] // grad_accum, grad_accum, *x.shape[1:]).swapaxes(0, 1)
 
+    extra = {} if frozen is None else {"frozen": frozen}
+
     def loss_of_master(master: Params, micro: PolicyBatch) -> tuple[jax.Array, Metrics]:
-        return loss_fn(working_weights(master, model_config), micro, model_config=model_config,
-                       loss_config=loss_config, num_tokens=num_tokens, num_seqs=num_seqs)
+        weights = working_weights(master, model_config)
+        if compose is not None:
+            weights = compose(weights, frozen)
+        return loss_fn(weights, micro, model_config=model_config, loss_config=loss_config, num_tokens=num_tokens,
+                       num_seqs=num_seqs, **extra)
 
     grad_fn = jax.value_and_grad(loss_of_master, has_aux=True)
 
@@ -338,8 +348,11 @@ def make_train_step(
     grad_accum: int = 1,
     params_sharding: Any = None,
     opt_state_sharding: Any = None,
-) -> Callable[[Params, optax.OptState, PolicyBatch], tuple[Params, optax.OptState, Metrics]]:
-    """`train_step` jitted over `mesh`, params and optimizer state donated.
+    frozen_sharding: Any = None,
+    compose: Callable[[Params, Any], Params] | None = None,
+) -> Callable[..., tuple[Params, optax.OptState, Metrics]]:
+    """`train_step` jitted over `mesh`, params and optimizer state donated; with `frozen_sharding` (the
+    placement of a `frozen` pytree, see `train_step`) the step takes `(params, opt_state, batch, frozen)`.
 
     The batch is split over `("data", "fsdp")`; params and optimizer state are placed by
     `params_sharding` / `opt_state_sharding` (pytrees of `NamedSharding`, from `jaxrl_llm.sharding`), or
@@ -354,12 +367,16 @@ def make_train_step(
         loss_config=loss_config,
         optimizer=optimizer,
         grad_accum=grad_accum,
+        compose=compose,
     )
     params_sharding = replicated if params_sharding is None else params_sharding
     opt_state_sharding = replicated if opt_state_sharding is None else opt_state_sharding
+    in_shardings = (params_sharding, opt_state_sharding, batch_sharding(mesh))
+    if frozen_sharding is not None:
+        in_shardings = (*in_shardings, frozen_sharding)
     return jax.jit(
         step,
-        in_shardings=(params_sharding, opt_state_sharding, batch_sharding(mesh)),
+        in_shardings=in_shardings,
         out_shardings=(params_sharding, opt_state_sharding, replicated),
         donate_argnums=(0, 1),
     )

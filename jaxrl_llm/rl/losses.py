@@ -23,7 +23,7 @@ from jaxrl_llm.rl.logprobs import (
 )
 
 KLEstimator = Literal["k1", "k2", "k3"]
-PreferenceLossType = Literal["sigmoid", "ipo", "hinge"]
+PreferenceLossType = Literal["sigmoid", "ipo", "hinge", "simpo"]
 
 # exp() of a log-ratio beyond this is numerically meaningless (e^20 ~ 5e8) and only risks inf / nan.
 _MAX_LOG_RATIO = 20.0
@@ -439,6 +439,9 @@ def dpo_loss(
     loss_type: PreferenceLossType = "sigmoid",
     label_smoothing: float | Array = 0.0,
     mask: Array | None = None,
+    chosen_lengths: Array | None = None,
+    rejected_lengths: Array | None = None,
+    simpo_gamma: float | Array = 0.5,
 ) -> tuple[Array, dict[str, Array]]:
     """DPO-family preference losses on summed sequence log-probs, with reward metrics.
 
@@ -451,28 +454,41 @@ def dpo_loss(
     * ``ipo`` (Azar et al. 2023): ``l = (h - 1 / (2 * beta))^2`` (IPO's ``tau`` is ``beta`` here; TRL feeds
       length-averaged log-probs to IPO; pass those if that is wanted).
     * ``hinge`` (SLiC, Zhao et al. 2023): ``l = max(0, 1 - beta * h)``.
+    * ``simpo`` (SimPO, Meng et al. 2024): reference-free and length-normalised, with ``a = log pi(y) / |y|``
+      (``chosen_lengths`` / ``rejected_lengths`` required; the reference log-probs are ignored)::
 
-    The implicit rewards are ``beta * (log pi - log pi_ref)`` per response. Metrics (means over valid
-    pairs, no gradient): ``loss``, ``rewards/chosen``, ``rewards/rejected``, ``rewards/margins``,
-    ``rewards/accuracies`` (fraction with chosen reward strictly above rejected), ``logps/chosen``,
-    ``logps/rejected``.
+          l = -(1 - eps) * log sigmoid(beta * (a_w - a_l) - gamma) - eps * log sigmoid(gamma - beta * (a_w - a_l))
+
+    The implicit rewards are ``beta * (log pi - log pi_ref)`` per response (SimPO: ``beta * a``). Metrics
+    (means over valid pairs, no gradient): ``loss``, ``rewards/chosen``, ``rewards/rejected``,
+    ``rewards/margins``, ``rewards/accuracies`` (fraction with chosen reward strictly above rejected),
+    ``logps/chosen``, ``logps/rejected`` (TRL's names).
 
     Shapes: all four log-prob inputs ``[B]`` (sums over each response's tokens; ``masked_sum(..., axis=-1)``
-    of token log-probs), optional ``mask [B]`` for padding pairs. Returns ``(loss, metrics)``.
+    of token log-probs), optional ``mask [B]`` for padding pairs, lengths ``[B]``. Returns ``(loss, metrics)``.
     """
     beta = jnp.asarray(beta, jnp.float32)
-    chosen = _f32(policy_chosen_logp) - _f32(ref_chosen_logp)
-    rejected = _f32(policy_rejected_logp) - _f32(ref_rejected_logp)
+    eps = jnp.asarray(label_smoothing, jnp.float32)
+    if loss_type == "simpo":
+        if chosen_lengths is None or rejected_lengths is None:
+            raise ValueError("loss_type='simpo' needs chosen_lengths and rejected_lengths")
+        chosen = _f32(policy_chosen_logp) / jnp.maximum(_f32(chosen_lengths), 1.0)
+        rejected = _f32(policy_rejected_logp) / jnp.maximum(_f32(rejected_lengths), 1.0)
+    else:
+        chosen = _f32(policy_chosen_logp) - _f32(ref_chosen_logp)
+        rejected = _f32(policy_rejected_logp) - _f32(ref_rejected_logp)
     h = chosen - rejected
     if loss_type == "sigmoid":
-        eps = jnp.asarray(label_smoothing, jnp.float32)
         per_pair = -(1.0 - eps) * jax.nn.log_sigmoid(beta * h) - eps * jax.nn.log_sigmoid(-beta * h)
+    elif loss_type == "simpo":
+        z = beta * h - jnp.asarray(simpo_gamma, jnp.float32)
+        per_pair = -(1.0 - eps) * jax.nn.log_sigmoid(z) - eps * jax.nn.log_sigmoid(-z)
     elif loss_type == "ipo":
         per_pair = jnp.square(h - 1.0 / (2.0 * beta))
     elif loss_type == "hinge":
         per_pair = jax.nn.relu(1.0 - beta * h)
     else:
-        raise ValueError(f"unknown loss_type {loss_type!r}; expected 'sigmoid', 'ipo' or 'hinge'")
+        raise ValueError(f"unknown loss_type {loss_type!r}; expected 'sigmoid', 'ipo', 'hinge' or 'simpo'")
     pair_mask = jnp.ones_like(h) if mask is None else mask
     loss = masked_mean(per_pair, pair_mask)
     chosen_reward = beta * chosen

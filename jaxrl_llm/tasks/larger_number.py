@@ -7,7 +7,8 @@ two numbers and the answer, the larger of two different two-digit numbers. The r
 scored correct, claim wrong) within 20 steps.
 
 `python -m jaxrl_llm.tasks.larger_number --out data/larger_number` writes `train.jsonl` / `test.jsonl`
-(disjoint ordered pairs, fixed seed).
+(disjoint ordered pairs, fixed seed) and `preferences_train.jsonl` / `preferences_test.jsonl` (the same prompts
+as chat-format preference pairs for DPO: the true claim chosen over the reversed one).
 """
 
 from __future__ import annotations
@@ -75,6 +76,18 @@ def larger_number_reward(prompts: Sequence[str], completions: Sequence[str], *, 
     return [float(claimed_larger(c, n) == int(a)) for c, n, a in zip(completions, numbers, answer, strict=True)]
 
 
+def make_preferences(problems: Sequence[dict[str, Any]]) -> list[dict[str, object]]:
+    """Chat-format preference pairs (TRL's conversational format) for DPO: the same prompt, the true claim
+    "The number 62 is larger than the number 47." chosen over the reversed one."""
+    out = []
+    for p in problems:
+        big, small = sorted(p["numbers"], reverse=True)  # type: ignore[call-overload]
+        say = "The number {} is larger than the number {}."
+        out.append({"prompt": p["prompt"], "chosen": [{"role": "assistant", "content": say.format(big, small)}],
+                    "rejected": [{"role": "assistant", "content": say.format(small, big)}]})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = CommandParser(prog="python -m jaxrl_llm.tasks.larger_number",
                            description="Write the larger-number task's train/test JSONL files.")
@@ -91,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, rows in (("train", problems[: args.train]), ("test", problems[args.train :])):
         with (out / f"{name}.jsonl").open("w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
+        with (out / f"preferences_{name}.jsonl").open("w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in make_preferences(rows))
     return 0
 
 

@@ -16,6 +16,7 @@ ALGORITHMS: dict[str, str] = {
     "ppo": "jaxrl_llm.trainers.ppo:PPO",
     "sft": "jaxrl_llm.trainers.sft:SFT",
     "rm": "jaxrl_llm.trainers.rm:RewardModelTraining",
+    "dpo": "jaxrl_llm.trainers.dpo:DPO",
 }
 
 

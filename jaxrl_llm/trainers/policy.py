@@ -80,13 +80,14 @@ def eval_reward(c: RunConfig) -> tuple[str, RewardFunction]:
 
 
 class GreedyEvaluation:
-    """Held-out greedy accuracy of the policy on `data.eval` (nothing when it is empty)."""
+    """Held-out greedy accuracy of the policy on `source` (default `data.eval`; nothing when it is empty)."""
 
-    def __init__(self, policy: Policy, batch_size: int) -> None:
+    def __init__(self, policy: Policy, batch_size: int, source: str | None = None) -> None:
         c = policy.config
+        source = c.data.eval if source is None else source
         self.policy, self.batch_size = policy, batch_size
-        self.prompts = policy.prompt_set(c.data.eval, c.data.eval_split) if c.data.eval else None
-        self.reward = eval_reward(c)
+        self.prompts = policy.prompt_set(source, c.data.eval_split) if source else None
+        self.reward = eval_reward(c) if source else None
 
     def __call__(self, params: Params, limit: int | None) -> dict[str, float]:
         if self.prompts is None:

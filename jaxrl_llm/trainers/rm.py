@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm.config import RunConfig
-from jaxrl_llm.data import DataError, DataState, bucket, left_pad, load_records, load_tokenizer, next_batch_indices
+from jaxrl_llm.data import DataState, bucket, left_pad, load_records, load_tokenizer, next_batch_indices, pair_texts
 from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params
@@ -72,16 +72,11 @@ def pair_loss(params: dict[str, Any], batch: PreferenceBatch, *, model_config: M
 
 def encode_pairs(records: list[dict[str, Any]], label: str, tokenizer: Any,
                  c: RunConfig) -> list[tuple[list[int], ...]]:
-    """`(chosen ids, rejected ids)` of `prompt + response` text (no special tokens, as `RewardModel` scores)."""
-    d = c.data
-    pairs = []
-    for i, r in enumerate(records, start=1):
-        missing = [f for f in (d.prompt_field, d.chosen_field, d.rejected_field) if f not in r]
-        if missing:
-            raise DataError(f"{label}:{i}: preference record lacks {missing} (fields: {sorted(r)})")
-        pairs.append(tuple(tokenizer(str(r[d.prompt_field]) + str(r[side]), add_special_tokens=False)["input_ids"]
-                           for side in (d.chosen_field, d.rejected_field)))
-    return pairs
+    """`(chosen ids, rejected ids)` of each pair's whole text (`data.pair_texts`: `prompt + response`, or the chat
+    template's rendering with the response as the assistant turn), no special tokens added, as
+    `RewardModel` scores."""
+    return [tuple(tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts)
+            for texts in pair_texts(records, label, c.data, tokenizer)]
 
 
 def make_batch(pairs: list[tuple[list[int], ...]], indices: np.ndarray, pad_id: int) -> PreferenceBatch:

@@ -1,0 +1,237 @@
+"""Direct preference optimisation (`--algo dpo`) and its relatives (IPO, SLiC hinge, conservative DPO, SimPO).
+
+    collect: the next `sft.batch_size` pairs -> left-padded prompts, right-padded `chosen + EOS` and
+             `rejected + EOS` responses (and their precomputed reference log-probs, with dpo.reference=precompute)
+    update:  one jitted, data-parallel train_step on `rl.losses.dpo_loss` of the summed response log-probs;
+             with dpo.reference=step the frozen reference's log-probs are computed inside that same jit
+
+Data: JSONL (or hf:NAME) with `prompt`, `chosen`, `rejected` (`data.*_field`). A prompt is text or chat messages,
+rendered exactly as the policy's prompts are (chat template with the generation prompt, system prompt); a
+response is text or chat messages whose last turn is the answer, tokenized as the completion the policy would
+sample: `tokens(response) + EOS` (for a chat model, its end-of-turn token). Metrics carry TRL's names
+(`rewards/chosen`, `rewards/rejected`, `rewards/accuracies`, `rewards/margins`, `logps/chosen`, `logps/rejected`).
+Evaluation: held-out pair accuracy (`data.eval`) and greedy task accuracy (`dpo.eval_prompts`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+from typing import Any, ClassVar, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_llm.config import RunConfig
+from jaxrl_llm.data import (
+    DataState,
+    PreferenceSet,
+    bucket,
+    build_preference_set,
+    left_pad,
+    load_records,
+    next_batch_indices,
+)
+from jaxrl_llm.errors import ConfigError
+from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.decoder import Params
+from jaxrl_llm.rl.losses import dpo_loss
+from jaxrl_llm.sharding import batch_divisor, global_array, init_optimizer_state
+from jaxrl_llm.train_step import Metrics, completion_logprobs, frozen_copy, make_optimizer, make_train_step
+from jaxrl_llm.trainers.policy import GreedyEvaluation, load_policy
+
+
+class PairBatch(NamedTuple):
+    """Preference pairs: prompts `[B, P]` (left-padded), responses `[B, T]` (right-padded, mask 1 through EOS),
+    reference log-probs `[B]` (summed over each response; zeros when the step computes them)."""
+
+    prompt_tokens: jax.Array
+    prompt_mask: jax.Array
+    chosen_tokens: jax.Array
+    chosen_mask: jax.Array
+    rejected_tokens: jax.Array
+    rejected_mask: jax.Array
+    ref_chosen: jax.Array
+    ref_rejected: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class DPOLossConfig:
+    """Static settings of the preference loss (see `rl.losses.dpo_loss`)."""
+
+    loss: str = "sigmoid"
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    simpo_gamma: float = 0.5
+    reference_in_step: bool = True  # the frozen reference's log-probs come from `frozen["reference"]`
+    logprob_block_mib: float = 256.0
+
+
+def pair_logprobs(params: Params, config: ModelConfig, batch: PairBatch, *,
+                  block_mib: float = 256.0) -> tuple[jax.Array, jax.Array]:
+    """`(sum_t log pi(chosen_t), sum_t log pi(rejected_t))`, each `[B]` float32: one forward over both sides
+    (the prompt rows repeated), `completion_logprobs` masked and summed."""
+    prompts = jnp.concatenate([batch.prompt_tokens, batch.prompt_tokens])
+    prompt_mask = jnp.concatenate([batch.prompt_mask, batch.prompt_mask])
+    responses = jnp.concatenate([batch.chosen_tokens, batch.rejected_tokens])
+    mask = jnp.concatenate([batch.chosen_mask, batch.rejected_mask])
+    logp, _ = completion_logprobs(params, config, prompts, prompt_mask, responses, mask, block_mib=block_mib)
+    sums = (logp * mask.astype(jnp.float32)).sum(axis=1)
+    return sums[: batch.prompt_tokens.shape[0]], sums[batch.prompt_tokens.shape[0]:]
+
+
+def preference_loss(params: Params, batch: PairBatch, *, model_config: ModelConfig, loss_config: DPOLossConfig,
+                    num_tokens: jax.Array, num_seqs: jax.Array, frozen: Any = None) -> tuple[jax.Array, Metrics]:
+    """`dpo_loss` of a (micro-)batch under the `train_step` contract: its mean over pairs scaled by its share of
+    the minibatch's pairs (`num_seqs`), so accumulated micro-batches give the minibatch mean."""
+    c = loss_config
+    chosen, rejected = pair_logprobs(params, model_config, batch, block_mib=c.logprob_block_mib)
+    if c.reference_in_step and c.loss != "simpo":
+        ref_chosen, ref_rejected = jax.lax.stop_gradient(
+            pair_logprobs(frozen["reference"], model_config, batch, block_mib=c.logprob_block_mib))
+    else:
+        ref_chosen, ref_rejected = batch.ref_chosen, batch.ref_rejected
+    loss, metrics = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta=c.beta, loss_type=c.loss,  # type: ignore[arg-type]
+                             label_smoothing=c.label_smoothing, simpo_gamma=c.simpo_gamma,
+                             chosen_lengths=batch.chosen_mask.sum(axis=1),
+                             rejected_lengths=batch.rejected_mask.sum(axis=1))
+    return loss * batch.prompt_tokens.shape[0] / num_seqs, metrics
+
+
+def pair_batch(pairs: PreferenceSet, indices: np.ndarray, pad_id: int, prompt_bucket: int,
+               ref: tuple[np.ndarray, np.ndarray] | None = None) -> PairBatch:
+    """The `PairBatch` of `pairs[indices]`: widths rounded up to buckets, so batches reuse compiled steps."""
+    prompts = [pairs.prompt_ids[i] for i in indices]
+    chosen = [pairs.chosen_ids[i] for i in indices]
+    rejected = [pairs.rejected_ids[i] for i in indices]
+    pt, pm = left_pad(prompts, bucket(max(map(len, prompts)), prompt_bucket), pad_id)
+    width = bucket(max(map(len, chosen + rejected)), 8)
+
+    def right_pad(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+        tokens = np.full((len(rows), width), pad_id, np.int32)
+        mask = np.zeros((len(rows), width), np.int32)
+        for r, ids in enumerate(rows):
+            tokens[r, : len(ids)] = ids
+            mask[r, : len(ids)] = 1
+        return tokens, mask
+
+    zeros = np.zeros(len(indices), np.float32)
+    ref_c, ref_r = (ref[0][indices], ref[1][indices]) if ref is not None else (zeros, zeros)
+    return PairBatch(pt, pm, *right_pad(chosen), *right_pad(rejected), ref_c, ref_r)
+
+
+class DPO:
+    """The policy trained on preference pairs against a frozen reference (the starting model)."""
+
+    label: ClassVar[str] = "dpo"
+    collect_phase: ClassVar[str] = "data"
+
+    def __init__(self, config: RunConfig) -> None:
+        self.config = c = config
+        self.policy = p = load_policy(c)
+        self.mesh, self.vocab_size = p.mesh, p.model_config.vocab_size
+        if c.sft.batch_size % batch_divisor(p.mesh):
+            raise ConfigError(f"sft.batch_size={c.sft.batch_size} must be divisible by mesh.data * mesh.fsdp "
+                              f"({batch_divisor(p.mesh)}) for the data-parallel step")
+        encode = functools.partial(build_preference_set, cfg=c.data, tokenizer=p.tokenizer, eos_id=p.eos_ids[0],
+                                   max_response_tokens=c.sampling.max_new_tokens)
+        self.pairs = encode(*load_records(c.data.train, c.data.split))
+        evals = encode(*load_records(c.data.eval, c.data.eval_split)) if c.data.eval else None
+        if evals is not None and c.eval_size:
+            evals = PreferenceSet(evals.prompt_ids[: c.eval_size], evals.chosen_ids[: c.eval_size],
+                                  evals.rejected_ids[: c.eval_size], evals.records[: c.eval_size], evals.num_dropped)
+        self.eval_pairs = evals
+        self.task_evaluation = GreedyEvaluation(p, c.eval_batch_size, source=c.dpo.eval_prompts)
+        d = c.dpo
+        self.reference_free = d.loss == "simpo"
+        in_step = d.reference == "step" and not self.reference_free
+        self.loss_config = DPOLossConfig(loss=d.loss, beta=d.beta, label_smoothing=d.label_smoothing,
+                                         simpo_gamma=d.simpo_gamma, reference_in_step=in_step,
+                                         logprob_block_mib=c.model.logprob_block_mib)
+        self.logprob_fn = jax.jit(functools.partial(pair_logprobs, config=p.model_config,
+                                                    block_mib=c.model.logprob_block_mib))
+        reference = None if self.reference_free else frozen_copy(p.params, p.model_config)
+        self.eval_ref = self._reference_logprobs(reference, self.eval_pairs) if evals is not None else None
+        self.train_ref = (self._reference_logprobs(reference, self.pairs)
+                          if d.reference == "precompute" and reference is not None else None)
+        self.frozen = {"reference": reference} if in_step else None
+        self.optimizer, self.schedule = make_optimizer(c.optim, max(c.steps, 1))
+        self.opt_state = init_optimizer_state(self.optimizer, p.params, p.params_sharding, p.mesh)
+        self.step_fn = make_train_step(
+            p.mesh, loss_fn=preference_loss, model_config=p.model_config,
+            loss_config=self.loss_config,  # type: ignore[arg-type]
+            optimizer=self.optimizer, params_sharding=p.params_sharding,
+            opt_state_sharding=jax.tree.map(lambda x: x.sharding, self.opt_state),
+            frozen_sharding={"reference": p.params_sharding} if in_step else None)
+
+    def _batches(self, pairs: PreferenceSet, ref: tuple[np.ndarray, np.ndarray] | None = None) -> Any:
+        size = self.config.sft.eval_batch_size
+        for start in range(0, len(pairs), size):
+            idx = np.arange(start, min(start + size, len(pairs)))
+            yield idx, pair_batch(pairs, idx, self.policy.pad_id, self.config.sampling.prompt_bucket, ref)
+
+    def _logprobs(self, params: Params, pairs: PreferenceSet) -> tuple[np.ndarray, np.ndarray]:
+        chosen, rejected = np.zeros(len(pairs), np.float32), np.zeros(len(pairs), np.float32)
+        for idx, batch in self._batches(pairs):
+            c, r = jax.device_get(self.logprob_fn(params, batch=batch))
+            chosen[idx], rejected[idx] = c, r
+        return chosen, rejected
+
+    def _reference_logprobs(self, reference: Params | None, pairs: PreferenceSet) -> tuple[np.ndarray, np.ndarray]:
+        if reference is None:
+            zeros = np.zeros(len(pairs), np.float32)
+            return zeros, zeros
+        return self._logprobs(reference, pairs)
+
+    def describe(self) -> str:
+        c = self.config
+        where = {"step": "in each step", "precompute": "precomputed"}[c.dpo.reference]
+        reference = "no reference (reference-free)" if self.reference_free else f"reference log-probs {where}"
+        return (f"DPO ({c.dpo.loss}, beta {c.dpo.beta:g}) on {len(self.pairs)} preference pairs "
+                f"({self.pairs.num_dropped} dropped as too long), {reference}")
+
+    def state(self) -> dict[str, Any]:
+        return {"params": self.policy.params, "opt_state": self.opt_state}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.policy.params, self.opt_state = state["params"], state["opt_state"]
+
+    def collect(self, data_state: DataState, key: jax.Array) -> tuple[PairBatch, DataState, dict[str, float]]:
+        c = self.config
+        idx, data_state = next_batch_indices(len(self.pairs), c.sft.batch_size, data_state, c.seed, c.data.shuffle)
+        return pair_batch(self.pairs, idx, self.policy.pad_id, c.sampling.prompt_bucket, self.train_ref), data_state, {}
+
+    def update(self, batch: PairBatch, step: int, key: jax.Array) -> dict[str, float]:
+        batch = jax.tree.map(lambda x: global_array(x, self.mesh), batch)
+        args = (self.frozen,) if self.frozen is not None else ()
+        self.policy.params, self.opt_state, metrics = self.step_fn(self.policy.params, self.opt_state, batch, *args)
+        out = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        out["learning_rate"] = float(self.schedule(step - 1))
+        return out
+
+    def evaluate(self, limit: int | None) -> dict[str, float]:
+        out: dict[str, float] = {}
+        if self.eval_pairs is not None and self.eval_ref is not None:
+            chosen, rejected = self._logprobs(self.policy.params, self.eval_pairs)
+            d = self.config.dpo
+            lengths = [np.asarray([len(x) for x in side], np.float32)
+                       for side in (self.eval_pairs.chosen_ids, self.eval_pairs.rejected_ids)]
+            _, m = dpo_loss(chosen, rejected, *self.eval_ref, beta=d.beta, loss_type=d.loss,  # type: ignore[arg-type]
+                            label_smoothing=d.label_smoothing, simpo_gamma=d.simpo_gamma,
+                            chosen_lengths=lengths[0], rejected_lengths=lengths[1])
+            out["eval/reward_accuracy"] = float(m["rewards/accuracies"])
+            out["eval/reward_margin"] = float(m["rewards/margins"])
+            out["eval/logp_accuracy"] = float(np.mean(chosen > rejected))  # the policy itself prefers chosen
+        out.update(self.task_evaluation(self.policy.params, limit))
+        return out
+
+    def progress(self, metrics: dict[str, float]) -> dict[str, float]:
+        return {"loss": metrics["loss"], "acc": metrics["rewards/accuracies"], "margin": metrics["rewards/margins"]}
+
+    def sample_rows(self, batch: PairBatch) -> list[dict[str, Any]]:
+        return []
+
+    def export(self, directory: Path) -> str:
+        return self.policy.export(directory)
