@@ -144,6 +144,19 @@ class DPOSection:
 
 
 @dataclass
+class LoraSection:
+    """LoRA adapters (jaxrl_llm.lora) for the GRPO family, PPO's policy, SFT and DPO: the base weights are frozen
+    (no gradients, no optimizer state) and double as the reference model (adapters off)."""
+
+    rank: int = 0  # r; 0 = no LoRA (full fine-tuning)
+    alpha: float = 16.0  # the update is scaled by alpha / rank
+    dropout: float = 0.0  # must be 0: the adapters are merged into the weights for every forward
+    # Regular expression searched in each layer kernel's HF module name (model.layers.0.self_attn.q_proj, ...).
+    targets: str = "(q|k|v|o|gate|up|down)_proj"
+    export_adapters: bool = False  # also write the adapters in PEFT format (out_dir/hf/adapter) at export
+
+
+@dataclass
 class RewardSpec:
     """One reward function of the weighted sum."""
 
@@ -224,6 +237,7 @@ class RunConfig:
     sft: SFTSection = field(default_factory=SFTSection)
     ppo: PPOSection = field(default_factory=PPOSection)
     dpo: DPOSection = field(default_factory=DPOSection)
+    lora: LoraSection = field(default_factory=LoraSection)
     rewards: list[RewardSpec] = field(default_factory=list)  # required for RL: [{name: ..., weight: ...}, ...]
     optim: OptimSection = field(default_factory=OptimSection)
     mesh: MeshSection = field(default_factory=MeshSection)
@@ -419,6 +433,7 @@ NUMERIC_BOUNDS: dict[str, tuple[float, float, bool]] = {
     "optim.weight_decay": _AT_LEAST, "optim.beta1": (0.0, 1.0, True), "optim.beta2": (0.0, 1.0, True),
     "optim.max_grad_norm": _AT_LEAST,
     "sft.batch_size": _AT_LEAST_1, "sft.eval_batch_size": _AT_LEAST_1,
+    "lora.rank": _AT_LEAST, "lora.alpha": _POSITIVE, "lora.dropout": _FRACTION,
     "dpo.beta": _POSITIVE, "dpo.label_smoothing": (0.0, 0.5, True), "dpo.simpo_gamma": _AT_LEAST,
     "divergence.patience": _AT_LEAST, "divergence.entropy_floor": _AT_LEAST,
     "divergence.entropy_ceiling": (0.0, 1.0, False), "divergence.kl_max": _POSITIVE,
@@ -451,6 +466,17 @@ def validate(c: RunConfig) -> None:
     if c.algo == "ppo":
         _validate_ppo(c.ppo)
     _choice(c.dpo.loss, "dpo.loss", ("sigmoid", "ipo", "hinge", "simpo"))
+    if c.lora.rank:
+        if c.lora.dropout:
+            raise ConfigError(f"lora.dropout={c.lora.dropout}: not supported (the adapters are merged into the "
+                              f"weights for each forward, so the sampler and the update share one model); use 0")
+        if c.algo == "rm" or (c.algo == "sft" and c.model.init):
+            raise ConfigError(f"lora.rank={c.lora.rank} with algo={c.algo}: LoRA adapts a pretrained policy "
+                              f"(GRPO family, PPO, DPO, SFT from model.path); set lora.rank=0")
+        try:
+            re.compile(c.lora.targets)
+        except re.error as e:
+            raise ConfigError(f"lora.targets={c.lora.targets!r} is not a regular expression: {e}") from e
     _choice(c.dpo.reference, "dpo.reference", ("step", "precompute"))
     from jaxrl_llm.trainers import ALGORITHMS
 

@@ -127,8 +127,10 @@ def policy_loss(
     loss_config: PolicyLossConfig,
     num_tokens: jax.Array,
     num_seqs: jax.Array,
+    frozen: Any = None,
 ) -> tuple[jax.Array, Metrics]:
-    """The GRPO/PPO policy objective of one (micro-)batch; returns `(loss, metrics)`."""
+    """The GRPO/PPO policy objective of one (micro-)batch; returns `(loss, metrics)` (`frozen`, LoRA's base, is
+    used by the step to make the weights, not here)."""
     c = loss_config
     logp, entropy = completion_logprobs(
         params,
@@ -170,6 +172,7 @@ def sft_loss(
     loss_config: PolicyLossConfig,
     num_tokens: jax.Array,
     num_seqs: jax.Array,
+    frozen: Any = None,
 ) -> tuple[jax.Array, Metrics]:
     """Cross-entropy of the completion tokens: `-sum_t m_t log pi(y_t) / num_tokens` (token-mean)."""
     logp, _ = completion_logprobs(

@@ -152,11 +152,14 @@ class DPO:
                                          logprob_block_mib=c.model.logprob_block_mib)
         self.logprob_fn = jax.jit(functools.partial(pair_logprobs, config=p.model_config,
                                                     block_mib=c.model.logprob_block_mib))
-        reference = None if self.reference_free else frozen_copy(p.params, p.model_config)
+        # The reference is the starting model: a frozen copy, or under LoRA the base itself (adapters off).
+        reference = None if self.reference_free else p.base if p.base is not None else frozen_copy(p.params,
+                                                                                                   p.model_config)
         self.eval_ref = self._reference_logprobs(reference, self.eval_pairs) if evals is not None else None
         self.train_ref = (self._reference_logprobs(reference, self.pairs)
                           if d.reference == "precompute" and reference is not None else None)
-        self.frozen = {"reference": reference} if in_step else None
+        frozen = {**(p.frozen or {}), **({"reference": reference} if in_step else {})}
+        self.frozen = frozen or None
         self.optimizer, self.schedule = make_optimizer(c.optim, max(c.steps, 1))
         self.opt_state = init_optimizer_state(self.optimizer, p.params, p.params_sharding, p.mesh)
         self.step_fn = make_train_step(
@@ -164,7 +167,8 @@ class DPO:
             loss_config=self.loss_config,  # type: ignore[arg-type]
             optimizer=self.optimizer, params_sharding=p.params_sharding,
             opt_state_sharding=jax.tree.map(lambda x: x.sharding, self.opt_state),
-            frozen_sharding={"reference": p.params_sharding} if in_step else None)
+            frozen_sharding=jax.tree.map(lambda x: x.sharding, self.frozen) if self.frozen else None,
+            compose=p.compose)
 
     def _batches(self, pairs: PreferenceSet, ref: tuple[np.ndarray, np.ndarray] | None = None) -> Any:
         size = self.config.sft.eval_batch_size
@@ -214,7 +218,7 @@ class DPO:
     def evaluate(self, limit: int | None) -> dict[str, float]:
         out: dict[str, float] = {}
         if self.eval_pairs is not None and self.eval_ref is not None:
-            chosen, rejected = self._logprobs(self.policy.params, self.eval_pairs)
+            chosen, rejected = self._logprobs(self.policy.model_weights(), self.eval_pairs)
             d = self.config.dpo
             lengths = [np.asarray([len(x) for x in side], np.float32)
                        for side in (self.eval_pairs.chosen_ids, self.eval_pairs.rejected_ids)]
@@ -224,7 +228,7 @@ class DPO:
             out["eval/reward_accuracy"] = float(m["rewards/accuracies"])
             out["eval/reward_margin"] = float(m["rewards/margins"])
             out["eval/logp_accuracy"] = float(np.mean(chosen > rejected))  # the policy itself prefers chosen
-        out.update(self.task_evaluation(self.policy.params, limit))
+        out.update(self.task_evaluation(self.policy.model_weights(), limit))
         return out
 
     def progress(self, metrics: dict[str, float]) -> dict[str, float]:

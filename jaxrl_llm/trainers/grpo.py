@@ -82,22 +82,25 @@ class GRPOFamily:
             rollout_advantages, self.estimator, group_size=r.group_size, scale=r.scale_rewards, beta=r.beta,
             kl_estimator=r.kl_estimator,
         ))
-        # The reference policy is a frozen copy, only needed when the KL term is on.
-        self.ref_params = frozen_copy(p.params, p.model_config) if r.beta > 0 else None
-        self.ref_logprob_fn = make_logprob_fn(p.mesh, p.model_config, c.sampling.temperature, p.params_sharding,
+        # The reference policy is a frozen copy, only needed when the KL term is on (LoRA: the base itself).
+        self.ref_params = (p.base if p.base is not None else frozen_copy(p.params, p.model_config)) if r.beta > 0 \
+            else None
+        self.ref_logprob_fn = make_logprob_fn(p.mesh, p.model_config, c.sampling.temperature, p.weights_sharding,
                                               block_mib=c.model.logprob_block_mib)
         self.update_fn = self._make_update_fn()
 
     def _make_update_fn(self) -> Any:
-        """`(params, opt_state, batch [N, ...], key) -> (params, opt_state, metrics)`: the whole update as one jit."""
+        """`(params, opt_state, batch [N, ...], key, frozen) -> (params, opt_state, metrics)`: the whole update as
+        one jit (`frozen`: LoRA's base weights, or None)."""
         c, p, rows = self.config, self.policy, batch_sharding(self.policy.mesh)
         step = functools.partial(train_step, loss_fn=policy_loss, model_config=p.model_config,
-                                 loss_config=self.loss_config, optimizer=self.optimizer, grad_accum=c.rl.grad_accum)
+                                 loss_config=self.loss_config, optimizer=self.optimizer, grad_accum=c.rl.grad_accum,
+                                 compose=p.compose)
 
         def update(params: Any, opt_state: optax.OptState, batch: PolicyBatch,
-                   key: jax.Array) -> tuple[Any, Any, Metrics]:
+                   key: jax.Array, frozen: Any) -> tuple[Any, Any, Metrics]:
             def one(carry: tuple[Any, Any], minibatch: PolicyBatch) -> tuple[tuple[Any, Any], Metrics]:
-                new_params, new_opt_state, metrics = step(*carry, minibatch)
+                new_params, new_opt_state, metrics = step(*carry, minibatch, frozen)
                 return (new_params, new_opt_state), metrics
 
             (params, opt_state), metrics, _ = scanned_updates(
@@ -107,7 +110,7 @@ class GRPOFamily:
 
         state_shardings = (p.params_sharding, jax.tree.map(lambda x: x.sharding, self.opt_state))
         replicated = jax.sharding.NamedSharding(p.mesh, jax.sharding.PartitionSpec())
-        return jax.jit(update, in_shardings=(*state_shardings, rows, replicated),
+        return jax.jit(update, in_shardings=(*state_shardings, rows, replicated, p.frozen_sharding),
                        out_shardings=(*state_shardings, replicated), donate_argnums=(0, 1))
 
     # ------------------------------------------------------------------------------------------ the shell's API
@@ -129,7 +132,7 @@ class GRPOFamily:
         self.policy.params, self.opt_state = state["params"], state["opt_state"]
 
     def collect(self, data_state: DataState, key: jax.Array) -> tuple[Rollout, DataState, dict[str, float]]:
-        ro, data_state, refills = self.collector.collect(self.policy.params, data_state, key)
+        ro, data_state, refills = self.collector.collect(self.policy.model_weights(), data_state, key)
         return ro, data_state, self.collector.metrics(ro, refills)
 
     def update(self, ro: Rollout, step: int, key: jax.Array) -> dict[str, float]:
@@ -143,7 +146,8 @@ class GRPOFamily:
                     else put(np.zeros(ro.out.tokens.shape, np.float32)))
         advantages = self.advantage_fn(put(ro.rewards.astype(np.float32)), cm, old_logp, ref_logp)
         batch = PolicyBatch(pt, pm, ct, cm, old_logp, ref_logp, advantages)
-        self.policy.params, self.opt_state, metrics = self.update_fn(self.policy.params, self.opt_state, batch, key)
+        self.policy.params, self.opt_state, metrics = self.update_fn(self.policy.params, self.opt_state, batch, key,
+                                                                     self.policy.frozen)
         out = {k: float(v) for k, v in jax.device_get(metrics).items()}
         mask = np.asarray(ro.out.mask, bool)
         out["advantages/abs_mean"] = float(np.abs(to_host(advantages))[mask].mean()) if mask.any() else 0.0
@@ -151,7 +155,7 @@ class GRPOFamily:
         return out
 
     def evaluate(self, limit: int | None) -> dict[str, float]:
-        return self.evaluation(self.policy.params, limit)
+        return self.evaluation(self.policy.model_weights(), limit)
 
     def progress(self, metrics: dict[str, float]) -> dict[str, float]:
         # `kl` only with a reference (beta > 0): approx_kl, the on-policy ratio's, is ~0 and would read as a bug.

@@ -4,28 +4,34 @@ sampler's settings and the held-out greedy evaluation.
 `load_policy(config)` reads `model.path` (a HF directory or hub id) onto the mesh, each device reading only its
 shards, and keeps float32 master weights whatever `model.param_dtype` says (the train step computes with the
 working copy, see `train_step.master_weights`). SFT can start from random weights instead (`model.init`).
+
+With LoRA (`lora.rank > 0`) what is trained (`params`) is the adapters (`jaxrl_llm.lora`); the base weights are
+`base`, frozen, in `model.param_dtype`; `model_weights()` merges them for sampling, evaluation and export, and
+the train step gets `frozen` and `compose` to do the same inside the jit.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_llm.config import RunConfig
 from jaxrl_llm.data import PromptSet, bucket, build_prompt_set, eos_token_ids, left_pad, load_records, load_tokenizer
 from jaxrl_llm.evaluation import evaluate_greedy
+from jaxrl_llm.lora import LoraSpec, init_adapters, merge_adapters, save_peft_adapters
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params, init_params
 from jaxrl_llm.models.hf import config_from_hf, load_hf_model, resolve_model_dir, save_hf_model
 from jaxrl_llm.rewards import RewardFunction, resolve_reward
 from jaxrl_llm.sampling import SamplingConfig
 from jaxrl_llm.sharding import MeshShape, make_mesh, param_shardings, to_host
-from jaxrl_llm.train_step import master_weights
+from jaxrl_llm.train_step import cast_floating, master_weights
 
 
 @dataclasses.dataclass
@@ -39,6 +45,40 @@ class Policy:
     tokenizer: Any
     tokenizer_dir: Path  # the model directory (or the from-scratch tokenizer's), copied into exports
     eos_ids: tuple[int, ...]
+    base: Params | None = None  # LoRA: the frozen base weights (model.param_dtype); None: params is the model
+    lora: LoraSpec | None = None
+
+    def __post_init__(self) -> None:
+        self._merge = (jax.jit(functools.partial(merge_adapters, scale=self.lora.scale))
+                       if self.lora is not None else None)
+
+    def model_weights(self, params: Params | None = None) -> Params:
+        """The weights the model runs with: the trained `params` (default: the current ones), merged into the
+        base under LoRA."""
+        params = self.params if params is None else params
+        return params if self._merge is None else self._merge(self.base, params)
+
+    @property
+    def weights_sharding(self) -> Any:
+        """Placement of the model's weights (`model_weights()`, a reference copy): the base's under LoRA."""
+        return self.params_sharding if self.base is None else jax.tree.map(lambda x: x.sharding, self.base)
+
+    @property
+    def frozen(self) -> dict[str, Params] | None:
+        """The train step's frozen input: `{"base": ...}` under LoRA, else None."""
+        return None if self.base is None else {"base": self.base}
+
+    @property
+    def frozen_sharding(self) -> Any:
+        return None if self.base is None else {"base": jax.tree.map(lambda x: x.sharding, self.base)}
+
+    @property
+    def compose(self) -> Any:
+        """`(working adapters, frozen) -> model weights` for the train step under LoRA, else None."""
+        if self.lora is None:
+            return None
+        scale = self.lora.scale
+        return lambda adapters, frozen: merge_adapters(frozen["base"], adapters, scale)
 
     @property
     def pad_id(self) -> int:
@@ -65,11 +105,17 @@ class Policy:
         return left_pad(seqs, bucket(max(len(s) for s in seqs), self.config.sampling.prompt_bucket), self.pad_id)
 
     def export(self, directory: Path) -> str:
-        params = to_host(self.params)  # gathered on every process; the first one writes
+        """The model as a HF directory (LoRA: merged); with `lora.export_adapters`, PEFT files in `adapter/`."""
+        params = to_host(self.model_weights())  # gathered on every process; the first one writes
+        adapters = to_host(self.params) if self.lora is not None else None
         if jax.process_index() != 0:
             return str(directory)
-        return str(save_hf_model(params, self.model_config, directory, dtype=self.model_config.param_dtype,
-                                 tokenizer_dir=self.tokenizer_dir))
+        out = save_hf_model(params, self.model_config, directory, dtype=self.model_config.param_dtype,
+                            tokenizer_dir=self.tokenizer_dir)
+        if self.lora is not None and self.config.lora.export_adapters:
+            save_peft_adapters(adapters, self.model_config, self.lora, Path(directory) / "adapter",
+                               base_model=self.config.model.path)
+        return str(out)
 
 
 def eval_reward(c: RunConfig) -> tuple[str, RewardFunction]:
@@ -132,6 +178,13 @@ def load_policy(c: RunConfig, *, from_scratch: bool = False) -> Policy:
     else:
         tok_dir = resolve_model_dir(c.model.path)
         model_config, params = load_hf_model(tok_dir, mesh=mesh, **overrides)
-        params = master_weights(params)
         tokenizer = load_tokenizer(tok_dir)
+        if c.lora.rank:
+            spec = LoraSpec(c.lora.rank, c.lora.alpha, c.lora.targets)
+            base = cast_floating(params, model_config.jnp_param_dtype)  # frozen: no float32 master needed
+            replicated = NamedSharding(mesh, PartitionSpec())  # rank-r factors: small next to the base
+            adapters = jax.device_put(init_adapters(base, spec, jax.random.key(c.seed)), replicated)
+            return Policy(c, mesh, model_config, adapters, tokenizer, Path(tok_dir), eos_token_ids(tok_dir, tokenizer),
+                          base=base, lora=spec)
+        params = master_weights(params)
     return Policy(c, mesh, model_config, params, tokenizer, Path(tok_dir), eos_token_ids(tok_dir, tokenizer))

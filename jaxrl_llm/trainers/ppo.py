@@ -126,12 +126,14 @@ class PPO:
             dataclasses.replace(c.optim, learning_rate=pc.critic_learning_rate), total_updates)
         # KL to the reference lives in the per-token reward, so the policy loss carries none.
         self.loss_config = policy_loss_config(c, beta=0.0)
-        self.ref_params = frozen_copy(p.params, p.model_config) if pc.kl_coef_init > 0 else None
-        self.ref_logprob_fn = make_logprob_fn(p.mesh, p.model_config, c.sampling.temperature, p.params_sharding,
+        # The reference: a frozen copy of the starting policy (LoRA: the base weights themselves).
+        self.ref_params = (p.base if p.base is not None else frozen_copy(p.params, p.model_config)) \
+            if pc.kl_coef_init > 0 else None
+        self.ref_logprob_fn = make_logprob_fn(p.mesh, p.model_config, c.sampling.temperature, p.weights_sharding,
                                               block_mib=c.model.logprob_block_mib)
         if pc.critic_init == "policy":
             self.critic_config: ModelConfig = p.model_config
-            critic = critic_from_policy(p.params, p.model_config)
+            critic = critic_from_policy(master_weights(p.model_weights()), p.model_config)  # a full critic
         else:
             self.critic_config, critic = load_critic(pc.critic_init, mesh=p.mesh, dtype=c.model.dtype,
                                                      param_dtype=c.model.param_dtype, remat=c.model.remat,
@@ -168,17 +170,26 @@ class PPO:
         c, p, rows = self.config, self.policy, batch_sharding(self.policy.mesh)
         policy_step = functools.partial(train_step, loss_fn=policy_loss, model_config=p.model_config,
                                         loss_config=self.loss_config, optimizer=self.optimizer,
-                                        grad_accum=c.rl.grad_accum)
+                                        grad_accum=c.rl.grad_accum, compose=p.compose)
         value_loss_config = ValueLossConfig(clip_range=c.ppo.value_clip or None, aggregation=c.rl.loss_aggregation,
                                             max_len=c.sampling.max_new_tokens)
         critic_step = functools.partial(train_step, loss_fn=critic_loss, model_config=self.critic_config,
                                         loss_config=value_loss_config,  # type: ignore[arg-type]
                                         optimizer=self.critic_optimizer, grad_accum=c.rl.grad_accum)
 
-        def one(state: PPOState, batch: PPOBatch) -> tuple[PPOState, Metrics]:
+        def update(state: PPOState, batch: PPOBatch, key: jax.Array, frozen: Any) -> tuple[PPOState, Metrics]:
+            def one(state: PPOState, batch: PPOBatch) -> tuple[PPOState, Metrics]:
+                return one_update(state, batch, frozen)
+
+            state, metrics, _ = scanned_updates(one, state, batch, key, epochs=c.rl.mu,
+                                                minibatch_size=self.minibatch_size,
+                                                constrain=lambda b: jax.lax.with_sharding_constraint(b, rows))
+            return state, metrics
+
+        def one_update(state: PPOState, batch: PPOBatch, frozen: Any) -> tuple[PPOState, Metrics]:
             params, opt_state, metrics = state.params, state.opt_state, {}
             if train_policy:
-                params, opt_state, metrics = policy_step(params, opt_state, batch.policy)
+                params, opt_state, metrics = policy_step(params, opt_state, batch.policy, frozen)
             critic, critic_opt_state, critic_metrics = critic_step(state.critic, state.critic_opt_state,
                                                                    batch.critic)
             metrics = {**metrics, "value_loss": critic_metrics["value_loss"],
@@ -187,15 +198,10 @@ class PPO:
                        "critic/update_skipped": critic_metrics["update_skipped"]}
             return PPOState(params, opt_state, critic, critic_opt_state), metrics
 
-        def update(state: PPOState, batch: PPOBatch, key: jax.Array) -> tuple[PPOState, Metrics]:
-            state, metrics, _ = scanned_updates(one, state, batch, key, epochs=c.rl.mu,
-                                                minibatch_size=self.minibatch_size,
-                                                constrain=lambda b: jax.lax.with_sharding_constraint(b, rows))
-            return state, metrics
-
         shardings = jax.tree.map(lambda x: x.sharding, self.state_)
         replicated = NamedSharding(p.mesh, PartitionSpec())
-        return jax.jit(update, in_shardings=(shardings, rows, replicated), out_shardings=(shardings, replicated),
+        return jax.jit(update, in_shardings=(shardings, rows, replicated, p.frozen_sharding),
+                       out_shardings=(shardings, replicated),
                        donate_argnums=(0,))
 
     # ------------------------------------------------------------------------------------------ the shell's API
@@ -224,7 +230,7 @@ class PPO:
         self.kl_controller = KLControllerState(coef=jnp.asarray(state["kl_coef"], jnp.float32))
 
     def collect(self, data_state: DataState, key: jax.Array) -> tuple[Rollout, DataState, dict[str, float]]:
-        ro, data_state, refills = self.collector.collect(self.policy.params, data_state, key)
+        ro, data_state, refills = self.collector.collect(self.policy.model_weights(), data_state, key)
         return ro, data_state, self.collector.metrics(ro, refills)
 
     def update(self, ro: Rollout, step: int, key: jax.Array) -> dict[str, float]:
@@ -241,7 +247,7 @@ class PPO:
         batch = PPOBatch(PolicyBatch(pt, pm, ct, cm, old_logp, ref_logp, targets.advantages),
                          CriticBatch(pt, pm, ct, cm, values, targets.returns))
         train_policy = step > pc.critic_warmup_steps
-        self.state_, metrics = self.update_fns[train_policy](self.state_, batch, key)
+        self.state_, metrics = self.update_fns[train_policy](self.state_, batch, key, self.policy.frozen)
         self.policy.params = self.state_.params
         out = {k: float(v) for k, v in jax.device_get({**metrics, **rollout_metrics}).items()}
         if not train_policy:  # critic warm-up: the policy is not updated (ratio 1, no drift)
@@ -260,7 +266,7 @@ class PPO:
         return out
 
     def evaluate(self, limit: int | None) -> dict[str, float]:
-        return self.evaluation(self.policy.params, limit)
+        return self.evaluation(self.policy.model_weights(), limit)
 
     def progress(self, metrics: dict[str, float]) -> dict[str, float]:
         kl = {"kl": metrics["kl"]} if "kl" in metrics else {}

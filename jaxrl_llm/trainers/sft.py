@@ -62,7 +62,8 @@ class SFT:
         self.step_fn = make_train_step(p.mesh, loss_fn=sft_loss, model_config=p.model_config,
                                        loss_config=PolicyLossConfig(logprob_block_mib=c.model.logprob_block_mib),
                                        optimizer=self.optimizer, params_sharding=p.params_sharding,
-                                       opt_state_sharding=jax.tree.map(lambda x: x.sharding, self.opt_state))
+                                       opt_state_sharding=jax.tree.map(lambda x: x.sharding, self.opt_state),
+                                       frozen_sharding=p.frozen_sharding, compose=p.compose)
 
     def describe(self) -> str:
         m = self.policy.model_config
@@ -85,13 +86,14 @@ class SFT:
 
     def update(self, batch: PolicyBatch, step: int, key: jax.Array) -> dict[str, float]:
         batch = jax.tree.map(lambda x: global_array(x, self.mesh), batch)
-        self.policy.params, self.opt_state, metrics = self.step_fn(self.policy.params, self.opt_state, batch)
+        frozen = (self.policy.frozen,) if self.policy.frozen is not None else ()
+        self.policy.params, self.opt_state, metrics = self.step_fn(self.policy.params, self.opt_state, batch, *frozen)
         out = {k: float(v) for k, v in jax.device_get(metrics).items()}
         out["learning_rate"] = float(self.schedule(step - 1))
         return out
 
     def evaluate(self, limit: int | None) -> dict[str, float]:
-        return self.evaluation(self.policy.params, limit)
+        return self.evaluation(self.policy.model_weights(), limit)
 
     def progress(self, metrics: dict[str, float]) -> dict[str, float]:
         return {"loss": metrics["sft_loss"]}

@@ -1,0 +1,146 @@
+"""LoRA (Hu et al. 2021): low-rank adapters as their own pytree beside frozen base weights.
+
+For each targeted kernel `W [L, in, out]` (every layer of the stack: `x @ W`), two float32 factors
+
+    A [L, in, r] ~ U(-1/sqrt(in), 1/sqrt(in)),   B [L, r, out] = 0,   W' = W + (alpha / r) * A @ B
+
+so at initialisation the model is exactly the base. Training differentiates and updates only `{A, B}` (the
+optimizer state is adapter-sized); the base is an input nobody updates, and it is the reference model too
+(adapters off), so no second copy of the weights exists. The model's weights are `merge_adapters(base, adapters)`
+(one `[L, in, out]` product per targeted kernel): the training forward, the sampler's token step and the export
+all use that one merged pytree, so they cannot disagree.
+
+`targets` is a regular expression searched in each stacked kernel's Hugging Face module name
+(`model.layers.0.self_attn.q_proj`, `model.layers.0.mlp.down_proj`, ...); embeddings, norms and the output head
+are never adapted. `peft_tensors` / `save_peft_adapters` write the adapters as PEFT does
+(`adapter_config.json` + `adapter_model.safetensors`, `lora_A.weight [r, in]`, `lora_B.weight [out, r]`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_llm.errors import ConfigError
+from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.hf import _tensor_name
+
+Params = dict[str, Any]
+LORA_A, LORA_B = "lora_a", "lora_b"
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSpec:
+    """The adapters' shape and scale: rank `r`, `alpha` (the update is scaled by `alpha / r`), target regex."""
+
+    rank: int
+    alpha: float
+    targets: str
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+def _kernel_paths(params: Params, prefix: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
+    for key, value in params.items():
+        if isinstance(value, dict):
+            yield from _kernel_paths(value, (*prefix, key))
+        elif key == "kernel" and prefix and prefix[0] == "layers":
+            yield (*prefix, key)
+
+
+def module_name(path: tuple[str, ...]) -> str:
+    """The Hugging Face module of a stacked kernel, as in layer 0: `model.layers.0.self_attn.q_proj`."""
+    return _tensor_name(path, 0).removesuffix(".weight")
+
+
+def target_paths(params: Params, targets: str) -> list[tuple[str, ...]]:
+    """The stacked kernels whose module name `targets` matches (`re.search`); a `ConfigError` if none."""
+    pattern = re.compile(targets)
+    paths = [p for p in _kernel_paths(params) if pattern.search(module_name(p))]
+    if not paths:
+        names = ", ".join(module_name(p).removeprefix("model.layers.0.") for p in _kernel_paths(params))
+        raise ConfigError(f"lora.targets={targets!r} matches no layer kernel; the kernels are: {names}")
+    return paths
+
+
+def _get(tree: Params, path: tuple[str, ...]) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def init_adapters(params: Params, spec: LoraSpec, key: jax.Array) -> Params:
+    """`{path...: {"lora_a": A, "lora_b": B}}` for every targeted kernel (nested like `params`, float32)."""
+    adapters: Params = {}
+    for i, path in enumerate(target_paths(params, spec.targets)):
+        layers, fan_in, fan_out = _get(params, path).shape
+        bound = 1.0 / np.sqrt(fan_in)
+        a = jax.random.uniform(jax.random.fold_in(key, i), (layers, fan_in, spec.rank), jnp.float32, -bound, bound)
+        node = adapters
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        node[LORA_A], node[LORA_B] = a, jnp.zeros((layers, spec.rank, fan_out), jnp.float32)
+    return adapters
+
+
+def _adapter_paths(adapters: Params, prefix: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
+    for key, value in adapters.items():
+        if key == LORA_A:
+            yield prefix
+        elif isinstance(value, dict):
+            yield from _adapter_paths(value, (*prefix, key))
+
+
+def merge_adapters(base: Params, adapters: Params, scale: float) -> Params:
+    """`base` with `scale * A @ B` added to each adapted kernel (in the kernel's dtype); pure and jittable."""
+    merged = jax.tree.map(lambda x: x, base)  # a new tree (leaves shared) to write the merged kernels into
+    for path in _adapter_paths(adapters):
+        node, ab = merged, _get(adapters, path)
+        for key in path:
+            node[key] = dict(node[key])
+            node = node[key]
+        kernel = node["kernel"]
+        delta = jnp.einsum("lir,lro->lio", ab[LORA_A].astype(jnp.float32), ab[LORA_B].astype(jnp.float32))
+        node["kernel"] = (kernel.astype(jnp.float32) + scale * delta).astype(kernel.dtype)
+    return merged
+
+
+def peft_tensors(adapters: Params, config: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+    """`(PEFT tensor name, array)`: `base_model.model.<module>.lora_A.weight [r, in]`, `lora_B.weight [out, r]`."""
+    for path in _adapter_paths(adapters):
+        ab = _get(adapters, path)
+        a, b = np.asarray(jax.device_get(ab[LORA_A])), np.asarray(jax.device_get(ab[LORA_B]))
+        for layer in range(config.num_layers):
+            module = _tensor_name((*path, "kernel"), layer).removesuffix(".weight")
+            yield f"base_model.model.{module}.lora_A.weight", np.ascontiguousarray(a[layer].T)
+            yield f"base_model.model.{module}.lora_B.weight", np.ascontiguousarray(b[layer].T)
+
+
+def save_peft_adapters(adapters: Params, config: ModelConfig, spec: LoraSpec, directory: str | Path,
+                       base_model: str) -> Path:
+    """PEFT's LoRA format in `directory`: `adapter_config.json` and `adapter_model.safetensors` (float32)."""
+    from safetensors.numpy import save_file
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = dict(peft_tensors(adapters, config))
+    modules = sorted({name.split(".")[-3] for name in tensors})
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    adapter_config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": spec.rank,
+        "lora_alpha": spec.alpha, "lora_dropout": 0.0, "target_modules": modules, "bias": "none",
+        "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True, "use_rslora": False,
+        "use_dora": False, "modules_to_save": None,
+    }
+    (out / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2) + "\n")
+    return out

@@ -1,0 +1,145 @@
+"""LoRA (`lora.rank > 0`): B = 0 starts exactly at the base, only adapters change and own optimizer state, the
+merged export equals PEFT's adapter forward (transformers + peft, unmerged x W + B A x), checkpoint / resume, and
+SFT / DPO / PPO runs with adapters; the mesh test is in test_sharding.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrl_llm.config import load_run_config
+from jaxrl_llm.lora import LoraSpec, init_adapters, merge_adapters, target_paths
+from jaxrl_llm.models.decoder import forward
+from jaxrl_llm.models.hf import load_hf_model
+from jaxrl_llm.trainers import make_trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def length_reward(prompts, completions, **fields):
+    """A reward a random model's samples differ in (every group has a learning signal)."""
+    return [float(len(c)) for c in completions]
+
+
+def _config(tiny_task: Path, out: Path, *extra: str, preset: str = "grpo_arithmetic.yaml"):
+    return load_run_config(ROOT / "configs" / preset, [
+        f"model.path={tiny_task / 'model'}", f"data.train={tiny_task / 'train.jsonl'}", "data.eval=",
+        f"out_dir={out}", "rl.prompts_per_step=4", "rl.group_size=4", "progress_bar=false", "tensorboard=false",
+        "lora.rank=4", "lora.alpha=8", "optim.learning_rate=1e-2", "optim.warmup_steps=0",
+        "rewards=[{name: 'test_lora:length_reward'}]", *extra])
+
+
+def _leaves(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def test_zero_b_is_the_base_model_exactly(tiny_task):
+    config, params = load_hf_model(tiny_task / "model")
+    spec = LoraSpec(rank=4, alpha=8.0, targets="(q|v)_proj")
+    adapters = init_adapters(params, spec, jax.random.key(0))
+    assert sorted(p[2] for p in target_paths(params, spec.targets)) == ["q", "v"]
+    merged = merge_adapters(params, adapters, spec.scale)
+    assert all(np.array_equal(a, b) for a, b in zip(_leaves(params), _leaves(merged), strict=True))
+    tokens = np.array([[0, 0, 5, 6, 7], [3, 4, 5, 6, 7]], np.int32)
+    mask = (tokens > 0).astype(np.int32)
+    np.testing.assert_array_equal(np.asarray(forward(merged, config, tokens, mask)),
+                                  np.asarray(forward(params, config, tokens, mask)))
+    with pytest.raises(Exception, match="matches no layer kernel.*self_attn.q_proj"):
+        target_paths(params, "nothing_like_this")
+
+
+def test_only_adapters_train_and_own_the_optimizer_state_and_resume_is_exact(tiny_task, tmp_path):
+    trainer = make_trainer(_config(tiny_task, tmp_path / "run", "steps=2", "checkpoint_every=1", "export=false"))
+    algo = trainer.algorithm
+    base_before = _leaves(algo.policy.base)
+    adapters_before = _leaves(algo.policy.params)
+    trainer.run()
+    assert all(np.array_equal(a, b) for a, b in zip(base_before, _leaves(algo.policy.base), strict=True))
+    after = _leaves(algo.policy.params)
+    assert any(not np.array_equal(a, b) for a, b in zip(adapters_before, after, strict=True))
+    adapter_size = sum(x.size for x in after)
+    moments = [x for x in jax.tree.leaves(algo.opt_state) if np.ndim(x) > 0]
+    assert sum(x.size for x in moments) == 2 * adapter_size  # AdamW's mu and nu, adapter-sized, nothing else
+    kernels = [np.shape(x) for p, x in jax.tree_util.tree_flatten_with_path(algo.policy.base)[0]
+               if "layers" in jax.tree_util.keystr(p) and "kernel" in jax.tree_util.keystr(p)]
+    assert adapter_size == sum(layers * 4 * (fan_in + fan_out) for layers, fan_in, fan_out in kernels)  # L r (in+out)
+    # the reference of the KL term / DPO is the base itself: no second copy
+    trainer_kl = make_trainer(_config(tiny_task, tmp_path / "kl", "steps=1", "rl.beta=0.1", "export=false"))
+    assert trainer_kl.algorithm.ref_params is trainer_kl.algorithm.policy.base
+
+    resumed = make_trainer(_config(tiny_task, tmp_path / "run", "steps=3", "checkpoint_every=1", "export=false"),
+                           resume=True)
+    assert resumed.step == 2
+    resumed.run()
+    straight = make_trainer(_config(tiny_task, tmp_path / "straight", "steps=3", "checkpoint_every=0",
+                                    "export=false"))
+    straight.run()
+    assert all(np.array_equal(a, b) for a, b in zip(_leaves(resumed.algorithm.policy.params),
+                                                    _leaves(straight.algorithm.policy.params), strict=True))
+
+
+def test_merged_export_equals_peft_adapter_forward(tiny_task, tmp_path):
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft", reason="peft is not installed (pip install peft)")
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    trainer = make_trainer(_config(tiny_task, out, "steps=2", "checkpoint_every=0", "lora.export_adapters=true"))
+    summary = trainer.run()
+    assert summary["export"] == str(out / "hf")
+    assert (out / "hf" / "adapter" / "adapter_config.json").is_file()
+    ids = torch.tensor([[1, 5, 6, 7, 8, 9], [1, 9, 8, 7, 6, 5]])
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(out / "hf").eval()(ids).logits.numpy()
+        base = AutoModelForCausalLM.from_pretrained(tiny_task / "model").eval()
+        adapted = peft.PeftModel.from_pretrained(base, out / "hf" / "adapter").eval()
+        with_adapters = adapted(ids).logits.numpy()  # PEFT's forward: x W + scale * B(A(x)), unmerged
+    np.testing.assert_allclose(merged, with_adapters, atol=1e-5)
+    ours = np.asarray(forward(trainer.algorithm.policy.model_weights(), trainer.algorithm.policy.model_config,
+                              ids.numpy().astype(np.int32), np.ones(ids.shape, np.int32)))
+    np.testing.assert_allclose(ours, with_adapters, atol=1e-5)
+    config = json.loads((out / "hf" / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8.0
+    assert set(config["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                             "down_proj"}
+
+
+def test_sft_dpo_and_ppo_train_with_adapters(tiny_task, tmp_path):
+    rows = [json.loads(line) for line in (tiny_task / "train.jsonl").read_text().splitlines()][:32]
+    prefs = tmp_path / "prefs.jsonl"
+    prefs.write_text("".join(json.dumps({"prompt": r["prompt"], "chosen": r["answer"],
+                                         "rejected": str(int(r["answer"]) + 1)}) + "\n" for r in rows))
+    common = ["steps=2", "checkpoint_every=0", "export=false", "sft.batch_size=8"]
+    runs = {
+        "sft": _config(tiny_task, tmp_path / "sft", *common, "algo=sft"),  # SFT of model.path (no model.init)
+        "dpo": _config(tiny_task, tmp_path / "dpo", *common, f"data.train={prefs}", "dpo.eval_prompts=",
+                       preset="dpo_arithmetic.yaml"),
+        "ppo": _config(tiny_task, tmp_path / "ppo", *common, "rl.minibatch_size=8", preset="ppo_arithmetic.yaml"),
+    }
+    for name, config in runs.items():
+        trainer = make_trainer(config)
+        policy = trainer.algorithm.policy
+        assert policy.lora is not None, name
+        base = _leaves(policy.base)
+        if name == "dpo":
+            assert trainer.algorithm.frozen["reference"] is policy.base  # adapters off = the reference
+        trainer.run()
+        assert all(np.array_equal(a, b) for a, b in zip(base, _leaves(policy.base), strict=True)), name
+        lora_b = [np.abs(np.asarray(x)).max() for p, x in jax.tree_util.tree_flatten_with_path(policy.params)[0]
+                  if "lora_b" in jax.tree_util.keystr(p)]
+        assert max(lora_b) > 0, name  # B moved away from 0: the adapters learned
+
+
+def test_lora_options_are_checked():
+    from jaxrl_llm.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="lora.dropout=0.1: not supported"):
+        load_run_config(None, ["lora.rank=8", "lora.dropout=0.1"])
+    with pytest.raises(ConfigError, match="algo=rm"):
+        load_run_config(None, ["lora.rank=8", "algo=rm"])
+    with pytest.raises(ConfigError, match="not a regular expression"):
+        load_run_config(None, ["lora.rank=8", "lora.targets=(q"])
