@@ -48,6 +48,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                         help="start over in an out_dir that holds a run (deletes its checkpoints, metrics, export)")
     parser.add_argument("--allow-config-change", action="store_true",
                         help="--resume even if the config changes the math or shapes of the checkpointed run")
+    parser.add_argument("--export-adapters", action="store_true",
+                        help="with LoRA (lora.rank > 0): also write the adapters in PEFT format to EXPORT_DIR/adapter")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rl.beta=0.04 steps=10")
     return parser.parse_intermixed_args(argv)  # options and key=value overrides in any order
 
@@ -57,7 +59,8 @@ def main(argv: list[str]) -> int:
     from jaxrl_llm.config import ConfigError, config_source, load_run_config, validate_environment
 
     preset = args.config or DEFAULT_CONFIGS[args.algo or "grpo"]
-    config = load_run_config(preset, args.overrides, **({"algo": args.algo} if args.algo else {}))
+    overrides = [*args.overrides, *(["lora.export_adapters=true"] if args.export_adapters else [])]
+    config = load_run_config(preset, overrides, **({"algo": args.algo} if args.algo else {}))
     if args.print_config:
         from jaxrl_llm.config_docs import commented_yaml
 
@@ -70,7 +73,7 @@ def main(argv: list[str]) -> int:
     try:  # input paths, mesh and batch sizes against the devices, before any model loads
         validate_environment(config)
     except ConfigError as e:
-        raise ConfigError(f"{e} ({config_source(str(e), preset, args.overrides)})") from e
+        raise ConfigError(f"{e} ({config_source(str(e), preset, overrides)})") from e
     options = dict(resume=args.resume, overwrite=args.overwrite, allow_config_change=args.allow_config_change)
     from jaxrl_llm.errors import RunInterrupted
     from jaxrl_llm.trainers import train

@@ -295,6 +295,8 @@ class MemoryPlan:
     train_seq_len: int  # T of the train step's forward
     batch: int = 0  # the train step's minibatch arrays on this device (tokens, masks, old/ref log-probs, advantages)
     gradient_buffers: int = 2  # float32 gradient-sized buffers of the train step (see `update`)
+    merged: int = 0  # LoRA: the merged weights (base + adapters) the sampler and the update each build
+    trainable: int = 0  # parameters the optimizer updates (all, or the LoRA adapters)
 
     @property
     def activations(self) -> int:
@@ -308,14 +310,15 @@ class MemoryPlan:
 
     @property
     def rollout(self) -> int:
-        """The sampler program's own buffers: `kv_cache + sampler_weights`."""
-        return self.kv_cache + self.sampler_weights
+        """The sampler program's own buffers: `kv_cache + sampler_weights` (+ LoRA's merged weights)."""
+        return self.kv_cache + self.sampler_weights + self.merged
 
     @property
     def update(self) -> int:
         """The train step's own buffers: `gradient_buffers * gradients + activations` (the float32 accumulator,
-        the optimizer's update tree, and one micro-batch's gradients when `grad_accum > 1`)."""
-        return self.gradient_buffers * self.gradients + self.activations
+        the optimizer's update tree, and one micro-batch's gradients when `grad_accum > 1`; LoRA's merged
+        weights)."""
+        return self.gradient_buffers * self.gradients + self.activations + self.merged
 
     @property
     def train_step(self) -> int:
@@ -338,20 +341,44 @@ class MemoryPlan:
 
 
 def _weight_bytes(config: ModelConfig, sizes: dict[str, int],
-                  optimizer: str | optax.GradientTransformation) -> dict[str, int]:
+                  optimizer: str | optax.GradientTransformation, lora_rank: int = 0,
+                  lora_targets: str = "") -> dict[str, int]:
     """One device's bytes of the float32 master weights, the reference (in `param_dtype`), the float32
     gradients and the optimizer state, and the parameter count. The trainers keep float32 master weights (and
-    optimizer state) whatever `param_dtype` is (train_step.master_weights / working_weights)."""
+    optimizer state) whatever `param_dtype` is (train_step.master_weights / working_weights).
+
+    With LoRA (`lora_rank > 0`): the frozen base in `param_dtype` plus float32 adapters (replicated) instead of
+    the master; gradients and optimizer state of the adapters only; no reference (the base is it); and
+    `merged`, the model's weights made from both (in `param_dtype`), which the sampler and the update build."""
     shapes = param_shapes(config)
     specs = param_partition_specs(shapes, sizes)
     master = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), shapes)
     opt = make_plan_optimizer(optimizer) if isinstance(optimizer, str) else optimizer
+    if lora_rank:
+        from jaxrl_llm.lora import LoraSpec, init_adapters
+
+        adapters = jax.eval_shape(lambda: init_adapters(shapes, LoraSpec(lora_rank, 1.0, lora_targets),
+                                                        jax.random.key(0)))
+        replicated = jax.tree.map(lambda _: PartitionSpec(), adapters)
+        adapter_bytes = tree_shard_bytes(adapters, replicated, sizes)
+        base = tree_shard_bytes(shapes, specs, sizes)
+        return {
+            "num_params": sum(math.prod(x.shape) for x in jax.tree.leaves(shapes)),
+            "params": base + adapter_bytes,
+            "reference": 0,
+            "gradients": adapter_bytes,
+            "optimizer": optimizer_state_bytes(opt, adapters, sizes),
+            "merged": base,
+            "trainable": sum(math.prod(x.shape) for x in jax.tree.leaves(adapters)),
+        }
     return {
         "num_params": sum(math.prod(x.shape) for x in jax.tree.leaves(shapes)),
         "params": tree_shard_bytes(master, specs, sizes),
         "reference": tree_shard_bytes(shapes, specs, sizes),
         "gradients": tree_shard_bytes(shapes, specs, sizes, jnp.float32),
         "optimizer": optimizer_state_bytes(opt, master, sizes),
+        "merged": 0,
+        "trainable": sum(math.prod(x.shape) for x in jax.tree.leaves(shapes)),
     }
 
 
@@ -366,7 +393,8 @@ def _check_sizes(batch: int, group_size: int, prompt_len: int, new_tokens: int, 
 def plan_memory(config: ModelConfig, mesh_sizes: tuple[int, int, int], *, batch: int, prompt_len: int,
                 new_tokens: int, group_size: int = 1, minibatch: int = 0, grad_accum: int = 1,
                 reference: bool = False, optimizer: str | optax.GradientTransformation = "adamw",
-                prompt_bucket: int = 1, new_tokens_bucket: int = 1, logprob_block_mib: float = 256.0) -> MemoryPlan:
+                prompt_bucket: int = 1, new_tokens_bucket: int = 1, logprob_block_mib: float = 256.0,
+                lora_rank: int = 0, lora_targets: str = "(q|k|v|o|gate|up|down)_proj") -> MemoryPlan:
     """Per-device memory of an RL step of `config` (its `dtype`, `param_dtype` and `remat` are used) on a
     `(data, fsdp, tensor)` mesh of `mesh_sizes`, without devices or allocation.
 
@@ -381,7 +409,7 @@ def plan_memory(config: ModelConfig, mesh_sizes: tuple[int, int, int], *, batch:
     minibatch = minibatch or rollout_seqs
     _check_sizes(batch, group_size, prompt_len, new_tokens, minibatch, grad_accum, prompt_bucket, new_tokens_bucket)
     batch_ways = sizes["data"] * sizes["fsdp"]
-    weights = _weight_bytes(config, sizes, optimizer)
+    weights = _weight_bytes(config, sizes, optimizer, lora_rank, lora_targets)
     padded_prompt = _round_up(prompt_len, prompt_bucket)
     cache_len = padded_prompt + _round_up(new_tokens, new_tokens_bucket)
     cache_shape = (config.num_layers, rollout_seqs, cache_len, config.num_kv_heads, config.head_dim)
@@ -398,6 +426,8 @@ def plan_memory(config: ModelConfig, mesh_sizes: tuple[int, int, int], *, batch:
         num_params=weights["num_params"],
         params=weights["params"],
         reference=weights["reference"] if reference else 0,
+        merged=weights["merged"],
+        trainable=weights["trainable"],
         optimizer=weights["optimizer"],
         gradients=weights["gradients"],
         kv_cache=2 * _nbytes(cache_block, config.jnp_dtype),
@@ -514,6 +544,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="model.attention_query_chunk: queries per attention block (0: all at once; default 128)")
     p.add_argument("--reference", action="store_true", default=None,
                    help="a frozen reference copy (rl.beta > 0; from a config: beta > 0, or PPO's KL)")
+    p.add_argument("--lora-rank", type=int, help="lora.rank: LoRA adapters of this rank over a frozen base (0: off)")
+    p.add_argument("--lora-targets", help="lora.targets: regex of the adapted kernels' module names")
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     p.add_argument("--logprob-block-mib", type=float,
                    help="model.logprob_block_mib: MiB of one float32 log-prob block (0: one block; default 256)")
@@ -537,6 +569,8 @@ _SETTINGS: tuple[tuple[str, Any, Any], ...] = (
     ("attention_query_chunk", 128, lambda c: c.model.attention_query_chunk),
     ("reference", False, lambda c: c.rl.beta > 0 or (c.algo == "ppo" and c.ppo.kl_coef_init > 0)),
     ("logprob_block_mib", 256.0, lambda c: c.model.logprob_block_mib),
+    ("lora_rank", 0, lambda c: c.lora.rank),
+    ("lora_targets", "(q|k|v|o|gate|up|down)_proj", lambda c: c.lora.targets),
 )
 
 
@@ -592,13 +626,15 @@ def render(plan: MemoryPlan, config: ModelConfig, device_memory: int, *, model: 
         f"update: {plan.micro_rows} sequences x {plan.train_seq_len} tokens per device per micro-batch",
         "",
         f"  {'per device':<36}{'bytes':>12}",
-        row("params (policy)", plan.params),
+        row("params (policy)" if not plan.merged else "params (frozen base + LoRA adapters)", plan.params,
+            f"{plan.trainable / 1e6:,.2f}M trainable" if plan.merged else ""),
         row("reference params", plan.reference if plan.reference else None,
-            "" if plan.reference else "(no --reference)"),
+            "(the frozen base: adapters off)" if plan.merged else "" if plan.reference else "(no --reference)"),
         row(f"optimizer state ({optimizer})", plan.optimizer),
         row("gradients (float32 accumulator)", plan.gradients),
         row("KV cache (sampler)", plan.kv_cache),
         row("sampler weight copy", plan.sampler_weights),
+        *([row("LoRA merged weights (rollout, update)", plan.merged)] if plan.merged else []),
         row(f"activations (train step{', remat' if plan.remat else ''})", plan.activations, act_note),
         "  " + "-" * 48,
         row("persistent: params+ref+optimizer", plan.persistent),
@@ -634,7 +670,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             prompt_len=run["prompt_len"], new_tokens=run["new_tokens"], minibatch=run["minibatch"],
             grad_accum=run["grad_accum"], reference=run["reference"], optimizer=args.optimizer,
             prompt_bucket=run["prompt_bucket"], new_tokens_bucket=run["new_tokens_bucket"],
-            logprob_block_mib=run["logprob_block_mib"],
+            logprob_block_mib=run["logprob_block_mib"], lora_rank=run["lora_rank"], lora_targets=run["lora_targets"],
         )
     except (ValueError, OSError) as e:  # bad sizes, mesh or model: the user's input (ConversionError included)
         raise UsageError(str(e)) from e

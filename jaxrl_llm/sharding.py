@@ -48,6 +48,7 @@ PARTITION_RULES: tuple[tuple[str, PartitionSpec], ...] = (
     (r"(value_head|score)/kernel$", P("fsdp", None)),  # [D, 1] / [D, labels]
     (r"^score$", P("fsdp", None)),  # the reward model's bare score matrix [D, 1]
     (r"(value_head|score)/bias$", P()),
+    (r"/lora_(a|b)$", P()),  # LoRA factors [L, in, r] / [L, r, out]: rank-r, small next to the base
 )
 
 

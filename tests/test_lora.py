@@ -143,3 +143,16 @@ def test_lora_options_are_checked():
         load_run_config(None, ["lora.rank=8", "algo=rm"])
     with pytest.raises(ConfigError, match="not a regular expression"):
         load_run_config(None, ["lora.rank=8", "lora.targets=(q"])
+
+
+def test_bf16_base_with_float32_adapters(tiny_task, tmp_path):
+    import jax.numpy as jnp
+
+    trainer = make_trainer(_config(tiny_task, tmp_path / "bf16", "steps=2", "checkpoint_every=0", "export=false",
+                                   "model.dtype=bfloat16", "model.param_dtype=bfloat16"))
+    policy = trainer.algorithm.policy
+    assert {x.dtype for x in jax.tree.leaves(policy.base)} == {jnp.dtype(jnp.bfloat16)}  # half the base bytes
+    assert {x.dtype for x in jax.tree.leaves(policy.params)} == {jnp.dtype(jnp.float32)}  # float32 adapters
+    trainer.run()
+    rows = [json.loads(line) for line in (tmp_path / "bf16" / "metrics.jsonl").read_text().splitlines()]
+    assert all(np.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in rows)

@@ -262,3 +262,25 @@ def test_activation_estimate_against_compiled_train_step(remat: bool) -> None:
     p = plan.plan_memory(config, (1, 1, 1), batch=b, prompt_len=prompt_len, new_tokens=new)
     ratio = temp / p.update
     assert 1 / 1.2 < ratio < 1.2, (temp, p.gradients, p.activations, ratio)
+
+
+def test_lora_plan_counts_adapters_against_live_arrays() -> None:
+    """LoRA: the base in param_dtype plus float32 adapters, adapter-sized gradients and AdamW moments, no reference
+    copy, and one merged weight copy; the adapter bytes equal what `init_adapters` really allocates."""
+    from jaxrl_llm.lora import LoraSpec, init_adapters
+    from jaxrl_llm.models.decoder import init_params
+
+    config = _hand_config(param_dtype="bfloat16")
+    kw = dict(batch=2, group_size=3, prompt_len=5, new_tokens=7)
+    full = plan.plan_memory(config, (1, 1, 1), reference=True, **kw)
+    lora = plan.plan_memory(config, (1, 1, 1), reference=True, lora_rank=4, lora_targets="(q|v)_proj", **kw)
+    params = init_params(config, jax.random.key(0))
+    adapters = init_adapters(params, LoraSpec(4, 8.0, "(q|v)_proj"), jax.random.key(1))
+    adapter_bytes = sum(x.nbytes for x in jax.tree.leaves(adapters))
+    base_bytes = sum(x.nbytes for x in jax.tree.leaves(params))  # bf16 working weights
+    assert lora.params == base_bytes + adapter_bytes
+    assert lora.gradients == adapter_bytes and lora.reference == 0 and lora.merged == base_bytes
+    scalars = full.optimizer - 2 * 4 * full.num_params  # AdamW's counters and flags, beside mu and nu
+    assert lora.optimizer == 2 * adapter_bytes + scalars  # mu and nu of the adapters only
+    assert lora.trainable == sum(x.size for x in jax.tree.leaves(adapters))
+    assert lora.total < full.total
