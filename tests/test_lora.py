@@ -113,7 +113,7 @@ def test_sft_dpo_and_ppo_train_with_adapters(tiny_task, tmp_path):
     prefs = tmp_path / "prefs.jsonl"
     prefs.write_text("".join(json.dumps({"prompt": r["prompt"], "chosen": r["answer"],
                                          "rejected": str(int(r["answer"]) + 1)}) + "\n" for r in rows))
-    common = ["steps=2", "checkpoint_every=0", "export=false", "sft.batch_size=8"]
+    common = ["steps=1", "checkpoint_every=0", "export=false", "sft.batch_size=8"]
     runs = {
         "sft": _config(tiny_task, tmp_path / "sft", *common, "algo=sft"),  # SFT of model.path (no model.init)
         "dpo": _config(tiny_task, tmp_path / "dpo", *common, f"data.train={prefs}", "dpo.eval_prompts=",

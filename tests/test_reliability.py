@@ -166,7 +166,7 @@ CASES = [
     ("yaml_typo", ["--config", "B/typo.yaml"], 2, ["rl.betta", "typo.yaml", "Did you mean: 'beta'"]),
     ("yaml_bad_value", ["--config", "B/zero_mu.yaml"], 2, ["rl.mu=0 must be >= 1", "set in", "zero_mu.yaml"]),
     # --- command line
-    ("unknown_algo", ["--algo", "dpo"], 2, ["argument --algo: invalid choice: 'dpo'"]),
+    ("unknown_algo", ["--algo", "a2c"], 2, ["argument --algo: invalid choice: 'a2c'"]),
     ("unknown_flag", ["--fast"], 2, ["unrecognized arguments: --fast"]),
     ("resume_and_overwrite", ["--resume", "--overwrite"], 2, ["--resume and --overwrite exclude each other"]),
     ("resume_without_run", ["--resume"], 2, ["--resume", "no checkpoints to resume from"]),
