@@ -150,7 +150,7 @@ class LoraSection:
 
     rank: int = 0  # r; 0 = no LoRA (full fine-tuning)
     alpha: float = 16.0  # the update is scaled by alpha / rank
-    dropout: float = 0.0  # must be 0: the adapters are merged into the weights for every forward
+    dropout: float = 0.0  # dropout on the adapters' input in the update (PEFT's lora_dropout); off when sampling
     # Regular expression searched in each layer kernel's HF module name (model.layers.0.self_attn.q_proj, ...).
     targets: str = "(q|k|v|o|gate|up|down)_proj"
     export_adapters: bool = False  # also write the adapters in PEFT format (out_dir/hf/adapter) at export
@@ -438,7 +438,7 @@ NUMERIC_BOUNDS: dict[str, tuple[float, float, bool]] = {
     "divergence.patience": _AT_LEAST, "divergence.entropy_floor": _AT_LEAST,
     "divergence.entropy_ceiling": (0.0, 1.0, False), "divergence.kl_max": _POSITIVE,
 }
-_EXCLUSIVE_HIGH = {"optim.beta1", "optim.beta2"}  # Adam's moment decay must stay below 1
+_EXCLUSIVE_HIGH = {"optim.beta1", "optim.beta2", "lora.dropout"}  # Adam's moment decay must stay below 1
 
 
 def _get(c: Any, key: str) -> Any:
@@ -467,9 +467,6 @@ def validate(c: RunConfig) -> None:
         _validate_ppo(c.ppo)
     _choice(c.dpo.loss, "dpo.loss", ("sigmoid", "ipo", "hinge", "simpo"))
     if c.lora.rank:
-        if c.lora.dropout:
-            raise ConfigError(f"lora.dropout={c.lora.dropout}: not supported (the adapters are merged into the "
-                              f"weights for each forward, so the sampler and the update share one model); use 0")
         if c.algo == "rm" or (c.algo == "sft" and c.model.init):
             raise ConfigError(f"lora.rank={c.lora.rank} with algo={c.algo}: LoRA adapts a pretrained policy "
                               f"(GRPO family, PPO, DPO, SFT from model.path); set lora.rank=0")

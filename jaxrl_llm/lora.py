@@ -8,7 +8,9 @@ so at initialisation the model is exactly the base. Training differentiates and 
 optimizer state is adapter-sized); the base is an input nobody updates, and it is the reference model too
 (adapters off), so no second copy of the weights exists. The model's weights are `merge_adapters(base, adapters)`
 (one `[L, in, out]` product per targeted kernel): the training forward, the sampler's token step and the export
-all use that one merged pytree, so they cannot disagree.
+use that merged pytree. With `lora.dropout > 0` only the update runs unmerged (`insert_adapters`: the decoder's
+dense layers compute `x W + (alpha / r) * dropout(x) A B`, PEFT's form); sampling and export stay merged,
+dropout being off outside training.
 
 `targets` is a regular expression searched in each stacked kernel's Hugging Face module name
 (`model.layers.0.self_attn.q_proj`, `model.layers.0.mlp.down_proj`, ...); embeddings, norms and the output head
@@ -113,6 +115,20 @@ def merge_adapters(base: Params, adapters: Params, scale: float) -> Params:
         delta = jnp.einsum("lir,lro->lio", ab[LORA_A].astype(jnp.float32), ab[LORA_B].astype(jnp.float32))
         node["kernel"] = (kernel.astype(jnp.float32) + scale * delta).astype(kernel.dtype)
     return merged
+
+
+def insert_adapters(base: Params, adapters: Params) -> Params:
+    """`base` with each adapted module's `lora_a` / `lora_b` beside its kernel, unmerged: the decoder's dense
+    layers then add `lora_scale * dropout(x) @ A @ B` (`ModelConfig.lora_scale / lora_dropout`). What training
+    with `lora.dropout > 0` runs; without dropout it equals `merge_adapters` (tested)."""
+    out = jax.tree.map(lambda x: x, base)
+    for path in _adapter_paths(adapters):
+        node, ab = out, _get(adapters, path)
+        for key in path:
+            node[key] = dict(node[key])
+            node = node[key]
+        node[LORA_A], node[LORA_B] = ab[LORA_A], ab[LORA_B]
+    return out
 
 
 def peft_tensors(adapters: Params, config: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:

@@ -100,6 +100,7 @@ def completion_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     block_mib: float = 256.0,
+    dropout_key: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """log pi(y_t | x, y_<t) at `temperature` for every completion token, `[N, T]` float32 (and entropy).
 
@@ -111,7 +112,7 @@ def completion_logprobs(
     p = prompt_tokens.shape[1]
     tokens = jnp.concatenate([prompt_tokens, completion_tokens], axis=1)[:, :-1]
     mask = jnp.concatenate([prompt_mask, completion_mask], axis=1)[:, :-1]
-    hidden = forward(params, config, tokens, mask, return_hidden=True)[:, p - 1 :]
+    hidden = forward(params, config, tokens, mask, return_hidden=True, dropout_key=dropout_key)[:, p - 1 :]
     n, t = completion_tokens.shape
     chunk = logprob_chunk_size(n, t, config.vocab_size, block_mib)
     out = token_logprobs_from_hidden(hidden, unembedding_matrix(params, config), completion_tokens,
@@ -128,9 +129,10 @@ def policy_loss(
     num_tokens: jax.Array,
     num_seqs: jax.Array,
     frozen: Any = None,
+    dropout_key: jax.Array | None = None,
 ) -> tuple[jax.Array, Metrics]:
     """The GRPO/PPO policy objective of one (micro-)batch; returns `(loss, metrics)` (`frozen`, LoRA's base, is
-    used by the step to make the weights, not here)."""
+    used by the step to make the weights, not here; `dropout_key`: LoRA dropout's randomness)."""
     c = loss_config
     logp, entropy = completion_logprobs(
         params,
@@ -142,6 +144,7 @@ def policy_loss(
         temperature=c.temperature,
         with_entropy=True,
         block_mib=c.logprob_block_mib,
+        dropout_key=dropout_key,
     )
     return clipped_policy_loss(
         logp,
@@ -173,11 +176,12 @@ def sft_loss(
     num_tokens: jax.Array,
     num_seqs: jax.Array,
     frozen: Any = None,
+    dropout_key: jax.Array | None = None,
 ) -> tuple[jax.Array, Metrics]:
     """Cross-entropy of the completion tokens: `-sum_t m_t log pi(y_t) / num_tokens` (token-mean)."""
     logp, _ = completion_logprobs(
         params, model_config, batch.prompt_tokens, batch.prompt_mask, batch.completion_tokens, batch.completion_mask,
-        block_mib=loss_config.logprob_block_mib,
+        block_mib=loss_config.logprob_block_mib, dropout_key=dropout_key,
     )
     mask = batch.completion_mask.astype(jnp.float32)
     loss = -(logp * mask).sum() / jnp.maximum(num_tokens, 1.0)
@@ -291,6 +295,7 @@ def train_step(
     opt_state: optax.OptState,
     batch: PolicyBatch,
     frozen: Any = None,
+    key: jax.Array | None = None,
     *,
     loss_fn: LossFn,
     model_config: ModelConfig,
@@ -305,7 +310,8 @@ def train_step(
     `working_weights` (the master cast to `model_config.param_dtype`), and the update is applied to the master.
     `frozen` is a pytree the loss reads but nothing updates or differentiates (a reference model, LoRA's base
     weights): it reaches `loss_fn` as `frozen=`, and `compose(working weights, frozen)`, when given, makes the
-    model's weights from both (LoRA: base + scale * A @ B)."""
+    model's weights from both (LoRA: base + scale * A @ B). `key`, when given, is the randomness of LoRA dropout:
+    each micro-batch's loss gets `dropout_key=fold_in(key, i)`."""
     num_tokens, num_seqs = batch_counts(batch)
 
     def split(x: jax.Array) -> jax.Array:
@@ -314,22 +320,23 @@ def train_step(
 
     extra = {} if frozen is None else {"frozen": frozen}
 
-    def loss_of_master(master: Params, micro: PolicyBatch) -> tuple[jax.Array, Metrics]:
+    def loss_of_master(master: Params, micro: PolicyBatch, index: jax.Array) -> tuple[jax.Array, Metrics]:
         weights = working_weights(master, model_config)
         if compose is not None:
             weights = compose(weights, frozen)
+        dropout = {} if key is None else {"dropout_key": jax.random.fold_in(key, index)}
         return loss_fn(weights, micro, model_config=model_config, loss_config=loss_config, num_tokens=num_tokens,
-                       num_seqs=num_seqs, **extra)
+                       num_seqs=num_seqs, **extra, **dropout)
 
     grad_fn = jax.value_and_grad(loss_of_master, has_aux=True)
 
-    def accumulate(grads: Params, micro: PolicyBatch) -> tuple[Params, tuple[jax.Array, Metrics]]:
-        (loss, metrics), g = grad_fn(params, micro)
+    def accumulate(grads: Params, xs: tuple[PolicyBatch, jax.Array]) -> tuple[Params, tuple[jax.Array, Metrics]]:
+        (loss, metrics), g = grad_fn(params, *xs)
         return jax.tree.map(jnp.add, grads, g), (loss, metrics)
 
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     micro_batches = jax.tree.map(split, batch)
-    grads, (losses, metrics) = jax.lax.scan(accumulate, zeros, micro_batches)
+    grads, (losses, metrics) = jax.lax.scan(accumulate, zeros, (micro_batches, jnp.arange(grad_accum)))
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
     micro_tokens = jax.vmap(lambda micro: batch_counts(micro)[0])(micro_batches)
     metrics = reduce_metrics(metrics, micro_tokens, sum_losses=True)
@@ -353,9 +360,11 @@ def make_train_step(
     opt_state_sharding: Any = None,
     frozen_sharding: Any = None,
     compose: Callable[[Params, Any], Params] | None = None,
+    with_key: bool = False,
 ) -> Callable[..., tuple[Params, optax.OptState, Metrics]]:
     """`train_step` jitted over `mesh`, params and optimizer state donated; with `frozen_sharding` (the
-    placement of a `frozen` pytree, see `train_step`) the step takes `(params, opt_state, batch, frozen)`.
+    placement of a `frozen` pytree, see `train_step`) the step takes `(params, opt_state, batch, frozen)`, and
+    with `with_key` a last argument `key` (LoRA dropout's randomness).
 
     The batch is split over `("data", "fsdp")`; params and optimizer state are placed by
     `params_sharding` / `opt_state_sharding` (pytrees of `NamedSharding`, from `jaxrl_llm.sharding`), or
@@ -375,8 +384,10 @@ def make_train_step(
     params_sharding = replicated if params_sharding is None else params_sharding
     opt_state_sharding = replicated if opt_state_sharding is None else opt_state_sharding
     in_shardings = (params_sharding, opt_state_sharding, batch_sharding(mesh))
-    if frozen_sharding is not None:
+    if frozen_sharding is not None or with_key:
         in_shardings = (*in_shardings, frozen_sharding)
+    if with_key:
+        in_shardings = (*in_shardings, replicated)
     return jax.jit(
         step,
         in_shardings=in_shardings,

@@ -113,7 +113,8 @@ def test_sft_dpo_and_ppo_train_with_adapters(tiny_task, tmp_path):
     prefs = tmp_path / "prefs.jsonl"
     prefs.write_text("".join(json.dumps({"prompt": r["prompt"], "chosen": r["answer"],
                                          "rejected": str(int(r["answer"]) + 1)}) + "\n" for r in rows))
-    common = ["steps=1", "checkpoint_every=0", "export=false", "sft.batch_size=8"]
+    common = ["steps=1", "checkpoint_every=0", "export=false", "sft.batch_size=8",
+              "lora.dropout=0.05"]  # the unmerged update with a dropout key, in each trainer
     runs = {
         "sft": _config(tiny_task, tmp_path / "sft", *common, "algo=sft"),  # SFT of model.path (no model.init)
         "dpo": _config(tiny_task, tmp_path / "dpo", *common, f"data.train={prefs}", "dpo.eval_prompts=",
@@ -123,7 +124,7 @@ def test_sft_dpo_and_ppo_train_with_adapters(tiny_task, tmp_path):
     for name, config in runs.items():
         trainer = make_trainer(config)
         policy = trainer.algorithm.policy
-        assert policy.lora is not None, name
+        assert policy.lora is not None and policy.lora_dropout, name
         base = _leaves(policy.base)
         if name == "dpo":
             assert trainer.algorithm.frozen["reference"] is policy.base  # adapters off = the reference
@@ -137,8 +138,8 @@ def test_sft_dpo_and_ppo_train_with_adapters(tiny_task, tmp_path):
 def test_lora_options_are_checked():
     from jaxrl_llm.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="lora.dropout=0.1: not supported"):
-        load_run_config(None, ["lora.rank=8", "lora.dropout=0.1"])
+    with pytest.raises(ConfigError, match="lora.dropout=1.0 must be >= 0 and < 1"):
+        load_run_config(None, ["lora.rank=8", "lora.dropout=1.0"])
     with pytest.raises(ConfigError, match="algo=rm"):
         load_run_config(None, ["lora.rank=8", "algo=rm"])
     with pytest.raises(ConfigError, match="not a regular expression"):
@@ -156,3 +157,43 @@ def test_bf16_base_with_float32_adapters(tiny_task, tmp_path):
     trainer.run()
     rows = [json.loads(line) for line in (tmp_path / "bf16" / "metrics.jsonl").read_text().splitlines()]
     assert all(np.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in rows)
+
+
+def test_unmerged_adapters_with_dropout(tiny_task, tmp_path):
+    """The unmerged forward (`insert_adapters`, what the update runs with lora.dropout > 0) equals the merged one
+    without a dropout key; with a key it drops (the same key, the same mask), at the PEFT scale; and a GRPO run with
+    lora.dropout trains the adapters and samples from the merged model."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from jaxrl_llm.lora import insert_adapters
+
+    config, params = load_hf_model(tiny_task / "model")
+    spec = LoraSpec(rank=4, alpha=8.0, targets="(q|k|v|o|gate|up|down)_proj")
+    adapters = init_adapters(params, spec, jax.random.key(0))
+    adapters = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(1), x.shape), adapters)  # B != 0
+    unmerged_config = dataclasses.replace(config, lora_scale=spec.scale, lora_dropout=0.5)
+    tokens = np.array([[0, 0, 5, 6, 7], [3, 4, 5, 6, 7]], np.int32)
+    mask = (tokens > 0).astype(np.int32)
+    merged = forward(merge_adapters(params, adapters, spec.scale), config, tokens, mask)
+    unmerged = forward(insert_adapters(params, adapters), unmerged_config, tokens, mask)
+    np.testing.assert_allclose(np.asarray(unmerged), np.asarray(merged), atol=1e-5)
+    key = jax.random.key(7)
+    dropped = forward(insert_adapters(params, adapters), unmerged_config, tokens, mask, dropout_key=key)
+    again = forward(insert_adapters(params, adapters), unmerged_config, tokens, mask, dropout_key=key)
+    other = forward(insert_adapters(params, adapters), unmerged_config, tokens, mask,
+                    dropout_key=jax.random.key(8))
+    np.testing.assert_array_equal(np.asarray(dropped), np.asarray(again))
+    assert float(jnp.abs(dropped - merged).max()) > 1e-3 and float(jnp.abs(dropped - other).max()) > 1e-3
+    base_only = forward(params, config, tokens, mask)  # without adapters nothing drops: the base is untouched
+    np.testing.assert_array_equal(np.asarray(forward(params, unmerged_config, tokens, mask, dropout_key=key)),
+                                  np.asarray(base_only))
+
+    trainer = make_trainer(_config(tiny_task, tmp_path / "drop", "steps=2", "checkpoint_every=0", "export=false",
+                                   "lora.dropout=0.1"))
+    assert trainer.algorithm.policy.lora_dropout
+    before = _leaves(trainer.algorithm.policy.params)
+    trainer.run()
+    assert any(not np.array_equal(a, b) for a, b in zip(before, _leaves(trainer.algorithm.policy.params),
+                                                        strict=True))

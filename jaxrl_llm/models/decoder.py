@@ -66,6 +66,8 @@ class Dense(nn.Module):
     dtype: jnp.dtype
     param_dtype: jnp.dtype
     init_std: float
+    lora_scale: float = 0.0
+    lora_dropout: float = 0.0
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -73,13 +75,22 @@ class Dense(nn.Module):
                             self.param_dtype)
         flat = x.reshape(-1, x.shape[-1]).astype(self.dtype)
         y = jnp.dot(flat, kernel.astype(self.dtype))
+        if self.has_variable("params", "lora_a"):  # unmerged LoRA: + scale * dropout(x) @ A @ B
+            a = self.get_variable("params", "lora_a").astype(self.dtype)
+            b = self.get_variable("params", "lora_b").astype(self.dtype)
+            inp = flat
+            if self.lora_dropout > 0 and self.has_rng("dropout"):
+                keep = jax.random.bernoulli(self.make_rng("dropout"), 1.0 - self.lora_dropout, inp.shape)
+                inp = jnp.where(keep, inp / (1.0 - self.lora_dropout), 0.0).astype(self.dtype)
+            y = y + self.lora_scale * jnp.dot(jnp.dot(inp, a), b)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype).astype(self.dtype)
         return y.reshape(*x.shape[:-1], self.features)
 
 
 def _dense(config: ModelConfig, features: int, use_bias: bool, name: str) -> Dense:
-    return Dense(features, use_bias, config.jnp_dtype, config.jnp_param_dtype, config.initializer_range, name=name)
+    return Dense(features, use_bias, config.jnp_dtype, config.jnp_param_dtype, config.initializer_range,
+                 config.lora_scale, config.lora_dropout, name=name)
 
 
 def _norm(config: ModelConfig, name: str) -> RMSNorm:
@@ -175,7 +186,7 @@ class Decoder(nn.Module):
         self.layers = nn.scan(
             layer,
             variable_axes={"params": 0},
-            split_rngs={"params": True},
+            split_rngs={"params": True, "dropout": True},
             in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
             length=c.num_layers,
         )(c)
@@ -236,14 +247,17 @@ def forward(
     attention_mask: jax.Array,
     *,
     return_hidden: bool = False,
+    dropout_key: jax.Array | None = None,
 ) -> jax.Array:
-    """Full-sequence forward of a left-padded batch: logits `[B, T, V]` (or final hidden `[B, T, D]`)."""
+    """Full-sequence forward of a left-padded batch: logits `[B, T, V]` (or final hidden `[B, T, D]`).
+    `dropout_key`: the randomness of LoRA dropout (unmerged adapters in `params`; nothing else drops)."""
     out, _ = Decoder(config).apply(
         {"params": params},
         tokens,
         positions_from_mask(attention_mask),
         attention_mask,
         return_hidden=return_hidden,
+        rngs=None if dropout_key is None else {"dropout": dropout_key},
     )
     return out
 

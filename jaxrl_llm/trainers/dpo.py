@@ -69,25 +69,28 @@ class DPOLossConfig:
     logprob_block_mib: float = 256.0
 
 
-def pair_logprobs(params: Params, config: ModelConfig, batch: PairBatch, *,
-                  block_mib: float = 256.0) -> tuple[jax.Array, jax.Array]:
+def pair_logprobs(params: Params, config: ModelConfig, batch: PairBatch, *, block_mib: float = 256.0,
+                  dropout_key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """`(sum_t log pi(chosen_t), sum_t log pi(rejected_t))`, each `[B]` float32: one forward over both sides
     (the prompt rows repeated), `completion_logprobs` masked and summed."""
     prompts = jnp.concatenate([batch.prompt_tokens, batch.prompt_tokens])
     prompt_mask = jnp.concatenate([batch.prompt_mask, batch.prompt_mask])
     responses = jnp.concatenate([batch.chosen_tokens, batch.rejected_tokens])
     mask = jnp.concatenate([batch.chosen_mask, batch.rejected_mask])
-    logp, _ = completion_logprobs(params, config, prompts, prompt_mask, responses, mask, block_mib=block_mib)
+    logp, _ = completion_logprobs(params, config, prompts, prompt_mask, responses, mask, block_mib=block_mib,
+                                  dropout_key=dropout_key)
     sums = (logp * mask.astype(jnp.float32)).sum(axis=1)
     return sums[: batch.prompt_tokens.shape[0]], sums[batch.prompt_tokens.shape[0]:]
 
 
 def preference_loss(params: Params, batch: PairBatch, *, model_config: ModelConfig, loss_config: DPOLossConfig,
-                    num_tokens: jax.Array, num_seqs: jax.Array, frozen: Any = None) -> tuple[jax.Array, Metrics]:
+                    num_tokens: jax.Array, num_seqs: jax.Array, frozen: Any = None,
+                    dropout_key: jax.Array | None = None) -> tuple[jax.Array, Metrics]:
     """`dpo_loss` of a (micro-)batch under the `train_step` contract: its mean over pairs scaled by its share of
     the minibatch's pairs (`num_seqs`), so accumulated micro-batches give the minibatch mean."""
     c = loss_config
-    chosen, rejected = pair_logprobs(params, model_config, batch, block_mib=c.logprob_block_mib)
+    chosen, rejected = pair_logprobs(params, model_config, batch, block_mib=c.logprob_block_mib,
+                                     dropout_key=dropout_key)
     if c.reference_in_step and c.loss != "simpo":
         ref_chosen, ref_rejected = jax.lax.stop_gradient(
             pair_logprobs(frozen["reference"], model_config, batch, block_mib=c.logprob_block_mib))
@@ -168,7 +171,7 @@ class DPO:
             optimizer=self.optimizer, params_sharding=p.params_sharding,
             opt_state_sharding=jax.tree.map(lambda x: x.sharding, self.opt_state),
             frozen_sharding=jax.tree.map(lambda x: x.sharding, self.frozen) if self.frozen else None,
-            compose=p.compose)
+            compose=p.compose, with_key=p.lora_dropout)
 
     def _batches(self, pairs: PreferenceSet, ref: tuple[np.ndarray, np.ndarray] | None = None) -> Any:
         size = self.config.sft.eval_batch_size
@@ -209,7 +212,8 @@ class DPO:
 
     def update(self, batch: PairBatch, step: int, key: jax.Array) -> dict[str, float]:
         batch = jax.tree.map(lambda x: global_array(x, self.mesh), batch)
-        args = (self.frozen,) if self.frozen is not None else ()
+        args = (self.frozen,) if self.frozen is not None or self.policy.lora_dropout else ()
+        args = (*args, key) if self.policy.lora_dropout else args
         self.policy.params, self.opt_state, metrics = self.step_fn(self.policy.params, self.opt_state, batch, *args)
         out = {k: float(v) for k, v in jax.device_get(metrics).items()}
         out["learning_rate"] = float(self.schedule(step - 1))

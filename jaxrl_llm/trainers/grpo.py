@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -97,14 +98,20 @@ class GRPOFamily:
                                  loss_config=self.loss_config, optimizer=self.optimizer, grad_accum=c.rl.grad_accum,
                                  compose=p.compose)
 
+        dropout = p.lora_dropout
+
         def update(params: Any, opt_state: optax.OptState, batch: PolicyBatch,
                    key: jax.Array, frozen: Any) -> tuple[Any, Any, Metrics]:
-            def one(carry: tuple[Any, Any], minibatch: PolicyBatch) -> tuple[tuple[Any, Any], Metrics]:
-                new_params, new_opt_state, metrics = step(*carry, minibatch, frozen)
-                return (new_params, new_opt_state), metrics
+            dropout_key = jax.random.fold_in(key, 1 << 20)  # apart from the shuffle's fold_in(key, epoch)
 
-            (params, opt_state), metrics, _ = scanned_updates(
-                one, (params, opt_state), batch, key, epochs=c.rl.mu, minibatch_size=self.minibatch_size,
+            def one(carry: tuple[Any, Any, jax.Array], minibatch: PolicyBatch) -> tuple[tuple[Any, Any, Any], Metrics]:
+                params, opt_state, i = carry
+                step_key = (jax.random.fold_in(dropout_key, i),) if dropout else ()  # LoRA dropout, per update
+                new_params, new_opt_state, metrics = step(params, opt_state, minibatch, frozen, *step_key)
+                return (new_params, new_opt_state, i + 1), metrics
+
+            (params, opt_state, _), metrics, _ = scanned_updates(
+                one, (params, opt_state, jnp.int32(0)), batch, key, epochs=c.rl.mu, minibatch_size=self.minibatch_size,
                 constrain=lambda b: jax.lax.with_sharding_constraint(b, rows))
             return params, opt_state, metrics
 

@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxrl_llm.config import RunConfig
 from jaxrl_llm.data import PromptSet, bucket, build_prompt_set, eos_token_ids, left_pad, load_records, load_tokenizer
 from jaxrl_llm.evaluation import evaluate_greedy
-from jaxrl_llm.lora import LoraSpec, init_adapters, merge_adapters, save_peft_adapters
+from jaxrl_llm.lora import LoraSpec, init_adapters, insert_adapters, merge_adapters, save_peft_adapters
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params, init_params
 from jaxrl_llm.models.hf import config_from_hf, load_hf_model, resolve_model_dir, save_hf_model
@@ -73,10 +73,18 @@ class Policy:
         return None if self.base is None else {"base": jax.tree.map(lambda x: x.sharding, self.base)}
 
     @property
+    def lora_dropout(self) -> bool:
+        """Whether the update runs LoRA unmerged with dropout (it then needs a random key)."""
+        return self.model_config.lora_dropout > 0
+
+    @property
     def compose(self) -> Any:
-        """`(working adapters, frozen) -> model weights` for the train step under LoRA, else None."""
+        """`(working adapters, frozen) -> model weights` for the train step under LoRA (merged; with dropout, the
+        factors beside the kernels for the decoder to apply), else None."""
         if self.lora is None:
             return None
+        if self.lora_dropout:
+            return lambda adapters, frozen: insert_adapters(frozen["base"], adapters)
         scale = self.lora.scale
         return lambda adapters, frozen: merge_adapters(frozen["base"], adapters, scale)
 
@@ -184,6 +192,8 @@ def load_policy(c: RunConfig, *, from_scratch: bool = False) -> Policy:
             base = cast_floating(params, model_config.jnp_param_dtype)  # frozen: no float32 master needed
             replicated = NamedSharding(mesh, PartitionSpec())  # rank-r factors: small next to the base
             adapters = jax.device_put(init_adapters(base, spec, jax.random.key(c.seed)), replicated)
+            if c.lora.dropout:  # the update runs unmerged: the decoder's dense layers apply scale and dropout
+                model_config = dataclasses.replace(model_config, lora_scale=spec.scale, lora_dropout=c.lora.dropout)
             return Policy(c, mesh, model_config, adapters, tokenizer, Path(tok_dir), eos_token_ids(tok_dir, tokenizer),
                           base=base, lora=spec)
         params = master_weights(params)

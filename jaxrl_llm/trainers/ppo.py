@@ -177,19 +177,26 @@ class PPO:
                                         loss_config=value_loss_config,  # type: ignore[arg-type]
                                         optimizer=self.critic_optimizer, grad_accum=c.rl.grad_accum)
 
-        def update(state: PPOState, batch: PPOBatch, key: jax.Array, frozen: Any) -> tuple[PPOState, Metrics]:
-            def one(state: PPOState, batch: PPOBatch) -> tuple[PPOState, Metrics]:
-                return one_update(state, batch, frozen)
+        dropout = p.lora_dropout
 
-            state, metrics, _ = scanned_updates(one, state, batch, key, epochs=c.rl.mu,
-                                                minibatch_size=self.minibatch_size,
-                                                constrain=lambda b: jax.lax.with_sharding_constraint(b, rows))
+        def update(state: PPOState, batch: PPOBatch, key: jax.Array, frozen: Any) -> tuple[PPOState, Metrics]:
+            dropout_key = jax.random.fold_in(key, 1 << 20)  # apart from the shuffle's fold_in(key, epoch)
+
+            def one(carry: tuple[PPOState, jax.Array], batch: PPOBatch) -> tuple[tuple[PPOState, Any], Metrics]:
+                state, i = carry
+                step_key = (jax.random.fold_in(dropout_key, i),) if dropout else ()  # LoRA dropout, per update
+                state, metrics = one_update(state, batch, frozen, step_key)
+                return (state, i + 1), metrics
+
+            (state, _), metrics, _ = scanned_updates(one, (state, jnp.int32(0)), batch, key, epochs=c.rl.mu,
+                                                     minibatch_size=self.minibatch_size,
+                                                     constrain=lambda b: jax.lax.with_sharding_constraint(b, rows))
             return state, metrics
 
-        def one_update(state: PPOState, batch: PPOBatch, frozen: Any) -> tuple[PPOState, Metrics]:
+        def one_update(state: PPOState, batch: PPOBatch, frozen: Any, step_key: tuple) -> tuple[PPOState, Metrics]:
             params, opt_state, metrics = state.params, state.opt_state, {}
             if train_policy:
-                params, opt_state, metrics = policy_step(params, opt_state, batch.policy, frozen)
+                params, opt_state, metrics = policy_step(params, opt_state, batch.policy, frozen, *step_key)
             critic, critic_opt_state, critic_metrics = critic_step(state.critic, state.critic_opt_state,
                                                                    batch.critic)
             metrics = {**metrics, "value_loss": critic_metrics["value_loss"],

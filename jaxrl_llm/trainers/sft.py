@@ -63,7 +63,8 @@ class SFT:
                                        loss_config=PolicyLossConfig(logprob_block_mib=c.model.logprob_block_mib),
                                        optimizer=self.optimizer, params_sharding=p.params_sharding,
                                        opt_state_sharding=jax.tree.map(lambda x: x.sharding, self.opt_state),
-                                       frozen_sharding=p.frozen_sharding, compose=p.compose)
+                                       frozen_sharding=p.frozen_sharding, compose=p.compose,
+                                       with_key=p.lora_dropout)
 
     def describe(self) -> str:
         m = self.policy.model_config
@@ -86,8 +87,9 @@ class SFT:
 
     def update(self, batch: PolicyBatch, step: int, key: jax.Array) -> dict[str, float]:
         batch = jax.tree.map(lambda x: global_array(x, self.mesh), batch)
-        frozen = (self.policy.frozen,) if self.policy.frozen is not None else ()
-        self.policy.params, self.opt_state, metrics = self.step_fn(self.policy.params, self.opt_state, batch, *frozen)
+        p = self.policy
+        extra = ((p.frozen,) if p.frozen is not None else ()) + ((key,) if p.lora_dropout else ())
+        p.params, self.opt_state, metrics = self.step_fn(p.params, self.opt_state, batch, *extra)
         out = {k: float(v) for k, v in jax.device_get(metrics).items()}
         out["learning_rate"] = float(self.schedule(step - 1))
         return out
