@@ -223,6 +223,37 @@ class DivergenceSection:
 
 
 @dataclass
+class DiagnosticsSection:
+    """Named symptoms of an RL run (`jaxrl_llm.diagnostics`): each is logged with a hint when it starts and as
+    the metric `diagnostics/<name>` while it holds; warnings only (a run is stopped by `divergence`)."""
+
+    enabled: bool = True  # check the symptoms every step
+    baseline_steps: int = 3  # the first N steps are the baseline of the entropy and length ratios
+    patience: int = 5  # steps zero-variance groups must persist; the throughput window
+    empty_fraction: float = 0.5  # share of empty completions that names empty_completions
+    reward_steps: int = 10  # steps of one reward for all completions that name reward_zero / reward_constant
+    entropy_ratio: float = 0.1  # entropy below this share of its baseline (reward no better): entropy_collapse
+    kl_max: float = 1.0  # kl or drift_kl per token (nats) above it: kl_blowup
+    length_low: float = 0.25  # mean length below this share of its baseline (reward no better): length_collapse
+    length_high: float = 4.0  # mean length above this multiple of its baseline: length_explosion
+    repetition: float = 0.5  # share of repeated 3-grams in the completions that names repetition
+    zero_std_groups: float = 0.95  # frac_zero_std_groups at or above it for `patience` steps: zero_variance_groups
+    throughput_ratio: float = 0.5  # median tokens/s of the last `patience` steps below this x the earlier median
+    # KL(pi || pi_initial) per token on this many rollout rows at each evaluation step, logged as drift_kl even
+    # when rl.beta = 0 (a copy of the initial weights is kept on the host); 0 = off
+    drift_rows: int = 64
+
+
+@dataclass
+class LoggingSection:
+    """Where metrics go besides metrics.jsonl and TensorBoard."""
+
+    wandb: bool = False  # also send every metrics row to Weights & Biases (pip install wandb)
+    wandb_project: str = "jaxrl_llm"  # the W&B project
+    wandb_mode: str = "offline"  # offline (no network; `wandb sync` later) | online
+
+
+@dataclass
 class RunConfig:
     """A whole run."""
 
@@ -243,6 +274,8 @@ class RunConfig:
     mesh: MeshSection = field(default_factory=MeshSection)
     distributed: DistributedSection = field(default_factory=DistributedSection)
     divergence: DivergenceSection = field(default_factory=DivergenceSection)
+    diagnostics: DiagnosticsSection = field(default_factory=DiagnosticsSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
     on_divergence: str = "stop"  # stop: end the run, keep the last good checkpoint, no export | warn: log only
     log_every: int = 1  # a metrics row (and a plain log line when not on a terminal) every N steps
     sample_every: int = 10  # write sample completions with rewards at step 1 and every N steps (0 = never)
@@ -437,6 +470,12 @@ NUMERIC_BOUNDS: dict[str, tuple[float, float, bool]] = {
     "dpo.beta": _POSITIVE, "dpo.label_smoothing": (0.0, 0.5, True), "dpo.simpo_gamma": _AT_LEAST,
     "divergence.patience": _AT_LEAST, "divergence.entropy_floor": _AT_LEAST,
     "divergence.entropy_ceiling": (0.0, 1.0, False), "divergence.kl_max": _POSITIVE,
+    "diagnostics.baseline_steps": _AT_LEAST_1, "diagnostics.patience": _AT_LEAST_1,
+    "diagnostics.empty_fraction": _FRACTION, "diagnostics.reward_steps": _AT_LEAST_1,
+    "diagnostics.entropy_ratio": _AT_LEAST, "diagnostics.kl_max": _POSITIVE, "diagnostics.length_low": _AT_LEAST,
+    "diagnostics.length_high": _POSITIVE, "diagnostics.repetition": _FRACTION,
+    "diagnostics.zero_std_groups": _FRACTION, "diagnostics.throughput_ratio": _AT_LEAST,
+    "diagnostics.drift_rows": _AT_LEAST,
 }
 _EXCLUSIVE_HIGH = {"optim.beta1", "optim.beta2", "lora.dropout"}  # Adam's moment decay must stay below 1
 
@@ -479,6 +518,7 @@ def validate(c: RunConfig) -> None:
 
     _choice(c.algo, "algo", tuple(ALGORITHMS))
     _choice(c.on_divergence, "on_divergence", ("stop", "warn"))
+    _choice(c.logging.wandb_mode, "logging.wandb_mode", ("offline", "online"))
     _choice(c.final_checkpoint, "final_checkpoint", ("full", "weights"))
     _choice(c.model.dtype, "model.dtype", ("float32", "bfloat16"))
     _choice(c.model.param_dtype, "model.param_dtype", ("float32", "bfloat16"))

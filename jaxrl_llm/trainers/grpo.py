@@ -37,7 +37,7 @@ from jaxrl_llm.train_step import (
     train_step,
 )
 from jaxrl_llm.trainers.policy import GreedyEvaluation, load_policy
-from jaxrl_llm.trainers.rollouts import Rollout, RolloutCollector
+from jaxrl_llm.trainers.rollouts import DriftMeter, Rollout, RolloutCollector
 
 
 def policy_loss_config(c: RunConfig, *, beta: float) -> PolicyLossConfig:
@@ -88,6 +88,7 @@ class GRPOFamily:
             else None
         self.ref_logprob_fn = make_logprob_fn(p.mesh, p.model_config, c.sampling.temperature, p.weights_sharding,
                                               block_mib=c.model.logprob_block_mib)
+        self.drift = DriftMeter(p, self.ref_params, self.ref_logprob_fn, c.diagnostics.drift_rows)
         self.update_fn = self._make_update_fn()
 
     def _make_update_fn(self) -> Any:

@@ -2,7 +2,8 @@
 
     open out_dir (lock, refuse/overwrite, resume checks) -> build the algorithm -> [restore the checkpoint]
     -> evaluate before -> for each step:  key -> algorithm.collect -> algorithm.update -> metrics
-       -> divergence and skip guards -> evaluation / logs / samples / checkpoint -> summary, export
+       -> divergence and skip guards -> evaluation (+ drift KL) / diagnostics / logs / samples / checkpoint
+    -> summary, export
     (Ctrl-C / SIGTERM: the step in flight finishes, is checkpointed, and `RunInterrupted` ends the run.)
 
 An algorithm (GRPO family, PPO, SFT, reward model: `trainers/__init__.ALGORITHMS`) supplies its state and four
@@ -13,6 +14,10 @@ steps, and never touches files:
     update(batch, step, key)     -> metrics                            one jitted update (epochs x minibatches)
     state() / load_state(tree)   the pytree a checkpoint holds
     evaluate(limit), export(dir), progress(metrics), sample_rows(batch), describe()
+    drift(batch) (optional)      -> {"drift_kl": KL(pi || pi_initial) per token}, at evaluation steps
+
+Every step's metrics also go through `diagnostics.diagnose` (named symptoms: a log line with a hint when one
+starts, `diagnostics/<name>` metrics while it holds, their steps in summary.json under "diagnostics").
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from jax.sharding import PartitionSpec
 from jaxrl_llm.checkpoint import Checkpointer
 from jaxrl_llm.config import RunConfig
 from jaxrl_llm.data import DataState
+from jaxrl_llm.diagnostics import DiagnosticLimits, describe, diagnose, diagnostic_metrics
 from jaxrl_llm.divergence import DivergenceLimits, DivergenceState, update_divergence
 from jaxrl_llm.errors import DivergenceError, RunInterrupted, TrainingError
 from jaxrl_llm.logging import RunLogger, write_summary
@@ -43,7 +49,7 @@ TRUNCATION_WARNING = 0.5  # a step where at least this share of completions hit 
 NO_SIGNAL_REPEAT = 10  # a run of steps without learning signal is named at its first step and every N after
 
 # The plain log line (not on a terminal): these metrics, when the step has them, after the algorithm's own.
-PLAIN_LINE_FIELDS = (("reward/mean", "reward"), ("kl", "kl"), ("entropy", "entropy"),
+PLAIN_LINE_FIELDS = (("reward/mean", "reward"), ("kl", "kl"), ("drift_kl", "drift"), ("entropy", "entropy"),
                      ("frac_zero_std_groups", "zero_std_groups"), ("frac_truncated", "truncated"))
 
 
@@ -89,6 +95,9 @@ class Trainer:
             self.step = 0
             self.data_state = DataState()
             self.divergence = DivergenceState()
+            self.history: list[dict[str, float]] = []  # every step's metrics, for the diagnostics
+            self.symptoms: dict[str, dict[str, int]] = {}  # name -> first_step, last_step, steps
+            self.last_drift: float | None = None
             self.checkpointer = Checkpointer(self.out_dir / "checkpoints", keep=c.keep_checkpoints)
             if resume:
                 self.restore()
@@ -233,7 +242,8 @@ class Trainer:
 
     def _record(self, logger: RunLogger, batch: Any, metrics: dict[str, float], summary: dict[str, Any],
                 last: bool) -> None:
-        """Evaluation (every `eval_every` steps and at the last), the metrics row, samples and the progress bar."""
+        """Evaluation (every `eval_every` steps and at the last) with the drift KL, the diagnostics, the metrics
+        row, samples and the progress bar."""
         c, algo = self.config, self.algorithm
         if last or (c.eval_every and self.step % c.eval_every == 0):
             evaluation = algo.evaluate(c.eval_size or None)  # the final evaluation shares the last step's row
@@ -242,13 +252,46 @@ class Trainer:
                 logger.message(f"step {self.step}: held-out {_eval_text(evaluation)}")
             if last:
                 summary["after"] = evaluation
+            if c.diagnostics.drift_rows and hasattr(algo, "drift"):
+                metrics.update(algo.drift(batch))
+                self.last_drift = metrics.get("drift_kl", self.last_drift)
+        self._diagnose(logger, metrics, summary)
         if self.step % c.log_every == 0 or last:
             logger.log(self.step, metrics)
         if c.sample_every and (self.step % c.sample_every == 0 or self.step == 1):
             logger.samples(self.step, algo.sample_rows(batch))
-        logger.progress(algo.progress(metrics))
+        progress = self._progress(metrics)
+        logger.progress(progress)
         if self.step % c.log_every == 0 or last:
-            logger.line(self.step, _plain_line(algo.progress(metrics), metrics))
+            logger.line(self.step, _plain_line(progress, metrics))
+
+    def _progress(self, metrics: dict[str, float]) -> dict[str, float]:
+        """The algorithm's progress fields with the latest drift KL before the step time."""
+        fields = dict(self.algorithm.progress(metrics))
+        seconds = fields.pop("s/step", None)
+        if self.last_drift is not None:
+            fields["drift"] = self.last_drift
+        if seconds is not None:
+            fields["s/step"] = seconds
+        return fields
+
+    def _diagnose(self, logger: RunLogger, metrics: dict[str, float], summary: dict[str, Any]) -> None:
+        """Name this step's symptoms: a message at each one's start, `diagnostics/*` metrics, the summary."""
+        d = dataclasses.asdict(self.config.diagnostics)
+        d.pop("drift_rows")
+        self.history.append({k: v for k, v in metrics.items() if not k.startswith("diagnostics/")})
+        found = diagnose(self.history, DiagnosticLimits(**d))
+        for name, detail in found.items():
+            seen = self.symptoms.get(name)
+            if seen is None or seen["last_step"] != self.step - 1:
+                logger.message(f"warning: step {self.step}: {describe(name, detail)}")
+            if seen is None:
+                seen = self.symptoms[name] = {"first_step": self.step, "last_step": self.step, "steps": 0}
+            seen["last_step"], seen["steps"] = self.step, seen["steps"] + 1
+        if self.config.diagnostics.enabled:
+            metrics.update(diagnostic_metrics(found))
+        if self.symptoms:
+            summary["diagnostics"] = self.symptoms
 
     def _on_divergence(self, logger: RunLogger, diverged: dict[str, str]) -> bool:
         """Report a divergence; with `on_divergence=stop`, set aside the checkpoints written while the collapse

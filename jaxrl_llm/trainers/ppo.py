@@ -51,7 +51,7 @@ from jaxrl_llm.train_step import (
 )
 from jaxrl_llm.trainers.grpo import policy_loss_config, update_sizes
 from jaxrl_llm.trainers.policy import GreedyEvaluation, load_policy
-from jaxrl_llm.trainers.rollouts import Rollout, RolloutCollector
+from jaxrl_llm.trainers.rollouts import DriftMeter, Rollout, RolloutCollector
 
 
 class CriticBatch(NamedTuple):
@@ -131,6 +131,7 @@ class PPO:
             if pc.kl_coef_init > 0 else None
         self.ref_logprob_fn = make_logprob_fn(p.mesh, p.model_config, c.sampling.temperature, p.weights_sharding,
                                               block_mib=c.model.logprob_block_mib)
+        self.drift = DriftMeter(p, self.ref_params, self.ref_logprob_fn, c.diagnostics.drift_rows)
         if pc.critic_init == "policy":
             self.critic_config: ModelConfig = p.model_config
             critic = critic_from_policy(master_weights(p.model_weights()), p.model_config)  # a full critic

@@ -16,11 +16,12 @@ import jax
 import numpy as np
 
 from jaxrl_llm.data import DataState, PromptSet, next_batch_indices
+from jaxrl_llm.diagnostics import drift_kl, repeated_ngram_fraction
 from jaxrl_llm.evaluation import decode_completions, reward_fields
 from jaxrl_llm.models.decoder import Params
 from jaxrl_llm.rewards import RewardFunction, compute_rewards, resolve_reward
 from jaxrl_llm.sampling import SampleOutput, sample
-from jaxrl_llm.sharding import process_rows, to_host
+from jaxrl_llm.sharding import batch_divisor, global_array, process_rows, to_host
 from jaxrl_llm.trainers.policy import Policy
 
 
@@ -132,8 +133,9 @@ class RolloutCollector:
         return f"{len(self.prompts)} train prompts ({self.prompts.num_dropped} dropped as too long)"
 
     def metrics(self, ro: Rollout, refills: int) -> dict[str, float]:
-        """Reward, length and truncation statistics of a rollout (before any update), and `completion_tokens`
-        (the loop shell turns it into tokens_per_second)."""
+        """Reward, length and truncation statistics of a rollout (before any update), the share of empty
+        completions (no text), the repeated 3-gram fraction (`diagnostics.repeated_ngram_fraction`), and
+        `completion_tokens` (the loop shell turns it into tokens_per_second)."""
         lengths = np.asarray(ro.out.lengths)
         out = {
             "completion_tokens": float(np.asarray(ro.out.mask).sum()),
@@ -142,6 +144,8 @@ class RolloutCollector:
             "completion_length/mean": float(lengths.mean()),
             "completion_length/max": float(lengths.max()),
             "frac_truncated": float(1.0 - np.asarray(ro.out.stopped_on_eos).mean()),
+            "frac_empty": float(np.mean([not c.strip() for c in ro.completions])),
+            "repetition/ngram_frac": repeated_ngram_fraction(np.asarray(ro.out.tokens), np.asarray(ro.out.mask)),
         }
         if self.group_size > 1:  # every "group" of one has zero std: the number would mean nothing
             out["frac_zero_std_groups"] = float((ro.rewards.reshape(-1, self.group_size).std(axis=1) == 0).mean())
@@ -164,3 +168,31 @@ class RolloutCollector:
                 **{f"reward/{k}": float(v[j]) for k, v in ro.per_function.items()},
             })
         return rows
+
+
+class DriftMeter:
+    """`drift(rollout) -> {"drift_kl"}`: KL(pi || pi_initial) per token (`diagnostics.drift_kl`) on the first
+    `rows` rows of a rollout (rounded down to a multiple of the mesh's batch split), both log-probs recomputed
+    at the sampling temperature. The initial policy is the reference when there is one (rl.beta > 0, or
+    LoRA's base), else a copy of the starting weights kept on the host and put on the devices for each call."""
+
+    def __init__(self, policy: Policy, reference: Params | None, logprob_fn: Any, rows: int) -> None:
+        self.policy, self.reference, self.logprob_fn = policy, reference, logprob_fn
+        self.rows = rows - rows % batch_divisor(policy.mesh)
+        if reference is None and policy.base is not None:
+            self.reference = policy.base
+        self.initial_host = to_host(policy.params) if self.reference is None and self.rows else None
+
+    def __call__(self, ro: Rollout) -> dict[str, float]:
+        rows = min(self.rows, len(ro.rewards))
+        rows -= rows % batch_divisor(self.policy.mesh)
+        if rows <= 0:
+            return {}
+        p = self.policy
+        initial = self.reference if self.reference is not None else jax.device_put(self.initial_host,
+                                                                                   p.weights_sharding)
+        arrays = [global_array(np.asarray(x)[:rows], p.mesh) for x in
+                  (ro.prompt_tokens, ro.prompt_mask, ro.out.tokens, ro.out.mask)]
+        logp = to_host(self.logprob_fn(p.model_weights(), *arrays))
+        initial_logp = to_host(self.logprob_fn(initial, *arrays))
+        return {"drift_kl": drift_kl(logp, initial_logp, np.asarray(ro.out.mask)[:rows])}
