@@ -95,6 +95,13 @@ def main(argv: list[str]) -> int:
     if "diverged" in summary:
         print(f"train.py: warning: the final policy diverged: {summary['diverged']}", file=sys.stderr)
     print(json.dumps(summary, indent=2))
+    if config.report:
+        import jax
+
+        from jaxrl_llm.report import write_report
+
+        if jax.process_index() == 0:
+            print(f"report: {write_report([config.out_dir])}")
     return 0
 
 

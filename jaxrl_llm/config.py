@@ -229,7 +229,7 @@ class DiagnosticsSection:
 
     enabled: bool = True  # check the symptoms every step
     baseline_steps: int = 3  # the first N steps are the baseline of the entropy and length ratios
-    patience: int = 5  # steps zero-variance groups must persist; the throughput window
+    patience: int = 5  # steps zero-variance groups must persist
     empty_fraction: float = 0.5  # share of empty completions that names empty_completions
     reward_steps: int = 10  # steps of one reward for all completions that name reward_zero / reward_constant
     entropy_ratio: float = 0.1  # entropy below this share of its baseline (reward no better): entropy_collapse
@@ -238,7 +238,9 @@ class DiagnosticsSection:
     length_high: float = 4.0  # mean length above this multiple of its baseline: length_explosion
     repetition: float = 0.5  # share of repeated 3-grams in the completions that names repetition
     zero_std_groups: float = 0.95  # frac_zero_std_groups at or above it for `patience` steps: zero_variance_groups
-    throughput_ratio: float = 0.5  # median tokens/s of the last `patience` steps below this x the earlier median
+    # throughput_drop: the median tokens/s of the last `throughput_window` steps below this x the median before
+    throughput_ratio: float = 0.5
+    throughput_window: int = 10  # steps of the recent median that throughput_ratio compares
     # KL(pi || pi_initial) per token on this many rollout rows at each evaluation step, logged as drift_kl even
     # when rl.beta = 0 (a copy of the initial weights is kept on the host); 0 = off
     drift_rows: int = 64
@@ -294,6 +296,7 @@ class RunConfig:
     export_dir: str = ""  # default: out_dir/hf
     tensorboard: bool = True  # TensorBoard events under out_dir/tensorboard
     progress_bar: bool = True  # a tqdm bar on a terminal; plain log lines otherwise
+    report: bool = True  # train.py writes out_dir/report/report.html (python -m jaxrl_llm.report) at the end
 
 
 def load_run_config(path: str | Path | None, overrides: list[str] | None = None, **fields: Any) -> RunConfig:
@@ -475,6 +478,7 @@ NUMERIC_BOUNDS: dict[str, tuple[float, float, bool]] = {
     "diagnostics.entropy_ratio": _AT_LEAST, "diagnostics.kl_max": _POSITIVE, "diagnostics.length_low": _AT_LEAST,
     "diagnostics.length_high": _POSITIVE, "diagnostics.repetition": _FRACTION,
     "diagnostics.zero_std_groups": _FRACTION, "diagnostics.throughput_ratio": _AT_LEAST,
+    "diagnostics.throughput_window": _AT_LEAST_1,
     "diagnostics.drift_rows": _AT_LEAST,
 }
 _EXCLUSIVE_HIGH = {"optim.beta1", "optim.beta2", "lora.dropout"}  # Adam's moment decay must stay below 1

@@ -15,7 +15,8 @@ first `baseline_steps` steps of the run.
     length_explosion      completion_length/mean > length_high * baseline
     repetition            repetition/ngram_frac >= repetition           (share of repeated n-grams)
     zero_variance_groups  frac_zero_std_groups >= zero_std_groups for `patience` steps
-    throughput_drop       median tokens/s of the last `patience` steps < throughput_ratio * the earlier median
+    throughput_drop       median tokens/s of the last `throughput_window` steps < throughput_ratio * the median
+                          of the steps before them (after the baseline steps, which compile)
 
 `repeated_ngram_fraction` computes the repetition metric of a batch of completions, `drift_kl` the KL of the
 policy to its initial weights (logged as `drift_kl` at evaluation steps, whatever rl.beta is).
@@ -73,6 +74,7 @@ class DiagnosticLimits:
     repetition: float = 0.5
     zero_std_groups: float = 0.95
     throughput_ratio: float = 0.5
+    throughput_window: int = 10
 
 
 def repeated_ngram_fraction(tokens: np.ndarray, mask: np.ndarray, n: int = 3) -> float:
@@ -178,12 +180,12 @@ def diagnose(history: Sequence[dict[str, float]], limits: DiagnosticLimits = Dia
             out["zero_variance_groups"] = (f"{m['frac_zero_std_groups']:.0%} of the groups had one score for all "
                                            f"completions, {flat} steps in a row")
     speeds = _series(history[b:], "tokens_per_second")  # the first steps compile
-    p = limits.patience
-    if len(speeds) >= 2 * p:
-        earlier, recent = float(np.median(speeds[:-p])), float(np.median(speeds[-p:]))
+    w = limits.throughput_window
+    if len(speeds) >= 2 * w:
+        earlier, recent = float(np.median(speeds[:-w])), float(np.median(speeds[-w:]))
         if recent < limits.throughput_ratio * earlier:
-            out["throughput_drop"] = (f"rollout throughput {recent:.4g} tokens/s over the last {p} steps, down "
-                                      f"from {earlier:.4g}")
+            out["throughput_drop"] = (f"median rollout throughput {recent:.4g} tokens/s over the last {w} steps, "
+                                      f"down from {earlier:.4g}")
     return out
 
 

@@ -34,14 +34,14 @@ LOCK_NAME = ".lock"
 # What a run writes into its out_dir; any of these present means the directory holds a run (its config files
 # alone do not: a start that failed before its first step leaves only those).
 RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "samples.jsonl", "tensorboard", "hf", "tokenizer",
-               "corrupt_checkpoints", "diverged_checkpoints", "summary.json")
+               "corrupt_checkpoints", "diverged_checkpoints", "summary.json", "report", "eval")
 CONFIG_FILES = ("config.yaml", "configs")
 # Config keys a resume may change freely: cadence, memory knobs and reporting; the math stays the same.
 SAFE_TO_CHANGE = ("out_dir", "steps", "log_every", "sample_every", "eval_every", "eval_size", "eval_batch_size",
                   "checkpoint_every", "keep_checkpoints", "export", "export_dir", "tensorboard", "progress_bar",
                   "on_divergence", "divergence.", "distributed.", "mesh.", "model.remat", "model.logprob_block_mib",
                   "model.attention_query_chunk", "sft.eval_batch_size", "data.eval", "data.eval_split",
-                  "eval_reward", "final_checkpoint", "diagnostics.", "logging.")
+                  "eval_reward", "final_checkpoint", "diagnostics.", "logging.", "report")
 
 
 def _notice(text: str) -> None:

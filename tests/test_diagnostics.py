@@ -68,7 +68,7 @@ def _steps(n: int, **overrides: float) -> list[dict[str, float]]:
     ("length_explosion", _steps(5, **{"completion_length/mean": 100.0})),
     ("repetition", _steps(4, **{"repetition/ngram_frac": 0.8})),
     ("zero_variance_groups", [{**h, "frac_zero_std_groups": 1.0} for h in _steps(5)]),
-    ("throughput_drop", _steps(8) + [{**h, "tokens_per_second": 300.0} for h in _steps(5)]),
+    ("throughput_drop", _steps(13) + [{**h, "tokens_per_second": 300.0} for h in _steps(10)]),
 ])
 def test_each_symptom_fires_alone_on_its_history(name, history):
     found = diagnose(history)
