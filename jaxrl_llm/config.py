@@ -571,6 +571,12 @@ def validate_environment(c: RunConfig) -> None:
     import jax
 
     check_required(c)
+    if c.logging.wandb:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise ConfigError("logging.wandb=true needs the wandb package, which is not installed: pip install "
+                              "wandb (or pip install 'jaxrl_llm[wandb]'), or set logging.wandb=false") from None
     for key in ("data.train", "data.eval", "dpo.eval_prompts"):
         source = _get(c, key)
         if source and not source.startswith(("hf:", "python:")) and not Path(source).is_file():

@@ -1,4 +1,5 @@
-"""Run outputs: metrics to JSONL and TensorBoard, sample completions to JSONL, and the console: a tqdm progress
+"""Run outputs: metrics to JSONL, TensorBoard and (`logging.wandb`) Weights & Biases, sample completions to JSONL,
+and the console: a tqdm progress
 bar on a terminal, or (output to a file or pipe, as on a cluster, or `progress_bar=false`) one plain line per
 logged step, so a log file reads line by line.
 
@@ -19,6 +20,20 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from jaxrl_llm.errors import ConfigError
+
+
+def start_wandb(out_dir: Path, project: str, mode: str, config: dict[str, Any] | None) -> Any:
+    """A W&B run in `out_dir/wandb` (`mode` offline: no network, `wandb sync` uploads it later); a clear
+    `ConfigError` when the package is missing."""
+    try:
+        import wandb
+    except ImportError as e:
+        raise ConfigError("logging.wandb=true needs the wandb package, which is not installed: pip install wandb "
+                          "(or pip install 'jaxrl_llm[wandb]'), or set logging.wandb=false") from e
+    (out_dir / "wandb").mkdir(parents=True, exist_ok=True)
+    return wandb.init(project=project, dir=str(out_dir), mode=mode, name=out_dir.name, config=config or {})
+
 
 def _plain(value: Any) -> Any:
     try:
@@ -35,7 +50,8 @@ class RunLogger:
 
     def __init__(self, out_dir: str | Path, *, total_steps: int, initial_step: int = 0,
                  tensorboard: bool = True, progress_bar: bool = True, desc: str = "train",
-                 resume_step: int | None = None) -> None:
+                 resume_step: int | None = None, wandb: dict[str, Any] | None = None) -> None:
+        """`wandb`: `{"project", "mode", "config"}` to also send every row to Weights & Biases (process 0)."""
         import jax
 
         primary = jax.process_index() == 0
@@ -60,6 +76,8 @@ class RunLogger:
             self.writer = SummaryWriter(str(self.out_dir / "tensorboard"))
             for row in kept:
                 self._scalars(row)
+        self.wandb = start_wandb(self.out_dir, wandb["project"], wandb["mode"], wandb.get("config")) \
+            if wandb is not None and primary else None
         self.bar = tqdm(total=total_steps, initial=initial_step, desc=desc, disable=not progress_bar,
                         dynamic_ncols=True)
 
@@ -68,6 +86,8 @@ class RunLogger:
         self.metrics_file.write(json.dumps(row) + "\n")
         self.metrics_file.flush()
         self._scalars(row)
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in row.items() if k != "step" and isinstance(v, float)}, step=step)
 
     def _scalars(self, row: dict[str, Any]) -> None:
         if self.writer is not None:
@@ -101,6 +121,8 @@ class RunLogger:
         self.samples_file.close()
         if self.writer is not None:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
 
 
 def truncate_rows(path: Path, last_step: int) -> list[dict[str, Any]]:

@@ -34,7 +34,7 @@ LOCK_NAME = ".lock"
 # What a run writes into its out_dir; any of these present means the directory holds a run (its config files
 # alone do not: a start that failed before its first step leaves only those).
 RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "samples.jsonl", "tensorboard", "hf", "tokenizer",
-               "corrupt_checkpoints", "diverged_checkpoints", "summary.json", "report", "eval")
+               "corrupt_checkpoints", "diverged_checkpoints", "summary.json", "report", "eval", "wandb")
 CONFIG_FILES = ("config.yaml", "configs")
 # Config keys a resume may change freely: cadence, memory knobs and reporting; the math stays the same.
 SAFE_TO_CHANGE = ("out_dir", "steps", "log_every", "sample_every", "eval_every", "eval_size", "eval_batch_size",

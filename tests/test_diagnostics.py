@@ -99,12 +99,39 @@ def _rows(out: Path) -> list[dict]:
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"reward/mean"' in x]
 
 
-def test_a_reward_that_is_always_zero_is_named(tiny_task, tmp_path, capsys):
+class FakeWandb:
+    """Stands in for the wandb package (not installed here): records what the logger sends."""
+
+    def __init__(self) -> None:
+        self.inits: list[dict] = []
+        self.logged: list[tuple[int, dict]] = []
+        self.finished = 0
+
+    def init(self, **kwargs):
+        self.inits.append(kwargs)
+        return self
+
+    def log(self, row, step):
+        self.logged.append((step, row))
+
+    def finish(self):
+        self.finished += 1
+
+
+def test_a_reward_that_is_always_zero_is_named_and_wandb_gets_the_same_rows(tiny_task, tmp_path, capsys,
+                                                                          monkeypatch):
+    import sys
+
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
     out = tmp_path / "zero"
     summary = make_trainer(_tiny(tiny_task, out, "test_diagnostics:always_zero", "steps=3",
-                                 "diagnostics.reward_steps=3")).run()
+                                 "diagnostics.reward_steps=3", "logging.wandb=true")).run()
     rows = _rows(out)
     assert [r.get("diagnostics/reward_zero") for r in rows] == [None, None, 1.0]
+    assert fake.inits[0]["mode"] == "offline" and fake.inits[0]["config"]["steps"] == 3 and fake.finished == 1
+    assert [(s, r) for s, r in fake.logged if "reward/mean" in r] == [
+        (r["step"], {k: v for k, v in r.items() if k != "step" and isinstance(v, float)}) for r in rows]
     assert summary["diagnostics"]["reward_zero"] == {"first_step": 3, "last_step": 3, "steps": 1}
     assert "diagnostic reward_zero: every completion scored 0 for 3 steps; hint:" in capsys.readouterr().out
 
@@ -140,3 +167,15 @@ def test_the_default_task_stays_silent_and_shows_drift_not_the_ratio_kl(tmp_path
     assert "diagnostic" not in log
     lines = [x for x in log.splitlines() if x.startswith("step 4/4")]
     assert " drift " in lines[0] and " kl " not in lines[0] and "approx_kl" not in lines[0]
+
+
+def test_wandb_missing_is_a_clear_error(tiny_task, tmp_path, monkeypatch):
+    import sys
+
+    from jaxrl_llm.config import validate_environment
+    from jaxrl_llm.errors import ConfigError
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
+    config = _tiny(tiny_task, tmp_path / "w", "math_answer", "logging.wandb=true")
+    with pytest.raises(ConfigError, match="logging.wandb=true needs the wandb package, which is not installed"):
+        validate_environment(config)

@@ -178,7 +178,9 @@ class Trainer:
         c, algo = self.config, self.algorithm
         logger = RunLogger(self.out_dir, total_steps=c.steps, initial_step=self.step, tensorboard=c.tensorboard,
                            progress_bar=c.progress_bar, desc=algo.label,
-                           resume_step=self.step if self.resumed else None)
+                           resume_step=self.step if self.resumed else None,
+                           wandb={"project": c.logging.wandb_project, "mode": c.logging.wandb_mode,
+                                  "config": dataclasses.asdict(c)} if c.logging.wandb else None)
         logger.message(f"resumed from step {self.step}; writing to {self.out_dir}" if self.resumed else
                        f"writing to {self.out_dir} (a new run; checkpoints every {c.checkpoint_every} steps)"
                        if c.checkpoint_every else f"writing to {self.out_dir} (a new run; checkpoint_every=0)")
