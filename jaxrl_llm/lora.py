@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_llm.errors import ConfigError
+from jaxrl_llm.errors import ConfigError, ConversionError
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.hf import _tensor_name
 
@@ -147,6 +147,10 @@ def save_peft_adapters(adapters: Params, config: ModelConfig, spec: LoraSpec, di
     """PEFT's LoRA format in `directory`: `adapter_config.json` and `adapter_model.safetensors` (float32)."""
     from safetensors.numpy import save_file
 
+    if config.model_type == "phi3":
+        raise ConversionError("PEFT adapters for phi3 would sit on its fused qkv_proj / gate_up_proj, not on our "
+                              "separate q/k/v and gate/up adapters; use the merged export "
+                              "(lora.export_adapters=false)")
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     tensors = dict(peft_tensors(adapters, config))

@@ -76,13 +76,15 @@ from jaxrl_llm.models.decode import (
     constrain_step_weights,
     decode_token,
     fusable_shards,
+    longrope_original,
+    longrope_switch,
     loop_caches,
     prefill,
     split_layers,
     step_weights,
 )
 from jaxrl_llm.models.decoder import Params
-from jaxrl_llm.models.layers import attention_allowed
+from jaxrl_llm.models.layers import positions_from_mask
 from jaxrl_llm.sharding import BATCH_AXES, constrain, global_array
 
 
@@ -463,11 +465,17 @@ def _sample_program(
     token, done, length, outputs = emit(0, logits, jnp.zeros((rows,), bool), jnp.zeros((rows,), jnp.int32), outputs)
     max_new = jnp.minimum(knobs.max_new_tokens, new_tokens)
 
+    original = longrope_original(config)
+    key_positions = positions_from_mask(key_mask) if original is not None else None
+
     def step(i: jax.Array, token: jax.Array, caches: Any) -> tuple[jax.Array, Any]:
         """Feed token `i - 1` (cache slot `P_b + i - 1`): the logits of token `i` and the caches."""
         slot = prompt_len + i - 1
-        allowed = attention_allowed(key_mask, 1, slot, config.sliding_window)[:, 0]
-        return decode_token(params, weights, config, token, first_position + i - 1, allowed, caches, slot, shards)
+        if original is not None:  # the batch's longest row reaches past longrope's original context now
+            reach = jnp.max(first_position) + i  # transformers' seq_len of this call; the previous one was 1 less
+            caches = jax.lax.cond((reach > original) & (reach - 1 <= original),
+                                  lambda c: longrope_switch(c, config, key_positions), lambda c: c, caches)
+        return decode_token(params, weights, config, token, first_position + i - 1, key_mask, caches, slot, shards)
 
     done, length, outputs = _decode_loop(step, emit, max_new, (jnp.int32(1), token, caches, done, length, outputs))
     tokens, logprobs, untruncated = outputs

@@ -116,7 +116,8 @@ def completion_logprobs(
     n, t = completion_tokens.shape
     chunk = logprob_chunk_size(n, t, config.vocab_size, block_mib)
     out = token_logprobs_from_hidden(hidden, unembedding_matrix(params, config), completion_tokens,
-                                     temperature=temperature, chunk_size=chunk, with_entropy=with_entropy)
+                                     temperature=temperature, chunk_size=chunk, with_entropy=with_entropy,
+                                     logit_softcap=config.final_logit_softcap)
     return out if with_entropy else (out, None)
 
 

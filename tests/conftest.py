@@ -65,6 +65,35 @@ FAMILIES: dict[str, dict] = {
     "qwen2": dict(model_type="qwen2", tie_word_embeddings=True, **_COMMON),
     "qwen3": dict(model_type="qwen3", head_dim=16, **_COMMON),
     "mistral": dict(model_type="mistral", sliding_window=4, head_dim=8, **_COMMON),
+    "llama_yarn": dict(
+        model_type="llama",
+        rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, beta_fast=8.0),
+        **_COMMON,
+    ),
+    # Phi-3: fused qkv_proj / gate_up_proj, a sliding window on every layer.
+    "phi3": dict(model_type="phi3", sliding_window=6, pad_token_id=None, **_COMMON),
+    # Phi-3.5-style longrope past an original context of 16, with Phi-4-mini's partial rotary (half the dims).
+    "phi3_longrope": dict(
+        model_type="phi3",
+        pad_token_id=None,
+        partial_rotary_factor=0.5,
+        original_max_position_embeddings=16,
+        rope_scaling=dict(rope_type="longrope", short_factor=[1.0, 1.3], long_factor=[2.5, 7.0]),
+        **_COMMON,
+    ),
+    # Gemma 2: (1 + w) norms, sandwich norms, GeGLU, sqrt(d) embeddings, soft caps small enough to bite,
+    # query_pre_attn_scalar != head_dim, sliding window 4 on layers 0, 2, ...
+    "gemma2": dict(
+        model_type="gemma2", head_dim=16, sliding_window=4, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+        final_logit_softcapping=6.0, initializer_range=0.2, **{**_COMMON, "num_hidden_layers": 3},
+    ),
+    # Gemma 3 (text): q/k norms, local layers (window 5, RoPE base 100) around one global layer (linear-scaled).
+    "gemma3": dict(
+        model_type="gemma3_text", head_dim=16, sliding_window=5, query_pre_attn_scalar=16, initializer_range=0.2,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], rope_theta=10000.0,
+        rope_local_base_freq=100.0, rope_scaling=dict(rope_type="linear", factor=2.0),
+        **{**_COMMON, "num_hidden_layers": 3},
+    ),
 }
 
 

@@ -56,23 +56,27 @@ def test_sliding_window_changes_logits(hf_model_dir):
     assert float(jnp.abs(windowed[:, 4:] - full[:, 4:]).max()) > 1e-3
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "phi3", "gemma2", "gemma3"])
 def test_logit_parity_bfloat16(kind, hf_model_dir):
     """bf16 params and compute vs float32 transformers.
 
     bf16 keeps 8 mantissa bits (relative rounding 2^-9 ~ 0.2%); each of the ~10 matmuls/norms per layer
     rounds again, so errors of a few percent of the logit scale are expected. We bound the error at 5% of
-    the largest |logit| and require the same argmax on >= 90% of valid positions.
+    the largest |logit|, or, for the Gemma models (large activations at initializer_range 0.2), at 1.5x the error
+    of transformers' own bf16 run, and require the same argmax on >= 90% of valid positions.
     """
+    import torch
+
     model_dir = hf_model_dir(kind)
     config, params = load_hf_model(model_dir, param_dtype="bfloat16", dtype="bfloat16")
     assert params["embed"]["embedding"].dtype == jnp.bfloat16
     tokens, mask = left_padded_batch(config.vocab_size, LENGTHS, seed=1)
     ref = hf_logits(make_hf_model(kind), tokens, mask)
+    hf_bf16_error = _max_diff_on_valid(hf_logits(make_hf_model(kind).to(torch.bfloat16), tokens, mask), ref, mask)
     ours = np.asarray(forward(params, config, jnp.asarray(tokens), jnp.asarray(mask)), np.float32)
     valid = mask.astype(bool)
     scale = np.abs(ref[valid]).max()
-    assert _max_diff_on_valid(ours, ref, mask) <= 0.05 * scale
+    assert _max_diff_on_valid(ours, ref, mask) <= max(0.05 * scale, 1.5 * hf_bf16_error)
     assert (ours[valid].argmax(-1) == ref[valid].argmax(-1)).mean() >= 0.9
 
 
@@ -201,18 +205,18 @@ def test_unknown_model_type_lists_supported(hf_model_dir, tmp_path):
     config = json.loads((model_dir / "config.json").read_text())
     config.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
     (model_dir / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ConversionError, match=r"unsupported model_type 'gpt2'.*llama, mistral, qwen2, qwen3"):
+    with pytest.raises(ConversionError, match=r"unsupported model_type 'gpt2'.*llama, mistral, qwen2, qwen3, phi3"):
         load_hf_model(model_dir)
 
 
 def test_unsupported_rope_scaling_is_named(hf_model_dir, tmp_path):
-    model_dir = tmp_path / "yarn"
+    model_dir = tmp_path / "dynamic"
     shutil.copytree(hf_model_dir("llama"), model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     config.pop("rope_parameters", None)
-    config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    config["rope_scaling"] = {"rope_type": "dynamic", "factor": 4.0}
     (model_dir / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ConversionError, match="unsupported rope_scaling type 'yarn'.*linear, llama3"):
+    with pytest.raises(ConversionError, match="unsupported rope_scaling type .dynamic.*llama3, yarn, longrope"):
         load_hf_model(model_dir)
 
 

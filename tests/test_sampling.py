@@ -14,7 +14,7 @@ from scipy import stats
 from jaxrl_llm import sampling as sampling_module
 from jaxrl_llm.errors import UsageError
 from jaxrl_llm.models.decode import decode_layers, decode_token, decoder_caches, loop_caches, split_layers, step_weights
-from jaxrl_llm.models.decoder import attention_allowed, decode_step, forward, init_cache, positions_from_mask
+from jaxrl_llm.models.decoder import decode_step, forward, init_cache, positions_from_mask
 from jaxrl_llm.models.hf import load_hf_model
 from jaxrl_llm.sampling import (
     Knobs,
@@ -336,10 +336,9 @@ def test_token_step_equals_decoder(kind, shards, hf_model_dir):
     _, cache = step(params, config, tokens, positions, key_mask, init_cache(config, 2, 10), 0)
     want, want_cache = step(params, config, tokens[:, :1], positions[:, -1:] + 1, key_mask, cache, 9)
     caches = loop_caches([{"k": cache["k"][i], "v": cache["v"][i]} for i in range(config.num_layers)])
-    allowed = attention_allowed(key_mask, 1, 9, config.sliding_window)[:, 0]
     token_step = jax.jit(lambda p, *args: decode_token(p, step_weights(split_layers(p, config), config, shards),
                                                        config, *args, shards))
-    got, got_caches = token_step(params, jnp.asarray(tokens[:, 0]), positions[:, -1] + 1, allowed, caches, 9)
+    got, got_caches = token_step(params, jnp.asarray(tokens[:, 0]), positions[:, -1] + 1, key_mask, caches, 9)
     np.testing.assert_allclose(got, want[:, 0], atol=1e-5)
     for i, layer_cache in enumerate(decoder_caches(got_caches)):
         for name in ("k", "v"):

@@ -16,11 +16,13 @@ DType = Literal["float32", "bfloat16"]
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder (Llama 2/3, Qwen2/2.5, Qwen3, Mistral).
+    """Architecture of a pre-norm decoder: Llama 2/3, Qwen2/2.5, Qwen3, Mistral, Phi-3, Gemma 2, Gemma 3 (text).
 
-    `rope_scaling` is a tuple of `(key, value)` pairs (hashable) or None; supported types are
-    `linear` and `llama3`. `sliding_window` is None (full causal attention) or the window `W`: a query at
-    position `p` sees keys at positions `p - W < k <= p` (Mistral's convention in transformers).
+    `rope_scaling` is a tuple of `(key, value)` pairs (hashable; list values as tuples) or None; supported types
+    are `linear`, `llama3`, `yarn` and `longrope`. `sliding_window` is None (full causal attention) or the
+    window `W`: a query at position `p` sees keys at positions `p - W < k <= p` (transformers' convention).
+    `layer_types` (one of "full_attention" / "sliding_attention" per layer) limits the window to the sliding
+    layers (Gemma 2 alternates them, Gemma 3 has five local layers per global one); None: every layer alike.
     """
 
     vocab_size: int
@@ -41,6 +43,17 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     sliding_window: int | None = None
     initializer_range: float = 0.02
+    layer_types: tuple[str, ...] | None = None
+    # Gemma 3: the sliding layers' RoPE base (unscaled); None: every layer uses rope_theta and rope_scaling.
+    local_rope_theta: float | None = None
+    partial_rotary_factor: float = 1.0  # Phi-3 family: RoPE rotates the first `factor * head_dim` dims only
+    hidden_act: str = "silu"  # the gated MLP's activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU)
+    norm_unit_offset: bool = False  # Gemma: RMSNorm scales by (1 + w), computed in float32
+    embed_scale: bool = False  # Gemma: embeddings multiplied by sqrt(hidden_size) (in the compute dtype)
+    sandwich_norms: bool = False  # Gemma 2/3: RMSNorm also on the attention and MLP outputs, before the residual
+    attn_logit_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap) before the mask
+    final_logit_softcap: float | None = None  # Gemma 2: logits -> cap * tanh(logits / cap)
+    query_pre_attn_scalar: float | None = None  # Gemma: attention scale 1/sqrt(this) instead of 1/sqrt(head_dim)
     model_type: str = "llama"  # the HF family to export as
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
@@ -56,6 +69,15 @@ class ModelConfig:
     lora_dropout: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+            unknown = set(self.layer_types) - {"full_attention", "sliding_attention"}
+            if unknown:
+                raise ValueError(f"unsupported layer_types {sorted(unknown)}; supported: full_attention, "
+                                 "sliding_attention")
+        if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: silu, gelu_pytorch_tanh")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
@@ -76,6 +98,22 @@ class ModelConfig:
     def rope_scaling_dict(self) -> dict[str, float | str] | None:
         return None if self.rope_scaling is None else dict(self.rope_scaling)
 
+    def is_sliding(self, layer: int) -> bool:
+        """Whether layer `layer` attends within `sliding_window` (every layer when `layer_types` is None)."""
+        if self.sliding_window is None:
+            return False
+        return self.layer_types is None or self.layer_types[layer] == "sliding_attention"
+
+    @property
+    def per_layer_attention(self) -> bool:
+        """Whether layers differ in their mask or RoPE (Gemma 2/3): the decoder then builds both variants."""
+        return self.layer_types is not None and len(set(self.layer_types)) > 1
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor on `q . k`: `1 / sqrt(query_pre_attn_scalar or head_dim)`."""
+        return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
     def replace(self, **changes: object) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
@@ -86,6 +124,6 @@ class ModelConfig:
         attn = d * q + 2 * d * kv + q * d
         attn += (q + 2 * kv) * self.qkv_bias + d * self.o_bias + 2 * hd * self.qk_norm
         mlp = 3 * d * f + (2 * f + d) * self.mlp_bias
-        per_layer = attn + mlp + 2 * d
+        per_layer = attn + mlp + (4 if self.sandwich_norms else 2) * d
         head = 0 if self.tie_word_embeddings else d * self.vocab_size
         return self.vocab_size * d + self.num_layers * per_layer + d + head

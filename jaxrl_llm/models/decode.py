@@ -4,7 +4,7 @@
   prefill, and a reference for the token step);
 - `decode_token`: the decode loop's token step as plain `jnp` on prepared `StepWeights` (fused q|k|v and
   gate|up, caches in the loop's layout), built from the same `layers.py` functions as the decoder
-  (`rms_norm`, `rotary`, `masked_softmax`, `swiglu`), so a model family is written once.
+  (`rms_norm`, `rotary`, `masked_softmax`, `gated_activation`), so a model family is written once.
 """
 
 from __future__ import annotations
@@ -16,15 +16,16 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.decoder import Decoder, DecoderLayer, Params, unembed
+from jaxrl_llm.models.decoder import Decoder, DecoderLayer, Params, attention_inputs, unembed
 from jaxrl_llm.models.layers import (
     attention_allowed,
+    gated_activation,
     masked_softmax,
     positions_from_mask,
     rms_norm,
     rope_cos_sin,
+    rope_parameters,
     rotary,
-    swiglu,
 )
 from jaxrl_llm.sharding import constrain
 
@@ -58,13 +59,14 @@ def decode_layers(
     benchmark model (BENCHMARKS.md).
     """
     decoder = Decoder(config)
-    x = decoder.apply({"params": params}, tokens, method=lambda m, t: m.embed(t))
-    cos, sin = rope_cos_sin(config, positions)
-    allowed = attention_allowed(key_mask, tokens.shape[1], cache_index, config.sliding_window)
+    x = decoder.apply({"params": params}, tokens, method=lambda m, t: m.embed_tokens(t))
+    inputs = attention_inputs(config, positions, key_mask, tokens.shape[1], cache_index)
+    kinds = sorted({config.is_sliding(i) for i in range(config.num_layers)})
     layer = DecoderLayer(config)
     new_caches = []
-    for weights, cache in zip(layer_params, caches, strict=True):
-        x, cache = layer.apply({"params": weights}, x, cache, cos, sin, allowed, cache_index)
+    for i, (weights, cache) in enumerate(zip(layer_params, caches, strict=True)):
+        own = (inputs[kinds.index(config.is_sliding(i))],)  # the layer's kind, chosen statically
+        x, cache = layer.apply({"params": weights}, x, cache, own, cache_index)
         new_caches.append(cache)
     x = decoder.apply({"params": params}, x, method=lambda m, h: m.final_norm(h))
     if return_hidden:
@@ -84,11 +86,13 @@ class StepWeights(NamedTuple):
     k_norm: jax.Array | None
     o: jax.Array
     o_bias: jax.Array | None
+    attn_post_norm: jax.Array | None
     mlp_norm: jax.Array
     gate_up: jax.Array
     gate_up_bias: jax.Array | None
     down: jax.Array
     down_bias: jax.Array | None
+    mlp_post_norm: jax.Array | None
 
 
 def fusable_shards(config: ModelConfig, tensor: int) -> int:
@@ -144,11 +148,13 @@ def step_weights(layer_params: list[Params], config: ModelConfig, shards: int = 
             k_norm=attn["k_norm"]["scale"] if config.qk_norm else None,
             o=cast(attn["o"]["kernel"]),
             o_bias=bias(attn["o"]),
+            attn_post_norm=w["attn_post_norm"]["scale"] if config.sandwich_norms else None,
             mlp_norm=w["mlp_norm"]["scale"],
             gate_up=cast(_fuse([mlp["gate"]["kernel"], mlp["up"]["kernel"]], shards)),
             gate_up_bias=bias(mlp["gate"], mlp["up"]),
             down=cast(mlp["down"]["kernel"]),
             down_bias=bias(mlp["down"]),
+            mlp_post_norm=w["mlp_post_norm"]["scale"] if config.sandwich_norms else None,
         ))
     return out
 
@@ -170,13 +176,14 @@ def decode_token(
     config: ModelConfig,
     tokens: jax.Array,
     positions: jax.Array,
-    allowed: jax.Array,
+    key_mask: jax.Array,
     caches: LayerCaches,
     cache_index: jax.Array,
     shards: int = 1,
 ) -> tuple[jax.Array, LayerCaches]:
     """One token step of the decode loop: `tokens [B]` at `positions [B]` written to cache slot
-    `cache_index`; `allowed [B, S]` the key slots it may attend to. Returns `(logits [B, V], caches)`.
+    `cache_index`; `key_mask [B, S]` the valid key slots (causality and each layer's sliding window are applied
+    here). Returns `(logits [B, V], caches)`.
 
     The same math as `decode_layers` with `T = 1` (a test checks they agree), written for the hot loop:
     - caches in `loop_caches` layout, keys `[B, KVH, hd, S]` and values `[B, KVH, S, hd]` (the prefill's
@@ -194,16 +201,23 @@ def decode_token(
     h, kvh, hd = c.num_heads, c.num_kv_heads, c.head_dim
     groups = h // kvh
     x = params["embed"]["embedding"][tokens].astype(c.jnp_dtype)  # [B, D]
-    cos, sin = rope_cos_sin(c, positions[:, None])  # [B, 1, hd]
+    if c.embed_scale:
+        x = x * jnp.asarray(c.hidden_size**0.5, x.dtype)
+    eps, unit = c.rms_norm_eps, c.norm_unit_offset
+    kinds = sorted({c.is_sliding(i) for i in range(c.num_layers)})
+    rope = {local: rope_cos_sin(c, positions[:, None], local=local) for local in kinds}  # [B, 1, rot]
+    allowed_of = {local: attention_allowed(key_mask, 1, cache_index, c.sliding_window if local else None)[:, 0]
+                  for local in kinds}  # [B, S]
     new_caches = []
-    for w, cache in zip(weights, caches, strict=True):
-        qkv = rms_norm(x, w.attn_norm, c.rms_norm_eps) @ w.qkv
+    for i, (w, cache) in enumerate(zip(weights, caches, strict=True)):
+        (cos, sin), allowed = rope[c.is_sliding(i)], allowed_of[c.is_sliding(i)]
+        qkv = rms_norm(x, w.attn_norm, eps, unit_offset=unit) @ w.qkv
         if w.qkv_bias is not None:
             qkv = qkv + w.qkv_bias
         q, k, v = _unfuse(qkv, (h * hd, kvh * hd, kvh * hd), shards)
         q, k, v = q.reshape(b, h, hd), k.reshape(b, kvh, hd), v.reshape(b, kvh, hd)
         if c.qk_norm:
-            q, k = rms_norm(q, w.q_norm, c.rms_norm_eps), rms_norm(k, w.k_norm, c.rms_norm_eps)
+            q, k = rms_norm(q, w.q_norm, eps, unit_offset=unit), rms_norm(k, w.k_norm, eps, unit_offset=unit)
         q, k = rotary(q, cos, sin), rotary(k, cos, sin)
         k_all = jax.lax.dynamic_update_slice_in_dim(cache["k"], k[..., None].astype(cache["k"].dtype), cache_index, 3)
         v_all = jax.lax.dynamic_update_slice_in_dim(cache["v"], v[:, :, None].astype(cache["v"].dtype), cache_index, 2)
@@ -211,22 +225,56 @@ def decode_token(
         # The decoder's grouped-query attention for one query per row, on the loop-layout caches.
         qg = q.reshape(b, kvh, groups, hd)
         scores = jnp.einsum("bkgd,bkds->bkgs", qg, k_all.astype(q.dtype), preferred_element_type=jnp.float32)
-        probs = masked_softmax(scores, allowed[:, None, None, :], hd).astype(v_all.dtype)
+        probs = masked_softmax(scores, allowed[:, None, None, :], c.attention_scale,
+                               c.attn_logit_softcap).astype(v_all.dtype)
         out = jnp.einsum("bkgs,bksd->bkgd", probs, v_all.astype(q.dtype))
         attn = out.reshape(b, h * hd).astype(c.jnp_dtype) @ w.o
         if w.o_bias is not None:
             attn = attn + w.o_bias
+        if w.attn_post_norm is not None:
+            attn = rms_norm(attn, w.attn_post_norm, eps, unit_offset=unit)
         x = x + attn
-        gate_up = rms_norm(x, w.mlp_norm, c.rms_norm_eps) @ w.gate_up
+        gate_up = rms_norm(x, w.mlp_norm, eps, unit_offset=unit) @ w.gate_up
         if w.gate_up_bias is not None:
             gate_up = gate_up + w.gate_up_bias
         gate, up = _unfuse(gate_up, (c.intermediate_size, c.intermediate_size), shards)
-        mlp = swiglu(gate, up) @ w.down
+        mlp = gated_activation(gate, up, c.hidden_act) @ w.down
         if w.down_bias is not None:
             mlp = mlp + w.down_bias
+        if w.mlp_post_norm is not None:
+            mlp = rms_norm(mlp, w.mlp_post_norm, eps, unit_offset=unit)
         x = x + mlp
-    x = rms_norm(x, params["final_norm"]["scale"], c.rms_norm_eps)
+    x = rms_norm(x, params["final_norm"]["scale"], eps, unit_offset=unit)
     return unembed(params, c, x).astype(jnp.float32), new_caches
+
+
+def longrope_original(config: ModelConfig) -> int | None:
+    """The original context of a longrope model (past it the long factors apply), else None."""
+    scaling = config.rope_scaling_dict or {}
+    return int(scaling["original_max_position_embeddings"]) if scaling.get("rope_type") == "longrope" else None
+
+
+def longrope_switch(caches: LayerCaches, config: ModelConfig, key_positions: jax.Array) -> LayerCaches:
+    """Loop-layout caches whose keys were rotated with longrope's short factors, re-rotated to its long ones.
+
+    When a batch first reaches past the original context, transformers' `generate` recomputes the whole cache
+    with the long factors (Phi-3's `prepare_inputs_for_generation`). The keys' rotation can be moved instead:
+    rotations about the same planes compose by adding angles, and the attention factor is common to both sets,
+    so `k_long = R(p (inv_long - inv_short)) k_short` per key position `p` (`key_positions [B, S]`).
+    """
+    short, long, _, _ = rope_parameters(config)
+    delta = key_positions.astype(jnp.float32)[..., None] * jnp.asarray(long - short)  # [B, S, rot/2]
+    emb = jnp.concatenate([delta, delta], axis=-1)
+    cos, sin = jnp.cos(emb)[:, None], jnp.sin(emb)[:, None]  # [B, 1, S, rot]
+    out = []
+    for i, cache in enumerate(caches):
+        if config.is_sliding(i) and config.local_rope_theta is not None:  # a local RoPE: never scaled
+            out.append(cache)
+            continue
+        keys = jnp.swapaxes(cache["k"], 2, 3)  # [B, KVH, S, hd]
+        rotated = rotary(keys.astype(jnp.float32), cos, sin).astype(cache["k"].dtype)
+        out.append({"k": jnp.swapaxes(rotated, 2, 3), "v": cache["v"]})
+    return out
 
 
 def prefill(
@@ -250,8 +298,8 @@ def constrain_step_weights(w: StepWeights, mesh: Mesh | None) -> StepWeights:
         return w
     columns, rows, whole = PartitionSpec(None, "tensor"), PartitionSpec("tensor", None), PartitionSpec()
     specs = StepWeights(attn_norm=whole, qkv=columns, qkv_bias=columns, q_norm=whole, k_norm=whole, o=rows,
-                        o_bias=whole, mlp_norm=whole, gate_up=columns, gate_up_bias=columns, down=rows,
-                        down_bias=whole)
+                        o_bias=whole, attn_post_norm=whole, mlp_norm=whole, gate_up=columns, gate_up_bias=columns,
+                        down=rows, down_bias=whole, mlp_post_norm=whole)
     return StepWeights(*[None if x is None else constrain(x, mesh, spec)
                          for x, spec in zip(w, specs, strict=True)])
 

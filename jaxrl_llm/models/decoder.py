@@ -1,4 +1,5 @@
-"""Flax decoder for the Llama family (Llama 2/3, Qwen2/2.5, Qwen3, Mistral), switched by `ModelConfig`.
+"""Flax decoder for pre-norm families (Llama 2/3, Qwen2/2.5, Qwen3, Mistral, Phi-3, Gemma 2, Gemma 3 text),
+switched by `ModelConfig`.
 
 The forward pass is a pure function of `(params, tokens, positions, key_mask, cache, cache_index)`:
 
@@ -13,7 +14,11 @@ The forward pass is a pure function of `(params, tokens, positions, key_mask, ca
   `cache_index + t - s < W`: within a left-padded row, slot distance equals position distance).
 
 RoPE uses the Hugging Face `rotate_half` convention (the two halves of each head are the pair), with
-`rope_scaling` types `linear` and `llama3`.
+`rope_scaling` types `linear`, `llama3`, `yarn` and `longrope`.
+
+Families whose layers differ (Gemma 2/3: sliding-window layers between global ones, Gemma 3's local RoPE base)
+keep the one scanned layer stack: the decoder builds both variants of the mask and the rotary tables, and each
+layer picks its own with a scanned per-layer flag (`AttentionInputs`).
 """
 
 from __future__ import annotations
@@ -29,28 +34,62 @@ from jaxrl_llm.models.layers import (  # noqa: F401  (re-exported: the decoder's
     SUPPORTED_ROPE_SCALING,
     apply_rope,
     attention_allowed,
+    gated_activation,
     grouped_query_attention,
     positions_from_mask,
     rms_norm,
     rope_cos_sin,
     rope_inverse_frequencies,
+    softcap,
     swiglu,
 )
 
 Params = dict[str, Any]
 Cache = dict[str, jax.Array]
+# (cos, sin, allowed) of one layer kind: rotary tables `[B, T, rot]` and the attention mask `[B, T, S]`.
+AttentionInputs = tuple[jax.Array, jax.Array, jax.Array]
+
+
+def attention_inputs(
+    config: ModelConfig, positions: jax.Array, key_mask: jax.Array, num_queries: int, cache_index: jax.Array | int,
+    layers: list[int] | None = None,
+) -> tuple[AttentionInputs, ...]:
+    """The rotary tables and masks the layers need: one `AttentionInputs` when every layer is alike, else
+    `(global, local)` (index with `layer_kinds`). `layers`: only these layers' kinds (the unrolled decoder)."""
+    kinds = sorted({config.is_sliding(i) for i in (layers if layers is not None else range(config.num_layers))})
+    out = []
+    for local in kinds:
+        cos, sin = rope_cos_sin(config, positions, local=local)
+        out.append((cos, sin, attention_allowed(key_mask, num_queries, cache_index,
+                                                config.sliding_window if local else None)))
+    return tuple(out)
+
+
+def layer_kinds(config: ModelConfig) -> jax.Array:
+    """`[L]` int32: each layer's index into `attention_inputs(...)` (0 for all when the layers are alike)."""
+    kinds = [config.is_sliding(i) for i in range(config.num_layers)]
+    return jnp.asarray([int(k) if len(set(kinds)) > 1 else 0 for k in kinds], jnp.int32)
+
+
+def _select(inputs: tuple[AttentionInputs, ...], kind: jax.Array | int) -> AttentionInputs:
+    if len(inputs) == 1:
+        return inputs[0]
+    return tuple(jnp.where(kind == 1, local, full) for full, local in zip(*inputs, strict=True))  # type: ignore
 
 class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x^2) + eps) * scale, normalised in float32 (as transformers' LlamaRMSNorm)."""
+    """y = x / sqrt(mean(x^2) + eps) * scale, normalised in float32 (as transformers' LlamaRMSNorm);
+    `* (1 + scale)` with `unit_offset` (Gemma; the scale then starts at 0)."""
 
     eps: float
     dtype: jnp.dtype
     param_dtype: jnp.dtype
+    unit_offset: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
-        return rms_norm(x, scale, self.eps, self.dtype)
+        init = nn.initializers.zeros if self.unit_offset else nn.initializers.ones
+        scale = self.param("scale", init, (x.shape[-1],), self.param_dtype)
+        return rms_norm(x, scale, self.eps, self.dtype, self.unit_offset)
 
 
 class Dense(nn.Module):
@@ -94,7 +133,7 @@ def _dense(config: ModelConfig, features: int, use_bias: bool, name: str) -> Den
 
 
 def _norm(config: ModelConfig, name: str) -> RMSNorm:
-    return RMSNorm(config.rms_norm_eps, config.jnp_dtype, config.jnp_param_dtype, name=name)
+    return RMSNorm(config.rms_norm_eps, config.jnp_dtype, config.jnp_param_dtype, config.norm_unit_offset, name=name)
 
 
 class Attention(nn.Module):
@@ -125,12 +164,13 @@ class Attention(nn.Module):
                                                         cache_index, axis=1)
             layer_cache = {"k": k_all, "v": v_all}
             k, v = k_all.astype(q.dtype), v_all.astype(q.dtype)
-        out = grouped_query_attention(q, k, v, allowed, query_chunk=c.attention_query_chunk)
+        out = grouped_query_attention(q, k, v, allowed, query_chunk=c.attention_query_chunk,
+                                      scale=c.attention_scale, logit_softcap=c.attn_logit_softcap)
         return _dense(c, c.hidden_size, c.o_bias, "o")(out), layer_cache
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """Gated MLP: down(act(gate(x)) * up(x)), SwiGLU or GeGLU (`config.hidden_act`)."""
 
     config: ModelConfig
 
@@ -139,10 +179,14 @@ class MLP(nn.Module):
         c = self.config
         gate = _dense(c, c.intermediate_size, c.mlp_bias, "gate")(x)
         up = _dense(c, c.intermediate_size, c.mlp_bias, "up")(x)
-        return _dense(c, c.hidden_size, c.mlp_bias, "down")(swiglu(gate, up))
+        return _dense(c, c.hidden_size, c.mlp_bias, "down")(gated_activation(gate, up, c.hidden_act))
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))`; with `sandwich_norms` (Gemma 2/3) each
+    branch's output is normed again before the residual add. `inputs`: `attention_inputs(...)`, of which the
+    layer takes entry `kind`."""
+
     config: ModelConfig
 
     @nn.compact
@@ -150,17 +194,21 @@ class DecoderLayer(nn.Module):
         self,
         x: jax.Array,
         layer_cache: Cache | None,
-        cos: jax.Array,
-        sin: jax.Array,
-        allowed: jax.Array,
+        inputs: tuple[AttentionInputs, ...],
         cache_index: jax.Array | int,
+        kind: jax.Array | int = 0,
     ) -> tuple[jax.Array, Cache | None]:
-        h, layer_cache = Attention(self.config, name="attn")(
-            _norm(self.config, "attn_norm")(x), layer_cache, cos, sin, allowed, cache_index
-        )
+        c = self.config
+        cos, sin, allowed = _select(inputs, kind)
+        h, layer_cache = Attention(c, name="attn")(_norm(c, "attn_norm")(x), layer_cache, cos, sin, allowed,
+                                                   cache_index)
+        if c.sandwich_norms:
+            h = _norm(c, "attn_post_norm")(h)
         x = x + h
-        x = x + MLP(self.config, name="mlp")(_norm(self.config, "mlp_norm")(x))
-        return x, layer_cache
+        h = MLP(c, name="mlp")(_norm(c, "mlp_norm")(x))
+        if c.sandwich_norms:
+            h = _norm(c, "mlp_post_norm")(h)
+        return x + h, layer_cache
 
 
 class Decoder(nn.Module):
@@ -187,7 +235,7 @@ class Decoder(nn.Module):
             layer,
             variable_axes={"params": 0},
             split_rngs={"params": True, "dropout": True},
-            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+            in_axes=(0, nn.broadcast, nn.broadcast, 0),
             length=c.num_layers,
         )(c)
         self.final_norm = _norm(c, "final_norm")
@@ -204,20 +252,27 @@ class Decoder(nn.Module):
         return_hidden: bool = False,
     ) -> tuple[jax.Array, Cache | None]:
         c = self.config
-        cos, sin = rope_cos_sin(c, positions)
-        allowed = attention_allowed(key_mask, tokens.shape[1], cache_index, c.sliding_window)
-        x = self.embed(tokens)
-        x, cache = self.layers(x, cache, cos, sin, allowed, cache_index)
+        inputs = attention_inputs(c, positions, key_mask, tokens.shape[1], cache_index)
+        x = self.embed_tokens(tokens)
+        x, cache = self.layers(x, cache, inputs, cache_index, layer_kinds(c))
         x = self.final_norm(x)
         if return_hidden:
             return x, cache
         return self.unembed(x), cache
 
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        """Token embeddings `[..., D]`, times `sqrt(D)` in the compute dtype for Gemma (`embed_scale`)."""
+        x = self.embed(tokens)
+        if self.config.embed_scale:
+            x = x * jnp.asarray(self.config.hidden_size**0.5, x.dtype)
+        return x
+
     def unembed(self, hidden: jax.Array) -> jax.Array:
-        """Logits `[..., V]` from final hidden states `[..., D]` (tied: `hidden @ embedding^T`)."""
+        """Logits `[..., V]` from final hidden states `[..., D]` (tied: `hidden @ embedding^T`), soft-capped
+        for Gemma 2 (`final_logit_softcap`)."""
         if self.config.tie_word_embeddings:
-            return self.embed.attend(hidden)
-        return self.lm_head(hidden)
+            return softcap(self.embed.attend(hidden), self.config.final_logit_softcap)
+        return softcap(self.lm_head(hidden), self.config.final_logit_softcap)
 
 
 def init_params(config: ModelConfig, key: jax.Array) -> Params:

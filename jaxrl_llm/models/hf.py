@@ -47,11 +47,23 @@ def _host() -> Any:
         return None
 
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 _ARCHITECTURE = dict(zip(SUPPORTED_MODEL_TYPES, SUPPORTED_ARCHITECTURES, strict=True))
 # Sequence classifiers (reward models): the same decoder plus a `score` head (see models/reward_model.py).
-CLASSIFIER_ARCHITECTURES = tuple(a.replace("ForCausalLM", "ForSequenceClassification") for a in SUPPORTED_ARCHITECTURES)
+CLASSIFIER_ARCHITECTURES = tuple(a.replace("ForCausalLM", "ForSequenceClassification")
+                                 for a in SUPPORTED_ARCHITECTURES[:4])
+GEMMA_TYPES = ("gemma2", "gemma3_text")
+# Families refused with a reason beyond "not supported".
+_REFUSED = {
+    "mixtral": "mixture-of-experts families (Mixtral, Qwen-MoE) are out of scope",
+    "qwen2_moe": "mixture-of-experts families (Mixtral, Qwen-MoE) are out of scope",
+    "qwen3_moe": "mixture-of-experts families (Mixtral, Qwen-MoE) are out of scope",
+    "phimoe": "mixture-of-experts families (Mixtral, Qwen-MoE, PhiMoE) are out of scope",
+    "gemma3": "Gemma 3's multimodal checkpoint (Gemma3ForConditionalGeneration) is not supported; the text-only "
+              "Gemma3ForCausalLM (model_type gemma3_text) is",
+}
 
 # Files a model directory may carry besides weights and config; copied verbatim on export.
 TOKENIZER_FILES = (
@@ -93,6 +105,20 @@ _GLOBAL_TENSORS = {
     ("final_norm", "scale"): "model.norm.weight",
     ("lm_head", "kernel"): "lm_head.weight",
 }
+# Gemma 2/3 name their four norms differently: post_attention_layernorm is the attention output's norm there.
+_GEMMA_LAYER_TENSORS = {
+    ("attn_post_norm", "scale"): "post_attention_layernorm.weight",
+    ("mlp_norm", "scale"): "pre_feedforward_layernorm.weight",
+    ("mlp_post_norm", "scale"): "post_feedforward_layernorm.weight",
+}
+# Phi-3 fuses q|k|v and gate|up: our kernel -> (HF fused tensor, index of the part in the concatenation).
+_FUSED = {
+    ("attn", "q", "kernel"): ("self_attn.qkv_proj.weight", 0),
+    ("attn", "k", "kernel"): ("self_attn.qkv_proj.weight", 1),
+    ("attn", "v", "kernel"): ("self_attn.qkv_proj.weight", 2),
+    ("mlp", "gate", "kernel"): ("mlp.gate_up_proj.weight", 0),
+    ("mlp", "up", "kernel"): ("mlp.gate_up_proj.weight", 1),
+}
 # Tensors some checkpoints carry that the model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -107,8 +133,9 @@ def _check_supported(hf: dict[str, Any]) -> str:
     model_type = hf.get("model_type")
     archs = hf.get("architectures") or []
     if model_type not in SUPPORTED_MODEL_TYPES:
+        reason = f"{_REFUSED[model_type]}; " if model_type in _REFUSED else ""
         raise ConversionError(
-            f"unsupported model_type {model_type!r} (architectures {archs}); "
+            f"unsupported model_type {model_type!r} (architectures {archs}); {reason}"
             f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)} "
             f"({', '.join(SUPPORTED_ARCHITECTURES)})"
         )
@@ -118,72 +145,125 @@ def _check_supported(hf: dict[str, Any]) -> str:
             f"unsupported architecture {bad_archs[0]!r}; supported: "
             f"{', '.join(SUPPORTED_ARCHITECTURES + CLASSIFIER_ARCHITECTURES)}"
         )
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ConversionError(f"unsupported hidden_act {hf['hidden_act']!r}; supported: 'silu'")
+    act = _hidden_act(hf, str(model_type))
+    allowed = ("gelu_pytorch_tanh",) if model_type in GEMMA_TYPES else ("silu",)
+    if act not in allowed:
+        raise ConversionError(f"unsupported hidden_act {act!r} for {model_type}; supported: {', '.join(allowed)}")
     return str(model_type)
 
 
-def _rope_settings(hf: dict[str, Any]) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
-    """`(rope_theta, rope_scaling)` from transformers 4.x `rope_theta/rope_scaling` or 5.x `rope_parameters`;
-    the scaling as sorted `(key, value)` pairs (hashable), None for the default."""
-    rope = dict(hf.get("rope_parameters") or {})
-    rope_theta = float(hf.get("rope_theta", rope.pop("rope_theta", 10000.0)))
-    rope.pop("rope_theta", None)
-    scaling = hf.get("rope_scaling") or rope
+def _hidden_act(hf: dict[str, Any], model_type: str) -> str:
+    if model_type in GEMMA_TYPES:  # Gemma's config calls it hidden_activation
+        return str(hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh")
+    return str(hf.get("hidden_act", "silu"))
+
+
+def _hashable(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _scaling(scaling: dict[str, Any] | None, hf: dict[str, Any], model_type: str) -> tuple[tuple[str, Any], ...] | None:
+    """A `rope_scaling` dict as sorted hashable `(key, value)` pairs (None for the default); the scalings with
+    an original context get `original_max_position_embeddings` (Phi-3's top-level value first, as transformers)."""
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if model_type == "phi3" and kind in ("su", "yarn"):  # transformers reads both as longrope for Phi-3
+        kind = "longrope"
     if kind == "default":
-        return rope_theta, None
+        return None
     if kind not in SUPPORTED_ROPE_SCALING:
         raise ConversionError(
             f"unsupported rope_scaling type {kind!r}; supported: default, {', '.join(SUPPORTED_ROPE_SCALING)}"
         )
-    params = {k: v for k, v in scaling.items() if k not in ("type", "rope_theta") and v is not None}
-    return rope_theta, tuple(sorted({**params, "rope_type": kind}.items()))
+    params = {k: _hashable(v) for k, v in scaling.items()
+              if k not in ("type", "rope_theta", "partial_rotary_factor") and v is not None}
+    if kind in ("llama3", "yarn", "longrope"):
+        original = hf.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+        params["original_max_position_embeddings"] = int(original or hf.get("max_position_embeddings", 2048))
+    return tuple(sorted({**params, "rope_type": kind}.items()))
 
 
-def _sliding_window(hf: dict[str, Any], model_type: str) -> int | None:
-    if model_type == "mistral":
-        return int(hf["sliding_window"]) if hf.get("sliding_window") else None
+def _rope_settings(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """`rope_theta`, `rope_scaling`, `local_rope_theta`, `partial_rotary_factor` from transformers 4.x keys
+    (`rope_theta`, `rope_scaling`, Gemma 3's `rope_local_base_freq`) or 5.x `rope_parameters` (flat, or nested
+    per layer type as Gemma 3 saves it)."""
+    rope = dict(hf.get("rope_parameters") or {})
+    local_theta = None
+    if "full_attention" in rope or "sliding_attention" in rope:  # nested per layer type (transformers 5)
+        local = dict(rope.get("sliding_attention") or {})
+        rope = dict(rope.get("full_attention") or {})
+        if local and local.get("rope_type", local.get("type", "default")) != "default":
+            raise ConversionError("a scaled RoPE on the sliding layers is not supported (Gemma 3 uses the default)")
+        if model_type == "gemma3_text":
+            local_theta = float(local.get("rope_theta", hf.get("rope_local_base_freq", 10000.0)))
+    elif model_type == "gemma3_text":
+        local_theta = float(hf.get("rope_local_base_freq", 10000.0))
+    default_theta = 1_000_000.0 if model_type == "gemma3_text" else 10000.0
+    rope_theta = float(hf.get("rope_theta") or rope.get("rope_theta") or default_theta)
+    partial = float(hf.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0)
+    if partial != 1.0 and model_type != "phi3":
+        raise ConversionError(f"partial_rotary_factor {partial} is supported for phi3 only, not {model_type}")
+    return dict(rope_theta=rope_theta, rope_scaling=_scaling(hf.get("rope_scaling") or rope, hf, model_type),
+                local_rope_theta=local_theta, partial_rotary_factor=partial)
+
+
+def _attention_layout(hf: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
+    """`sliding_window` and `layer_types`: Mistral and Phi-3 slide every layer, Gemma 2 every other one
+    (layers 0, 2, ...), Gemma 3 five of every six; Qwen's per-layer windows are refused."""
+    window = int(hf["sliding_window"]) if hf.get("sliding_window") else None
+    if model_type in ("mistral", "phi3"):
+        return dict(sliding_window=window, layer_types=None)
+    if model_type in GEMMA_TYPES:
+        types = hf.get("layer_types")
+        if types is None:
+            pattern = 2 if model_type == "gemma2" else int(hf.get("sliding_window_pattern") or 6)
+            types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+        return dict(sliding_window=window, layer_types=tuple(types))
     if hf.get("use_sliding_window"):
         raise ConversionError(
             f"{model_type} with use_sliding_window=True is not supported (per-layer windows); "
-            "sliding windows are supported for model_type 'mistral' only"
+            "sliding windows are supported for mistral, phi3, gemma2 and gemma3_text"
         )
-    return None
+    return dict(sliding_window=None, layer_types=None)
 
 
 def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
     """`ModelConfig` from a config.json dict (transformers 4.x `rope_theta/rope_scaling` or 5.x
     `rope_parameters`). Raises `ConversionError` naming the supported types for anything else."""
     model_type = _check_supported(hf)
-    rope_theta, rope_scaling = _rope_settings(hf)
-    sliding_window = _sliding_window(hf, model_type)
     heads = int(hf["num_attention_heads"])
     hidden = int(hf["hidden_size"])
+    num_layers = int(hf["num_hidden_layers"])
     attention_bias = bool(hf.get("attention_bias", False))
+    gemma = model_type in GEMMA_TYPES
     eos = hf.get("eos_token_id")
     fields: dict[str, Any] = dict(
         vocab_size=int(hf["vocab_size"]),
         hidden_size=hidden,
         intermediate_size=int(hf["intermediate_size"]),
-        num_layers=int(hf["num_hidden_layers"]),
+        num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=int(hf.get("num_key_value_heads") or heads),
         head_dim=int(hf.get("head_dim") or hidden // heads),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
+        **_rope_settings(hf, model_type),
         max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
         qkv_bias=True if model_type == "qwen2" else attention_bias,
         o_bias=attention_bias and model_type != "qwen2",
         mlp_bias=bool(hf.get("mlp_bias", False)),
-        qk_norm=model_type == "qwen3",
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        sliding_window=sliding_window,
+        qk_norm=model_type in ("qwen3", "gemma3_text"),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
+        **_attention_layout(hf, model_type, num_layers),
         initializer_range=float(hf.get("initializer_range", 0.02)),
         model_type=model_type,
         bos_token_id=hf.get("bos_token_id"),
         eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+        hidden_act=_hidden_act(hf, model_type),
+        norm_unit_offset=gemma,
+        embed_scale=gemma,
+        sandwich_norms=gemma,
+        attn_logit_softcap=hf.get("attn_logit_softcapping") if gemma else None,
+        final_logit_softcap=hf.get("final_logit_softcapping") if gemma else None,
+        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar") or 256) if gemma else None,
     )
     fields.update(overrides)
     return ModelConfig(**fields)
@@ -210,7 +290,8 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         "max_position_embeddings": c.max_position_embeddings,
         "rms_norm_eps": c.rms_norm_eps,
         "rope_theta": c.rope_theta,
-        "rope_scaling": c.rope_scaling_dict,
+        "rope_scaling": None if c.rope_scaling is None else {k: list(v) if isinstance(v, tuple) else v
+                                                             for k, v in c.rope_scaling},
         "tie_word_embeddings": c.tie_word_embeddings,
         "initializer_range": c.initializer_range,
         "torch_dtype": c.param_dtype,
@@ -221,14 +302,31 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     if c.eos_token_id is not None:
         eos = c.eos_token_id
         hf["eos_token_id"] = list(eos) if isinstance(eos, tuple) else eos
+    if c.model_type == "phi3" and (c.qkv_bias or c.o_bias or c.mlp_bias):
+        raise ConversionError("phi3 has no biases; export this config as 'llama' instead")
     if c.model_type in ("llama", "qwen3"):
         hf["attention_bias"] = c.qkv_bias
         if c.qkv_bias != c.o_bias and c.model_type == "llama":
             raise ConversionError("llama's attention_bias covers q/k/v and o together")
     if c.model_type == "llama":
         hf["mlp_bias"] = c.mlp_bias
-    if c.model_type == "mistral":
+    if c.model_type in ("mistral", "phi3"):
         hf["sliding_window"] = c.sliding_window
+    if c.model_type == "phi3":
+        hf["partial_rotary_factor"] = c.partial_rotary_factor
+        hf["pad_token_id"] = None  # transformers' default (32000) would be out of range for a smaller vocabulary
+        scaling = c.rope_scaling_dict or {}
+        if "original_max_position_embeddings" in scaling:
+            hf["original_max_position_embeddings"] = scaling["original_max_position_embeddings"]
+    if c.model_type in GEMMA_TYPES:
+        hf.pop("hidden_act")
+        hf.update(hidden_activation=c.hidden_act, sliding_window=c.sliding_window,
+                  layer_types=list(c.layer_types) if c.layer_types else None,
+                  query_pre_attn_scalar=_int_if_whole(c.query_pre_attn_scalar),
+                  attn_logit_softcapping=c.attn_logit_softcap,
+                  final_logit_softcapping=c.final_logit_softcap, attention_bias=c.qkv_bias, pad_token_id=0)
+    if c.model_type == "gemma3_text":
+        hf["rope_local_base_freq"] = c.local_rope_theta
     if c.model_type in ("qwen2", "qwen3"):
         hf["use_sliding_window"] = False
         hf["sliding_window"] = None
@@ -236,10 +334,31 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     return hf
 
 
-def _tensor_name(path: tuple[str, ...], layer: int | None) -> str:
+def _int_if_whole(x: float | None) -> float | int | None:
+    """transformers' strict config fields want an int where the value is whole (query_pre_attn_scalar)."""
+    return int(x) if x is not None and float(x).is_integer() else x
+
+
+def _tensor_name(path: tuple[str, ...], layer: int | None, model_type: str = "llama") -> str:
+    """The HF tensor holding our parameter `path` (of layer `layer`); for Phi-3's fused kernels, the fused one."""
     if path[0] == "layers":
-        return f"model.layers.{layer}.{_LAYER_TENSORS[path[1:]]}"
+        if model_type == "phi3" and path[1:] in _FUSED:
+            return f"model.layers.{layer}.{_FUSED[path[1:]][0]}"
+        suffix = _GEMMA_LAYER_TENSORS.get(path[1:]) if model_type in GEMMA_TYPES else None
+        return f"model.layers.{layer}.{suffix or _LAYER_TENSORS[path[1:]]}"
     return _GLOBAL_TENSORS[path]
+
+
+def _fused_rows(path: tuple[str, ...], config: ModelConfig) -> tuple[int, int, int] | None:
+    """For a Phi-3 fused kernel: `(first row of our part, its rows, the fused tensor's rows)` in HF's `[out, in]`
+    layout (q|k|v: H*hd, KVH*hd, KVH*hd; gate|up: F, F); None for other parameters."""
+    if config.model_type != "phi3" or path[0] != "layers" or path[1:] not in _FUSED:
+        return None
+    hd = config.head_dim
+    widths = ((config.num_heads * hd, config.num_kv_heads * hd, config.num_kv_heads * hd)
+              if path[1] == "attn" else (config.intermediate_size,) * 2)
+    part = _FUSED[path[1:]][1]
+    return sum(widths[:part]), widths[part], sum(widths)
 
 
 def _is_kernel(path: tuple[str, ...]) -> bool:
@@ -346,36 +465,50 @@ class _TensorReader:
         self.used.add(name)
         return self.handles[file]
 
-    def check_shape(self, path: tuple[str, ...], name: str, expected_shape: tuple[int, ...]) -> None:
+    def check_shape(self, path: tuple[str, ...], name: str, expected_shape: tuple[int, ...],
+                    fused: tuple[int, int, int] | None = None) -> None:
         got = tuple(self.handle(name).get_slice(name).get_shape())
-        want = expected_shape[::-1] if _is_kernel(path) else expected_shape
-        if got != tuple(want):
+        want = tuple(expected_shape[::-1] if _is_kernel(path) else expected_shape)
+        if fused is not None:
+            want = (fused[2], *want[1:])
+        if got != want:
             raise ConversionError(f"tensor {name!r} has shape {list(got)}, expected {list(want)} from config.json")
 
-    def read_block(self, path: tuple[str, ...], name: str, index: tuple[slice, ...], dtype: Any) -> np.ndarray:
-        """Our `[..., in, out]` block `index` of HF tensor `name`."""
+    def read_block(self, path: tuple[str, ...], name: str, index: tuple[slice, ...], dtype: Any,
+                   fused: tuple[int, int, int] | None = None) -> np.ndarray:
+        """Our `[..., in, out]` block `index` of HF tensor `name` (of our part's rows, when `fused`)."""
         hf_slice = self.handle(name).get_slice(name)
+        hf_index = index[::-1] if _is_kernel(path) else index
+        if fused is not None:  # shift the out-rows into our part of the fused tensor
+            first, rows, _ = fused
+            start, stop, _ = hf_index[0].indices(rows)
+            hf_index = (slice(first + start, first + stop), *hf_index[1:])
         with jax.default_device(_host()):
-            block = np.asarray(hf_slice[index[::-1]] if _is_kernel(path) else hf_slice[index])
+            block = np.asarray(hf_slice[hf_index])
         return (block.T if _is_kernel(path) else block).astype(dtype, copy=False)
 
     def param(self, path: tuple[str, ...], spec: jax.ShapeDtypeStruct, config: ModelConfig,
               mesh: Mesh | None) -> jax.Array:
         """Parameter `path` (stacked `[L, ...]` under `layers`), each device reading only its own block."""
         stacked = path[0] == "layers"
+        fused = _fused_rows(path, config)
+
+        def name(layer: int | None) -> str:
+            return _tensor_name(path, layer, config.model_type)
+
         for layer in range(config.num_layers) if stacked else [None]:
-            self.check_shape(path, _tensor_name(path, layer), spec.shape[1:] if stacked else spec.shape)
+            self.check_shape(path, name(layer), spec.shape[1:] if stacked else spec.shape, fused)
 
         def block(index: tuple[slice, ...]) -> np.ndarray:
             index = tuple(index) + (slice(None),) * (len(spec.shape) - len(index))
             if not stacked:
-                return self.read_block(path, _tensor_name(path, None), index, spec.dtype)
+                return self.read_block(path, name(None), index, spec.dtype)
             chosen = range(config.num_layers)[index[0]]
-            first = self.read_block(path, _tensor_name(path, chosen[0]), index[1:], spec.dtype)
+            first = self.read_block(path, name(chosen[0]), index[1:], spec.dtype, fused)
             out = np.empty((len(chosen), *first.shape), spec.dtype)  # filled in place: one copy at a time
             out[0] = first
             for j, layer in enumerate(chosen[1:], start=1):
-                out[j] = self.read_block(path, _tensor_name(path, layer), index[1:], spec.dtype)
+                out[j] = self.read_block(path, name(layer), index[1:], spec.dtype, fused)
             return out
 
         if mesh is None:
@@ -409,15 +542,27 @@ def _map_with_path(fn: Any, tree: Params, prefix: tuple[str, ...] = ()) -> Param
 
 
 def hf_state_dict(params: Params, config: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield `(HF tensor name, numpy array)` one tensor at a time, in HF layouts."""
+    """Yield `(HF tensor name, numpy array)` one tensor at a time, in HF layouts; Phi-3's q|k|v and gate|up
+    are concatenated back into their fused tensors (yielded once all parts are in)."""
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    pending: dict[str, dict[int, np.ndarray]] = {}
     for key_path, leaf in flat:
         path = tuple(k.key for k in key_path)
         array = np.asarray(jax.device_get(leaf))
+        fused = _fused_rows(path, config)
         layers = range(config.num_layers) if path[0] == "layers" else [None]
         for layer in layers:
             tensor = array[layer] if layer is not None else array
-            yield _tensor_name(path, layer), np.ascontiguousarray(tensor.T if _is_kernel(path) else tensor)
+            tensor = np.ascontiguousarray(tensor.T if _is_kernel(path) else tensor)
+            name = _tensor_name(path, layer, config.model_type)
+            if fused is None:
+                yield name, tensor
+                continue
+            parts = pending.setdefault(name, {})
+            parts[fused[0]] = tensor
+            if sum(p.shape[0] for p in parts.values()) == fused[2]:
+                yield name, np.concatenate([parts[k] for k in sorted(parts)], axis=0)
+                del pending[name]
 
 
 def _write_safetensors(out: Path, tensors: Any, cast: np.dtype | None, max_shard_bytes: int) -> None:

@@ -16,63 +16,157 @@ from jaxrl_llm.models.config import ModelConfig
 # A large finite negative: a fully padded query row then gets a uniform (finite) softmax instead of NaN.
 MASKED = -1e30
 
-SUPPORTED_ROPE_SCALING = ("linear", "llama3")
+SUPPORTED_ROPE_SCALING = ("linear", "llama3", "yarn", "longrope")
 
 
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float, dtype: jnp.dtype | None = None) -> jax.Array:
+def rms_norm(
+    x: jax.Array, scale: jax.Array, eps: float, dtype: jnp.dtype | None = None, unit_offset: bool = False
+) -> jax.Array:
     """`y = x / sqrt(mean(x^2) + eps) * scale` over the last axis, normalised in float32 (as transformers'
-    LlamaRMSNorm), then scaled in `dtype` (default: `x`'s)."""
+    LlamaRMSNorm), then scaled in `dtype` (default: `x`'s). `unit_offset` (Gemma): `* (1 + scale)`, the product
+    taken in float32 before the cast, as Gemma's RMSNorm does."""
     dtype = dtype or x.dtype
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if unit_offset:
+        return (normed * (1.0 + scale.astype(jnp.float32))).astype(dtype)
     return scale.astype(dtype) * normed.astype(dtype)
 
 
-def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
-    """The gated MLP's inner activation: `silu(gate) * up` (the MLP is `down(swiglu(gate(x), up(x)))`)."""
+def gated_activation(gate: jax.Array, up: jax.Array, hidden_act: str = "silu") -> jax.Array:
+    """The gated MLP's inner activation, `act(gate) * up` (the MLP is `down(act(gate(x)) * up(x))`): SwiGLU
+    with `silu`, GeGLU with `gelu_pytorch_tanh` (`0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`)."""
+    if hidden_act == "gelu_pytorch_tanh":
+        return jax.nn.gelu(gate, approximate=True) * up
     return jax.nn.silu(gate) * up
 
 
-def masked_softmax(scores: jax.Array, allowed: jax.Array, head_dim: int) -> jax.Array:
-    """`softmax(scores / sqrt(hd))` over the last (key) axis with disallowed keys at `MASKED`, float32;
-    `allowed` broadcastable to `scores`."""
-    return jax.nn.softmax(jnp.where(allowed, scores / math.sqrt(head_dim), MASKED), axis=-1)
+def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """`silu(gate) * up`: `gated_activation` of the Llama family."""
+    return gated_activation(gate, up, "silu")
 
 
-def rope_inverse_frequencies(config: ModelConfig) -> np.ndarray:
-    """`inv_freq [hd/2]` = theta^(-2i/hd), adjusted by `rope_scaling` (transformers' `rope_utils`)."""
-    hd = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, hd, 2, dtype=np.float32) / hd))
-    scaling = config.rope_scaling_dict
+def softcap(x: jax.Array, cap: float | None) -> jax.Array:
+    """Gemma 2's soft capping, `cap * tanh(x / cap)` (identity when `cap` is None)."""
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+def masked_softmax(
+    scores: jax.Array, allowed: jax.Array, scale: float, logit_softcap: float | None = None
+) -> jax.Array:
+    """`softmax(softcap(scores * scale))` over the last (key) axis with disallowed keys at `MASKED`, float32
+    (transformers' order: scale, soft cap, mask); `allowed` broadcastable to `scores`."""
+    return jax.nn.softmax(jnp.where(allowed, softcap(scores * scale, logit_softcap), MASKED), axis=-1)
+
+
+def _rope_scaling_of(config: ModelConfig, local: bool) -> tuple[float, dict | None]:
+    """`(theta, scaling)` of a layer kind: Gemma 3's local layers use `local_rope_theta` unscaled."""
+    if local and config.local_rope_theta is not None:
+        return config.local_rope_theta, None
+    return config.rope_theta, config.rope_scaling_dict
+
+
+def rotary_dim(config: ModelConfig) -> int:
+    """How many leading dims of each head RoPE rotates: `int(head_dim * partial_rotary_factor)`."""
+    return int(config.head_dim * config.partial_rotary_factor)
+
+
+def rope_parameters(config: ModelConfig, local: bool = False) -> tuple[np.ndarray, np.ndarray | None, int, float]:
+    """`(inv_freq [rot/2], long_inv_freq or None, original_max_positions, attention_factor)` per transformers'
+    `modeling_rope_utils`: base frequencies `theta^(-2i/rot)`, adjusted by the scaling type;
+    `long_inv_freq` (longrope only) replaces `inv_freq` when a batch reaches past `original_max_positions`;
+    `attention_factor` multiplies cos and sin (yarn, longrope; 1 otherwise)."""
+    theta, scaling = _rope_scaling_of(config, local)
+    dim = rotary_dim(config)
+    exponents = np.arange(0, dim, 2, dtype=np.float32) / dim
+    inv_freq = (1.0 / (theta ** exponents)).astype(np.float32)
     if scaling is None:
-        return inv_freq.astype(np.float32)
+        return inv_freq, None, 0, 1.0
     kind = scaling.get("rope_type", scaling.get("type"))
-    factor = float(scaling["factor"])
     if kind == "linear":
-        return (inv_freq / factor).astype(np.float32)
+        return (inv_freq / float(scaling["factor"])).astype(np.float32), None, 0, 1.0
+    original = int(scaling.get("original_max_position_embeddings") or config.max_position_embeddings)
+    factor = scaling.get("factor")
+    factor = float(factor) if factor is not None else config.max_position_embeddings / original
     if kind == "llama3":
         low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-        old_context = float(scaling["original_max_position_embeddings"])
         wavelen = 2 * math.pi / inv_freq
-        scaled = np.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
-        smooth = (old_context / wavelen - low) / (high - low)
+        scaled = np.where(wavelen > original / low, inv_freq / factor, inv_freq)
+        smooth = (original / wavelen - low) / (high - low)
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= old_context / high) & (wavelen <= old_context / low)
-        return np.where(medium, smoothed, scaled).astype(np.float32)
+        medium = (wavelen >= original / high) & (wavelen <= original / low)
+        return np.where(medium, smoothed, scaled).astype(np.float32), None, original, 1.0
+    if kind == "yarn":
+        return _yarn(scaling, theta, dim, factor, original)
+    if kind == "longrope":
+        attention = scaling.get("attention_factor")
+        if attention is None:
+            attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        base = (theta ** exponents).astype(np.float32)
+        short = (1.0 / (np.asarray(scaling["short_factor"], np.float32) * base)).astype(np.float32)
+        long = (1.0 / (np.asarray(scaling["long_factor"], np.float32) * base)).astype(np.float32)
+        return short, long, original, float(attention)
     raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: {', '.join(SUPPORTED_ROPE_SCALING)}")
 
 
-def rope_cos_sin(config: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """`cos, sin [B, T, hd]` for integer `positions [B, T]`, computed in float32."""
-    inv_freq = jnp.asarray(rope_inverse_frequencies(config))
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, hd/2]
+def _yarn(scaling: dict, theta: float, dim: int, factor: float, original: int) -> tuple:
+    """YaRN (Peng et al. 2023): per-dimension blend of interpolated (`inv_freq / factor`) and extrapolated
+    frequencies by a linear ramp between the correction dims of `beta_fast` and `beta_slow` rotations, and the
+    attention factor `0.1 ln(factor) + 1` (or `mscale`'s ratio)."""
+
+    def get_mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = (get_mscale(factor, mscale) / get_mscale(factor, mscale_all) if mscale and mscale_all
+                     else get_mscale(factor))
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    pos_freqs = theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim)
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv.astype(np.float32), None, original, float(attention)
+
+
+def rope_inverse_frequencies(config: ModelConfig, local: bool = False) -> np.ndarray:
+    """`inv_freq [rot/2]` of the scaling (longrope: its short factors)."""
+    return rope_parameters(config, local)[0]
+
+
+def rope_cos_sin(config: ModelConfig, positions: jax.Array, local: bool = False) -> tuple[jax.Array, jax.Array]:
+    """`cos, sin [..., rot]` for integer `positions [...]`, computed in float32 and multiplied by the attention
+    factor. Longrope picks its long factors for the whole batch when `max(positions) + 1` exceeds the original
+    context (as transformers' dynamic update does, per forward call)."""
+    inv, long_inv, original, attention = rope_parameters(config, local)
+    inv_freq = jnp.asarray(inv)
+    if long_inv is not None:
+        inv_freq = jnp.where(jnp.max(positions) + 1 > original, jnp.asarray(long_inv), inv_freq)
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., rot/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
+    if attention == 1.0:
+        return jnp.cos(emb), jnp.sin(emb)
+    return jnp.cos(emb) * attention, jnp.sin(emb) * attention
 
 
 def rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """`x * cos + rotate_half(x) * sin` (HF convention: the two halves of each head are the pairs), with
-    `cos, sin` broadcastable to `x [..., hd]` (cast to `x`'s dtype)."""
+    `cos, sin` broadcastable to `x [..., hd]` (cast to `x`'s dtype). With `cos [..., rot]`, `rot < hd` (partial
+    rotary), only the first `rot` dims rotate and the rest pass through."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return jnp.concatenate([rotary(x[..., :rot], cos, sin), x[..., rot:]], axis=-1)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos.astype(x.dtype) + rotated * sin.astype(x.dtype)
@@ -101,9 +195,10 @@ def attention_allowed(
 
 
 def grouped_query_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, *, query_chunk: int = 0
+    q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, *, query_chunk: int = 0,
+    scale: float | None = None, logit_softcap: float | None = None,
 ) -> jax.Array:
-    """softmax(q k^T / sqrt(hd)) v with GQA.
+    """softmax(softcap(q k^T * scale)) v with GQA (`scale` defaults to 1/sqrt(hd)).
 
     q `[B, T, H, hd]`, k/v `[B, S, KVH, hd]`, allowed `[B, T, S]` -> `[B, T, H * hd]`. Scores and softmax
     in float32; each group of `H / KVH` query heads shares one key/value head.
@@ -113,13 +208,14 @@ def grouped_query_attention(
     not `[B, H, T, S]`. Each query's softmax still runs over all its keys: the result is the same function.
     """
     t = q.shape[1]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     if not query_chunk or t <= query_chunk:
-        return _attention_block(q, k, v, allowed)
+        return _attention_block(q, k, v, allowed, scale, logit_softcap)
     n_full, rem = divmod(t, query_chunk)
 
     def chunk(start: jax.Array | int, size: int) -> jax.Array:
         return _attention_block(jax.lax.dynamic_slice_in_dim(q, start, size, axis=1), k, v,
-                                jax.lax.dynamic_slice_in_dim(allowed, start, size, axis=1))
+                                jax.lax.dynamic_slice_in_dim(allowed, start, size, axis=1), scale, logit_softcap)
 
     blocks = jax.lax.map(jax.checkpoint(lambda start: chunk(start, query_chunk)),
                          jnp.arange(n_full, dtype=jnp.int32) * query_chunk)  # [n, B, chunk, H * hd]
@@ -129,12 +225,13 @@ def grouped_query_attention(
     return out
 
 
-def _attention_block(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.Array:
+def _attention_block(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, scale: float,
+                     logit_softcap: float | None) -> jax.Array:
     b, t, h, hd = q.shape
     kvh = k.shape[2]
     q = q.reshape(b, t, kvh, h // kvh, hd)
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
-    probs = masked_softmax(scores, allowed[:, None, None], hd).astype(v.dtype)
+    probs = masked_softmax(scores, allowed[:, None, None], scale, logit_softcap).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
     return out.reshape(b, t, h * hd)
 

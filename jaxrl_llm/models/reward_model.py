@@ -112,6 +112,11 @@ def save_hf_reward_model(params: Params, score_kernel: jax.Array, config: ModelC
     num_labels = int(score_kernel.shape[1])
     architecture = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification",
                     "qwen3": "Qwen3ForSequenceClassification", "mistral": "MistralForSequenceClassification"}
+    if config.model_type not in architecture:
+        from jaxrl_llm.errors import ConversionError
+
+        raise ConversionError(f"reward models (...ForSequenceClassification) are supported for "
+                              f"{', '.join(architecture)}, not {config.model_type}")
     extra_config = {
         "architectures": [architecture[config.model_type]],
         "num_labels": num_labels,

@@ -255,6 +255,7 @@ def token_logprobs_chunked(
     temperature: float | Array = ...,
     chunk_size: int = ...,
     with_entropy: Literal[False] = ...,
+    logit_softcap: float | None = ...,
 ) -> Array: ...
 
 
@@ -266,6 +267,7 @@ def token_logprobs_chunked(
     temperature: float | Array = ...,
     chunk_size: int = ...,
     with_entropy: Literal[True],
+    logit_softcap: float | None = ...,
 ) -> tuple[Array, Array]: ...
 
 
@@ -307,6 +309,7 @@ def token_logprobs_from_hidden(
     temperature: float | Array = ...,
     chunk_size: int = ...,
     with_entropy: Literal[False] = ...,
+    logit_softcap: float | None = ...,
 ) -> Array: ...
 
 
@@ -319,6 +322,7 @@ def token_logprobs_from_hidden(
     temperature: float | Array = ...,
     chunk_size: int = ...,
     with_entropy: Literal[True],
+    logit_softcap: float | None = ...,
 ) -> tuple[Array, Array]: ...
 
 
@@ -330,8 +334,10 @@ def token_logprobs_from_hidden(
     temperature: float | Array = 1.0,
     chunk_size: int = 128,
     with_entropy: bool = False,
+    logit_softcap: float | None = None,
 ) -> Array | tuple[Array, Array]:
     """Log-probs of ``tokens`` under ``softmax(hidden @ unembed / temperature)`` without full logits.
+    With ``logit_softcap`` (Gemma 2) the logits are ``cap * tanh(hidden @ unembed / cap)`` first.
 
     ``logits = hidden @ unembed`` is formed ``chunk_size`` positions at a time (float32 accumulation via
     ``preferred_element_type``), reduced to the token log-prob (and entropy), and discarded; the backward
@@ -351,6 +357,8 @@ def token_logprobs_from_hidden(
         # contracts two axes, which XLA:CPU lowers through strided transposes).
         flat = jnp.dot(h.reshape(-1, h.shape[-1]), unembed, preferred_element_type=jnp.float32)
         z = flat.reshape(*h.shape[:-1], unembed.shape[-1])
+        if logit_softcap is not None:
+            z = logit_softcap * jnp.tanh(z / logit_softcap)
         logp, ent = _logprobs_entropy_f32(z, tok, temperature, with_entropy)
         return (logp,) if ent is None else (logp, ent)
 
