@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -74,32 +76,26 @@ def test_reward_model_as_a_reward_function(tmp_path):
 
 
 def test_reward_model_training_learns_and_exports_a_transformers_classifier(tmp_path):
-    """`--algo rm` on preference pairs: held-out pair accuracy rises; the export is a classifier that
-    transformers loads and that scores like ours."""
+    """`--algo rm` on preference pairs, from the SFT model as RMs usually start: held-out pair accuracy rises
+    (measured 0.49 -> 0.85 here; from random weights the rise was too slow to test robustly across CPUs); the
+    export is a classifier that transformers loads and that scores like ours."""
     import json
 
-    import jax
     import torch
     from transformers import AutoModelForSequenceClassification
 
     from jaxrl_llm.config import load_run_config
-    from jaxrl_llm.models.decoder import init_params
-    from jaxrl_llm.models.hf import config_from_hf, save_hf_model
     from jaxrl_llm.tasks.arithmetic import make_preferences, make_problems, make_tokenizer
     from jaxrl_llm.trainers import train
 
     tokenizer = make_tokenizer()
-    tokenizer.save_pretrained(tmp_path / "tok")
-    tiny = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True, vocab_size=len(tokenizer))
-    config = config_from_hf(tiny)
-    save_hf_model(init_params(config, jax.random.key(0)), config, tmp_path / "base", tokenizer_dir=tmp_path / "tok")
+    base = Path(__file__).resolve().parents[1] / "models" / "arith-base"
     pairs = make_preferences(make_problems(600, seed=1, max_digits=2), seed=2)
     for name, rows in (("train", pairs[:500]), ("test", pairs[500:])):
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    run = load_run_config(None, [f"model.path={tmp_path / 'base'}", f"data.train={tmp_path / 'train.jsonl'}",
-                                 f"data.eval={tmp_path / 'test.jsonl'}", f"out_dir={tmp_path / 'run'}", "steps=150",
-                                 "sft.batch_size=32", "optim.learning_rate=3e-3", "progress_bar=false",
+    run = load_run_config(None, [f"model.path={base}", f"data.train={tmp_path / 'train.jsonl'}",
+                                 f"data.eval={tmp_path / 'test.jsonl'}", f"out_dir={tmp_path / 'run'}", "steps=60",
+                                 "sft.batch_size=32", "optim.learning_rate=1e-3", "progress_bar=false",
                                  "tensorboard=false", "eval_every=0"], algo="rm")
     summary = train(run)
     assert summary["after"]["eval/pair_accuracy"] >= summary["before"]["eval/pair_accuracy"] + 0.15
