@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import TINY  # noqa: F401  (the tiny_task fixture lives in conftest)
+from conftest import FAST_COMPILE_FLAGS, TINY  # noqa: F401  (the tiny_task fixture lives in conftest)
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
@@ -84,9 +84,11 @@ def run(shape, grad_accum=1):
             "sampled_logprobs": np.asarray(sampled.logprobs).tolist()}
 
 
+PART = int(sys.argv[1])  # the script runs in two halves, one per pytest-xdist worker
 reference = run(None)
 out = {"one": {k: reference[k] for k in ("loss", "grad_norm", "kl", "tokens", "sampled", "sampled_logprobs")}}
-for shape, accum in [((8, 1, 1), 1), ((2, 4, 1), 1), ((2, 2, 2), 1), ((1, 2, 4), 1), ((2, 2, 2), 2)]:
+halves = ([((8, 1, 1), 1), ((2, 4, 1), 1), ((2, 2, 2), 1)], [((1, 2, 4), 1), ((2, 2, 2), 2)])
+for shape, accum in halves[PART]:
     r = run(shape, accum)
     leaves = jax.tree_util.tree_flatten_with_path(reference["params"])[0]
     other = jax.tree.leaves(r["params"])
@@ -95,6 +97,10 @@ for shape, accum in [((8, 1, 1), 1), ((2, 4, 1), 1), ((2, 2, 2), 1), ((1, 2, 4),
                                "tokens": r["tokens"], "param_rel_diff": rel, "specs": r["specs"],
                                "mu_specs": r["mu_specs"], "sampled": r["sampled"],
                                "sampled_logprobs": r["sampled_logprobs"]}
+
+if PART == 0:
+    print(json.dumps(out))
+    sys.exit(0)
 
 # LoRA: adapters (replicated) over a sharded frozen base; the merged weights inside the jitted step.
 from jaxrl_llm.lora import LoraSpec, init_adapters, merge_adapters
@@ -152,27 +158,42 @@ print(json.dumps(out))
 """
 
 
-def _run_mesh_script() -> str:
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=600,
-                          cwd=ROOT)
+def _run_mesh_script(part: int) -> str:
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {FAST_COMPILE_FLAGS}",
+           "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(part)], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc.stdout.strip().splitlines()[-1]
 
 
 @pytest.fixture(scope="module")
 def mesh_results(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> dict:
-    """The 8-device script's results, computed once per test session: with pytest-xdist workers, the first
-    worker runs it and the others read its file (pytest-xdist's recipe for a fixture run once)."""
+    """The 8-device script's results, computed once per test session in two halves: with pytest-xdist, each
+    worker that reaches this fixture runs a half nobody has claimed (a non-blocking file lock), then waits for
+    the other half, so neither worker idles while the other compiles everything."""
     if worker_id == "master":  # no xdist
-        return json.loads(_run_mesh_script())
-    from filelock import FileLock
+        return {**json.loads(_run_mesh_script(0)), **json.loads(_run_mesh_script(1))}
+    from filelock import FileLock, Timeout
 
-    shared = tmp_path_factory.getbasetemp().parent / "mesh_results.json"  # this session's, shared by the workers
-    with FileLock(str(shared) + ".lock"):
-        if not shared.is_file():
-            shared.write_text(_run_mesh_script())
-    return json.loads(shared.read_text())
+    shared = tmp_path_factory.getbasetemp().parent  # this session's, shared by the workers
+    paths = [shared / f"mesh_results_{part}.json" for part in (0, 1)]
+    for part, path in enumerate(paths):
+        lock = FileLock(str(path) + ".lock")
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            continue  # the other worker is computing this half
+        try:
+            if not path.is_file():
+                path.write_text(_run_mesh_script(part))
+        finally:
+            lock.release()
+    results: dict = {}
+    for path in paths:
+        with FileLock(str(path) + ".lock"):
+            results.update(json.loads(path.read_text()))
+    return results
 
 
 @pytest.mark.parametrize("mesh", [f"{m}/1" for m in MESHES] + ["(2, 2, 2)/2"])
@@ -311,7 +332,7 @@ def test_two_processes_train_like_one(tiny_task: Path, tmp_path: Path) -> None:
         (out / "run.yaml").write_text(_run_config(tiny_task, out / "run"))
     cmd = [sys.executable, str(ROOT / "train.py"), "--algo", "grpo", "--config"]
     ref = subprocess.run(cmd + [str(single / "run.yaml")], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                         env={**base, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+                         env={**base, "XLA_FLAGS": f"--xla_force_host_platform_device_count=4 {FAST_COMPILE_FLAGS}",
                               "REWARD_LOG": str(single / "rewards.log")})
     assert ref.returncode == 0, ref.stderr[-3000:]
     port = _free_port()
@@ -321,7 +342,7 @@ def test_two_processes_train_like_one(tiny_task: Path, tmp_path: Path) -> None:
                    f"distributed.coordinator_address=localhost:{port}", "distributed.num_processes=2",
                    f"distributed.process_id={i}"],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env={**base, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+            env={**base, "XLA_FLAGS": f"--xla_force_host_platform_device_count=2 {FAST_COMPILE_FLAGS}",
                  "REWARD_LOG": str(multi / "rewards.log")},
         )
         for i in range(2)
@@ -351,7 +372,8 @@ def test_two_processes_train_like_one(tiny_task: Path, tmp_path: Path) -> None:
 
 
 def test_batch_not_divisible_by_the_mesh_is_a_clear_error(tiny_task: Path, tmp_path: Path) -> None:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count=4 {FAST_COMPILE_FLAGS}"}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "train.py"), "--algo", "sft", f"model.path={tiny_task / 'model'}",
          f"data.train={tiny_task / 'train.jsonl'}", "data.eval=''", f"out_dir={tmp_path}", "steps=1",
