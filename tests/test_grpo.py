@@ -44,10 +44,20 @@ def _config(task: Path, out: Path, *overrides: str):
     )
 
 
+def completion_length(prompts, completions, **fields):
+    """A reward that differs within a group of a random model's completions (the tiny model rarely adds
+    right, so math_answer alone can leave every group at 0 and the policy unmoved): their length / 8."""
+    return [len(c) / 8 for c in completions]
+
+
+# math_answer (whose metric names the test checks) plus a reward with variance, so the policy surely moves.
+TWO_REWARDS = "rewards=[{name: math_answer}, {name: 'test_grpo:completion_length'}]"
+
+
 def test_short_run_writes_metrics_checkpoints_and_resumes(tiny_task, tmp_path):
     out = tmp_path / "run"
     config = _config(tiny_task, out, "steps=3", "checkpoint_every=2", "rl.beta=0.04", "rl.mu=2",
-                     "rl.minibatch_size=8", "sample_every=1", "export=false")
+                     "rl.minibatch_size=8", "sample_every=1", "export=false", TWO_REWARDS)
     summary = make_trainer(config).run()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward/mean" in r]
@@ -67,7 +77,7 @@ def test_short_run_writes_metrics_checkpoints_and_resumes(tiny_task, tmp_path):
 
     # Resume: continues from step 3 with the saved params, optimizer state and data position.
     resumed = make_trainer(_config(tiny_task, out, "steps=5", "checkpoint_every=2", "rl.beta=0.04",
-                                  "rl.mu=2", "rl.minibatch_size=8", "export=false"), resume=True)
+                                  "rl.mu=2", "rl.minibatch_size=8", "export=false", TWO_REWARDS), resume=True)
     assert resumed.step == 3
     assert resumed.data_state.position == 12  # 3 steps x 4 prompts
     first = make_trainer(_config(tiny_task, tmp_path / "fresh", "steps=3", "export=false"))
