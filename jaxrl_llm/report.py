@@ -33,7 +33,7 @@ PLOTS: dict[str, tuple[str, str, list[str], list[str]]] = {
                                                      "clip_fraction"], []),
     "lengths": ("Completion lengths (tokens) and the truncated fraction (dashed, right)", "tokens",
                 ["completion_length/mean", "completion_length/max"], ["frac_truncated"]),
-    "time": ("Time per step (s) and rollout tokens/s (dashed, right)", "seconds",
+    "time": ("Time per step (s, log scale) and rollout tokens/s (dashed, right)", "seconds",
              ["time/rollout", "time/data", "time/update", "time/step"], ["tokens_per_second"]),
 }
 
@@ -127,6 +127,8 @@ def plot(name: str, runs: Sequence[dict[str, Any]], path: Path) -> None:
     if not drawn:
         ax.text(0.5, 0.5, "not logged by " + ("these runs" if len(runs) > 1 else "this run"), ha="center",
                 va="center", transform=ax.transAxes, color="gray")
+    if name == "time" and drawn:
+        ax.set_yscale("log")  # the first step's compilation is 10-100x a step: linear axes flatten the rest
     ax.set_title(title, fontsize=10)
     ax.set_xlabel("step")
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
