@@ -17,18 +17,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(tempfile.gettempdir()) / "jaxrl_llm_test_xla_cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-# Compilation dominates a cold run of the suite (tiny models, many distinct programs): LLVM's cheaper settings
-# cut it by about a quarter; matmuls still call the same library kernels. Subprocesses that set their own
-# XLA_FLAGS (virtual devices) add FAST_COMPILE_FLAGS themselves.
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
-                           " --xla_llvm_disable_expensive_passes=true").strip()
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+# Compilation dominates a cold run of the suite (tiny models, many distinct programs): LLVM's cheaper settings
+# cut it by about a quarter; matmuls still call the same library kernels. XLA reads XLA_FLAGS when the first
+# backend starts, not at `import jax`. Subprocesses that set their own XLA_FLAGS (virtual devices) add these.
 FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}".strip()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 

@@ -105,11 +105,6 @@ class ModelConfig:
         return self.layer_types is None or self.layer_types[layer] == "sliding_attention"
 
     @property
-    def per_layer_attention(self) -> bool:
-        """Whether layers differ in their mask or RoPE (Gemma 2/3): the decoder then builds both variants."""
-        return self.layer_types is not None and len(set(self.layer_types)) > 1
-
-    @property
     def attention_scale(self) -> float:
         """The factor on `q . k`: `1 / sqrt(query_pre_attn_scalar or head_dim)`."""
         return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5

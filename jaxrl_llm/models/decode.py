@@ -16,14 +16,12 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.decoder import Decoder, DecoderLayer, Params, attention_inputs, unembed
+from jaxrl_llm.models.decoder import Decoder, DecoderLayer, Params, attention_inputs, attention_kind, unembed
 from jaxrl_llm.models.layers import (
-    attention_allowed,
     gated_activation,
     masked_softmax,
     positions_from_mask,
     rms_norm,
-    rope_cos_sin,
     rope_parameters,
     rotary,
 )
@@ -61,11 +59,10 @@ def decode_layers(
     decoder = Decoder(config)
     x = decoder.apply({"params": params}, tokens, method=lambda m, t: m.embed_tokens(t))
     inputs = attention_inputs(config, positions, key_mask, tokens.shape[1], cache_index)
-    kinds = sorted({config.is_sliding(i) for i in range(config.num_layers)})
     layer = DecoderLayer(config)
     new_caches = []
     for i, (weights, cache) in enumerate(zip(layer_params, caches, strict=True)):
-        own = (inputs[kinds.index(config.is_sliding(i))],)  # the layer's kind, chosen statically
+        own = (inputs[attention_kind(config, i)],)  # the layer's kind, chosen statically
         x, cache = layer.apply({"params": weights}, x, cache, own, cache_index)
         new_caches.append(cache)
     x = decoder.apply({"params": params}, x, method=lambda m, h: m.final_norm(h))
@@ -204,13 +201,11 @@ def decode_token(
     if c.embed_scale:
         x = x * jnp.asarray(c.hidden_size**0.5, x.dtype)
     eps, unit = c.rms_norm_eps, c.norm_unit_offset
-    kinds = sorted({c.is_sliding(i) for i in range(c.num_layers)})
-    rope = {local: rope_cos_sin(c, positions[:, None], local=local) for local in kinds}  # [B, 1, rot]
-    allowed_of = {local: attention_allowed(key_mask, 1, cache_index, c.sliding_window if local else None)[:, 0]
-                  for local in kinds}  # [B, S]
+    inputs = attention_inputs(c, positions[:, None], key_mask, 1, cache_index)  # cos/sin [B, 1, rot], [B, 1, S]
     new_caches = []
     for i, (w, cache) in enumerate(zip(weights, caches, strict=True)):
-        (cos, sin), allowed = rope[c.is_sliding(i)], allowed_of[c.is_sliding(i)]
+        cos, sin, allowed = inputs[attention_kind(c, i)]
+        allowed = allowed[:, 0]  # [B, S]
         qkv = rms_norm(x, w.attn_norm, eps, unit_offset=unit) @ w.qkv
         if w.qkv_bias is not None:
             qkv = qkv + w.qkv_bias

@@ -39,9 +39,7 @@ from jaxrl_llm.models.layers import (  # noqa: F401  (re-exported: the decoder's
     positions_from_mask,
     rms_norm,
     rope_cos_sin,
-    rope_inverse_frequencies,
     softcap,
-    swiglu,
 )
 
 Params = dict[str, Any]
@@ -50,15 +48,23 @@ Cache = dict[str, jax.Array]
 AttentionInputs = tuple[jax.Array, jax.Array, jax.Array]
 
 
+def _kinds(config: ModelConfig) -> list[bool]:
+    """The layer kinds present (False: full attention, True: sliding window), in `attention_inputs`' order."""
+    return sorted({config.is_sliding(i) for i in range(config.num_layers)})
+
+
+def attention_kind(config: ModelConfig, layer: int) -> int:
+    """Layer `layer`'s index into `attention_inputs(...)` (0 for every layer when the layers are alike)."""
+    return _kinds(config).index(config.is_sliding(layer))
+
+
 def attention_inputs(
-    config: ModelConfig, positions: jax.Array, key_mask: jax.Array, num_queries: int, cache_index: jax.Array | int,
-    layers: list[int] | None = None,
+    config: ModelConfig, positions: jax.Array, key_mask: jax.Array, num_queries: int, cache_index: jax.Array | int
 ) -> tuple[AttentionInputs, ...]:
     """The rotary tables and masks the layers need: one `AttentionInputs` when every layer is alike, else
-    `(global, local)` (index with `layer_kinds`). `layers`: only these layers' kinds (the unrolled decoder)."""
-    kinds = sorted({config.is_sliding(i) for i in (layers if layers is not None else range(config.num_layers))})
+    `(global, local)` (index with `attention_kind`)."""
     out = []
-    for local in kinds:
+    for local in _kinds(config):
         cos, sin = rope_cos_sin(config, positions, local=local)
         out.append((cos, sin, attention_allowed(key_mask, num_queries, cache_index,
                                                 config.sliding_window if local else None)))
@@ -66,9 +72,8 @@ def attention_inputs(
 
 
 def layer_kinds(config: ModelConfig) -> jax.Array:
-    """`[L]` int32: each layer's index into `attention_inputs(...)` (0 for all when the layers are alike)."""
-    kinds = [config.is_sliding(i) for i in range(config.num_layers)]
-    return jnp.asarray([int(k) if len(set(kinds)) > 1 else 0 for k in kinds], jnp.int32)
+    """`[L]` int32: `attention_kind` of every layer (scanned along the layer stack)."""
+    return jnp.asarray([attention_kind(config, i) for i in range(config.num_layers)], jnp.int32)
 
 
 def _select(inputs: tuple[AttentionInputs, ...], kind: jax.Array | int) -> AttentionInputs:

@@ -56,11 +56,9 @@ CLASSIFIER_ARCHITECTURES = tuple(a.replace("ForCausalLM", "ForSequenceClassifica
                                  for a in SUPPORTED_ARCHITECTURES[:4])
 GEMMA_TYPES = ("gemma2", "gemma3_text")
 # Families refused with a reason beyond "not supported".
+_MOE = "mixture-of-experts families (Mixtral, Qwen-MoE, PhiMoE) are out of scope"
 _REFUSED = {
-    "mixtral": "mixture-of-experts families (Mixtral, Qwen-MoE) are out of scope",
-    "qwen2_moe": "mixture-of-experts families (Mixtral, Qwen-MoE) are out of scope",
-    "qwen3_moe": "mixture-of-experts families (Mixtral, Qwen-MoE) are out of scope",
-    "phimoe": "mixture-of-experts families (Mixtral, Qwen-MoE, PhiMoE) are out of scope",
+    **dict.fromkeys(("mixtral", "qwen2_moe", "qwen3_moe", "phimoe"), _MOE),
     "gemma3": "Gemma 3's multimodal checkpoint (Gemma3ForConditionalGeneration) is not supported; the text-only "
               "Gemma3ForCausalLM (model_type gemma3_text) is",
 }

@@ -41,11 +41,6 @@ def gated_activation(gate: jax.Array, up: jax.Array, hidden_act: str = "silu") -
     return jax.nn.silu(gate) * up
 
 
-def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
-    """`silu(gate) * up`: `gated_activation` of the Llama family."""
-    return gated_activation(gate, up, "silu")
-
-
 def softcap(x: jax.Array, cap: float | None) -> jax.Array:
     """Gemma 2's soft capping, `cap * tanh(x / cap)` (identity when `cap` is None)."""
     return x if cap is None else cap * jnp.tanh(x / cap)
@@ -97,7 +92,7 @@ def rope_parameters(config: ModelConfig, local: bool = False) -> tuple[np.ndarra
         medium = (wavelen >= original / high) & (wavelen <= original / low)
         return np.where(medium, smoothed, scaled).astype(np.float32), None, original, 1.0
     if kind == "yarn":
-        return _yarn(scaling, theta, dim, factor, original)
+        return _yarn(scaling, theta, dim, factor, original, inv_freq)
     if kind == "longrope":
         attention = scaling.get("attention_factor")
         if attention is None:
@@ -109,7 +104,7 @@ def rope_parameters(config: ModelConfig, local: bool = False) -> tuple[np.ndarra
     raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: {', '.join(SUPPORTED_ROPE_SCALING)}")
 
 
-def _yarn(scaling: dict, theta: float, dim: int, factor: float, original: int) -> tuple:
+def _yarn(scaling: dict, theta: float, dim: int, factor: float, original: int, inv_freq: np.ndarray) -> tuple:
     """YaRN (Peng et al. 2023): per-dimension blend of interpolated (`inv_freq / factor`) and extrapolated
     frequencies by a linear ramp between the correction dims of `beta_fast` and `beta_slow` rotations, and the
     attention factor `0.1 ln(factor) + 1` (or `mscale`'s ratio)."""
@@ -135,14 +130,8 @@ def _yarn(scaling: dict, theta: float, dim: int, factor: float, original: int) -
         high += 0.001
     ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
     extrapolation = 1 - ramp
-    pos_freqs = theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim)
-    inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    inv = (inv_freq / factor) * (1 - extrapolation) + inv_freq * extrapolation
     return inv.astype(np.float32), None, original, float(attention)
-
-
-def rope_inverse_frequencies(config: ModelConfig, local: bool = False) -> np.ndarray:
-    """`inv_freq [rot/2]` of the scaling (longrope: its short factors)."""
-    return rope_parameters(config, local)[0]
 
 
 def rope_cos_sin(config: ModelConfig, positions: jax.Array, local: bool = False) -> tuple[jax.Array, jax.Array]:

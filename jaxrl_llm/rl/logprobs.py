@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax import Array, lax
 
+from jaxrl_llm.models.layers import softcap
+
 AggregationMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 AGGREGATION_MODES: tuple[str, ...] = (
     "token-mean",
@@ -357,8 +359,7 @@ def token_logprobs_from_hidden(
         # contracts two axes, which XLA:CPU lowers through strided transposes).
         flat = jnp.dot(h.reshape(-1, h.shape[-1]), unembed, preferred_element_type=jnp.float32)
         z = flat.reshape(*h.shape[:-1], unembed.shape[-1])
-        if logit_softcap is not None:
-            z = logit_softcap * jnp.tanh(z / logit_softcap)
+        z = softcap(z, logit_softcap)
         logp, ent = _logprobs_entropy_f32(z, tok, temperature, with_entropy)
         return (logp,) if ent is None else (logp, ent)
 
