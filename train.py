@@ -8,10 +8,11 @@ Relative paths in the YAML file are relative to its folder; on the command line,
 `--print-config` prints the resolved config, every field with a one-line comment, and exits (all fields:
 docs/config.md). Ctrl-C or SIGTERM stops after the current step with a checkpoint (exit 130).
 
-A run owns its out_dir: a new run refuses a directory that holds another run (`--resume` continues it,
-`--overwrite` starts over), and `--resume` refuses config changes to the math unless
-`--allow-config-change`. Errors are one line on stderr (exit 2: usage, config, data; 1: runtime);
-`--debug` shows the traceback instead.
+A run owns what it creates, and records it in out_dir/.jaxrl_llm-run.json: a new run refuses a directory that
+holds another run (`--resume` continues it, `--overwrite` starts over, deleting exactly what that run created)
+or other files (except its config file's own folder, whose files it leaves alone), and `--resume` refuses
+config changes to the math, or changed data files, unless `--allow-config-change`. Errors are one line on
+stderr (exit 2: usage, config, data, model, disk; 1: runtime); `--debug` shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                         help="print the resolved config with a comment per field, and exit")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in out_dir")
     parser.add_argument("--overwrite", action="store_true",
-                        help="start over in an out_dir that holds a run (deletes its checkpoints, metrics, export)")
+                        help="start over in an out_dir that holds a run (deletes exactly what that run created)")
+    parser.add_argument("--allow-tracked-dir", action="store_true",
+                        help="let out_dir be a git work tree's root or a directory holding git-tracked files")
     parser.add_argument("--allow-config-change", action="store_true",
                         help="--resume even if the config changes the math or shapes of the checkpointed run")
     parser.add_argument("--export-adapters", action="store_true",
@@ -74,7 +77,8 @@ def main(argv: list[str]) -> int:
         validate_environment(config)
     except ConfigError as e:
         raise ConfigError(f"{e} ({config_source(str(e), preset, overrides)})") from e
-    options = dict(resume=args.resume, overwrite=args.overwrite, allow_config_change=args.allow_config_change)
+    options = dict(resume=args.resume, overwrite=args.overwrite, allow_config_change=args.allow_config_change,
+                   config_dir=Path(preset).parent, allow_tracked_dir=args.allow_tracked_dir)
     from jaxrl_llm.errors import RunInterrupted
     from jaxrl_llm.trainers import train
 
@@ -98,10 +102,14 @@ def main(argv: list[str]) -> int:
     if config.report:
         import jax
 
+        from jaxrl_llm.errors import RunDirError
         from jaxrl_llm.report import write_report
 
         if jax.process_index() == 0:
-            print(f"report: {write_report([config.out_dir])}")
+            try:
+                print(f"report: {write_report([config.out_dir])}")
+            except RunDirError as e:  # a folder named report/ that is not the run's: the run is done all the same
+                print(f"train.py: report skipped: {e}", file=sys.stderr)
     return 0
 
 

@@ -18,6 +18,15 @@ dynamic sampling still samples more than it trains on (refill rounds), which the
 shows. Intermediate evaluations and checkpoints are switched off (`eval_every=0 checkpoint_every=0`) so the
 wall times compare training (plus start-up, compilation, and the before/after evaluations).
 
+The 2025 objectives are rows of the GRPO preset with config overrides (shown in the table): CISPO, SAPO,
+high-entropy token selection (`rl.top_entropy_quantile=0.2`), Clip-Cov, KL-Cov and adaptive entropy control. With
+the preset's one update per rollout the ratio is 1 (up to sampler / trainer rounding), where CISPO's and SAPO's
+gradients are GRPO's and KL-Cov's penalty `|log ratio|` is ~0; so those three, and a GRPO baseline beside them
+(`grpo_mb4`), split each rollout into 4 minibatches (`rl.minibatch_size=32`: 4 updates, the ratio moves after the
+first). The Cov ratios are 0.02 (about 15 of the at most 768 tokens of a rollout), not the papers' 2e-4 / 2e-3 of
+batches of millions of tokens, which would pick a single token here. The "entropy at the end" column is the last
+step's `entropy` (mean per token, nats, at the sampling temperature, measured during the update).
+
 The `rm_ppo` row is the RLHF chain: `python train.py --algo rm` (Bradley-Terry reward model on
 `data/arithmetic/preferences_train.jsonl`, 300 steps of 64 pairs), then PPO with
 `configs/ppo_rm_arithmetic.yaml`, whose only training reward is that reward model; its wall time includes the
@@ -48,8 +57,10 @@ class Algorithm:
     label: str
     algo: str  # train.py --algo
     config: str  # preset in configs/
+    overrides: tuple[str, ...] = ()  # config overrides on top of the preset (the 2025 objectives' rows)
 
 
+FOUR_MINIBATCHES = ("rl.minibatch_size=32",)  # 4 updates per rollout of 128: off-policy after the first
 ALGORITHMS = [
     Algorithm("grpo", "GRPO", "grpo", "grpo_arithmetic.yaml"),
     Algorithm("drgrpo", "Dr.GRPO", "grpo", "drgrpo_arithmetic.yaml"),
@@ -58,6 +69,20 @@ ALGORITHMS = [
     Algorithm("rloo", "RLOO", "rloo", "rloo_arithmetic.yaml"),
     Algorithm("reinforce_pp", "REINFORCE++", "reinforce_pp", "reinforce_pp_arithmetic.yaml"),
     Algorithm("rm_ppo", "RM -> PPO (learned reward)", "ppo", "ppo_rm_arithmetic.yaml"),
+    # The 2025 objectives (docs/algorithms.md), each against the GRPO row of the same update schedule.
+    Algorithm("top_entropy", "GRPO, top-20% entropy tokens", "grpo", "grpo_arithmetic.yaml",
+              ("rl.top_entropy_quantile=0.2",)),
+    Algorithm("clip_cov", "GRPO + Clip-Cov", "grpo", "grpo_arithmetic.yaml", ("rl.clip_cov_ratio=0.02",)),
+    Algorithm("entropy_control", "GRPO + adaptive entropy control", "grpo", "grpo_arithmetic.yaml",
+              ("rl.entropy_target=0.2", "rl.entropy_coef=0.0", "rl.entropy_coef_delta=0.005")),
+    Algorithm("grpo_mb4", "GRPO, 4 minibatches", "grpo", "grpo_arithmetic.yaml", FOUR_MINIBATCHES),
+    # TRL's / ScaleRL's CISPO: no lower bound, weight capped at eps_max = 5 (epsilon_high = eps_max - 1).
+    Algorithm("cispo", "CISPO, 4 minibatches", "grpo", "grpo_arithmetic.yaml",
+              (*FOUR_MINIBATCHES, "rl.policy_loss=cispo", "rl.epsilon_low=1.0", "rl.epsilon_high=4.0")),
+    Algorithm("sapo", "SAPO, 4 minibatches", "grpo", "grpo_arithmetic.yaml",
+              (*FOUR_MINIBATCHES, "rl.policy_loss=sapo")),
+    Algorithm("kl_cov", "GRPO + KL-Cov, 4 minibatches", "grpo", "grpo_arithmetic.yaml",
+              (*FOUR_MINIBATCHES, "rl.kl_cov_ratio=0.02")),
 ]
 COMMON = ("eval_every=0", "checkpoint_every=0", "progress_bar=false", "tensorboard=false")
 
@@ -88,12 +113,13 @@ def read_run(out_dir: Path, steps: int) -> dict[str, float]:
     prompts, group = config["rl"]["prompts_per_step"], config["rl"]["group_size"]
     refills = sum(int(r.get("dynamic_sampling/refill_rounds", 0)) for r in train_rows.values())
     return {"before": before[0], "after": after[-1], "steps": steps, "prompts": prompts, "group": group,
-            "sampled": (steps + refills) * prompts * group, "refills": refills}
+            "sampled": (steps + refills) * prompts * group, "refills": refills,
+            "entropy": train_rows[steps].get("entropy", float("nan"))}
 
 
 def bench(alg: Algorithm, args: argparse.Namespace) -> dict[str, float]:
     out = args.out / alg.key
-    overrides = [f"out_dir={out}", f"steps={args.steps}", f"seed={args.seed}", *COMMON]
+    overrides = [*alg.overrides, f"out_dir={out}", f"steps={args.steps}", f"seed={args.seed}", *COMMON]
     wall = 0.0
     if alg.key == "rm_ppo":
         rm_dir = args.out / "rm"
@@ -124,14 +150,16 @@ def budget(r: dict[str, float]) -> str:
 def table(results: dict[str, dict[str, float]]) -> str:
     befores = {round(r["before"], 6) for r in results.values()}
     base = next(iter(results.values()))["before"]
-    lines = ["| algorithm | held-out greedy accuracy | delta vs base | wall time | completions sampled |",
-             "| --- | --- | --- | --- | --- |",
-             f"| base model (`models/arith-base`) | {100 * base:.1f}% | | | |"]
+    lines = ["| algorithm | held-out greedy accuracy | delta vs base | entropy at the end | wall time "
+             "| completions sampled |",
+             "| --- | --- | --- | --- | --- | --- |",
+             f"| base model (`models/arith-base`) | {100 * base:.1f}% | | | | |"]
     for alg in ALGORITHMS:
         if alg.key in results:
             r = results[alg.key]
-            lines.append(f"| {alg.label} (`{alg.config}`) | {100 * r['after']:.1f}% | "
-                         f"{100 * (r['after'] - base):+.1f} points | {minutes(r['wall'])} | "
+            preset = " ".join([alg.config, *alg.overrides])
+            lines.append(f"| {alg.label} (`{preset}`) | {100 * r['after']:.1f}% | "
+                         f"{100 * (r['after'] - base):+.1f} points | {r['entropy']:.3f} | {minutes(r['wall'])} | "
                          f"{r['sampled']:,} ({budget(r)}) |")
     if len(befores) > 1:
         lines.append(f"\nWarning: the runs' before-evaluations differ ({sorted(befores)}).")

@@ -6,18 +6,26 @@ starts the rest of the state (optimizer moments) from the algorithm's fresh init
 
 A checkpoint that cannot be read (a truncated file, a half-written step left by a crash) is moved aside to
 `corrupt_checkpoints/` next to the checkpoint directory, with a warning, and the previous one is used.
+
+A checkpoint that cannot be written (disk full, a read-only or vanished directory) raises `StorageError`, one
+line naming the step, the directory and the cause; orbax's writer threads log nothing meanwhile, the half-written
+step is removed and the previous checkpoint stays as it was.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import logging
 import shutil
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import orbax.checkpoint as ocp
 
-from jaxrl_llm.errors import RunDirError, one_line
+from jaxrl_llm.errors import RunDirError, StorageError, one_line
 
 WEIGHT_KEYS = ("params", "key")  # what a weights-only checkpoint keeps of the state
 
@@ -25,10 +33,17 @@ WEIGHT_KEYS = ("params", "key")  # what a weights-only checkpoint keeps of the s
 class Checkpointer:
     """Thin wrapper over `ocp.CheckpointManager`: a pytree `state` plus a JSON `meta` dict per step."""
 
-    def __init__(self, directory: str | Path, keep: int = 2) -> None:
+    def __init__(self, directory: str | Path, keep: int = 2,
+                 claim: Callable[[Path], None] | None = None) -> None:
+        """`claim(path)` is told of each folder the checkpointer is about to create (the run's manifest)."""
         self.directory = Path(directory).absolute()
         self.keep = max(keep, 1)
-        self.manager = self._manager()
+        self.claim = claim or (lambda path: None)
+        self.claim(self.directory)
+        self.pending: int | None = None  # the step whose (asynchronous) write may still be in flight
+        self.failed = False
+        with quiet_orbax():
+            self.manager = self._manager()
 
     def _manager(self) -> ocp.CheckpointManager:
         return ocp.CheckpointManager(
@@ -36,11 +51,40 @@ class Checkpointer:
         )
 
     def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
-        self.manager.save(
-            step,
-            args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
-            force=True,
-        )
+        """Start writing the checkpoint of `step` (asynchronously); a failed earlier write raises here."""
+        with self._writing():
+            self.manager.wait_until_finished()
+            self.pending = step
+            self.manager.save(
+                step,
+                args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+                force=True,
+            )
+
+    def wait(self) -> None:
+        """Block until the last checkpoint is on disk; `StorageError` if it could not be written."""
+        with self._writing():
+            self.manager.wait_until_finished()
+        self.pending = None
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        try:
+            with quiet_orbax():
+                yield
+        except Exception as e:
+            cause = storage_cause(e)
+            if cause is None:
+                raise
+            self.failed = True
+            step, self.pending = self.pending, None
+            self._remove_partial(step)
+            kept = self.latest_step()
+            raise StorageError(
+                f"{cause} while writing checkpoint {step} to {self.directory}; "
+                + (f"the checkpoint of step {kept} is intact (continue with --resume once there is room)"
+                   if kept is not None else "no earlier checkpoint was written")
+            ) from None
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -58,11 +102,20 @@ class Checkpointer:
 
     def keep_only_weights(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
         """Replace every checkpoint by one of `step` holding only `WEIGHT_KEYS` of `state`."""
-        self.manager.wait_until_finished()
+        self.wait()
         for old in self.all_steps():
             self.manager.delete(old)
         self.save(step, {k: state[k] for k in WEIGHT_KEYS}, {**meta, "weights_only": True})
-        self.manager.wait_until_finished()
+        self.wait()
+
+    def _remove_partial(self, step: int | None) -> None:
+        """The unfinished folder a failed write left (ours, and it holds the space the disk lacks)."""
+        if step is None:
+            return
+        for partial in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
+            shutil.rmtree(partial, ignore_errors=True)
+        with contextlib.suppress(Exception):
+            self.manager.reload()
 
     def _weights_only(self, step: int) -> bool:
         try:
@@ -91,6 +144,7 @@ class Checkpointer:
                     restored = self.restore(step, abstract_state)
             except Exception as e:  # any failure to read this step: try the one before
                 aside = self.directory.parent / "corrupt_checkpoints" / str(step)
+                self.claim(aside.parent)
                 print(f"jaxrl_llm: warning: checkpoint {self.directory / str(step)} cannot be read "
                       f"({type(e).__name__}: {one_line(str(e))[:200]}); moved to {aside}, "
                       f"falling back to the previous one", file=sys.stderr)
@@ -109,10 +163,11 @@ class Checkpointer:
     def set_aside(self, first_step: int, folder: str) -> list[int]:
         """Move the checkpoints of steps >= `first_step` to `folder` next to the checkpoint directory (so a
         resume starts before them, and nothing is deleted); returns their steps."""
-        self.manager.wait_until_finished()
+        self.wait()
         moved = [s for s in self.all_steps() if s >= first_step]
         for step in moved:
             target = self.directory.parent / folder / str(step)
+            self.claim(target.parent)
             target.parent.mkdir(parents=True, exist_ok=True)
             if target.exists():
                 shutil.rmtree(target)
@@ -123,8 +178,80 @@ class Checkpointer:
         return moved
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        """Finish the last write and close; after a failed write (already reported) only close."""
+        try:
+            if not self.failed:
+                self.wait()
+        finally:
+            with quiet_orbax(), contextlib.suppress(Exception):
+                self.manager.close()
+
+
+# orbax reports a failed write from each of its writer threads with a logged traceback, whenever the thread
+# notices it, before the main thread sees the exception; the one-line `StorageError` replaces them. Only
+# records of storage failures are dropped: orbax's other messages still reach the log.
+_ORBAX_LOGGERS = ("absl", "orbax", "asyncio")
+
+
+class _StorageFailureFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not ((error is not None and storage_cause(error)) or _text_cause(record.getMessage()))
+
+
+_FILTER = _StorageFailureFilter()
+
+
+def _drop_closed_loop_callbacks(previous: Any) -> Any:
+    """An unraisable-exception hook for what a failed write leaves behind: tensorstore completes the writes
+    orbax cancelled on a loop that is gone, and each completion reports 'Event loop is closed'."""
+    def hook(unraisable: Any) -> None:
+        if not (unraisable.object is None and isinstance(unraisable.exc_value, RuntimeError)
+                and str(unraisable.exc_value) == "Event loop is closed"):
+            previous(unraisable)
+
+    hook.drops_closed_loop_callbacks = True  # type: ignore[attr-defined]
+    return hook
+
+
+@contextlib.contextmanager
+def quiet_orbax() -> Iterator[None]:
+    """Install the filters (they stay: orbax's threads report after the call that started them returned)."""
+    for name in _ORBAX_LOGGERS:
+        logger = logging.getLogger(name)
+        if _FILTER not in logger.filters:
+            logger.addFilter(_FILTER)
+    if not getattr(sys.unraisablehook, "drops_closed_loop_callbacks", False):
+        sys.unraisablehook = _drop_closed_loop_callbacks(sys.unraisablehook)
+    yield
+
+
+_STORAGE_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
+                   errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
+                   errno.ENOENT: "the directory disappeared", errno.EIO: "input/output error"}
+# tensorstore reports an OS error as a status string, not an errno
+_STORAGE_TEXTS = (("No space left on device", "no space left on device"),
+                  ("Disk quota exceeded", "disk quota exceeded"), ("Read-only file system", "read-only file system"),
+                  ("Permission denied", "permission denied"), ("RESOURCE_EXHAUSTED", "no space left on device"))
+
+
+def storage_cause(error: BaseException) -> str | None:
+    """'no space left on device' (or another storage cause) when `error` or its cause is a failed write."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _STORAGE_ERRNOS:
+            return _STORAGE_ERRNOS[e.errno]
+        cause = _text_cause(str(e))
+        if cause is not None:
+            return cause
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _text_cause(text: str) -> str | None:
+    return next((cause for needle, cause in _STORAGE_TEXTS if needle in text), None)
 
 
 def abstract_like(tree: Any) -> Any:

@@ -1,9 +1,9 @@
 """The commands' error boundary: every failure becomes one line on stderr and an exit code.
 
 `run_command(prog, main, argv)` calls `main(argv)` and turns what it raises into `prog: error: ...`:
-project errors (`jaxrl_llm.errors`) with their own exit code (2 for usage, config and data; 1 for runtime),
-file-system errors (exit 1), anything else as an internal error (exit 1). With `--debug` in `argv` the
-exception propagates with its traceback instead.
+project errors (`jaxrl_llm.errors`) with their own exit code (2 for usage, config, data, model and storage;
+1 for runtime), file-system errors (exit 2: disk full, read-only, a missing path), anything else as an internal
+error (exit 1). With `--debug` in `argv` the exception propagates with its traceback instead.
 """
 
 from __future__ import annotations
@@ -32,10 +32,11 @@ def error_line(prog: str, error: BaseException) -> tuple[str, int]:
     """`(message, exit code)` for an exception raised by a command."""
     if isinstance(error, JaxrlError):
         return f"{prog}: error: {one_line(str(error))}", error.exit_code
-    if isinstance(error, OSError):
-        where = f" ({error.filename})" if getattr(error, "filename", None) else ""
-        reason = error.strerror or str(error)
-        return f"{prog}: error: file system: {one_line(reason)}{where}", 1
+    if isinstance(error, OSError):  # the disk refused a read or write: the user must make room or fix a path
+        reason = one_line(error.strerror or str(error))
+        reason = reason[:1].lower() + reason[1:]
+        where = f" at {error.filename}" if getattr(error, "filename", None) else ""
+        return f"{prog}: error: file system: {reason}{where}", 2
     return (f"{prog}: error: internal error {type(error).__name__}: {one_line(str(error))} "
             f"(rerun with {DEBUG_FLAG} for the traceback, and please report it)"), 1
 

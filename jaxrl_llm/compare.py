@@ -8,9 +8,16 @@ Each model (a HF directory, RUN_DIR or RUN_DIR:STEP) answers every prompt (greed
 shows each prompt's answers under the labels A, B, C, ... with the models shuffled per prompt (a permutation
 drawn per prompt from `--seed`); the key is a separate file:
 
-    DIR/sheet.html, DIR/sheet.csv    prompt_id, prompt, label, response (for the raters)
-    DIR/votes.csv                    prompt_id, preferred: a template to fill with the preferred label
-    DIR/key.json                     per prompt, label -> model (keep it from the raters)
+    DIR/sheet.html, DIR/sheet.csv    prompt_id, prompt, label, response, sheet_id (for the raters)
+    DIR/votes.csv                    prompt_id, preferred, sheet_id: a template to fill with the preferred label
+    DIR/key.json                     sheet_id, and per prompt, label -> model (keep it from the raters)
+
+The sheet's identity, `sheet_id`, ties the three together: the first 16 hex digits of the sha256 of the rows
+`[prompt_id, prompt, label, response]` sorted by (prompt_id, label), as compact JSON (`sheet_id(rows)`). It covers
+the responses too, not just the prompts and labels, so that two sheets of the same prompts with another `--seed`
+(other label -> response pairs) or other models also differ; it never covers which model wrote what, so it tells
+the raters nothing the sheet does not. sheet.html shows it, every row of sheet.csv and votes.csv carries it (keep
+the column when filling the votes), and key.json records it.
 
 `--judge` scores every response with a reward function (a built-in, module:function, or the directory of a
 reward model) and prints, for each pair of models, the win rate of the first over the second,
@@ -18,13 +25,17 @@ reward model) and prints, for each pair of models, the win rate of the first ove
     win_rate(i, j) = mean over prompts of o_p,  o_p = 1 if s_i > s_j, 1/2 if s_i == s_j, else 0
 
 with a 95% interval mean +- 1.96 * std(o) / sqrt(P) (clipped to [0, 1]). `--reveal` joins the filled votes
-with the key and prints each model's share of the votes (same interval).
+with the key and prints each model's share of the votes (same interval). It refuses (exit 2) votes whose rows
+carry different sheet ids, votes and a key of different sheets, and a vote for a prompt or label the key lacks;
+votes or a key without a sheet id (written before sheet ids) are accepted with a warning that they cannot be
+matched.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 import html
 import itertools
 import json
@@ -59,10 +70,59 @@ def sheet_rows(prompts: Sequence[str], responses: Sequence[Sequence[str]],
             for p, order in enumerate(assignment) for slot, model in enumerate(order)]
 
 
-def key_of(models: Sequence[str], assignment: Sequence[Sequence[int]], seed: int) -> dict[str, Any]:
-    return {"models": list(models), "seed": seed,
-            "labels": {str(p): {LABELS[slot]: models[m] for slot, m in enumerate(order)}
-                       for p, order in enumerate(assignment)}}
+def sheet_id(rows: Sequence[dict[str, Any]]) -> str:
+    """The sheet's identity: 16 hex digits of the sha256 of its `[prompt_id, prompt, label, response]` rows (see
+    the module docstring). Extra fields (a `sheet_id` column read back from sheet.csv) are ignored, and prompt_id
+    is hashed as text, so rows read back from sheet.csv give the id they were written with."""
+    # Sorted, so the id is the sheet's content whatever order a spreadsheet kept the rows in.
+    canon = sorted([str(r["prompt_id"]), str(r["prompt"]), str(r["label"]), str(r["response"])] for r in rows)
+    blob = json.dumps(canon, ensure_ascii=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def key_of(models: Sequence[str], assignment: Sequence[Sequence[int]], seed: int,
+           sheet: str | None = None) -> dict[str, Any]:
+    """The key: per prompt, label -> model; with `sheet`, the `sheet_id` of the sheet it decodes."""
+    key: dict[str, Any] = {"models": list(models), "seed": seed}
+    if sheet is not None:
+        key["sheet_id"] = sheet
+    key["labels"] = {str(p): {LABELS[slot]: models[m] for slot, m in enumerate(order)}
+                     for p, order in enumerate(assignment)}
+    return key
+
+
+def votes_sheet_id(votes: Sequence[dict[str, str]], votes_name: str = "the votes") -> str | None:
+    """The one sheet id the votes' rows carry, or None if they carry none (a file from before sheet ids, or the
+    column dropped). Rows with different ids, or some with an id and some without, are refused: such a file mixes
+    sheets, and its votes cannot all be decoded by one key."""
+    ids: dict[str, int] = {}  # id ("" for none) -> first line (the header is line 1)
+    for line, vote in enumerate(votes, start=2):
+        if not any(str(v or "").strip() for v in vote.values()):
+            continue  # a blank line a spreadsheet left at the end
+        ids.setdefault(str(vote.get("sheet_id") or "").strip(), line)
+    if set(ids) <= {""}:
+        return None
+    if len(ids) > 1:
+        found = ", ".join(f"{i or 'none'} (from line {line})" for i, line in ids.items())
+        raise UsageError(f"{votes_name} mixes the votes of several sheets: its rows carry the sheet ids {found}; "
+                         f"reveal each sheet's votes separately, with its own key")
+    return next(iter(ids))
+
+
+def check_same_sheet(votes: Sequence[dict[str, str]], key: dict[str, Any], votes_name: str = "the votes",
+                     key_name: str = "the key") -> str:
+    """Raise UsageError unless the votes and the key are of one sheet; return a warning ("" if none) when either
+    has no sheet id to compare (written before sheet ids: accepted, so old sheets still reveal)."""
+    of_votes, of_key = votes_sheet_id(votes, votes_name), key.get("sheet_id")
+    if of_votes is not None and of_key is not None and of_votes != of_key:
+        raise UsageError(f"{votes_name} is for sheet {of_votes} but {key_name} is the key of sheet {of_key}; "
+                         f"reveal a sheet's votes with its own key")
+    missing = [name for name, i in ((votes_name, of_votes), (key_name, of_key)) if i is None]
+    if missing:
+        return (f"{' and '.join(missing)} {'carry' if len(missing) > 1 else 'carries'} no sheet id (written before "
+                f"sheet ids, or the column was dropped), so the votes cannot be matched to the key: make sure "
+                f"they are of the same sheet")
+    return ""
 
 
 def rate(outcomes: Sequence[float]) -> tuple[float, float, float]:
@@ -84,7 +144,8 @@ def win_rates(scores: np.ndarray, models: Sequence[str]) -> dict[str, tuple[floa
 
 
 def reveal(votes: Sequence[dict[str, str]], key: dict[str, Any]) -> dict[str, tuple[float, float, float]]:
-    """Each model's share of the votes `{prompt_id, preferred}` (a label), mapped through the key."""
+    """Each model's share of the votes `{prompt_id, preferred}` (a label), mapped through the key. Whether the
+    votes are of the key's sheet is `check_same_sheet`'s to say; this refuses a vote the key cannot decode."""
     labels, models = key["labels"], key["models"]
     chosen = []
     for i, vote in enumerate(votes, start=2):
@@ -100,12 +161,29 @@ def reveal(votes: Sequence[dict[str, str]], key: dict[str, Any]) -> dict[str, tu
     return {m: rate([float(c == m) for c in chosen]) for m in models}
 
 
-def render_sheet(rows: Sequence[dict[str, Any]]) -> str:
+def load_key(path: Path) -> dict[str, Any]:
+    """key.json, checked to be a compare key (a wrong file is a one-line error, not a KeyError)."""
+    try:
+        key = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"{path} is not a compare key (not JSON: {e})") from e
+    if (not isinstance(key, dict) or not isinstance(key.get("models"), list)
+            or not isinstance(key.get("labels"), dict)
+            or not all(isinstance(v, dict) for v in key["labels"].values())
+            or not isinstance(key.get("sheet_id") or "", str)):
+        raise DataError(f"{path} is not a compare key (it needs 'models', 'labels': {{prompt_id: {{label: model}}}} "
+                        f"and, since sheet ids, a 'sheet_id' string): pass the key.json the sheet was written with")
+    return key
+
+
+def render_sheet(rows: Sequence[dict[str, Any]], sheet: str = "") -> str:
+    """sheet.html; with `sheet`, its sheet_id is shown, so a rater can see which sheet votes.csv belongs to."""
+    ident = f"<p>Sheet <code>{html.escape(sheet)}</code> (votes.csv carries the same sheet_id).</p>" if sheet else ""
     parts = ["<!doctype html><html><head><meta charset='utf-8'><title>blind comparison</title><style>"
              "body{font-family:sans-serif;margin:20px;max-width:1000px} td,th{border:1px solid #ccc;padding:4px;"
              "vertical-align:top} table{border-collapse:collapse;width:100%} pre{white-space:pre-wrap;margin:0}"
              "</style></head><body><h1>Blind comparison</h1><p>For each prompt, write the label of the best "
-             "response in votes.csv (column preferred).</p>"]
+             f"response in votes.csv (column preferred).</p>{ident}"]
     for pid, group in itertools.groupby(rows, key=lambda r: r["prompt_id"]):
         group = list(group)
         parts.append(f"<h3>Prompt {pid}</h3><pre>{html.escape(group[0]['prompt'])}</pre><table>")
@@ -201,25 +279,31 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise UsageError(f"--reveal needs the votes file {votes_path} and the key {key_path} (--key)")
         with votes_path.open(newline="") as f:
             votes = list(csv.DictReader(f))
-        rates = reveal(votes, json.loads(key_path.read_text()))
-        _print_rates(f"share of the votes ({sum(1 for v in votes if v.get('preferred', '').strip())} votes, "
+        key = load_key(key_path)
+        warning = check_same_sheet(votes, key, votes_name=str(votes_path), key_name=str(key_path))
+        if warning:
+            print(f"python -m jaxrl_llm.compare: warning: {warning}", file=sys.stderr)
+        rates = reveal(votes, key)
+        _print_rates(f"share of the votes ({sum(1 for v in votes if str(v.get('preferred') or '').strip())} votes, "
                      f"95% interval):", rates)
         return 0
     prompts, responses, scores = generate(args)
     assignment = blind_assignment(len(prompts), len(args.models), args.seed)
     rows = sheet_rows(prompts, responses, assignment)
+    sheet = sheet_id(rows)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with (out / "sheet.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["prompt_id", "prompt", "label", "response"])
+        writer = csv.DictWriter(f, fieldnames=["prompt_id", "prompt", "label", "response", "sheet_id"])
         writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows([{**r, "sheet_id": sheet} for r in rows])
     with (out / "votes.csv").open("w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["prompt_id", "preferred"])
-        writer.writerows([[p, ""] for p in range(len(prompts))])
-    (out / "sheet.html").write_text(render_sheet(rows))
-    (out / "key.json").write_text(json.dumps(key_of(args.models, assignment, args.seed), indent=1) + "\n")
+        # sheet_id last, after the column the raters fill, and on every row so that it survives row edits.
+        writer.writerow(["prompt_id", "preferred", "sheet_id"])
+        writer.writerows([[p, "", sheet] for p in range(len(prompts))])
+    (out / "sheet.html").write_text(render_sheet(rows, sheet))
+    (out / "key.json").write_text(json.dumps(key_of(args.models, assignment, args.seed, sheet), indent=1) + "\n")
     print(f"wrote {out / 'sheet.html'}, {out / 'sheet.csv'} and {out / 'votes.csv'} for the raters; the key is "
           f"{out / 'key.json'}")
     if scores is not None:

@@ -14,10 +14,13 @@ import math
 import os
 import re
 import sys
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -99,12 +102,35 @@ class RLSection:
     epsilon_low: float = 0.2  # ratio clip range below 1 (PPO epsilon)
     epsilon_high: float = 0.2  # ratio clip range above 1 (DAPO clip-higher: 0.28)
     dual_clip_c: float = 0.0  # 0 = off; else > 1
-    policy_loss: str = "ppo_clip"  # rl.losses.POLICY_LOSSES: ppo_clip (token ratio) | gspo (sequence ratio)
+    # rl.losses.POLICY_LOSSES: ppo_clip (token ratio) | gspo (sequence ratio) | cispo (clipped IS weight, MiniMax-M1)
+    # | sapo (soft gate, SAPO) | module:function
+    policy_loss: str = "ppo_clip"
+    sapo_tau_pos: float = 1.0  # sapo: gate temperature of tokens with advantage > 0 (TRL sapo_temperature_pos)
+    sapo_tau_neg: float = 1.05  # sapo: gate temperature of tokens with advantage <= 0 (TRL sapo_temperature_neg)
     beta: float = 0.0  # KL coefficient to the reference model; 0 skips the reference pass
     kl_estimator: str = "k3"  # k1 | k2 | k3 (Schulman's estimators of the KL term)
     loss_aggregation: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum(-norm)
-    scale_rewards: str = "group"  # group | batch | none (Dr.GRPO)
-    entropy_coef: float = 0.0  # adds -entropy_coef * entropy to the loss
+    scale_rewards: str = "group"  # group | batch (group mean, std of the whole batch) | none (Dr.GRPO)
+    entropy_coef: float = 0.0  # adds -entropy_coef * entropy to the loss (the start value when adaptive)
+    # > 0: adaptive entropy control (Skywork-OR1, GRPO family): entropy_coef moves by entropy_coef_delta per step,
+    # up while the mean entropy per token is below this target (nats) and down above it, and the bonus is applied
+    # only below it; 0 = entropy_coef stays fixed
+    entropy_target: float = 0.0
+    entropy_coef_delta: float = 0.005  # adaptive entropy control: change of entropy_coef per step
+    entropy_coef_min: float = 0.0  # adaptive entropy control: entropy_coef's lower bound
+    entropy_coef_max: float = 1.0  # adaptive entropy control: entropy_coef's upper bound
+    # < 1: the policy gradient only on this fraction of each batch's valid tokens, those of highest entropy
+    # ("Beyond the 80/20 rule": 0.2); 1 = every token
+    top_entropy_quantile: float = 1.0
+    # > 0: Clip-Cov (Cui et al. 2025): detach the gradient of this fraction of the tokens (at least 1), those of
+    # highest covariance of log-prob and advantage within (clip_cov_lb, clip_cov_ub); 0 = off (verl: 0.0002)
+    clip_cov_ratio: float = 0.0
+    clip_cov_lb: float = 1.0  # Clip-Cov: lower bound of the covariance of the tokens it may detach
+    clip_cov_ub: float = 5.0  # Clip-Cov: upper bound of the covariance of the tokens it may detach
+    # > 0: KL-Cov (Cui et al. 2025): add kl_cov_coef * |log pi - log pi_old| to the loss of this fraction of the
+    # tokens (at least 1), those of highest covariance of log-prob and advantage; 0 = off (verl: 0.0002)
+    kl_cov_ratio: float = 0.0
+    kl_cov_coef: float = 1.0  # KL-Cov: the penalty's coefficient (the paper's recipes; verl ppo_kl_coef, 0.1 there)
     # Advantage estimator: "" = the algorithm's own (grpo, rloo, reinforce_pp); or reinforce_pp_baseline.
     estimator: str = ""
     dynamic_sampling: bool = False  # DAPO: drop zero-variance groups and refill the batch
@@ -163,7 +189,9 @@ class RewardSpec:
     name: str = ""  # a built-in (math_answer, math_verify, format, overlong, reward_model) or "module:function"
     weight: float = 1.0  # the step's reward is the weighted sum of the functions
     kwargs: dict[str, Any] = field(default_factory=dict)  # keywords bound to the function (e.g. {path: DIR})
-    timeout_s: float = 0.0  # > 0: a call that takes longer stops the run with an error naming the function
+    # seconds a call may take, else the run stops with an error naming the function (0 = no limit); a call
+    # still running after 10 s prints a notice on stderr, so a stall is never silent
+    timeout_s: float = 300.0
 
 
 @dataclass
@@ -302,7 +330,8 @@ class RunConfig:
 def load_run_config(path: str | Path | None, overrides: list[str] | None = None, **fields: Any) -> RunConfig:
     """Defaults < YAML file < `fields` < dotted `overrides` ("rl.beta=0.04"), type-checked, validated.
 
-    Every error names the key and where its value came from: the YAML file or the command line."""
+    Every error is a one-line `ConfigError` that names the key and where its value came from: the YAML file,
+    the Python API's `fields` or the command line."""
     overrides = list(overrides or [])
     add_import_path(Path.cwd())  # `python train.py` puts the script's folder on sys.path, not the current one
     merged = OmegaConf.structured(RunConfig)
@@ -310,21 +339,32 @@ def load_run_config(path: str | Path | None, overrides: list[str] | None = None,
         if not Path(path).is_file():
             raise ConfigError(f"config file {path} does not exist (--config takes a YAML preset, e.g. configs/)")
         try:
+            _check_top_level(path)
             loaded = OmegaConf.load(path)
+        except ConfigError:
+            raise
         except Exception as e:  # YAML syntax: the parser's message has the line and column
             raise ConfigError(f"{path} is not valid YAML: {one_line(str(e))}") from e
         _check_renamed(OmegaConf.to_container(loaded), f"in {path}")
         if isinstance(loaded, DictConfig):
             loaded = OmegaConf.create(resolve_yaml_paths(OmegaConf.to_container(loaded), Path(path).parent))
         add_import_path(Path(path).parent)  # reward / estimator modules beside the YAML file
+        _check_containers(OmegaConf.to_container(loaded), RunConfig, "", f"in {path}")
         try:
             merged = OmegaConf.merge(merged, loaded)
         except OmegaConfBaseException as e:
             raise ConfigError(_omegaconf_message(e, f"in {path}")) from e
         except Exception as e:  # YAML syntax: the parser's message has the line and column
             raise ConfigError(f"{path} is not valid YAML: {one_line(str(e))}") from e
-    if fields:
-        merged = OmegaConf.merge(merged, OmegaConf.create(fields))
+    if fields:  # the Python API's mapping: its type and key errors are config errors too, never omegaconf's
+        _check_renamed(fields, API_WHERE)
+        _check_containers(fields, RunConfig, "", API_WHERE)
+        try:
+            merged = OmegaConf.merge(merged, OmegaConf.create(fields))
+        except OmegaConfBaseException as e:
+            raise ConfigError(_omegaconf_message(e, API_WHERE)) from e
+        except TypeError as e:  # a container OmegaConf cannot merge that _check_containers did not foresee
+            raise ConfigError(f"invalid configuration {API_WHERE}: {one_line(str(e))}") from e
     for item in overrides:
         key, eq, _ = item.partition("=")
         if not eq or not key.strip():
@@ -332,19 +372,83 @@ def load_run_config(path: str | Path | None, overrides: list[str] | None = None,
         _check_renamed(key.strip(), f"on the command line ({item!r})")
         if not _.strip():  # `data.eval=` means the empty string (YAML would read null)
             item = f"{key}=''"
+        where = f"on the command line ({item!r})"
         try:
-            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
+            dotted = OmegaConf.from_dotlist([item])
+            _check_containers(OmegaConf.to_container(dotted), RunConfig, "", where)
+            merged = OmegaConf.merge(merged, dotted)
         except OmegaConfBaseException as e:
-            raise ConfigError(_omegaconf_message(e, f"on the command line ({item!r})")) from e
+            raise ConfigError(_omegaconf_message(e, where)) from e
+        except TypeError as e:  # as for the Python API's fields
+            raise ConfigError(f"invalid configuration {where}: {one_line(str(e))}") from e
+        except yaml.YAMLError as e:  # the value is parsed as YAML: `rewards=[` has no closing bracket
+            raise ConfigError(f"command-line override {item!r}: the value is not valid YAML: {one_line(str(e))}") from e
     try:
         config: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as e:
-        raise ConfigError(_omegaconf_message(e, f"in {path}" if path else "")) from e
+        raise ConfigError(_omegaconf_message(e, API_WHERE if fields else f"in {path}" if path else "")) from e
     try:
         validate(config)
     except ConfigError as e:
-        raise ConfigError(f"{e} ({config_source(str(e), path, overrides)})") from e
+        raise ConfigError(f"{e} ({config_source(str(e), path, overrides, fields)})") from e
     return config
+
+
+API_WHERE = "in the Python API's config"  # where `load_run_config`'s keyword fields (jaxrl_llm.train) come from
+
+
+def _describe(value: Any) -> str:
+    """`value` as an error message shows it: its type and a short repr."""
+    kinds = {Mapping: "a mapping", list: "a list", tuple: "a list", str: "a string", bool: "a boolean",
+             int: "a number", float: "a number"}  # bool before int: True is an int too
+    name = next((v for t, v in kinds.items() if isinstance(value, t)), f"a value of type {type(value).__name__}")
+    return f"{name} ({one_line(repr(value))[:40]})"
+
+
+def _check_containers(tree: Any, cls: type, prefix: str, where: str) -> None:
+    """`ConfigError` naming the key where `tree` (a YAML file's or the Python API's mapping) has a list for a
+    section or mapping, a mapping for a list, or a single value for either: OmegaConf's merge reports those
+    without the key ("Cannot merge incompatible container types", a bare TypeError)."""
+    if not isinstance(tree, Mapping):
+        return
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name not in tree or tree[f.name] is None:  # None: OmegaConf's own "is not Optional" names the key
+            continue
+        value, key, kind = tree[f.name], f"{prefix}{f.name}", hints[f.name]
+        origin = typing.get_origin(kind)
+        if dataclasses.is_dataclass(kind) or origin is dict:
+            if not isinstance(value, Mapping):
+                what = "the section's fields" if dataclasses.is_dataclass(kind) else "keys to values"
+                raise ConfigError(f"config key {key} {where}: expected a mapping of {what}, got {_describe(value)}")
+            if dataclasses.is_dataclass(kind):
+                _check_containers(value, kind, f"{key}.", where)
+        elif origin is list:
+            if not isinstance(value, (list, tuple)):
+                raise ConfigError(f"config key {key} {where}: expected a list, got {_describe(value)}")
+            item = typing.get_args(kind)[0]
+            if dataclasses.is_dataclass(item):
+                for i, entry in enumerate(value):
+                    if not isinstance(entry, Mapping):
+                        raise ConfigError(f"config key {key}[{i}] {where}: expected a mapping such as "
+                                          f"{{name: math_answer}}, got {_describe(entry)}")
+                    _check_containers(entry, item, f"{key}[{i}].", where)
+
+
+def _check_top_level(path: str | Path) -> None:
+    """`ConfigError` unless the YAML document at `path` is a mapping (or empty): OmegaConf's own errors for a
+    list or a single value ("Cannot merge incompatible container types") do not say what is wrong."""
+    with open(path, encoding="utf-8") as f:
+        root = yaml.compose(f, Loader=yaml.SafeLoader)  # the node tree only: a syntax error keeps its line/column
+    if root is None or isinstance(root, yaml.MappingNode) or root.tag == "tag:yaml.org,2002:null":
+        return  # an empty file (or only comments, or `null`) is the defaults, as before
+    if isinstance(root, yaml.SequenceNode):
+        kind = "a list"
+    else:
+        names = {"int": "a number", "float": "a number", "bool": "a boolean", "str": "a string"}
+        kind = f"{names.get(root.tag.rsplit(':', 1)[-1], 'a single value')} ({one_line(str(root.value))[:40]!r})"
+    raise ConfigError(f"{path}: the top level must be a mapping of config sections (model:, data:, rl:, ...), "
+                      f"not {kind}")
 
 
 # Fields holding paths: relative values in a YAML file are relative to the file's folder, on the command line to
@@ -422,11 +526,26 @@ def _check_renamed(tree: Any, where: str) -> None:
 def _omegaconf_message(e: OmegaConfBaseException, where: str) -> str:
     key = getattr(e, "full_key", None)
     msg = (str(getattr(e, "msg", None) or e).strip().splitlines() or [type(e).__name__])[0]
-    return f"config key {key} {where}: {msg}".replace("  ", " ") if key else f"invalid configuration {where}: {msg}"
+    where = f" {where}" if where else ""
+    return f"config key {key}{where}: {msg}".replace("  ", " ") if key else f"invalid configuration{where}: {msg}"
 
 
-def config_source(message: str, path: str | Path | None, overrides: list[str]) -> str:
-    """Where the `key=value` settings a message names were set: the command line, the YAML file or defaults."""
+def _has_key(tree: Any, key: str) -> bool:
+    """Whether the nested mapping `tree` sets the dotted `key` (list items by index: rewards.0.weight)."""
+    for part in key.split("."):
+        if isinstance(tree, (list, tuple)) and part.isdigit() and int(part) < len(tree):
+            tree = tree[int(part)]
+        elif isinstance(tree, Mapping) and part in tree:
+            tree = tree[part]
+        else:
+            return False
+    return True
+
+
+def config_source(message: str, path: str | Path | None, overrides: list[str],
+                  fields: dict[str, Any] | None = None) -> str:
+    """Where the `key=value` settings a message names were set: the command line, the Python API's mapping
+    (`fields`), the YAML file or defaults."""
     keys = [k for k in re.findall(r"([a-z_][a-z0-9_.]*)=", message) if "." in k or hasattr(RunConfig, k)]
     given = {o.split("=", 1)[0].strip() for o in overrides}
     if any(k in given for k in keys):
@@ -439,7 +558,13 @@ def config_source(message: str, path: str | Path | None, overrides: list[str]) -
                 node = node.get(part) if isinstance(node, dict) else None
             if node is not None:
                 return f"set in {path}"
-    return "the default" if keys else f"from {path or 'the defaults'}"
+    # After the YAML file: train.py passes --algo as a field, and a message naming `algo` names a key set
+    # in the file or on the command line too.
+    if fields and any(_has_key(fields, k) for k in keys):
+        return f"set {API_WHERE}"
+    if keys:
+        return "the default"
+    return f"from {path}" if path is not None else API_WHERE if fields else "from the defaults"
 
 
 def _choice(value: str, name: str, choices: tuple[str, ...]) -> None:
@@ -465,6 +590,11 @@ NUMERIC_BOUNDS: dict[str, tuple[float, float, bool]] = {
     "rl.minibatch_size": _AT_LEAST, "rl.grad_accum": _AT_LEAST_1, "rl.epsilon_low": _AT_LEAST,
     "rl.epsilon_high": _AT_LEAST, "rl.dual_clip_c": _AT_LEAST, "rl.beta": _AT_LEAST,
     "rl.entropy_coef": (-float("inf"), float("inf"), True), "rl.max_refill_rounds": _AT_LEAST,
+    "rl.sapo_tau_pos": _POSITIVE, "rl.sapo_tau_neg": _POSITIVE, "rl.entropy_target": _AT_LEAST,
+    "rl.entropy_coef_delta": _AT_LEAST, "rl.entropy_coef_min": _AT_LEAST, "rl.entropy_coef_max": _AT_LEAST,
+    "rl.top_entropy_quantile": (0.0, 1.0, False), "rl.clip_cov_ratio": _FRACTION,
+    "rl.clip_cov_lb": (-float("inf"), float("inf"), True), "rl.clip_cov_ub": (-float("inf"), float("inf"), True),
+    "rl.kl_cov_ratio": _FRACTION, "rl.kl_cov_coef": _AT_LEAST,
     "optim.learning_rate": _POSITIVE, "optim.warmup_steps": _AT_LEAST, "optim.end_lr_ratio": _FRACTION,
     "optim.weight_decay": _AT_LEAST, "optim.beta1": (0.0, 1.0, True), "optim.beta2": (0.0, 1.0, True),
     "optim.max_grad_norm": _AT_LEAST,
@@ -558,6 +688,22 @@ def validate(c: RunConfig) -> None:
         raise ConfigError(f"rl.grad_accum={g.grad_accum} must divide rl.minibatch_size={minibatch}")
     if g.dual_clip_c and g.dual_clip_c <= 1:
         raise ConfigError(f"rl.dual_clip_c={g.dual_clip_c} must be > 1 (or 0 to disable)")
+    if g.dual_clip_c and g.policy_loss in ("cispo", "sapo"):
+        raise ConfigError(f"rl.dual_clip_c={g.dual_clip_c} with rl.policy_loss={g.policy_loss}: the dual clip bounds "
+                          f"ppo_clip's loss; {g.policy_loss} has none (set rl.dual_clip_c=0)")
+    if g.clip_cov_ratio and g.clip_cov_lb >= g.clip_cov_ub:
+        raise ConfigError(f"rl.clip_cov_lb={g.clip_cov_lb} must be < rl.clip_cov_ub={g.clip_cov_ub}")
+    if g.entropy_target:
+        if g.entropy_coef_min > g.entropy_coef_max:
+            raise ConfigError(f"rl.entropy_coef_min={g.entropy_coef_min} must be <= "
+                              f"rl.entropy_coef_max={g.entropy_coef_max}")
+        if c.algo == "ppo":
+            raise ConfigError(f"rl.entropy_target={g.entropy_target} with algo=ppo: adaptive entropy control is "
+                              f"wired into the GRPO family (grpo, rloo, reinforce_pp); set rl.entropy_target=0")
+        if not g.entropy_coef_min <= g.entropy_coef <= g.entropy_coef_max:
+            raise ConfigError(f"rl.entropy_coef={g.entropy_coef} (adaptive entropy control's start) must lie in "
+                              f"[rl.entropy_coef_min, rl.entropy_coef_max] = [{g.entropy_coef_min}, "
+                              f"{g.entropy_coef_max}]")
     for i, spec in enumerate(c.rewards):
         _check_number(f"rewards.{i}.weight", spec.weight, (-float("inf"), float("inf"), True))
         _check_number(f"rewards.{i}.timeout_s", spec.timeout_s, _AT_LEAST)

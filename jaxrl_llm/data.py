@@ -103,6 +103,13 @@ class PromptSet:
         return len(self.token_ids)
 
 
+def encode_text(tokenizer: Any, text: str, **kwargs: Any) -> list[int]:
+    """The token ids of `text`, without transformers' "Token indices sequence length is longer than the specified
+    maximum sequence length for this model" warning: it concerns the tokenizer's model_max_length, which is not
+    a limit here (prompts are held to data.max_prompt_tokens, and those dropped are counted)."""
+    return list(tokenizer(text, verbose=False, **kwargs)["input_ids"])
+
+
 def build_prompt_set(records: Sequence[dict[str, Any]], label: str, cfg: DataSection, tokenizer: Any) -> PromptSet:
     """Render each record's prompt (template / chat template), tokenize it and drop those that do not fit."""
     token_ids, texts, kept = [], [], []
@@ -125,10 +132,10 @@ def build_prompt_set(records: Sequence[dict[str, Any]], label: str, cfg: DataSec
             if getattr(tokenizer, "chat_template", None) is None:
                 raise DataError(f"{where}: chat prompt given but the tokenizer has no chat template")
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids = encode_text(tokenizer, text, add_special_tokens=False)
         elif isinstance(prompt, str):
             text = cfg.system_prompt + prompt
-            ids = tokenizer(text)["input_ids"]
+            ids = encode_text(tokenizer, text)
         else:
             raise DataError(f"{where}: {cfg.prompt_field!r} must be text or chat messages, got {type(prompt).__name__}")
         if len(ids) > cfg.max_prompt_tokens:
@@ -216,7 +223,7 @@ def build_preference_set(records: Sequence[dict[str, Any]], label: str, cfg: Dat
     prompts = build_prompt_set(records, label, cfg, tokenizer)
     out = PreferenceSet([], [], [], [], prompts.num_dropped)
     for ids, record in zip(prompts.token_ids, prompts.records, strict=True):
-        sides = [tokenizer(response_text(record[f], label, f), add_special_tokens=False)["input_ids"] + [eos_id]
+        sides = [encode_text(tokenizer, response_text(record[f], label, f), add_special_tokens=False) + [eos_id]
                  for f in (cfg.chosen_field, cfg.rejected_field)]
         if max(map(len, sides)) > max_response_tokens:
             out.num_dropped += 1

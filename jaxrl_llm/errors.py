@@ -31,12 +31,22 @@ class DataError(UsageError, ValueError):
     """Malformed data: the message names the file and line (or the dataset and record)."""
 
 
-class ConversionError(UsageError, ValueError):
+class ModelError(UsageError, ValueError):
+    """A model directory or file that cannot be loaded (truncated or corrupt safetensors, a missing shard, a
+    malformed config.json or index, weights that disagree with config.json): names the file."""
+
+
+class ConversionError(ModelError):
     """A model directory or checkpoint that cannot be loaded or converted: names the file or tensor at fault."""
 
 
 class RunDirError(UsageError):
     """The out_dir cannot be used as asked: another run's outputs, a lock, or nothing to resume."""
+
+
+class StorageError(UsageError):
+    """A write the file system refused (disk full, read-only, quota): names the path and the cause (exit 2);
+    what was written before it (the previous checkpoint) is intact."""
 
 
 class RunError(JaxrlError, RuntimeError):

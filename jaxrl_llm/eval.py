@@ -30,7 +30,8 @@ from typing import Any
 import jax
 
 from jaxrl_llm.cli import CommandParser, run_command
-from jaxrl_llm.errors import UsageError
+from jaxrl_llm.errors import RunDirError, UsageError
+from jaxrl_llm.manifest import claim, unowned_existing
 
 DEFAULT_MAX_NEW_TOKENS = 256
 
@@ -116,8 +117,12 @@ def evaluate(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Path]:
                 "dropped_prompts": prompts.num_dropped}
     if args.out:
         out = Path(args.out)
-    elif run is not None:
+    elif run is not None:  # the run's own eval/ (or a new one, recorded); never a folder that was there before
         out = run.run_dir / "eval" / f"step-{run.step}"
+        if unowned_existing(run.run_dir, run.run_dir / "eval"):
+            raise RunDirError(f"{run.run_dir / 'eval'} was not written by the run in {run.run_dir} (it was there "
+                              f"before): left alone; choose another folder with --out")
+        claim(run.run_dir, out)
     else:
         out = Path("eval") / Path(args.model.rstrip("/")).name
     return {"metrics": metrics, "settings": settings}, scored, out

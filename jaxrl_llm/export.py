@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec
 from jaxrl_llm.checkpoint import WEIGHT_KEYS, Checkpointer, abstract_like
 from jaxrl_llm.cli import CommandParser, run_command
 from jaxrl_llm.errors import ConversionError, UsageError
+from jaxrl_llm.manifest import claim
 from jaxrl_llm.sharding import global_array
 
 
@@ -163,6 +164,7 @@ def export_step(run_dir: str | Path, out: str | Path, step: int | None = None) -
     if out.exists() and any(out.iterdir()):
         raise UsageError(f"--out {out} already holds files; choose an empty or new directory")
     run = load_run_step(run_dir, step)
+    claim(run_dir, out)  # an export written into the run's folder is the run's (--overwrite removes it)
     return run.algorithm.export(out), run.step
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from jaxrl_llm.errors import ConfigError
+from jaxrl_llm.errors import ConfigError, StorageError
 
 
 def start_wandb(out_dir: Path, project: str, mode: str, config: dict[str, Any] | None) -> Any:
@@ -83,8 +83,7 @@ class RunLogger:
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
-        self.metrics_file.write(json.dumps(row) + "\n")
-        self.metrics_file.flush()
+        _append(self.metrics_file, json.dumps(row) + "\n")
         self._scalars(row)
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in row.items() if k != "step" and isinstance(v, float)}, step=step)
@@ -106,9 +105,7 @@ class RunLogger:
             print(f"step {step}/{self.total_steps}  {values}", flush=True)
 
     def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
-        for row in rows:
-            self.samples_file.write(json.dumps({"step": step, **row}) + "\n")
-        self.samples_file.flush()
+        _append(self.samples_file, "".join(json.dumps({"step": step, **row}) + "\n" for row in rows))
 
     def message(self, text: str) -> None:
         if self.primary:
@@ -123,6 +120,15 @@ class RunLogger:
             self.writer.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def _append(file: Any, text: str) -> None:
+    """Write and flush `text`; a refused write (disk full) is a `StorageError` naming the file."""
+    try:
+        file.write(text)
+        file.flush()
+    except OSError as e:
+        raise StorageError(f"{(e.strerror or str(e)).lower()} while writing {file.name}") from None
 
 
 def truncate_rows(path: Path, last_step: int) -> list[dict[str, Any]]:
@@ -150,4 +156,7 @@ def write_summary(out_dir: str | Path, summary: dict[str, Any]) -> None:
 
     if jax.process_index() == 0:
         path = Path(out_dir) / "summary.json"
-        path.write_text(json.dumps(summary, indent=2, default=_plain) + "\n")
+        try:
+            path.write_text(json.dumps(summary, indent=2, default=_plain) + "\n")
+        except OSError as e:
+            raise StorageError(f"{(e.strerror or str(e)).lower()} while writing {path}") from None

@@ -33,7 +33,7 @@ import numpy as np
 
 from jaxrl_llm.errors import ConfigError, ConversionError
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.hf import _tensor_name
+from jaxrl_llm.models.hf import _tensor_name, set_plain_file_mode
 
 Params = dict[str, Any]
 LORA_A, LORA_B = "lora_a", "lora_b"
@@ -156,6 +156,7 @@ def save_peft_adapters(adapters: Params, config: ModelConfig, spec: LoraSpec, di
     tensors = dict(peft_tensors(adapters, config))
     modules = sorted({name.split(".")[-3] for name in tensors})
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    set_plain_file_mode(out / "adapter_model.safetensors")  # save_file leaves it 0600: readable by no one else
     adapter_config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": spec.rank,
         "lora_alpha": spec.alpha, "lora_dropout": 0.0, "target_modules": modules, "bias": "none",

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from jaxrl_llm.cli import CommandParser, run_command
-from jaxrl_llm.errors import UsageError
+from jaxrl_llm.errors import RunDirError, UsageError
+from jaxrl_llm.manifest import claim, unowned_existing
 
 # name -> (title, y label, metric keys or key prefixes ending in "/"); a second list is drawn on a twin axis.
 PLOTS: dict[str, tuple[str, str, list[str], list[str]]] = {
@@ -205,6 +206,11 @@ def write_report(run_dirs: Sequence[str | Path], out: str | Path | None = None, 
         for r in runs:
             r["name"] = str(r["dir"])
     out = Path(out) if out else (Path(run_dirs[0]) / "report" if len(runs) == 1 else Path("report"))
+    for run in runs:  # into a run's folder: only a report/ the run created (or a new one, then recorded)
+        if unowned_existing(run["dir"], out):
+            raise RunDirError(f"{out} was not written by the run in {run['dir']} (it was there before): left alone; "
+                              f"write the report elsewhere with python -m jaxrl_llm.report {run['dir']} --out DIR")
+        claim(run["dir"], out)
     out.mkdir(parents=True, exist_ok=True)
     images = []
     for name in PLOTS:

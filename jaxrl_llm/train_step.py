@@ -70,10 +70,19 @@ class PolicyLossConfig:
     epsilon_high: float = 0.2
     dual_clip_c: float | None = None
     policy_loss: str = "ppo_clip"  # a name in rl.losses.POLICY_LOSSES
+    # Extra static keywords of that surrogate, as (name, value) pairs (a dict would make the config unhashable):
+    # SAPO's (("tau_pos", 1.0), ("tau_neg", 1.05)).
+    surrogate_options: tuple[tuple[str, float], ...] = ()
     beta: float = 0.0
     kl_estimator: str = "k3"
     aggregation: str = "token-mean"
-    entropy_coef: float = 0.0
+    entropy_coef: float = 0.0  # overridden by a traced `entropy_coef=` of `policy_loss` (adaptive control)
+    top_entropy_quantile: float = 1.0  # < 1: the policy gradient only on the highest-entropy tokens
+    clip_cov_ratio: float = 0.0  # > 0: Clip-Cov
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0  # > 0: KL-Cov
+    kl_cov_coef: float = 1.0
     max_len: int | None = None
     # Budget of one float32 logits block `[rows, chunk, V]` in MiB: the completion's log-probs and entropy are
     # computed from the final hidden states `chunk` positions at a time (remat in the backward), never as a full
@@ -131,9 +140,11 @@ def policy_loss(
     num_seqs: jax.Array,
     frozen: Any = None,
     dropout_key: jax.Array | None = None,
+    entropy_coef: jax.Array | None = None,
 ) -> tuple[jax.Array, Metrics]:
     """The GRPO/PPO policy objective of one (micro-)batch; returns `(loss, metrics)` (`frozen`, LoRA's base, is
-    used by the step to make the weights, not here; `dropout_key`: LoRA dropout's randomness)."""
+    used by the step to make the weights, not here; `dropout_key`: LoRA dropout's randomness; `entropy_coef`, when
+    given, a traced coefficient in place of `loss_config.entropy_coef`: the adaptive entropy controller's)."""
     c = loss_config
     logp, entropy = completion_logprobs(
         params,
@@ -156,11 +167,18 @@ def policy_loss(
         epsilon_high=c.epsilon_high,
         dual_clip_c=c.dual_clip_c,
         surrogate=c.policy_loss,
+        surrogate_options=dict(c.surrogate_options),
         ref_logp=batch.ref_logp if c.beta > 0 else None,
         kl_coef=c.beta,
         kl_estimator=c.kl_estimator,  # type: ignore[arg-type]
         entropy=entropy,
-        entropy_coef=c.entropy_coef,
+        entropy_coef=c.entropy_coef if entropy_coef is None else entropy_coef,
+        top_entropy_quantile=c.top_entropy_quantile,
+        clip_cov_ratio=c.clip_cov_ratio,
+        clip_cov_lb=c.clip_cov_lb,
+        clip_cov_ub=c.clip_cov_ub,
+        kl_cov_ratio=c.kl_cov_ratio,
+        kl_cov_coef=c.kl_cov_coef,
         aggregation=c.aggregation,  # type: ignore[arg-type]
         max_len=c.max_len,
         num_tokens=num_tokens,
@@ -304,6 +322,7 @@ def train_step(
     optimizer: optax.GradientTransformation,
     grad_accum: int,
     compose: Callable[[Params, Any], Params] | None = None,
+    loss_inputs: dict[str, jax.Array] | None = None,
 ) -> tuple[Params, optax.OptState, Metrics]:
     """One optimizer update from a minibatch `[N, ...]` split into `grad_accum` micro-batches.
 
@@ -312,7 +331,8 @@ def train_step(
     `frozen` is a pytree the loss reads but nothing updates or differentiates (a reference model, LoRA's base
     weights): it reaches `loss_fn` as `frozen=`, and `compose(working weights, frozen)`, when given, makes the
     model's weights from both (LoRA: base + scale * A @ B). `key`, when given, is the randomness of LoRA dropout:
-    each micro-batch's loss gets `dropout_key=fold_in(key, i)`."""
+    each micro-batch's loss gets `dropout_key=fold_in(key, i)`. `loss_inputs` are traced scalars every
+    micro-batch's `loss_fn` gets as keywords (the adaptive entropy coefficient: `{"entropy_coef": c}`)."""
     num_tokens, num_seqs = batch_counts(batch)
 
     def split(x: jax.Array) -> jax.Array:
@@ -327,7 +347,7 @@ def train_step(
             weights = compose(weights, frozen)
         dropout = {} if key is None else {"dropout_key": jax.random.fold_in(key, index)}
         return loss_fn(weights, micro, model_config=model_config, loss_config=loss_config, num_tokens=num_tokens,
-                       num_seqs=num_seqs, **extra, **dropout)
+                       num_seqs=num_seqs, **extra, **dropout, **(loss_inputs or {}))
 
     grad_fn = jax.value_and_grad(loss_of_master, has_aux=True)
 

@@ -71,6 +71,142 @@ def test_win_rates_and_reveal_follow_their_formulas():
         reveal([{"prompt_id": "0", "preferred": "C"}], key)
 
 
+
+PROG = "python -m jaxrl_llm.compare"
+PROMPTS_A = ["1+1=", "2+3=", "4+4=", "5+2=", "9+1="]
+PROMPTS_B = ["7*3=", "6*2=", "8*8=", "3*3=", "2*9="]
+
+
+def write_sheet(out, prompts, seed, monkeypatch, models=("base", "r5")):
+    """The sheet, votes template and key that `compare` writes for fixed answers (no model is built: `generate`
+    is replaced), with `base` answering "b<prompt>" and `r5` "r<prompt>"; returns the key."""
+    from jaxrl_llm import compare
+
+    answers = [[f"b{q}" for q in prompts], [f"r{q}" for q in prompts]]
+    monkeypatch.setattr(compare, "generate", lambda args: (list(prompts), answers, None))
+    assert compare.main(["--models", *models, "--prompts", "unused.jsonl", "--out", str(out),
+                         "--seed", str(seed)]) == 0
+    return json.loads((out / "key.json").read_text())
+
+
+def fill_votes(out, labels):
+    """votes.csv as a rater leaves it: the template with `preferred` filled per prompt, other columns kept."""
+    with (out / "votes.csv").open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    for row, label in zip(rows, labels, strict=True):
+        row["preferred"] = label
+    with (out / "votes.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return rows
+
+
+def test_sheet_id_is_the_prompts_labels_and_answers_and_every_file_carries_it(tmp_path, monkeypatch):
+    from jaxrl_llm.compare import sheet_id, sheet_rows
+
+    answers = [["x", "y"], ["u", "v"]]
+    rows = sheet_rows(["p0", "p1"], answers, [[0, 1], [1, 0]])
+    ident = sheet_id(rows)
+    assert re.fullmatch(r"[0-9a-f]{16}", ident)
+    assert sheet_id([dict(r) for r in reversed(rows)]) == ident  # same content, another row order
+    assert sheet_id(sheet_rows(["p0", "p1!"], answers, [[0, 1], [1, 0]])) != ident  # a prompt changed
+    assert sheet_id(sheet_rows(["p0", "p1"], answers, [[0, 1], [0, 1]])) != ident  # label -> answer changed
+    assert sheet_id(sheet_rows(["p0", "p1"], [["x", "y"], ["u", "w"]], [[0, 1], [1, 0]])) != ident  # an answer
+    # The files: the key records the id of the rows in sheet.csv, which carries it on every row, as do the votes
+    # template and the page; the id does not depend on which models answered (the key's secret).
+    key = write_sheet(tmp_path / "a", PROMPTS_A, 0, monkeypatch)
+    with (tmp_path / "a" / "sheet.csv").open(newline="") as f:
+        sheet = list(csv.DictReader(f))
+    with (tmp_path / "a" / "votes.csv").open(newline="") as f:
+        votes = list(csv.DictReader(f))
+    assert key["sheet_id"] == sheet_id(sheet) and {r["sheet_id"] for r in sheet} == {key["sheet_id"]}
+    assert [v["prompt_id"] for v in votes] == ["0", "1", "2", "3", "4"]
+    assert {v["sheet_id"] for v in votes} == {key["sheet_id"]} and {v["preferred"] for v in votes} == {""}
+    assert key["sheet_id"] in (tmp_path / "a" / "sheet.html").read_text()
+    assert write_sheet(tmp_path / "renamed", PROMPTS_A, 0, monkeypatch, ("m1", "m2"))["sheet_id"] == key["sheet_id"]
+    assert write_sheet(tmp_path / "b", PROMPTS_B, 0, monkeypatch)["sheet_id"] != key["sheet_id"]
+    assert write_sheet(tmp_path / "s1", PROMPTS_A, 1, monkeypatch)["sheet_id"] != key["sheet_id"]  # other seed
+
+
+def test_reveal_refuses_another_sheets_key_and_mixed_votes(tmp_path, monkeypatch, capsys):
+    """The issue's case: votes for sheet A revealed with the key of sheet B (other prompts)."""
+    from jaxrl_llm.cli import run_command
+    from jaxrl_llm.compare import main, reveal
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    key_a = write_sheet(a, PROMPTS_A, 0, monkeypatch)
+    key_b = write_sheet(b, PROMPTS_B, 9, monkeypatch)
+    assert [key_a["labels"][str(p)]["A"] for p in range(5)] == ["base"] * 3 + ["r5"] * 2
+    assert [key_b["labels"][str(p)]["A"] for p in range(5)] == ["base"] + ["r5"] * 4
+    votes = fill_votes(a, ["A"] * 5)  # base on prompts 0-2, r5 on 3-4: base 3/5, r5 2/5
+    # Without the check, B's key decodes the same votes as base 1/5, r5 4/5: the wrong answer the issue printed.
+    assert reveal(votes, key_b)["base"][0] == pytest.approx(0.2)
+    capsys.readouterr()
+
+    # Its own key: the true shares; 0.6 +- 1.96 * sqrt(0.24 / 5) = 0.6 +- 0.429, clipped to [0, 1].
+    assert run_command(PROG, main, ["--reveal", str(a / "votes.csv"), "--key", str(a / "key.json")]) == 0
+    printed = capsys.readouterr()
+    assert "share of the votes (5 votes" in printed.out and printed.err == ""
+    assert re.search(r"base\s+0\.600  \[0\.171, 1\.000\]", printed.out)
+    assert re.search(r"r5\s+0\.400  \[0\.000, 0\.829\]", printed.out)
+
+    # Another sheet's key: exit 2, one line naming both files and both ids, and no shares.
+    assert run_command(PROG, main, ["--reveal", str(a / "votes.csv"), "--key", str(b / "key.json")]) == 2
+    printed = capsys.readouterr()
+    assert printed.out == "" and len(printed.err.strip().splitlines()) == 1
+    assert printed.err.strip() == (
+        f"{PROG}: error: {a / 'votes.csv'} is for sheet {key_a['sheet_id']} but {b / 'key.json'} is the key of "
+        f"sheet {key_b['sheet_id']}; reveal a sheet's votes with its own key")
+
+    # The votes of both sheets in one file: refused with either key, naming both ids.
+    votes_b = fill_votes(b, ["B"] * 5)
+    mixed = tmp_path / "mixed.csv"
+    with mixed.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(votes[0]))
+        writer.writeheader()
+        writer.writerows(votes + votes_b)
+    for key in (a / "key.json", b / "key.json"):
+        assert run_command(PROG, main, ["--reveal", str(mixed), "--key", str(key)]) == 2
+        printed = capsys.readouterr()
+        assert printed.out == "" and len(printed.err.strip().splitlines()) == 1
+        assert f"{mixed} mixes the votes of several sheets" in printed.err
+        assert f"{key_a['sheet_id']} (from line 2), {key_b['sheet_id']} (from line 7)" in printed.err
+
+    # A vote for a label the prompt does not have (two models: A and B), and a file that is not a key.
+    fill_votes(a, ["A", "A", "C", "", ""])
+    assert run_command(PROG, main, ["--reveal", str(a / "votes.csv")]) == 2
+    assert "votes line 4: prompt_id '2' / preferred 'C' is not in the key (labels A, B)" in capsys.readouterr().err
+    (tmp_path / "notakey.json").write_text('{"labels": [1, 2]}')
+    assert run_command(PROG, main, ["--reveal", str(a / "votes.csv"), "--key", str(tmp_path / "notakey.json")]) == 2
+    assert "notakey.json is not a compare key" in capsys.readouterr().err
+
+
+def test_reveal_accepts_a_key_and_votes_from_before_sheet_ids_with_a_warning(tmp_path, monkeypatch, capsys):
+    from jaxrl_llm.cli import run_command
+    from jaxrl_llm.compare import main
+
+    a = tmp_path / "a"
+    key = write_sheet(a, PROMPTS_A, 0, monkeypatch)
+    del key["sheet_id"]
+    (a / "key.json").write_text(json.dumps(key))
+    fill_votes(a, ["A", "B", "", "A", "A"])  # base, r5, -, r5, r5: base 1/4, r5 3/4
+    capsys.readouterr()
+    assert run_command(PROG, main, ["--reveal", str(a / "votes.csv")]) == 0
+    printed = capsys.readouterr()
+    assert printed.err.strip() == (
+        f"{PROG}: warning: {a / 'key.json'} carries no sheet id (written before sheet ids, or the column was "
+        f"dropped), so the votes cannot be matched to the key: make sure they are of the same sheet")
+    assert re.search(r"base\s+0\.250  \[0\.000, 0\.674\]", printed.out)  # 0.25 +- 1.96 * sqrt(3/16 / 4)
+    assert re.search(r"r5\s+0\.750  \[0\.326, 1\.000\]", printed.out)
+    # Old votes too (only prompt_id, preferred): both files are named in the one warning line.
+    (a / "old_votes.csv").write_text("prompt_id,preferred\n0,A\n1,B\n3,A\n4,A\n")
+    assert run_command(PROG, main, ["--reveal", str(a / "old_votes.csv"), "--key", str(a / "key.json")]) == 0
+    printed = capsys.readouterr()
+    assert len(printed.err.strip().splitlines()) == 1
+    assert f"{a / 'old_votes.csv'} and {a / 'key.json'} carry no sheet id" in printed.err
+    assert re.search(r"base\s+0\.250", printed.out)
+
 def test_compare_sheet_key_maps_back_exactly_and_the_judge_scores(run3, tiny_task, tmp_path, capsys):
     from jaxrl_llm.compare import main
     from jaxrl_llm.config import DataSection
@@ -118,9 +254,10 @@ def test_compare_sheet_key_maps_back_exactly_and_the_judge_scores(run3, tiny_tas
     # --reveal: votes that always pick the final checkpoint's answer give it every vote.
     with (out / "votes.csv").open("w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["prompt_id", "preferred"])
+        writer.writerow(["prompt_id", "preferred", "sheet_id"])
         for p in range(8):
-            writer.writerow([p, next(lab for lab, m in key["labels"][str(p)].items() if m == models[2])])
+            writer.writerow([p, next(lab for lab, m in key["labels"][str(p)].items() if m == models[2]),
+                             key["sheet_id"]])
     main(["--reveal", str(out / "votes.csv")])
     printed = capsys.readouterr().out
     assert re.search(rf"{re.escape(models[2])}\s+1.000  \[1.000, 1.000\]", printed)

@@ -9,16 +9,22 @@
   threshold, with an index) and carries tokenizer files over, so `AutoModelForCausalLM.from_pretrained`
   loads the result.
 
+Every way a model directory can fail to load (a truncated or corrupt safetensors file, a missing shard, a
+malformed config.json or index, a tensor whose shape disagrees with config.json) is a `ModelError` (exit 2)
+whose one-line message names the file and what to do.
+
 HF linear weights are `[out, in]`; ours are Flax kernels `[in, out]`, stacked over layers.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import json
 import os
 import shutil
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,10 +33,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from jaxrl_llm.errors import ConversionError
+from jaxrl_llm.errors import ConversionError, ModelError, one_line
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import SUPPORTED_ROPE_SCALING, Params, param_shapes
 from jaxrl_llm.sharding import param_spec
@@ -383,11 +389,46 @@ def resolve_model_dir(path_or_id: str | os.PathLike[str]) -> Path:
     )
 
 
+_REDOWNLOAD = "re-download or re-export the model"
+
+
+def _read_json(file: Path, fix: str) -> Any:
+    """`file` parsed as JSON, or a one-line `ModelError` naming it (and the line, for a syntax error) and `fix`."""
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ModelError(f"{file}:{e.lineno}: invalid JSON ({e.msg}); {fix}") from e
+    except UnicodeDecodeError as e:
+        raise ModelError(f"{file}: not UTF-8 text (byte {e.start}); {fix}") from e
+    except OSError as e:
+        raise ModelError(f"{file} cannot be read ({e.strerror or e}); {fix}") from e
+
+
 def read_hf_config(model_dir: Path) -> dict[str, Any]:
+    """config.json of `model_dir` as a dict; a `ModelError` naming the file if it is missing or malformed."""
     config_file = model_dir / "config.json"
     if not config_file.is_file():
         raise ConversionError(f"{config_file} is missing: a Hugging Face model directory needs config.json")
-    return json.loads(config_file.read_text())
+    hf = _read_json(config_file, f"fix it or {_REDOWNLOAD}")
+    if not isinstance(hf, dict):
+        raise ModelError(f"{config_file} holds a JSON {type(hf).__name__}, not an object of config keys; "
+                         f"fix it or {_REDOWNLOAD}")
+    return hf
+
+
+def _config_from_file(hf: dict[str, Any], config_file: Path) -> ModelConfig:
+    """`config_from_hf(hf)` whose errors name `config_file`: a missing key or an unusable value is otherwise a
+    bare KeyError / ValueError that says nothing of which file is at fault."""
+    try:
+        return config_from_hf(hf)
+    except ConversionError as e:  # already says what is unsupported; add where it was read
+        raise ConversionError(f"{config_file}: {e}") from e
+    except KeyError as e:
+        raise ModelError(f"{config_file} has no {e.args[0]!r} key, which a Hugging Face config.json needs; "
+                         f"fix it or {_REDOWNLOAD}") from e
+    except (TypeError, ValueError) as e:
+        raise ModelError(f"{config_file} has a value that cannot be used ({one_line(str(e))}); "
+                         f"fix it or {_REDOWNLOAD}") from e
 
 
 def is_classifier(model_dir: Path) -> bool:
@@ -398,19 +439,59 @@ def is_classifier(model_dir: Path) -> bool:
 def read_tensor(path_or_id: str | os.PathLike[str], name: str) -> np.ndarray:
     """One tensor of a checkpoint by its HF name (e.g. a classifier's `score.weight`), as numpy."""
     model_dir = resolve_model_dir(path_or_id)
-    index = _safetensors_index(model_dir)
-    if name not in index:
-        raise ConversionError(f"tensor {name!r} is missing from the checkpoint in {model_dir}")
-    with safe_open(index[name], framework="flax") as f, jax.default_device(_host()):
-        return np.asarray(f.get_tensor(name))
+    with contextlib.ExitStack() as stack:
+        reader = _TensorReader(model_dir, stack)
+        handle = reader.handle(name)
+        with _reading(reader.index[name], name), jax.default_device(_host()):
+            return np.asarray(handle.get_tensor(name))
+
+
+def _unreadable(file: Path, error: BaseException, tensor: str | None = None) -> ModelError:
+    """The `ModelError` for a weights file safetensors cannot open (`tensor` None) or read a tensor of."""
+    reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+    what = f"tensor {tensor!r} of {file}" if tensor else str(file)
+    return ModelError(f"{what} cannot be read ({one_line(reason)}): the file is truncated or corrupt; "
+                      f"{_REDOWNLOAD}")
+
+
+@contextlib.contextmanager
+def _reading(file: Path, tensor: str | None = None) -> Iterator[None]:
+    """Turn safetensors' failures on `file` (its `SafetensorError`, an OSError from the file system) into a
+    `ModelError` naming the file: otherwise they surface as an "internal error" without a path."""
+    try:
+        yield
+    except (SafetensorError, OSError) as e:
+        raise _unreadable(file, e, tensor) from e
+
+
+def _open_safetensors(file: Path, framework: str, stack: contextlib.ExitStack) -> Any:
+    """`safe_open(file)` entered on `stack`. safetensors checks the header and that the data covers the file
+    here, so a truncated or garbage file fails at this point, named."""
+    with _reading(file):
+        return stack.enter_context(safe_open(file, framework=framework))
+
+
+def _index_from_json(index_file: Path, model_dir: Path) -> dict[str, Path]:
+    """Tensor name -> shard from `model.safetensors.index.json`, every shard it lists checked to exist (a missing
+    one would otherwise fail mid-load with a bare "No such file")."""
+    index = _read_json(index_file, _REDOWNLOAD)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise ModelError(f'{index_file} has no "weight_map" object of tensor name -> shard file; {_REDOWNLOAD}')
+    files = {name: model_dir / file for name, file in weight_map.items()}
+    missing = sorted({file for file in files.values() if not file.is_file()})
+    if missing:
+        also = f" (and {len(missing) - 1} more shard(s))" if len(missing) > 1 else ""
+        raise ModelError(f"{missing[0]} is missing{also}: {index_file.name} lists it as a shard of the checkpoint; "
+                         "re-download the model with all its shards, or re-export it")
+    return files
 
 
 def _safetensors_index(model_dir: Path) -> dict[str, Path]:
     """Tensor name -> file that holds it."""
     index_file = model_dir / "model.safetensors.index.json"
     if index_file.is_file():
-        weight_map = json.loads(index_file.read_text())["weight_map"]
-        return {name: model_dir / file for name, file in weight_map.items()}
+        return _index_from_json(index_file, model_dir)
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ConversionError(
@@ -419,7 +500,8 @@ def _safetensors_index(model_dir: Path) -> dict[str, Path]:
         )
     index: dict[str, Path] = {}
     for file in files:
-        with safe_open(file, framework="numpy") as f:
+        with contextlib.ExitStack() as stack:
+            f = _open_safetensors(file, "numpy", stack)
             index.update({name: file for name in f.keys()})  # noqa: SIM118 - safe_open is not a dict
     return index
 
@@ -436,7 +518,9 @@ def load_hf_model(
     Errors name the missing, unexpected or mis-shaped tensor.
     """
     model_dir = resolve_model_dir(path_or_id)
-    config = config_from_hf(read_hf_config(model_dir), **config_overrides)
+    # The file's config alone first, so its errors name config.json; the caller's overrides are not its fault.
+    config = dataclasses.replace(_config_from_file(read_hf_config(model_dir), model_dir / "config.json"),
+                                 **config_overrides)
     with contextlib.ExitStack() as stack:
         reader = _TensorReader(model_dir, stack)
         params = _map_with_path(lambda path, spec: reader.param(path, spec, config, mesh), param_shapes(config))
@@ -452,6 +536,7 @@ class _TensorReader:
         self.model_dir, self.stack = model_dir, stack
         self.index = _safetensors_index(model_dir)
         self.handles: dict[Path, Any] = {}
+        self.names: dict[Path, set[str]] = {}  # the tensors each opened file really holds
         self.used: set[str] = set()
 
     def handle(self, name: str) -> Any:
@@ -459,29 +544,43 @@ class _TensorReader:
             raise ConversionError(f"tensor {name!r} is missing from the checkpoint in {self.model_dir}")
         file = self.index[name]
         if file not in self.handles:
-            self.handles[file] = self.stack.enter_context(safe_open(file, framework="flax"))
+            self.handles[file] = _open_safetensors(file, "flax", self.stack)
+            with _reading(file):
+                self.names[file] = set(self.handles[file].keys())
+        if name not in self.names[file]:  # model.safetensors.index.json points at a shard without it
+            raise ConversionError(f"tensor {name!r} is missing from the checkpoint: {file} does not hold it, though "
+                                  f"model.safetensors.index.json says it does; {_REDOWNLOAD}")
         self.used.add(name)
         return self.handles[file]
 
+    def _slice(self, name: str) -> Any:
+        handle = self.handle(name)
+        with _reading(self.index[name], name):
+            return handle.get_slice(name)
+
     def check_shape(self, path: tuple[str, ...], name: str, expected_shape: tuple[int, ...],
                     fused: tuple[int, int, int] | None = None) -> None:
-        got = tuple(self.handle(name).get_slice(name).get_shape())
+        got = tuple(self._slice(name).get_shape())
         want = tuple(expected_shape[::-1] if _is_kernel(path) else expected_shape)
         if fused is not None:
             want = (fused[2], *want[1:])
         if got != want:
-            raise ConversionError(f"tensor {name!r} has shape {list(got)}, expected {list(want)} from config.json")
+            raise ConversionError(
+                f"tensor {name!r} has shape {list(got)} in {self.index[name]}, expected {list(want)} from "
+                f"{self.model_dir / 'config.json'}: the weights and config.json disagree; {_REDOWNLOAD}"
+            )
 
     def read_block(self, path: tuple[str, ...], name: str, index: tuple[slice, ...], dtype: Any,
                    fused: tuple[int, int, int] | None = None) -> np.ndarray:
         """Our `[..., in, out]` block `index` of HF tensor `name` (of our part's rows, when `fused`)."""
-        hf_slice = self.handle(name).get_slice(name)
+        hf_slice = self._slice(name)
         hf_index = index[::-1] if _is_kernel(path) else index
         if fused is not None:  # shift the out-rows into our part of the fused tensor
             first, rows, _ = fused
             start, stop, _ = hf_index[0].indices(rows)
             hf_index = (slice(first + start, first + stop), *hf_index[1:])
-        with jax.default_device(_host()):
+        # The bytes are read here (memory-mapped): an I/O error or an unreadable block must name the file too.
+        with _reading(self.index[name], name), jax.default_device(_host()):
             block = np.asarray(hf_slice[hf_index])
         return (block.T if _is_kernel(path) else block).astype(dtype, copy=False)
 
@@ -563,6 +662,36 @@ def hf_state_dict(params: Params, config: ModelConfig) -> Iterator[tuple[str, np
                 del pending[name]
 
 
+_UMASK_LOCK = threading.Lock()
+
+
+def _umask() -> int:
+    """The process's umask. Linux shows it in /proc/self/status, read without changing it; elsewhere the only
+    way is `os.umask`, which sets it process-wide: set to 0 and restored at once (a file another thread
+    creates in between would get umask 0, so the window is two calls; the lock keeps two readers apart)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    with _UMASK_LOCK:
+        old = os.umask(0)
+        os.umask(old)
+    return old
+
+
+def set_plain_file_mode(path: str | os.PathLike[str]) -> None:
+    """Give `path` the mode a plain `open(path, "w")` gives a new file (0o666 less the umask): safetensors'
+    `save_file` leaves its file 0600, so nobody else could read an exported model."""
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _save_safetensors(tensors: dict[str, np.ndarray], file: Path, metadata: dict[str, str]) -> None:
+    save_file(tensors, file, metadata=metadata)
+    set_plain_file_mode(file)
+
+
 def _write_safetensors(out: Path, tensors: Any, cast: np.dtype | None, max_shard_bytes: int) -> None:
     """`(name, array)` pairs (cast to `cast`) as `model.safetensors`, or as shards of at most `max_shard_bytes`
     with `model.safetensors.index.json`; earlier weight files in `out` are removed first."""
@@ -580,12 +709,12 @@ def _write_safetensors(out: Path, tensors: Any, cast: np.dtype | None, max_shard
         stale.unlink()
     metadata = {"format": "pt"}  # transformers refuses safetensors without it
     if len(shards) == 1:
-        save_file(shards[0], out / "model.safetensors", metadata=metadata)
+        _save_safetensors(shards[0], out / "model.safetensors", metadata)
         return
     weight_map = {}
     for i, shard in enumerate(shards):
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, out / file, metadata=metadata)
+        _save_safetensors(shard, out / file, metadata)
         weight_map.update(dict.fromkeys(shard, file))
     index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))

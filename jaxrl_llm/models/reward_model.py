@@ -57,8 +57,8 @@ def load_hf_reward_model(path_or_id: str | os.PathLike[str], **config_overrides:
     config, params = load_hf_model(model_dir, tie_word_embeddings=True, **config_overrides)
     score = read_tensor(model_dir, "score.weight")
     if score.ndim != 2 or score.shape[1] != config.hidden_size:
-        raise ConversionError(f"tensor 'score.weight' has shape {list(score.shape)}, expected [num_labels, "
-                              f"{config.hidden_size}]")
+        raise ConversionError(f"tensor 'score.weight' has shape {list(score.shape)} in the checkpoint in {model_dir}, "
+                              f"expected [num_labels, {config.hidden_size}] from its config.json; re-export the model")
     return config, params, jnp.asarray(score.T)
 
 

@@ -2,7 +2,8 @@
 
 `fields` are the prompt records' columns (e.g. `answer`) as lists, plus `completion_lengths` (tokens) and
 `max_new_tokens`. A function is a built-in name (`REWARD_FUNCTIONS`) or `"module:function"`. Functions are
-called once per batch, never once per completion.
+called once per batch, never once per completion, each call within `rewards[].timeout_s` (default
+`DEFAULT_TIMEOUT_S`), with a notice on stderr once it has run `NOTICE_AFTER_S`.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib
 import math
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -75,20 +77,31 @@ def resolve_reward(name: str, kwargs: dict[str, Any] | None = None) -> RewardFun
     return functools.partial(fn, **kwargs) if kwargs else fn
 
 
+# The default of rewards[].timeout_s (config.RewardSpec), and the limit of callers that name none (the held-out
+# evaluation): a stalled function stops the run with one line instead of holding it forever.
+DEFAULT_TIMEOUT_S = 300.0
+# A call still running after this many seconds prints one notice on stderr, so a slow or stalled function is
+# never silent while the run waits for it (tests lower it).
+NOTICE_AFTER_S = 10.0
+
+# Functions found to install signal handlers (math-verify's signal.alarm timeouts), which Python allows only in
+# the main thread: they run in the caller's thread, without the time limit (theirs applies).
+_MAIN_THREAD_ONLY: set[str] = set()
+
+
+class _NeedsMainThread(Exception):
+    """The function failed in the worker thread only because it installs a signal handler."""
+
+
 def call_reward(name: str, fn: RewardFunction, prompts: Sequence[str], completions: Sequence[str],
-                fields: dict[str, Any], *, timeout_s: float = 0.0) -> tuple[np.ndarray, float]:
+                fields: dict[str, Any], *, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[np.ndarray, float]:
     """`(rewards [N] float32, seconds)` of one reward function, checked: it must return a sequence (list,
     tuple or 1-D array) of exactly N finite real numbers. Anything else, an exception, or a call longer than
-    `timeout_s` (> 0) raises `RewardError` naming the function."""
+    `timeout_s` (> 0; 0 = no limit) raises `RewardError` naming the function; a call longer than
+    `NOTICE_AFTER_S` prints a notice on stderr."""
     n = len(completions)
     t0 = time.perf_counter()
-    if timeout_s > 0:
-        values = _call_with_timeout(name, fn, list(prompts), list(completions), fields, timeout_s)
-    else:
-        try:
-            values = fn(list(prompts), list(completions), **fields)
-        except Exception as e:
-            raise RewardError(f"reward function {name!r} raised {type(e).__name__}: {one_line(str(e))}") from e
+    values = _call_watched(name, fn, list(prompts), list(completions), fields, timeout_s)
     seconds = time.perf_counter() - t0
     if isinstance(values, np.ndarray):
         if values.ndim != 1:
@@ -109,10 +122,54 @@ def call_reward(name: str, fn: RewardFunction, prompts: Sequence[str], completio
     return np.asarray(values, np.float32), seconds
 
 
+def _notice(name: str, n: int, limit: str) -> None:
+    print(f"jaxrl_llm: reward function {name!r} has run for {NOTICE_AFTER_S:g} s on {n} completions and not "
+          f"returned yet ({limit})", file=sys.stderr, flush=True)
+
+
+def _call_watched(name: str, fn: RewardFunction, prompts: list[str], completions: list[str],
+                  fields: dict[str, Any], timeout_s: float) -> Any:
+    """`fn`'s output: in a worker thread the caller waits on for at most `timeout_s` (> 0), else in the caller's
+    thread; either way a notice on stderr once the call has run `NOTICE_AFTER_S`."""
+    if timeout_s > 0 and name not in _MAIN_THREAD_ONLY:
+        try:
+            return _call_with_timeout(name, fn, prompts, completions, fields, timeout_s)
+        except _NeedsMainThread:
+            _MAIN_THREAD_ONLY.add(name)
+            print(f"jaxrl_llm: reward function {name!r} installs signal handlers (e.g. math-verify's timeouts), "
+                  f"which work only in the main thread: it runs there, without rewards[].timeout_s="
+                  f"{timeout_s:g} s", file=sys.stderr, flush=True)
+    limit = ("rewards[].timeout_s=0: no time limit" if timeout_s <= 0 else
+             "it runs in the main thread, without rewards[].timeout_s: it installs signal handlers")
+    # The caller's thread runs `fn`; a timer thread (cancelled when `fn` returns) prints the notice.
+    timer = threading.Timer(NOTICE_AFTER_S, _notice, (name, len(completions), limit))
+    timer.daemon = True
+    timer.start()
+    try:
+        return fn(prompts, completions, **fields)
+    except Exception as e:
+        raise RewardError(f"reward function {name!r} raised {type(e).__name__}: {one_line(str(e))}") from e
+    finally:
+        timer.cancel()
+
+
+def _signal_in_thread(e: BaseException) -> bool:
+    """Whether `e` (or an exception it was raised from) is Python's refusal of a signal handler off the main
+    thread; math-verify re-raises it as its own ValueError."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, ValueError) and "signal only works in main thread" in str(cur):
+            return True
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return False
+
+
 def _call_with_timeout(name: str, fn: RewardFunction, prompts: list[str], completions: list[str],
                        fields: dict[str, Any], timeout_s: float) -> Any:
     """Run `fn` in a daemon thread and wait at most `timeout_s`: a hung function cannot hold the run (nor
-    its exit), though Python cannot stop the thread itself."""
+    its exit), though Python cannot stop the thread itself. The waiting thread prints the notice: no polling."""
     result: dict[str, Any] = {}
 
     def target() -> None:
@@ -121,14 +178,21 @@ def _call_with_timeout(name: str, fn: RewardFunction, prompts: list[str], comple
         except BaseException as e:  # re-raised in the caller's thread
             result["error"] = e
 
+    deadline = time.monotonic() + timeout_s
     thread = threading.Thread(target=target, name=f"reward:{name}", daemon=True)
     thread.start()
-    thread.join(timeout_s)
+    if timeout_s > NOTICE_AFTER_S:
+        thread.join(NOTICE_AFTER_S)
+        if thread.is_alive():
+            _notice(name, len(completions), f"rewards[].timeout_s={timeout_s:g} s stops the run after that")
+    thread.join(max(0.0, deadline - time.monotonic()))
     if thread.is_alive():
         raise RewardError(f"reward function {name!r} did not return within rewards[].timeout_s={timeout_s:g} s "
                           f"({len(completions)} completions); the run stops, its checkpoints are kept")
     if "error" in result:
         e = result["error"]
+        if _signal_in_thread(e) and threading.current_thread() is threading.main_thread():
+            raise _NeedsMainThread from e
         raise RewardError(f"reward function {name!r} raised {type(e).__name__}: {one_line(str(e))}") from e
     return result["value"]
 
@@ -140,7 +204,8 @@ def compute_rewards(
     fields: dict[str, Sequence[Any]],
     timings: dict[str, float] | None = None,
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """Weighted sum of the reward functions `(name, fn, weight[, timeout_s])` -> `(total [N], {name: [N]})`.
+    """Weighted sum of the reward functions `(name, fn, weight[, timeout_s])` -> `(total [N], {name: [N]})`;
+    without a `timeout_s`, `DEFAULT_TIMEOUT_S`.
 
     Each output is checked by `call_reward`; `timings`, when given, receives each function's seconds.
     """
@@ -148,7 +213,7 @@ def compute_rewards(
     each: dict[str, np.ndarray] = {}
     for name, fn, weight, *rest in functions:
         each[name], seconds = call_reward(name, fn, prompts, completions, fields,
-                                          timeout_s=float(rest[0]) if rest else 0.0)
+                                          timeout_s=float(rest[0]) if rest else DEFAULT_TIMEOUT_S)
         if timings is not None:
             timings[name] = timings.get(name, 0.0) + seconds
         total += weight * each[name]

@@ -6,8 +6,8 @@ modes are static (mark them with ``static_argnames``); coefficients such as ``kl
 (1 = completion token). Formulas and references: ``docs/algorithms.md``.
 """
 
-from collections.abc import Callable
-from typing import Literal
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +16,7 @@ from jax import Array
 from jaxrl_llm.rl.logprobs import (
     AggregationMode,
     aggregate_loss,
+    masked_count,
     masked_max,
     masked_mean,
     masked_min,
@@ -234,6 +235,61 @@ def gspo_loss(logp: Array, old_logp: Array, advantages: Array, mask: Array, *,
                              dual_clip_c=dual_clip_c), ratio
 
 
+@register_policy_loss("cispo")
+def cispo_loss(logp: Array, old_logp: Array, advantages: Array, mask: Array, *,
+               epsilon_low: float | Array = 0.2, epsilon_high: float | Array = 0.2,
+               dual_clip_c: float | None = None) -> tuple[Array, Array]:
+    """CISPO, clipped importance-sampling-weight policy optimisation (MiniMax-M1, MiniMax 2025, arXiv:2506.13585)::
+
+        rho_t = pi(y_t) / pi_old(y_t)
+        w_t   = sg(clip(rho_t, 1 - epsilon_low, 1 + epsilon_high))
+        l_t   = -w_t * A_t * log pi(y_t)            grad l_t = -w_t * A_t * grad log pi(y_t)
+
+    The importance weight is clipped, not the update: every valid token with ``A_t != 0`` keeps a gradient
+    (``ppo_clip`` drops the tokens on the clipped side), and inside the clip range the gradient is ``ppo_clip``'s.
+    As verl's ``compute_policy_loss_cispo``. TRL's ``loss_type="cispo"`` clips only above, reading its
+    ``epsilon_high`` as the bound itself (ScaleRL's ``eps_max = 5``): here that is ``epsilon_low >= 1`` (no lower
+    bound, as ``rho > 0``) and ``epsilon_high = eps_max - 1``. The value weighs log-probs, so it is not comparable
+    with ``ppo_clip``'s; only its gradient matters. No dual clip (``dual_clip_c`` must be None).
+    Shapes: all ``[B, T]`` -> ``([B, T], [B, T])``."""
+    if dual_clip_c is not None:
+        raise ValueError("cispo clips the importance weight; it has no dual clip (dual_clip_c must be None)")
+    valid = _valid(mask)
+    ratio = jnp.exp(_token_log_ratio(logp, old_logp, mask))
+    weight = jax.lax.stop_gradient(jnp.clip(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high))
+    # Padded log-probs may be -inf; 0 there keeps 0 * (-inf) = nan out of the value and the gradient.
+    return -weight * _f32(advantages) * jnp.where(valid, _f32(logp), 0.0), ratio
+
+
+@register_policy_loss("sapo")
+def sapo_loss(logp: Array, old_logp: Array, advantages: Array, mask: Array, *,
+              epsilon_low: float | Array = 0.2, epsilon_high: float | Array = 0.2,
+              dual_clip_c: float | None = None, tau_pos: float | Array = 1.0,
+              tau_neg: float | Array = 1.05) -> tuple[Array, Array]:
+    """SAPO, soft adaptive policy optimisation (Gao et al. 2025, arXiv:2511.20347): a smooth gate in place of the
+    hard clip, with its own temperature for positive and negative advantages::
+
+        tau_t = tau_pos if A_t > 0 else tau_neg
+        f(r)  = sigmoid(tau_t * (r - 1)) * 4 / tau_t
+        l_t   = -f(rho_t) * A_t                     grad l_t = -g_t * A_t * rho_t * grad log pi(y_t)
+        g_t   = f'(rho_t) = 4 s (1 - s),  s = sigmoid(tau_t * (rho_t - 1))
+
+    ``g = 1`` at ``rho = 1`` (the unclipped policy gradient there), and decays smoothly as ``rho`` leaves 1: a soft
+    trust region, sharper for larger ``tau`` (``tau -> inf``: a hard gate that keeps only ``rho = 1``; ``tau -> 0``:
+    the unclipped ``-rho A``). ``tau_neg > tau_pos`` damps the updates of negative tokens faster, which the paper
+    finds more stable. As TRL's ``loss_type="sapo"`` (``sapo_temperature_pos`` / ``_neg``) and verl's
+    ``compute_policy_loss_sapo`` (``tau_pos`` / ``tau_neg``); both recommend ``seq-mean-token-mean`` aggregation.
+    ``epsilon_low`` / ``epsilon_high`` are not used; no dual clip (``dual_clip_c`` must be None).
+    Shapes: all ``[B, T]`` -> ``([B, T], [B, T])``."""
+    if dual_clip_c is not None:
+        raise ValueError("sapo's gate replaces the clip; it has no dual clip (dual_clip_c must be None)")
+    adv = _f32(advantages)
+    ratio = jnp.exp(_token_log_ratio(logp, old_logp, mask))
+    tau = jnp.where(adv > 0, jnp.asarray(tau_pos, jnp.float32), jnp.asarray(tau_neg, jnp.float32))
+    gate = jax.nn.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+    return -gate * adv, ratio
+
+
 def clip_metrics(ratio: Array, token_log_ratio: Array, advantages: Array, mask: Array, *,
                  epsilon_low: float | Array, epsilon_high: float | Array,
                  dual_clip_c: float | None) -> dict[str, Array]:
@@ -260,6 +316,79 @@ def clip_metrics(ratio: Array, token_log_ratio: Array, advantages: Array, mask: 
         "ratio/min": masked_min(r, mask),
         "ratio/max": masked_max(r, mask),
     }
+
+
+# --------------------------------------------------------------------------------------------------------
+# Token selection: which tokens carry the policy gradient (options of the composer, for every surrogate)
+# --------------------------------------------------------------------------------------------------------
+
+# Counts such as ceil(q * n) are taken in float32: q * n carries a relative error below 2^-23, and shrinking (or
+# growing) it by 2^-22 keeps an exact integer q * n from rounding to the next count.
+_COUNT_SLACK = 2.0**-22
+
+
+def _top_ranked(score: Array, eligible: Array, count: Array) -> Array:
+    """``[B, T]`` bool: the ``count`` eligible tokens of highest ``score`` (fewer if fewer are eligible), ties
+    broken by position (row-major), never an ineligible one. ``count`` may be traced; the selection is exact."""
+    flat = jnp.where(eligible, -jax.lax.stop_gradient(_f32(score)), jnp.inf).reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # ascending -score: highest score first, ineligible (+inf) last
+    rank = jnp.zeros(order.shape, jnp.int32).at[order].set(jnp.arange(order.size, dtype=jnp.int32))
+    return (rank.reshape(eligible.shape) < count) & eligible
+
+
+def top_entropy_token_mask(entropy: Array, mask: Array, *, quantile: float) -> Array:
+    """High-entropy "forking" tokens ("Beyond the 80/20 Rule", Wang et al. 2025, arXiv:2506.01939)::
+
+        selected = the ceil(q * n) valid tokens of highest entropy H_t,   n = number of valid tokens
+
+    over the whole (micro-)batch the loss sees (TRL's ``top_entropy_quantile``; TRL thresholds at
+    ``torch.quantile(H, 1 - q)`` and keeps the ties too, here the count is exact, ties broken by position). At least
+    one token once ``n >= 1``; padding is never selected. ``quantile`` (static) in ``(0, 1]``.
+
+    Shapes: ``entropy``, ``mask`` ``[B, T]`` -> ``[B, T]`` bool.
+    """
+    if not 0.0 < quantile <= 1.0:
+        raise ValueError(f"top-entropy quantile must be in (0, 1], got {quantile}")
+    valid = _valid(mask)
+    count = jnp.ceil(quantile * masked_count(valid) * (1.0 - _COUNT_SLACK))
+    return _top_ranked(entropy, valid, count)
+
+
+def token_covariance(logp: Array, advantages: Array, mask: Array) -> Array:
+    """Per-token covariance of log-prob and advantage (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning
+    LMs", arXiv:2505.22617, the term that drives the entropy change)::
+
+        cov_t = (A_t - mean(A)) * (log pi(y_t) - mean(log pi))        means over the valid tokens
+
+    No gradient (it only chooses tokens); 0 at padding. As verl's ``clip_cov`` / ``kl_cov``.
+    Shapes: ``logp``, ``advantages``, ``mask`` ``[B, T]`` -> ``[B, T]`` float32.
+    """
+    valid = _valid(mask)
+    logp = jnp.where(valid, jax.lax.stop_gradient(_f32(logp)), 0.0)
+    adv = jnp.where(valid, jax.lax.stop_gradient(_f32(advantages)), 0.0)
+    cov = (adv - masked_mean(adv, valid)) * (logp - masked_mean(logp, valid))
+    return jnp.where(valid, cov, 0.0)
+
+
+def _cov_count(mask: Array, fraction: float) -> Array:
+    """verl's ``max(int(fraction * n), 1)`` tokens of the ``n`` valid ones."""
+    return jnp.maximum(jnp.floor(fraction * masked_count(_valid(mask)) * (1.0 + _COUNT_SLACK)), 1.0)
+
+
+def clip_cov_token_mask(cov: Array, mask: Array, eligible: Array, *, fraction: float, lower: float,
+                        upper: float) -> Array:
+    """Clip-Cov's tokens (Cui et al. 2025; verl ``clip_cov``): ``max(floor(fraction * n), 1)`` of the eligible
+    valid tokens with ``lower < cov_t < upper``, those of highest covariance (verl and the paper draw them uniformly
+    from that band; taking the highest is deterministic and needs no random key). ``eligible`` excludes the tokens
+    the surrogate has already clipped. Shapes: ``[B, T]`` -> ``[B, T]`` bool."""
+    band = _valid(mask) & eligible & (cov > lower) & (cov < upper)
+    return _top_ranked(cov, band, _cov_count(mask, fraction))
+
+
+def kl_cov_token_mask(cov: Array, mask: Array, *, fraction: float) -> Array:
+    """KL-Cov's tokens (Cui et al. 2025; verl ``kl_cov``): the ``max(floor(fraction * n), 1)`` valid tokens of
+    highest covariance. Shapes: ``[B, T]`` -> ``[B, T]`` bool."""
+    return _top_ranked(cov, _valid(mask), _cov_count(mask, fraction))
 
 
 def compose_policy_loss(
@@ -300,6 +429,7 @@ def clipped_policy_loss(
     epsilon_low: float | Array = 0.2,
     epsilon_high: float | Array = 0.2,
     dual_clip_c: float | None = None,
+    surrogate_options: Mapping[str, Any] | None = None,
     ref_logp: Array | None = None,
     kl_coef: float | Array = 0.0,
     kl_estimator: KLEstimator = "k3",
@@ -308,32 +438,54 @@ def clipped_policy_loss(
     entropy_coef: float | Array = 0.0,
     sampler_logp: Array | None = None,
     tis_cap: float | None = None,
+    top_entropy_quantile: float = 1.0,
+    clip_cov_ratio: float = 0.0,
+    clip_cov_lb: float = 1.0,
+    clip_cov_ub: float = 5.0,
+    kl_cov_ratio: float = 0.0,
+    kl_cov_coef: float | Array = 1.0,
     aggregation: AggregationMode = "token-mean",
     max_len: int | None = None,
     num_tokens: Array | float | None = None,
     num_seqs: Array | float | None = None,
 ) -> tuple[Array, dict[str, Array]]:
-    """The policy loss of PPO / GRPO / DAPO / Dr.GRPO / GSPO: a registered surrogate, composed with KL and
-    entropy terms, with metrics. Per token::
+    """The policy loss of PPO / GRPO / DAPO / Dr.GRPO / GSPO / CISPO / SAPO: a registered surrogate, the token
+    options below, composed with KL and entropy terms, with metrics. Per token::
 
-        l_t   = w_t * POLICY_LOSSES[surrogate](...)_t  +  kl_coef * KL_t(pi || pi_ref)  -  entropy_coef * H_t
+        s_t   = POLICY_LOSSES[surrogate](...)_t
+        s_t   = 0 on Clip-Cov's tokens;   s_t += kl_cov_coef * |log rho_t| on KL-Cov's tokens
+        l_t   = w_t * [t selected by entropy] * s_t  +  kl_coef * KL_t(pi || pi_ref)  -  entropy_coef * H_t
         loss  = aggregate(l, mask, aggregation)
 
-    * ``surrogate``: ``"ppo_clip"`` (token ratio, `ppo_clip_loss`) or ``"gspo"`` (sequence ratio, `gspo_loss`),
-      or any name added with `register_policy_loss`.
+    * ``surrogate``: ``"ppo_clip"`` (token ratio), ``"gspo"`` (sequence ratio), ``"cispo"`` (clipped IS weight),
+      ``"sapo"`` (soft gate), or any name added with `register_policy_loss`; ``surrogate_options``: extra static
+      keywords of that function (SAPO's ``tau_pos`` / ``tau_neg``).
     * ``epsilon_low`` / ``epsilon_high``: asymmetric clip range (DAPO clip-higher uses 0.2 / 0.28);
       ``dual_clip_c``: dual clip (Ye et al. 2019) bounding the loss of negative-advantage tokens by ``-c*A``.
     * ``sampler_logp``: if given, ``w_t = truncated_importance_weights(old_logp, sampler_logp, cap=tis_cap)``
       corrects the sampler / trainer mismatch (TIS, Yao et al. 2025); otherwise ``w_t = 1``.
     * ``ref_logp``: if given, the KL to the reference policy enters the loss (GRPO style, k3 by default).
-    * ``entropy``: per-token entropy ``[B, T]`` (with gradient) for the bonus and the metric.
+    * ``entropy``: per-token entropy ``[B, T]`` (with gradient) for the bonus, the metric and the selection.
+    * ``top_entropy_quantile`` ``q < 1``: the policy-gradient term only on the ``ceil(q n)`` highest-entropy valid
+      tokens (`top_entropy_token_mask`, "Beyond the 80/20 Rule"); the others still count in the aggregation's
+      denominator, as in the paper and TRL. ``q = 1`` (off) skips the selection.
+    * ``clip_cov_ratio > 0``: Clip-Cov (Cui et al. 2025, verl ``clip_cov``): the surrogate's gradient is detached
+      on `clip_cov_token_mask`'s tokens (covariance `token_covariance` in ``(clip_cov_lb, clip_cov_ub)``, not already
+      clipped by the PPO range), ``max(floor(ratio n), 1)`` of them: their loss is multiplied by 0, as verl's
+      ``corr``, so value and gradient agree (they still count in the denominator).
+    * ``kl_cov_ratio > 0``: KL-Cov (Cui et al. 2025, verl ``kl_cov``): ``kl_cov_coef * |log pi - log pi_old|``
+      (verl's ``ppo_kl_coef``) added to the surrogate on the ``max(floor(ratio n), 1)`` tokens of highest
+      covariance (`kl_cov_token_mask`). verl applies it to the unclipped ``-rho A``; here to whichever surrogate.
 
-    ``advantages`` may be ``[B]`` (one per sequence, broadcast over tokens) or ``[B, T]``. Log-ratios are
-    clipped to ``[-20, 20]`` before ``exp`` and padded positions are neutralised before any ``exp``.
-    Metrics: ``policy_loss``, `clip_metrics`, plus ``kl`` / ``entropy`` / ``is_weight/mean`` when those inputs
-    are given. Static: ``surrogate``, ``dual_clip_c``, ``kl_estimator``, ``kl_clamp``, ``tis_cap``,
-    ``aggregation``, ``max_len``. Shapes: ``logp``, ``old_logp``, ``mask`` (and ``ref_logp``, ``entropy``,
-    ``sampler_logp``) ``[B, T]``; returns ``(loss, metrics)`` with a float32 scalar loss.
+    The token options count and rank over the (micro-)batch this call sees. ``advantages`` may be ``[B]`` (one per
+    sequence, broadcast over tokens) or ``[B, T]``. Log-ratios are clipped to ``[-20, 20]`` before ``exp`` and padded
+    positions are neutralised before any ``exp``. Metrics: ``policy_loss``, `clip_metrics`, plus ``kl`` /
+    ``entropy`` / ``is_weight/mean`` when those inputs are given, and ``top_entropy_fraction``,
+    ``clip_cov_fraction``, ``kl_cov_fraction`` (fractions of the valid tokens chosen) when those options are on.
+    Static: ``surrogate``, ``dual_clip_c``, ``surrogate_options``, ``kl_estimator``, ``kl_clamp``, ``tis_cap``,
+    ``top_entropy_quantile``, ``clip_cov_*``, ``kl_cov_ratio``, ``aggregation``, ``max_len``. Shapes: ``logp``,
+    ``old_logp``, ``mask`` (and ``ref_logp``, ``entropy``, ``sampler_logp``) ``[B, T]``; returns ``(loss, metrics)``
+    with a float32 scalar loss.
     """
     if surrogate not in POLICY_LOSSES:
         raise ValueError(f"unknown policy loss {surrogate!r}; expected one of {', '.join(POLICY_LOSSES)}")
@@ -343,8 +495,30 @@ def clipped_policy_loss(
         adv = adv[..., None]
     adv = jnp.broadcast_to(adv, logp.shape)
     clip = dict(epsilon_low=epsilon_low, epsilon_high=epsilon_high, dual_clip_c=dual_clip_c)
-    token_loss, ratio = POLICY_LOSSES[surrogate](logp, old_logp, adv, mask, **clip)
+    token_loss, ratio = POLICY_LOSSES[surrogate](logp, old_logp, adv, mask, **clip, **(surrogate_options or {}))
+    token_log_ratio = _token_log_ratio(logp, old_logp, mask)
     metrics: dict[str, Array] = {}
+    if clip_cov_ratio > 0 or kl_cov_ratio > 0:
+        cov = token_covariance(logp, adv, mask)
+    if clip_cov_ratio > 0:
+        # Tokens on the clipped side of the PPO range have no gradient already; verl leaves them out of the draw.
+        r = jax.lax.stop_gradient(ratio)
+        clipped = ((adv < 0) & (r < 1.0 - epsilon_low)) | ((adv > 0) & (r > 1.0 + epsilon_high))
+        detached = clip_cov_token_mask(cov, mask, ~clipped, fraction=clip_cov_ratio, lower=clip_cov_lb,
+                                       upper=clip_cov_ub)
+        token_loss = jnp.where(detached, 0.0, token_loss)
+        metrics["clip_cov_fraction"] = masked_mean(detached, mask)
+    if kl_cov_ratio > 0:
+        penalised = kl_cov_token_mask(cov, mask, fraction=kl_cov_ratio)
+        penalty = jnp.asarray(kl_cov_coef, jnp.float32) * jnp.abs(token_log_ratio)
+        token_loss = token_loss + jnp.where(penalised, penalty, 0.0)
+        metrics["kl_cov_fraction"] = masked_mean(penalised, mask)
+    if top_entropy_quantile < 1.0:
+        if entropy is None:
+            raise ValueError("top_entropy_quantile < 1 selects tokens by entropy: pass entropy=[B, T]")
+        selected = top_entropy_token_mask(entropy, mask, quantile=top_entropy_quantile)
+        token_loss = jnp.where(selected, token_loss, 0.0)
+        metrics["top_entropy_fraction"] = masked_mean(selected, mask)
     if sampler_logp is not None:
         weights = truncated_importance_weights(old_logp, sampler_logp, mask, cap=tis_cap)
         token_loss = token_loss * weights
@@ -354,7 +528,7 @@ def clipped_policy_loss(
                                       entropy_coef=entropy_coef, aggregation=aggregation, max_len=max_len,
                                       num_tokens=num_tokens, num_seqs=num_seqs)
     metrics.update(terms)
-    metrics.update(clip_metrics(ratio, _token_log_ratio(logp, old_logp, mask), adv, mask, **clip))
+    metrics.update(clip_metrics(ratio, token_log_ratio, adv, mask, **clip))
     return loss, {k: jax.lax.stop_gradient(v) for k, v in metrics.items()}
 
 

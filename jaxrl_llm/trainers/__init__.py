@@ -25,13 +25,14 @@ def algorithm_class(name: str) -> Any:
     return getattr(importlib.import_module(module), attr)
 
 
-def make_trainer(config: Any, **run_dir_options: bool) -> Any:
-    """The loop shell around `config.algo` (`resume`, `overwrite`, `allow_config_change`: see `run_dir`)."""
+def make_trainer(config: Any, **run_dir_options: Any) -> Any:
+    """The loop shell around `config.algo` (`resume`, `overwrite`, `allow_config_change`, `config_dir`,
+    `allow_tracked_dir`: see `run_dir.open_run_dir`)."""
     from jaxrl_llm.trainers.loop import Trainer
 
     return Trainer(config, algorithm_class(config.algo), **run_dir_options)
 
 
-def train(config: Any, **run_dir_options: bool) -> dict[str, Any]:
+def train(config: Any, **run_dir_options: Any) -> dict[str, Any]:
     """Build the run of `config.algo` and execute it; returns the run's summary."""
     return make_trainer(config, **run_dir_options).run()

@@ -4,6 +4,8 @@ of the loop shell, differing only in the advantage estimator and the policy loss
     collect:  P prompts x G samples, scored (trainers/rollouts.py); the sampler's log-probs are the old policy's
     update:   [reference log-probs] -> advantages (rl.estimators) -> one jit: rl.mu epochs x minibatches of
               train_step (lax.scan, shuffle on the device)
+    adapt:    with rl.entropy_target > 0, the entropy coefficient is an input of that jit, moved after each step
+              from the entropy the step measured (rl.entropy_control, Skywork-OR1) and checkpointed with the weights
 
 The sampler's log-probs (full distribution at the sampling temperature) are kept as the old policy's, so the
 importance ratio and clipping are real when `mu > 1` or minibatches make several updates per rollout.
@@ -19,10 +21,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec
 
 from jaxrl_llm.config import RunConfig, advantage_estimator
 from jaxrl_llm.data import DataState
 from jaxrl_llm.errors import ConfigError
+from jaxrl_llm.rl.entropy_control import (
+    EntropyControllerState,
+    adaptive_entropy_update,
+    applied_entropy_coef,
+    init_entropy_controller,
+)
 from jaxrl_llm.rl.estimators import kl_in_reward, rollout_advantages
 from jaxrl_llm.sharding import batch_divisor, batch_sharding, global_array, init_optimizer_state, to_host
 from jaxrl_llm.train_step import (
@@ -40,13 +49,22 @@ from jaxrl_llm.trainers.policy import GreedyEvaluation, load_policy
 from jaxrl_llm.trainers.rollouts import DriftMeter, Rollout, RolloutCollector
 
 
+def surrogate_options(c: RunConfig) -> tuple[tuple[str, float], ...]:
+    """The config's keywords for the chosen surrogate beyond the common signature: SAPO's temperatures."""
+    r = c.rl
+    return (("tau_pos", r.sapo_tau_pos), ("tau_neg", r.sapo_tau_neg)) if r.policy_loss == "sapo" else ()
+
+
 def policy_loss_config(c: RunConfig, *, beta: float) -> PolicyLossConfig:
     """The policy loss's static knobs from `rl` (`beta`: the KL coefficient the loss carries)."""
     r = c.rl
     return PolicyLossConfig(temperature=c.sampling.temperature, epsilon_low=r.epsilon_low,
                             epsilon_high=r.epsilon_high, dual_clip_c=r.dual_clip_c or None, policy_loss=r.policy_loss,
-                            beta=beta, kl_estimator=r.kl_estimator, aggregation=r.loss_aggregation,
-                            entropy_coef=r.entropy_coef, max_len=c.sampling.max_new_tokens,
+                            surrogate_options=surrogate_options(c), beta=beta, kl_estimator=r.kl_estimator,
+                            aggregation=r.loss_aggregation, entropy_coef=r.entropy_coef,
+                            top_entropy_quantile=r.top_entropy_quantile, clip_cov_ratio=r.clip_cov_ratio,
+                            clip_cov_lb=r.clip_cov_lb, clip_cov_ub=r.clip_cov_ub, kl_cov_ratio=r.kl_cov_ratio,
+                            kl_cov_coef=r.kl_cov_coef, max_len=c.sampling.max_new_tokens,
                             logprob_block_mib=c.model.logprob_block_mib)
 
 
@@ -89,11 +107,16 @@ class GRPOFamily:
         self.ref_logprob_fn = make_logprob_fn(p.mesh, p.model_config, c.sampling.temperature, p.weights_sharding,
                                               block_mib=c.model.logprob_block_mib)
         self.drift = DriftMeter(p, self.ref_params, self.ref_logprob_fn, c.diagnostics.drift_rows)
+        # Adaptive entropy control (rl.entropy_target > 0): the coefficient is a traced input of the update, moved
+        # after each step from the entropy it measured, and part of the checkpointed state; None = fixed.
+        self.entropy_controller: EntropyControllerState | None = (
+            init_entropy_controller(r.entropy_coef) if r.entropy_target > 0 else None)
         self.update_fn = self._make_update_fn()
 
     def _make_update_fn(self) -> Any:
-        """`(params, opt_state, batch [N, ...], key, frozen) -> (params, opt_state, metrics)`: the whole update as
-        one jit (`frozen`: LoRA's base weights, or None)."""
+        """`(params, opt_state, batch [N, ...], key, frozen, entropy_coef) -> (params, opt_state, metrics)`: the whole
+        update as one jit (`frozen`: LoRA's base weights, or None; `entropy_coef`: the adaptive controller's
+        coefficient, a float32 scalar, or None for the config's fixed one)."""
         c, p, rows = self.config, self.policy, batch_sharding(self.policy.mesh)
         step = functools.partial(train_step, loss_fn=policy_loss, model_config=p.model_config,
                                  loss_config=self.loss_config, optimizer=self.optimizer, grad_accum=c.rl.grad_accum,
@@ -101,14 +124,16 @@ class GRPOFamily:
 
         dropout = p.lora_dropout
 
-        def update(params: Any, opt_state: optax.OptState, batch: PolicyBatch,
-                   key: jax.Array, frozen: Any) -> tuple[Any, Any, Metrics]:
+        def update(params: Any, opt_state: optax.OptState, batch: PolicyBatch, key: jax.Array, frozen: Any,
+                   entropy_coef: jax.Array | None) -> tuple[Any, Any, Metrics]:
             dropout_key = jax.random.fold_in(key, 1 << 20)  # apart from the shuffle's fold_in(key, epoch)
+            loss_inputs = None if entropy_coef is None else {"entropy_coef": entropy_coef}
 
             def one(carry: tuple[Any, Any, jax.Array], minibatch: PolicyBatch) -> tuple[tuple[Any, Any, Any], Metrics]:
                 params, opt_state, i = carry
                 step_key = (jax.random.fold_in(dropout_key, i),) if dropout else ()  # LoRA dropout, per update
-                new_params, new_opt_state, metrics = step(params, opt_state, minibatch, frozen, *step_key)
+                new_params, new_opt_state, metrics = step(params, opt_state, minibatch, frozen, *step_key,
+                                                          loss_inputs=loss_inputs)
                 return (new_params, new_opt_state, i + 1), metrics
 
             (params, opt_state, _), metrics, _ = scanned_updates(
@@ -118,7 +143,8 @@ class GRPOFamily:
 
         state_shardings = (p.params_sharding, jax.tree.map(lambda x: x.sharding, self.opt_state))
         replicated = jax.sharding.NamedSharding(p.mesh, jax.sharding.PartitionSpec())
-        return jax.jit(update, in_shardings=(*state_shardings, rows, replicated, p.frozen_sharding),
+        coef_sharding = replicated if self.entropy_controller is not None else None
+        return jax.jit(update, in_shardings=(*state_shardings, rows, replicated, p.frozen_sharding, coef_sharding),
                        out_shardings=(*state_shardings, replicated), donate_argnums=(0, 1))
 
     # ------------------------------------------------------------------------------------------ the shell's API
@@ -133,11 +159,19 @@ class GRPOFamily:
                 f"{self.collector.describe()}, {jax.device_count()} device(s)")
 
     def state(self) -> dict[str, Any]:
-        return {"params": self.policy.params, "opt_state": self.opt_state}
+        state = {"params": self.policy.params, "opt_state": self.opt_state}
+        if self.entropy_controller is not None:  # only then: checkpoints of fixed-coefficient runs keep their shape
+            state["entropy_controller"] = {name: global_array(np.asarray(value), self.mesh, PartitionSpec())
+                                           for name, value in self.entropy_controller._asdict().items()}
+        return state
 
     def load_state(self, state: dict[str, Any]) -> None:
         # ref_params stays the starting policy, which __init__ loaded from the model directory.
         self.policy.params, self.opt_state = state["params"], state["opt_state"]
+        if self.entropy_controller is not None:
+            saved = state["entropy_controller"]
+            self.entropy_controller = EntropyControllerState(
+                coef=jnp.asarray(saved["coef"], jnp.float32), active=jnp.asarray(saved["active"], jnp.float32))
 
     def collect(self, data_state: DataState, key: jax.Array) -> tuple[Rollout, DataState, dict[str, float]]:
         ro, data_state, refills = self.collector.collect(self.policy.model_weights(), data_state, key)
@@ -154,9 +188,18 @@ class GRPOFamily:
                     else put(np.zeros(ro.out.tokens.shape, np.float32)))
         advantages = self.advantage_fn(put(ro.rewards.astype(np.float32)), cm, old_logp, ref_logp)
         batch = PolicyBatch(pt, pm, ct, cm, old_logp, ref_logp, advantages)
+        ctl = self.entropy_controller
+        entropy_coef = None if ctl is None else float(applied_entropy_coef(ctl))
+        coef_input = None if ctl is None else put(np.float32(entropy_coef), spec=PartitionSpec())
         self.policy.params, self.opt_state, metrics = self.update_fn(self.policy.params, self.opt_state, batch, key,
-                                                                     self.policy.frozen)
+                                                                     self.policy.frozen, coef_input)
         out = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        if ctl is not None:
+            r = self.config.rl
+            out["entropy_coef"] = entropy_coef  # the coefficient this step's loss used (0 while above target)
+            self.entropy_controller = adaptive_entropy_update(ctl, out["entropy"], target=r.entropy_target,
+                                                              delta=r.entropy_coef_delta, min_coef=r.entropy_coef_min,
+                                                              max_coef=r.entropy_coef_max)
         mask = np.asarray(ro.out.mask, bool)
         out["advantages/abs_mean"] = float(np.abs(to_host(advantages))[mask].mean()) if mask.any() else 0.0
         out["learning_rate"] = float(self.schedule(step * self.updates_per_step - 1))

@@ -34,12 +34,12 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from jaxrl_llm.checkpoint import Checkpointer
+from jaxrl_llm.checkpoint import Checkpointer, storage_cause
 from jaxrl_llm.config import RunConfig
 from jaxrl_llm.data import DataState
 from jaxrl_llm.diagnostics import DiagnosticLimits, describe, diagnose, diagnostic_metrics
 from jaxrl_llm.divergence import DivergenceLimits, DivergenceState, update_divergence
-from jaxrl_llm.errors import DivergenceError, RunInterrupted, TrainingError
+from jaxrl_llm.errors import DivergenceError, RunInterrupted, StorageError, TrainingError
 from jaxrl_llm.logging import RunLogger, write_summary
 from jaxrl_llm.run_dir import open_run_dir
 from jaxrl_llm.sharding import global_array
@@ -82,14 +82,18 @@ class Trainer:
     run; `allow_config_change`: resume with math-changing settings (see `run_dir.open_run_dir`)."""
 
     def __init__(self, config: RunConfig, algorithm_cls: type[Algorithm], *, resume: bool = False,
-                 overwrite: bool = False, allow_config_change: bool = False) -> None:
+                 overwrite: bool = False, allow_config_change: bool = False, config_dir: str | Path | None = None,
+                 allow_tracked_dir: bool = False) -> None:
         self.config = c = config
         self.out_dir = Path(c.out_dir)
         self.resumed = resume
         self.run_dir = open_run_dir(c, resume=resume, overwrite=overwrite, allow_config_change=allow_config_change,
                                     export_dir=self.export_dir if c.export else None,
-                                    input_dirs=_input_dirs(c, algorithm_cls))
+                                    input_dirs=_input_dirs(c, algorithm_cls), config_dir=config_dir,
+                                    allow_tracked_dir=allow_tracked_dir)
         try:
+            if _input_dirs(c, algorithm_cls) == ():  # a from-scratch model saves its tokenizer in the run
+                self.run_dir.claim(self.out_dir / "tokenizer")
             self.algorithm = algorithm_cls(c)
             self.root_key = jax.random.key(c.seed)
             self.step = 0
@@ -98,7 +102,8 @@ class Trainer:
             self.history: list[dict[str, float]] = []  # every step's metrics, for the diagnostics
             self.symptoms: dict[str, dict[str, int]] = {}  # name -> first_step, last_step, steps
             self.last_drift: float | None = None
-            self.checkpointer = Checkpointer(self.out_dir / "checkpoints", keep=c.keep_checkpoints)
+            self.checkpointer = Checkpointer(self.out_dir / "checkpoints", keep=c.keep_checkpoints,
+                                             claim=self.run_dir.claim)
             if resume:
                 self.restore()
         except BaseException:
@@ -139,7 +144,7 @@ class Trainer:
             return
         if self.step > 0 and self.checkpointer.latest_step() != self.step:
             self.save_checkpoint()
-        self.checkpointer.manager.wait_until_finished()
+        self.checkpointer.wait()
         saved = self.checkpointer.latest_step()
         where = (f"the checkpoint of step {saved} is in {self.checkpointer.directory}; continue with --resume"
                  if saved is not None else "no checkpoint had been written yet (nothing to resume)")
@@ -176,6 +181,10 @@ class Trainer:
 
     def _run(self) -> dict[str, Any]:
         c, algo = self.config, self.algorithm
+        for name, used in (("metrics.jsonl", True), ("samples.jsonl", True), ("tensorboard", c.tensorboard),
+                           ("wandb", c.logging.wandb)):
+            if used:
+                self.run_dir.claim(self.out_dir / name)
         logger = RunLogger(self.out_dir, total_steps=c.steps, initial_step=self.step, tensorboard=c.tensorboard,
                            progress_bar=c.progress_bar, desc=algo.label,
                            resume_step=self.step if self.resumed else None,
@@ -231,6 +240,9 @@ class Trainer:
                         f"(latest: {self.checkpointer.latest_step()})."
                     )
             stopped = bool(diverged) and c.on_divergence == "stop"
+            if not stopped:  # a stop asked for during the last step: its checkpoint, no export
+                self._stop_if_requested(logger)
+            self.stop_requests.phase = "finish"
             if c.checkpoint_every and self.checkpointer.latest_step() != self.step and not stopped:
                 self.save_checkpoint()
             if c.final_checkpoint == "weights" and not stopped and self.step == c.steps:
@@ -316,6 +328,7 @@ class Trainer:
             del summary["after"]
         if flagged:
             summary["diverged"] = {**flagged, "last_good_checkpoint": self.checkpointer.latest_step()}
+        self.run_dir.claim(self.out_dir / "summary.json")
         write_summary(self.out_dir, summary)
         if diverged and c.on_divergence == "stop":
             good = self.checkpointer.latest_step()
@@ -326,7 +339,16 @@ class Trainer:
                 f"(on_divergence=stop). {kept}; lower optim.learning_rate, or resume from a good checkpoint"
             )
         if c.export:
-            summary["export"] = algo.export(self.export_dir)
+            self.run_dir.claim_export(self.export_dir)
+            try:
+                summary["export"] = algo.export(self.export_dir)
+            except Exception as e:
+                cause = storage_cause(e)
+                if cause is None:
+                    raise
+                raise StorageError(
+                    f"{cause} while exporting the model to {self.export_dir}; the checkpoints are intact: make room, "
+                    f"then python -m jaxrl_llm.export {self.out_dir} --out {self.export_dir}") from None
             write_summary(self.out_dir, summary)
         return summary
 
@@ -338,6 +360,7 @@ class StopRequests:
 
     def __init__(self) -> None:
         self.requested: str | None = None
+        self.phase = "steps"  # "finish": the steps are done; the summary and the export are being written
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> StopRequests:
@@ -351,8 +374,12 @@ class StopRequests:
         if self.requested is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.requested = name
-        print(f"jaxrl_llm: {name}: finishing this step, then saving a checkpoint and stopping "
-              f"(Ctrl-C again stops at once, without saving)", file=sys.stderr, flush=True)
+        if self.phase == "finish":
+            what = "the run's steps are done: finishing its summary and export, then exiting"
+        else:
+            what = "finishing this step, then saving its checkpoint and stopping (no export)"
+        print(f"jaxrl_llm: {name}: {what} (Ctrl-C again stops at once, without saving)", file=sys.stderr,
+              flush=True)
 
     def __exit__(self, *exc: object) -> None:
         for sig, handler in self._previous.items():

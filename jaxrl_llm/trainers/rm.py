@@ -21,7 +21,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm.config import RunConfig
-from jaxrl_llm.data import DataState, bucket, left_pad, load_records, load_tokenizer, next_batch_indices, pair_texts
+from jaxrl_llm.data import (
+    DataState,
+    bucket,
+    encode_text,
+    left_pad,
+    load_records,
+    load_tokenizer,
+    next_batch_indices,
+    pair_texts,
+)
 from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params
@@ -75,7 +84,7 @@ def encode_pairs(records: list[dict[str, Any]], label: str, tokenizer: Any,
     """`(chosen ids, rejected ids)` of each pair's whole text (`data.pair_texts`: `prompt + response`, or the chat
     template's rendering with the response as the assistant turn), no special tokens added, as
     `RewardModel` scores."""
-    return [tuple(tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts)
+    return [tuple(encode_text(tokenizer, text, add_special_tokens=False) for text in texts)
             for texts in pair_texts(records, label, c.data, tokenizer)]
 
 
