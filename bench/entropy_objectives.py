@@ -4,7 +4,8 @@
                                        [--out runs/bench_entropy] [--results bench/entropy_results.md]
 
 Each variant is the SmolLM2 recipe (`configs/grpo_smollm2_larger_number.yaml`: "Which number is larger?", chat
-template, AdamW 1e-5, no KL, T = 0.7, 32 new tokens) with its config overrides, run as its own `train.py`
+template, no KL, T = 0.7, 32 new tokens; AdamW at `--lr`, 3e-5 by default, three times the recipe's, so that the
+entropy falls within the few steps a CPU affords) with its config overrides, run as its own `train.py`
 subprocess from the same model and seed, one after the other. The per-step `entropy` (mean per token, nats, at
 the sampling temperature, measured during the update) and the held-out greedy accuracy before and after (first
 `--eval-size` prompts of `data/larger_number/test.jsonl`) are read from each run's `metrics.jsonl`.
@@ -68,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--prompts", type=int, default=4, help="prompts per step (x 8 samples)")
     parser.add_argument("--eval-size", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=3e-5,
+                        help="AdamW learning rate (the recipe's 1e-5 x 3: entropy falls within the few steps)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_entropy")
     parser.add_argument("--results", type=Path, default=None, help="markdown file for the table")
@@ -84,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, "train.py", "--overwrite", "--config", "configs/grpo_smollm2_larger_number.yaml",
                f"model.path={args.model}", *VARIANTS[key][1], f"out_dir={out}", f"steps={args.steps}",
                f"rl.prompts_per_step={args.prompts}", f"eval_size={args.eval_size}", "eval_every=0",
+               f"optim.learning_rate={args.lr}",
                "checkpoint_every=0", "export=false", "report=false", "progress_bar=false", "tensorboard=false",
                f"seed={args.seed}"]
         wall = run(cmd, args.out / f"{key}.log")
@@ -98,8 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         args.results.write_text(
             f"# Entropy objectives on SmolLM2-135M-Instruct\n\n```bash\n{command}\n```\n\n"
             f"{text}\n\nRun {started} on 2 CPU cores, seed {args.seed}, {args.steps} steps of {args.prompts} "
-            f"prompts x 8 samples; 1-minute load {load[0]:.1f} at the start. H: the step's mean entropy per "
-            f"token (nats). Accuracy: greedy, first {args.eval_size} held-out prompts.\n")
+            f"prompts x 8 samples, learning rate {args.lr:g}; 1-minute load {load[0]:.1f} at the start. H: the "
+            f"step's mean entropy per token (nats). Accuracy: greedy, first {args.eval_size} held-out prompts.\n")
     return 0
 
 
