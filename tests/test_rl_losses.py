@@ -330,6 +330,14 @@ def test_gradient_is_zero_exactly_where_clipped_on_the_pushing_side(log_ratio, a
         {},
         {"dual_clip_c": 3.0, "epsilon_high": 0.28, "aggregation": "seq-mean-token-sum-norm", "max_len": 8},
         {"surrogate": "gspo", "aggregation": "seq-mean-token-mean"},
+        # the 2025 objectives (tests/test_rl_objectives.py): the selections are piecewise constant, and the
+        # entropies and covariances here are far enough apart that a step of 1e-3 never changes them
+        {"surrogate": "sapo", "aggregation": "seq-mean-token-mean"},
+        {"surrogate": "sapo", "surrogate_options": {"tau_pos": 3.0, "tau_neg": 5.0}},
+        {"top_entropy_quantile": 0.5},
+        {"top_entropy_quantile": 0.4, "surrogate": "sapo", "aggregation": "seq-mean-token-mean"},
+        {"clip_cov_ratio": 0.3, "clip_cov_lb": -10.0, "clip_cov_ub": 10.0},
+        {"kl_cov_ratio": 0.3, "kl_cov_coef": 0.5},
     ],
 )
 def test_composed_loss_gradient_matches_finite_differences(options):

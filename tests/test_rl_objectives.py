@@ -375,36 +375,8 @@ def test_kl_cov_adds_exactly_coef_abs_log_ratio_on_the_top_covariance_tokens(log
 # ------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "options",
-    [
-        {"surrogate": "sapo", "aggregation": "seq-mean-token-mean"},
-        {"surrogate": "sapo", "surrogate_options": {"tau_pos": 3.0, "tau_neg": 5.0}},
-        {"top_entropy_quantile": 0.5},
-        {"top_entropy_quantile": 0.4, "surrogate": "sapo", "aggregation": "seq-mean-token-mean"},
-        {"clip_cov_ratio": 0.3, "clip_cov_lb": -10.0, "clip_cov_ub": 10.0},
-        {"kl_cov_ratio": 0.3, "kl_cov_coef": 0.5},
-    ],
-)
-def test_objective_gradients_match_finite_differences(options):
-    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
-    logits = jax.random.normal(k1, (2, 4, 6))
-    tokens = jax.random.randint(k2, (2, 4), 0, 6)
-    mask = jnp.array([[1, 1, 1, 0], [1, 1, 1, 1]])
-    base = lp.token_logprobs(logits, tokens, temperature=0.8)
-    # offsets put tokens well inside and well outside the clip range (no kink within FD reach, |log r| > 0)
-    old = base + jnp.array([[0.05, -0.6, 0.4, 0.0], [0.1, -0.05, 0.7, -0.5]])
-    ref = base + 0.3 * jax.random.normal(k3, (2, 4))
-    a = jnp.array([1.0, -0.5])
-
-    def loss(x):
-        logp, ent = lp.token_logprobs_and_entropy(x, tokens, temperature=0.8)
-        return L.clipped_policy_loss(logp, old, a, mask, ref_logp=ref, kl_coef=0.5, entropy=ent, entropy_coef=0.1,
-                                     **options)[0]
-
-    # The selections are piecewise constant; the entropies and covariances here are far enough apart that a step
-    # of 1e-3 in the logits never changes them, so the loss is smooth within reach of the differences.
-    check_grads(jax.jit(loss), (logits,), order=1, modes=("rev",), eps=1e-3, atol=5e-4, rtol=5e-4)
+# The composed loss with each new option vs finite differences: tests/test_rl_losses.py
+# (test_composed_loss_gradient_matches_finite_differences), parametrised with them.
 
 
 @pytest.mark.parametrize("options", [{}, {"epsilon_low": 1.0, "epsilon_high": 4.0,
