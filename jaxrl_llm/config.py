@@ -89,6 +89,10 @@ class SamplingSection:
     new_tokens_bucket: int = 16  # completion lengths are rounded up to a multiple of this
 
 
+# rl.rollout_correction: where the old policy's log-probs come from (see RLSection)
+ROLLOUT_CORRECTIONS = ("none", "recompute", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
 @dataclass
 class RLSection:
     """The RL loop (GRPO family and PPO): rollout sizes, the update's epochs and minibatches, the policy loss
@@ -131,6 +135,14 @@ class RLSection:
     # tokens (at least 1), those of highest covariance of log-prob and advantage; 0 = off (verl: 0.0002)
     kl_cov_ratio: float = 0.0
     kl_cov_coef: float = 1.0  # KL-Cov: the penalty's coefficient (the paper's recipes; verl ppo_kl_coef, 0.1 there)
+    # The old policy's log-probs and the sampler / trainer mismatch (GRPO family and PPO):
+    # none = the sampler's log-probs are the old policy's (no extra pass);
+    # recompute = the trainer's forward recomputes them before the update (verl's default);
+    # token_truncate | token_mask | sequence_truncate | sequence_mask = recompute, and weight the policy-gradient
+    # term by the importance ratio pi_old / pi_sampler per token or per sequence, truncated at
+    # rollout_correction_cap or masked (0) above it (TRL's vllm_importance_sampling_mode, verl's rollout_is)
+    rollout_correction: str = "none"
+    rollout_correction_cap: float = 3.0  # C of the *_truncate / *_mask modes (TRL's default)
     # Advantage estimator: "" = the algorithm's own (grpo, rloo, reinforce_pp); or reinforce_pp_baseline.
     estimator: str = ""
     dynamic_sampling: bool = False  # DAPO: drop zero-variance groups and refill the batch
@@ -594,7 +606,7 @@ NUMERIC_BOUNDS: dict[str, tuple[float, float, bool]] = {
     "rl.entropy_coef_delta": _AT_LEAST, "rl.entropy_coef_min": _AT_LEAST, "rl.entropy_coef_max": _AT_LEAST,
     "rl.top_entropy_quantile": (0.0, 1.0, False), "rl.clip_cov_ratio": _FRACTION,
     "rl.clip_cov_lb": (-float("inf"), float("inf"), True), "rl.clip_cov_ub": (-float("inf"), float("inf"), True),
-    "rl.kl_cov_ratio": _FRACTION, "rl.kl_cov_coef": _AT_LEAST,
+    "rl.kl_cov_ratio": _FRACTION, "rl.kl_cov_coef": _AT_LEAST, "rl.rollout_correction_cap": _POSITIVE,
     "optim.learning_rate": _POSITIVE, "optim.warmup_steps": _AT_LEAST, "optim.end_lr_ratio": _FRACTION,
     "optim.weight_decay": _AT_LEAST, "optim.beta1": (0.0, 1.0, True), "optim.beta2": (0.0, 1.0, True),
     "optim.max_grad_norm": _AT_LEAST,
@@ -665,6 +677,7 @@ def validate(c: RunConfig) -> None:
         ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
     )
     _choice(g.scale_rewards, "rl.scale_rewards", ("group", "batch", "none"))
+    _choice(g.rollout_correction, "rl.rollout_correction", ROLLOUT_CORRECTIONS)
     _choice(c.optim.schedule, "optim.schedule", ("constant", "cosine", "linear"))
     sizes = (c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
     if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):

@@ -49,7 +49,9 @@ class PolicyBatch(NamedTuple):
     """One minibatch of a rollout; every array has the sequence axis `N` first.
 
     prompt_tokens/prompt_mask `[N, P]` (left-padded), completion_tokens/completion_mask `[N, T]`
-    (right-padded; mask 1 up to and including EOS), old_logp/ref_logp `[N, T]` float32, advantages `[N]`.
+    (right-padded; mask 1 up to and including EOS), old_logp/ref_logp `[N, T]` float32, advantages `[N]`;
+    sampler_logp `[N, T]` float32, the sampler's own log-probs when `rl.rollout_correction` weights the loss by
+    `old / sampler` (then `old_logp` is the trainer's recomputation), else None.
     """
 
     prompt_tokens: jax.Array
@@ -59,6 +61,7 @@ class PolicyBatch(NamedTuple):
     old_logp: jax.Array
     ref_logp: jax.Array
     advantages: jax.Array
+    sampler_logp: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +91,10 @@ class PolicyLossConfig:
     # computed from the final hidden states `chunk` positions at a time (remat in the backward), never as a full
     # `[N, T, V]`. 0 = one block of all positions (what small vocabularies want).
     logprob_block_mib: float = 256.0
+    # rl.rollout_correction's importance weighting: "" = none, else "<token|sequence>_<truncate|mask>" (applied
+    # when the batch carries sampler_logp), and its cap C.
+    rollout_correction: str = ""
+    rollout_correction_cap: float = 3.0
 
 
 def logprob_chunk_size(rows: int, length: int, vocab_size: int, block_mib: float) -> int:
@@ -126,7 +133,7 @@ def completion_logprobs(
     chunk = logprob_chunk_size(n, t, config.vocab_size, block_mib)
     out = token_logprobs_from_hidden(hidden, unembedding_matrix(params, config), completion_tokens,
                                      temperature=temperature, chunk_size=chunk, with_entropy=with_entropy,
-                                     logit_softcap=config.final_logit_softcap)
+                                     logit_softcap=config.final_logit_softcap, compute_dtype=config.jnp_dtype)
     return out if with_entropy else (out, None)
 
 
@@ -169,6 +176,10 @@ def policy_loss(
         surrogate=c.policy_loss,
         surrogate_options=dict(c.surrogate_options),
         ref_logp=batch.ref_logp if c.beta > 0 else None,
+        sampler_logp=batch.sampler_logp if c.rollout_correction else None,
+        tis_cap=c.rollout_correction_cap,
+        is_level=c.rollout_correction.split("_")[0] if c.rollout_correction else "token",
+        is_mode=c.rollout_correction.split("_")[-1] if c.rollout_correction else "truncate",
         kl_coef=c.beta,
         kl_estimator=c.kl_estimator,  # type: ignore[arg-type]
         entropy=entropy,
@@ -237,10 +248,30 @@ def working_weights(params: Any, config: ModelConfig) -> Any:
     return cast_floating(params, config.jnp_param_dtype)
 
 
+MATRIX_NAMES = ("kernel", "embedding", "lora_a", "lora_b")  # the leaves `inference_copy` stores in bf16
+
+
+def inference_copy(params: Any, config: ModelConfig) -> Any:
+    """New buffers of `params` as the sampler, the evaluation and a reference model store them: every weight
+    matrix (`MATRIX_NAMES`) in `config.jnp_inference_param_dtype`, bfloat16 under a bfloat16 compute dtype, so
+    each decode step reads half the bytes; norm scales and biases as they are. The precision policy casts
+    matrices to the compute dtype before use anyway, so this copy computes exactly what the float32 master
+    computes."""
+    dtype = config.jnp_inference_param_dtype
+
+    def cast(path: tuple, p: jax.Array) -> jax.Array:
+        name = getattr(path[-1], "key", None) if path else None
+        if name in MATRIX_NAMES and jnp.issubdtype(p.dtype, jnp.floating) and p.dtype != dtype:
+            return p.astype(dtype)
+        return jnp.copy(p)
+
+    return jax.tree_util.tree_map_with_path(cast, params)
+
+
 def frozen_copy(params: Any, config: ModelConfig) -> Any:
-    """A reference model's weights: `working_weights`, but always new buffers (never the master's own, which the
+    """A reference model's weights: an `inference_copy`, always new buffers (never the master's own, which the
     train step donates and overwrites)."""
-    return cast_floating(params, config.jnp_param_dtype, copy=True)
+    return inference_copy(params, config)
 
 
 def make_optimizer(cfg: OptimSection, total_updates: int) -> tuple[optax.GradientTransformation, optax.Schedule]:

@@ -261,3 +261,28 @@ def test_eval_reward_chooses_the_accuracy_check(tiny_task, tmp_path):
         rewards=rewards,
     ))
     assert default.algorithm.evaluate(4).keys() == {"eval/accuracy", "eval/format"}
+
+
+@pytest.mark.parametrize("dtype,correction", [("float32", "recompute"), ("bfloat16", "sequence_mask"),
+                                              ("bfloat16", "none")])
+def test_rollout_correction_recomputes_and_weights(tiny_task, tmp_path, dtype, correction):
+    """rl.rollout_correction: `recompute` replaces the sampler's log-probs by the trainer's and logs the mismatch
+    (float32: the two paths agree to rounding); the importance-weighting modes also log the weights; `none`
+    (the sampler's log-probs, no extra pass) logs neither."""
+    out = tmp_path / correction
+    config = _config(tiny_task, out, "steps=2", "data.eval=''", "export=false", "checkpoint_every=0",
+                     f"model.dtype={dtype}", f"rl.rollout_correction={correction}", TWO_REWARDS)
+    make_trainer(config).run()
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    if correction == "none":
+        assert not any(k.startswith(("mismatch/", "is_weight/")) for r in rows for k in r)
+        return
+    for r in rows:
+        assert 0 <= r["mismatch/logprob_abs_mean"] <= r["mismatch/logprob_abs_max"]
+        assert np.isfinite(r["mismatch/ratio_std"]) and np.isfinite(r["policy_loss"])
+    if dtype == "float32":
+        assert max(r["mismatch/logprob_abs_max"] for r in rows) < 1e-3
+        assert not any(k.startswith("is_weight/") for k in rows[0])
+    else:
+        assert all(0 <= r["is_weight/masked_fraction"] <= 1 and r["is_weight/mean"] > 0 for r in rows)

@@ -56,15 +56,11 @@ def test_sliding_window_changes_logits(hf_model_dir):
     assert float(jnp.abs(windowed[:, 4:] - full[:, 4:]).max()) > 1e-3
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "phi3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("kind", sorted(FAMILIES))
 def test_logit_parity_bfloat16(kind, hf_model_dir):
-    """bf16 params and compute vs float32 transformers.
-
-    bf16 keeps 8 mantissa bits (relative rounding 2^-9 ~ 0.2%); each of the ~10 matmuls/norms per layer
-    rounds again, so errors of a few percent of the logit scale are expected. We bound the error at 5% of
-    the largest |logit|, or, for the Gemma models (large activations at initializer_range 0.2), at 1.5x the error
-    of transformers' own bf16 run, and require the same argmax on >= 90% of valid positions.
-    """
+    """bf16 weights and compute (the precision policy: bf16 dot operands, float32 accumulation and activations)
+    vs float32 transformers, per family: our error is at most 1.5x the error of transformers' own bf16 run,
+    and the argmax agrees on >= 90% of valid positions."""
     import torch
 
     model_dir = hf_model_dir(kind)
@@ -75,8 +71,7 @@ def test_logit_parity_bfloat16(kind, hf_model_dir):
     hf_bf16_error = _max_diff_on_valid(hf_logits(make_hf_model(kind).to(torch.bfloat16), tokens, mask), ref, mask)
     ours = np.asarray(forward(params, config, jnp.asarray(tokens), jnp.asarray(mask)), np.float32)
     valid = mask.astype(bool)
-    scale = np.abs(ref[valid]).max()
-    assert _max_diff_on_valid(ours, ref, mask) <= max(0.05 * scale, 1.5 * hf_bf16_error)
+    assert _max_diff_on_valid(ours, ref, mask) <= 1.5 * hf_bf16_error
     assert (ours[valid].argmax(-1) == ref[valid].argmax(-1)).mean() >= 0.9
 
 

@@ -540,3 +540,37 @@ def test_training_with_a_module_function_policy_loss(tiny_task, tmp_path):
     row = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert np.isfinite(row["policy_loss"]) and row["grad_norm"] > 0
     assert train.cli(["out_dir=" + str(tmp_path / "x"), "rl.policy_loss=nope"]) == 2
+
+
+def test_rollout_correction_weights_hand_computed():
+    """TRL's four vllm_importance_sampling_modes on hand values: row 0 has token ratios (2, 0.5, 4), row 1
+    (1.5, 1.5, padding). Sequence ratios are the products: 4 and 2.25."""
+    old = jnp.zeros((2, 3))
+    sampler = -jnp.log(jnp.array([[2.0, 0.5, 4.0], [1.5, 1.5, 9.0]]))
+    mask = jnp.array([[1, 1, 1], [1, 1, 0]])
+    w = functools.partial(L.rollout_correction_weights, old, sampler, mask, cap=3.0)
+    np.testing.assert_allclose(w(level="token", mode="truncate"), [[2, 0.5, 3], [1.5, 1.5, 0]], rtol=1e-5)
+    np.testing.assert_allclose(w(level="token", mode="mask"), [[2, 0.5, 0], [1.5, 1.5, 0]], rtol=1e-5)
+    np.testing.assert_allclose(w(level="sequence", mode="truncate"), [[3, 3, 3], [2.25, 2.25, 0]], rtol=1e-5)
+    np.testing.assert_allclose(w(level="sequence", mode="mask"), [[0, 0, 0], [2.25, 2.25, 0]], rtol=1e-5)
+    with pytest.raises(ValueError, match="token | sequence"):
+        w(level="turn", mode="mask")
+    # in the loss: the masked sequence (row 0) leaves the policy gradient, row 1 is weighted by 2.25
+    adv = jnp.array([1.0, 1.0])
+    loss, m = L.clipped_policy_loss(old, old, adv, mask, sampler_logp=sampler, tis_cap=3.0, is_level="sequence",
+                                    is_mode="mask")
+    np.testing.assert_allclose(loss, -(2.25 * 2) / 5, rtol=1e-5)  # token-mean of -r A w over 5 tokens, r = 1
+    np.testing.assert_allclose(m["is_weight/masked_fraction"], 3 / 5, rtol=1e-6)
+    grad = jax.grad(lambda lp_: L.clipped_policy_loss(lp_, old, adv, mask, sampler_logp=sampler, tis_cap=3.0,
+                                                      is_level="sequence", is_mode="mask")[0])(old)
+    np.testing.assert_allclose(grad[0], 0.0)
+    np.testing.assert_allclose(grad[1, :2], -2.25 / 5, rtol=1e-5)
+
+
+def test_logprob_mismatch_hand_computed():
+    trainer = jnp.array([[0.0, -1.0, -2.0]])
+    sampler = jnp.array([[0.0, -1.0 - np.log(2.0), 5.0]])
+    m = L.logprob_mismatch(trainer, sampler, jnp.array([[1, 1, 0]]))
+    np.testing.assert_allclose(m["mismatch/logprob_abs_mean"], np.log(2.0) / 2, rtol=1e-6)
+    np.testing.assert_allclose(m["mismatch/logprob_abs_max"], np.log(2.0), rtol=1e-6)
+    np.testing.assert_allclose(m["mismatch/ratio_std"], np.std([1.0, 2.0]), rtol=1e-6)  # ratios 1 and 2

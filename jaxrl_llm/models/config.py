@@ -11,6 +11,8 @@ from typing import Literal
 
 import jax.numpy as jnp
 
+from jaxrl_llm.models.precision import activation_dtype
+
 DType = Literal["float32", "bfloat16"]
 
 
@@ -93,6 +95,19 @@ class ModelConfig:
     @property
     def jnp_param_dtype(self) -> jnp.dtype:
         return jnp.dtype(self.param_dtype)
+
+    @property
+    def jnp_activation_dtype(self) -> jnp.dtype:
+        """Activations and dot outputs (`models/precision.py`): float32 on XLA:CPU, the compute dtype on GPU."""
+        return activation_dtype(self.dtype)
+
+    @property
+    def jnp_inference_param_dtype(self) -> jnp.dtype:
+        """The sampler's and the reference's stored weights: bfloat16 when either `param_dtype` or the compute
+        dtype is (every dot reads its operands in the compute dtype, so bf16 storage halves the bytes read and
+        changes no result); float32 otherwise."""
+        low = jnp.dtype(jnp.bfloat16)
+        return low if low in (self.jnp_dtype, self.jnp_param_dtype) else jnp.dtype(jnp.float32)
 
     @property
     def rope_scaling_dict(self) -> dict[str, float | str] | None:

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from jaxrl_llm.models import precision
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Decoder, DecoderLayer, Params, attention_inputs, attention_kind, unembed
 from jaxrl_llm.models.layers import (
@@ -25,6 +26,7 @@ from jaxrl_llm.models.layers import (
     rope_parameters,
     rotary,
 )
+from jaxrl_llm.models.precision import matmul
 from jaxrl_llm.sharding import constrain
 
 LayerCaches = list[dict[str, jax.Array]]  # per layer {"k", "v": [B, S, KVH, hd]} (`loop_caches` layout in the loop)
@@ -74,7 +76,8 @@ def decode_layers(
 class StepWeights(NamedTuple):
     """One layer's weights for the decode loop's token step, prepared once per call (outside the loop):
     q|k|v and gate|up concatenated into one matrix each (fewer, wider matmuls), biases and norm scales
-    as `[1, N]` rows (absent ones as None), all in the compute dtype."""
+    as `[1, N]` rows (absent ones as None); matrices in the compute dtype (the dots' operand dtype, cast once
+    per call, outside the loop), biases in the activation dtype."""
 
     attn_norm: jax.Array
     qkv: jax.Array
@@ -132,7 +135,7 @@ def step_weights(layer_params: list[Params], config: ModelConfig, shards: int = 
     def bias(*denses: Params) -> jax.Array | None:
         if "bias" not in denses[0]:
             return None
-        return cast(_fuse([d["bias"] for d in denses], shards)[None])
+        return _fuse([d["bias"] for d in denses], shards)[None].astype(config.jnp_activation_dtype)
 
     out = []
     for w in layer_params:
@@ -197,7 +200,8 @@ def decode_token(
     b = tokens.shape[0]
     h, kvh, hd = c.num_heads, c.num_kv_heads, c.head_dim
     groups = h // kvh
-    x = params["embed"]["embedding"][tokens].astype(c.jnp_dtype)  # [B, D]
+    act, dtype = c.jnp_activation_dtype, c.jnp_dtype  # activations; the dots' operands (`models/precision.py`)
+    x = params["embed"]["embedding"][tokens].astype(dtype).astype(act)  # [B, D], as `Decoder.embed_tokens`
     if c.embed_scale:
         x = x * jnp.asarray(c.hidden_size**0.5, x.dtype)
     eps, unit = c.rms_norm_eps, c.norm_unit_offset
@@ -206,7 +210,7 @@ def decode_token(
     for i, (w, cache) in enumerate(zip(weights, caches, strict=True)):
         cos, sin, allowed = inputs[attention_kind(c, i)]
         allowed = allowed[:, 0]  # [B, S]
-        qkv = rms_norm(x, w.attn_norm, eps, unit_offset=unit) @ w.qkv
+        qkv = matmul(rms_norm(x, w.attn_norm, eps, unit_offset=unit), w.qkv, dtype)
         if w.qkv_bias is not None:
             qkv = qkv + w.qkv_bias
         q, k, v = _unfuse(qkv, (h * hd, kvh * hd, kvh * hd), shards)
@@ -219,21 +223,20 @@ def decode_token(
         new_caches.append({"k": k_all, "v": v_all})
         # The decoder's grouped-query attention for one query per row, on the loop-layout caches.
         qg = q.reshape(b, kvh, groups, hd)
-        scores = jnp.einsum("bkgd,bkds->bkgs", qg, k_all.astype(q.dtype), preferred_element_type=jnp.float32)
-        probs = masked_softmax(scores, allowed[:, None, None, :], c.attention_scale,
-                               c.attn_logit_softcap).astype(v_all.dtype)
-        out = jnp.einsum("bkgs,bksd->bkgd", probs, v_all.astype(q.dtype))
-        attn = out.reshape(b, h * hd).astype(c.jnp_dtype) @ w.o
+        scores = precision.einsum("bkgd,bkds->bkgs", qg, k_all, dtype).astype(jnp.float32)
+        probs = masked_softmax(scores, allowed[:, None, None, :], c.attention_scale, c.attn_logit_softcap)
+        out = precision.einsum("bkgs,bksd->bkgd", probs, v_all, dtype)
+        attn = matmul(out.reshape(b, h * hd), w.o, dtype)
         if w.o_bias is not None:
             attn = attn + w.o_bias
         if w.attn_post_norm is not None:
             attn = rms_norm(attn, w.attn_post_norm, eps, unit_offset=unit)
         x = x + attn
-        gate_up = rms_norm(x, w.mlp_norm, eps, unit_offset=unit) @ w.gate_up
+        gate_up = matmul(rms_norm(x, w.mlp_norm, eps, unit_offset=unit), w.gate_up, dtype)
         if w.gate_up_bias is not None:
             gate_up = gate_up + w.gate_up_bias
         gate, up = _unfuse(gate_up, (c.intermediate_size, c.intermediate_size), shards)
-        mlp = gated_activation(gate, up, c.hidden_act) @ w.down
+        mlp = matmul(gated_activation(gate, up, c.hidden_act), w.down, dtype)
         if w.down_bias is not None:
             mlp = mlp + w.down_bias
         if w.mlp_post_norm is not None:

@@ -41,6 +41,7 @@ from jaxrl_llm.models.layers import (  # noqa: F401  (re-exported: the decoder's
     rope_cos_sin,
     softcap,
 )
+from jaxrl_llm.models.precision import matmul, matmul_transposed
 
 Params = dict[str, Any]
 Cache = dict[str, jax.Array]
@@ -98,11 +99,11 @@ class RMSNorm(nn.Module):
 
 
 class Dense(nn.Module):
-    """`y = x @ kernel (+ bias)` over the last axis, with `x` flattened to 2-D around the matmul.
+    """`y = x @ kernel (+ bias)` over the last axis, a `precision.matmul` (the precision policy: operands in
+    `dtype`, float32 accumulation, output in the activation dtype).
 
-    Same parameters as `flax.linen.Dense` (`kernel [D_in, D_out]`, `bias [D_out]`). Flattening `[B, T, D]`
-    to `[B * T, D]` lets XLA:CPU use one plain GEMM for the weight gradient instead of a batched contraction
-    with transposes (measured: the GRPO train step 2.0-2.4 s -> 1.4 s on the bench model).
+    Same parameters as `flax.linen.Dense` (`kernel [D_in, D_out]`, `bias [D_out]`). Unmerged LoRA factors
+    (`lora_a [D_in, r]`, `lora_b [r, D_out]`) add `lora_scale * dropout(x) @ A @ B`, two policy matmuls.
     """
 
     features: int
@@ -117,19 +118,17 @@ class Dense(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         kernel = self.param("kernel", nn.initializers.normal(self.init_std), (x.shape[-1], self.features),
                             self.param_dtype)
-        flat = x.reshape(-1, x.shape[-1]).astype(self.dtype)
-        y = jnp.dot(flat, kernel.astype(self.dtype))
+        y = matmul(x, kernel, self.dtype)
         if self.has_variable("params", "lora_a"):  # unmerged LoRA: + scale * dropout(x) @ A @ B
-            a = self.get_variable("params", "lora_a").astype(self.dtype)
-            b = self.get_variable("params", "lora_b").astype(self.dtype)
-            inp = flat
+            inp = x
             if self.lora_dropout > 0 and self.has_rng("dropout"):
                 keep = jax.random.bernoulli(self.make_rng("dropout"), 1.0 - self.lora_dropout, inp.shape)
-                inp = jnp.where(keep, inp / (1.0 - self.lora_dropout), 0.0).astype(self.dtype)
-            y = y + self.lora_scale * jnp.dot(jnp.dot(inp, a), b)
+                inp = jnp.where(keep, inp / (1.0 - self.lora_dropout), 0.0).astype(x.dtype)
+            low_rank = matmul(inp, self.get_variable("params", "lora_a"), self.dtype)
+            y = y + self.lora_scale * matmul(low_rank, self.get_variable("params", "lora_b"), self.dtype)
         if self.use_bias:
-            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype).astype(self.dtype)
-        return y.reshape(*x.shape[:-1], self.features)
+            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype).astype(y.dtype)
+        return y
 
 
 def _dense(config: ModelConfig, features: int, use_bias: bool, name: str) -> Dense:
@@ -138,7 +137,8 @@ def _dense(config: ModelConfig, features: int, use_bias: bool, name: str) -> Den
 
 
 def _norm(config: ModelConfig, name: str) -> RMSNorm:
-    return RMSNorm(config.rms_norm_eps, config.jnp_dtype, config.jnp_param_dtype, config.norm_unit_offset, name=name)
+    return RMSNorm(config.rms_norm_eps, config.jnp_activation_dtype, config.jnp_param_dtype, config.norm_unit_offset,
+                   name=name)
 
 
 class Attention(nn.Module):
@@ -168,9 +168,10 @@ class Attention(nn.Module):
             v_all = jax.lax.dynamic_update_slice_in_dim(layer_cache["v"], v.astype(layer_cache["v"].dtype),
                                                         cache_index, axis=1)
             layer_cache = {"k": k_all, "v": v_all}
-            k, v = k_all.astype(q.dtype), v_all.astype(q.dtype)
+            k, v = k_all, v_all  # the cache's dtype: attention's dots cast their operands to the compute dtype
         out = grouped_query_attention(q, k, v, allowed, query_chunk=c.attention_query_chunk,
-                                      scale=c.attention_scale, logit_softcap=c.attn_logit_softcap)
+                                      scale=c.attention_scale, logit_softcap=c.attn_logit_softcap,
+                                      compute_dtype=c.jnp_dtype)
         return _dense(c, c.hidden_size, c.o_bias, "o")(out), layer_cache
 
 
@@ -231,7 +232,7 @@ class Decoder(nn.Module):
         self.embed = nn.Embed(
             c.vocab_size,
             c.hidden_size,
-            dtype=c.jnp_dtype,
+            dtype=c.jnp_activation_dtype,
             param_dtype=c.jnp_param_dtype,
             embedding_init=nn.initializers.normal(c.initializer_range),
         )
@@ -266,18 +267,24 @@ class Decoder(nn.Module):
         return self.unembed(x), cache
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
-        """Token embeddings `[..., D]`, times `sqrt(D)` in the compute dtype for Gemma (`embed_scale`)."""
-        x = self.embed(tokens)
-        if self.config.embed_scale:
-            x = x * jnp.asarray(self.config.hidden_size**0.5, x.dtype)
+        """Token embeddings `[..., D]` in the activation dtype, times `sqrt(D)` for Gemma (`embed_scale`). The
+        embedding is a weight matrix (a one-hot matmul): its rows are read in the compute dtype, as every dot
+        reads its weights, so a bfloat16-stored copy gives the same activations as the float32 master. Rows are
+        gathered, then cast (never the whole table)."""
+        c = self.config
+        x = jnp.take(self.embed.embedding, tokens, axis=0).astype(c.jnp_dtype).astype(c.jnp_activation_dtype)
+        if c.embed_scale:
+            x = x * jnp.asarray(c.hidden_size**0.5, x.dtype)
         return x
 
     def unembed(self, hidden: jax.Array) -> jax.Array:
         """Logits `[..., V]` from final hidden states `[..., D]` (tied: `hidden @ embedding^T`), soft-capped
         for Gemma 2 (`final_logit_softcap`)."""
-        if self.config.tie_word_embeddings:
-            return softcap(self.embed.attend(hidden), self.config.final_logit_softcap)
-        return softcap(self.lm_head(hidden), self.config.final_logit_softcap)
+        c = self.config
+        if c.tie_word_embeddings:
+            logits = matmul_transposed(hidden, self.embed.embedding, c.jnp_dtype)
+            return softcap(logits, c.final_logit_softcap)
+        return softcap(self.lm_head(hidden), c.final_logit_softcap)
 
 
 def init_params(config: ModelConfig, key: jax.Array) -> Params:
@@ -328,11 +335,12 @@ def unembed(params: Params, config: ModelConfig, hidden: jax.Array) -> jax.Array
 
 
 def unembedding_matrix(params: Params, config: ModelConfig) -> jax.Array:
-    """The output matrix `W_out [D, V]` in the compute dtype, so `logits = hidden @ W_out`: the LM head's kernel,
-    or the transposed embedding when the embeddings are tied (what `Decoder.unembed` multiplies by)."""
+    """The output matrix `W_out [D, V]` as stored, so `logits = hidden @ W_out` (a `precision.matmul` in the
+    compute dtype): the LM head's kernel, or the transposed embedding when the embeddings are tied (what
+    `Decoder.unembed` multiplies by). Uncast, so its gradient reaches float32 master weights in float32."""
     if config.tie_word_embeddings:
-        return params["embed"]["embedding"].astype(config.jnp_dtype).T
-    return params["lm_head"]["kernel"].astype(config.jnp_dtype)
+        return params["embed"]["embedding"].T
+    return params["lm_head"]["kernel"]
 
 
 def decode_step(

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params, forward
+from jaxrl_llm.models.precision import matmul
 
 ScalarHead = dict[str, jax.Array]
 CriticParams = dict[str, Any]  # {"decoder": Params, "value_head": ScalarHead}
@@ -34,9 +35,9 @@ def init_scalar_head(hidden_size: int, key: jax.Array | None = None, *, stddev: 
     return {"kernel": kernel, "bias": jnp.zeros((1,), jnp.float32)}
 
 
-def apply_scalar_head(head: ScalarHead, hidden: jax.Array) -> jax.Array:
-    """`hidden [..., D] @ kernel [D, 1] + bias` -> `[...]` float32 (the product is taken in float32)."""
-    out = hidden.astype(jnp.float32) @ head["kernel"].astype(jnp.float32) + head["bias"].astype(jnp.float32)
+def apply_scalar_head(head: ScalarHead, hidden: jax.Array, compute_dtype: jnp.dtype | str = jnp.float32) -> jax.Array:
+    """`hidden [..., D] @ kernel [D, 1] + bias` -> `[...]` float32, a `precision.matmul` in `compute_dtype`."""
+    out = matmul(hidden, head["kernel"], compute_dtype).astype(jnp.float32) + head["bias"].astype(jnp.float32)
     return out[..., 0]
 
 
@@ -59,7 +60,7 @@ def critic_values(
     tokens = jnp.concatenate([prompt_tokens, completion_tokens], axis=1)[:, :-1]
     mask = jnp.concatenate([prompt_mask, completion_mask.astype(prompt_mask.dtype)], axis=1)[:, :-1]
     hidden = forward(critic["decoder"], config, tokens, mask, return_hidden=True)[:, p - 1 :]
-    return apply_scalar_head(critic["value_head"], hidden)
+    return apply_scalar_head(critic["value_head"], hidden, config.jnp_dtype)
 
 
 def critic_from_policy(policy_params: Params, config: ModelConfig) -> CriticParams:

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_llm.models import precision
 from jaxrl_llm.models.config import ModelConfig
 
 # A large finite negative: a fully padded query row then gets a uniform (finite) softmax instead of NaN.
@@ -185,12 +186,13 @@ def attention_allowed(
 
 def grouped_query_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, *, query_chunk: int = 0,
-    scale: float | None = None, logit_softcap: float | None = None,
+    scale: float | None = None, logit_softcap: float | None = None, compute_dtype: jnp.dtype | str = jnp.float32,
 ) -> jax.Array:
     """softmax(softcap(q k^T * scale)) v with GQA (`scale` defaults to 1/sqrt(hd)).
 
     q `[B, T, H, hd]`, k/v `[B, S, KVH, hd]`, allowed `[B, T, S]` -> `[B, T, H * hd]`. Scores and softmax
-    in float32; each group of `H / KVH` query heads shares one key/value head.
+    in float32; each group of `H / KVH` query heads shares one key/value head. `q.k` and `p.v` are
+    `precision.einsum`s in `compute_dtype` (float32 accumulation; output in the activation dtype).
 
     `query_chunk > 0` and `T > query_chunk`: the queries are taken `query_chunk` at a time (`lax.map`, each chunk
     under `jax.checkpoint`), so the float32 scores live as `[B, H, query_chunk, S]` blocks, forward and backward,
@@ -199,12 +201,13 @@ def grouped_query_attention(
     t = q.shape[1]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if not query_chunk or t <= query_chunk:
-        return _attention_block(q, k, v, allowed, scale, logit_softcap)
+        return _attention_block(q, k, v, allowed, scale, logit_softcap, compute_dtype)
     n_full, rem = divmod(t, query_chunk)
 
     def chunk(start: jax.Array | int, size: int) -> jax.Array:
         return _attention_block(jax.lax.dynamic_slice_in_dim(q, start, size, axis=1), k, v,
-                                jax.lax.dynamic_slice_in_dim(allowed, start, size, axis=1), scale, logit_softcap)
+                                jax.lax.dynamic_slice_in_dim(allowed, start, size, axis=1), scale, logit_softcap,
+                                compute_dtype)
 
     blocks = jax.lax.map(jax.checkpoint(lambda start: chunk(start, query_chunk)),
                          jnp.arange(n_full, dtype=jnp.int32) * query_chunk)  # [n, B, chunk, H * hd]
@@ -215,13 +218,13 @@ def grouped_query_attention(
 
 
 def _attention_block(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, scale: float,
-                     logit_softcap: float | None) -> jax.Array:
+                     logit_softcap: float | None, compute_dtype: jnp.dtype | str) -> jax.Array:
     b, t, h, hd = q.shape
     kvh = k.shape[2]
     q = q.reshape(b, t, kvh, h // kvh, hd)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
-    probs = masked_softmax(scores, allowed[:, None, None], scale, logit_softcap).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    scores = precision.einsum("btkgd,bskd->bkgts", q, k, compute_dtype).astype(jnp.float32)
+    probs = masked_softmax(scores, allowed[:, None, None], scale, logit_softcap)
+    out = precision.einsum("bkgts,bskd->btkgd", probs, v, compute_dtype)
     return out.reshape(b, t, h * hd)
 
 

@@ -24,6 +24,7 @@ import numpy as np
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params, forward
 from jaxrl_llm.models.hf import ConversionError, is_classifier, load_hf_model, read_tensor, resolve_model_dir
+from jaxrl_llm.models.precision import matmul
 
 
 def last_token_index(mask: jax.Array) -> jax.Array:
@@ -41,7 +42,7 @@ def sequence_scores(
     """
     hidden = forward(params, config, tokens, mask, return_hidden=True)
     last = jnp.take_along_axis(hidden, last_token_index(mask)[:, None, None], axis=1)[:, 0]
-    return jnp.einsum("bd,dl->bl", last.astype(jnp.float32), score_kernel.astype(jnp.float32))
+    return matmul(last, score_kernel, config.jnp_dtype).astype(jnp.float32)
 
 
 def load_hf_reward_model(path_or_id: str | os.PathLike[str], **config_overrides: Any

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax import Array, lax
 
 from jaxrl_llm.models.layers import softcap
+from jaxrl_llm.models.precision import matmul
 
 AggregationMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 AGGREGATION_MODES: tuple[str, ...] = (
@@ -312,6 +313,7 @@ def token_logprobs_from_hidden(
     chunk_size: int = ...,
     with_entropy: Literal[False] = ...,
     logit_softcap: float | None = ...,
+    compute_dtype: jnp.dtype | str | None = ...,
 ) -> Array: ...
 
 
@@ -325,6 +327,7 @@ def token_logprobs_from_hidden(
     chunk_size: int = ...,
     with_entropy: Literal[True],
     logit_softcap: float | None = ...,
+    compute_dtype: jnp.dtype | str | None = ...,
 ) -> tuple[Array, Array]: ...
 
 
@@ -337,12 +340,14 @@ def token_logprobs_from_hidden(
     chunk_size: int = 128,
     with_entropy: bool = False,
     logit_softcap: float | None = None,
+    compute_dtype: jnp.dtype | str | None = None,
 ) -> Array | tuple[Array, Array]:
     """Log-probs of ``tokens`` under ``softmax(hidden @ unembed / temperature)`` without full logits.
     With ``logit_softcap`` (Gemma 2) the logits are ``cap * tanh(hidden @ unembed / cap)`` first.
 
-    ``logits = hidden @ unembed`` is formed ``chunk_size`` positions at a time (float32 accumulation via
-    ``preferred_element_type``), reduced to the token log-prob (and entropy), and discarded; the backward
+    ``logits = hidden @ unembed`` is formed ``chunk_size`` positions at a time as a ``precision.matmul``
+    (operands in ``compute_dtype``, default ``unembed``'s dtype; float32 accumulation and logits), reduced
+    to the token log-prob (and entropy), and discarded; the backward
     pass recomputes each chunk. Peak extra memory is ``[B, chunk_size, V]`` float32 rather than
     ``[B, T, V]``, which is what matters for 150k-token vocabularies.
 
@@ -351,14 +356,14 @@ def token_logprobs_from_hidden(
     ``chunk_size`` and ``with_entropy`` are static.
     """
     time_axis = hidden.ndim - 2
+    dtype = unembed.dtype if compute_dtype is None else compute_dtype
 
     def block(start: Array | int, size: int) -> tuple[Array, ...]:
         h = lax.dynamic_slice_in_dim(hidden, start, size, axis=time_axis)
         tok = lax.dynamic_slice_in_dim(tokens, start, size, axis=time_axis)
         # A 2-D matmul on [rows * size, D]: its weight gradient is then a plain GEMM (a batched einsum's gradient
         # contracts two axes, which XLA:CPU lowers through strided transposes).
-        flat = jnp.dot(h.reshape(-1, h.shape[-1]), unembed, preferred_element_type=jnp.float32)
-        z = flat.reshape(*h.shape[:-1], unembed.shape[-1])
+        z = matmul(h, unembed, dtype).astype(jnp.float32)
         z = softcap(z, logit_softcap)
         logp, ent = _logprobs_entropy_f32(z, tok, temperature, with_entropy)
         return (logp,) if ent is None else (logp, ent)

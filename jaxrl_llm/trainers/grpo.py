@@ -8,12 +8,14 @@ of the loop shell, differing only in the advantage estimator and the policy loss
               from the entropy the step measured (rl.entropy_control, Skywork-OR1) and checkpointed with the weights
 
 The sampler's log-probs (full distribution at the sampling temperature) are kept as the old policy's, so the
-importance ratio and clipping are real when `mu > 1` or minibatches make several updates per rollout.
+importance ratio and clipping are real when `mu > 1` or minibatches make several updates per rollout; with
+`rl.rollout_correction` the trainer recomputes them instead (and may weight the loss by `old / sampler`).
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -33,6 +35,7 @@ from jaxrl_llm.rl.entropy_control import (
     init_entropy_controller,
 )
 from jaxrl_llm.rl.estimators import kl_in_reward, rollout_advantages
+from jaxrl_llm.rl.losses import logprob_mismatch
 from jaxrl_llm.sharding import batch_divisor, batch_sharding, global_array, init_optimizer_state, to_host
 from jaxrl_llm.train_step import (
     Metrics,
@@ -65,7 +68,26 @@ def policy_loss_config(c: RunConfig, *, beta: float) -> PolicyLossConfig:
                             top_entropy_quantile=r.top_entropy_quantile, clip_cov_ratio=r.clip_cov_ratio,
                             clip_cov_lb=r.clip_cov_lb, clip_cov_ub=r.clip_cov_ub, kl_cov_ratio=r.kl_cov_ratio,
                             kl_cov_coef=r.kl_cov_coef, max_len=c.sampling.max_new_tokens,
-                            logprob_block_mib=c.model.logprob_block_mib)
+                            logprob_block_mib=c.model.logprob_block_mib,
+                            rollout_correction=importance_weighting(r.rollout_correction),
+                            rollout_correction_cap=r.rollout_correction_cap)
+
+
+def importance_weighting(rollout_correction: str) -> str:
+    """`PolicyLossConfig.rollout_correction` of a `rl.rollout_correction`: the IS mode, or "" (none, recompute)."""
+    return "" if rollout_correction in ("none", "recompute") else rollout_correction
+
+
+def old_policy_logprobs(rollout_correction: str, sampler_logp: jax.Array, mask: jax.Array,
+                        recompute: Callable[[], jax.Array]) -> tuple[jax.Array, jax.Array | None, dict[str, float]]:
+    """`(old_logp, sampler_logp for the loss or None, mismatch metrics)` of a rollout under `rl.rollout_correction`:
+    the sampler's log-probs as they are (`none`), or the trainer's `recompute()` with the mismatch measured
+    (`logprob_mismatch`) and, for the importance-weighting modes, the sampler's kept for the loss's weights."""
+    if rollout_correction == "none":
+        return sampler_logp, None, {}
+    old_logp = recompute()
+    mismatch = {k: float(v) for k, v in jax.device_get(logprob_mismatch(old_logp, sampler_logp, mask)).items()}
+    return old_logp, (sampler_logp if importance_weighting(rollout_correction) else None), mismatch
 
 
 def update_sizes(c: RunConfig, mesh: Any) -> tuple[int, int, int]:
@@ -174,7 +196,7 @@ class GRPOFamily:
                 coef=jnp.asarray(saved["coef"], jnp.float32), active=jnp.asarray(saved["active"], jnp.float32))
 
     def collect(self, data_state: DataState, key: jax.Array) -> tuple[Rollout, DataState, dict[str, float]]:
-        ro, data_state, refills = self.collector.collect(self.policy.model_weights(), data_state, key)
+        ro, data_state, refills = self.collector.collect(self.policy.inference_weights(), data_state, key)
         return ro, data_state, self.collector.metrics(ro, refills)
 
     def update(self, ro: Rollout, step: int, key: jax.Array) -> dict[str, float]:
@@ -182,18 +204,20 @@ class GRPOFamily:
         to the devices once and stays there."""
         put = functools.partial(global_array, mesh=self.mesh)
         pt, pm, ct, cm = put(ro.prompt_tokens), put(ro.prompt_mask), put(ro.out.tokens), put(ro.out.mask)
-        old_logp = put(np.asarray(ro.out.logprobs_untruncated, np.float32))
+        old_logp, sampler_logp, mismatch = old_policy_logprobs(
+            self.config.rl.rollout_correction, put(np.asarray(ro.out.logprobs_untruncated, np.float32)), cm,
+            lambda: self.ref_logprob_fn(self.policy.model_weights(), pt, pm, ct, cm))
         # log pi_ref of the rollout's tokens, zeros when no KL term needs them.
         ref_logp = (self.ref_logprob_fn(self.ref_params, pt, pm, ct, cm) if self.ref_params is not None
                     else put(np.zeros(ro.out.tokens.shape, np.float32)))
         advantages = self.advantage_fn(put(ro.rewards.astype(np.float32)), cm, old_logp, ref_logp)
-        batch = PolicyBatch(pt, pm, ct, cm, old_logp, ref_logp, advantages)
+        batch = PolicyBatch(pt, pm, ct, cm, old_logp, ref_logp, advantages, sampler_logp)
         ctl = self.entropy_controller
         entropy_coef = None if ctl is None else float(applied_entropy_coef(ctl))
         coef_input = None if ctl is None else put(np.float32(entropy_coef), spec=PartitionSpec())
         self.policy.params, self.opt_state, metrics = self.update_fn(self.policy.params, self.opt_state, batch, key,
                                                                      self.policy.frozen, coef_input)
-        out = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        out = {k: float(v) for k, v in jax.device_get(metrics).items()} | mismatch
         if ctl is not None:
             r = self.config.rl
             out["entropy_coef"] = entropy_coef  # the coefficient this step's loss used (0 while above target)
@@ -206,7 +230,7 @@ class GRPOFamily:
         return out
 
     def evaluate(self, limit: int | None) -> dict[str, float]:
-        return self.evaluation(self.policy.model_weights(), limit)
+        return self.evaluation(self.policy.inference_weights(), limit)
 
     def progress(self, metrics: dict[str, float]) -> dict[str, float]:
         # `kl` only with a reference (beta > 0): approx_kl, the on-policy ratio's, is ~0 and would read as a bug.

@@ -31,7 +31,7 @@ from jaxrl_llm.models.hf import config_from_hf, load_hf_model, resolve_model_dir
 from jaxrl_llm.rewards import RewardFunction, resolve_reward
 from jaxrl_llm.sampling import SamplingConfig
 from jaxrl_llm.sharding import MeshShape, make_mesh, param_shardings, to_host
-from jaxrl_llm.train_step import cast_floating, master_weights
+from jaxrl_llm.train_step import cast_floating, inference_copy, master_weights
 
 
 @dataclasses.dataclass
@@ -51,12 +51,19 @@ class Policy:
     def __post_init__(self) -> None:
         self._merge = (jax.jit(functools.partial(merge_adapters, scale=self.lora.scale))
                        if self.lora is not None else None)
+        self._cast = jax.jit(functools.partial(inference_copy, config=self.model_config))
 
     def model_weights(self, params: Params | None = None) -> Params:
         """The weights the model runs with: the trained `params` (default: the current ones), merged into the
         base under LoRA."""
         params = self.params if params is None else params
         return params if self._merge is None else self._merge(self.base, params)
+
+    def inference_weights(self, params: Params | None = None) -> Params:
+        """`model_weights` as the sampler and the evaluation store them (`train_step.inference_copy`: matrices in
+        bfloat16 under a bfloat16 compute dtype, half the bytes each decode step reads, the same dot operands).
+        A new copy; the float32 master stays as it is."""
+        return self._cast(self.model_weights(params))
 
     @property
     def weights_sharding(self) -> Any:

@@ -49,7 +49,7 @@ from jaxrl_llm.train_step import (
     scanned_updates,
     train_step,
 )
-from jaxrl_llm.trainers.grpo import policy_loss_config, update_sizes
+from jaxrl_llm.trainers.grpo import old_policy_logprobs, policy_loss_config, update_sizes
 from jaxrl_llm.trainers.policy import GreedyEvaluation, load_policy
 from jaxrl_llm.trainers.rollouts import DriftMeter, Rollout, RolloutCollector
 
@@ -238,7 +238,7 @@ class PPO:
         self.kl_controller = KLControllerState(coef=jnp.asarray(state["kl_coef"], jnp.float32))
 
     def collect(self, data_state: DataState, key: jax.Array) -> tuple[Rollout, DataState, dict[str, float]]:
-        ro, data_state, refills = self.collector.collect(self.policy.model_weights(), data_state, key)
+        ro, data_state, refills = self.collector.collect(self.policy.inference_weights(), data_state, key)
         return ro, data_state, self.collector.metrics(ro, refills)
 
     def update(self, ro: Rollout, step: int, key: jax.Array) -> dict[str, float]:
@@ -246,18 +246,20 @@ class PPO:
         pc = self.config.ppo
         put = functools.partial(global_array, mesh=self.mesh)
         pt, pm, ct, cm = put(ro.prompt_tokens), put(ro.prompt_mask), put(ro.out.tokens), put(ro.out.mask)
-        old_logp = put(np.asarray(ro.out.logprobs_untruncated, np.float32))
+        old_logp, sampler_logp, mismatch = old_policy_logprobs(
+            self.config.rl.rollout_correction, put(np.asarray(ro.out.logprobs_untruncated, np.float32)), cm,
+            lambda: self.ref_logprob_fn(self.policy.model_weights(), pt, pm, ct, cm))
         ref_logp = self.ref_logprob_fn(self.ref_params, pt, pm, ct, cm) if self.ref_params is not None else old_logp
         values = self.value_fn(self.state_.critic, pt, pm, ct, cm)
         kl_coef = float(self.kl_controller.coef)
         targets, rollout_metrics = self.targets_fn(put(ro.rewards.astype(np.float32)), old_logp, ref_logp, values,
                                                    cm, self.kl_controller.coef)
-        batch = PPOBatch(PolicyBatch(pt, pm, ct, cm, old_logp, ref_logp, targets.advantages),
+        batch = PPOBatch(PolicyBatch(pt, pm, ct, cm, old_logp, ref_logp, targets.advantages, sampler_logp),
                          CriticBatch(pt, pm, ct, cm, values, targets.returns))
         train_policy = step > pc.critic_warmup_steps
         self.state_, metrics = self.update_fns[train_policy](self.state_, batch, key, self.policy.frozen)
         self.policy.params = self.state_.params
-        out = {k: float(v) for k, v in jax.device_get({**metrics, **rollout_metrics}).items()}
+        out = {k: float(v) for k, v in jax.device_get({**metrics, **rollout_metrics}).items()} | mismatch
         if not train_policy:  # critic warm-up: the policy is not updated (ratio 1, no drift)
             out["approx_kl"] = 0.0
             out["last_update_skipped"] = out["critic/last_update_skipped"]
@@ -274,7 +276,7 @@ class PPO:
         return out
 
     def evaluate(self, limit: int | None) -> dict[str, float]:
-        return self.evaluation(self.policy.model_weights(), limit)
+        return self.evaluation(self.policy.inference_weights(), limit)
 
     def progress(self, metrics: dict[str, float]) -> dict[str, float]:
         kl = {"kl": metrics["kl"]} if "kl" in metrics else {}

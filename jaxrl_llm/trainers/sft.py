@@ -95,7 +95,7 @@ class SFT:
         return out
 
     def evaluate(self, limit: int | None) -> dict[str, float]:
-        return self.evaluation(self.policy.model_weights(), limit)
+        return self.evaluation(self.policy.inference_weights(), limit)
 
     def progress(self, metrics: dict[str, float]) -> dict[str, float]:
         return {"loss": metrics["sft_loss"]}

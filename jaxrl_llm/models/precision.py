@@ -1,0 +1,117 @@
+"""The precision policy, stated once: how every weight matmul of the model is done.
+
+::
+
+    operands      the compute dtype (`model.dtype`, e.g. bfloat16), cast here, just before the dot
+    accumulation  float32 (`preferred_element_type=float32`)
+    output        the backend's fast path: float32 on XLA:CPU, the compute dtype elsewhere
+    activations   (residual stream, norms, rotary, softmax, silu) the same dtype as the output
+    backward      the same policy: the output's cotangent is cast to the compute dtype, both gradient dots
+                  accumulate and return float32 (then the operands' own dtypes)
+
+Why the output dtype depends on the backend (measured on this project's CPU, jax 0.10.2, BENCHMARKS.md): an
+XLA:CPU dot of bfloat16 operands that *returns* bfloat16 takes a slow path (230 GFLOP/s at 2048 x 576 x 1536,
+below float32's 255); the same dot asked for a float32 result runs on the CPU's AMX units (1,180 GFLOP/s). Its
+elementwise work is also faster in float32 than in bfloat16. On GPUs a bfloat16 GEMM accumulates in float32 in
+cuBLAS and writes bfloat16, and bfloat16 activations halve the memory traffic of the elementwise work.
+
+Under float32 (`model.dtype=float32`) every function here is the plain float32 dot it always was.
+
+`matmul(x, w, dtype)` is the one function that multiplies by a weight (`Dense`, the token step's fused
+projections, the unembedding, the scalar heads, LoRA); `einsum` serves attention's `q.k` and `p.v`.
+A test reads the lowered HLO of the model, the token step, the log-prob path and the train step's gradient
+and fails on any dot that is not bf16 x bf16 -> float32 under `model.dtype=bfloat16`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+def float32_output_is_fast() -> bool:
+    """Whether this backend's fast low-precision dot returns float32 (XLA:CPU: yes)."""
+    return jax.default_backend() == "cpu"
+
+
+def activation_dtype(compute_dtype: jnp.dtype | str) -> jnp.dtype:
+    """The dtype activations (and every dot's output) are kept in: float32 for a float32 model; for a bfloat16
+    model, float32 where that is the fast dot output (XLA:CPU), else bfloat16."""
+    compute = jnp.dtype(compute_dtype)
+    if compute == jnp.float32 or float32_output_is_fast():
+        return jnp.dtype(jnp.float32)
+    return compute
+
+
+def _gradient_specs(spec: str) -> tuple[str, str]:
+    """Einsum specs of the two operands' gradients for `spec = "a,b->out"` (no repeated or operand-only indices):
+    `d_a = einsum("out,b->a", g, b)`, `d_b = einsum("a,out->b", a, g)`."""
+    inputs, out = spec.replace(" ", "").split("->")
+    a, b = inputs.split(",")
+    return f"{out},{b}->{a}", f"{a},{out}->{b}"
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
+def _low_precision_einsum(spec: str, a: Array, b: Array, compute_dtype: jnp.dtype) -> Array:
+    return jnp.einsum(spec, a.astype(compute_dtype), b.astype(compute_dtype), preferred_element_type=jnp.float32)
+
+
+def _low_precision_einsum_fwd(spec: str, a: Array, b: Array, compute_dtype: jnp.dtype) -> tuple[Array, tuple]:
+    a_c, b_c = a.astype(compute_dtype), b.astype(compute_dtype)
+    # The residuals are the low-precision operands (half the bytes of float32 ones); the empty arrays carry the
+    # operands' own dtypes, which the gradients are returned in.
+    out = jnp.einsum(spec, a_c, b_c, preferred_element_type=jnp.float32)
+    return out, (a_c, b_c, jnp.zeros((0,), a.dtype), jnp.zeros((0,), b.dtype))
+
+
+def _low_precision_einsum_bwd(spec: str, compute_dtype: jnp.dtype, residuals: tuple, g: Array) -> tuple[Array, Array]:
+    a_c, b_c, a_kind, b_kind = residuals
+    spec_a, spec_b = _gradient_specs(spec)
+    g_c = g.astype(compute_dtype)
+    d_a = jnp.einsum(spec_a, g_c, b_c, preferred_element_type=jnp.float32)
+    d_b = jnp.einsum(spec_b, a_c, g_c, preferred_element_type=jnp.float32)
+    return d_a.astype(a_kind.dtype), d_b.astype(b_kind.dtype)
+
+
+_low_precision_einsum.defvjp(_low_precision_einsum_fwd, _low_precision_einsum_bwd)
+
+
+def einsum(spec: str, a: Array, b: Array, compute_dtype: jnp.dtype | str) -> Array:
+    """`einsum(spec, a, b)` under the policy: operands in `compute_dtype`, float32 accumulation, the result in
+    `activation_dtype(compute_dtype)`; forward and backward dots alike.
+
+    `spec` is a two-operand contraction `"a,b->out"` in which every index of an operand appears in the other
+    operand or the output (what a matmul or attention's contractions are). Shapes follow `spec`.
+    """
+    compute = jnp.dtype(compute_dtype)
+    if compute == jnp.float32:
+        return jnp.einsum(spec, a.astype(compute), b.astype(compute), preferred_element_type=jnp.float32)
+    out = _low_precision_einsum(spec, a, b, compute)
+    return out.astype(activation_dtype(compute))
+
+
+def matmul(x: Array, w: Array, compute_dtype: jnp.dtype | str) -> Array:
+    """`x [..., K] @ w [K, N] -> [..., N]` under the policy (see `einsum`).
+
+    `x` is flattened to `[rows, K]` around the dot: XLA:CPU then computes the weight gradient as one plain GEMM
+    instead of a batched contraction with transposes (the GRPO step 2.0-2.4 s -> 1.4 s on the bench model).
+    """
+    flat = x.reshape(-1, x.shape[-1])
+    compute = jnp.dtype(compute_dtype)
+    if compute == jnp.float32:
+        y = jnp.dot(flat.astype(compute), w.astype(compute))
+    else:
+        y = _low_precision_einsum("ik,kn->in", flat, w, compute).astype(activation_dtype(compute))
+    return y.reshape(*x.shape[:-1], w.shape[-1])
+
+
+def matmul_transposed(x: Array, w: Array, compute_dtype: jnp.dtype | str) -> Array:
+    """`x [..., K] @ w[N, K]^T -> [..., N]` under the policy, without materialising the transpose (the tied
+    unembedding: `hidden @ embedding^T`)."""
+    flat = x.reshape(-1, x.shape[-1])
+    y = einsum("ik,nk->in", flat, w, compute_dtype)
+    return y.reshape(*x.shape[:-1], w.shape[0])
