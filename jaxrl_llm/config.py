@@ -41,6 +41,9 @@ class ModelSection:
     dtype: str = "float32"  # compute dtype: float32 | bfloat16
     param_dtype: str = "float32"  # stored weights: float32 | bfloat16 (float32 master weights are kept)
     remat: bool = False  # recompute each layer's activations in the backward pass (less memory, more time)
+    # layers per iteration of the training forward's layer loop; the layer count unrolls it completely (no
+    # stacked residual buffers: a faster update on XLA:CPU, a longer compile); 1 = a loop over layers
+    scan_unroll: int = 1
     # Memory of one float32 logits block [rows, chunk, V] when the train step and the reference pass compute
     # log-probs and entropy from the final hidden states (MiB); 0 = all completion positions in one block.
     logprob_block_mib: float = 256.0
@@ -594,7 +597,7 @@ NUMERIC_BOUNDS: dict[str, tuple[float, float, bool]] = {
     "eval_every": _AT_LEAST, "eval_size": _AT_LEAST, "eval_batch_size": _AT_LEAST_1,
     "checkpoint_every": _AT_LEAST, "keep_checkpoints": _AT_LEAST_1,
     "model.logprob_block_mib": _AT_LEAST, "model.attention_query_chunk": _AT_LEAST,
-    "data.max_prompt_tokens": _AT_LEAST_1,
+    "data.max_prompt_tokens": _AT_LEAST_1, "model.scan_unroll": _AT_LEAST_1,
     "sampling.max_new_tokens": _AT_LEAST_1, "sampling.temperature": _POSITIVE, "sampling.top_k": _AT_LEAST,
     "sampling.top_p": (0.0, 1.0, False), "sampling.min_p": _FRACTION, "sampling.prompt_bucket": _AT_LEAST_1,
     "sampling.new_tokens_bucket": _AT_LEAST_1,

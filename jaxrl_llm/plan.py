@@ -203,11 +203,12 @@ def activation_bytes(
             q/k/v/attention output, gate/up/silu/product; float32 softmax probabilities and their
             compute-dtype copy over `q = min(T, attention_query_chunk)` queries at a time; the coefficients
             5, 6 and 4*4 were measured on XLA:CPU, see below)
-        head      = HEAD_BLOCKS*4*b*c*v + D*v*s [dtype != float32] + D*v*4 [tied] + b*T*D*4 + b*T^2
+        head      = HEAD_BLOCKS*4*b*c*v + D*v*4 [tied] + b*T*D*4 + b*T^2
             (the log-probs come from the final hidden states `c` positions at a time, `c` =
             `train_step.logprob_chunk_size(b, C, V, logprob_block_mib)`: HEAD_BLOCKS float32 `[b, c, v]`
-            blocks live at once (logits, probabilities, their cotangent); the output matrix's compute-dtype
-            copy; with tied embeddings, the head's float32 gradient before it joins the embedding's; final
+            blocks live at once (logits, probabilities, their cotangent); no compute-dtype copy of the output
+            matrix lives across the step (the precision policy's dots keep their operands as given and cast
+            them again in the backward); with tied embeddings, the head's float32 gradient before it joins the embedding's; final
             norm; the attention mask)
         gathered  = 2 * (per-layer weights with heads and intermediate divided by t) * s   when fsdp > 1
             (all-gathered weights of the layer in use and the next one)
@@ -236,11 +237,11 @@ def activation_bytes(
 
     chunk = logprob_chunk_size(b, cc, config.vocab_size, logprob_block_mib)
     head = HEAD_BLOCKS * 4 * b * chunk * v + b * tt * d * 4 + b * tt * tt
-    head += d * v * s * (config.dtype != "float32") + d * v * 4 * config.tie_word_embeddings
+    head += d * v * 4 * config.tie_word_embeddings
     gathered = 0
     if axis_sizes["fsdp"] > 1:
         layer_weights = d * (h + 2 * k) * hd + h * hd * d + 3 * d * i
-        gathered = 2 * layer_weights * s
+        gathered = 2 * layer_weights * config.jnp_dtype.itemsize
     if remat:
         return config.num_layers * s * b * tt * d + per_layer + head + gathered
     return (config.num_layers + 1) * per_layer + head + gathered

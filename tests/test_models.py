@@ -257,3 +257,23 @@ def test_bfloat16_checkpoint_loads(tmp_path):
     np.testing.assert_array_equal(np.asarray(params32["layers"]["attn"]["q"]["kernel"][1]), want)
     assert params16["layers"]["attn"]["q"]["kernel"].dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(params16["layers"]["attn"]["q"]["kernel"][1], np.float32), want)
+
+
+def test_unrolled_layer_loop_is_the_same_function():
+    """`model.scan_unroll = L` (a straight-line layer loop) computes the scanned decoder's logits and gradients."""
+    from jaxrl_llm.models.config import ModelConfig
+    from jaxrl_llm.models.decoder import init_params
+
+    config = ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=3, num_heads=2,
+                         num_kv_heads=1, head_dim=8, dtype="bfloat16")
+    unrolled = config.replace(scan_unroll=3)
+    params = init_params(config, jax.random.key(0))
+    tokens, mask = left_padded_batch(64, [6, 4], seed=4)
+
+    def loss(p, c):
+        return forward(p, c, jnp.asarray(tokens), jnp.asarray(mask)).astype(jnp.float32).std()
+
+    np.testing.assert_allclose(loss(params, config), loss(params, unrolled), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(jax.grad(loss)(params, config)), jax.tree.leaves(jax.grad(loss)(params, unrolled)),
+                    strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

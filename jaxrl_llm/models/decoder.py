@@ -243,6 +243,7 @@ class Decoder(nn.Module):
             split_rngs={"params": True, "dropout": True},
             in_axes=(0, nn.broadcast, nn.broadcast, 0),
             length=c.num_layers,
+            unroll=c.scan_unroll,
         )(c)
         self.final_norm = _norm(c, "final_norm")
         if not c.tie_word_embeddings:

@@ -138,6 +138,7 @@ class PPO:
         else:
             self.critic_config, critic = load_critic(pc.critic_init, mesh=p.mesh, dtype=c.model.dtype,
                                                      param_dtype=c.model.param_dtype, remat=c.model.remat,
+                                                     scan_unroll=c.model.scan_unroll,
                                                      attention_query_chunk=c.model.attention_query_chunk)
             critic = master_weights(critic)
             if self.critic_config.vocab_size < len(p.tokenizer):

@@ -100,6 +100,7 @@ def initial_reward_model(c: RunConfig, mesh: Any) -> tuple[ModelConfig, dict[str
     model_dir = resolve_model_dir(c.model.path)
     config, decoder = load_hf_model(model_dir, tie_word_embeddings=True, dtype=c.model.dtype, mesh=mesh,
                                     param_dtype=c.model.param_dtype, remat=c.model.remat,
+                                    scan_unroll=c.model.scan_unroll,
                                     attention_query_chunk=c.model.attention_query_chunk)
     if is_classifier(model_dir):
         score = jnp.asarray(read_tensor(model_dir, "score.weight").T)
