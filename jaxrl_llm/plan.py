@@ -208,8 +208,8 @@ def activation_bytes(
             `train_step.logprob_chunk_size(b, C, V, logprob_block_mib)`: HEAD_BLOCKS float32 `[b, c, v]`
             blocks live at once (logits, probabilities, their cotangent); no compute-dtype copy of the output
             matrix lives across the step (the precision policy's dots keep their operands as given and cast
-            them again in the backward); with tied embeddings, the head's float32 gradient before it joins the embedding's; final
-            norm; the attention mask)
+            them again in the backward); with tied embeddings, the head's float32 gradient before it joins the
+            embedding's; final norm; the attention mask)
         gathered  = 2 * (per-layer weights with heads and intermediate divided by t) * s   when fsdp > 1
             (all-gathered weights of the layer in use and the next one)
 
