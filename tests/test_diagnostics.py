@@ -140,7 +140,7 @@ def test_a_huge_learning_rate_names_the_blow_up_and_the_collapse(tiny_task, tmp_
     out = tmp_path / "huge"
     summary = make_trainer(_tiny(tiny_task, out, "test_diagnostics:parity", "steps=4", "eval_every=1",
                                  "optim.learning_rate=1.0", "optim.warmup_steps=0",
-                                 "diagnostics.baseline_steps=1")).run()
+                                 "diagnostics.baseline_steps=1", "model.dtype=float32")).run()
     rows = _rows(out)
     assert all(r["drift_kl"] > 1.0 for r in rows)  # beta = 0, yet the drift from the initial policy is logged
     assert summary["diagnostics"]["kl_blowup"]["first_step"] == 1
