@@ -134,3 +134,33 @@ def test_activations_are_float32_on_cpu_and_the_dot_output_of_the_backend():
     assert _config("bfloat16").jnp_activation_dtype == jnp.float32
     assert _config("bfloat16").jnp_inference_param_dtype == jnp.bfloat16
     assert _config("float32").jnp_inference_param_dtype == jnp.float32
+
+
+@pytest.mark.parametrize("gemma", [False, True])
+def test_bf16_activation_path_of_other_backends(monkeypatch, gemma):
+    """Where the fast dot returns bf16 (GPUs), activations are bf16; the logits, attention scores, log-probs and
+    head outputs stay float32 and every gradient reaching the master is float32. Run here by telling the policy
+    the backend prefers bf16 outputs (no GPU in the suite)."""
+    monkeypatch.setattr(precision, "float32_output_is_fast", lambda: False)
+    extra = (dict(sandwich_norms=True, norm_unit_offset=True, embed_scale=True, attn_logit_softcap=50.0,
+                  final_logit_softcap=30.0, hidden_act="gelu_pytorch_tanh", qk_norm=True) if gemma
+             else dict(tie_word_embeddings=True))
+    config = _config("bfloat16", **extra)
+    assert config.jnp_activation_dtype == jnp.bfloat16
+    params = init_params(config, jax.random.key(4))
+    pt, pm, ct, cm = _batch(np.random.default_rng(4))
+    hidden = forward(params, config, pt, pm, return_hidden=True)
+    assert hidden.dtype == jnp.bfloat16
+    logits = forward(params, config, pt, pm)
+    ref = forward(params, _config("float32", **extra), pt, pm)
+    assert logits.dtype == jnp.float32
+    valid = np.asarray(pm, bool)
+    assert (np.asarray(logits).argmax(-1) == np.asarray(ref).argmax(-1))[valid].mean() >= 0.9
+
+    def loss(p):
+        logp, ent = completion_logprobs(p, config, pt, pm, ct, cm, with_entropy=True, block_mib=0.001)
+        assert logp.dtype == jnp.float32
+        return -(logp * cm).sum() - ent.sum()
+
+    grads = jax.grad(loss)(params)
+    assert all(g.dtype == jnp.float32 and np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))

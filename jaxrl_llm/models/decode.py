@@ -223,7 +223,7 @@ def decode_token(
         new_caches.append({"k": k_all, "v": v_all})
         # The decoder's grouped-query attention for one query per row, on the loop-layout caches.
         qg = q.reshape(b, kvh, groups, hd)
-        scores = precision.einsum("bkgd,bkds->bkgs", qg, k_all, dtype).astype(jnp.float32)
+        scores = precision.einsum("bkgd,bkds->bkgs", qg, k_all, dtype, jnp.float32)
         probs = masked_softmax(scores, allowed[:, None, None, :], c.attention_scale, c.attn_logit_softcap)
         out = precision.einsum("bkgs,bksd->bkgd", probs, v_all, dtype)
         attn = matmul(out.reshape(b, h * hd), w.o, dtype)

@@ -113,27 +113,28 @@ class Dense(nn.Module):
     init_std: float
     lora_scale: float = 0.0
     lora_dropout: float = 0.0
+    out_dtype: jnp.dtype | None = None  # None: the activation dtype; float32 for the LM head's logits
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         kernel = self.param("kernel", nn.initializers.normal(self.init_std), (x.shape[-1], self.features),
                             self.param_dtype)
-        y = matmul(x, kernel, self.dtype)
+        y = matmul(x, kernel, self.dtype, self.out_dtype)
         if self.has_variable("params", "lora_a"):  # unmerged LoRA: + scale * dropout(x) @ A @ B
             inp = x
             if self.lora_dropout > 0 and self.has_rng("dropout"):
                 keep = jax.random.bernoulli(self.make_rng("dropout"), 1.0 - self.lora_dropout, inp.shape)
                 inp = jnp.where(keep, inp / (1.0 - self.lora_dropout), 0.0).astype(x.dtype)
             low_rank = matmul(inp, self.get_variable("params", "lora_a"), self.dtype)
-            y = y + self.lora_scale * matmul(low_rank, self.get_variable("params", "lora_b"), self.dtype)
+            y = y + self.lora_scale * matmul(low_rank, self.get_variable("params", "lora_b"), self.dtype, y.dtype)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype).astype(y.dtype)
         return y
 
 
-def _dense(config: ModelConfig, features: int, use_bias: bool, name: str) -> Dense:
+def _dense(config: ModelConfig, features: int, use_bias: bool, name: str, out_dtype: jnp.dtype | None = None) -> Dense:
     return Dense(features, use_bias, config.jnp_dtype, config.jnp_param_dtype, config.initializer_range,
-                 config.lora_scale, config.lora_dropout, name=name)
+                 config.lora_scale, config.lora_dropout, out_dtype, name=name)
 
 
 def _norm(config: ModelConfig, name: str) -> RMSNorm:
@@ -247,7 +248,7 @@ class Decoder(nn.Module):
         )(c)
         self.final_norm = _norm(c, "final_norm")
         if not c.tie_word_embeddings:
-            self.lm_head = _dense(c, c.vocab_size, False, "lm_head")
+            self.lm_head = _dense(c, c.vocab_size, False, "lm_head", jnp.dtype(jnp.float32))  # logits: float32
 
     def __call__(
         self,
@@ -283,7 +284,7 @@ class Decoder(nn.Module):
         for Gemma 2 (`final_logit_softcap`)."""
         c = self.config
         if c.tie_word_embeddings:
-            logits = matmul_transposed(hidden, self.embed.embedding, c.jnp_dtype)
+            logits = matmul_transposed(hidden, self.embed.embedding, c.jnp_dtype, jnp.float32)
             return softcap(logits, c.final_logit_softcap)
         return softcap(self.lm_head(hidden), c.final_logit_softcap)
 

@@ -37,7 +37,7 @@ def init_scalar_head(hidden_size: int, key: jax.Array | None = None, *, stddev: 
 
 def apply_scalar_head(head: ScalarHead, hidden: jax.Array, compute_dtype: jnp.dtype | str = jnp.float32) -> jax.Array:
     """`hidden [..., D] @ kernel [D, 1] + bias` -> `[...]` float32, a `precision.matmul` in `compute_dtype`."""
-    out = matmul(hidden, head["kernel"], compute_dtype).astype(jnp.float32) + head["bias"].astype(jnp.float32)
+    out = matmul(hidden, head["kernel"], compute_dtype, jnp.float32) + head["bias"].astype(jnp.float32)
     return out[..., 0]
 
 

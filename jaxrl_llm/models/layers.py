@@ -222,7 +222,7 @@ def _attention_block(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Arra
     b, t, h, hd = q.shape
     kvh = k.shape[2]
     q = q.reshape(b, t, kvh, h // kvh, hd)
-    scores = precision.einsum("btkgd,bskd->bkgts", q, k, compute_dtype).astype(jnp.float32)
+    scores = precision.einsum("btkgd,bskd->bkgts", q, k, compute_dtype, jnp.float32)
     probs = masked_softmax(scores, allowed[:, None, None], scale, logit_softcap)
     out = precision.einsum("bkgts,bskd->btkgd", probs, v, compute_dtype)
     return out.reshape(b, t, h * hd)

@@ -79,9 +79,11 @@ def _low_precision_einsum_bwd(spec: str, compute_dtype: jnp.dtype, residuals: tu
 _low_precision_einsum.defvjp(_low_precision_einsum_fwd, _low_precision_einsum_bwd)
 
 
-def einsum(spec: str, a: Array, b: Array, compute_dtype: jnp.dtype | str) -> Array:
+def einsum(spec: str, a: Array, b: Array, compute_dtype: jnp.dtype | str,
+           out_dtype: jnp.dtype | str | None = None) -> Array:
     """`einsum(spec, a, b)` under the policy: operands in `compute_dtype`, float32 accumulation, the result in
-    `activation_dtype(compute_dtype)`; forward and backward dots alike.
+    `out_dtype` (default `activation_dtype(compute_dtype)`; float32 for what a softmax reads: attention scores,
+    logits); forward and backward dots alike.
 
     `spec` is a two-operand contraction `"a,b->out"` in which every index of an operand appears in the other
     operand or the output (what a matmul or attention's contractions are). Shapes follow `spec`.
@@ -90,11 +92,11 @@ def einsum(spec: str, a: Array, b: Array, compute_dtype: jnp.dtype | str) -> Arr
     if compute == jnp.float32:
         return jnp.einsum(spec, a.astype(compute), b.astype(compute), preferred_element_type=jnp.float32)
     out = _low_precision_einsum(spec, a, b, compute)
-    return out.astype(activation_dtype(compute))
+    return out.astype(activation_dtype(compute) if out_dtype is None else out_dtype)
 
 
-def matmul(x: Array, w: Array, compute_dtype: jnp.dtype | str) -> Array:
-    """`x [..., K] @ w [K, N] -> [..., N]` under the policy (see `einsum`).
+def matmul(x: Array, w: Array, compute_dtype: jnp.dtype | str, out_dtype: jnp.dtype | str | None = None) -> Array:
+    """`x [..., K] @ w [K, N] -> [..., N]` under the policy (see `einsum`; `out_dtype` as there).
 
     `x` is flattened to `[rows, K]` around the dot: XLA:CPU then computes the weight gradient as one plain GEMM
     instead of a batched contraction with transposes (the GRPO step 2.0-2.4 s -> 1.4 s on the bench model).
@@ -104,13 +106,15 @@ def matmul(x: Array, w: Array, compute_dtype: jnp.dtype | str) -> Array:
     if compute == jnp.float32:
         y = jnp.dot(flat.astype(compute), w.astype(compute))
     else:
-        y = _low_precision_einsum("ik,kn->in", flat, w, compute).astype(activation_dtype(compute))
+        y = _low_precision_einsum("ik,kn->in", flat, w, compute)
+        y = y.astype(activation_dtype(compute) if out_dtype is None else out_dtype)
     return y.reshape(*x.shape[:-1], w.shape[-1])
 
 
-def matmul_transposed(x: Array, w: Array, compute_dtype: jnp.dtype | str) -> Array:
+def matmul_transposed(x: Array, w: Array, compute_dtype: jnp.dtype | str,
+                      out_dtype: jnp.dtype | str | None = None) -> Array:
     """`x [..., K] @ w[N, K]^T -> [..., N]` under the policy, without materialising the transpose (the tied
     unembedding: `hidden @ embedding^T`)."""
     flat = x.reshape(-1, x.shape[-1])
-    y = einsum("ik,nk->in", flat, w, compute_dtype)
+    y = einsum("ik,nk->in", flat, w, compute_dtype, out_dtype)
     return y.reshape(*x.shape[:-1], w.shape[0])

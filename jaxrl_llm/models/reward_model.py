@@ -42,7 +42,7 @@ def sequence_scores(
     """
     hidden = forward(params, config, tokens, mask, return_hidden=True)
     last = jnp.take_along_axis(hidden, last_token_index(mask)[:, None, None], axis=1)[:, 0]
-    return matmul(last, score_kernel, config.jnp_dtype).astype(jnp.float32)
+    return matmul(last, score_kernel, config.jnp_dtype, jnp.float32)
 
 
 def load_hf_reward_model(path_or_id: str | os.PathLike[str], **config_overrides: Any

@@ -363,7 +363,7 @@ def token_logprobs_from_hidden(
         tok = lax.dynamic_slice_in_dim(tokens, start, size, axis=time_axis)
         # A 2-D matmul on [rows * size, D]: its weight gradient is then a plain GEMM (a batched einsum's gradient
         # contracts two axes, which XLA:CPU lowers through strided transposes).
-        z = matmul(h, unembed, dtype).astype(jnp.float32)
+        z = matmul(h, unembed, dtype, jnp.float32)
         z = softcap(z, logit_softcap)
         logp, ent = _logprobs_entropy_f32(z, tok, temperature, with_entropy)
         return (logp,) if ent is None else (logp, ent)
