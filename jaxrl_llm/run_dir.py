@@ -65,9 +65,9 @@ DATA_FIELDS = ("train", "eval")  # data.<field>: the files fingerprinted for --r
 # Config keys a resume may change freely: cadence, memory knobs and reporting; the math stays the same.
 SAFE_TO_CHANGE = ("out_dir", "steps", "log_every", "sample_every", "eval_every", "eval_size", "eval_batch_size",
                   "checkpoint_every", "keep_checkpoints", "export", "export_dir", "tensorboard", "progress_bar",
-                  "on_divergence", "divergence.", "distributed.", "mesh.", "model.remat", "model.logprob_block_mib",
-                  "model.attention_query_chunk", "sft.eval_batch_size", "data.eval", "data.eval_split",
-                  "eval_reward", "final_checkpoint", "diagnostics.", "logging.", "report")
+                  "on_divergence", "divergence.", "distributed.", "mesh.", "model.remat", "model.scan_unroll",
+                  "model.logprob_block_mib", "model.attention_query_chunk", "sft.eval_batch_size", "data.eval",
+                  "data.eval_split", "eval_reward", "final_checkpoint", "diagnostics.", "logging.", "report")
 
 
 def _notice(text: str) -> None:

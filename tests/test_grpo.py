@@ -286,3 +286,36 @@ def test_rollout_correction_recomputes_and_weights(tiny_task, tmp_path, dtype, c
         assert not any(k.startswith("is_weight/") for k in rows[0])
     else:
         assert all(0 <= r["is_weight/masked_fraction"] <= 1 and r["is_weight/mean"] > 0 for r in rows)
+
+
+def test_recompute_uses_the_train_steps_own_weights(tiny_task, tmp_path):
+    """`rl.rollout_correction=recompute` gives the old log-probs of the update's own forward: the master cast to
+    `model.param_dtype` (here bf16), not the float32 master, so the first update's ratio is 1 up to rounding."""
+    from jaxrl_llm.data import DataState
+    from jaxrl_llm.train_step import completion_logprobs, working_weights
+
+    config = _config(tiny_task, tmp_path / "rc", "steps=1", "data.eval=''", "export=false", "checkpoint_every=0",
+                     "model.dtype=float32", "model.param_dtype=bfloat16", "rl.rollout_correction=recompute",
+                     TWO_REWARDS)
+    algo = make_trainer(config).algorithm
+    p = algo.policy
+    # off the bf16 grid, as the master is after any update (the loaded weights sit on it)
+    p.params = jax.tree.map(lambda x: x * (1 + 3e-3) + 1e-4, p.params)
+    ro, _, _ = algo.collect(DataState(), jax.random.key(1))
+    weights = working_weights(p.params, p.model_config)
+    trainer_logp = completion_logprobs(weights, p.model_config, ro.prompt_tokens, ro.prompt_mask, ro.out.tokens,
+                                       ro.out.mask, temperature=config.sampling.temperature)[0]
+    master_logp = completion_logprobs(p.params, p.model_config, ro.prompt_tokens, ro.prompt_mask, ro.out.tokens,
+                                      ro.out.mask, temperature=config.sampling.temperature)[0]
+    seen = {}
+    update_fn = algo.update_fn
+
+    def spy(params, opt_state, batch, *rest):
+        seen["old"] = np.asarray(batch.old_logp)
+        return update_fn(params, opt_state, batch, *rest)
+
+    algo.update_fn = spy
+    algo.update(ro, 1, jax.random.key(2))
+    mask = np.asarray(ro.out.mask, bool)
+    assert np.abs(seen["old"] - np.asarray(trainer_logp))[mask].max() < 1e-5
+    assert np.abs(np.asarray(master_logp) - np.asarray(trainer_logp))[mask].max() > 1e-4  # the test can tell them apart

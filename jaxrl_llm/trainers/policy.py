@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -62,8 +63,12 @@ class Policy:
     def inference_weights(self, params: Params | None = None) -> Params:
         """`model_weights` as the sampler and the evaluation store them (`train_step.inference_copy`: matrices in
         bfloat16 under a bfloat16 compute dtype, half the bytes each decode step reads, the same dot operands).
-        A new copy; the float32 master stays as it is."""
-        return self._cast(self.model_weights(params))
+        The float32 master stays as it is; when no leaf changes dtype (a float32 model), the weights themselves."""
+        weights = self.model_weights(params)
+        dtype = self.model_config.jnp_inference_param_dtype
+        if all(x.dtype == dtype or not jnp.issubdtype(x.dtype, jnp.floating) for x in jax.tree.leaves(weights)):
+            return weights
+        return self._cast(weights)
 
     @property
     def weights_sharding(self) -> Any:

@@ -48,6 +48,7 @@ from jaxrl_llm.train_step import (
     policy_loss,
     scanned_updates,
     train_step,
+    working_weights,
 )
 from jaxrl_llm.trainers.grpo import old_policy_logprobs, policy_loss_config, update_sizes
 from jaxrl_llm.trainers.policy import GreedyEvaluation, load_policy
@@ -249,7 +250,8 @@ class PPO:
         pt, pm, ct, cm = put(ro.prompt_tokens), put(ro.prompt_mask), put(ro.out.tokens), put(ro.out.mask)
         old_logp, sampler_logp, mismatch = old_policy_logprobs(
             self.config.rl.rollout_correction, put(np.asarray(ro.out.logprobs_untruncated, np.float32)), cm,
-            lambda: self.ref_logprob_fn(self.policy.model_weights(), pt, pm, ct, cm))
+            lambda: self.ref_logprob_fn(working_weights(self.policy.model_weights(), self.policy.model_config),
+                                        pt, pm, ct, cm))
         ref_logp = self.ref_logprob_fn(self.ref_params, pt, pm, ct, cm) if self.ref_params is not None else old_logp
         values = self.value_fn(self.state_.critic, pt, pm, ct, cm)
         kl_coef = float(self.kl_controller.coef)
