@@ -28,6 +28,19 @@ import pytest
 # backend starts, not at `import jax`. Subprocesses that set their own XLA_FLAGS (virtual devices) add these.
 FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}".strip()
+
+# The quick tier for the inner loop, `python -m pytest -m quick -n 2`: the RL math, the precision policy, model
+# parity with transformers and the one-line input errors (259 tests; 1 min 48 s with a cold compile cache, 48 s
+# warm, on the 2-core machine). The full suite still runs everything.
+QUICK_FILES = ("test_rl_losses.py", "test_rl_advantages.py", "test_rl_estimators.py", "test_rl_kl_control.py",
+               "test_rl_logprobs.py", "test_rl_objectives.py", "test_precision.py", "test_models.py",
+               "test_input_errors.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in QUICK_FILES:
+            item.add_marker(pytest.mark.quick)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
