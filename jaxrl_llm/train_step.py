@@ -178,8 +178,7 @@ def policy_loss(
         ref_logp=batch.ref_logp if c.beta > 0 else None,
         sampler_logp=batch.sampler_logp if c.rollout_correction else None,
         tis_cap=c.rollout_correction_cap,
-        is_level=c.rollout_correction.split("_")[0] if c.rollout_correction else "token",
-        is_mode=c.rollout_correction.split("_")[-1] if c.rollout_correction else "truncate",
+        rollout_correction=c.rollout_correction or "token_truncate",
         kl_coef=c.beta,
         kl_estimator=c.kl_estimator,  # type: ignore[arg-type]
         entropy=entropy,

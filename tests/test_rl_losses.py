@@ -549,20 +549,23 @@ def test_rollout_correction_weights_hand_computed():
     sampler = -jnp.log(jnp.array([[2.0, 0.5, 4.0], [1.5, 1.5, 9.0]]))
     mask = jnp.array([[1, 1, 1], [1, 1, 0]])
     w = functools.partial(L.rollout_correction_weights, old, sampler, mask, cap=3.0)
-    np.testing.assert_allclose(w(level="token", mode="truncate"), [[2, 0.5, 3], [1.5, 1.5, 0]], rtol=1e-5)
-    np.testing.assert_allclose(w(level="token", mode="mask"), [[2, 0.5, 0], [1.5, 1.5, 0]], rtol=1e-5)
-    np.testing.assert_allclose(w(level="sequence", mode="truncate"), [[3, 3, 3], [2.25, 2.25, 0]], rtol=1e-5)
-    np.testing.assert_allclose(w(level="sequence", mode="mask"), [[0, 0, 0], [2.25, 2.25, 0]], rtol=1e-5)
-    with pytest.raises(ValueError, match="token | sequence"):
-        w(level="turn", mode="mask")
+    np.testing.assert_allclose(w(mode="token_truncate"), [[2, 0.5, 3], [1.5, 1.5, 0]], rtol=1e-5)
+    np.testing.assert_allclose(w(mode="token_mask"), [[2, 0.5, 0], [1.5, 1.5, 0]], rtol=1e-5)
+    np.testing.assert_allclose(w(mode="sequence_truncate"), [[3, 3, 3], [2.25, 2.25, 0]], rtol=1e-5)
+    np.testing.assert_allclose(w(mode="sequence_mask"), [[0, 0, 0], [2.25, 2.25, 0]], rtol=1e-5)
+    with pytest.raises(ValueError, match="expected one of"):
+        w(mode="turn_mask")
+    from jaxrl_llm.config import ROLLOUT_CORRECTIONS
+
+    assert ROLLOUT_CORRECTIONS == ("none", "recompute", *L.ROLLOUT_CORRECTION_MODES)  # the config's choices
     # in the loss: the masked sequence (row 0) leaves the policy gradient, row 1 is weighted by 2.25
     adv = jnp.array([1.0, 1.0])
-    loss, m = L.clipped_policy_loss(old, old, adv, mask, sampler_logp=sampler, tis_cap=3.0, is_level="sequence",
-                                    is_mode="mask")
+    loss, m = L.clipped_policy_loss(old, old, adv, mask, sampler_logp=sampler, tis_cap=3.0,
+                                    rollout_correction="sequence_mask")
     np.testing.assert_allclose(loss, -(2.25 * 2) / 5, rtol=1e-5)  # token-mean of -r A w over 5 tokens, r = 1
     np.testing.assert_allclose(m["is_weight/masked_fraction"], 3 / 5, rtol=1e-6)
     grad = jax.grad(lambda lp_: L.clipped_policy_loss(lp_, old, adv, mask, sampler_logp=sampler, tis_cap=3.0,
-                                                      is_level="sequence", is_mode="mask")[0])(old)
+                                                      rollout_correction="sequence_mask")[0])(old)
     np.testing.assert_allclose(grad[0], 0.0)
     np.testing.assert_allclose(grad[1, :2], -2.25 / 5, rtol=1e-5)
 

@@ -10,10 +10,11 @@
                   accumulate and return float32 (then the operands' own dtypes)
 
 Why the output dtype depends on the backend (measured on this project's CPU, jax 0.10.2, BENCHMARKS.md): an
-XLA:CPU dot of bfloat16 operands that *returns* bfloat16 takes a slow path (230 GFLOP/s at 2048 x 576 x 1536,
-below float32's 255); the same dot asked for a float32 result runs on the CPU's AMX units (1,180 GFLOP/s). Its
-elementwise work is also faster in float32 than in bfloat16. On GPUs a bfloat16 GEMM accumulates in float32 in
-cuBLAS and writes bfloat16, and bfloat16 activations halve the memory traffic of the elementwise work.
+XLA:CPU dot of bfloat16 operands that *returns* bfloat16 takes a slow path (274 GFLOP/s at 2048 x 576 x 1536,
+below float32's 294); the same dot asked for a float32 result runs on the CPU's AMX units (1,804 GFLOP/s;
+`python bench/matmul_kernels.py`). Its elementwise work is also faster in float32 than in bfloat16. On GPUs a
+bfloat16 GEMM accumulates in float32 in cuBLAS and writes bfloat16, and bfloat16 activations halve the memory
+traffic of the elementwise work.
 
 Under float32 (`model.dtype=float32`) every function here is the plain float32 dot it always was.
 
@@ -63,7 +64,7 @@ def _low_precision_einsum(spec: str, a: Array, b: Array, compute_dtype: jnp.dtyp
 def _low_precision_einsum_fwd(spec: str, a: Array, b: Array, compute_dtype: jnp.dtype) -> tuple[Array, tuple]:
     # The residuals are the operands as given, cast again in the backward: a weight is then the layer stack's
     # own slice, which `nn.scan` does not copy into a stacked residual buffer, and an activation is usually
-    # saved for its other consumers anyway (measured: the SmolLM2 update 11.5 s -> see BENCHMARKS.md).
+    # saved for its other consumers anyway (the SmolLM2 bf16 update: 11.5 s with bf16 copies, 9.8 s without).
     return _low_precision_einsum(spec, a, b, compute_dtype), (a, b)
 
 
@@ -101,13 +102,7 @@ def matmul(x: Array, w: Array, compute_dtype: jnp.dtype | str, out_dtype: jnp.dt
     `x` is flattened to `[rows, K]` around the dot: XLA:CPU then computes the weight gradient as one plain GEMM
     instead of a batched contraction with transposes (the GRPO step 2.0-2.4 s -> 1.4 s on the bench model).
     """
-    flat = x.reshape(-1, x.shape[-1])
-    compute = jnp.dtype(compute_dtype)
-    if compute == jnp.float32:
-        y = jnp.dot(flat.astype(compute), w.astype(compute))
-    else:
-        y = _low_precision_einsum("ik,kn->in", flat, w, compute)
-        y = y.astype(activation_dtype(compute) if out_dtype is None else out_dtype)
+    y = einsum("ik,kn->in", x.reshape(-1, x.shape[-1]), w, compute_dtype, out_dtype)
     return y.reshape(*x.shape[:-1], w.shape[-1])
 
 

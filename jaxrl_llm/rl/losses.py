@@ -162,50 +162,43 @@ def clipped_surrogate(
 def truncated_importance_weights(
     old_logp: Array, sampler_logp: Array, mask: Array, *, cap: float | None = 2.0
 ) -> Array:
-    """Truncated importance-sampling weights for a sampler / trainer log-prob mismatch (Yao et al. 2025).
+    """Truncated importance-sampling weights for a sampler / trainer mismatch (Yao et al. 2025), token level:
+    ``w_t = stop_gradient(min(pi_old(y_t) / pi_sampler(y_t), cap))``; ``cap=None`` leaves them untruncated.
+    ``rollout_correction_weights(..., mode="token_truncate")``. Shapes ``[B, T]`` -> ``[B, T]`` float32."""
+    return rollout_correction_weights(old_logp, sampler_logp, mask, mode="token_truncate", cap=cap)
 
-    ::
 
-        w_t = stop_gradient(min(pi_old(y_t) / pi_sampler(y_t), cap))
-
-    where ``pi_old`` is the trainer's recomputation of the behaviour policy and ``pi_sampler`` the
-    probability the sampling engine reported (they differ through kernels, precision, batch effects).
-    ``cap=None`` leaves the weights untruncated. Padded positions get weight 0.
-
-    Shapes: ``old_logp``, ``sampler_logp``, ``mask`` ``[B, T]`` -> ``[B, T]`` float32.
-    """
-    log_w = jnp.where(_valid(mask), _f32(old_logp) - _f32(sampler_logp), 0.0)
-    w = jnp.exp(jnp.clip(log_w, -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
-    if cap is not None:
-        w = jnp.minimum(w, cap)
-    return jax.lax.stop_gradient(jnp.where(_valid(mask), w, 0.0))
+ROLLOUT_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 def rollout_correction_weights(
-    old_logp: Array, sampler_logp: Array, mask: Array, *, level: str = "token", mode: str = "truncate",
-    cap: float = 3.0,
+    old_logp: Array, sampler_logp: Array, mask: Array, *, mode: str = "token_truncate", cap: float | None = 3.0,
 ) -> Array:
     """Importance weights that correct a sampler / trainer mismatch (TIS and MIS; TRL's
-    ``vllm_importance_sampling_mode``, verl's ``rollout_is``), multiplied into the policy-gradient term::
+    ``vllm_importance_sampling_mode``, whose names ``mode`` takes, and verl's ``rollout_is``), multiplied into the
+    policy-gradient term::
 
-        token:     log rho_t = log pi_old(y_t) - log pi_sampler(y_t)
-        sequence:  log rho_t = sum_{s valid} (log pi_old(y_s) - log pi_sampler(y_s))   (the same for every t)
-        truncate:  w_t = min(rho_t, cap)                  (TIS, Yao et al. 2025)
-        mask:      w_t = rho_t if rho_t <= cap else 0     (masked IS: the token / sequence leaves the gradient)
+        token_*:     log rho_t = log pi_old(y_t) - log pi_sampler(y_t)
+        sequence_*:  log rho_t = sum_{s valid} (log pi_old(y_s) - log pi_sampler(y_s))   (the same for every t)
+        *_truncate:  w_t = min(rho_t, cap)                  (TIS, Yao et al. 2025; cap=None: w_t = rho_t)
+        *_mask:      w_t = rho_t if rho_t <= cap else 0     (masked IS: the token / sequence leaves the gradient)
 
     ``pi_old`` is the trainer's recomputation of the behaviour policy, ``pi_sampler`` what the sampler reported.
     Log-ratios are clipped to [-20, 20] before ``exp``; the weights are stop-gradient, 0 at padding.
-    Shapes: ``old_logp``, ``sampler_logp``, ``mask`` ``[B, T]`` -> ``[B, T]`` float32. Static: ``level``,
-    ``mode``, ``cap``.
+    Shapes: ``old_logp``, ``sampler_logp``, ``mask`` ``[B, T]`` -> ``[B, T]`` float32. Static: ``mode``, ``cap``.
     """
-    if level not in ("token", "sequence") or mode not in ("truncate", "mask"):
-        raise ValueError(f"rollout correction {level}_{mode}: level is token | sequence, mode truncate | mask")
+    if mode not in ROLLOUT_CORRECTION_MODES or (cap is None and mode.endswith("_mask")):
+        raise ValueError(f"rollout correction {mode!r} (cap {cap}): expected one of "
+                         f"{', '.join(ROLLOUT_CORRECTION_MODES)}, and a cap for the masking modes")
     valid = _valid(mask)
     log_rho = jnp.where(valid, _f32(old_logp) - _f32(sampler_logp), 0.0)
-    if level == "sequence":
+    if mode.startswith("sequence"):
         log_rho = jnp.broadcast_to(log_rho.sum(axis=-1, keepdims=True), log_rho.shape)
     rho = jnp.exp(jnp.clip(log_rho, -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
-    w = jnp.minimum(rho, cap) if mode == "truncate" else jnp.where(rho <= cap, rho, 0.0)
+    if mode.endswith("_mask"):
+        w = jnp.where(rho <= cap, rho, 0.0)
+    else:
+        w = rho if cap is None else jnp.minimum(rho, cap)
     return jax.lax.stop_gradient(jnp.where(valid, w, 0.0))
 
 
@@ -485,8 +478,7 @@ def clipped_policy_loss(
     entropy_coef: float | Array = 0.0,
     sampler_logp: Array | None = None,
     tis_cap: float | None = None,
-    is_level: str = "token",
-    is_mode: str = "truncate",
+    rollout_correction: str = "token_truncate",
     top_entropy_quantile: float = 1.0,
     clip_cov_ratio: float = 0.0,
     clip_cov_lb: float = 1.0,
@@ -511,9 +503,9 @@ def clipped_policy_loss(
       keywords of that function (SAPO's ``tau_pos`` / ``tau_neg``).
     * ``epsilon_low`` / ``epsilon_high``: asymmetric clip range (DAPO clip-higher uses 0.2 / 0.28);
       ``dual_clip_c``: dual clip (Ye et al. 2019) bounding the loss of negative-advantage tokens by ``-c*A``.
-    * ``sampler_logp``: if given, ``w_t = rollout_correction_weights(old_logp, sampler_logp, level=is_level,
-      mode=is_mode, cap=tis_cap)`` corrects the sampler / trainer mismatch (token-level truncation by default:
-      TIS, Yao et al. 2025; ``tis_cap=None`` with truncation: untruncated); otherwise ``w_t = 1``.
+    * ``sampler_logp``: if given, ``w_t = rollout_correction_weights(old_logp, sampler_logp,
+      mode=rollout_correction, cap=tis_cap)`` corrects the sampler / trainer mismatch (default: token-level
+      truncation, TIS, Yao et al. 2025); otherwise ``w_t = 1``.
     * ``ref_logp``: if given, the KL to the reference policy enters the loss (GRPO style, k3 by default).
     * ``entropy``: per-token entropy ``[B, T]`` (with gradient) for the bonus, the metric and the selection.
     * ``top_entropy_quantile`` ``q < 1``: the policy-gradient term only on the ``ceil(q n)`` highest-entropy valid
@@ -533,7 +525,7 @@ def clipped_policy_loss(
     ``entropy`` / ``is_weight/mean`` when those inputs are given, and ``top_entropy_fraction``,
     ``clip_cov_fraction``, ``kl_cov_fraction`` (fractions of the valid tokens chosen) when those options are on.
     Static: ``surrogate``, ``dual_clip_c``, ``surrogate_options``, ``kl_estimator``, ``kl_clamp``, ``tis_cap``,
-    ``is_level``, ``is_mode``,
+    ``rollout_correction``,
     ``top_entropy_quantile``, ``clip_cov_*``, ``kl_cov_ratio``, ``aggregation``, ``max_len``. Shapes: ``logp``,
     ``old_logp``, ``mask`` (and ``ref_logp``, ``entropy``, ``sampler_logp``) ``[B, T]``; returns ``(loss, metrics)``
     with a float32 scalar loss.
@@ -571,14 +563,10 @@ def clipped_policy_loss(
         token_loss = jnp.where(selected, token_loss, 0.0)
         metrics["top_entropy_fraction"] = masked_mean(selected, mask)
     if sampler_logp is not None:
-        if tis_cap is None and is_mode == "truncate":
-            weights = truncated_importance_weights(old_logp, sampler_logp, mask, cap=None)
-        else:
-            weights = rollout_correction_weights(old_logp, sampler_logp, mask, level=is_level, mode=is_mode,
-                                                 cap=2.0 if tis_cap is None else tis_cap)
+        weights = rollout_correction_weights(old_logp, sampler_logp, mask, mode=rollout_correction, cap=tis_cap)
         token_loss = token_loss * weights
         metrics["is_weight/mean"] = masked_mean(weights, mask)
-        if is_mode == "mask":
+        if rollout_correction.endswith("_mask"):
             metrics["is_weight/masked_fraction"] = masked_mean(weights == 0.0, mask)
     kl = kl_penalty(logp, ref_logp, estimator=kl_estimator, clamp=kl_clamp, mask=mask) if ref_logp is not None else None
     loss, terms = compose_policy_loss(token_loss, mask, kl=kl, kl_coef=kl_coef, entropy=entropy,
