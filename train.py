@@ -36,7 +36,7 @@ DEFAULT_CONFIGS = {
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    from jaxrl_llm.cli import CommandParser
+    from jaxrl_llm.cli.errors import CommandParser
 
     parser = CommandParser(prog="train.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--algo", choices=sorted(DEFAULT_CONFIGS),
@@ -102,8 +102,8 @@ def main(argv: list[str]) -> int:
     if config.report:
         import jax
 
+        from jaxrl_llm.cli.report import write_report
         from jaxrl_llm.errors import RunDirError
-        from jaxrl_llm.report import write_report
 
         if jax.process_index() == 0:
             try:
@@ -115,7 +115,7 @@ def main(argv: list[str]) -> int:
 
 def cli(argv: list[str] | None = None) -> int:
     """`main` behind the error boundary: one line per error, exit 2 / 1, a traceback only with --debug."""
-    from jaxrl_llm.cli import run_command
+    from jaxrl_llm.cli.errors import run_command
 
     return run_command("train.py", main, argv)
 

@@ -57,7 +57,7 @@ def main() -> None:
         make_mesh,
         param_shardings,
     )
-    from jaxrl_llm.train_step import PolicyBatch, PolicyLossConfig, make_optimizer, make_train_step, policy_loss
+    from jaxrl_llm.trainers.step import PolicyBatch, PolicyLossConfig, make_optimizer, make_train_step, policy_loss
 
     sizes = dict(kv.split("=") for kv in args.mesh.split(","))
     mesh = make_mesh(MeshShape(int(sizes["data"]), int(sizes["fsdp"]), int(sizes["tensor"])))

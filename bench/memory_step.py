@@ -48,7 +48,7 @@ def main() -> None:
     from jaxrl_llm.config import OptimSection
     from jaxrl_llm.models.decoder import param_shapes
     from jaxrl_llm.models.hf import config_from_hf
-    from jaxrl_llm.train_step import PolicyBatch, PolicyLossConfig, make_optimizer, policy_loss, train_step
+    from jaxrl_llm.trainers.step import PolicyBatch, PolicyLossConfig, make_optimizer, policy_loss, train_step
 
     hf = plan.load_hf_config_dict(args.model) if args.model else QWEN25_05B
     config = config_from_hf(hf, dtype=args.dtype, param_dtype="float32", remat=not args.no_remat,

@@ -186,7 +186,7 @@ class DPOSection:
 
 @dataclass
 class LoraSection:
-    """LoRA adapters (jaxrl_llm.lora) for the GRPO family, PPO's policy, SFT and DPO: the base weights are frozen
+    """LoRA adapters (jaxrl_llm.models.lora) for the GRPO family, PPO's policy, SFT and DPO: the base weights are frozen
     (no gradients, no optimizer state) and double as the reference model (adapters off)."""
 
     rank: int = 0  # r; 0 = no LoRA (full fine-tuning)
@@ -255,7 +255,7 @@ class DistributedSection:
 
 @dataclass
 class DivergenceSection:
-    """Collapse checks on each RL step's metrics (`jaxrl_llm.divergence`); a condition that holds for
+    """Collapse checks on each RL step's metrics (`jaxrl_llm.run.divergence`); a condition that holds for
     `patience` steps in a row is a divergence, handled by the run's `on_divergence`."""
 
     patience: int = 5  # consecutive steps a condition must hold (0 = checks off)
@@ -267,7 +267,7 @@ class DivergenceSection:
 
 @dataclass
 class DiagnosticsSection:
-    """Named symptoms of an RL run (`jaxrl_llm.diagnostics`): each is logged with a hint when it starts and as
+    """Named symptoms of an RL run (`jaxrl_llm.run.diagnostics`): each is logged with a hint when it starts and as
     the metric `diagnostics/<name>` while it holds; warnings only (a run is stopped by `divergence`)."""
 
     enabled: bool = True  # check the symptoms every step

@@ -66,7 +66,7 @@ class TrainingError(RunError):
 
 
 class DivergenceError(TrainingError):
-    """The policy collapsed (see `jaxrl_llm.divergence`); the last good checkpoint is kept."""
+    """The policy collapsed (see `jaxrl_llm.run.divergence`); the last good checkpoint is kept."""
 
 
 class RunInterrupted(KeyboardInterrupt):

@@ -41,7 +41,7 @@ def run3(tiny_task, tmp_path_factory):
 
 
 def test_blind_assignment_shuffles_labels_evenly_and_reproducibly():
-    from jaxrl_llm.compare import blind_assignment
+    from jaxrl_llm.cli.compare import blind_assignment
 
     a = blind_assignment(600, 3, seed=1)
     assert a == blind_assignment(600, 3, seed=1) and a != blind_assignment(600, 3, seed=2)
@@ -55,7 +55,7 @@ def test_blind_assignment_shuffles_labels_evenly_and_reproducibly():
 
 
 def test_win_rates_and_reveal_follow_their_formulas():
-    from jaxrl_llm.compare import key_of, reveal, win_rates
+    from jaxrl_llm.cli.compare import key_of, reveal, win_rates
 
     scores = np.array([[1.0, 0.0, 1.0, 0.5], [0.0, 0.0, 1.0, 1.0]])
     rates = win_rates(scores, ["a", "b"])
@@ -103,7 +103,7 @@ def fill_votes(out, labels):
 
 
 def test_sheet_id_is_the_prompts_labels_and_answers_and_every_file_carries_it(tmp_path, monkeypatch):
-    from jaxrl_llm.compare import sheet_id, sheet_rows
+    from jaxrl_llm.cli.compare import sheet_id, sheet_rows
 
     answers = [["x", "y"], ["u", "v"]]
     rows = sheet_rows(["p0", "p1"], answers, [[0, 1], [1, 0]])
@@ -131,8 +131,8 @@ def test_sheet_id_is_the_prompts_labels_and_answers_and_every_file_carries_it(tm
 
 def test_reveal_refuses_another_sheets_key_and_mixed_votes(tmp_path, monkeypatch, capsys):
     """The issue's case: votes for sheet A revealed with the key of sheet B (other prompts)."""
-    from jaxrl_llm.cli import run_command
-    from jaxrl_llm.compare import main, reveal
+    from jaxrl_llm.cli.compare import main, reveal
+    from jaxrl_llm.cli.errors import run_command
 
     a, b = tmp_path / "a", tmp_path / "b"
     key_a = write_sheet(a, PROMPTS_A, 0, monkeypatch)
@@ -183,8 +183,8 @@ def test_reveal_refuses_another_sheets_key_and_mixed_votes(tmp_path, monkeypatch
 
 
 def test_reveal_accepts_a_key_and_votes_from_before_sheet_ids_with_a_warning(tmp_path, monkeypatch, capsys):
-    from jaxrl_llm.cli import run_command
-    from jaxrl_llm.compare import main
+    from jaxrl_llm.cli.compare import main
+    from jaxrl_llm.cli.errors import run_command
 
     a = tmp_path / "a"
     key = write_sheet(a, PROMPTS_A, 0, monkeypatch)
@@ -208,11 +208,11 @@ def test_reveal_accepts_a_key_and_votes_from_before_sheet_ids_with_a_warning(tmp
     assert re.search(r"base\s+0\.250", printed.out)
 
 def test_compare_sheet_key_maps_back_exactly_and_the_judge_scores(run3, tiny_task, tmp_path, capsys):
-    from jaxrl_llm.compare import main
+    from jaxrl_llm.cli.compare import main
+    from jaxrl_llm.cli.export import load_model
     from jaxrl_llm.config import DataSection
     from jaxrl_llm.data import build_prompt_set, load_records
     from jaxrl_llm.evaluation import generate_scored
-    from jaxrl_llm.export import load_model
     from jaxrl_llm.sampling import SamplingConfig
 
     models = [str(tiny_task / "model"), f"{run3}:1", f"{run3}:3"]
@@ -265,7 +265,7 @@ def test_compare_sheet_key_maps_back_exactly_and_the_judge_scores(run3, tiny_tas
 
 
 def test_report_has_every_plot_and_every_image_loads_in_a_browser(run3, tmp_path):
-    from jaxrl_llm.report import PLOTS, expand_keys, load_run, main, sample_steps
+    from jaxrl_llm.cli.report import PLOTS, expand_keys, load_run, main, sample_steps
 
     run = load_run(run3)
     for name, (_, _, left, right) in PLOTS.items():

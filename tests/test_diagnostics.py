@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxrl_llm.config import load_run_config
-from jaxrl_llm.diagnostics import HINTS, DiagnosticLimits, diagnose, drift_kl, repeated_ngram_fraction
+from jaxrl_llm.run.diagnostics import HINTS, DiagnosticLimits, diagnose, drift_kl, repeated_ngram_fraction
 from jaxrl_llm.trainers import make_trainer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import train
-from jaxrl_llm.divergence import DivergenceLimits, DivergenceState, update_divergence
+from jaxrl_llm.run.divergence import DivergenceLimits, DivergenceState, update_divergence
 
 ROOT = Path(__file__).resolve().parents[1]
 V = 100

@@ -74,7 +74,7 @@ def _max_diff(a, b) -> float:
 
 
 def test_export_of_a_step_equals_its_checkpoint_and_export_dir_is_honoured(short_run, tmp_path):
-    from jaxrl_llm.export import main
+    from jaxrl_llm.cli.export import main
 
     run, export_dir, _ = short_run
     step1, step2 = _checkpoint_params(run, 1), _checkpoint_params(run, 2)
@@ -95,8 +95,8 @@ def test_export_of_a_step_equals_its_checkpoint_and_export_dir_is_honoured(short
 
 def test_eval_of_a_step_reproduces_the_logged_accuracy_on_the_run_and_its_export(short_run, tiny_task, tmp_path,
                                                                                  capsys):
-    from jaxrl_llm.eval import main
-    from jaxrl_llm.export import main as export
+    from jaxrl_llm.cli.eval import main
+    from jaxrl_llm.cli.export import main as export
 
     run, _, rows = short_run
     test = str(tiny_task / "test.jsonl")
@@ -120,7 +120,7 @@ def test_eval_of_a_step_reproduces_the_logged_accuracy_on_the_run_and_its_export
 
 
 def test_eval_sampled_pass_at_k_is_the_estimator_over_the_saved_completions(short_run, tiny_task, tmp_path):
-    from jaxrl_llm.eval import main
+    from jaxrl_llm.cli.eval import main
 
     run, _, _ = short_run
     main(["--model", str(run), "--data", str(tiny_task / "test.jsonl"), "--n", "4", "--temperature", "1.0",
@@ -141,7 +141,7 @@ def test_eval_sampled_pass_at_k_is_the_estimator_over_the_saved_completions(shor
 
 
 def test_eval_and_export_errors_are_one_line(tmp_path, tiny_task):
-    from jaxrl_llm.eval import main
+    from jaxrl_llm.cli.eval import main
 
     with pytest.raises(UsageError, match="nope does not exist"):
         main(["--model", str(tmp_path / "nope"), "--data", str(tiny_task / "test.jsonl"), "--reward", "math_answer"])

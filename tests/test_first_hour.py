@@ -179,8 +179,8 @@ def test_sigint_checkpoints_the_last_step_and_the_run_resumes(tmp_path, tiny_tas
 
 
 def test_final_checkpoint_weights_keeps_only_the_policy(tmp_path, tiny_task):
-    from jaxrl_llm.checkpoint import Checkpointer
     from jaxrl_llm.config import load_run_config
+    from jaxrl_llm.run.checkpoint import Checkpointer
     from jaxrl_llm.trainers import make_trainer
 
     def config(steps: int, *extra: str):

@@ -18,8 +18,8 @@ from jaxrl_llm.errors import TrainingError
 from jaxrl_llm.models.decoder import init_params
 from jaxrl_llm.models.hf import config_from_hf, save_hf_model
 from jaxrl_llm.sharding import make_mesh
-from jaxrl_llm.train_step import PolicyBatch, PolicyLossConfig, make_optimizer, make_train_step, policy_loss
 from jaxrl_llm.trainers import make_trainer
+from jaxrl_llm.trainers.step import PolicyBatch, PolicyLossConfig, make_optimizer, make_train_step, policy_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -118,7 +118,7 @@ def _fixed_batch(config, n=8, p=6, t=5, seed=0):
 def test_mu_greater_than_one_moves_the_ratio_and_clipping_bites():
     """The old log-probs are kept: the 2nd update on the same rollout sees ratio != 1 and clips."""
     from jaxrl_llm.config import OptimSection
-    from jaxrl_llm.train_step import completion_logprobs
+    from jaxrl_llm.trainers.step import completion_logprobs
 
     config = config_from_hf({**TINY, "vocab_size": 19})
     params = init_params(config, jax.random.key(1))
@@ -292,7 +292,7 @@ def test_recompute_uses_the_train_steps_own_weights(tiny_task, tmp_path):
     """`rl.rollout_correction=recompute` gives the old log-probs of the update's own forward: the master cast to
     `model.param_dtype` (here bf16), not the float32 master, so the first update's ratio is 1 up to rounding."""
     from jaxrl_llm.data import DataState
-    from jaxrl_llm.train_step import completion_logprobs, working_weights
+    from jaxrl_llm.trainers.step import completion_logprobs, working_weights
 
     config = _config(tiny_task, tmp_path / "rc", "steps=1", "data.eval=''", "export=false", "checkpoint_every=0",
                      "model.dtype=float32", "model.param_dtype=bfloat16", "rl.rollout_correction=recompute",

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from jaxrl_llm.config import load_run_config
-from jaxrl_llm.lora import LoraSpec, init_adapters, merge_adapters, target_paths
 from jaxrl_llm.models.decoder import forward
 from jaxrl_llm.models.hf import load_hf_model
+from jaxrl_llm.models.lora import LoraSpec, init_adapters, merge_adapters, target_paths
 from jaxrl_llm.trainers import make_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -169,7 +169,7 @@ def test_unmerged_adapters_with_dropout(tiny_task, tmp_path):
 
     import jax.numpy as jnp
 
-    from jaxrl_llm.lora import insert_adapters
+    from jaxrl_llm.models.lora import insert_adapters
 
     config, params = load_hf_model(tiny_task / "model")
     spec = LoraSpec(rank=4, alpha=8.0, targets="(q|k|v|o|gate|up|down)_proj")

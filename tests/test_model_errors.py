@@ -17,7 +17,7 @@ from safetensors import SafetensorError
 
 import train
 from jaxrl_llm import generate
-from jaxrl_llm.cli import run_command
+from jaxrl_llm.cli.errors import run_command
 from jaxrl_llm.errors import ConversionError, ModelError, UsageError
 from jaxrl_llm.models import hf
 from jaxrl_llm.models.hf import load_hf_model, read_tensor, save_hf_model
@@ -343,7 +343,7 @@ def test_exported_weights_have_plain_file_modes(tmp_path, umask):
 def test_exported_adapters_have_plain_file_modes(tmp_path):
     import jax
 
-    from jaxrl_llm.lora import LoraSpec, init_adapters, save_peft_adapters
+    from jaxrl_llm.models.lora import LoraSpec, init_adapters, save_peft_adapters
 
     config, params = load_hf_model(ARITH_BASE)
     spec = LoraSpec(rank=2, alpha=4.0, targets="q_proj|v_proj")

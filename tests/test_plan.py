@@ -42,8 +42,8 @@ from jaxrl_llm import sharding
 from jaxrl_llm.config import OptimSection
 from jaxrl_llm.models.decoder import init_cache, param_shapes
 from jaxrl_llm.models.hf import config_from_hf
-from jaxrl_llm.plan import KV_CACHE_SPEC
-from jaxrl_llm.train_step import make_optimizer
+from jaxrl_llm.cli.plan import KV_CACHE_SPEC
+from jaxrl_llm.trainers.step import make_optimizer
 
 assert jax.device_count() == 8, jax.devices()
 out = {}
@@ -197,7 +197,7 @@ def test_cli_on_committed_model_fits_and_does_not_fit() -> None:
 
 
 def test_cli_rejects_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
-    from jaxrl_llm.cli import run_command
+    from jaxrl_llm.cli.errors import run_command
 
     assert run_command("plan", plan.main, ["--mesh", "data=2,pipe=2"]) == 2
     assert "plan: error: cannot read mesh" in capsys.readouterr().err
@@ -244,7 +244,7 @@ def test_activation_estimate_against_compiled_train_step(remat: bool) -> None:
     shows up here: re-measure and update `plan.activation_bytes` then.
     """
     from jaxrl_llm.config import OptimSection
-    from jaxrl_llm.train_step import PolicyBatch, PolicyLossConfig, make_optimizer, policy_loss, train_step
+    from jaxrl_llm.trainers.step import PolicyBatch, PolicyLossConfig, make_optimizer, policy_loss, train_step
 
     config = _hand_config(vocab_size=256, hidden_size=64, intermediate_size=128, remat=remat, head_dim=16)
     b, prompt_len, new = 8, 64, 32
@@ -267,8 +267,8 @@ def test_activation_estimate_against_compiled_train_step(remat: bool) -> None:
 def test_lora_plan_counts_adapters_against_live_arrays() -> None:
     """LoRA: the base in param_dtype plus float32 adapters, adapter-sized gradients and AdamW moments, no reference
     copy, and one merged weight copy; the adapter bytes equal what `init_adapters` really allocates."""
-    from jaxrl_llm.lora import LoraSpec, init_adapters
     from jaxrl_llm.models.decoder import init_params
+    from jaxrl_llm.models.lora import LoraSpec, init_adapters
 
     config = _hand_config(param_dtype="bfloat16")
     kw = dict(batch=2, group_size=3, prompt_len=5, new_tokens=7)

@@ -24,9 +24,9 @@ from jaxrl_llm.models.hf import config_from_hf, save_hf_model
 from jaxrl_llm.rl.estimators import ppo_targets, rollout_advantages, rollout_value_metrics
 from jaxrl_llm.rl.kl_control import init_kl_controller, kl_controller_update
 from jaxrl_llm.sharding import make_mesh
-from jaxrl_llm.train_step import make_optimizer, make_train_step
 from jaxrl_llm.trainers import make_trainer
 from jaxrl_llm.trainers.ppo import CriticBatch, ValueLossConfig, critic_loss, kl_controller_kind
+from jaxrl_llm.trainers.step import make_optimizer, make_train_step
 
 ROOT = Path(__file__).resolve().parents[1]
 values_jit = jax.jit(critic_values, static_argnums=1)

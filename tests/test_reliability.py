@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import train
-from jaxrl_llm.cli import run_command
+from jaxrl_llm.cli.errors import run_command
 
 ROOT = Path(__file__).resolve().parents[1]
 VOLATILE = ("time/", "tokens_per_second")  # wall-clock metrics: the only ones a rerun may change
@@ -375,7 +375,7 @@ def reference_run(tiny_task, tmp_path_factory):
 
 _KILL_IN_SAVE = textwrap.dedent("""
     import os, signal, sys
-    import jaxrl_llm.checkpoint as ck
+    import jaxrl_llm.run.checkpoint as ck
     import train
 
     original = ck.Checkpointer.save

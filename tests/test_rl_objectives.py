@@ -589,7 +589,7 @@ def test_a_traced_entropy_coef_replaces_the_configured_one_in_the_policy_loss():
 
     from jaxrl_llm.models.decoder import init_params
     from jaxrl_llm.models.hf import config_from_hf
-    from jaxrl_llm.train_step import PolicyBatch, PolicyLossConfig, policy_loss
+    from jaxrl_llm.trainers.step import PolicyBatch, PolicyLossConfig, policy_loss
 
     config = config_from_hf({**TINY, "vocab_size": 19})
     params = init_params(config, jax.random.key(0))

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 import train
-from jaxrl_llm.manifest import MANIFEST_NAME, claim, foreign_entry, new_manifest, read_manifest, write_manifest
+from jaxrl_llm.run.manifest import MANIFEST_NAME, claim, foreign_entry, new_manifest, read_manifest, write_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
 USER_FILES = {  # a user's folder whose files are named like run outputs

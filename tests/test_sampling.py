@@ -457,7 +457,7 @@ def test_invalid_inputs_are_refused(hf_model_dir):
 
 @requires_shared(STORIES260K)
 def test_cli_prints_the_greedy_story(capsys):
-    from jaxrl_llm.generate import main
+    from jaxrl_llm.cli.generate import main
 
     reference = json.loads((STORIES260K / "reference_greedy.json").read_text())
     assert main(["--model", str(STORIES260K), "--prompt", "Once upon a time", "--prompt", "Lily",
@@ -473,7 +473,7 @@ def test_cli_chat_template(tmp_path, capsys):
     """--chat wraps the prompt in the tokenizer's template: the completion continues the templated text."""
     import shutil
 
-    from jaxrl_llm.generate import main
+    from jaxrl_llm.cli.generate import main
 
     model_dir = tmp_path / "chat"
     shutil.copytree(STORIES260K, model_dir)
@@ -496,7 +496,7 @@ def test_cli_cpu_devices_split_the_batch_and_keep_the_tokens():
     import subprocess
     import sys
 
-    from jaxrl_llm.generate import main
+    from jaxrl_llm.cli.generate import main
 
     def completions(*extra: str) -> list[str]:
         command = [sys.executable, "-m", "jaxrl_llm.generate", "--model", str(STORIES260K), "--prompt", "Once",

@@ -30,7 +30,7 @@ from jaxrl_llm.models.hf import config_from_hf, load_hf_model, save_hf_model
 from jaxrl_llm.sampling import SamplingConfig, sample
 from jaxrl_llm.sharding import (MeshShape, global_array, init_optimizer_state, make_mesh, param_shardings,
                                 path_string, to_host)
-from jaxrl_llm.train_step import (PolicyBatch, PolicyLossConfig, completion_logprobs, make_optimizer,
+from jaxrl_llm.trainers.step import (PolicyBatch, PolicyLossConfig, completion_logprobs, make_optimizer,
                                   make_train_step, policy_loss)
 
 assert jax.device_count() == 8, jax.devices()
@@ -103,7 +103,7 @@ if PART == 0:
     sys.exit(0)
 
 # LoRA: adapters (replicated) over a sharded frozen base; the merged weights inside the jitted step.
-from jaxrl_llm.lora import LoraSpec, init_adapters, merge_adapters
+from jaxrl_llm.models.lora import LoraSpec, init_adapters, merge_adapters
 
 spec = LoraSpec(rank=4, alpha=8.0, targets="(q|k|v|o|gate|up|down)_proj")
 adapters0 = init_adapters(params, spec, jax.random.key(3))

@@ -21,7 +21,8 @@ from jaxrl_llm.data import DataState, next_batch_indices
 from jaxrl_llm.models.decoder import init_params
 from jaxrl_llm.models.hf import config_from_hf
 from jaxrl_llm.sharding import make_mesh
-from jaxrl_llm.train_step import (
+from jaxrl_llm.trainers.loop import Trainer
+from jaxrl_llm.trainers.step import (
     PolicyBatch,
     PolicyLossConfig,
     completion_logprobs,
@@ -31,7 +32,6 @@ from jaxrl_llm.train_step import (
     scanned_updates,
     train_step,
 )
-from jaxrl_llm.trainers.loop import Trainer
 
 
 def test_scanned_update_equals_the_host_loop_of_train_steps():

@@ -16,7 +16,7 @@ from jaxrl_llm.models.decoder import forward, init_params, param_shapes
 from jaxrl_llm.models.hf import config_from_hf
 from jaxrl_llm.rl.logprobs import token_logprobs_and_entropy
 from jaxrl_llm.rl.losses import clipped_policy_loss
-from jaxrl_llm.train_step import (
+from jaxrl_llm.trainers.step import (
     PolicyBatch,
     PolicyLossConfig,
     logprob_chunk_size,

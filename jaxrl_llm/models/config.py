@@ -68,7 +68,7 @@ class ModelConfig:
     # Full-sequence attention runs over at most this many queries at a time (float32 scores [B, H, chunk, S]
     # instead of [B, H, T, S], recomputed per chunk in the backward); 0 = all queries at once.
     attention_query_chunk: int = 128
-    # LoRA applied unmerged (training with lora.dropout > 0, see jaxrl_llm.lora.insert_adapters): a kernel whose
+    # LoRA applied unmerged (training with lora.dropout > 0, see jaxrl_llm.models.lora.insert_adapters): a kernel whose
     # module also holds `lora_a` / `lora_b` adds `lora_scale * dropout(x) @ A @ B`, dropout at `lora_dropout`.
     lora_scale: float = 0.0
     lora_dropout: float = 0.0

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxrl_llm.cli import CommandParser, run_command
+from jaxrl_llm.cli.errors import CommandParser, run_command
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 CHARACTERS = list("0123456789+-*= ")

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxrl_llm.cli import CommandParser, run_command
+from jaxrl_llm.cli.errors import CommandParser, run_command
 
 
 def make_problems(count: int, seed: int, low: int = 10, high: int = 99) -> list[dict[str, object]]:

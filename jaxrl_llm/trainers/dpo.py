@@ -39,8 +39,8 @@ from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params
 from jaxrl_llm.rl.losses import dpo_loss
 from jaxrl_llm.sharding import batch_divisor, global_array, init_optimizer_state
-from jaxrl_llm.train_step import Metrics, completion_logprobs, frozen_copy, make_optimizer, make_train_step
 from jaxrl_llm.trainers.policy import GreedyEvaluation, load_policy
+from jaxrl_llm.trainers.step import Metrics, completion_logprobs, frozen_copy, make_optimizer, make_train_step
 
 
 class PairBatch(NamedTuple):

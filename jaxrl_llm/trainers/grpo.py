@@ -37,7 +37,9 @@ from jaxrl_llm.rl.entropy_control import (
 from jaxrl_llm.rl.estimators import kl_in_reward, rollout_advantages
 from jaxrl_llm.rl.losses import logprob_mismatch
 from jaxrl_llm.sharding import batch_divisor, batch_sharding, global_array, init_optimizer_state, to_host
-from jaxrl_llm.train_step import (
+from jaxrl_llm.trainers.policy import GreedyEvaluation, load_policy
+from jaxrl_llm.trainers.rollouts import DriftMeter, Rollout, RolloutCollector
+from jaxrl_llm.trainers.step import (
     Metrics,
     PolicyBatch,
     PolicyLossConfig,
@@ -49,8 +51,6 @@ from jaxrl_llm.train_step import (
     train_step,
     working_weights,
 )
-from jaxrl_llm.trainers.policy import GreedyEvaluation, load_policy
-from jaxrl_llm.trainers.rollouts import DriftMeter, Rollout, RolloutCollector
 
 
 def surrogate_options(c: RunConfig) -> tuple[tuple[str, float], ...]:

@@ -34,14 +34,14 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from jaxrl_llm.checkpoint import Checkpointer, storage_cause
 from jaxrl_llm.config import RunConfig
 from jaxrl_llm.data import DataState
-from jaxrl_llm.diagnostics import DiagnosticLimits, describe, diagnose, diagnostic_metrics
-from jaxrl_llm.divergence import DivergenceLimits, DivergenceState, update_divergence
 from jaxrl_llm.errors import DivergenceError, RunInterrupted, StorageError, TrainingError
-from jaxrl_llm.logging import RunLogger, write_summary
-from jaxrl_llm.run_dir import open_run_dir
+from jaxrl_llm.run.checkpoint import Checkpointer, storage_cause
+from jaxrl_llm.run.diagnostics import DiagnosticLimits, describe, diagnose, diagnostic_metrics
+from jaxrl_llm.run.divergence import DivergenceLimits, DivergenceState, update_divergence
+from jaxrl_llm.run.logging import RunLogger, write_summary
+from jaxrl_llm.run.run_dir import open_run_dir
 from jaxrl_llm.sharding import global_array
 
 MAX_CONSECUTIVE_SKIPPED_UPDATES = 5

@@ -5,7 +5,7 @@ sampler's settings and the held-out greedy evaluation.
 shards, and keeps float32 master weights whatever `model.param_dtype` says (the train step computes with the
 working copy, see `train_step.master_weights`). SFT can start from random weights instead (`model.init`).
 
-With LoRA (`lora.rank > 0`) what is trained (`params`) is the adapters (`jaxrl_llm.lora`); the base weights are
+With LoRA (`lora.rank > 0`) what is trained (`params`) is the adapters (`jaxrl_llm.models.lora`); the base weights are
 `base`, frozen, in `model.param_dtype`; `model_weights()` merges them for sampling, evaluation and export, and
 the train step gets `frozen` and `compose` to do the same inside the jit.
 """
@@ -25,14 +25,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxrl_llm.config import RunConfig
 from jaxrl_llm.data import PromptSet, bucket, build_prompt_set, eos_token_ids, left_pad, load_records, load_tokenizer
 from jaxrl_llm.evaluation import evaluate_greedy
-from jaxrl_llm.lora import LoraSpec, init_adapters, insert_adapters, merge_adapters, save_peft_adapters
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params, init_params
 from jaxrl_llm.models.hf import config_from_hf, load_hf_model, resolve_model_dir, save_hf_model
+from jaxrl_llm.models.lora import LoraSpec, init_adapters, insert_adapters, merge_adapters, save_peft_adapters
 from jaxrl_llm.rewards import RewardFunction, resolve_reward
 from jaxrl_llm.sampling import SamplingConfig
 from jaxrl_llm.sharding import MeshShape, make_mesh, param_shardings, to_host
-from jaxrl_llm.train_step import cast_floating, inference_copy, master_weights
+from jaxrl_llm.trainers.step import cast_floating, inference_copy, master_weights
 
 
 @dataclasses.dataclass

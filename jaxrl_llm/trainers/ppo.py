@@ -38,7 +38,10 @@ from jaxrl_llm.rl.estimators import ppo_targets, rollout_value_metrics
 from jaxrl_llm.rl.kl_control import KLControllerKind, KLControllerState, init_kl_controller, kl_controller_update
 from jaxrl_llm.rl.losses import clipped_value_loss
 from jaxrl_llm.sharding import batch_sharding, global_array, init_optimizer_state, param_shardings, to_host
-from jaxrl_llm.train_step import (
+from jaxrl_llm.trainers.grpo import old_policy_logprobs, policy_loss_config, update_sizes
+from jaxrl_llm.trainers.policy import GreedyEvaluation, load_policy
+from jaxrl_llm.trainers.rollouts import DriftMeter, Rollout, RolloutCollector
+from jaxrl_llm.trainers.step import (
     Metrics,
     PolicyBatch,
     frozen_copy,
@@ -50,9 +53,6 @@ from jaxrl_llm.train_step import (
     train_step,
     working_weights,
 )
-from jaxrl_llm.trainers.grpo import old_policy_logprobs, policy_loss_config, update_sizes
-from jaxrl_llm.trainers.policy import GreedyEvaluation, load_policy
-from jaxrl_llm.trainers.rollouts import DriftMeter, Rollout, RolloutCollector
 
 
 class CriticBatch(NamedTuple):

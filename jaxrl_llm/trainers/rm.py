@@ -46,7 +46,7 @@ from jaxrl_llm.sharding import (
     param_shardings,
     to_host,
 )
-from jaxrl_llm.train_step import Metrics, make_optimizer, make_train_step, master_weights
+from jaxrl_llm.trainers.step import Metrics, make_optimizer, make_train_step, master_weights
 
 
 class PreferenceBatch(NamedTuple):

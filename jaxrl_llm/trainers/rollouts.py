@@ -16,10 +16,10 @@ import jax
 import numpy as np
 
 from jaxrl_llm.data import DataState, PromptSet, next_batch_indices
-from jaxrl_llm.diagnostics import drift_kl, repeated_ngram_fraction
 from jaxrl_llm.evaluation import decode_completions, reward_fields
 from jaxrl_llm.models.decoder import Params
 from jaxrl_llm.rewards import RewardFunction, compute_rewards, resolve_reward
+from jaxrl_llm.run.diagnostics import drift_kl, repeated_ngram_fraction
 from jaxrl_llm.sampling import SampleOutput, sample
 from jaxrl_llm.sharding import batch_divisor, global_array, process_rows, to_host
 from jaxrl_llm.trainers.policy import Policy

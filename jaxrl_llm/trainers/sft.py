@@ -20,8 +20,8 @@ from jaxrl_llm.config import RunConfig
 from jaxrl_llm.data import DataState, PromptSet, bucket, left_pad, next_batch_indices
 from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.sharding import batch_divisor, global_array, init_optimizer_state
-from jaxrl_llm.train_step import PolicyBatch, PolicyLossConfig, make_optimizer, make_train_step, sft_loss
 from jaxrl_llm.trainers.policy import GreedyEvaluation, load_policy
+from jaxrl_llm.trainers.step import PolicyBatch, PolicyLossConfig, make_optimizer, make_train_step, sft_loss
 
 
 def completion_arrays(prompt_set: PromptSet, indices: np.ndarray, tokenizer: Any, answer_field: str,

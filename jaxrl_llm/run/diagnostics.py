@@ -1,6 +1,6 @@
 """Named symptoms of an RL run, read from its per-step metrics: pure functions over host floats.
 
-Where `jaxrl_llm.divergence` stops a run that has collapsed, these are warnings: each symptom is named in the
+Where `jaxrl_llm.run.divergence` stops a run that has collapsed, these are warnings: each symptom is named in the
 log with a one-line hint when it starts, and logged as the metric `diagnostics/<name>` = 1 on every step it
 holds (`diagnostics/count`: how many hold, every step). The baseline of the ratios below is the mean over the
 first `baseline_steps` steps of the run.

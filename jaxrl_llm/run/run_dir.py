@@ -3,7 +3,7 @@
     open_run_dir(config, resume=..., overwrite=..., allow_config_change=..., config_dir=...,
                  allow_tracked_dir=...) -> RunDirectory
 
-- Ownership (`jaxrl_llm.manifest`): a run records what it creates in `out_dir/.jaxrl_llm-run.json`, and only a
+- Ownership (`jaxrl_llm.run.manifest`): a run records what it creates in `out_dir/.jaxrl_llm-run.json`, and only a
   directory with that manifest is a run. `overwrite` removes exactly what the manifest lists, and refuses a
   directory that holds anything the run did not create (naming one such file).
 - A new run takes a new or empty directory, or its config file's own folder (`config_dir`), where the files
@@ -38,7 +38,7 @@ import yaml
 
 from jaxrl_llm.config import RunConfig, to_dict, to_yaml
 from jaxrl_llm.errors import RunDirError
-from jaxrl_llm.manifest import (
+from jaxrl_llm.run.manifest import (
     LOCK_NAME,
     MANIFEST_NAME,
     claim,
