@@ -59,13 +59,14 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = _parse(argv)
-    from jaxrl_llm.config import ConfigError, config_source, load_run_config, validate_environment
+    from jaxrl_llm.preflight import load_config, preflight
 
     preset = args.config or DEFAULT_CONFIGS[args.algo or "grpo"]
     overrides = [*args.overrides, *(["lora.export_adapters=true"] if args.export_adapters else [])]
-    config = load_run_config(preset, overrides, **({"algo": args.algo} if args.algo else {}))
+    fields = {"algo": args.algo} if args.algo else {}
+    config = load_config(preset, overrides, **fields)
     if args.print_config:
-        from jaxrl_llm.config_docs import commented_yaml
+        from jaxrl_llm.config.docs import commented_yaml
 
         print(commented_yaml(config), end="")
         return 0
@@ -73,10 +74,7 @@ def main(argv: list[str]) -> int:
 
     d = config.distributed
     initialize_distributed(d.enabled, d.coordinator_address, d.num_processes, d.process_id, d.local_device_ids)
-    try:  # input paths, mesh and batch sizes against the devices, before any model loads
-        validate_environment(config)
-    except ConfigError as e:
-        raise ConfigError(f"{e} ({config_source(str(e), preset, overrides)})") from e
+    preflight(config, preset, overrides, fields)  # plugins, inputs, the devices: before any model loads
     options = dict(resume=args.resume, overwrite=args.overwrite, allow_config_change=args.allow_config_change,
                    config_dir=Path(preset).parent, allow_tracked_dir=args.allow_tracked_dir)
     from jaxrl_llm.errors import RunInterrupted

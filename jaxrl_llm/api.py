@@ -23,8 +23,12 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxrl_llm.config import RunConfig, config_source, load_run_config, validate_environment
+from jaxrl_llm.config import RunConfig
+from jaxrl_llm.data import register_dataset
 from jaxrl_llm.errors import ConfigError
+from jaxrl_llm.preflight import load_config, preflight
+from jaxrl_llm.rewards import register_reward
+from jaxrl_llm.trainers import train as run
 
 
 def train(config: RunConfig | Mapping[str, Any] | str | Path | None = None, *,
@@ -43,9 +47,6 @@ def train(config: RunConfig | Mapping[str, Any] | str | Path | None = None, *,
     resume / overwrite / allow_config_change / allow_tracked_dir: as `train.py --resume / --overwrite /
       --allow-config-change / --allow-tracked-dir`.
     """
-    from jaxrl_llm.data import register_dataset
-    from jaxrl_llm.rewards import register_reward
-
     path = config if isinstance(config, (str, Path)) else None
     base: dict[str, Any] = {}
     if isinstance(config, RunConfig):
@@ -82,12 +83,8 @@ def train(config: RunConfig | Mapping[str, Any] | str | Path | None = None, *,
             data["eval"] = register_dataset("eval_dataset", eval_dataset)
         if data:
             base["data"] = data
-    run_config = load_run_config(path, list(overrides), **base)
-    try:  # input paths, mesh and batch sizes against the devices, before any model loads (as train.py)
-        validate_environment(run_config)
-    except ConfigError as e:
-        raise type(e)(f"{e} ({config_source(str(e), path, list(overrides), base)})") from e  # the same kind
-    from jaxrl_llm.trainers import train as run
+    run_config = load_config(path, list(overrides), **base)
+    preflight(run_config, path, list(overrides), base)  # plugins, inputs, the devices: before any model loads
 
     return run(run_config, resume=resume, overwrite=overwrite, allow_config_change=allow_config_change,
                config_dir=Path(path).parent if path is not None else None, allow_tracked_dir=allow_tracked_dir)

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxrl_llm.config import load_run_config
-from jaxrl_llm.run.diagnostics import HINTS, DiagnosticLimits, diagnose, drift_kl, repeated_ngram_fraction
+from jaxrl_llm.config import MonitorSection, load_run_config
+from jaxrl_llm.run.monitor import HINTS, diagnose, drift_kl, repeated_ngram_fraction
 from jaxrl_llm.trainers import make_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,19 +79,19 @@ def test_each_symptom_fires_alone_on_its_history(name, history):
 
 
 def test_thresholds_bound_the_symptoms():
-    limits = DiagnosticLimits()
+    limits = MonitorSection()
     assert diagnose([{**h, "reward/mean": 0.0, "reward/std": 0.0} for h in _steps(9)], limits) == {}
     assert diagnose([{**h, "frac_zero_std_groups": 1.0} for h in _steps(4)], limits) == {}
     # entropy collapse while the reward rose is a converged policy, not a symptom.
     assert diagnose(_steps(5, entropy=0.05, **{"reward/mean": 0.9})) == {}
-    assert diagnose(_steps(4, kl=3.0), DiagnosticLimits(enabled=False)) == {}
+    assert diagnose(_steps(4, kl=3.0), MonitorSection(warnings=False)) == {}
 
 
 def _tiny(task: Path, out: Path, reward: str, *overrides: str):
     return load_run_config(ROOT / "configs" / "grpo_arithmetic.yaml", [
         f"model.path={task / 'model'}", f"data.train={task / 'train.jsonl'}", "data.eval=", f"out_dir={out}",
         "rl.prompts_per_step=4", "rl.group_size=4", "checkpoint_every=0", "export=false", "progress_bar=false",
-        "tensorboard=false", "sampling.max_new_tokens=8", "on_divergence=warn", *overrides],
+        "tensorboard=false", "sampling.max_new_tokens=8", "monitor.on_divergence=warn", *overrides],
         rewards=[{"name": reward}])
 
 
@@ -126,7 +126,7 @@ def test_a_reward_that_is_always_zero_is_named_and_wandb_gets_the_same_rows(tiny
     monkeypatch.setitem(sys.modules, "wandb", fake)
     out = tmp_path / "zero"
     summary = make_trainer(_tiny(tiny_task, out, "test_diagnostics:always_zero", "steps=3",
-                                 "diagnostics.reward_steps=3", "logging.wandb=true")).run()
+                                 "monitor.reward_steps=3", "logging.wandb=true")).run()
     rows = _rows(out)
     assert [r.get("diagnostics/reward_zero") for r in rows] == [None, None, 1.0]
     assert fake.inits[0]["mode"] == "offline" and fake.inits[0]["config"]["steps"] == 3 and fake.finished == 1
@@ -140,7 +140,7 @@ def test_a_huge_learning_rate_names_the_blow_up_and_the_collapse(tiny_task, tmp_
     out = tmp_path / "huge"
     summary = make_trainer(_tiny(tiny_task, out, "test_diagnostics:parity", "steps=4", "eval_every=1",
                                  "optim.learning_rate=1.0", "optim.warmup_steps=0",
-                                 "diagnostics.baseline_steps=1", "model.dtype=float32")).run()
+                                 "monitor.baseline_steps=1", "model.dtype=float32")).run()
     rows = _rows(out)
     assert all(r["drift_kl"] > 1.0 for r in rows)  # beta = 0, yet the drift from the initial policy is logged
     assert summary["diagnostics"]["kl_blowup"]["first_step"] == 1
@@ -155,8 +155,8 @@ def test_the_default_task_stays_silent_and_shows_drift_not_the_ratio_kl(tmp_path
     out = tmp_path / "default"
     config = load_run_config(ROOT / "configs" / "grpo_arithmetic.yaml", [
         f"out_dir={out}", "steps=4", "eval_every=2", "eval_size=64", "eval_batch_size=64", "checkpoint_every=0",
-        "export=false", "progress_bar=false", "tensorboard=false", "diagnostics.patience=1",
-        "diagnostics.reward_steps=2", "diagnostics.baseline_steps=1"])
+        "export=false", "progress_bar=false", "tensorboard=false", "monitor.patience=1",
+        "monitor.reward_steps=2", "monitor.baseline_steps=1"])
     summary = make_trainer(config).run()
     rows = _rows(out)
     assert [r["diagnostics/count"] for r in rows] == [0.0] * 4
@@ -172,10 +172,10 @@ def test_the_default_task_stays_silent_and_shows_drift_not_the_ratio_kl(tmp_path
 def test_wandb_missing_is_a_clear_error(tiny_task, tmp_path, monkeypatch):
     import sys
 
-    from jaxrl_llm.config import validate_environment
     from jaxrl_llm.errors import ConfigError
+    from jaxrl_llm.preflight import preflight
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
     config = _tiny(tiny_task, tmp_path / "w", "math_answer", "logging.wandb=true")
     with pytest.raises(ConfigError, match="logging.wandb=true needs the wandb package, which is not installed"):
-        validate_environment(config)
+        preflight(config)

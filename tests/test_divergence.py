@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 
 import train
-from jaxrl_llm.run.divergence import DivergenceLimits, DivergenceState, update_divergence
+from jaxrl_llm.config import MonitorSection
+from jaxrl_llm.run.monitor import DivergenceState, update_divergence
 
 ROOT = Path(__file__).resolve().parents[1]
 V = 100
-LIMITS = DivergenceLimits(patience=3, entropy_floor=0.01, entropy_ceiling=0.95, kl_max=10.0)
+LIMITS = MonitorSection(patience=3, entropy_floor=0.01, entropy_ceiling=0.95, kl_max=10.0)
 
 
 def healthy(reward: float = 0.4, **extra: float) -> dict[str, float]:
@@ -22,10 +23,10 @@ def healthy(reward: float = 0.4, **extra: float) -> dict[str, float]:
             "completion_length/max": 6.0, **extra}
 
 
-def run(steps: list[dict[str, float]], limits: DivergenceLimits = LIMITS) -> list[dict[str, str]]:
+def run(steps: list[dict[str, float]], limits: MonitorSection = LIMITS) -> list[dict[str, str]]:
     state, out = DivergenceState(), []
     for metrics in steps:
-        state, diverged = update_divergence(state, metrics, vocab_size=V, limits=limits)
+        state, diverged = update_divergence(state, metrics, vocab_size=V, settings=limits)
         out.append(diverged)
         state = DivergenceState.from_json(json.loads(json.dumps(state.to_json())))  # survives a checkpoint
     return out
@@ -74,13 +75,13 @@ def test_kl_explosion_and_empty_completions():
 
 def test_patience_zero_turns_the_checks_off():
     uniform = healthy(entropy=0.99 * math.log(V))
-    assert run([healthy(), *[uniform] * 6], DivergenceLimits(patience=0)) == [{}] * 7
+    assert run([healthy(), *[uniform] * 6], MonitorSection(patience=0)) == [{}] * 7
 
 
 def _args(out: Path, *extra: str) -> list[str]:
     return [f"out_dir={out}", "optim.learning_rate=1e3", "steps=8", "rl.prompts_per_step=4", "eval_size=16",
             "eval_batch_size=16", "checkpoint_every=2", "progress_bar=false", "tensorboard=false",
-            "divergence.patience=3", *extra]
+            "monitor.patience=3", *extra]
 
 
 def test_a_destroyed_policy_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, capsys, monkeypatch):
@@ -105,15 +106,15 @@ def test_a_destroyed_policy_stops_the_run_and_keeps_the_last_good_checkpoint(tmp
     assert all(int(p.name) > good for p in (out / "diverged_checkpoints").iterdir())
     # on_divergence=warn: the run goes on to the end, exports, and its summary says the policy diverged.
     warned = tmp_path / "warned"
-    assert train.cli([*_args(warned, "data.eval=", "steps=7"), "on_divergence=warn", "export=true"]) == 0
+    assert train.cli([*_args(warned, "data.eval=", "steps=7"), "monitor.on_divergence=warn", "export=true"]) == 0
     err = capsys.readouterr().err
     assert "warning: the final policy diverged" in err
     assert json.loads((warned / "summary.json").read_text())["diverged"]["conditions"]
     assert (warned / "hf" / "config.json").is_file()
 
 
-@pytest.mark.parametrize("bad", ["divergence.patience=-1", "divergence.entropy_ceiling=1.5",
-                                 "divergence.kl_max=0"])
+@pytest.mark.parametrize("bad", ["monitor.patience=-1", "monitor.entropy_ceiling=1.5",
+                                 "monitor.kl_max=0"])
 def test_divergence_settings_are_validated(bad, tmp_path, capsys):
     assert train.cli([f"out_dir={tmp_path}", bad]) == 2
     assert bad.split("=")[0] in capsys.readouterr().err

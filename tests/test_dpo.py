@@ -148,7 +148,7 @@ def test_reference_in_the_step_equals_precomputed_and_the_run_learns(tiny_task, 
         assert (trainer.algorithm.frozen is None) == (where == "precompute")  # no reference weights kept
         summary = trainer.run()
         rows = [json.loads(line) for line in (tmp_path / where / "metrics.jsonl").read_text().splitlines()]
-        runs[where] = (summary, rows, jax.tree.map(np.asarray, trainer.algorithm.policy.params))
+        runs[where] = (summary, rows, jax.tree.map(np.asarray, trainer.state["params"]))
     (s_step, rows_step, p_step), (s_pre, rows_pre, p_pre) = runs["step"], runs["precompute"]
     for a, b in zip(rows_step, rows_pre, strict=True):
         for key in ("loss", "rewards/chosen", "rewards/margins", "rewards/accuracies", "logps/chosen"):

@@ -191,7 +191,7 @@ def test_final_checkpoint_weights_keeps_only_the_policy(tmp_path, tiny_task):
 
     trainer = make_trainer(config(2, "final_checkpoint=weights"))
     trainer.run()
-    params = [np.asarray(x) for x in __import__("jax").tree.leaves(trainer.algorithm.params)]
+    params = [np.asarray(x) for x in __import__("jax").tree.leaves(trainer.state["params"])]
     directory = tmp_path / "run" / "checkpoints"
     assert sorted(p.name for p in directory.iterdir() if p.name.isdigit()) == ["2"]
     checkpointer = Checkpointer(directory)
@@ -201,7 +201,7 @@ def test_final_checkpoint_weights_keeps_only_the_policy(tmp_path, tiny_task):
     checkpointer.close()
 
     resumed = make_trainer(config(3), resume=True)
-    restored = [np.asarray(x) for x in __import__("jax").tree.leaves(resumed.algorithm.params)]
+    restored = [np.asarray(x) for x in __import__("jax").tree.leaves(resumed.state["params"])]
     assert all(np.array_equal(a, b) for a, b in zip(params, restored, strict=True))
     assert resumed.step == 2
     resumed.run()
@@ -209,9 +209,9 @@ def test_final_checkpoint_weights_keeps_only_the_policy(tmp_path, tiny_task):
 
 
 def test_docs_config_md_is_current():
-    from jaxrl_llm.config_docs import DOCS_PATH, markdown
+    from jaxrl_llm.config.docs import DOCS_PATH, markdown
 
-    assert DOCS_PATH.read_text() == markdown(), "run: python -m jaxrl_llm.config_docs --write"
+    assert DOCS_PATH.read_text() == markdown(), "run: python -m jaxrl_llm.config.docs --write"
 
 
 def test_every_config_field_has_a_comment_and_print_config_round_trips(tmp_path, monkeypatch):
@@ -219,7 +219,7 @@ def test_every_config_field_has_a_comment_and_print_config_round_trips(tmp_path,
     import typing
 
     from jaxrl_llm import config as cfg
-    from jaxrl_llm.config_docs import commented_yaml, field_docs
+    from jaxrl_llm.config.docs import commented_yaml, field_docs
 
     def sections(cls):
         yield cls
@@ -262,10 +262,11 @@ def test_yaml_paths_are_relative_to_the_file_and_overrides_to_the_current_folder
 
 
 def test_missing_required_settings_are_one_error_naming_them():
-    from jaxrl_llm.config import ConfigError, load_run_config, validate_environment
+    from jaxrl_llm.config import ConfigError, load_run_config
+    from jaxrl_llm.preflight import preflight
 
     with pytest.raises(ConfigError) as e:
-        validate_environment(load_run_config(None))
+        preflight(load_run_config(None))
     message = str(e.value)
     for name in ("model.path", "data.train", "rewards"):
         assert name in message

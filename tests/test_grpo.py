@@ -81,7 +81,7 @@ def test_short_run_writes_metrics_checkpoints_and_resumes(tiny_task, tmp_path):
     assert resumed.step == 3
     assert resumed.data_state.position == 12  # 3 steps x 4 prompts
     first = make_trainer(_config(tiny_task, tmp_path / "fresh", "steps=3", "export=false"))
-    changed = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), resumed.algorithm.params, first.algorithm.params)
+    changed = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), resumed.state["params"], first.state["params"])
     assert max(jax.tree.leaves(changed)) > 0  # restored trained params, not the initial ones
     resumed.run()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -145,17 +145,17 @@ def test_nan_stops_the_step_not_the_checkpoints(tiny_task, tmp_path):
     trainer.run()
     poisoned = _config(tiny_task, out, "steps=20", "checkpoint_every=1", "export=false", "data.eval=''")
     trainer = make_trainer(poisoned, resume=True)
-    before = jax.tree.map(np.asarray, trainer.algorithm.params)
+    before = jax.tree.map(np.asarray, trainer.state["params"])
     real_update = trainer.algorithm.update
 
-    def nan_update(ro, step, key):
+    def nan_update(state, ro, step, key):
         ro.rewards[:] = np.nan  # a reward pipeline that produced NaNs -> NaN advantages -> NaN loss
-        return real_update(ro, step, key)
+        return real_update(state, ro, step, key)
 
     trainer.algorithm.update = nan_update
     with pytest.raises(TrainingError, match="non-finite gradients"):
         trainer.run()
-    after = jax.tree.map(np.asarray, trainer.algorithm.params)
+    after = jax.tree.map(np.asarray, trainer.state["params"])
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True))
     steps = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
     assert steps and steps[-1] >= 2
@@ -210,7 +210,7 @@ def test_dynamic_sampling_refills_the_batch_with_informative_groups(tiny_task, t
                      "rewards=[{name: 'test_grpo:reward_depends_on_prompt_parity'}]", "rl.group_size=8",
                      "rl.prompts_per_step=8", "rl.dynamic_sampling=true", "rl.max_refill_rounds=6")
     trainer = make_trainer(config)
-    ro, _, rounds = trainer.algorithm.collector.collect(trainer.algorithm.params, DataState(), jax.random.key(0))
+    ro, _, rounds = trainer.algorithm.collector.collect(trainer.state["params"], DataState(), jax.random.key(0))
     grouped = ro.rewards.reshape(8, 8)
     assert rounds >= 1  # about half the groups are zero-variance by construction, so refills were needed
     assert (grouped.std(axis=1) > 0).all()
@@ -222,7 +222,7 @@ def test_dynamic_sampling_refills_the_batch_with_informative_groups(tiny_task, t
     plain = make_trainer(_config(tiny_task, tmp_path / "plain", "steps=1", "data.eval=''", "export=false",
                                 "checkpoint_every=0", "rl.group_size=8", "rl.prompts_per_step=8",
                                 "rewards=[{name: 'test_grpo:reward_depends_on_prompt_parity'}]"))
-    ro_plain, _, _ = plain.algorithm.collector.collect(plain.algorithm.params, DataState(), jax.random.key(0))
+    ro_plain, _, _ = plain.algorithm.collector.collect(plain.state["params"], DataState(), jax.random.key(0))
     assert (ro_plain.rewards.reshape(8, 8).std(axis=1) == 0).any()
 
 
@@ -260,7 +260,7 @@ def test_eval_reward_chooses_the_accuracy_check(tiny_task, tmp_path):
          "eval_batch_size=4", "progress_bar=false", "tensorboard=false", "export=false", "checkpoint_every=0"],
         rewards=rewards,
     ))
-    assert default.algorithm.evaluate(4).keys() == {"eval/accuracy", "eval/format"}
+    assert default.algorithm.evaluate(default.state, 4).keys() == {"eval/accuracy", "eval/format"}
 
 
 @pytest.mark.parametrize("dtype,correction", [("float32", "recompute"), ("bfloat16", "sequence_mask"),
@@ -300,22 +300,23 @@ def test_recompute_uses_the_train_steps_own_weights(tiny_task, tmp_path):
     algo = make_trainer(config).algorithm
     p = algo.policy
     # off the bf16 grid, as the master is after any update (the loaded weights sit on it)
-    p.params = jax.tree.map(lambda x: x * (1 + 3e-3) + 1e-4, p.params)
-    ro, _, _ = algo.collect(DataState(), jax.random.key(1))
-    weights = working_weights(p.params, p.model_config)
+    state = algo.init()
+    state["params"] = params = jax.tree.map(lambda x: x * (1 + 3e-3) + 1e-4, state["params"])
+    ro = algo.collect(state, DataState(), jax.random.key(1)).batch
+    weights = working_weights(params, p.model_config)
     trainer_logp = completion_logprobs(weights, p.model_config, ro.prompt_tokens, ro.prompt_mask, ro.out.tokens,
                                        ro.out.mask, temperature=config.sampling.temperature)[0]
-    master_logp = completion_logprobs(p.params, p.model_config, ro.prompt_tokens, ro.prompt_mask, ro.out.tokens,
+    master_logp = completion_logprobs(params, p.model_config, ro.prompt_tokens, ro.prompt_mask, ro.out.tokens,
                                       ro.out.mask, temperature=config.sampling.temperature)[0]
     seen = {}
     update_fn = algo.update_fn
 
-    def spy(params, opt_state, batch, *rest):
+    def spy(state, batch, *rest):
         seen["old"] = np.asarray(batch.old_logp)
-        return update_fn(params, opt_state, batch, *rest)
+        return update_fn(state, batch, *rest)
 
     algo.update_fn = spy
-    algo.update(ro, 1, jax.random.key(2))
+    algo.update(state, ro, 1, jax.random.key(2))
     mask = np.asarray(ro.out.mask, bool)
     assert np.abs(seen["old"] - np.asarray(trainer_logp))[mask].max() < 1e-5
     assert np.abs(np.asarray(master_logp) - np.asarray(trainer_logp))[mask].max() > 1e-4  # the test can tell them apart

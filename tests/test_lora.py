@@ -56,13 +56,13 @@ def test_only_adapters_train_and_own_the_optimizer_state_and_resume_is_exact(tin
     trainer = make_trainer(_config(tiny_task, tmp_path / "run", "steps=2", "checkpoint_every=1", "export=false"))
     algo = trainer.algorithm
     base_before = _leaves(algo.policy.base)
-    adapters_before = _leaves(algo.policy.params)
+    adapters_before = _leaves(trainer.state["params"])
     trainer.run()
     assert all(np.array_equal(a, b) for a, b in zip(base_before, _leaves(algo.policy.base), strict=True))
-    after = _leaves(algo.policy.params)
+    after = _leaves(trainer.state["params"])
     assert any(not np.array_equal(a, b) for a, b in zip(adapters_before, after, strict=True))
     adapter_size = sum(x.size for x in after)
-    moments = [x for x in jax.tree.leaves(algo.opt_state) if np.ndim(x) > 0]
+    moments = [x for x in jax.tree.leaves(trainer.state["opt_state"]) if np.ndim(x) > 0]
     assert sum(x.size for x in moments) == 2 * adapter_size  # AdamW's mu and nu, adapter-sized, nothing else
     kernels = [np.shape(x) for p, x in jax.tree_util.tree_flatten_with_path(algo.policy.base)[0]
                if "layers" in jax.tree_util.keystr(p) and "kernel" in jax.tree_util.keystr(p)]
@@ -78,8 +78,8 @@ def test_only_adapters_train_and_own_the_optimizer_state_and_resume_is_exact(tin
     straight = make_trainer(_config(tiny_task, tmp_path / "straight", "steps=3", "checkpoint_every=0",
                                     "export=false"))
     straight.run()
-    assert all(np.array_equal(a, b) for a, b in zip(_leaves(resumed.algorithm.policy.params),
-                                                    _leaves(straight.algorithm.policy.params), strict=True))
+    assert all(np.array_equal(a, b) for a, b in zip(_leaves(resumed.state["params"]),
+                                                    _leaves(straight.state["params"]), strict=True))
 
 
 def test_merged_export_equals_peft_adapter_forward(tiny_task, tmp_path):
@@ -101,7 +101,8 @@ def test_merged_export_equals_peft_adapter_forward(tiny_task, tmp_path):
         adapted = peft.PeftModel.from_pretrained(base, out / "hf" / "adapter").eval()
         with_adapters = adapted(ids).logits.numpy()  # PEFT's forward: x W + scale * B(A(x)), unmerged
     np.testing.assert_allclose(merged, with_adapters, atol=1e-5)
-    ours = np.asarray(forward(trainer.algorithm.policy.model_weights(), trainer.algorithm.policy.model_config,
+    policy = trainer.algorithm.policy
+    ours = np.asarray(forward(policy.model_weights(trainer.state["params"]), policy.model_config,
                               ids.numpy().astype(np.int32), np.ones(ids.shape, np.int32)))
     np.testing.assert_allclose(ours, with_adapters, atol=1e-5)
     config = json.loads((out / "hf" / "adapter" / "adapter_config.json").read_text())
@@ -132,8 +133,8 @@ def test_sft_dpo_and_ppo_train_with_adapters(tiny_task, tmp_path):
             assert trainer.algorithm.frozen["reference"] is policy.base  # adapters off = the reference
         trainer.run()
         assert all(np.array_equal(a, b) for a, b in zip(base, _leaves(policy.base), strict=True)), name
-        lora_b = [np.abs(np.asarray(x)).max() for p, x in jax.tree_util.tree_flatten_with_path(policy.params)[0]
-                  if "lora_b" in jax.tree_util.keystr(p)]
+        paths = jax.tree_util.tree_flatten_with_path(trainer.state["params"])[0]
+        lora_b = [np.abs(np.asarray(x)).max() for p, x in paths if "lora_b" in jax.tree_util.keystr(p)]
         assert max(lora_b) > 0, name  # B moved away from 0: the adapters learned
 
 
@@ -155,7 +156,7 @@ def test_bf16_base_with_float32_adapters(tiny_task, tmp_path):
                                    "model.dtype=bfloat16", "model.param_dtype=bfloat16"))
     policy = trainer.algorithm.policy
     assert {x.dtype for x in jax.tree.leaves(policy.base)} == {jnp.dtype(jnp.bfloat16)}  # half the base bytes
-    assert {x.dtype for x in jax.tree.leaves(policy.params)} == {jnp.dtype(jnp.float32)}  # float32 adapters
+    assert {x.dtype for x in jax.tree.leaves(trainer.state["params"])} == {jnp.dtype(jnp.float32)}  # float32 adapters
     trainer.run()
     rows = [json.loads(line) for line in (tmp_path / "bf16" / "metrics.jsonl").read_text().splitlines()]
     assert all(np.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in rows)
@@ -195,7 +196,7 @@ def test_unmerged_adapters_with_dropout(tiny_task, tmp_path):
     trainer = make_trainer(_config(tiny_task, tmp_path / "drop", "steps=2", "checkpoint_every=0", "export=false",
                                    "lora.dropout=0.1"))
     assert trainer.algorithm.policy.lora_dropout
-    before = _leaves(trainer.algorithm.policy.params)
+    before = _leaves(trainer.state["params"])
     trainer.run()
-    assert any(not np.array_equal(a, b) for a, b in zip(before, _leaves(trainer.algorithm.policy.params),
+    assert any(not np.array_equal(a, b) for a, b in zip(before, _leaves(trainer.state["params"]),
                                                         strict=True))

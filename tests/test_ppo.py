@@ -266,13 +266,13 @@ def test_ppo_resumes_critic_and_kl_state(short_run, tiny_task):
     out, overrides, trainer, _, steps = short_run
     resumed = make_trainer(_config(tiny_task, out, "steps=4", "data.eval=''", *overrides), resume=True)
     assert resumed.step == 3 and resumed.data_state.position == trainer.data_state.position
-    same = jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), (resumed.algorithm.params, resumed.algorithm.critic),
-                        (trainer.algorithm.params, trainer.algorithm.critic))
+    same = jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), (resumed.state["params"], resumed.state["critic"]),
+                        (trainer.state["params"], trainer.state["critic"]))
     assert all(jax.tree.leaves(same))  # the trained policy and critic, not the initial ones
-    assert float(resumed.algorithm.kl_controller.coef) == pytest.approx(float(trainer.algorithm.kl_controller.coef))
-    assert float(resumed.algorithm.kl_controller.coef) != pytest.approx(0.05, rel=1e-6)
-    opt_same = jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), resumed.algorithm.state_.critic_opt_state,
-                            trainer.algorithm.state_.critic_opt_state)
+    assert float(resumed.state["kl_coef"]) == pytest.approx(float(trainer.state["kl_coef"]))
+    assert float(resumed.state["kl_coef"]) != pytest.approx(0.05, rel=1e-6)
+    opt_same = jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), resumed.state["critic_opt_state"],
+                            trainer.state["critic_opt_state"])
     assert all(jax.tree.leaves(opt_same))
     resumed.run()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

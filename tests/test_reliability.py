@@ -155,7 +155,7 @@ CASES = [
     ("negative_seed", ["seed=-1"], 2, ["seed=-1 must be >= 0"]),
     ("bad_choice", ["rl.loss_aggregation=mean"], 2, ["rl.loss_aggregation='mean'", "token-mean"]),
     ("bad_dtype", ["model.dtype=float16"], 2, ["model.dtype='float16'", "bfloat16"]),
-    ("bad_on_divergence", ["on_divergence=ignore"], 2, ["on_divergence='ignore'", "stop, warn"]),
+    ("bad_on_divergence", ["monitor.on_divergence=ignore"], 2, ["monitor.on_divergence='ignore'", "stop, warn"]),
     ("negative_timeout", [_reward("raises", ", timeout_s: -1")], 2, ["rewards.0.timeout_s=-1.0 must be >= 0"]),
     ("mesh_vs_devices", ["mesh.data=3"], 2, ["mesh.data=3", "3 devices", "1 are available",
                                              "command line"]),

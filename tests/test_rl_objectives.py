@@ -614,13 +614,13 @@ def test_adaptive_entropy_control_steers_checkpoints_and_resumes(tiny_task, tmp_
     options = ("rl.entropy_target=10.0", "rl.entropy_coef=0.0", "rl.entropy_coef_delta=0.01", "checkpoint_every=2",
                "rl.grad_accum=2")
     trainer = make_trainer(_config(tiny_task, out, "steps=2", *options))
-    assert "entropy_controller" in trainer.algorithm.state()
+    assert "entropy_controller" in trainer.state
     trainer.run()
     np.testing.assert_allclose([r["entropy_coef"] for r in _rows(out)], [0.0, 0.01], rtol=1e-6)
     resumed = make_trainer(_config(tiny_task, out, "steps=3", *options), resume=True)
-    np.testing.assert_allclose(resumed.algorithm.entropy_controller.coef, 0.02, rtol=1e-6)  # restored, not 0
+    np.testing.assert_allclose(resumed.state["entropy_controller"]["coef"], 0.02, rtol=1e-6)  # restored, not 0
     resumed.run()
     np.testing.assert_allclose([r["entropy_coef"] for r in _rows(out)], [0.0, 0.01, 0.02], rtol=1e-6)
     # a fixed coefficient keeps the checkpoint's old shape
     fixed = make_trainer(_config(tiny_task, tmp_path / "fixed", "steps=0", "checkpoint_every=0"))
-    assert "entropy_controller" not in fixed.algorithm.state()
+    assert "entropy_controller" not in fixed.state

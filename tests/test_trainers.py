@@ -21,6 +21,7 @@ from jaxrl_llm.data import DataState, next_batch_indices
 from jaxrl_llm.models.decoder import init_params
 from jaxrl_llm.models.hf import config_from_hf
 from jaxrl_llm.sharding import make_mesh
+from jaxrl_llm.trainers.base import Algorithm, Collected, Updated
 from jaxrl_llm.trainers.loop import Trainer
 from jaxrl_llm.trainers.step import (
     PolicyBatch,
@@ -89,40 +90,36 @@ def test_reduce_metrics_rules():
     assert micro["entropy"] == pytest.approx((1 + 2 + 8) / 4) and micro["policy_loss"] == pytest.approx(1.0)
 
 
-class CountingAlgorithm:
-    """A minimal algorithm from outside the package: its 'model' is one counter, incremented by the batch's
-    sum each update; the shell owns its checkpoints."""
+class CountingAlgorithm(Algorithm):
+    """A minimal algorithm from outside the package: its 'model' is one counter in the state, incremented by the
+    batch's sum each update; the shell owns the state and its checkpoints."""
 
     label = "count"
     collect_phase = "data"
 
     def __init__(self, config: Any) -> None:
-        self.config = config
+        super().__init__(config)
         self.mesh = make_mesh()
         self.vocab_size = 1
-        self.total = jnp.zeros((), jnp.float32)
         self.seen: list[int] = []
+
+    def init(self) -> dict[str, Any]:
+        return {"total": jnp.zeros((), jnp.float32)}
 
     def describe(self) -> str:
         return "a counter"
 
-    def state(self) -> dict[str, Any]:
-        return {"total": self.total}
-
-    def load_state(self, state: dict[str, Any]) -> None:
-        self.total = state["total"]
-
-    def collect(self, data_state: DataState, key: jax.Array):
+    def collect(self, state: dict[str, Any], data_state: DataState, key: jax.Array) -> Collected:
         indices, data_state = next_batch_indices(10, 2, data_state, seed=0, shuffle=False)
-        return indices, data_state, {"batch/first": float(indices[0])}
+        return Collected(indices, data_state, {"batch/first": float(indices[0])})
 
-    def update(self, batch: np.ndarray, step: int, key: jax.Array) -> dict[str, float]:
+    def update(self, state: dict[str, Any], batch: np.ndarray, step: int, key: jax.Array) -> Updated:
         self.seen.extend(int(i) for i in batch)
-        self.total = self.total + float(batch.sum())
-        return {"loss": float(self.total), "update_skipped": 0.0}
+        total = state["total"] + float(batch.sum())
+        return Updated({"total": total}, {"loss": float(total), "update_skipped": 0.0})
 
-    def evaluate(self, limit: int | None) -> dict[str, float]:
-        return {"eval/total": float(self.total)}
+    def evaluate(self, state: dict[str, Any], limit: int | None) -> dict[str, float]:
+        return {"eval/total": float(state["total"])}
 
     def progress(self, metrics: dict[str, float]) -> dict[str, float]:
         return {"loss": metrics["loss"]}
@@ -130,9 +127,9 @@ class CountingAlgorithm:
     def sample_rows(self, batch: np.ndarray) -> list[dict[str, Any]]:
         return [{"index": int(i)} for i in batch]
 
-    def export(self, directory: Path) -> str:
+    def export(self, state: dict[str, Any], directory: Path) -> str:
         directory.mkdir(parents=True, exist_ok=True)
-        (directory / "total.txt").write_text(str(float(self.total)))
+        (directory / "total.txt").write_text(str(float(state["total"])))
         return str(directory)
 
 
@@ -151,7 +148,7 @@ def test_the_shell_drives_an_outside_algorithm_and_resumes_it(tmp_path):
     first = Trainer(config(3), CountingAlgorithm)
     first.run()
     resumed = Trainer(config(5), CountingAlgorithm, resume=True)
-    assert resumed.step == 3 and float(resumed.algorithm.total) == float(first.algorithm.total)
+    assert resumed.step == 3 and float(resumed.state["total"]) == float(first.state["total"])
     summary = resumed.run()
     assert resumed.algorithm.seen == list(range(6, 10))  # the data position came back with the checkpoint
     assert summary["after"] == straight_summary["after"] == {"eval/total": 45.0}

@@ -498,14 +498,14 @@ def load_hf_config_dict(model: str) -> dict[str, Any]:
 
     path = Path(model).expanduser()
     if model == DEFAULT_MODEL and not path.exists():  # the committed model, from any working directory
-        path = Path(__file__).resolve().parents[1] / DEFAULT_MODEL
+        path = Path(__file__).resolve().parents[2] / DEFAULT_MODEL
     if path.is_dir():
         return read_hf_config(path)
     if path.is_file():
         return json.loads(path.read_text())
     if path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1:
         raise ConversionError(f"model directory {path} does not exist (nor is it a hub id)")
-    from jaxrl_llm.config import check_model_source
+    from jaxrl_llm.preflight import check_model_source
 
     check_model_source("--model", model)  # offline or unknown: one line at once, not the download's retries
     from huggingface_hub import hf_hub_download

@@ -67,7 +67,8 @@ SAFE_TO_CHANGE = ("out_dir", "steps", "log_every", "sample_every", "eval_every",
                   "checkpoint_every", "keep_checkpoints", "export", "export_dir", "tensorboard", "progress_bar",
                   "on_divergence", "divergence.", "distributed.", "mesh.", "model.remat", "model.scan_unroll",
                   "model.logprob_block_mib", "model.attention_query_chunk", "sft.eval_batch_size", "data.eval",
-                  "data.eval_split", "eval_reward", "final_checkpoint", "diagnostics.", "logging.", "report")
+                  "data.eval_split", "eval_reward", "final_checkpoint", "diagnostics.", "logging.", "report",
+                  "monitor.")
 
 
 def _notice(text: str) -> None:

@@ -34,13 +34,22 @@ from jaxrl_llm.data import (
     load_records,
     next_batch_indices,
 )
-from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params
 from jaxrl_llm.rl.losses import dpo_loss
-from jaxrl_llm.sharding import batch_divisor, global_array, init_optimizer_state
+from jaxrl_llm.sharding import global_array, init_optimizer_state
+from jaxrl_llm.trainers.base import Algorithm, Collected, State, Updated, host_metrics
 from jaxrl_llm.trainers.policy import GreedyEvaluation, load_policy
-from jaxrl_llm.trainers.step import Metrics, completion_logprobs, frozen_copy, make_optimizer, make_train_step
+from jaxrl_llm.trainers.step import (
+    Metrics,
+    completion_logprobs,
+    frozen_copy,
+    jit_update,
+    make_optimizer,
+    single_step_update,
+    state_sharding,
+    train_step,
+)
 
 
 class PairBatch(NamedTuple):
@@ -125,19 +134,22 @@ def pair_batch(pairs: PreferenceSet, indices: np.ndarray, pad_id: int, prompt_bu
     return PairBatch(pt, pm, *right_pad(chosen), *right_pad(rejected), ref_c, ref_r)
 
 
-class DPO:
+class DPO(Algorithm):
     """The policy trained on preference pairs against a frozen reference (the starting model)."""
 
     label: ClassVar[str] = "dpo"
     collect_phase: ClassVar[str] = "data"
+    needs_rewards: ClassVar[bool] = False
+
+    @classmethod
+    def micro_batch(cls, c: RunConfig) -> tuple[str, int]:
+        return f"sft.batch_size={c.sft.batch_size}", c.sft.batch_size
 
     def __init__(self, config: RunConfig) -> None:
-        self.config = c = config
+        super().__init__(config)
+        c = config
         self.policy = p = load_policy(c)
         self.mesh, self.vocab_size = p.mesh, p.model_config.vocab_size
-        if c.sft.batch_size % batch_divisor(p.mesh):
-            raise ConfigError(f"sft.batch_size={c.sft.batch_size} must be divisible by mesh.data * mesh.fsdp "
-                              f"({batch_divisor(p.mesh)}) for the data-parallel step")
         encode = functools.partial(build_preference_set, cfg=c.data, tokenizer=p.tokenizer, eos_id=p.eos_ids[0],
                                    max_response_tokens=c.sampling.max_new_tokens)
         self.pairs = encode(*load_records(c.data.train, c.data.split))
@@ -156,7 +168,7 @@ class DPO:
         self.logprob_fn = jax.jit(functools.partial(pair_logprobs, config=p.model_config,
                                                     block_mib=c.model.logprob_block_mib))
         # The reference is the starting model: a frozen copy, or under LoRA the base itself (adapters off).
-        reference = None if self.reference_free else p.base if p.base is not None else frozen_copy(p.params,
+        reference = None if self.reference_free else p.base if p.base is not None else frozen_copy(p.initial_params,
                                                                                                    p.model_config)
         self.eval_ref = self._reference_logprobs(reference, self.eval_pairs) if evals is not None else None
         self.train_ref = (self._reference_logprobs(reference, self.pairs)
@@ -164,14 +176,17 @@ class DPO:
         frozen = {**(p.frozen or {}), **({"reference": reference} if in_step else {})}
         self.frozen = frozen or None
         self.optimizer, self.schedule = make_optimizer(c.optim, max(c.steps, 1))
-        self.opt_state = init_optimizer_state(self.optimizer, p.params, p.params_sharding, p.mesh)
-        self.step_fn = make_train_step(
-            p.mesh, loss_fn=preference_loss, model_config=p.model_config,
-            loss_config=self.loss_config,  # type: ignore[arg-type]
-            optimizer=self.optimizer, params_sharding=p.params_sharding,
-            opt_state_sharding=jax.tree.map(lambda x: x.sharding, self.opt_state),
-            frozen_sharding=jax.tree.map(lambda x: x.sharding, self.frozen) if self.frozen else None,
-            compose=p.compose, with_key=p.lora_dropout)
+        step = functools.partial(train_step, loss_fn=preference_loss, model_config=p.model_config,
+                                 loss_config=self.loss_config,  # type: ignore[arg-type]
+                                 optimizer=self.optimizer, grad_accum=1, compose=p.compose)
+        self.update_fn = jit_update(single_step_update(step, with_key=p.lora_dropout), p.mesh,
+                                    state_sharding(self.init()),
+                                    frozen_sharding=state_sharding(self.frozen) if self.frozen else None)
+
+    def init(self) -> State:
+        p = self.policy
+        return {"params": p.initial_params,
+                "opt_state": init_optimizer_state(self.optimizer, p.initial_params, p.params_sharding, p.mesh)}
 
     def _batches(self, pairs: PreferenceSet, ref: tuple[np.ndarray, np.ndarray] | None = None) -> Any:
         size = self.config.sft.eval_batch_size
@@ -199,30 +214,24 @@ class DPO:
         return (f"DPO ({c.dpo.loss}, beta {c.dpo.beta:g}) on {len(self.pairs)} preference pairs "
                 f"({self.pairs.num_dropped} dropped as too long), {reference}")
 
-    def state(self) -> dict[str, Any]:
-        return {"params": self.policy.params, "opt_state": self.opt_state}
-
-    def load_state(self, state: dict[str, Any]) -> None:
-        self.policy.params, self.opt_state = state["params"], state["opt_state"]
-
-    def collect(self, data_state: DataState, key: jax.Array) -> tuple[PairBatch, DataState, dict[str, float]]:
+    def collect(self, state: State, data_state: DataState, key: jax.Array) -> Collected:
         c = self.config
         idx, data_state = next_batch_indices(len(self.pairs), c.sft.batch_size, data_state, c.seed, c.data.shuffle)
-        return pair_batch(self.pairs, idx, self.policy.pad_id, c.sampling.prompt_bucket, self.train_ref), data_state, {}
+        return Collected(pair_batch(self.pairs, idx, self.policy.pad_id, c.sampling.prompt_bucket, self.train_ref),
+                         data_state, {})
 
-    def update(self, batch: PairBatch, step: int, key: jax.Array) -> dict[str, float]:
+    def update(self, state: State, batch: PairBatch, step: int, key: jax.Array) -> Updated:
         batch = jax.tree.map(lambda x: global_array(x, self.mesh), batch)
-        args = (self.frozen,) if self.frozen is not None or self.policy.lora_dropout else ()
-        args = (*args, key) if self.policy.lora_dropout else args
-        self.policy.params, self.opt_state, metrics = self.step_fn(self.policy.params, self.opt_state, batch, *args)
-        out = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        state, metrics = self.update_fn(state, batch, key, self.frozen)
+        out, skipped = host_metrics(metrics)
         out["learning_rate"] = float(self.schedule(step - 1))
-        return out
+        return Updated(state, out, skipped)
 
-    def evaluate(self, limit: int | None) -> dict[str, float]:
+    def evaluate(self, state: State, limit: int | None) -> dict[str, float]:
         out: dict[str, float] = {}
+        weights = self.policy.model_weights(state["params"])
         if self.eval_pairs is not None and self.eval_ref is not None:
-            chosen, rejected = self._logprobs(self.policy.model_weights(), self.eval_pairs)
+            chosen, rejected = self._logprobs(weights, self.eval_pairs)
             d = self.config.dpo
             lengths = [np.asarray([len(x) for x in side], np.float32)
                        for side in (self.eval_pairs.chosen_ids, self.eval_pairs.rejected_ids)]
@@ -232,14 +241,11 @@ class DPO:
             out["eval/reward_accuracy"] = float(m["rewards/accuracies"])
             out["eval/reward_margin"] = float(m["rewards/margins"])
             out["eval/logp_accuracy"] = float(np.mean(chosen > rejected))  # the policy itself prefers chosen
-        out.update(self.task_evaluation(self.policy.model_weights(), limit))
+        out.update(self.task_evaluation(weights, limit))
         return out
 
     def progress(self, metrics: dict[str, float]) -> dict[str, float]:
         return {"loss": metrics["loss"], "acc": metrics["rewards/accuracies"], "margin": metrics["rewards/margins"]}
 
-    def sample_rows(self, batch: PairBatch) -> list[dict[str, Any]]:
-        return []
-
-    def export(self, directory: Path) -> str:
-        return self.policy.export(directory)
+    def export(self, state: State, directory: Path) -> str:
+        return self.policy.export(state["params"], directory)

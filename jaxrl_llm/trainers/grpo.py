@@ -22,10 +22,9 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import PartitionSpec
 
-from jaxrl_llm.config import RunConfig, advantage_estimator
+from jaxrl_llm.config import RunConfig
 from jaxrl_llm.data import DataState
 from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.rl.entropy_control import (
@@ -34,9 +33,11 @@ from jaxrl_llm.rl.entropy_control import (
     applied_entropy_coef,
     init_entropy_controller,
 )
-from jaxrl_llm.rl.estimators import kl_in_reward, rollout_advantages
+from jaxrl_llm.rl.estimators import kl_in_reward, needs_values, rollout_advantages
 from jaxrl_llm.rl.losses import logprob_mismatch
-from jaxrl_llm.sharding import batch_divisor, batch_sharding, global_array, init_optimizer_state, to_host
+from jaxrl_llm.rl.plugins import advantage_estimator, resolve_estimator, resolve_policy_loss
+from jaxrl_llm.sharding import batch_sharding, global_array, init_optimizer_state, to_host
+from jaxrl_llm.trainers.base import Algorithm, Collected, State, Updated, host_metrics
 from jaxrl_llm.trainers.policy import GreedyEvaluation, load_policy
 from jaxrl_llm.trainers.rollouts import DriftMeter, Rollout, RolloutCollector
 from jaxrl_llm.trainers.step import (
@@ -44,10 +45,12 @@ from jaxrl_llm.trainers.step import (
     PolicyBatch,
     PolicyLossConfig,
     frozen_copy,
+    jit_update,
     make_logprob_fn,
     make_optimizer,
     policy_loss,
     scanned_updates,
+    state_sharding,
     train_step,
     working_weights,
 )
@@ -91,64 +94,122 @@ def old_policy_logprobs(rollout_correction: str, sampler_logp: jax.Array, mask: 
     return old_logp, (sampler_logp if importance_weighting(rollout_correction) else None), mismatch
 
 
-def update_sizes(c: RunConfig, mesh: Any) -> tuple[int, int, int]:
-    """`(rollout size, minibatch size, optimizer updates per step)`; the micro-batch must split over the mesh."""
+def update_sizes(c: RunConfig) -> tuple[int, int, int]:
+    """`(rollout size, minibatch size, optimizer updates per step)`."""
     r = c.rl
     rollout = r.prompts_per_step * r.group_size
     minibatch = r.minibatch_size or rollout
-    if (minibatch // r.grad_accum) % batch_divisor(mesh):
-        raise ConfigError(f"the micro-batch (rl.minibatch_size / rl.grad_accum = {minibatch} / {r.grad_accum}) must "
-                          f"be divisible by mesh.data * mesh.fsdp ({batch_divisor(mesh)}) for the data-parallel step")
     return rollout, minibatch, r.mu * (rollout // minibatch)
 
 
-class GRPOFamily:
-    """GRPO, Dr.GRPO, DAPO, GSPO, RLOO, REINFORCE++: group sampling, a registered estimator, a clipped loss."""
+def validate_rl(c: RunConfig) -> None:
+    """The `rl` section's relations shared by the GRPO family and PPO: the sizes that must divide each other, the
+    loss's options, and the names of the estimator and the policy loss (a `module:function` is imported here)."""
+    g = c.rl
+    resolve_policy_loss(g.policy_loss)
+    if g.estimator and needs_values(resolve_estimator(g.estimator)) != (c.algo == "ppo"):
+        raise ConfigError(f"rl.estimator={g.estimator} with algo={c.algo}: PPO's advantages are GAE over its "
+                          f"critic's values (rl.estimator=gae or empty), and only --algo ppo has a critic")
+    rollout, minibatch, _ = update_sizes(c)
+    if rollout % minibatch:
+        raise ConfigError(f"rl.minibatch_size={minibatch} must divide the rollout size rl.prompts_per_step * "
+                          f"rl.group_size = {g.prompts_per_step} * {g.group_size} = {rollout}")
+    if minibatch % g.grad_accum:
+        raise ConfigError(f"rl.grad_accum={g.grad_accum} must divide rl.minibatch_size={minibatch}")
+    if g.dual_clip_c and g.dual_clip_c <= 1:
+        raise ConfigError(f"rl.dual_clip_c={g.dual_clip_c} must be > 1 (or 0 to disable)")
+    if g.dual_clip_c and g.policy_loss in ("cispo", "sapo"):
+        raise ConfigError(f"rl.dual_clip_c={g.dual_clip_c} with rl.policy_loss={g.policy_loss}: the dual clip bounds "
+                          f"ppo_clip's loss; {g.policy_loss} has none (set rl.dual_clip_c=0)")
+    if g.clip_cov_ratio and g.clip_cov_lb >= g.clip_cov_ub:
+        raise ConfigError(f"rl.clip_cov_lb={g.clip_cov_lb} must be < rl.clip_cov_ub={g.clip_cov_ub}")
+
+
+def rl_micro_batch(c: RunConfig) -> tuple[str, int]:
+    """The micro-batch of the GRPO family's and PPO's data-parallel step."""
+    rollout, minibatch, _ = update_sizes(c)
+    return f"the micro-batch rl.minibatch_size / rl.grad_accum = {minibatch // c.rl.grad_accum} sequences", \
+        minibatch // c.rl.grad_accum
+
+
+class GRPOFamily(Algorithm):
+    """GRPO, Dr.GRPO, DAPO, GSPO, RLOO, REINFORCE++: group sampling, a registered estimator, a clipped loss.
+
+    State: `{"params", "opt_state"}`, and `"entropy_controller"` (coef, active) under adaptive entropy control."""
 
     label: ClassVar[str] = "grpo"
 
+    @classmethod
+    def validate(cls, c: RunConfig) -> None:
+        validate_rl(c)
+        g = c.rl
+        if g.group_size < 2 and c.algo in ("grpo", "rloo") and g.estimator != "reinforce_pp":
+            raise ConfigError(f"rl.group_size={g.group_size}: a group-relative advantage needs at least 2 samples")
+        if g.entropy_target:
+            if g.entropy_coef_min > g.entropy_coef_max:
+                raise ConfigError(f"rl.entropy_coef_min={g.entropy_coef_min} must be <= "
+                                  f"rl.entropy_coef_max={g.entropy_coef_max}")
+            if not g.entropy_coef_min <= g.entropy_coef <= g.entropy_coef_max:
+                raise ConfigError(f"rl.entropy_coef={g.entropy_coef} (adaptive entropy control's start) must lie in "
+                                  f"[rl.entropy_coef_min, rl.entropy_coef_max] = [{g.entropy_coef_min}, "
+                                  f"{g.entropy_coef_max}]")
+
+    @classmethod
+    def micro_batch(cls, c: RunConfig) -> tuple[str, int]:
+        return rl_micro_batch(c)
+
     def __init__(self, config: RunConfig) -> None:
-        self.config = c = config
+        super().__init__(config)
+        c = config
         self.label = c.algo  # type: ignore[misc]
         self.policy = p = load_policy(c)
         self.mesh, self.vocab_size = p.mesh, p.model_config.vocab_size
         self.collector = RolloutCollector(p)
         self.evaluation = GreedyEvaluation(p, c.eval_batch_size)
         r = c.rl
-        self.rollout_size, self.minibatch_size, self.updates_per_step = update_sizes(c, p.mesh)
+        self.rollout_size, self.minibatch_size, self.updates_per_step = update_sizes(c)
         self.optimizer, self.schedule = make_optimizer(c.optim, max(c.steps * self.updates_per_step, 1))
-        self.opt_state = init_optimizer_state(self.optimizer, p.params, p.params_sharding, p.mesh)
-        self.estimator = advantage_estimator(c)
+        self.estimator = advantage_estimator(c.algo, r.estimator)
         self.loss_config = policy_loss_config(c, beta=0.0 if kl_in_reward(self.estimator) else r.beta)
         self.advantage_fn = jax.jit(functools.partial(
             rollout_advantages, self.estimator, group_size=r.group_size, scale=r.scale_rewards, beta=r.beta,
             kl_estimator=r.kl_estimator,
         ))
         # The reference policy is a frozen copy, only needed when the KL term is on (LoRA: the base itself).
-        self.ref_params = (p.base if p.base is not None else frozen_copy(p.params, p.model_config)) if r.beta > 0 \
-            else None
+        self.ref_params = (p.base if p.base is not None else frozen_copy(p.initial_params, p.model_config)) \
+            if r.beta > 0 else None
         self.ref_logprob_fn = make_logprob_fn(p.mesh, p.model_config, c.sampling.temperature, p.weights_sharding,
                                               block_mib=c.model.logprob_block_mib)
-        self.drift = DriftMeter(p, self.ref_params, self.ref_logprob_fn, c.diagnostics.drift_rows)
+        self.drift_meter = DriftMeter(p, self.ref_params, self.ref_logprob_fn, c.monitor.drift_rows)
         # Adaptive entropy control (rl.entropy_target > 0): the coefficient is a traced input of the update, moved
-        # after each step from the entropy it measured, and part of the checkpointed state; None = fixed.
-        self.entropy_controller: EntropyControllerState | None = (
-            init_entropy_controller(r.entropy_coef) if r.entropy_target > 0 else None)
+        # after each step from the entropy it measured, and part of the state; off = the config's fixed one.
+        self.adaptive_entropy = r.entropy_target > 0
         self.update_fn = self._make_update_fn()
 
+    def init(self) -> State:
+        p = self.policy
+        state: State = {"params": p.initial_params,
+                        "opt_state": init_optimizer_state(self.optimizer, p.initial_params, p.params_sharding, p.mesh)}
+        if self.adaptive_entropy:  # only then: checkpoints of fixed-coefficient runs keep their shape
+            state["entropy_controller"] = self._put_controller(init_entropy_controller(self.config.rl.entropy_coef))
+        return state
+
+    def _put_controller(self, ctl: EntropyControllerState) -> dict[str, jax.Array]:
+        return {name: global_array(np.asarray(value), self.mesh, PartitionSpec())
+                for name, value in ctl._asdict().items()}
+
     def _make_update_fn(self) -> Any:
-        """`(params, opt_state, batch [N, ...], key, frozen, entropy_coef) -> (params, opt_state, metrics)`: the whole
-        update as one jit (`frozen`: LoRA's base weights, or None; `entropy_coef`: the adaptive controller's
-        coefficient, a float32 scalar, or None for the config's fixed one)."""
+        """`(state, batch [N, ...], key, frozen, entropy_coef) -> (state, metrics)`: the whole update as one jit
+        (`frozen`: LoRA's base weights, or None; `entropy_coef`: the adaptive controller's coefficient, a float32
+        scalar, or None for the config's fixed one); the controller's own state passes through unchanged."""
         c, p, rows = self.config, self.policy, batch_sharding(self.policy.mesh)
         step = functools.partial(train_step, loss_fn=policy_loss, model_config=p.model_config,
                                  loss_config=self.loss_config, optimizer=self.optimizer, grad_accum=c.rl.grad_accum,
                                  compose=p.compose)
-
         dropout = p.lora_dropout
 
-        def update(params: Any, opt_state: optax.OptState, batch: PolicyBatch, key: jax.Array, frozen: Any,
-                   entropy_coef: jax.Array | None) -> tuple[Any, Any, Metrics]:
+        def update(state: State, batch: PolicyBatch, key: jax.Array, frozen: Any,
+                   entropy_coef: jax.Array | None) -> tuple[State, Metrics]:
             dropout_key = jax.random.fold_in(key, 1 << 20)  # apart from the shuffle's fold_in(key, epoch)
             loss_inputs = None if entropy_coef is None else {"entropy_coef": entropy_coef}
 
@@ -160,79 +221,65 @@ class GRPOFamily:
                 return (new_params, new_opt_state, i + 1), metrics
 
             (params, opt_state, _), metrics, _ = scanned_updates(
-                one, (params, opt_state, jnp.int32(0)), batch, key, epochs=c.rl.mu, minibatch_size=self.minibatch_size,
-                constrain=lambda b: jax.lax.with_sharding_constraint(b, rows))
-            return params, opt_state, metrics
+                one, (state["params"], state["opt_state"], jnp.int32(0)), batch, key, epochs=c.rl.mu,
+                minibatch_size=self.minibatch_size, constrain=lambda b: jax.lax.with_sharding_constraint(b, rows))
+            return {**state, "params": params, "opt_state": opt_state}, metrics
 
-        state_shardings = (p.params_sharding, jax.tree.map(lambda x: x.sharding, self.opt_state))
         replicated = jax.sharding.NamedSharding(p.mesh, jax.sharding.PartitionSpec())
-        coef_sharding = replicated if self.entropy_controller is not None else None
-        return jax.jit(update, in_shardings=(*state_shardings, rows, replicated, p.frozen_sharding, coef_sharding),
-                       out_shardings=(*state_shardings, replicated), donate_argnums=(0, 1))
+        return jit_update(update, p.mesh, state_sharding(self.init()), frozen_sharding=p.frozen_sharding,
+                          extra_shardings=(replicated if self.adaptive_entropy else None,))
 
     # ------------------------------------------------------------------------------------------ the shell's API
-
-    @property
-    def params(self) -> Any:
-        return self.policy.params
 
     def describe(self) -> str:
         p = self.policy
         return (f"model {p.tokenizer_dir} ({p.model_config.num_params() / 1e6:.2f}M params), "
                 f"{self.collector.describe()}, {jax.device_count()} device(s)")
 
-    def state(self) -> dict[str, Any]:
-        state = {"params": self.policy.params, "opt_state": self.opt_state}
-        if self.entropy_controller is not None:  # only then: checkpoints of fixed-coefficient runs keep their shape
-            state["entropy_controller"] = {name: global_array(np.asarray(value), self.mesh, PartitionSpec())
-                                           for name, value in self.entropy_controller._asdict().items()}
-        return state
+    def collect(self, state: State, data_state: DataState, key: jax.Array) -> Collected:
+        ro, data_state, refills = self.collector.collect(self.policy.inference_weights(state["params"]), data_state,
+                                                         key)
+        return Collected(ro, data_state, self.collector.metrics(ro, refills), self.collector.tokens(ro))
 
-    def load_state(self, state: dict[str, Any]) -> None:
-        # ref_params stays the starting policy, which __init__ loaded from the model directory.
-        self.policy.params, self.opt_state = state["params"], state["opt_state"]
-        if self.entropy_controller is not None:
-            saved = state["entropy_controller"]
-            self.entropy_controller = EntropyControllerState(
-                coef=jnp.asarray(saved["coef"], jnp.float32), active=jnp.asarray(saved["active"], jnp.float32))
-
-    def collect(self, data_state: DataState, key: jax.Array) -> tuple[Rollout, DataState, dict[str, float]]:
-        ro, data_state, refills = self.collector.collect(self.policy.inference_weights(), data_state, key)
-        return ro, data_state, self.collector.metrics(ro, refills)
-
-    def update(self, ro: Rollout, step: int, key: jax.Array) -> dict[str, float]:
+    def update(self, state: State, ro: Rollout, step: int, key: jax.Array) -> Updated:
         """Reference log-probs, advantages, then `mu` epochs of minibatch updates in one jit; the rollout goes
         to the devices once and stays there."""
         put = functools.partial(global_array, mesh=self.mesh)
         pt, pm, ct, cm = put(ro.prompt_tokens), put(ro.prompt_mask), put(ro.out.tokens), put(ro.out.mask)
+        p = self.policy
         old_logp, sampler_logp, mismatch = old_policy_logprobs(
             self.config.rl.rollout_correction, put(np.asarray(ro.out.logprobs_untruncated, np.float32)), cm,
-            lambda: self.ref_logprob_fn(working_weights(self.policy.model_weights(), self.policy.model_config),
+            lambda: self.ref_logprob_fn(working_weights(p.model_weights(state["params"]), p.model_config),
                                         pt, pm, ct, cm))
         # log pi_ref of the rollout's tokens, zeros when no KL term needs them.
         ref_logp = (self.ref_logprob_fn(self.ref_params, pt, pm, ct, cm) if self.ref_params is not None
                     else put(np.zeros(ro.out.tokens.shape, np.float32)))
         advantages = self.advantage_fn(put(ro.rewards.astype(np.float32)), cm, old_logp, ref_logp)
         batch = PolicyBatch(pt, pm, ct, cm, old_logp, ref_logp, advantages, sampler_logp)
-        ctl = self.entropy_controller
+        ctl = (EntropyControllerState(**{k: jnp.asarray(v, jnp.float32) for k, v in
+                                         jax.device_get(state["entropy_controller"]).items()})
+               if self.adaptive_entropy else None)
         entropy_coef = None if ctl is None else float(applied_entropy_coef(ctl))
         coef_input = None if ctl is None else put(np.float32(entropy_coef), spec=PartitionSpec())
-        self.policy.params, self.opt_state, metrics = self.update_fn(self.policy.params, self.opt_state, batch, key,
-                                                                     self.policy.frozen, coef_input)
-        out = {k: float(v) for k, v in jax.device_get(metrics).items()} | mismatch
+        state, metrics = self.update_fn(state, batch, key, p.frozen, coef_input)
+        out, skipped = host_metrics(metrics)
+        out |= mismatch
         if ctl is not None:
             r = self.config.rl
             out["entropy_coef"] = entropy_coef  # the coefficient this step's loss used (0 while above target)
-            self.entropy_controller = adaptive_entropy_update(ctl, out["entropy"], target=r.entropy_target,
-                                                              delta=r.entropy_coef_delta, min_coef=r.entropy_coef_min,
-                                                              max_coef=r.entropy_coef_max)
+            state = {**state, "entropy_controller": self._put_controller(adaptive_entropy_update(
+                ctl, out["entropy"], target=r.entropy_target, delta=r.entropy_coef_delta, min_coef=r.entropy_coef_min,
+                max_coef=r.entropy_coef_max))}
         mask = np.asarray(ro.out.mask, bool)
         out["advantages/abs_mean"] = float(np.abs(to_host(advantages))[mask].mean()) if mask.any() else 0.0
         out["learning_rate"] = float(self.schedule(step * self.updates_per_step - 1))
-        return out
+        return Updated(state, out, skipped)
 
-    def evaluate(self, limit: int | None) -> dict[str, float]:
-        return self.evaluation(self.policy.inference_weights(), limit)
+    def evaluate(self, state: State, limit: int | None) -> dict[str, float]:
+        return self.evaluation(self.policy.inference_weights(state["params"]), limit)
+
+    def drift(self, state: State, ro: Rollout) -> dict[str, float]:
+        return self.drift_meter(state["params"], ro)
 
     def progress(self, metrics: dict[str, float]) -> dict[str, float]:
         # `kl` only with a reference (beta > 0): approx_kl, the on-policy ratio's, is ~0 and would read as a bug.
@@ -242,5 +289,5 @@ class GRPOFamily:
     def sample_rows(self, ro: Rollout) -> list[dict[str, Any]]:
         return self.collector.sample_rows(ro)
 
-    def export(self, directory: Path) -> str:
-        return self.policy.export(directory)
+    def export(self, state: State, directory: Path) -> str:
+        return self.policy.export(state["params"], directory)

@@ -42,7 +42,7 @@ class Policy:
     config: RunConfig
     mesh: Mesh
     model_config: ModelConfig
-    params: Params  # float32 master weights, on the mesh
+    initial_params: Params  # the trained weights at the start (float32 master, on the mesh): the state's first params
     tokenizer: Any
     tokenizer_dir: Path  # the model directory (or the from-scratch tokenizer's), copied into exports
     eos_ids: tuple[int, ...]
@@ -54,13 +54,11 @@ class Policy:
                        if self.lora is not None else None)
         self._cast = jax.jit(functools.partial(inference_copy, config=self.model_config))
 
-    def model_weights(self, params: Params | None = None) -> Params:
-        """The weights the model runs with: the trained `params` (default: the current ones), merged into the
-        base under LoRA."""
-        params = self.params if params is None else params
+    def model_weights(self, params: Params) -> Params:
+        """The weights the model runs with: the trained `params`, merged into the base under LoRA."""
         return params if self._merge is None else self._merge(self.base, params)
 
-    def inference_weights(self, params: Params | None = None) -> Params:
+    def inference_weights(self, params: Params) -> Params:
         """`model_weights` as the sampler and the evaluation store them (`train_step.inference_copy`: matrices in
         bfloat16 under a bfloat16 compute dtype, half the bytes each decode step reads, the same dot operands).
         The float32 master stays as it is; when no leaf changes dtype (a float32 model), the weights themselves."""
@@ -106,7 +104,7 @@ class Policy:
 
     @property
     def params_sharding(self) -> Any:
-        return jax.tree.map(lambda x: x.sharding, self.params)
+        return jax.tree.map(lambda x: x.sharding, self.initial_params)
 
     def prompt_set(self, source: str, split: str) -> PromptSet:
         records, label = load_records(source, split)
@@ -124,10 +122,11 @@ class Policy:
         seqs = [prompt_set.token_ids[i] for i in indices]
         return left_pad(seqs, bucket(max(len(s) for s in seqs), self.config.sampling.prompt_bucket), self.pad_id)
 
-    def export(self, directory: Path) -> str:
-        """The model as a HF directory (LoRA: merged); with `lora.export_adapters`, PEFT files in `adapter/`."""
-        params = to_host(self.model_weights())  # gathered on every process; the first one writes
-        adapters = to_host(self.params) if self.lora is not None else None
+    def export(self, params: Params, directory: Path) -> str:
+        """The model with the trained `params` as a HF directory (LoRA: merged); with `lora.export_adapters`, PEFT
+        files in `adapter/`."""
+        adapters = to_host(params) if self.lora is not None else None
+        params = to_host(self.model_weights(params))  # gathered on every process; the first one writes
         if jax.process_index() != 0:
             return str(directory)
         out = save_hf_model(params, self.model_config, directory, dtype=self.model_config.param_dtype,

@@ -26,8 +26,7 @@ from typing import Any, ClassVar, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
 from jaxrl_llm.config import RunConfig
 from jaxrl_llm.data import DataState
@@ -38,18 +37,21 @@ from jaxrl_llm.rl.estimators import ppo_targets, rollout_value_metrics
 from jaxrl_llm.rl.kl_control import KLControllerKind, KLControllerState, init_kl_controller, kl_controller_update
 from jaxrl_llm.rl.losses import clipped_value_loss
 from jaxrl_llm.sharding import batch_sharding, global_array, init_optimizer_state, param_shardings, to_host
-from jaxrl_llm.trainers.grpo import old_policy_logprobs, policy_loss_config, update_sizes
-from jaxrl_llm.trainers.policy import GreedyEvaluation, load_policy
+from jaxrl_llm.trainers.base import Algorithm, Collected, State, Updated, host_metrics
+from jaxrl_llm.trainers.grpo import old_policy_logprobs, policy_loss_config, rl_micro_batch, update_sizes, validate_rl
+from jaxrl_llm.trainers.policy import GreedyEvaluation, Policy, load_policy
 from jaxrl_llm.trainers.rollouts import DriftMeter, Rollout, RolloutCollector
 from jaxrl_llm.trainers.step import (
     Metrics,
     PolicyBatch,
     frozen_copy,
+    jit_update,
     make_logprob_fn,
     make_optimizer,
     master_weights,
     policy_loss,
     scanned_updates,
+    state_sharding,
     train_step,
     working_weights,
 )
@@ -94,192 +96,192 @@ def kl_controller_kind(target: float) -> KLControllerKind:
     return "adaptive" if target > 0 else "fixed"
 
 
-class PPOState(NamedTuple):
-    """Everything the PPO update changes: the policy and the critic with their optimizer states."""
-
-    params: Any
-    opt_state: optax.OptState
-    critic: CriticParams
-    critic_opt_state: optax.OptState
-
-
 class PPOBatch(NamedTuple):
     policy: PolicyBatch
     critic: CriticBatch
 
 
-class PPO:
-    """PPO with a critic, GAE and the KL to the reference in the per-token reward."""
+def validate_ppo(c: RunConfig) -> None:
+    """PPO's own relations: the `rl` section's (`grpo.validate_rl`), no adaptive entropy control, and the KL
+    controller's settings."""
+    validate_rl(c)
+    p = c.ppo
+    if c.rl.entropy_target:
+        raise ConfigError(f"rl.entropy_target={c.rl.entropy_target} with algo=ppo: adaptive entropy control is "
+                          f"wired into the GRPO family (grpo, rloo, reinforce_pp); set rl.entropy_target=0")
+    if p.kl_target > 0 and (p.kl_horizon <= 0 or p.kl_coef_init <= 0):
+        raise ConfigError("the adaptive KL controller (ppo.kl_target > 0) needs ppo.kl_horizon > 0 and "
+                          "ppo.kl_coef_init > 0")
+
+
+def initial_critic(c: RunConfig, policy: Policy) -> tuple[ModelConfig, CriticParams]:
+    """The critic's architecture and float32 weights on the mesh: a copy of the policy's decoder with a zero
+    head (`ppo.critic_init=policy`), or a model directory's (a reward model's, say)."""
+    pc = c.ppo
+    if pc.critic_init == "policy":
+        config, critic = policy.model_config, critic_from_policy(
+            master_weights(policy.model_weights(policy.initial_params)), policy.model_config)
+    else:
+        config, critic = load_critic(pc.critic_init, mesh=policy.mesh, dtype=c.model.dtype,
+                                     param_dtype=c.model.param_dtype, remat=c.model.remat,
+                                     scan_unroll=c.model.scan_unroll,
+                                     attention_query_chunk=c.model.attention_query_chunk)
+        critic = master_weights(critic)
+        if config.vocab_size < len(policy.tokenizer):
+            raise ConfigError(f"ppo.critic_init={pc.critic_init}: vocabulary of {config.vocab_size} tokens, "
+                              f"smaller than the policy's tokenizer ({len(policy.tokenizer)})")
+    return config, jax.device_put(critic, param_shardings(critic, policy.mesh))
+
+
+def make_ppo_update(c: RunConfig, policy: Policy, critic_config: ModelConfig, optimizers: tuple[Any, Any],
+                    minibatch_size: int, *, train_policy: bool) -> Any:
+    """`update(state, PPOBatch, key, frozen) -> (state, metrics)` for `jit_update`: mu epochs x minibatches of
+    (policy, critic) updates in one `lax.scan`; with `train_policy=False` (critic warm-up) only the critic
+    moves. The state's `kl_coef` passes through (the controller moves it on the host)."""
+    rows = batch_sharding(policy.mesh)
+    policy_step = functools.partial(train_step, loss_fn=policy_loss, model_config=policy.model_config,
+                                    loss_config=policy_loss_config(c, beta=0.0), optimizer=optimizers[0],
+                                    grad_accum=c.rl.grad_accum, compose=policy.compose)
+    value_loss_config = ValueLossConfig(clip_range=c.ppo.value_clip or None, aggregation=c.rl.loss_aggregation,
+                                        max_len=c.sampling.max_new_tokens)
+    critic_step = functools.partial(train_step, loss_fn=critic_loss, model_config=critic_config,
+                                    loss_config=value_loss_config,  # type: ignore[arg-type]
+                                    optimizer=optimizers[1], grad_accum=c.rl.grad_accum)
+    dropout = policy.lora_dropout
+
+    def one_update(state: State, batch: PPOBatch, frozen: Any, step_key: tuple) -> tuple[State, Metrics]:
+        params, opt_state, metrics = state["params"], state["opt_state"], {}
+        if train_policy:
+            params, opt_state, metrics = policy_step(params, opt_state, batch.policy, frozen, *step_key)
+        critic, critic_opt_state, critic_metrics = critic_step(state["critic"], state["critic_opt_state"],
+                                                               batch.critic)
+        metrics = {**metrics, "value_loss": critic_metrics["value_loss"],
+                   "value_clip_fraction": critic_metrics["value_clip_fraction"],
+                   "critic/grad_norm": critic_metrics["grad_norm"],
+                   "critic/update_skipped": critic_metrics["update_skipped"]}
+        return {**state, "params": params, "opt_state": opt_state, "critic": critic,
+                "critic_opt_state": critic_opt_state}, metrics
+
+    def update(state: State, batch: PPOBatch, key: jax.Array, frozen: Any) -> tuple[State, Metrics]:
+        dropout_key = jax.random.fold_in(key, 1 << 20)  # apart from the shuffle's fold_in(key, epoch)
+
+        def one(carry: tuple[State, jax.Array], batch: PPOBatch) -> tuple[tuple[State, Any], Metrics]:
+            state, i = carry
+            step_key = (jax.random.fold_in(dropout_key, i),) if dropout else ()  # LoRA dropout, per update
+            state, metrics = one_update(state, batch, frozen, step_key)
+            return (state, i + 1), metrics
+
+        (state, _), metrics, _ = scanned_updates(one, (state, jnp.int32(0)), batch, key, epochs=c.rl.mu,
+                                                 minibatch_size=minibatch_size,
+                                                 constrain=lambda b: jax.lax.with_sharding_constraint(b, rows))
+        return state, metrics
+
+    return update
+
+
+class PPO(Algorithm):
+    """PPO with a critic, GAE and the KL to the reference in the per-token reward.
+
+    State: `{"params", "opt_state", "critic", "critic_opt_state", "kl_coef"}`."""
 
     label: ClassVar[str] = "ppo"
+    group_relative: ClassVar[bool] = False  # the critic makes advantages without reward variance
+
+    @classmethod
+    def validate(cls, c: RunConfig) -> None:
+        validate_ppo(c)
+
+    @classmethod
+    def micro_batch(cls, c: RunConfig) -> tuple[str, int]:
+        return rl_micro_batch(c)
 
     def __init__(self, config: RunConfig) -> None:
-        self.config = c = config
-        pc = c.ppo
+        super().__init__(config)
+        c, pc = config, config.ppo
         self.policy = p = load_policy(c)
         self.mesh, self.vocab_size = p.mesh, p.model_config.vocab_size
         self.collector = RolloutCollector(p)
         self.evaluation = GreedyEvaluation(p, c.eval_batch_size)
-        self.rollout_size, self.minibatch_size, self.updates_per_step = update_sizes(c, p.mesh)
+        self.rollout_size, self.minibatch_size, self.updates_per_step = update_sizes(c)
         total_updates = max(c.steps * self.updates_per_step, 1)
         self.optimizer, self.schedule = make_optimizer(c.optim, total_updates)
         self.critic_optimizer, self.critic_schedule = make_optimizer(
             dataclasses.replace(c.optim, learning_rate=pc.critic_learning_rate), total_updates)
-        # KL to the reference lives in the per-token reward, so the policy loss carries none.
-        self.loss_config = policy_loss_config(c, beta=0.0)
         # The reference: a frozen copy of the starting policy (LoRA: the base weights themselves).
-        self.ref_params = (p.base if p.base is not None else frozen_copy(p.params, p.model_config)) \
+        self.ref_params = (p.base if p.base is not None else frozen_copy(p.initial_params, p.model_config)) \
             if pc.kl_coef_init > 0 else None
         self.ref_logprob_fn = make_logprob_fn(p.mesh, p.model_config, c.sampling.temperature, p.weights_sharding,
                                               block_mib=c.model.logprob_block_mib)
-        self.drift = DriftMeter(p, self.ref_params, self.ref_logprob_fn, c.diagnostics.drift_rows)
-        if pc.critic_init == "policy":
-            self.critic_config: ModelConfig = p.model_config
-            critic = critic_from_policy(master_weights(p.model_weights()), p.model_config)  # a full critic
-        else:
-            self.critic_config, critic = load_critic(pc.critic_init, mesh=p.mesh, dtype=c.model.dtype,
-                                                     param_dtype=c.model.param_dtype, remat=c.model.remat,
-                                                     scan_unroll=c.model.scan_unroll,
-                                                     attention_query_chunk=c.model.attention_query_chunk)
-            critic = master_weights(critic)
-            if self.critic_config.vocab_size < len(p.tokenizer):
-                raise ConfigError(f"ppo.critic_init={pc.critic_init}: vocabulary of {self.critic_config.vocab_size}"
-                                  f" tokens, smaller than the policy's tokenizer ({len(p.tokenizer)})")
-        critic_sharding = param_shardings(critic, p.mesh)
-        critic = jax.device_put(critic, critic_sharding)
-        self.state_ = PPOState(
-            p.params, init_optimizer_state(self.optimizer, p.params, p.params_sharding, p.mesh),
-            critic, init_optimizer_state(self.critic_optimizer, critic, critic_sharding, p.mesh))
-        self.kl_controller = init_kl_controller(pc.kl_coef_init)
-        rows = batch_sharding(p.mesh)
+        self.drift_meter = DriftMeter(p, self.ref_params, self.ref_logprob_fn, c.monitor.drift_rows)
+        self.critic_config, self.initial_critic = initial_critic(c, p)
+        critic_sharding = state_sharding(self.initial_critic)
         critic_config = self.critic_config
         self.value_fn = jax.jit(lambda critic, *batch: critic_values(critic, critic_config, *batch),
-                                in_shardings=(critic_sharding, *[rows] * 4), out_shardings=rows)
-        self.targets_fn = jax.jit(functools.partial(self.targets_and_metrics, pc.gamma, pc.lam, pc.kl_estimator,
+                                in_shardings=(critic_sharding, *[batch_sharding(p.mesh)] * 4),
+                                out_shardings=batch_sharding(p.mesh))
+        self.targets_fn = jax.jit(functools.partial(targets_and_metrics, pc.gamma, pc.lam, pc.kl_estimator,
                                                     pc.whiten_advantages))
-        self.update_fns = {train_policy: self._make_update_fn(train_policy) for train_policy in (True, False)}
+        optimizers, sharding = (self.optimizer, self.critic_optimizer), state_sharding(self.init())
+        self.update_fns = {train: jit_update(make_ppo_update(c, p, self.critic_config, optimizers, self.minibatch_size,
+                                                             train_policy=train), p.mesh, sharding,
+                                             frozen_sharding=p.frozen_sharding) for train in (True, False)}
 
-    @staticmethod
-    def targets_and_metrics(gamma: float, lam: float, kl_estimator: str, whiten: bool, scores: jax.Array,
-                            old_logp: jax.Array, ref_logp: jax.Array, values: jax.Array, mask: jax.Array,
-                            kl_coef: jax.Array) -> tuple[Any, Metrics]:
-        targets = ppo_targets(scores, old_logp, ref_logp, values, mask, kl_coef, gamma=gamma, lam=lam,
-                              kl_estimator=kl_estimator, whiten_advantages=whiten)  # type: ignore[arg-type]
-        return targets, rollout_value_metrics(targets, values, mask)
-
-    def _make_update_fn(self, train_policy: bool) -> Any:
-        """`(PPOState, PPOBatch, key) -> (PPOState, metrics)`: mu epochs x minibatches of (policy, critic)
-        updates as one jit; with `train_policy=False` (critic warm-up) only the critic moves."""
-        c, p, rows = self.config, self.policy, batch_sharding(self.policy.mesh)
-        policy_step = functools.partial(train_step, loss_fn=policy_loss, model_config=p.model_config,
-                                        loss_config=self.loss_config, optimizer=self.optimizer,
-                                        grad_accum=c.rl.grad_accum, compose=p.compose)
-        value_loss_config = ValueLossConfig(clip_range=c.ppo.value_clip or None, aggregation=c.rl.loss_aggregation,
-                                            max_len=c.sampling.max_new_tokens)
-        critic_step = functools.partial(train_step, loss_fn=critic_loss, model_config=self.critic_config,
-                                        loss_config=value_loss_config,  # type: ignore[arg-type]
-                                        optimizer=self.critic_optimizer, grad_accum=c.rl.grad_accum)
-
-        dropout = p.lora_dropout
-
-        def update(state: PPOState, batch: PPOBatch, key: jax.Array, frozen: Any) -> tuple[PPOState, Metrics]:
-            dropout_key = jax.random.fold_in(key, 1 << 20)  # apart from the shuffle's fold_in(key, epoch)
-
-            def one(carry: tuple[PPOState, jax.Array], batch: PPOBatch) -> tuple[tuple[PPOState, Any], Metrics]:
-                state, i = carry
-                step_key = (jax.random.fold_in(dropout_key, i),) if dropout else ()  # LoRA dropout, per update
-                state, metrics = one_update(state, batch, frozen, step_key)
-                return (state, i + 1), metrics
-
-            (state, _), metrics, _ = scanned_updates(one, (state, jnp.int32(0)), batch, key, epochs=c.rl.mu,
-                                                     minibatch_size=self.minibatch_size,
-                                                     constrain=lambda b: jax.lax.with_sharding_constraint(b, rows))
-            return state, metrics
-
-        def one_update(state: PPOState, batch: PPOBatch, frozen: Any, step_key: tuple) -> tuple[PPOState, Metrics]:
-            params, opt_state, metrics = state.params, state.opt_state, {}
-            if train_policy:
-                params, opt_state, metrics = policy_step(params, opt_state, batch.policy, frozen, *step_key)
-            critic, critic_opt_state, critic_metrics = critic_step(state.critic, state.critic_opt_state,
-                                                                   batch.critic)
-            metrics = {**metrics, "value_loss": critic_metrics["value_loss"],
-                       "value_clip_fraction": critic_metrics["value_clip_fraction"],
-                       "critic/grad_norm": critic_metrics["grad_norm"],
-                       "critic/update_skipped": critic_metrics["update_skipped"]}
-            return PPOState(params, opt_state, critic, critic_opt_state), metrics
-
-        shardings = jax.tree.map(lambda x: x.sharding, self.state_)
-        replicated = NamedSharding(p.mesh, PartitionSpec())
-        return jax.jit(update, in_shardings=(shardings, rows, replicated, p.frozen_sharding),
-                       out_shardings=(shardings, replicated),
-                       donate_argnums=(0,))
-
-    # ------------------------------------------------------------------------------------------ the shell's API
-
-    @property
-    def params(self) -> Any:
-        return self.state_.params
-
-    @property
-    def critic(self) -> CriticParams:
-        return self.state_.critic
+    def init(self) -> State:
+        p, critic = self.policy, self.initial_critic
+        return {"params": p.initial_params,
+                "opt_state": init_optimizer_state(self.optimizer, p.initial_params, p.params_sharding, p.mesh),
+                "critic": critic,
+                "critic_opt_state": init_optimizer_state(self.critic_optimizer, critic, state_sharding(critic), p.mesh),
+                "kl_coef": global_array(np.asarray(init_kl_controller(self.config.ppo.kl_coef_init).coef), p.mesh,
+                                        PartitionSpec())}
 
     def describe(self) -> str:
         p = self.policy
         return (f"model {p.tokenizer_dir} ({p.model_config.num_params() / 1e6:.2f}M params) and a critic, "
                 f"{self.collector.describe()}, {jax.device_count()} device(s)")
 
-    def state(self) -> dict[str, Any]:
-        kl_coef = global_array(np.asarray(self.kl_controller.coef), self.mesh, PartitionSpec())
-        return {"params": self.state_.params, "opt_state": self.state_.opt_state, "critic": self.state_.critic,
-                "critic_opt_state": self.state_.critic_opt_state, "kl_coef": kl_coef}
+    def collect(self, state: State, data_state: DataState, key: jax.Array) -> Collected:
+        ro, data_state, refills = self.collector.collect(self.policy.inference_weights(state["params"]), data_state,
+                                                         key)
+        return Collected(ro, data_state, self.collector.metrics(ro, refills), self.collector.tokens(ro))
 
-    def load_state(self, state: dict[str, Any]) -> None:
-        self.state_ = PPOState(state["params"], state["opt_state"], state["critic"], state["critic_opt_state"])
-        self.policy.params = self.state_.params
-        self.kl_controller = KLControllerState(coef=jnp.asarray(state["kl_coef"], jnp.float32))
-
-    def collect(self, data_state: DataState, key: jax.Array) -> tuple[Rollout, DataState, dict[str, float]]:
-        ro, data_state, refills = self.collector.collect(self.policy.inference_weights(), data_state, key)
-        return ro, data_state, self.collector.metrics(ro, refills)
-
-    def update(self, ro: Rollout, step: int, key: jax.Array) -> dict[str, float]:
+    def update(self, state: State, ro: Rollout, step: int, key: jax.Array) -> Updated:
         """Values, KL-shaped token rewards, GAE; then `mu` epochs of (policy, critic) minibatch updates."""
-        pc = self.config.ppo
+        pc, p = self.config.ppo, self.policy
         put = functools.partial(global_array, mesh=self.mesh)
         pt, pm, ct, cm = put(ro.prompt_tokens), put(ro.prompt_mask), put(ro.out.tokens), put(ro.out.mask)
         old_logp, sampler_logp, mismatch = old_policy_logprobs(
             self.config.rl.rollout_correction, put(np.asarray(ro.out.logprobs_untruncated, np.float32)), cm,
-            lambda: self.ref_logprob_fn(working_weights(self.policy.model_weights(), self.policy.model_config),
+            lambda: self.ref_logprob_fn(working_weights(p.model_weights(state["params"]), p.model_config),
                                         pt, pm, ct, cm))
         ref_logp = self.ref_logprob_fn(self.ref_params, pt, pm, ct, cm) if self.ref_params is not None else old_logp
-        values = self.value_fn(self.state_.critic, pt, pm, ct, cm)
-        kl_coef = float(self.kl_controller.coef)
+        values = self.value_fn(state["critic"], pt, pm, ct, cm)
+        controller = KLControllerState(coef=jnp.asarray(jax.device_get(state["kl_coef"]), jnp.float32))
         targets, rollout_metrics = self.targets_fn(put(ro.rewards.astype(np.float32)), old_logp, ref_logp, values,
-                                                   cm, self.kl_controller.coef)
+                                                   cm, controller.coef)
         batch = PPOBatch(PolicyBatch(pt, pm, ct, cm, old_logp, ref_logp, targets.advantages, sampler_logp),
                          CriticBatch(pt, pm, ct, cm, values, targets.returns))
         train_policy = step > pc.critic_warmup_steps
-        self.state_, metrics = self.update_fns[train_policy](self.state_, batch, key, self.policy.frozen)
-        self.policy.params = self.state_.params
-        out = {k: float(v) for k, v in jax.device_get({**metrics, **rollout_metrics}).items()} | mismatch
+        state, metrics = self.update_fns[train_policy](state, batch, key, p.frozen)
+        out, skipped = host_metrics({**metrics, **rollout_metrics})
+        out |= mismatch
+        critic_skipped = bool(out.pop("critic/last_update_skipped"))
         if not train_policy:  # critic warm-up: the policy is not updated (ratio 1, no drift)
-            out["approx_kl"] = 0.0
-            out["last_update_skipped"] = out["critic/last_update_skipped"]
-        out.pop("critic/last_update_skipped")
+            out["approx_kl"], skipped = 0.0, critic_skipped
         mask = np.asarray(ro.out.mask, bool)
-        advantages = to_host(targets.advantages)
-        out["advantages/abs_mean"] = float(np.abs(advantages)[mask].mean()) if mask.any() else 0.0
-        out["kl_coef"] = kl_coef
+        out["advantages/abs_mean"] = float(np.abs(to_host(targets.advantages))[mask].mean()) if mask.any() else 0.0
+        out["kl_coef"] = float(controller.coef)
         out["learning_rate"] = float(self.schedule(step * self.updates_per_step - 1))
         out["critic/learning_rate"] = float(self.critic_schedule(step * self.updates_per_step - 1))
-        self.kl_controller = kl_controller_update(self.kl_controller, out["kl"], self.rollout_size,
-                                                  kind=kl_controller_kind(pc.kl_target), target=pc.kl_target,
-                                                  horizon=pc.kl_horizon)
-        return out
+        controller = kl_controller_update(controller, out["kl"], self.rollout_size, kind=kl_controller_kind(
+            pc.kl_target), target=pc.kl_target, horizon=pc.kl_horizon)
+        return Updated({**state, "kl_coef": put(np.asarray(controller.coef), spec=PartitionSpec())}, out, skipped)
 
-    def evaluate(self, limit: int | None) -> dict[str, float]:
-        return self.evaluation(self.policy.inference_weights(), limit)
+    def evaluate(self, state: State, limit: int | None) -> dict[str, float]:
+        return self.evaluation(self.policy.inference_weights(state["params"]), limit)
+
+    def drift(self, state: State, ro: Rollout) -> dict[str, float]:
+        return self.drift_meter(state["params"], ro)
 
     def progress(self, metrics: dict[str, float]) -> dict[str, float]:
         kl = {"kl": metrics["kl"]} if "kl" in metrics else {}
@@ -288,5 +290,14 @@ class PPO:
     def sample_rows(self, ro: Rollout) -> list[dict[str, Any]]:
         return self.collector.sample_rows(ro)
 
-    def export(self, directory: Path) -> str:
-        return self.policy.export(directory)
+    def export(self, state: State, directory: Path) -> str:
+        return self.policy.export(state["params"], directory)
+
+
+def targets_and_metrics(gamma: float, lam: float, kl_estimator: str, whiten: bool, scores: jax.Array,
+                        old_logp: jax.Array, ref_logp: jax.Array, values: jax.Array, mask: jax.Array,
+                        kl_coef: jax.Array) -> tuple[Any, Metrics]:
+    """GAE targets of a rollout (`rl.estimators.ppo_targets`) and the value metrics, for one jit."""
+    targets = ppo_targets(scores, old_logp, ref_logp, values, mask, kl_coef, gamma=gamma, lam=lam,
+                          kl_estimator=kl_estimator, whiten_advantages=whiten)  # type: ignore[arg-type]
+    return targets, rollout_value_metrics(targets, values, mask)

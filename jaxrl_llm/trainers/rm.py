@@ -39,14 +39,22 @@ from jaxrl_llm.models.reward_model import save_hf_reward_model, sequence_scores
 from jaxrl_llm.rl.losses import dpo_loss
 from jaxrl_llm.sharding import (
     MeshShape,
-    batch_divisor,
     global_array,
     init_optimizer_state,
     make_mesh,
     param_shardings,
     to_host,
 )
-from jaxrl_llm.trainers.step import Metrics, make_optimizer, make_train_step, master_weights
+from jaxrl_llm.trainers.base import Algorithm, Collected, State, Updated, host_metrics
+from jaxrl_llm.trainers.step import (
+    Metrics,
+    jit_update,
+    make_optimizer,
+    master_weights,
+    single_step_update,
+    state_sharding,
+    train_step,
+)
 
 
 class PreferenceBatch(NamedTuple):
@@ -124,71 +132,73 @@ def pair_accuracy(params: Params, config: ModelConfig, pairs: list[tuple[list[in
     return correct / len(pairs)
 
 
-class RewardModelTraining:
-    """A scalar reward model trained on preference pairs."""
+class RewardModelTraining(Algorithm):
+    """A scalar reward model trained on preference pairs. State: `{"params": {"decoder", "score"}, "opt_state"}`."""
 
     label: ClassVar[str] = "rm"
     collect_phase: ClassVar[str] = "data"
+    needs_rewards: ClassVar[bool] = False
+
+    @classmethod
+    def validate(cls, c: RunConfig) -> None:
+        if c.lora.rank:
+            raise ConfigError(f"lora.rank={c.lora.rank} with algo=rm: LoRA adapts a pretrained policy (GRPO family, "
+                              f"PPO, DPO, SFT from model.path); set lora.rank=0")
+
+    @classmethod
+    def micro_batch(cls, c: RunConfig) -> tuple[str, int]:
+        return f"sft.batch_size={c.sft.batch_size}", c.sft.batch_size
 
     def __init__(self, config: RunConfig) -> None:
-        self.config = c = config
+        super().__init__(config)
+        c = config
         if jax.process_count() > 1:
             raise ConfigError("--algo rm runs in a single process (its evaluation is not sharded across hosts); "
                               "unset distributed.enabled / JAX_COORDINATOR_ADDRESS")
         self.mesh = make_mesh(MeshShape(c.mesh.data, c.mesh.fsdp, c.mesh.tensor))
-        if c.sft.batch_size % batch_divisor(self.mesh):
-            raise ConfigError(f"sft.batch_size={c.sft.batch_size} must be divisible by mesh.data * mesh.fsdp "
-                              f"({batch_divisor(self.mesh)}) for the data-parallel step")
         self.model_config, params, self.model_dir = initial_reward_model(c, self.mesh)
         self.vocab_size = self.model_config.vocab_size
-        sharding = param_shardings(params, self.mesh)
-        self.params = jax.device_put(params, sharding)
+        self.initial_params = jax.device_put(params, param_shardings(params, self.mesh))
         self.tokenizer = load_tokenizer(self.model_dir)
         self.pad_id = int(self.tokenizer.pad_token_id)
         self.pairs = encode_pairs(*load_records(c.data.train, c.data.split), self.tokenizer, c)
         evals = encode_pairs(*load_records(c.data.eval, c.data.eval_split), self.tokenizer, c) if c.data.eval else None
         self.eval_pairs = evals[: c.eval_size] if evals is not None and c.eval_size else evals
         self.optimizer, self.schedule = make_optimizer(c.optim, max(c.steps, 1))
-        self.opt_state = init_optimizer_state(self.optimizer, self.params, sharding, self.mesh)
-        self.step_fn = make_train_step(self.mesh, loss_fn=pair_loss, model_config=self.model_config,
-                                       loss_config=None,  # type: ignore[arg-type]
-                                       optimizer=self.optimizer, params_sharding=sharding,
-                                       opt_state_sharding=jax.tree.map(lambda x: x.sharding, self.opt_state))
+        step = functools.partial(train_step, loss_fn=pair_loss, model_config=self.model_config,
+                                 loss_config=None, optimizer=self.optimizer, grad_accum=1)  # type: ignore[arg-type]
+        self.update_fn = jit_update(single_step_update(step, with_key=False), self.mesh, state_sharding(self.init()))
+
+    def init(self) -> State:
+        params = self.initial_params
+        return {"params": params,
+                "opt_state": init_optimizer_state(self.optimizer, params, state_sharding(params), self.mesh)}
 
     def describe(self) -> str:
         return f"reward model on {len(self.pairs)} preference pairs"
 
-    def state(self) -> dict[str, Any]:
-        return {"params": self.params, "opt_state": self.opt_state}
-
-    def load_state(self, state: dict[str, Any]) -> None:
-        self.params, self.opt_state = state["params"], state["opt_state"]
-
-    def collect(self, data_state: DataState, key: jax.Array) -> tuple[PreferenceBatch, DataState, dict[str, float]]:
+    def collect(self, state: State, data_state: DataState, key: jax.Array) -> Collected:
         c = self.config
         idx, data_state = next_batch_indices(len(self.pairs), c.sft.batch_size, data_state, c.seed, c.data.shuffle)
-        return make_batch(self.pairs, idx, self.pad_id), data_state, {}
+        return Collected(make_batch(self.pairs, idx, self.pad_id), data_state, {})
 
-    def update(self, batch: PreferenceBatch, step: int, key: jax.Array) -> dict[str, float]:
+    def update(self, state: State, batch: PreferenceBatch, step: int, key: jax.Array) -> Updated:
         batch = jax.tree.map(lambda x: global_array(x, self.mesh), batch)
-        self.params, self.opt_state, metrics = self.step_fn(self.params, self.opt_state, batch)
-        out = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        state, metrics = self.update_fn(state, batch, key, None)
+        out, skipped = host_metrics(metrics)
         out["learning_rate"] = float(self.schedule(step - 1))
-        return out
+        return Updated(state, out, skipped)
 
-    def evaluate(self, limit: int | None) -> dict[str, float]:
+    def evaluate(self, state: State, limit: int | None) -> dict[str, float]:
         if self.eval_pairs is None:
             return {}
-        return {"eval/pair_accuracy": pair_accuracy(self.params, self.model_config, self.eval_pairs, self.pad_id,
+        return {"eval/pair_accuracy": pair_accuracy(state["params"], self.model_config, self.eval_pairs, self.pad_id,
                                                     self.config.sft.eval_batch_size)}
 
     def progress(self, metrics: dict[str, float]) -> dict[str, float]:
         return {"loss": metrics["loss"], "acc": metrics["rewards/accuracies"]}
 
-    def sample_rows(self, batch: PreferenceBatch) -> list[dict[str, Any]]:
-        return []
-
-    def export(self, directory: Path) -> str:
-        params = to_host(self.params)
+    def export(self, state: State, directory: Path) -> str:
+        params = to_host(state["params"])
         return str(save_hf_reward_model(params["decoder"], params["score"], self.model_config, directory,
                                         tokenizer_dir=self.model_dir, pad_token_id=self.pad_id))

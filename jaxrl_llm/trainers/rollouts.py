@@ -19,7 +19,7 @@ from jaxrl_llm.data import DataState, PromptSet, next_batch_indices
 from jaxrl_llm.evaluation import decode_completions, reward_fields
 from jaxrl_llm.models.decoder import Params
 from jaxrl_llm.rewards import RewardFunction, compute_rewards, resolve_reward
-from jaxrl_llm.run.diagnostics import drift_kl, repeated_ngram_fraction
+from jaxrl_llm.run.monitor import drift_kl, repeated_ngram_fraction
 from jaxrl_llm.sampling import SampleOutput, sample
 from jaxrl_llm.sharding import batch_divisor, global_array, process_rows, to_host
 from jaxrl_llm.trainers.policy import Policy
@@ -134,11 +134,9 @@ class RolloutCollector:
 
     def metrics(self, ro: Rollout, refills: int) -> dict[str, float]:
         """Reward, length and truncation statistics of a rollout (before any update), the share of empty
-        completions (no text), the repeated 3-gram fraction (`diagnostics.repeated_ngram_fraction`), and
-        `completion_tokens` (the loop shell turns it into tokens_per_second)."""
+        completions (no text) and the repeated 3-gram fraction (`monitor.repeated_ngram_fraction`)."""
         lengths = np.asarray(ro.out.lengths)
         out = {
-            "completion_tokens": float(np.asarray(ro.out.mask).sum()),
             "reward/mean": float(ro.rewards.mean()),
             "reward/std": float(ro.rewards.std()),
             "completion_length/mean": float(lengths.mean()),
@@ -157,6 +155,11 @@ class RolloutCollector:
             out["dynamic_sampling/refill_rounds"] = float(refills)
         return out
 
+    @staticmethod
+    def tokens(ro: Rollout) -> float:
+        """The completion tokens a rollout sampled (the shell's tokens_per_second)."""
+        return float(np.asarray(ro.out.mask).sum())
+
     def sample_rows(self, ro: Rollout, limit: int = 16) -> list[dict[str, Any]]:
         rows = []
         for j in range(min(limit, len(ro.completions))):
@@ -171,7 +174,8 @@ class RolloutCollector:
 
 
 class DriftMeter:
-    """`drift(rollout) -> {"drift_kl"}`: KL(pi || pi_initial) per token (`diagnostics.drift_kl`) on the first
+    """`drift(params, rollout) -> {"drift_kl"}`: KL(pi || pi_initial) per token (`monitor.drift_kl`) of the
+    trained `params` on the first
     `rows` rows of a rollout (rounded down to a multiple of the mesh's batch split), both log-probs recomputed
     at the sampling temperature. The initial policy is the reference when there is one (rl.beta > 0, or
     LoRA's base), else a copy of the starting weights kept on the host and put on the devices for each call."""
@@ -181,9 +185,9 @@ class DriftMeter:
         self.rows = rows - rows % batch_divisor(policy.mesh)
         if reference is None and policy.base is not None:
             self.reference = policy.base
-        self.initial_host = to_host(policy.params) if self.reference is None and self.rows else None
+        self.initial_host = to_host(policy.initial_params) if self.reference is None and self.rows else None
 
-    def __call__(self, ro: Rollout) -> dict[str, float]:
+    def __call__(self, params: Params, ro: Rollout) -> dict[str, float]:
         rows = min(self.rows, len(ro.rewards))
         rows -= rows % batch_divisor(self.policy.mesh)
         if rows <= 0:
@@ -193,6 +197,6 @@ class DriftMeter:
                                                                                    p.weights_sharding)
         arrays = [global_array(np.asarray(x)[:rows], p.mesh) for x in
                   (ro.prompt_tokens, ro.prompt_mask, ro.out.tokens, ro.out.mask)]
-        logp = to_host(self.logprob_fn(p.model_weights(), *arrays))
+        logp = to_host(self.logprob_fn(p.model_weights(params), *arrays))
         initial_logp = to_host(self.logprob_fn(initial, *arrays))
         return {"drift_kl": drift_kl(logp, initial_logp, np.asarray(ro.out.mask)[:rows])}

@@ -10,6 +10,7 @@ deliberately short budget, so its greedy held-out accuracy is well below 100% an
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -19,9 +20,19 @@ import numpy as np
 from jaxrl_llm.config import RunConfig
 from jaxrl_llm.data import DataState, PromptSet, bucket, left_pad, next_batch_indices
 from jaxrl_llm.errors import ConfigError
-from jaxrl_llm.sharding import batch_divisor, global_array, init_optimizer_state
+from jaxrl_llm.sharding import global_array, init_optimizer_state
+from jaxrl_llm.trainers.base import Algorithm, Collected, State, Updated, host_metrics
 from jaxrl_llm.trainers.policy import GreedyEvaluation, load_policy
-from jaxrl_llm.trainers.step import PolicyBatch, PolicyLossConfig, make_optimizer, make_train_step, sft_loss
+from jaxrl_llm.trainers.step import (
+    PolicyBatch,
+    PolicyLossConfig,
+    jit_update,
+    make_optimizer,
+    sft_loss,
+    single_step_update,
+    state_sharding,
+    train_step,
+)
 
 
 def completion_arrays(prompt_set: PromptSet, indices: np.ndarray, tokenizer: Any, answer_field: str,
@@ -40,68 +51,69 @@ def completion_arrays(prompt_set: PromptSet, indices: np.ndarray, tokenizer: Any
     return pt, pm, ct, cm
 
 
-class SFT:
-    """Cross-entropy on the answers of `data.train` (`data.answer_field`)."""
+class SFT(Algorithm):
+    """Cross-entropy on the answers of `data.train` (`data.answer_field`). State: `{"params", "opt_state"}`."""
 
     label: ClassVar[str] = "sft"
     collect_phase: ClassVar[str] = "data"
     evaluates_before: ClassVar[bool] = False
     from_scratch: ClassVar[bool] = True  # model.init: random weights, no model directory read
+    needs_rewards: ClassVar[bool] = False
+
+    @classmethod
+    def validate(cls, c: RunConfig) -> None:
+        if c.lora.rank and c.model.init:
+            raise ConfigError(f"lora.rank={c.lora.rank} with algo=sft and model.init: LoRA adapts a pretrained "
+                              f"model (model.path); set lora.rank=0")
+
+    @classmethod
+    def micro_batch(cls, c: RunConfig) -> tuple[str, int]:
+        return f"sft.batch_size={c.sft.batch_size}", c.sft.batch_size
 
     def __init__(self, config: RunConfig) -> None:
-        self.config = c = config
+        super().__init__(config)
+        c = config
         self.policy = p = load_policy(c, from_scratch=True)
         self.mesh, self.vocab_size = p.mesh, p.model_config.vocab_size
-        if c.sft.batch_size % batch_divisor(p.mesh):
-            raise ConfigError(f"sft.batch_size={c.sft.batch_size} must be divisible by mesh.data * mesh.fsdp "
-                              f"({batch_divisor(p.mesh)}) for the data-parallel step")
         self.examples = p.prompt_set(c.data.train, c.data.split)
         self.evaluation = GreedyEvaluation(p, c.sft.eval_batch_size)
         self.optimizer, self.schedule = make_optimizer(c.optim, max(c.steps, 1))
-        self.opt_state = init_optimizer_state(self.optimizer, p.params, p.params_sharding, p.mesh)
-        self.step_fn = make_train_step(p.mesh, loss_fn=sft_loss, model_config=p.model_config,
-                                       loss_config=PolicyLossConfig(logprob_block_mib=c.model.logprob_block_mib),
-                                       optimizer=self.optimizer, params_sharding=p.params_sharding,
-                                       opt_state_sharding=jax.tree.map(lambda x: x.sharding, self.opt_state),
-                                       frozen_sharding=p.frozen_sharding, compose=p.compose,
-                                       with_key=p.lora_dropout)
+        step = functools.partial(train_step, loss_fn=sft_loss, model_config=p.model_config,
+                                 loss_config=PolicyLossConfig(logprob_block_mib=c.model.logprob_block_mib),
+                                 optimizer=self.optimizer, grad_accum=1, compose=p.compose)
+        self.update_fn = jit_update(single_step_update(step, with_key=p.lora_dropout), p.mesh,
+                                    state_sharding(self.init()), frozen_sharding=p.frozen_sharding)
+
+    def init(self) -> State:
+        p = self.policy
+        return {"params": p.initial_params,
+                "opt_state": init_optimizer_state(self.optimizer, p.initial_params, p.params_sharding, p.mesh)}
 
     def describe(self) -> str:
         m = self.policy.model_config
         return f"SFT of a {m.num_params() / 1e6:.2f}M-parameter {m.model_type} on {len(self.examples)} examples"
 
-    def state(self) -> dict[str, Any]:
-        return {"params": self.policy.params, "opt_state": self.opt_state}
-
-    def load_state(self, state: dict[str, Any]) -> None:
-        self.policy.params, self.opt_state = state["params"], state["opt_state"]
-
-    def collect(self, data_state: DataState, key: jax.Array) -> tuple[PolicyBatch, DataState, dict[str, float]]:
+    def collect(self, state: State, data_state: DataState, key: jax.Array) -> Collected:
         c, p = self.config, self.policy
         indices, data_state = next_batch_indices(len(self.examples), c.sft.batch_size, data_state, c.seed,
                                                  c.data.shuffle)
         pt, pm, ct, cm = completion_arrays(self.examples, indices, p.tokenizer, c.data.answer_field, p.eos_ids[0],
                                            p.pad_id)
         zeros = np.zeros(ct.shape, np.float32)
-        return PolicyBatch(pt, pm, ct, cm, zeros, zeros, np.zeros(len(pt), np.float32)), data_state, {}
+        return Collected(PolicyBatch(pt, pm, ct, cm, zeros, zeros, np.zeros(len(pt), np.float32)), data_state, {})
 
-    def update(self, batch: PolicyBatch, step: int, key: jax.Array) -> dict[str, float]:
+    def update(self, state: State, batch: PolicyBatch, step: int, key: jax.Array) -> Updated:
         batch = jax.tree.map(lambda x: global_array(x, self.mesh), batch)
-        p = self.policy
-        extra = ((p.frozen,) if p.frozen is not None else ()) + ((key,) if p.lora_dropout else ())
-        p.params, self.opt_state, metrics = self.step_fn(p.params, self.opt_state, batch, *extra)
-        out = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        state, metrics = self.update_fn(state, batch, key, self.policy.frozen)
+        out, skipped = host_metrics(metrics)
         out["learning_rate"] = float(self.schedule(step - 1))
-        return out
+        return Updated(state, out, skipped)
 
-    def evaluate(self, limit: int | None) -> dict[str, float]:
-        return self.evaluation(self.policy.inference_weights(), limit)
+    def evaluate(self, state: State, limit: int | None) -> dict[str, float]:
+        return self.evaluation(self.policy.inference_weights(state["params"]), limit)
 
     def progress(self, metrics: dict[str, float]) -> dict[str, float]:
         return {"loss": metrics["sft_loss"]}
 
-    def sample_rows(self, batch: PolicyBatch) -> list[dict[str, Any]]:
-        return []
-
-    def export(self, directory: Path) -> str:
-        return self.policy.export(directory)
+    def export(self, state: State, directory: Path) -> str:
+        return self.policy.export(state["params"], directory)

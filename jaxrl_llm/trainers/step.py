@@ -447,6 +447,36 @@ def make_train_step(
     )
 
 
+def jit_update(update: Callable[..., tuple[Any, Metrics]], mesh: Mesh, sharding: Any, *,
+               frozen_sharding: Any = None, extra_shardings: tuple[Any, ...] = ()) -> Callable[..., Any]:
+    """The one jit of every algorithm's update: `update(state, batch, key, frozen, *extra) -> (state, metrics)`
+    with the state placed by `sharding` and donated, the batch split over `("data", "fsdp")`, the key and
+    the metrics replicated, `frozen` (LoRA's base, a reference model, or None) placed by `frozen_sharding`, and
+    `extra` (traced scalars such as an adaptive coefficient, or None) by `extra_shardings`."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return jax.jit(update, in_shardings=(sharding, batch_sharding(mesh), replicated, frozen_sharding, *extra_shardings),
+                   out_shardings=(sharding, replicated), donate_argnums=(0,))
+
+
+def single_step_update(step: Callable[..., tuple[Params, optax.OptState, Metrics]], *, with_key: bool
+                       ) -> Callable[..., tuple[dict[str, Any], Metrics]]:
+    """`update(state, batch, key, frozen)` of a one-step-per-batch algorithm (SFT, reward model, DPO) over the
+    state `{"params", "opt_state"}`, for `jit_update`: `step` is `train_step` with its loss bound; the key
+    reaches it only `with_key` (LoRA dropout)."""
+
+    def update(state: dict[str, Any], batch: Any, key: jax.Array, frozen: Any) -> tuple[dict[str, Any], Metrics]:
+        params, opt_state, metrics = step(state["params"], state["opt_state"], batch, frozen,
+                                          key if with_key else None)
+        return {"params": params, "opt_state": opt_state}, metrics
+
+    return update
+
+
+def state_sharding(state: Any) -> Any:
+    """The placement of every array of a state pytree, as `jit_update` takes it."""
+    return jax.tree.map(lambda x: x.sharding, state)
+
+
 def make_logprob_fn(
     mesh: Mesh, model_config: ModelConfig, temperature: float, params_sharding: Any = None, block_mib: float = 256.0
 ) -> Callable[..., jax.Array]:

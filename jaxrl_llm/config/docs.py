@@ -1,10 +1,10 @@
 """The config's documentation, read from the dataclasses themselves: `--print-config` and `docs/config.md`.
 
-Each field's help is its comment in `jaxrl_llm/config.py` (the inline `# ...`, or the comment lines right
+Each field's help is its comment in `jaxrl_llm/config/schema.py` (the inline `# ...`, or the comment lines right
 above it; a section's is its class docstring), so the code and the docs cannot drift apart:
 
     python train.py --print-config [--algo X] [--config FILE] [overrides]   the resolved config, commented
-    python -m jaxrl_llm.config_docs --write                                  regenerate docs/config.md
+    python -m jaxrl_llm.config.docs --write                                  regenerate docs/config.md
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import yaml
 
 from jaxrl_llm.config import RewardSpec, RunConfig
 
-DOCS_PATH = Path(__file__).resolve().parents[1] / "docs" / "config.md"
+DOCS_PATH = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 
 
 @functools.cache
@@ -116,7 +116,7 @@ def _type_name(tp: Any) -> str:
 def markdown() -> str:
     """docs/config.md: every field with its type, default and help, section by section."""
     out = ["# Configuration reference", "",
-           "Generated from `jaxrl_llm/config.py` by `python -m jaxrl_llm.config_docs --write`; a test checks it "
+           "Generated from `jaxrl_llm/config/schema.py` by `python -m jaxrl_llm.config.docs --write`; a test checks it "
            "is current. Set a field in a YAML file (`section:` then `field: value`) or on the command line "
            "(`section.field=value`). `python train.py --print-config [--config FILE] [overrides]` prints the "
            "resolved config of a run with these comments.", "",
@@ -149,7 +149,7 @@ def markdown() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jaxrl_llm.config_docs", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m jaxrl_llm.config.docs", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--write", action="store_true", help=f"write {DOCS_PATH} (default: print it)")
     args = parser.parse_args(argv)

@@ -1,0 +1,50 @@
+"""The run's configuration, a leaf of the package: the schema (`schema.py`: sections, defaults, allowed values)
+and loading (`loading.py`: YAML, the Python API's fields, dotted overrides, renames). `docs.py` renders it as
+`--print-config` and docs/config.md. Checks that need an algorithm or the outside world are elsewhere:
+`jaxrl_llm.trainers` (each algorithm's `validate`) and `jaxrl_llm.preflight`."""
+
+from jaxrl_llm.config.loading import (
+    API_WHERE,
+    add_import_path,
+    config_source,
+    load_run_config,
+    looks_local,
+    resolve_path,
+    resolve_yaml_paths,
+    shown_path,
+    to_dict,
+    to_yaml,
+)
+from jaxrl_llm.config.schema import (
+    ALGORITHM_NAMES,
+    KL_ESTIMATORS,
+    RENAMED,
+    ROLLOUT_CORRECTIONS,
+    DataSection,
+    DistributedSection,
+    DPOSection,
+    LoggingSection,
+    LoraSection,
+    MeshSection,
+    ModelSection,
+    MonitorSection,
+    OptimSection,
+    PPOSection,
+    Range,
+    RewardSpec,
+    RLSection,
+    RunConfig,
+    SamplingSection,
+    SFTSection,
+    check_fields,
+    get_field,
+)
+from jaxrl_llm.errors import ConfigError
+
+__all__ = [
+    "ALGORITHM_NAMES", "API_WHERE", "KL_ESTIMATORS", "RENAMED", "ROLLOUT_CORRECTIONS", "ConfigError", "DPOSection",
+    "DataSection", "DistributedSection", "LoggingSection", "LoraSection", "MeshSection", "ModelSection",
+    "MonitorSection", "OptimSection", "PPOSection", "RLSection", "Range", "RewardSpec", "RunConfig", "SFTSection",
+    "SamplingSection", "add_import_path", "check_fields", "config_source", "get_field", "load_run_config",
+    "looks_local", "resolve_path", "resolve_yaml_paths", "shown_path", "to_dict", "to_yaml",
+]

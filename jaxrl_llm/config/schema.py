@@ -1,0 +1,455 @@
+"""The run's configuration schema: one dataclass per section, each field with its default, its one-line help
+(the comment beside it: `--print-config` and docs/config.md read it) and its allowed values in the field's
+metadata (`at_least`, `positive`, `fraction`, `within`, `finite`, `one_of`), checked by `check_fields`.
+
+Relations between fields that every run shares (the mesh sizes, LoRA's target pattern) are checked here too; those
+of one algorithm are its own `validate` (jaxrl_llm.trainers), and what needs the outside world (devices, files,
+the hub, plugins) is `jaxrl_llm.preflight`. This module imports nothing of the package but `errors`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from jaxrl_llm.errors import ConfigError
+
+# Keys of earlier versions and what replaced them: a config that still uses one gets a one-line error.
+RENAMED = {
+    "grpo": "rl (the RL loop's section, for GRPO, RLOO, REINFORCE++ and PPO alike)",
+    "rl.ratio_level": "rl.policy_loss (token -> ppo_clip, sequence -> gspo)",
+    "on_divergence": "monitor.on_divergence",
+    "divergence.patience": "monitor.patience",
+    "divergence.entropy_floor": "monitor.entropy_floor",
+    "divergence.entropy_ceiling": "monitor.entropy_ceiling",
+    "divergence.kl_max": "monitor.kl_max",
+    "divergence.reward_stuck": "monitor.reward_stuck",
+    "diagnostics.enabled": "monitor.warnings",
+    "diagnostics.patience": "monitor.patience",
+    "diagnostics.kl_max": "monitor.kl_warn",
+    **{f"diagnostics.{k}": f"monitor.{k}" for k in (
+        "baseline_steps", "empty_fraction", "reward_steps", "entropy_ratio", "length_low", "length_high",
+        "repetition", "zero_std_groups", "throughput_ratio", "throughput_window", "drift_rows")},
+    "divergence": "monitor (one section for the run's health checks)",
+    "diagnostics": "monitor (one section for the run's health checks)",
+}
+
+ALGORITHM_NAMES = ("grpo", "rloo", "reinforce_pp", "ppo", "sft", "rm", "dpo")  # jaxrl_llm.trainers.ALGORITHMS
+DTYPES = ("float32", "bfloat16")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+# rl.rollout_correction: where the old policy's log-probs come from (see RLSection)
+ROLLOUT_CORRECTIONS = ("none", "recompute", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+INF = float("inf")
+
+
+@dataclass(frozen=True)
+class Range:
+    """A numeric field's allowed values: finite, and between `low` and `high` (each closed unless `*_open`)."""
+
+    low: float = -INF
+    high: float = INF
+    low_open: bool = False
+    high_open: bool = False
+
+    def error(self, key: str, value: float) -> str | None:
+        """The one-line complaint about `key=value`, or None when it is allowed."""
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"{key}={value} must be a finite number"
+        too_low = value <= self.low if self.low_open else value < self.low
+        too_high = value >= self.high if self.high_open else value > self.high
+        if not (too_low or too_high) or self.low == -INF and self.high == INF:
+            return None
+        low = "" if self.low == -INF else f"{'>' if self.low_open else '>='} {self.low:g}"
+        high = "" if self.high == INF else f"{'<' if self.high_open else '<='} {self.high:g}"
+        return f"{key}={value} must be {' and '.join(b for b in (low, high) if b)}"
+
+
+def _ranged(default: Any, bounds: Range) -> Any:
+    return field(default=default, metadata={"range": bounds})
+
+
+def at_least(default: float, low: float = 0.0) -> Any:
+    return _ranged(default, Range(low))
+
+
+def positive(default: float) -> Any:
+    return _ranged(default, Range(0.0, low_open=True))
+
+
+def fraction(default: float) -> Any:
+    return _ranged(default, Range(0.0, 1.0))
+
+
+def within(default: float, low: float, high: float, *, low_open: bool = False, high_open: bool = False) -> Any:
+    return _ranged(default, Range(low, high, low_open, high_open))
+
+
+def finite(default: float) -> Any:
+    return _ranged(default, Range())
+
+
+def one_of(default: str, choices: tuple[str, ...]) -> Any:
+    return field(default=default, metadata={"choices": choices})
+
+
+@dataclass
+class ModelSection:
+    """The policy model: where it is, its dtypes and memory knobs."""
+
+    path: str = ""  # required: a Hugging Face model directory or hub id (--algo sft with model.init: unused)
+    dtype: str = one_of("float32", DTYPES)  # compute dtype: float32 | bfloat16
+    param_dtype: str = one_of("float32", DTYPES)  # stored weights: float32 | bfloat16 (float32 master weights are kept)
+    remat: bool = False  # recompute each layer's activations in the backward pass (less memory, more time)
+    # layers per iteration of the training forward's layer loop; the layer count unrolls it completely (no
+    # stacked residual buffers: a faster update on XLA:CPU, a longer compile); 1 = a loop over layers
+    scan_unroll: int = at_least(1, 1)
+    # Memory of one float32 logits block [rows, chunk, V] when the train step and the reference pass compute
+    # log-probs and entropy from the final hidden states (MiB); 0 = all completion positions in one block.
+    logprob_block_mib: float = at_least(256.0)
+    # Full-sequence attention takes at most this many queries at a time (float32 scores [B, H, chunk, S], not
+    # [B, H, T, S]); 0 = all queries at once.
+    attention_query_chunk: int = at_least(128)
+    # --algo sft only: architecture of a model trained from scratch (HF config.json keys, with model_type),
+    # and its tokenizer: a directory, or "arithmetic" for the default task's character tokenizer.
+    init: dict[str, Any] = field(default_factory=dict)
+    tokenizer: str = ""  # --algo sft with model.init: a tokenizer directory, or "arithmetic"
+
+
+@dataclass
+class DataSection:
+    """Training and held-out data: files or hub datasets, which fields hold what, prompt rendering."""
+
+    train: str = ""  # required: a JSONL path, or hf:NAME[:CONFIG] for a hub dataset
+    eval: str = ""  # held-out prompts for greedy accuracy (JSONL or hf:NAME); "" = no evaluation
+    split: str = "train"  # hub datasets only: the split of data.train
+    eval_split: str = "test"  # hub datasets only: the split of data.eval
+    prompt_field: str = "prompt"  # text, or a list of chat messages [{"role", "content"}]
+    answer_field: str = "answer"  # passed to reward functions as a keyword (all fields are)
+    chosen_field: str = "chosen"  # --algo rm: the preferred response of a pair
+    rejected_field: str = "rejected"  # --algo rm: the other response
+    # Optional templates applied to each record: "{question}" style, filled from the record's fields.
+    prompt_template: str = ""  # e.g. "Question: {question}"; "" = the prompt field as it is
+    answer_template: str = ""  # e.g. "{solution}"; "" = the answer field as it is
+    chat_template: bool = False  # render the prompt with the tokenizer's chat template
+    system_prompt: str = ""  # prepended as a system message (chat) or as text
+    max_prompt_tokens: int = at_least(512, 1)  # longer prompts are dropped (with a count), never cut
+    shuffle: bool = True  # reshuffle the training records every epoch (seeded)
+
+
+@dataclass
+class SamplingSection:
+    """How rollouts are sampled (the held-out evaluation decodes greedily with the same length limit)."""
+
+    # completion length limit; a longer completion is cut (counted in frac_truncated)
+    max_new_tokens: int = at_least(256, 1)
+    temperature: float = positive(1.0)  # rollout sampling temperature (evaluation is greedy)
+    top_k: int = at_least(0)  # 0 = off
+    top_p: float = within(1.0, 0.0, 1.0, low_open=True)  # nucleus sampling; 1 = off
+    min_p: float = fraction(0.0)  # drop tokens below min_p * the top probability; 0 = off
+    # Compile buckets: prompt widths and completion lengths are rounded up to these multiples, so calls with
+    # lengths in one bucket reuse one compiled sampler / train step. Smaller = less padding, more compiles.
+    prompt_bucket: int = at_least(16, 1)
+    new_tokens_bucket: int = at_least(16, 1)  # completion lengths are rounded up to a multiple of this
+
+
+@dataclass
+class RLSection:
+    """The RL loop (GRPO family and PPO): rollout sizes, the update's epochs and minibatches, the policy loss
+    and the advantage estimator (both picked by name from their registries)."""
+
+    prompts_per_step: int = at_least(16, 1)  # P
+    group_size: int = at_least(8, 1)  # G: samples per prompt
+    mu: int = at_least(1, 1)  # optimisation passes over each rollout
+    minibatch_size: int = at_least(0)  # sequences per optimizer step; 0 = the whole rollout (P * G)
+    grad_accum: int = at_least(1, 1)  # micro-batches per optimizer step (divides minibatch_size)
+    epsilon_low: float = at_least(0.2)  # ratio clip range below 1 (PPO epsilon)
+    epsilon_high: float = at_least(0.2)  # ratio clip range above 1 (DAPO clip-higher: 0.28)
+    dual_clip_c: float = at_least(0.0)  # 0 = off; else > 1
+    # rl.losses.POLICY_LOSSES: ppo_clip (token ratio) | gspo (sequence ratio) | cispo (clipped IS weight, MiniMax-M1)
+    # | sapo (soft gate, SAPO) | module:function
+    policy_loss: str = "ppo_clip"
+    # sapo: gate temperature of tokens with advantage > 0 (TRL sapo_temperature_pos)
+    sapo_tau_pos: float = positive(1.0)
+    # sapo: gate temperature of tokens with advantage <= 0 (TRL sapo_temperature_neg)
+    sapo_tau_neg: float = positive(1.05)
+    beta: float = at_least(0.0)  # KL coefficient to the reference model; 0 skips the reference pass
+    kl_estimator: str = one_of("k3", KL_ESTIMATORS)  # k1 | k2 | k3 (Schulman's estimators of the KL term)
+    # token-mean | seq-mean-token-mean | seq-mean-token-sum(-norm)
+    loss_aggregation: str = one_of("token-mean", LOSS_AGGREGATIONS)
+    # group | batch (group mean, std of the whole batch) | none (Dr.GRPO)
+    scale_rewards: str = one_of("group", ("group", "batch", "none"))
+    entropy_coef: float = finite(0.0)  # adds -entropy_coef * entropy to the loss (the start value when adaptive)
+    # > 0: adaptive entropy control (Skywork-OR1, GRPO family): entropy_coef moves by entropy_coef_delta per step,
+    # up while the mean entropy per token is below this target (nats) and down above it, and the bonus is applied
+    # only below it; 0 = entropy_coef stays fixed
+    entropy_target: float = at_least(0.0)
+    entropy_coef_delta: float = at_least(0.005)  # adaptive entropy control: change of entropy_coef per step
+    entropy_coef_min: float = at_least(0.0)  # adaptive entropy control: entropy_coef's lower bound
+    entropy_coef_max: float = at_least(1.0)  # adaptive entropy control: entropy_coef's upper bound
+    # < 1: the policy gradient only on this fraction of each batch's valid tokens, those of highest entropy
+    # ("Beyond the 80/20 rule": 0.2); 1 = every token
+    top_entropy_quantile: float = within(1.0, 0.0, 1.0, low_open=True)
+    # > 0: Clip-Cov (Cui et al. 2025): detach the gradient of this fraction of the tokens (at least 1), those of
+    # highest covariance of log-prob and advantage within (clip_cov_lb, clip_cov_ub); 0 = off (verl: 0.0002)
+    clip_cov_ratio: float = fraction(0.0)
+    clip_cov_lb: float = finite(1.0)  # Clip-Cov: lower bound of the covariance of the tokens it may detach
+    clip_cov_ub: float = finite(5.0)  # Clip-Cov: upper bound of the covariance of the tokens it may detach
+    # > 0: KL-Cov (Cui et al. 2025): add kl_cov_coef * |log pi - log pi_old| to the loss of this fraction of the
+    # tokens (at least 1), those of highest covariance of log-prob and advantage; 0 = off (verl: 0.0002)
+    kl_cov_ratio: float = fraction(0.0)
+    # KL-Cov: the penalty's coefficient (the paper's recipes; verl ppo_kl_coef, 0.1 there)
+    kl_cov_coef: float = at_least(1.0)
+    # The old policy's log-probs and the sampler / trainer mismatch (GRPO family and PPO):
+    # none = the sampler's log-probs are the old policy's (no extra pass);
+    # recompute = the trainer's forward recomputes them before the update (verl's default);
+    # token_truncate | token_mask | sequence_truncate | sequence_mask = recompute, and weight the policy-gradient
+    # term by the importance ratio pi_old / pi_sampler per token or per sequence, truncated at
+    # rollout_correction_cap or masked (0) above it (TRL's vllm_importance_sampling_mode, verl's rollout_is)
+    rollout_correction: str = one_of("none", ROLLOUT_CORRECTIONS)
+    rollout_correction_cap: float = positive(3.0)  # C of the *_truncate / *_mask modes (TRL's default)
+    # Advantage estimator: "" = the algorithm's own (grpo, rloo, reinforce_pp); or reinforce_pp_baseline.
+    estimator: str = ""
+    dynamic_sampling: bool = False  # DAPO: drop zero-variance groups and refill the batch
+    max_refill_rounds: int = at_least(3)  # DAPO: extra sampling rounds per step at most
+
+
+@dataclass
+class PPOSection:
+    """--algo ppo only; the loop's knobs (prompts_per_step, group_size, mu, minibatch_size, epsilons,
+    entropy_coef) are in `rl`. The KL to the reference is in the per-token reward, not in the loss."""
+
+    gamma: float = fraction(1.0)  # discount over completion tokens
+    lam: float = fraction(0.95)  # GAE lambda
+    value_clip: float = at_least(0.2)  # clip range of V around the rollout's values; 0 = no value clipping
+    critic_learning_rate: float = positive(5.0e-4)  # the critic's own AdamW (same schedule / warmup as optim)
+    critic_warmup_steps: int = at_least(0)  # first steps train only the critic (the policy is not updated)
+    critic_init: str = "policy"  # "policy" (a copy of its decoder) or a model directory (e.g. a reward model)
+    kl_coef_init: float = at_least(0.01)  # beta of r_t = -beta * KL_t + [t = last] * score
+    kl_estimator: str = one_of("k1", KL_ESTIMATORS)  # the per-token KL in the reward: k1 | k2 | k3
+    kl_target: float = at_least(0.0)  # adaptive controller target (mean KL per token); 0 = fixed coefficient
+    kl_horizon: float = finite(10000.0)  # adaptive controller horizon, in samples
+    whiten_advantages: bool = True  # normalise GAE advantages over the batch
+
+
+@dataclass
+class DPOSection:
+    """--algo dpo: preference optimisation on (prompt, chosen, rejected) pairs, against a frozen reference."""
+
+    # sigmoid (DPO) | ipo | hinge (SLiC) | simpo (reference-free, length-normalised)
+    loss: str = one_of("sigmoid", ("sigmoid", "ipo", "hinge", "simpo"))
+    # the implicit reward is beta * (log pi - log pi_ref) of a response (simpo: of its mean)
+    beta: float = positive(0.1)
+    # sigmoid / simpo: the share of flipped labels assumed (conservative DPO)
+    label_smoothing: float = within(0.0, 0.0, 0.5)
+    simpo_gamma: float = at_least(0.5)  # simpo: the target reward margin
+    # Reference log-probs: "step" = a frozen copy's, computed inside each jitted step; "precompute" = once for
+    # the whole dataset before training (no reference weights kept during the updates).
+    reference: str = one_of("step", ("step", "precompute"))
+    eval_prompts: str = ""  # prompts with answers (JSONL / hf:NAME) for greedy task accuracy; "" = none
+
+
+@dataclass
+class LoraSection:
+    """LoRA adapters (jaxrl_llm.models.lora) for the GRPO family, PPO's policy, SFT and DPO: the base weights are frozen
+    (no gradients, no optimizer state) and double as the reference model (adapters off)."""
+
+    rank: int = at_least(0)  # r; 0 = no LoRA (full fine-tuning)
+    alpha: float = positive(16.0)  # the update is scaled by alpha / rank
+    # dropout on the adapters' input in the update (PEFT's lora_dropout); off when sampling
+    dropout: float = within(0.0, 0.0, 1.0, high_open=True)
+    # Regular expression searched in each layer kernel's HF module name (model.layers.0.self_attn.q_proj, ...).
+    targets: str = "(q|k|v|o|gate|up|down)_proj"
+    export_adapters: bool = False  # also write the adapters in PEFT format (out_dir/hf/adapter) at export
+
+
+@dataclass
+class RewardSpec:
+    """One reward function of the weighted sum."""
+
+    name: str = ""  # a built-in (math_answer, math_verify, format, overlong, reward_model) or "module:function"
+    weight: float = finite(1.0)  # the step's reward is the weighted sum of the functions
+    kwargs: dict[str, Any] = field(default_factory=dict)  # keywords bound to the function (e.g. {path: DIR})
+    # seconds a call may take, else the run stops with an error naming the function (0 = no limit); a call
+    # still running after 10 s prints a notice on stderr, so a stall is never silent
+    timeout_s: float = at_least(300.0)
+
+
+@dataclass
+class OptimSection:
+    """AdamW (optax) with warmup, a schedule and gradient clipping."""
+
+    learning_rate: float = positive(1e-5)  # AdamW peak learning rate
+    warmup_steps: int = at_least(0)  # linear warmup from 0
+    # constant | cosine | linear (decay to end_lr_ratio * lr after warmup)
+    schedule: str = one_of("constant", ("constant", "cosine", "linear"))
+    end_lr_ratio: float = fraction(0.0)  # cosine / linear: the final learning rate as a fraction of the peak
+    weight_decay: float = at_least(0.0)  # AdamW decoupled weight decay
+    beta1: float = within(0.9, 0.0, 1.0, high_open=True)  # AdamW first-moment decay
+    beta2: float = within(0.99, 0.0, 1.0, high_open=True)  # AdamW second-moment decay
+    max_grad_norm: float = at_least(1.0)  # global-norm gradient clipping; 0 = off
+
+
+@dataclass
+class SFTSection:
+    """Batch sizes of the supervised algorithms (--algo sft, rm and dpo)."""
+
+    batch_size: int = at_least(64, 1)  # --algo sft / rm / dpo: examples (pairs) per optimizer step
+    eval_batch_size: int = at_least(256, 1)  # --algo sft / rm / dpo: examples (pairs) per evaluation batch
+
+
+@dataclass
+class MeshSection:
+    """Device mesh (see `jaxrl_llm.sharding`): data * fsdp * tensor = all devices; one axis may be -1."""
+
+    data: int = -1  # data parallel: params replicated, batch split
+    fsdp: int = 1  # batch split, params and optimizer state sharded
+    tensor: int = 1  # attention heads and MLP columns split
+
+
+@dataclass
+class DistributedSection:
+    """Multi-host: `jax.distributed.initialize` before anything touches the devices. Empty fields are taken
+    from the environment (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, or what JAX detects
+    on SLURM, Open MPI and TPU pods); `enabled=false` and no such variables: one process."""
+
+    enabled: bool = False  # call jax.distributed.initialize (several processes)
+    coordinator_address: str = ""  # host:port of process 0
+    num_processes: int = 0  # 0 = from the environment
+    process_id: int = -1  # -1 = from the environment
+    local_device_ids: list[int] = field(default_factory=list)  # default: all local devices
+
+
+@dataclass
+class MonitorSection:
+    """The run's health checks (`jaxrl_llm.run.monitor`): each named check logs a hint when it starts; the
+    divergence checks (a collapse that holds `patience` steps in a row) end the run under on_divergence=stop."""
+
+    warnings: bool = True  # run the warning checks (the divergence checks follow patience and on_divergence)
+    # stop: end the run at a divergence, keep the last good checkpoint, no export | warn: log only
+    on_divergence: str = one_of("stop", ("stop", "warn"))
+    # steps in a row a divergence (or zero-variance groups) must hold; 0 = no divergence checks
+    patience: int = at_least(5)
+    # divergence: entropy below it (nats/token), the policy collapsed to one answer
+    entropy_floor: float = at_least(0.01)
+    # divergence: entropy above this fraction of log V (noise)
+    entropy_ceiling: float = within(0.95, 0.0, 1.0, low_open=True)
+    kl_max: float = positive(10.0)  # divergence: mean KL to the reference per token (nats) above it
+    reward_stuck: bool = True  # divergence: every completion scored the same, and the same as the last step
+    kl_warn: float = positive(1.0)  # warning kl_blowup: kl or drift_kl per token (nats) above it
+    baseline_steps: int = at_least(3, 1)  # the first N steps are the baseline of the entropy and length ratios
+    empty_fraction: float = fraction(0.5)  # share of empty completions that names empty_completions
+    # share of completions cut at sampling.max_new_tokens that names truncated
+    truncated_fraction: float = fraction(0.5)
+    # steps of one reward for all completions that name reward_zero / reward_constant
+    reward_steps: int = at_least(10, 1)
+    # entropy below this share of its baseline (reward no better): entropy_collapse
+    entropy_ratio: float = at_least(0.1)
+    # mean length below this share of its baseline (reward no better): length_collapse
+    length_low: float = at_least(0.25)
+    length_high: float = positive(4.0)  # mean length above this multiple of its baseline: length_explosion
+    repetition: float = fraction(0.5)  # share of repeated 3-grams in the completions that names repetition
+    # frac_zero_std_groups at or above it for `patience` steps: zero_variance_groups
+    zero_std_groups: float = fraction(0.95)
+    # throughput_drop: the median tokens/s of the last `throughput_window` steps below this x the median before
+    throughput_ratio: float = at_least(0.5)
+    throughput_window: int = at_least(10, 1)  # steps of the recent median that throughput_ratio compares
+    max_skipped_updates: int = at_least(5, 1)  # consecutive updates skipped for non-finite gradients that stop the run
+    # KL(pi || pi_initial) per token on this many rollout rows at each evaluation step, logged as drift_kl even
+    # when rl.beta = 0 (a copy of the initial weights is kept on the host); 0 = off
+    drift_rows: int = at_least(64)
+
+
+@dataclass
+class LoggingSection:
+    """Where metrics go besides metrics.jsonl and TensorBoard."""
+
+    wandb: bool = False  # also send every metrics row to Weights & Biases (pip install wandb)
+    wandb_project: str = "jaxrl_llm"  # the W&B project
+    wandb_mode: str = one_of("offline", ("offline", "online"))  # offline (no network; `wandb sync` later) | online
+
+
+@dataclass
+class RunConfig:
+    """A whole run."""
+
+    algo: str = one_of("grpo", ALGORITHM_NAMES)  # grpo | rloo | reinforce_pp | ppo | sft | rm | dpo (train.py --algo)
+    seed: int = at_least(0)  # the run's root random key (sampling, data order, dropout-free init)
+    steps: int = at_least(100)  # training steps (one rollout + update each, for the RL algorithms)
+    out_dir: str = "runs/default"  # metrics, samples, checkpoints and the export go here
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    sampling: SamplingSection = field(default_factory=SamplingSection)
+    rl: RLSection = field(default_factory=RLSection)
+    sft: SFTSection = field(default_factory=SFTSection)
+    ppo: PPOSection = field(default_factory=PPOSection)
+    dpo: DPOSection = field(default_factory=DPOSection)
+    lora: LoraSection = field(default_factory=LoraSection)
+    rewards: list[RewardSpec] = field(default_factory=list)  # required for RL: [{name: ..., weight: ...}, ...]
+    optim: OptimSection = field(default_factory=OptimSection)
+    mesh: MeshSection = field(default_factory=MeshSection)
+    distributed: DistributedSection = field(default_factory=DistributedSection)
+    monitor: MonitorSection = field(default_factory=MonitorSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+    log_every: int = at_least(1, 1)  # a metrics row (and a plain log line when not on a terminal) every N steps
+    sample_every: int = at_least(10)  # write sample completions with rewards at step 1 and every N steps (0 = never)
+    # Held-out accuracy = share of greedy answers this reward scores exactly 1: a built-in name or
+    # module:function; "" = the first of `rewards` (set it when that one is not a 0/1 check, e.g. a reward model).
+    eval_reward: str = ""
+    eval_every: int = at_least(0)  # held-out greedy evaluation every N steps (0: only before and after)
+    eval_size: int = at_least(256)  # held-out prompts per evaluation (0: all)
+    eval_batch_size: int = at_least(256, 1)  # prompts per greedy evaluation batch
+    checkpoint_every: int = at_least(50)  # orbax checkpoint every N steps, and at the end (0 = never)
+    keep_checkpoints: int = at_least(2, 1)  # the newest K checkpoints are kept
+    # full: the final checkpoint holds the optimizer state too (an exact --resume); weights: only the policy
+    # weights are kept at the end of a finished run (earlier checkpoints and optimizer moments deleted).
+    final_checkpoint: str = one_of("full", ("full", "weights"))
+    export: bool = True  # write the final policy as a Hugging Face directory
+    export_dir: str = ""  # default: out_dir/hf
+    tensorboard: bool = True  # TensorBoard events under out_dir/tensorboard
+    progress_bar: bool = True  # a tqdm bar on a terminal; plain log lines otherwise
+    report: bool = True  # train.py writes out_dir/report/report.html (python -m jaxrl_llm.report) at the end
+
+
+def _fields(obj: Any, prefix: str = "") -> list[tuple[str, Any, dataclasses.Field]]:
+    """`(dotted key, value, field)` of every leaf field of the config `obj`, reward specs as rewards.I.NAME."""
+    out = []
+    for f in dataclasses.fields(obj):
+        value, key = getattr(obj, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            out.extend(_fields(value, f"{key}."))
+        elif isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
+            for i, item in enumerate(value):
+                out.extend(_fields(item, f"{key}.{i}."))
+        else:
+            out.append((key, value, f))
+    return out
+
+
+def check_fields(c: RunConfig) -> None:
+    """Every field's allowed values (its metadata), then the relations every run shares; one-line `ConfigError`."""
+    for key, value, f in _fields(c):
+        if "range" in f.metadata and (error := f.metadata["range"].error(key, value)):
+            raise ConfigError(error)
+        if "choices" in f.metadata and value not in f.metadata["choices"]:
+            raise ConfigError(f"{key}={value!r}: expected one of {', '.join(f.metadata['choices'])}")
+    sizes = (c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
+    if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
+        raise ConfigError(f"mesh.data/fsdp/tensor={sizes}: each is a positive size, and at most one is -1")
+    if c.lora.rank:
+        try:
+            re.compile(c.lora.targets)
+        except re.error as e:
+            raise ConfigError(f"lora.targets={c.lora.targets!r} is not a regular expression: {e}") from e
+    if not c.out_dir.strip():
+        raise ConfigError("out_dir='': a run needs an output directory (e.g. runs/my_run)")
+
+
+def get_field(c: Any, key: str) -> Any:
+    """The value of the dotted `key` ("rl.beta") in the config `c`."""
+    for part in key.split("."):
+        c = getattr(c, part)
+    return c
