@@ -44,7 +44,7 @@ def main() -> None:
                         help="model.attention_query_chunk (the GSM8K preset's 64); 0 = all queries at once")
     args = parser.parse_args()
 
-    from jaxrl_llm import plan
+    from jaxrl_llm.cli import plan
     from jaxrl_llm.config import OptimSection
     from jaxrl_llm.models.decoder import param_shapes
     from jaxrl_llm.models.hf import config_from_hf

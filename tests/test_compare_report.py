@@ -80,7 +80,7 @@ PROMPTS_B = ["7*3=", "6*2=", "8*8=", "3*3=", "2*9="]
 def write_sheet(out, prompts, seed, monkeypatch, models=("base", "r5")):
     """The sheet, votes template and key that `compare` writes for fixed answers (no model is built: `generate`
     is replaced), with `base` answering "b<prompt>" and `r5` "r<prompt>"; returns the key."""
-    from jaxrl_llm import compare
+    from jaxrl_llm.cli import compare
 
     answers = [[f"b{q}" for q in prompts], [f"r{q}" for q in prompts]]
     monkeypatch.setattr(compare, "generate", lambda args: (list(prompts), answers, None))

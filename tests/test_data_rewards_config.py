@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from conftest import GSM8K, requires_shared
 
-from jaxrl_llm.config import ConfigError, load_run_config
+from jaxrl_llm.config import ConfigError
 from jaxrl_llm.data import (
     DataError,
     DataState,
@@ -17,6 +17,7 @@ from jaxrl_llm.data import (
     next_batch_indices,
     read_jsonl,
 )
+from jaxrl_llm.preflight import load_config
 from jaxrl_llm.rewards import RewardError, compute_rewards, resolve_reward
 from jaxrl_llm.rewards.math_answers import extract_answer, math_answer_reward, math_verify_reward
 from jaxrl_llm.rewards.shaping import format_reward, overlong_reward
@@ -168,12 +169,12 @@ def test_weighted_sum_of_rewards():
 def test_config_overrides_and_type_errors(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("rl:\n  group_size: 4\n  prompts_per_step: 2\n")
-    c = load_run_config(path, ["rl.beta=0.04", "steps=3"])
+    c = load_config(path, ["rl.beta=0.04", "steps=3"])
     assert (c.rl.group_size, c.rl.beta, c.steps) == (4, 0.04, 3)
     with pytest.raises(ConfigError, match="rl.group_size"):
-        load_run_config(path, ["rl.group_size=many"])
+        load_config(path, ["rl.group_size=many"])
     with pytest.raises(ConfigError, match="does not exist"):
-        load_run_config(tmp_path / "missing.yaml")
+        load_config(tmp_path / "missing.yaml")
 
 
 def test_renamed_keys_name_their_new_names(tmp_path):
@@ -181,11 +182,11 @@ def test_renamed_keys_name_their_new_names(tmp_path):
     old = tmp_path / "old.yaml"
     old.write_text("grpo:\n  group_size: 4\n")
     with pytest.raises(ConfigError, match=r"config key grpo in .*old.yaml was renamed to rl"):
-        load_run_config(old)
+        load_config(old)
     with pytest.raises(ConfigError, match=r"grpo.beta on the command line .* renamed to rl"):
-        load_run_config(None, ["grpo.beta=0.04"])
+        load_config(None, ["grpo.beta=0.04"])
     with pytest.raises(ConfigError, match=r"rl.ratio_level .* renamed to rl.policy_loss \(token -> ppo_clip"):
-        load_run_config(None, ["rl.ratio_level=sequence"])
+        load_config(None, ["rl.ratio_level=sequence"])
     # A run started by an earlier version (its config.yaml says grpo:, ratio_level) still resumes: the renamed
     # keys are read under their new names, so only real changes count.
     import yaml
@@ -193,7 +194,7 @@ def test_renamed_keys_name_their_new_names(tmp_path):
     from jaxrl_llm.config import to_dict
     from jaxrl_llm.run.run_dir import _current_names, config_changes
 
-    current = load_run_config(None, ["rl.group_size=4"])
+    current = load_config(None, ["rl.group_size=4"])
     written = to_dict(current)
     written["grpo"] = {k: v for k, v in written.pop("rl").items() if k != "policy_loss"}
     written["grpo"]["ratio_level"] = "token"
@@ -202,20 +203,20 @@ def test_renamed_keys_name_their_new_names(tmp_path):
     old["rl"]["group_size"] = 8
     assert config_changes(old, to_dict(current)) == [("rl.group_size", 8, 4)]
     # The choices of the registries are the config's choices.
-    assert load_run_config(None, ["rl.policy_loss=gspo"]).rl.policy_loss == "gspo"
+    assert load_config(None, ["rl.policy_loss=gspo"]).rl.policy_loss == "gspo"
     with pytest.raises(ConfigError, match="rl.policy_loss='clip': expected one of ppo_clip, gspo"):
-        load_run_config(None, ["rl.policy_loss=clip"])
+        load_config(None, ["rl.policy_loss=clip"])
     with pytest.raises(ConfigError, match="rl.estimator=gae with algo=grpo: .* only --algo ppo has a critic"):
-        load_run_config(None, ["rl.estimator=gae"])
+        load_config(None, ["rl.estimator=gae"])
 
 
 def test_divisibility_is_checked_up_front(tmp_path):
     with pytest.raises(ConfigError, match=r"minibatch_size=6 must divide .* 2 \* 4 = 8"):
-        load_run_config(None, ["rl.prompts_per_step=2", "rl.group_size=4", "rl.minibatch_size=6"])
+        load_config(None, ["rl.prompts_per_step=2", "rl.group_size=4", "rl.minibatch_size=6"])
     with pytest.raises(ConfigError, match="grad_accum=3 must divide"):
-        load_run_config(None, ["rl.grad_accum=3"])
+        load_config(None, ["rl.grad_accum=3"])
     with pytest.raises(ConfigError, match="loss_aggregation='mean'"):
-        load_run_config(None, ["rl.loss_aggregation=mean"])
+        load_config(None, ["rl.loss_aggregation=mean"])
 
 
 def test_default_presets_parse():
@@ -227,7 +228,7 @@ def test_default_presets_parse():
     presets = sorted(root.glob("*.yaml"))
     assert len(presets) >= 9
     for preset in presets:
-        config = load_run_config(preset)  # raises ConfigError on a bad field or relation
+        config = load_config(preset)  # raises ConfigError on a bad field or relation
         assert config.algo in ALGORITHMS and config.steps > 0, preset
 
 

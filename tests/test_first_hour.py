@@ -274,7 +274,7 @@ def test_missing_required_settings_are_one_error_naming_them():
 
 
 def test_planner_plans_the_run_a_config_describes(capsys, monkeypatch):
-    from jaxrl_llm import plan
+    from jaxrl_llm.cli import plan
     from jaxrl_llm.config import load_run_config
     from jaxrl_llm.models.hf import config_from_hf
 

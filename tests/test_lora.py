@@ -11,10 +11,10 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrl_llm.config import load_run_config
 from jaxrl_llm.models.decoder import forward
 from jaxrl_llm.models.hf import load_hf_model
 from jaxrl_llm.models.lora import LoraSpec, init_adapters, merge_adapters, target_paths
+from jaxrl_llm.preflight import load_config
 from jaxrl_llm.trainers import make_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,7 +26,7 @@ def length_reward(prompts, completions, **fields):
 
 
 def _config(tiny_task: Path, out: Path, *extra: str, preset: str = "grpo_arithmetic.yaml"):
-    return load_run_config(ROOT / "configs" / preset, [
+    return load_config(ROOT / "configs" / preset, [
         f"model.path={tiny_task / 'model'}", f"data.train={tiny_task / 'train.jsonl'}", "data.eval=",
         f"out_dir={out}", "rl.prompts_per_step=4", "rl.group_size=4", "progress_bar=false", "tensorboard=false",
         "lora.rank=4", "lora.alpha=8", "optim.learning_rate=1e-2", "optim.warmup_steps=0",
@@ -142,11 +142,11 @@ def test_lora_options_are_checked():
     from jaxrl_llm.errors import ConfigError
 
     with pytest.raises(ConfigError, match="lora.dropout=1.0 must be >= 0 and < 1"):
-        load_run_config(None, ["lora.rank=8", "lora.dropout=1.0"])
+        load_config(None, ["lora.rank=8", "lora.dropout=1.0"])
     with pytest.raises(ConfigError, match="algo=rm"):
-        load_run_config(None, ["lora.rank=8", "algo=rm"])
+        load_config(None, ["lora.rank=8", "algo=rm"])
     with pytest.raises(ConfigError, match="not a regular expression"):
-        load_run_config(None, ["lora.rank=8", "lora.targets=(q"])
+        load_config(None, ["lora.rank=8", "lora.targets=(q"])
 
 
 def test_bf16_base_with_float32_adapters(tiny_task, tmp_path):

@@ -16,7 +16,7 @@ import pytest
 from safetensors import SafetensorError
 
 import train
-from jaxrl_llm import generate
+from jaxrl_llm.cli import generate
 from jaxrl_llm.cli.errors import run_command
 from jaxrl_llm.errors import ConversionError, ModelError, UsageError
 from jaxrl_llm.models import hf

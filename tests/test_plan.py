@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxrl_llm import plan
+from jaxrl_llm.cli import plan
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import param_shapes
 from jaxrl_llm.models.hf import config_from_hf

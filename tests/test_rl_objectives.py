@@ -20,8 +20,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from jax.test_util import check_grads
 
-from jaxrl_llm.config import load_run_config
 from jaxrl_llm.errors import ConfigError
+from jaxrl_llm.preflight import load_config
 from jaxrl_llm.rl import entropy_control as ec
 from jaxrl_llm.rl import logprobs as lp
 from jaxrl_llm.rl import losses as L
@@ -520,19 +520,19 @@ def test_entropy_controller_scans_and_vmaps():
 )
 def test_config_range_checks(override, match):
     with pytest.raises(ConfigError, match=match):
-        load_run_config(None, [override])
+        load_config(None, [override])
 
 
 def test_config_relations():
     with pytest.raises(ConfigError, match="clip_cov_lb"):
-        load_run_config(None, ["rl.clip_cov_ratio=0.01", "rl.clip_cov_lb=5", "rl.clip_cov_ub=1"])
+        load_config(None, ["rl.clip_cov_ratio=0.01", "rl.clip_cov_lb=5", "rl.clip_cov_ub=1"])
     with pytest.raises(ConfigError, match="dual_clip_c"):
-        load_run_config(None, ["rl.policy_loss=cispo", "rl.dual_clip_c=3"])
+        load_config(None, ["rl.policy_loss=cispo", "rl.dual_clip_c=3"])
     with pytest.raises(ConfigError, match="GRPO family"):
-        load_run_config(None, ["algo=ppo", "rl.entropy_target=0.2"])
+        load_config(None, ["algo=ppo", "rl.entropy_target=0.2"])
     with pytest.raises(ConfigError, match="entropy_coef_min"):
-        load_run_config(None, ["rl.entropy_target=0.2", "rl.entropy_coef=2.0"])
-    c = load_run_config(None, ["rl.policy_loss=sapo", "rl.top_entropy_quantile=0.2", "rl.entropy_target=0.2"])
+        load_config(None, ["rl.entropy_target=0.2", "rl.entropy_coef=2.0"])
+    c = load_config(None, ["rl.policy_loss=sapo", "rl.top_entropy_quantile=0.2", "rl.entropy_target=0.2"])
     assert c.rl.policy_loss == "sapo" and c.rl.sapo_tau_neg == 1.05
 
 
@@ -543,7 +543,7 @@ def test_bench_rows_are_valid_configs():
     keys = {a.key for a in ALGORITHMS}
     assert {"cispo", "sapo", "top_entropy", "clip_cov", "kl_cov", "entropy_control"} <= keys
     for alg in ALGORITHMS:
-        c = load_run_config(ROOT / "configs" / alg.config, [f"algo={alg.algo}", *alg.overrides])
+        c = load_config(ROOT / "configs" / alg.config, [f"algo={alg.algo}", *alg.overrides])
         assert c.algo == alg.algo
 
 
@@ -553,7 +553,7 @@ def test_bench_rows_are_valid_configs():
 
 
 def _config(task: Path, out: Path, *overrides: str):
-    return load_run_config(ROOT / "configs" / "grpo_arithmetic.yaml", [
+    return load_config(ROOT / "configs" / "grpo_arithmetic.yaml", [
         f"model.path={task / 'model'}", f"data.train={task / 'train.jsonl'}", "data.eval=''", f"out_dir={out}",
         "rl.prompts_per_step=4", "rl.group_size=4", "progress_bar=false", "tensorboard=false", "export=false",
         "rewards=[{name: math_answer}, {name: 'test_grpo:completion_length'}]", *overrides])

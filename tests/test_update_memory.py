@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_llm import plan
+from jaxrl_llm.cli import plan
 from jaxrl_llm.config import OptimSection
 from jaxrl_llm.models.decoder import forward, init_params, param_shapes
 from jaxrl_llm.models.hf import config_from_hf
@@ -138,13 +138,13 @@ def test_trainer_keeps_float32_master_with_bf16_params(tiny_task, tmp_path) -> N
                      "eval_batch_size=4")
     run = make_trainer(config)
     trainer = run.algorithm
-    before = np.asarray(trainer.params["layers"]["mlp"]["up"]["kernel"])
+    before = np.asarray(run.state["params"]["layers"]["mlp"]["up"]["kernel"])
     assert before.dtype == np.float32
     assert trainer.ref_params["layers"]["mlp"]["up"]["kernel"].dtype == jnp.bfloat16
     run.run()
-    after = np.asarray(trainer.params["layers"]["mlp"]["up"]["kernel"])
+    after = np.asarray(run.state["params"]["layers"]["mlp"]["up"]["kernel"])
     assert after.dtype == np.float32 and (after != before).mean() > 0.9
-    mu = trainer.opt_state.inner_state[1][0].mu["layers"]["mlp"]["up"]["kernel"]
+    mu = run.state["opt_state"].inner_state[1][0].mu["layers"]["mlp"]["up"]["kernel"]
     assert mu.dtype == jnp.float32
     # The export is written in the configured parameter dtype.
     import json

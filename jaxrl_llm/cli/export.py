@@ -70,12 +70,13 @@ def split_spec(spec: str) -> tuple[Path, int | None]:
 
 @dataclasses.dataclass
 class RunStep:
-    """A run's algorithm with the weights of one checkpoint step restored."""
+    """A run's algorithm and the state of one checkpoint step."""
 
     run_dir: Path
     step: int
     config: Any
     algorithm: Any
+    state: Any
 
 
 def checkpoint_steps(run_dir: Path) -> list[int]:
@@ -105,7 +106,8 @@ def load_run_step(run_dir: str | Path, step: int | None = None) -> RunStep:
                              f"keep_checkpoints decides how many stay)")
         algorithm = algorithm_class(config.algo)(config)
         key = global_array(np.zeros(2, np.uint32), algorithm.mesh, PartitionSpec())
-        like = {**algorithm.state(), "key": key}
+        initial = algorithm.init()
+        like = {**initial, "key": key}
         if checkpoints._weights_only(step):
             like = {k: like[k] for k in WEIGHT_KEYS}
         try:
@@ -117,9 +119,8 @@ def load_run_step(run_dir: str | Path, step: int | None = None) -> RunStep:
         checkpoints.close()
     state.pop("key")
     if "opt_state" not in state:  # weights-only: keep the freshly initialised rest
-        state = {**algorithm.state(), **state}
-    algorithm.load_state(state)
-    return RunStep(run_dir, step, config, algorithm)
+        state = {**initial, **state}
+    return RunStep(run_dir, step, config, algorithm, state)
 
 
 @dataclasses.dataclass
@@ -146,7 +147,8 @@ def load_model(spec: str) -> LoadedModel:
         policy = getattr(run.algorithm, "policy", None)
         if policy is None:
             raise UsageError(f"{spec}: a --algo {run.config.algo} run has no policy to generate with")
-        return LoadedModel(spec, policy.model_weights(), policy.model_config, policy.tokenizer, policy.eos_ids,
+        weights = policy.model_weights(run.state["params"])
+        return LoadedModel(spec, weights, policy.model_config, policy.tokenizer, policy.eos_ids,
                            policy.pad_id, run)
     if step is not None:
         raise UsageError(f"{spec}: {path} is not a run directory (no checkpoints/), so it has no step {step}")
@@ -165,7 +167,7 @@ def export_step(run_dir: str | Path, out: str | Path, step: int | None = None) -
         raise UsageError(f"--out {out} already holds files; choose an empty or new directory")
     run = load_run_step(run_dir, step)
     claim(run_dir, out)  # an export written into the run's folder is the run's (--overwrite removes it)
-    return run.algorithm.export(out), run.step
+    return run.algorithm.export(run.state, out), run.step
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

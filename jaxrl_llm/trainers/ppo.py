@@ -44,6 +44,7 @@ from jaxrl_llm.trainers.rollouts import DriftMeter, Rollout, RolloutCollector
 from jaxrl_llm.trainers.step import (
     Metrics,
     PolicyBatch,
+    PolicyLossConfig,
     frozen_copy,
     jit_update,
     make_logprob_fn,
@@ -134,13 +135,13 @@ def initial_critic(c: RunConfig, policy: Policy) -> tuple[ModelConfig, CriticPar
 
 
 def make_ppo_update(c: RunConfig, policy: Policy, critic_config: ModelConfig, optimizers: tuple[Any, Any],
-                    minibatch_size: int, *, train_policy: bool) -> Any:
+                    loss_config: PolicyLossConfig, minibatch_size: int, *, train_policy: bool) -> Any:
     """`update(state, PPOBatch, key, frozen) -> (state, metrics)` for `jit_update`: mu epochs x minibatches of
     (policy, critic) updates in one `lax.scan`; with `train_policy=False` (critic warm-up) only the critic
     moves. The state's `kl_coef` passes through (the controller moves it on the host)."""
     rows = batch_sharding(policy.mesh)
     policy_step = functools.partial(train_step, loss_fn=policy_loss, model_config=policy.model_config,
-                                    loss_config=policy_loss_config(c, beta=0.0), optimizer=optimizers[0],
+                                    loss_config=loss_config, optimizer=optimizers[0],
                                     grad_accum=c.rl.grad_accum, compose=policy.compose)
     value_loss_config = ValueLossConfig(clip_range=c.ppo.value_clip or None, aggregation=c.rl.loss_aggregation,
                                         max_len=c.sampling.max_new_tokens)
@@ -221,10 +222,11 @@ class PPO(Algorithm):
                                 out_shardings=batch_sharding(p.mesh))
         self.targets_fn = jax.jit(functools.partial(targets_and_metrics, pc.gamma, pc.lam, pc.kl_estimator,
                                                     pc.whiten_advantages))
+        self.loss_config = policy_loss_config(c, beta=0.0)  # the KL to the reference is in the reward
         optimizers, sharding = (self.optimizer, self.critic_optimizer), state_sharding(self.init())
-        self.update_fns = {train: jit_update(make_ppo_update(c, p, self.critic_config, optimizers, self.minibatch_size,
-                                                             train_policy=train), p.mesh, sharding,
-                                             frozen_sharding=p.frozen_sharding) for train in (True, False)}
+        self.update_fns = {train: jit_update(make_ppo_update(c, p, self.critic_config, optimizers, self.loss_config,
+                                                             self.minibatch_size, train_policy=train), p.mesh,
+                                             sharding, frozen_sharding=p.frozen_sharding) for train in (True, False)}
 
     def init(self) -> State:
         p, critic = self.policy, self.initial_critic
