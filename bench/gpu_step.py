@@ -16,7 +16,7 @@ AdamW) over all of them. Reported:
 - train step: model FLOPs / wall seconds / (`--peak-tflops` x devices). Model FLOPs per row of `S` positions
   (`S = prompt + new - 1`, completions unembedded only): forward `2 N_layers S + 2 d V c + 4 L H hd S(S+1)/2`
   (`N_layers` = the layers' matrix parameters, `c` completion tokens), training = 3 x forward.
-Prints one JSON line at the end (for BENCHMARKS.md).
+Prints one JSON line at the end (for bench/README.md).
 """
 
 from __future__ import annotations

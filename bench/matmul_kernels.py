@@ -5,7 +5,7 @@
 Per shape (the update's `[rows, 576] x [576, 1536]`-like GEMMs and the decode step's 32-row ones): float32, bf16
 operands with a bf16 result (`x @ w`), and bf16 operands with a float32 result (`preferred_element_type`, what
 `jaxrl_llm.models.precision` asks for). Best of 50 calls (300 for the 32-row shapes), random operands. Prints a
-markdown table (BENCHMARKS.md, "Precision policy").
+markdown table (bench/README.md).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ Prints every completion, then tokens/s of generation with the compile time repor
 
 `--cpu-devices N` (CPU hosts) splits the host into N XLA CPU devices and the prompt batch over them
 (`sample(..., mesh=)` on a `data=N` mesh): XLA runs the N programs on different cores, where one program
-leaves cores idle in its small-batch token steps (1.3x on 2 cores, BENCHMARKS.md). The tokens are the same
+leaves cores idle in its small-batch token steps (1.3x on 2 cores, bench/HISTORY.md). The tokens are the same
 as with one device.
 """
 

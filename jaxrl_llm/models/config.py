@@ -63,7 +63,7 @@ class ModelConfig:
     dtype: DType = "float32"  # compute dtype; softmax and norms still reduce in float32
     remat: bool = False  # rematerialise each layer in the backward pass
     # Layers per iteration of the training forward's layer loop (`nn.scan`); the layer count = a straight-line
-    # program: no stacked residual buffers, at the cost of compile time (measured in BENCHMARKS.md)
+    # program: no stacked residual buffers, at the cost of compile time (measured in bench/HISTORY.md)
     scan_unroll: int = 1
     # Full-sequence attention runs over at most this many queries at a time (float32 scores [B, H, chunk, S]
     # instead of [B, H, T, S], recomputed per chunk in the backward); 0 = all queries at once.

@@ -56,7 +56,7 @@ def decode_layers(
     into temporaries and stacks the updated cache back each step (several copies of the whole cache and of
     the weights per token); with one buffer per layer and per-layer weights sliced once per call, each step
     writes only the new token's keys and values in place: about 2x faster sampling calls on the CPU
-    benchmark model (BENCHMARKS.md).
+    benchmark model (bench/HISTORY.md).
     """
     decoder = Decoder(config)
     x = decoder.apply({"params": params}, tokens, method=lambda m, t: m.embed_tokens(t))
@@ -191,7 +191,7 @@ def decode_token(
       product per row and head and `p.V` a `[groups, S] x [S, hd]` one, both on the cache as stored, so
       XLA:CPU transposes no cache on any token (with `[B, S, KVH, hd]` it re-laid out every layer's whole
       K and V cache per token: about a quarter of the step's op time on the benchmark model; keys
-      `[B, KVH, hd, S]` instead of `[B, KVH, S, hd]`: 1.1x per call, BENCHMARKS.md); the new token's keys
+      `[B, KVH, hd, S]` instead of `[B, KVH, S, hd]`: 1.1x per call, bench/HISTORY.md); the new token's keys
       and values are written in place;
     - plain `jnp` on `StepWeights` (no Flax module per layer), q|k|v and gate|up as one matmul each, laid out
       for `shards` tensor-parallel shards (`step_weights(..., shards)`).

@@ -9,7 +9,7 @@
     backward      the same policy: the output's cotangent is cast to the compute dtype, both gradient dots
                   accumulate and return float32 (then the operands' own dtypes)
 
-Why the output dtype depends on the backend (measured on this project's CPU, jax 0.10.2, BENCHMARKS.md): an
+Why the output dtype depends on the backend (measured on this project's CPU, jax 0.10.2, bench/README.md): an
 XLA:CPU dot of bfloat16 operands that *returns* bfloat16 takes a slow path (274 GFLOP/s at 2048 x 576 x 1536,
 below float32's 294); the same dot asked for a float32 result runs on the CPU's AMX units (1,804 GFLOP/s;
 `python bench/matmul_kernels.py`). Its elementwise work is also faster in float32 than in bfloat16. On GPUs a
