@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import PartitionSpec
 
 from jaxrl_llm.config import RunConfig
@@ -38,8 +39,8 @@ from jaxrl_llm.rl.losses import logprob_mismatch
 from jaxrl_llm.rl.plugins import advantage_estimator, resolve_estimator, resolve_policy_loss
 from jaxrl_llm.sharding import batch_sharding, global_array, init_optimizer_state, to_host
 from jaxrl_llm.trainers.base import Algorithm, Collected, State, Updated, host_metrics
-from jaxrl_llm.trainers.policy import GreedyEvaluation, load_policy
-from jaxrl_llm.trainers.rollouts import DriftMeter, Rollout, RolloutCollector
+from jaxrl_llm.trainers.policy import GreedyEvaluation, Policy, load_policy
+from jaxrl_llm.trainers.rollouts import DriftMeter, Rollout, RolloutCollector, rollout_tokens
 from jaxrl_llm.trainers.step import (
     Metrics,
     PolicyBatch,
@@ -132,6 +133,55 @@ def rl_micro_batch(c: RunConfig) -> tuple[str, int]:
         minibatch // c.rl.grad_accum
 
 
+def validate_grpo(c: RunConfig) -> None:
+    """The GRPO family's relations: the `rl` section's (`validate_rl`), a group of at least 2 for group-relative
+    advantages, and adaptive entropy control's bounds."""
+    validate_rl(c)
+    g = c.rl
+    if g.group_size < 2 and c.algo in ("grpo", "rloo") and g.estimator != "reinforce_pp":
+        raise ConfigError(f"rl.group_size={g.group_size}: a group-relative advantage needs at least 2 samples")
+    if g.entropy_target:
+        if g.entropy_coef_min > g.entropy_coef_max:
+            raise ConfigError(f"rl.entropy_coef_min={g.entropy_coef_min} must be <= "
+                              f"rl.entropy_coef_max={g.entropy_coef_max}")
+        if not g.entropy_coef_min <= g.entropy_coef <= g.entropy_coef_max:
+            raise ConfigError(f"rl.entropy_coef={g.entropy_coef} (adaptive entropy control's start) must lie in "
+                              f"[rl.entropy_coef_min, rl.entropy_coef_max] = [{g.entropy_coef_min}, "
+                              f"{g.entropy_coef_max}]")
+
+
+def make_grpo_update(c: RunConfig, policy: Policy, optimizer: optax.GradientTransformation,
+                     loss_config: PolicyLossConfig, minibatch_size: int) -> Any:
+    """`update(state, batch [N, ...], key, frozen, entropy_coef) -> (state, metrics)` for `jit_update`: `rl.mu`
+    epochs x minibatches of `train_step` in one `lax.scan` (`frozen`: LoRA's base weights, or None;
+    `entropy_coef`: the adaptive controller's coefficient, a float32 scalar, or None for the config's fixed one).
+    The rest of the state (the entropy controller) passes through unchanged."""
+    rows = batch_sharding(policy.mesh)
+    step = functools.partial(train_step, loss_fn=policy_loss, model_config=policy.model_config,
+                             loss_config=loss_config, optimizer=optimizer, grad_accum=c.rl.grad_accum,
+                             compose=policy.compose)
+    dropout = policy.lora_dropout
+
+    def update(state: State, batch: PolicyBatch, key: jax.Array, frozen: Any,
+               entropy_coef: jax.Array | None) -> tuple[State, Metrics]:
+        dropout_key = jax.random.fold_in(key, 1 << 20)  # apart from the shuffle's fold_in(key, epoch)
+        loss_inputs = None if entropy_coef is None else {"entropy_coef": entropy_coef}
+
+        def one(carry: tuple[Any, Any, jax.Array], minibatch: PolicyBatch) -> tuple[tuple[Any, Any, Any], Metrics]:
+            params, opt_state, i = carry
+            step_key = (jax.random.fold_in(dropout_key, i),) if dropout else ()  # LoRA dropout, per update
+            new_params, new_opt_state, metrics = step(params, opt_state, minibatch, frozen, *step_key,
+                                                      loss_inputs=loss_inputs)
+            return (new_params, new_opt_state, i + 1), metrics
+
+        (params, opt_state, _), metrics, _ = scanned_updates(
+            one, (state["params"], state["opt_state"], jnp.int32(0)), batch, key, epochs=c.rl.mu,
+            minibatch_size=minibatch_size, constrain=lambda b: jax.lax.with_sharding_constraint(b, rows))
+        return {**state, "params": params, "opt_state": opt_state}, metrics
+
+    return update
+
+
 class GRPOFamily(Algorithm):
     """GRPO, Dr.GRPO, DAPO, GSPO, RLOO, REINFORCE++: group sampling, a registered estimator, a clipped loss.
 
@@ -141,18 +191,7 @@ class GRPOFamily(Algorithm):
 
     @classmethod
     def validate(cls, c: RunConfig) -> None:
-        validate_rl(c)
-        g = c.rl
-        if g.group_size < 2 and c.algo in ("grpo", "rloo") and g.estimator != "reinforce_pp":
-            raise ConfigError(f"rl.group_size={g.group_size}: a group-relative advantage needs at least 2 samples")
-        if g.entropy_target:
-            if g.entropy_coef_min > g.entropy_coef_max:
-                raise ConfigError(f"rl.entropy_coef_min={g.entropy_coef_min} must be <= "
-                                  f"rl.entropy_coef_max={g.entropy_coef_max}")
-            if not g.entropy_coef_min <= g.entropy_coef <= g.entropy_coef_max:
-                raise ConfigError(f"rl.entropy_coef={g.entropy_coef} (adaptive entropy control's start) must lie in "
-                                  f"[rl.entropy_coef_min, rl.entropy_coef_max] = [{g.entropy_coef_min}, "
-                                  f"{g.entropy_coef_max}]")
+        validate_grpo(c)
 
     @classmethod
     def micro_batch(cls, c: RunConfig) -> tuple[str, int]:
@@ -184,7 +223,10 @@ class GRPOFamily(Algorithm):
         # Adaptive entropy control (rl.entropy_target > 0): the coefficient is a traced input of the update, moved
         # after each step from the entropy it measured, and part of the state; off = the config's fixed one.
         self.adaptive_entropy = r.entropy_target > 0
-        self.update_fn = self._make_update_fn()
+        replicated = jax.sharding.NamedSharding(p.mesh, PartitionSpec())
+        self.update_fn = jit_update(make_grpo_update(c, p, self.optimizer, self.loss_config, self.minibatch_size),
+                                    p.mesh, state_sharding(self.init()), frozen_sharding=p.frozen_sharding,
+                                    extra_shardings=(replicated if self.adaptive_entropy else None,))
 
     def init(self) -> State:
         p = self.policy
@@ -198,37 +240,6 @@ class GRPOFamily(Algorithm):
         return {name: global_array(np.asarray(value), self.mesh, PartitionSpec())
                 for name, value in ctl._asdict().items()}
 
-    def _make_update_fn(self) -> Any:
-        """`(state, batch [N, ...], key, frozen, entropy_coef) -> (state, metrics)`: the whole update as one jit
-        (`frozen`: LoRA's base weights, or None; `entropy_coef`: the adaptive controller's coefficient, a float32
-        scalar, or None for the config's fixed one); the controller's own state passes through unchanged."""
-        c, p, rows = self.config, self.policy, batch_sharding(self.policy.mesh)
-        step = functools.partial(train_step, loss_fn=policy_loss, model_config=p.model_config,
-                                 loss_config=self.loss_config, optimizer=self.optimizer, grad_accum=c.rl.grad_accum,
-                                 compose=p.compose)
-        dropout = p.lora_dropout
-
-        def update(state: State, batch: PolicyBatch, key: jax.Array, frozen: Any,
-                   entropy_coef: jax.Array | None) -> tuple[State, Metrics]:
-            dropout_key = jax.random.fold_in(key, 1 << 20)  # apart from the shuffle's fold_in(key, epoch)
-            loss_inputs = None if entropy_coef is None else {"entropy_coef": entropy_coef}
-
-            def one(carry: tuple[Any, Any, jax.Array], minibatch: PolicyBatch) -> tuple[tuple[Any, Any, Any], Metrics]:
-                params, opt_state, i = carry
-                step_key = (jax.random.fold_in(dropout_key, i),) if dropout else ()  # LoRA dropout, per update
-                new_params, new_opt_state, metrics = step(params, opt_state, minibatch, frozen, *step_key,
-                                                          loss_inputs=loss_inputs)
-                return (new_params, new_opt_state, i + 1), metrics
-
-            (params, opt_state, _), metrics, _ = scanned_updates(
-                one, (state["params"], state["opt_state"], jnp.int32(0)), batch, key, epochs=c.rl.mu,
-                minibatch_size=self.minibatch_size, constrain=lambda b: jax.lax.with_sharding_constraint(b, rows))
-            return {**state, "params": params, "opt_state": opt_state}, metrics
-
-        replicated = jax.sharding.NamedSharding(p.mesh, jax.sharding.PartitionSpec())
-        return jit_update(update, p.mesh, state_sharding(self.init()), frozen_sharding=p.frozen_sharding,
-                          extra_shardings=(replicated if self.adaptive_entropy else None,))
-
     # ------------------------------------------------------------------------------------------ the shell's API
 
     def describe(self) -> str:
@@ -239,7 +250,7 @@ class GRPOFamily(Algorithm):
     def collect(self, state: State, data_state: DataState, key: jax.Array) -> Collected:
         ro, data_state, refills = self.collector.collect(self.policy.inference_weights(state["params"]), data_state,
                                                          key)
-        return Collected(ro, data_state, self.collector.metrics(ro, refills), self.collector.tokens(ro))
+        return Collected(ro, data_state, self.collector.metrics(ro, refills), rollout_tokens(ro))
 
     def update(self, state: State, ro: Rollout, step: int, key: jax.Array) -> Updated:
         """Reference log-probs, advantages, then `mu` epochs of minibatch updates in one jit; the rollout goes

@@ -129,7 +129,7 @@ class Trainer:
         diverged: dict[str, str] = {}
         try:
             while self.step < c.steps and not (diverged and c.monitor.on_divergence == "stop"):
-                self.stop_if_requested(logger)
+                stop_if_requested(self, logger)
                 self.step += 1
                 batch, metrics, skipped = self.run_step()
                 diverged = self.monitor.diverged(metrics)
@@ -154,19 +154,20 @@ class Trainer:
             logger.close()
         return finish(self, summary, diverged)
 
-    def stop_if_requested(self, logger: RunLogger) -> None:
-        """After a Ctrl-C / SIGTERM: checkpoint the last finished step and raise `RunInterrupted`."""
-        requested = self.stop_requests.requested
-        if requested is None:
-            return
-        if self.step > 0 and self.checkpointer.latest_step() != self.step:
-            self.save_checkpoint()
-        self.checkpointer.wait()
-        saved = self.checkpointer.latest_step()
-        where = (f"the checkpoint of step {saved} is in {self.checkpointer.directory}; continue with --resume"
-                 if saved is not None else "no checkpoint had been written yet (nothing to resume)")
-        logger.message(f"stopped by {requested} after step {self.step}")
-        raise RunInterrupted(f"stopped by {requested} after step {self.step}; {where}", self.step)
+
+def stop_if_requested(t: Trainer, logger: RunLogger) -> None:
+    """After a Ctrl-C / SIGTERM: checkpoint the last finished step and raise `RunInterrupted`."""
+    requested = t.stop_requests.requested
+    if requested is None:
+        return
+    if t.step > 0 and t.checkpointer.latest_step() != t.step:
+        t.save_checkpoint()
+    t.checkpointer.wait()
+    saved = t.checkpointer.latest_step()
+    where = (f"the checkpoint of step {saved} is in {t.checkpointer.directory}; continue with --resume"
+             if saved is not None else "no checkpoint had been written yet (nothing to resume)")
+    logger.message(f"stopped by {requested} after step {t.step}")
+    raise RunInterrupted(f"stopped by {requested} after step {t.step}; {where}", t.step)
 
 
 def open_logger(t: Trainer) -> RunLogger:
@@ -253,7 +254,7 @@ def finish_steps(t: Trainer, logger: RunLogger, *, stopped: bool) -> None:
     """After the last step: the final checkpoint (none after a divergence stop), or the weights-only one."""
     c = t.config
     if not stopped:  # a stop asked for during the last step: its checkpoint, no export
-        t.stop_if_requested(logger)
+        stop_if_requested(t, logger)
     t.stop_requests.phase = "finish"
     if c.checkpoint_every and t.checkpointer.latest_step() != t.step and not stopped:
         t.save_checkpoint()

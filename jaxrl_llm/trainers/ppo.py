@@ -40,7 +40,7 @@ from jaxrl_llm.sharding import batch_sharding, global_array, init_optimizer_stat
 from jaxrl_llm.trainers.base import Algorithm, Collected, State, Updated, host_metrics
 from jaxrl_llm.trainers.grpo import old_policy_logprobs, policy_loss_config, rl_micro_batch, update_sizes, validate_rl
 from jaxrl_llm.trainers.policy import GreedyEvaluation, Policy, load_policy
-from jaxrl_llm.trainers.rollouts import DriftMeter, Rollout, RolloutCollector
+from jaxrl_llm.trainers.rollouts import DriftMeter, Rollout, RolloutCollector, rollout_tokens
 from jaxrl_llm.trainers.step import (
     Metrics,
     PolicyBatch,
@@ -245,7 +245,7 @@ class PPO(Algorithm):
     def collect(self, state: State, data_state: DataState, key: jax.Array) -> Collected:
         ro, data_state, refills = self.collector.collect(self.policy.inference_weights(state["params"]), data_state,
                                                          key)
-        return Collected(ro, data_state, self.collector.metrics(ro, refills), self.collector.tokens(ro))
+        return Collected(ro, data_state, self.collector.metrics(ro, refills), rollout_tokens(ro))
 
     def update(self, state: State, ro: Rollout, step: int, key: jax.Array) -> Updated:
         """Values, KL-shaped token rewards, GAE; then `mu` epochs of (policy, critic) minibatch updates."""

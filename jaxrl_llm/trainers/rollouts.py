@@ -36,6 +36,39 @@ class Rollout:
     record_indices: np.ndarray  # [N // G] prompt records
 
 
+def assemble_groups(parts: list[tuple[Rollout, np.ndarray]], *, group_size: int, groups: int, pad_id: int) -> Rollout:
+    """`groups` groups of `group_size` rows from the rollouts `parts` (each with its informative-group mask):
+    informative ones first, then (if refills ran out) zero-variance ones (zero advantage), prompts re-padded to
+    the widest."""
+    g = group_size
+    chosen = [(ro, i) for ro, keep in parts for i in np.flatnonzero(keep)]
+    chosen += [(ro, i) for ro, keep in parts for i in np.flatnonzero(~keep)]
+    chosen = chosen[:groups]
+    width = max(ro.prompt_tokens.shape[1] for ro, _ in chosen)
+
+    def take(get: Any) -> np.ndarray:
+        return np.concatenate([get(ro)[i * g : (i + 1) * g] for ro, i in chosen])
+
+    def pad_prompt(x: np.ndarray, value: int) -> np.ndarray:
+        return np.pad(x, ((0, 0), (width - x.shape[1], 0)), constant_values=value)
+
+    out = SampleOutput(*[take(lambda ro, f=f: np.asarray(getattr(ro.out, f))) for f in SampleOutput._fields])
+    return Rollout(
+        prompt_tokens=take(lambda ro: pad_prompt(ro.prompt_tokens, pad_id)),
+        prompt_mask=take(lambda ro: pad_prompt(ro.prompt_mask, 0)),
+        out=out,
+        rewards=take(lambda ro: ro.rewards),
+        per_function={k: take(lambda ro, k=k: ro.per_function[k]) for k in parts[0][0].per_function},
+        completions=[ro.completions[j] for ro, i in chosen for j in range(i * g, (i + 1) * g)],
+        record_indices=np.asarray([ro.record_indices[i] for ro, i in chosen]),
+    )
+
+
+def rollout_tokens(ro: Rollout) -> float:
+    """The completion tokens a rollout sampled (the shell's tokens_per_second)."""
+    return float(np.asarray(ro.out.mask).sum())
+
+
 class RolloutCollector:
     """Samples and scores rollouts from `data.train` with the run's reward functions."""
 
@@ -68,7 +101,8 @@ class RolloutCollector:
             indices, state = self._next_indices(state)
             extra = self.rollout(params, indices, jax.random.fold_in(key, rounds))
             parts.append((extra, self.informative_groups(extra)))
-        return self._assemble(parts), state, rounds
+        return assemble_groups(parts, group_size=self.group_size, groups=self.prompts_per_step,
+                               pad_id=self.policy.pad_id), state, rounds
 
     def rollout(self, params: Params, indices: np.ndarray, key: jax.Array) -> Rollout:
         """Sample G completions for each prompt and score them."""
@@ -104,31 +138,6 @@ class RolloutCollector:
     def informative_groups(self, ro: Rollout) -> np.ndarray:
         return ro.rewards.reshape(-1, self.group_size).std(axis=1) > 0
 
-    def _assemble(self, parts: list[tuple[Rollout, np.ndarray]]) -> Rollout:
-        """P groups: informative ones first, then (if refills ran out) zero-variance ones (zero advantage)."""
-        g, pad_id = self.group_size, self.policy.pad_id
-        chosen = [(ro, i) for ro, keep in parts for i in np.flatnonzero(keep)]
-        chosen += [(ro, i) for ro, keep in parts for i in np.flatnonzero(~keep)]
-        chosen = chosen[: self.prompts_per_step]
-        width = max(ro.prompt_tokens.shape[1] for ro, _ in chosen)
-
-        def take(get: Any) -> np.ndarray:
-            return np.concatenate([get(ro)[i * g : (i + 1) * g] for ro, i in chosen])
-
-        def pad_prompt(x: np.ndarray, value: int) -> np.ndarray:
-            return np.pad(x, ((0, 0), (width - x.shape[1], 0)), constant_values=value)
-
-        out = SampleOutput(*[take(lambda ro, f=f: np.asarray(getattr(ro.out, f))) for f in SampleOutput._fields])
-        return Rollout(
-            prompt_tokens=take(lambda ro: pad_prompt(ro.prompt_tokens, pad_id)),
-            prompt_mask=take(lambda ro: pad_prompt(ro.prompt_mask, 0)),
-            out=out,
-            rewards=take(lambda ro: ro.rewards),
-            per_function={k: take(lambda ro, k=k: ro.per_function[k]) for k in parts[0][0].per_function},
-            completions=[ro.completions[j] for ro, i in chosen for j in range(i * g, (i + 1) * g)],
-            record_indices=np.asarray([ro.record_indices[i] for ro, i in chosen]),
-        )
-
     def describe(self) -> str:
         return f"{len(self.prompts)} train prompts ({self.prompts.num_dropped} dropped as too long)"
 
@@ -154,11 +163,6 @@ class RolloutCollector:
         if self.dynamic_sampling:
             out["dynamic_sampling/refill_rounds"] = float(refills)
         return out
-
-    @staticmethod
-    def tokens(ro: Rollout) -> float:
-        """The completion tokens a rollout sampled (the shell's tokens_per_second)."""
-        return float(np.asarray(ro.out.mask).sum())
 
     def sample_rows(self, ro: Rollout, limit: int = 16) -> list[dict[str, Any]]:
         rows = []

@@ -1,0 +1,68 @@
+"""The package's structure, read from its source: no import cycle, the config a leaf, the layers pointing one
+way (the library never imports the shell or the commands), and the algorithm contract's defaults."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.code_shape import cycles, import_graph
+
+ROOT = Path(__file__).resolve().parents[1] / "jaxrl_llm"
+pytestmark = pytest.mark.quick
+MODULE_GRAPH = import_graph(ROOT)
+FULL_GRAPH = import_graph(ROOT, top_level_only=False)  # function-level imports too
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in graph[todo.pop()] - seen:
+            seen.add(nxt)
+            todo.append(nxt)
+    return seen
+
+
+def test_no_import_cycle_even_through_function_level_imports():
+    assert cycles(MODULE_GRAPH) == []
+    assert cycles(FULL_GRAPH) == []
+
+
+def test_a_cycle_is_found_when_there_is_one(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from pkg.b import x\n")
+    (pkg / "b.py").write_text("def x():\n    from pkg import a\n")
+    assert cycles(import_graph(pkg)) == []
+    assert cycles(import_graph(pkg, top_level_only=False)) == [["pkg.a", "pkg.b"]]
+
+
+def test_the_config_is_a_leaf():
+    used = {m for m in reachable(FULL_GRAPH, "jaxrl_llm.config") if m.startswith("jaxrl_llm.")}
+    assert used <= {"jaxrl_llm.config.schema", "jaxrl_llm.config.loading", "jaxrl_llm.errors", "jaxrl_llm"}
+
+
+@pytest.mark.parametrize("library", ["jaxrl_llm.rl", "jaxrl_llm.models", "jaxrl_llm.rewards", "jaxrl_llm.sampling",
+                                     "jaxrl_llm.data", "jaxrl_llm.run", "jaxrl_llm.config"])
+def test_the_library_never_imports_the_shell_or_the_commands(library):
+    modules = [m for m in FULL_GRAPH if m == library or m.startswith(library + ".")]
+    reached = set().union(*(reachable(FULL_GRAPH, m) for m in modules))
+    above = {m for m in reached if m.startswith(("jaxrl_llm.trainers", "jaxrl_llm.cli", "jaxrl_llm.preflight",
+                                                 "jaxrl_llm.api"))}
+    assert above == set(), f"{library} reaches {sorted(above)}"
+
+
+def test_every_algorithm_is_named_in_the_schema_and_keeps_its_state_out_of_itself():
+    from jaxrl_llm.config import ALGORITHM_NAMES
+    from jaxrl_llm.trainers import ALGORITHMS, algorithm_class
+    from jaxrl_llm.trainers.base import Algorithm
+
+    assert tuple(ALGORITHMS) == ALGORITHM_NAMES
+    for name in ALGORITHMS:
+        cls = algorithm_class(name)
+        assert issubclass(cls, Algorithm), name
+        assert not hasattr(cls, "state") and not hasattr(cls, "load_state"), name  # the shell owns the state
+        for method in ("init", "collect", "update", "export"):
+            assert getattr(cls, method) is not getattr(Algorithm, method), f"{name} must define {method}"
