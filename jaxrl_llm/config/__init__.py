@@ -16,7 +16,6 @@ from jaxrl_llm.config.loading import (
     to_yaml,
 )
 from jaxrl_llm.config.schema import (
-    ALGORITHM_NAMES,
     KL_ESTIMATORS,
     RENAMED,
     ROLLOUT_CORRECTIONS,
@@ -42,7 +41,7 @@ from jaxrl_llm.config.schema import (
 from jaxrl_llm.errors import ConfigError
 
 __all__ = [
-    "ALGORITHM_NAMES", "API_WHERE", "KL_ESTIMATORS", "RENAMED", "ROLLOUT_CORRECTIONS", "ConfigError", "DPOSection",
+    "API_WHERE", "KL_ESTIMATORS", "RENAMED", "ROLLOUT_CORRECTIONS", "ConfigError", "DPOSection",
     "DataSection", "DistributedSection", "LoggingSection", "LoraSection", "MeshSection", "ModelSection",
     "MonitorSection", "OptimSection", "PPOSection", "RLSection", "Range", "RewardSpec", "RunConfig", "SFTSection",
     "SamplingSection", "add_import_path", "check_fields", "config_source", "get_field", "load_run_config",

@@ -37,7 +37,6 @@ RENAMED = {
     "diagnostics": "monitor (one section for the run's health checks)",
 }
 
-ALGORITHM_NAMES = ("grpo", "rloo", "reinforce_pp", "ppo", "sft", "rm", "dpo")  # jaxrl_llm.trainers.ALGORITHMS
 DTYPES = ("float32", "bfloat16")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -376,7 +375,7 @@ class LoggingSection:
 class RunConfig:
     """A whole run."""
 
-    algo: str = one_of("grpo", ALGORITHM_NAMES)  # grpo | rloo | reinforce_pp | ppo | sft | rm | dpo (train.py --algo)
+    algo: str = "grpo"  # grpo | rloo | reinforce_pp | ppo | sft | rm | dpo (jaxrl_llm.trainers.ALGORITHMS)
     seed: int = at_least(0)  # the run's root random key (sampling, data order, dropout-free init)
     steps: int = at_least(100)  # training steps (one rollout + update each, for the RL algorithms)
     out_dir: str = "runs/default"  # metrics, samples, checkpoints and the export go here

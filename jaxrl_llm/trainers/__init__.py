@@ -11,7 +11,7 @@ from typing import Any
 
 import jax
 
-from jaxrl_llm.config import ALGORITHM_NAMES, ConfigError, RunConfig
+from jaxrl_llm.config import ConfigError, RunConfig
 from jaxrl_llm.sharding import MeshShape
 from jaxrl_llm.trainers.loop import Trainer
 
@@ -24,10 +24,12 @@ ALGORITHMS: dict[str, str] = {
     "rm": "jaxrl_llm.trainers.rm:RewardModelTraining",
     "dpo": "jaxrl_llm.trainers.dpo:DPO",
 }
-assert tuple(ALGORITHMS) == ALGORITHM_NAMES, "config.schema.ALGORITHM_NAMES lists the algorithms' names"
 
 
 def algorithm_class(name: str) -> Any:
+    """The class of `--algo name`; a one-line `ConfigError` for a name no algorithm has."""
+    if name not in ALGORITHMS:
+        raise ConfigError(f"algo={name!r}: expected one of {', '.join(ALGORITHMS)}")
     module, _, attr = ALGORITHMS[name].partition(":")
     return getattr(importlib.import_module(module), attr)
 
