@@ -83,26 +83,21 @@ TOKENIZER_FILES = (
     "generation_config.json",
 )
 
+
+def _projection_tensors(block: str, hf_block: str, names: tuple[str, ...]) -> dict[tuple[str, ...], str]:
+    """`(block, name, "kernel" | "bias") -> "{hf_block}.{name}_proj.weight" | ".bias"`, the kernels first."""
+    return {(block, name, kind): f"{hf_block}.{name}_proj.{'weight' if kind == 'kernel' else 'bias'}"
+            for kind in ("kernel", "bias") for name in names}
+
+
 # Our parameter path (layer params without the leading "layers") -> HF tensor name suffix.
 _LAYER_TENSORS = {
     ("attn_norm", "scale"): "input_layernorm.weight",
-    ("attn", "q", "kernel"): "self_attn.q_proj.weight",
-    ("attn", "k", "kernel"): "self_attn.k_proj.weight",
-    ("attn", "v", "kernel"): "self_attn.v_proj.weight",
-    ("attn", "o", "kernel"): "self_attn.o_proj.weight",
-    ("attn", "q", "bias"): "self_attn.q_proj.bias",
-    ("attn", "k", "bias"): "self_attn.k_proj.bias",
-    ("attn", "v", "bias"): "self_attn.v_proj.bias",
-    ("attn", "o", "bias"): "self_attn.o_proj.bias",
+    **_projection_tensors("attn", "self_attn", ("q", "k", "v", "o")),
     ("attn", "q_norm", "scale"): "self_attn.q_norm.weight",
     ("attn", "k_norm", "scale"): "self_attn.k_norm.weight",
     ("mlp_norm", "scale"): "post_attention_layernorm.weight",
-    ("mlp", "gate", "kernel"): "mlp.gate_proj.weight",
-    ("mlp", "up", "kernel"): "mlp.up_proj.weight",
-    ("mlp", "down", "kernel"): "mlp.down_proj.weight",
-    ("mlp", "gate", "bias"): "mlp.gate_proj.bias",
-    ("mlp", "up", "bias"): "mlp.up_proj.bias",
-    ("mlp", "down", "bias"): "mlp.down_proj.bias",
+    **_projection_tensors("mlp", "mlp", ("gate", "up", "down")),
 }
 _GLOBAL_TENSORS = {
     ("embed", "embedding"): "model.embed_tokens.weight",
