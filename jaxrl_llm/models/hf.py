@@ -271,10 +271,7 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     """config.json dict for `config` (legacy `rope_theta`/`rope_scaling` keys, read by transformers 4 and 5)."""
     c = config
-    if c.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ConversionError(f"cannot export model_type {c.model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
-    if c.model_type == "qwen2" and (c.qkv_bias is False or c.o_bias):
-        raise ConversionError("qwen2 has q/k/v biases and no o bias; export this config as 'llama' instead")
+    _check_exportable(c)
     hf: dict[str, Any] = {
         "architectures": [_ARCHITECTURE[c.model_type]],
         "model_type": c.model_type,
@@ -301,12 +298,28 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     if c.eos_token_id is not None:
         eos = c.eos_token_id
         hf["eos_token_id"] = list(eos) if isinstance(eos, tuple) else eos
+    _add_family_fields(hf, c)
+    return hf
+
+
+def _check_exportable(config: ModelConfig) -> None:
+    """`ConversionError` unless the model type is exported and its biases are the ones that type's config can say."""
+    c = config
+    if c.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConversionError(f"cannot export model_type {c.model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
+    if c.model_type == "qwen2" and (c.qkv_bias is False or c.o_bias):
+        raise ConversionError("qwen2 has q/k/v biases and no o bias; export this config as 'llama' instead")
     if c.model_type == "phi3" and (c.qkv_bias or c.o_bias or c.mlp_bias):
         raise ConversionError("phi3 has no biases; export this config as 'llama' instead")
+    if c.model_type == "llama" and c.qkv_bias != c.o_bias:
+        raise ConversionError("llama's attention_bias covers q/k/v and o together")
+
+
+def _add_family_fields(hf: dict[str, Any], config: ModelConfig) -> None:
+    """The config.json keys only some model types have (added to `hf` in place, after the common ones)."""
+    c = config
     if c.model_type in ("llama", "qwen3"):
         hf["attention_bias"] = c.qkv_bias
-        if c.qkv_bias != c.o_bias and c.model_type == "llama":
-            raise ConversionError("llama's attention_bias covers q/k/v and o together")
     if c.model_type == "llama":
         hf["mlp_bias"] = c.mlp_bias
     if c.model_type in ("mistral", "phi3"):
@@ -330,7 +343,6 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         hf["use_sliding_window"] = False
         hf["sliding_window"] = None
         hf["max_window_layers"] = c.num_layers
-    return hf
 
 
 def _int_if_whole(x: float | None) -> float | int | None:
