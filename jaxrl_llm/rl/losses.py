@@ -245,6 +245,13 @@ def _token_log_ratio(logp: Array, old_logp: Array, mask: Array) -> Array:
     return jnp.clip(log_ratio, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
 
 
+def _with_ratio(ratio: Array, advantages: Array, epsilon_low: float | Array, epsilon_high: float | Array,
+                dual_clip_c: float | None) -> tuple[Array, Array]:
+    """``(clipped_surrogate(rho, A), rho)``: what a surrogate that clips its ratio ``rho`` returns."""
+    return clipped_surrogate(ratio, advantages, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
+                             dual_clip_c=dual_clip_c), ratio
+
+
 @register_policy_loss("ppo_clip")
 def ppo_clip_loss(logp: Array, old_logp: Array, advantages: Array, mask: Array, *,
                   epsilon_low: float | Array = 0.2, epsilon_high: float | Array = 0.2,
@@ -252,8 +259,7 @@ def ppo_clip_loss(logp: Array, old_logp: Array, advantages: Array, mask: Array, 
     """Token-level clipped surrogate (PPO, GRPO, DAPO, Dr.GRPO): ``rho_t = pi(y_t) / pi_old(y_t)``,
     ``l_t = clipped_surrogate(rho_t, A_t)``. Shapes: all ``[B, T]`` -> ``([B, T], [B, T])``."""
     ratio = jnp.exp(_token_log_ratio(logp, old_logp, mask))
-    return clipped_surrogate(ratio, advantages, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
-                             dual_clip_c=dual_clip_c), ratio
+    return _with_ratio(ratio, advantages, epsilon_low, epsilon_high, dual_clip_c)
 
 
 @register_policy_loss("gspo")
@@ -271,8 +277,7 @@ def gspo_loss(logp: Array, old_logp: Array, advantages: Array, mask: Array, *,
     sg = jax.lax.stop_gradient
     seq_log_ratio = masked_mean(_token_log_ratio(logp, old_logp, mask), mask, axis=-1, keepdims=True)
     ratio = jnp.exp(sg(seq_log_ratio) + jnp.where(_valid(mask), _f32(logp) - sg(_f32(logp)), 0.0))
-    return clipped_surrogate(ratio, advantages, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
-                             dual_clip_c=dual_clip_c), ratio
+    return _with_ratio(ratio, advantages, epsilon_low, epsilon_high, dual_clip_c)
 
 
 @register_policy_loss("cispo")
@@ -620,15 +625,8 @@ def explained_variance(values: Array, returns: Array, mask: Array) -> Array:
 
 
 def clipped_value_loss(
-    values: Array,
-    old_values: Array,
-    returns: Array,
-    mask: Array,
-    *,
-    clip_range: float | None = 0.2,
-    aggregation: AggregationMode = "token-mean",
-    max_len: int | None = None,
-    num_tokens: Array | float | None = None,
+    values: Array, old_values: Array, returns: Array, mask: Array, *, clip_range: float | None = 0.2,
+    aggregation: AggregationMode = "token-mean", max_len: int | None = None, num_tokens: Array | float | None = None,
     num_seqs: Array | float | None = None,
 ) -> tuple[Array, dict[str, Array]]:
     """PPO critic loss with value clipping (Schulman et al. 2017; as in OpenAI baselines' PPO2).
@@ -724,17 +722,9 @@ def preference_pair_loss(h: Array, *, beta: Array, label_smoothing: Array, loss_
 
 
 def dpo_loss(
-    policy_chosen_logp: Array,
-    policy_rejected_logp: Array,
-    ref_chosen_logp: Array,
-    ref_rejected_logp: Array,
-    *,
-    beta: float | Array = 0.1,
-    loss_type: PreferenceLossType = "sigmoid",
-    label_smoothing: float | Array = 0.0,
-    mask: Array | None = None,
-    chosen_lengths: Array | None = None,
-    rejected_lengths: Array | None = None,
+    policy_chosen_logp: Array, policy_rejected_logp: Array, ref_chosen_logp: Array, ref_rejected_logp: Array, *,
+    beta: float | Array = 0.1, loss_type: PreferenceLossType = "sigmoid", label_smoothing: float | Array = 0.0,
+    mask: Array | None = None, chosen_lengths: Array | None = None, rejected_lengths: Array | None = None,
     simpo_gamma: float | Array = 0.5,
 ) -> tuple[Array, dict[str, Array]]:
     """DPO-family preference losses on summed sequence log-probs, with reward metrics::
