@@ -14,6 +14,7 @@ a reference pass is 4 x forward, one sampling call is the prompt's prefill plus 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +125,16 @@ def sampling_flops(dims: dict[str, int], rows: int, prompt_len: int, new_tokens:
     return rows * forward_flops(dims, contexts, len(contexts))
 
 
+def best_seconds(fn: Callable[[], Any], repeats: int) -> float:
+    """The shortest wall time of `repeats` calls of `fn` (which returns once its work is done)."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def jax_matmul_flops(dtype: str = "float32", size: int = 1024, repeats: int = 50) -> float:
     """FLOP/s of a jitted `[size, size] @ [size, size]` in `dtype` (best of `repeats`): the practical limit."""
     import jax
@@ -132,12 +143,7 @@ def jax_matmul_flops(dtype: str = "float32", size: int = 1024, repeats: int = 50
     a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32).astype(dtype)
     matmul = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
     matmul(a, a).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        matmul(a, a).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * size**3 / best
+    return 2 * size**3 / best_seconds(lambda: matmul(a, a).block_until_ready(), repeats)
 
 
 def torch_matmul_flops(dtype: str = "float32", size: int = 1024, repeats: int = 50) -> float:
@@ -146,9 +152,4 @@ def torch_matmul_flops(dtype: str = "float32", size: int = 1024, repeats: int = 
 
     a = torch.randn(size, size).to(getattr(torch, dtype))
     torch.mm(a, a)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        torch.mm(a, a)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * size**3 / best
+    return 2 * size**3 / best_seconds(lambda: torch.mm(a, a), repeats)

@@ -25,6 +25,7 @@ import argparse
 import json
 import platform
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +33,7 @@ import numpy as np
 from common import QWEN25_05B, QWEN25_05B_TINY, model_dims, train_flops
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--group", type=int, default=8)
@@ -44,20 +45,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="per device, dense, compute dtype")
     parser.add_argument("--tiny", action="store_true")
-    args = parser.parse_args()
+    return parser.parse_args()
 
-    from jaxrl_llm.config import OptimSection
+
+def build_model(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
+    """`(mesh, config, param_shardings, params)`: the random model placed on the `--mesh`."""
     from jaxrl_llm.models.decoder import init_params
     from jaxrl_llm.models.hf import config_from_hf
-    from jaxrl_llm.sampling import SamplingConfig, compile_sampler
-    from jaxrl_llm.sharding import (
-        MeshShape,
-        global_array,
-        init_optimizer_state,
-        make_mesh,
-        param_shardings,
-    )
-    from jaxrl_llm.trainers.step import PolicyBatch, PolicyLossConfig, make_optimizer, make_train_step, policy_loss
+    from jaxrl_llm.sharding import MeshShape, make_mesh, param_shardings
 
     sizes = dict(kv.split("=") for kv in args.mesh.split(","))
     mesh = make_mesh(MeshShape(int(sizes["data"]), int(sizes["fsdp"]), int(sizes["tensor"])))
@@ -67,9 +62,14 @@ def main() -> None:
     params = jax.jit(lambda: init_params(config, jax.random.key(0)), out_shardings=shardings)()
     print(f"{config.num_params() / 1e6:.1f}M params, {jax.device_count()} x {jax.devices()[0].device_kind}, "
           f"mesh {dict(mesh.shape)}, compute {args.dtype}, jax {jax.__version__}, {platform.node()}", flush=True)
+    return mesh, config, shardings, params
 
-    rng = np.random.default_rng(0)
-    prompts = rng.integers(1, config.vocab_size, (args.prompts, args.prompt_len)).astype(np.int32)
+
+def time_sampler(args: argparse.Namespace, mesh: Any, config: Any, params: Any,
+                 prompts: np.ndarray) -> tuple[Any, float]:
+    """The last sampling call's output and the sampler's tokens/s (best of `--steps` calls, compile apart)."""
+    from jaxrl_llm.sampling import SamplingConfig, compile_sampler
+
     mask = np.ones_like(prompts)
     sampling = SamplingConfig(max_new_tokens=args.new_tokens, temperature=1.0, n=args.group, eos_ids=(), pad_id=0,
                               prompt_bucket=args.prompt_len, new_tokens_bucket=args.new_tokens)
@@ -86,6 +86,15 @@ def main() -> None:
     tokens_per_s = rows * args.new_tokens / min(sample_times)
     print(f"sampler: {tokens_per_s:.0f} tokens/s (best of {args.steps}: {min(sample_times):.3f} s for {rows} x "
           f"{args.new_tokens}; compile {sample_compile:.1f} s)", flush=True)
+    return out, tokens_per_s
+
+
+def time_train_step(args: argparse.Namespace, mesh: Any, config: Any, shardings: Any, params: Any, batch: Any,
+                    ) -> tuple[float, float, Any]:
+    """`(best seconds of --steps train steps, the first call's seconds (compile included), metrics)`."""
+    from jaxrl_llm.config import OptimSection
+    from jaxrl_llm.sharding import init_optimizer_state
+    from jaxrl_llm.trainers.step import PolicyLossConfig, make_optimizer, make_train_step, policy_loss
 
     optimizer, _ = make_optimizer(OptimSection(learning_rate=1e-6), 100)
     opt_state = init_optimizer_state(optimizer, params, shardings, mesh)
@@ -93,10 +102,6 @@ def main() -> None:
                            loss_config=PolicyLossConfig(beta=0.04, max_len=args.new_tokens), optimizer=optimizer,
                            params_sharding=shardings,
                            opt_state_sharding=jax.tree.map(lambda x: x.sharding, opt_state))
-    old = np.asarray(out.logprobs_untruncated, np.float32)
-    batch = PolicyBatch(np.repeat(prompts, args.group, 0), np.repeat(mask, args.group, 0), np.asarray(out.tokens),
-                        np.asarray(out.mask), old, old, rng.normal(size=rows).astype(np.float32))
-    batch = jax.tree.map(lambda x: global_array(x, mesh), batch)
     start = time.perf_counter()
     params, opt_state, metrics = step(params, opt_state, batch)
     jax.block_until_ready(metrics)
@@ -107,16 +112,35 @@ def main() -> None:
         params, opt_state, metrics = step(params, opt_state, batch)
         jax.block_until_ready(metrics)
         step_times.append(time.perf_counter() - start)
+    return min(step_times), step_compile, metrics
+
+
+def main() -> None:
+    args = parse_args()
+    from jaxrl_llm.sharding import global_array
+    from jaxrl_llm.trainers.step import PolicyBatch
+
+    mesh, config, shardings, params = build_model(args)
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(1, config.vocab_size, (args.prompts, args.prompt_len)).astype(np.int32)
+    mask = np.ones_like(prompts)
+    out, tokens_per_s = time_sampler(args, mesh, config, params, prompts)
+    rows = args.prompts * args.group
+    old = np.asarray(out.logprobs_untruncated, np.float32)
+    batch = PolicyBatch(np.repeat(prompts, args.group, 0), np.repeat(mask, args.group, 0), np.asarray(out.tokens),
+                        np.asarray(out.mask), old, old, rng.normal(size=rows).astype(np.float32))
+    batch = jax.tree.map(lambda x: global_array(x, mesh), batch)
+    step_s, step_compile, metrics = time_train_step(args, mesh, config, shardings, params, batch)
     flops = train_flops(model_dims(config), rows, args.prompt_len, args.new_tokens)
-    mfu = flops / min(step_times) / (args.peak_tflops * 1e12 * jax.device_count())
-    print(f"train step: {min(step_times):.3f} s (best of {args.steps}; first call incl. compile {step_compile:.1f} s),"
+    mfu = flops / step_s / (args.peak_tflops * 1e12 * jax.device_count())
+    print(f"train step: {step_s:.3f} s (best of {args.steps}; first call incl. compile {step_compile:.1f} s),"
           f" {flops / 1e12:.2f} TFLOP, MFU {mfu:.3f} of {args.peak_tflops:.0f} TFLOP/s x {jax.device_count()}; "
           f"loss {float(metrics['loss']):.4f}", flush=True)
     print(json.dumps({
         "date": time.strftime("%Y-%m-%d"), "device": jax.devices()[0].device_kind, "devices": jax.device_count(),
         "params_m": round(config.num_params() / 1e6, 1), "dtype": args.dtype, "mesh": dict(mesh.shape),
         "rows": rows, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-        "sampler_tokens_per_s": round(tokens_per_s), "train_step_s": round(min(step_times), 4),
+        "sampler_tokens_per_s": round(tokens_per_s), "train_step_s": round(step_s, 4),
         "train_tflop": round(flops / 1e12, 3), "mfu": round(mfu, 4),
         "finite": bool(jnp.isfinite(metrics["loss"])),
     }))

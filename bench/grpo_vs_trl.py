@@ -60,6 +60,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from common import (
@@ -264,42 +265,20 @@ def run_trl(model_dir: Path, prompts: list[str], out_dir: Path, warmup: int, ste
     from datasets import Dataset
     from transformers import TrainerCallback
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     torch.set_num_threads(threads)
     transformers.logging.set_verbosity_error()
     t_setup = time.perf_counter()
-    args = GRPOConfig(
-        output_dir=str(out_dir), use_cpu=True, bf16=bf16, fp16=False, seed=0,
-        per_device_train_batch_size=PROMPTS_PER_STEP * GROUP, num_generations=GROUP, steps_per_generation=1,
-        gradient_accumulation_steps=1, num_iterations=1, beta=BETA, max_completion_length=NEW_TOKENS,
-        temperature=1.0, top_p=1.0, top_k=0, generation_kwargs={"min_new_tokens": NEW_TOKENS},
-        loss_type="dapo", scale_rewards="group", epsilon=0.2, learning_rate=LR, lr_scheduler_type="constant",
-        adam_beta2=0.99, weight_decay=0.0, max_grad_norm=1.0, max_steps=warmup + steps, logging_steps=1,
-        report_to="none", save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
-        gradient_checkpointing=remat,  # TRL's default is True; ours is model.remat=false
-        model_init_kwargs={"dtype": torch.float32},
-    )
-    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=vowel_reward, args=args,
+    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=vowel_reward,
+                          args=trl_config(out_dir, warmup + steps, bf16, remat),
                           train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]))
     for cb in (PrinterCallback, ProgressCallback):
         trainer.remove_callback(cb)
     setup_s = time.perf_counter() - t_setup
     assert next(trainer.model.parameters()).dtype == torch.float32
     assert trainer.ref_model is not None
-
-    timer = Timer()
-    trainer._generate = timer.wrap("sampling", trainer._generate)
-    trainer._calculate_rewards = timer.wrap("rewards", trainer._calculate_rewards)
-    logps = trainer._get_per_token_logps_and_entropies
-
-    def per_token_logps(model, *a, **kw):
-        name = "ref_pass" if model is trainer.ref_model else "policy_logps"
-        return timer.wrap(name, logps)(model, *a, **kw)
-
-    trainer._get_per_token_logps_and_entropies = per_token_logps
-    trainer._generate_and_score_completions = timer.wrap("rollout_and_ref", trainer._generate_and_score_completions)
-
+    timer = time_trl_parts(trainer)
     records: list[dict] = []
     log_rows: list[dict] = []
 
@@ -335,8 +314,41 @@ def run_trl(model_dir: Path, prompts: list[str], out_dir: Path, warmup: int, ste
     rewards = [row["reward"] for row in log_rows if "reward" in row]
     for record, length, reward in zip(records, lengths, rewards, strict=False):
         record.update(completion_length=length, reward=reward)
-    return dict(setup=setup_s, records=records,
-                n_params=sum(p.numel() for p in trainer.model.parameters()))
+    return dict(setup=setup_s, records=records, n_params=sum(p.numel() for p in trainer.model.parameters()))
+
+
+def trl_config(out_dir: Path, max_steps: int, bf16: bool, remat: bool) -> Any:
+    """TRL's `GRPOConfig` for the same step as ours (see the module docstring)."""
+    import torch
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=str(out_dir), use_cpu=True, bf16=bf16, fp16=False, seed=0,
+        per_device_train_batch_size=PROMPTS_PER_STEP * GROUP, num_generations=GROUP, steps_per_generation=1,
+        gradient_accumulation_steps=1, num_iterations=1, beta=BETA, max_completion_length=NEW_TOKENS,
+        temperature=1.0, top_p=1.0, top_k=0, generation_kwargs={"min_new_tokens": NEW_TOKENS},
+        loss_type="dapo", scale_rewards="group", epsilon=0.2, learning_rate=LR, lr_scheduler_type="constant",
+        adam_beta2=0.99, weight_decay=0.0, max_grad_norm=1.0, max_steps=max_steps, logging_steps=1,
+        report_to="none", save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+        gradient_checkpointing=remat,  # TRL's default is True; ours is model.remat=false
+        model_init_kwargs={"dtype": torch.float32},
+    )
+
+
+def time_trl_parts(trainer: Any) -> Timer:
+    """Wrap the TRL trainer's sampling, rewards and log-prob passes (the reference model's apart) in a `Timer`."""
+    timer = Timer()
+    trainer._generate = timer.wrap("sampling", trainer._generate)
+    trainer._calculate_rewards = timer.wrap("rewards", trainer._calculate_rewards)
+    logps = trainer._get_per_token_logps_and_entropies
+
+    def per_token_logps(model, *a, **kw):
+        name = "ref_pass" if model is trainer.ref_model else "policy_logps"
+        return timer.wrap(name, logps)(model, *a, **kw)
+
+    trainer._get_per_token_logps_and_entropies = per_token_logps
+    trainer._generate_and_score_completions = timer.wrap("rollout_and_ref", trainer._generate_and_score_completions)
+    return timer
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -361,7 +373,7 @@ def stat(records: list[dict] | None, field: str, how: str) -> float | None:
     return statistics.median(values) if how == "median" else min(values)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=5, help="timed steps per side (median reported)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed first steps per side (JAX compiles here)")
@@ -381,10 +393,11 @@ def main() -> None:
     parser.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
                         help="before each timed step, wait up to S seconds for other processes to leave the CPUs "
                              "idle (on a shared machine)")
-    args = parser.parse_args()
-    dtype = "bfloat16" if args.bf16 else "float32"
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's jaxrl_llm, installed or not
+    return parser.parse_args()
 
+
+def print_versions(args: argparse.Namespace) -> None:
+    """The libraries' versions and the load; exits when TRL is missing and asked for."""
     import jax
     import torch
     import transformers
@@ -400,6 +413,12 @@ def main() -> None:
     print(f"python {platform.python_version()}, {os.cpu_count()} CPUs, " + ", ".join(f"{k} {v}"
           for k, v in versions.items()) + f", JAX devices {jax.devices()}", flush=True)
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+
+
+def run_sides(args: argparse.Namespace, dtype: str) -> tuple[dict, dict | None, dict, float, float | None]:
+    """Our warm-up, then TRL's warm-up and the timed steps of both in turn (or ours alone with `--skip-trl`):
+    `(ours, trl or None, model dims, jax matmul FLOP/s, torch matmul FLOP/s or None)`."""
+    import torch
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -419,7 +438,7 @@ def main() -> None:
             runner.step(warmup=True)
         wait_until_quiet(args.wait_quiet)
         jax_mm = max(jax_mm, jax_matmul_flops(dtype))  # again after compiling; the best of both counts
-        trl_res = None
+        trl_res, torch_mm = None, None
         if args.skip_trl:
             for _ in range(args.steps):
                 runner.step(warmup=False)
@@ -434,15 +453,17 @@ def main() -> None:
                               lambda warmup: None if warmup else runner.step(warmup=False))
         ours = dict(setup=runner.setup, records=runner.records, prompt_width=runner.prompt_width,
                     n_params=runner.n_params)
+    return ours, trl_res, dims, jax_mm, torch_mm
 
-    rows = PROMPTS_PER_STEP * GROUP
+
+def print_overview(args: argparse.Namespace, ours: dict, trl_res: dict | None) -> None:
+    """The model, the set-up and warm-up times, and how quiet the machine was during each side's timed steps."""
     o, t = ours["records"], (trl_res["records"] if trl_res else None)
-    o_len = stat(o, "completion_length", "median")
-    flops = update_flops(dims, rows, args.prompt_tokens, o_len)
     print()
     print(f"model: {args.model or 'Qwen2-shaped random'}, {ours['n_params'] / 1e6:.2f}M params (ours) / "
           f"{(trl_res or ours)['n_params'] / 1e6:.2f}M (torch), prompts {args.prompt_tokens} tokens "
-          f"(ours padded to {ours['prompt_width']}), {rows} completions x {NEW_TOKENS} tokens per step")
+          f"(ours padded to {ours['prompt_width']}), {PROMPTS_PER_STEP * GROUP} completions x {NEW_TOKENS} tokens "
+          f"per step")
     print(f"set-up (load model, build trainer): ours {ours['setup']:.1f} s" +
           (f", TRL {trl_res['setup']:.1f} s" if trl_res else ""))
     print("warm-up steps (ours: include JAX compilation): ours " +
@@ -459,6 +480,10 @@ def main() -> None:
               ("; statistics below use those steps only" if clean and len(clean) < len(steps) else "") +
               ("; NONE did: the figures below are not trustworthy" if not clean else ""))
     print()
+
+
+def print_step_table(o: list[dict], t: list[dict] | None) -> None:
+    """Seconds per step and per part, median and minimum of each side, and TRL / ours."""
     header = (f"{'seconds per step':<33}{'ours med':>9}{'TRL med':>9}{'ratio':>7}"
               f"{'ours min':>10}{'TRL min':>9}{'ratio':>7}")
     print(header)
@@ -481,6 +506,12 @@ def main() -> None:
     line("    policy fwd+bwd+AdamW", "train")
     line("mean completion length (tokens)", "completion_length", ".1f")
     print()
+
+
+def print_flop_rates(args: argparse.Namespace, dtype: str, o: list[dict], t: list[dict] | None, flops: float,
+                     o_len: float, jax_mm: float, torch_mm: float | None) -> None:
+    """The update's model FLOPs, its FLOP/s over the matmul baselines', and the one-line result."""
+    rows = PROMPTS_PER_STEP * GROUP
     print(f"update model FLOPs per step: {flops / 1e9:.2f} GFLOP "
           f"(ref fwd + policy fwd/bwd over {rows} x ({args.prompt_tokens} + {o_len:.0f} - 1) positions)")
     print(f"jitted {dtype} 1024^3 matmul: {jax_mm / 1e9:.1f} GFLOP/s" +
@@ -503,6 +534,20 @@ def main() -> None:
               f"ours update at {flops / o_compute / jax_mm:.3f} of the jitted matmul's FLOP/s" +
               ("" if all(r["others"] < CLEAN for r in timed(o) + timed(t)) else
                " [NOT TRUSTWORTHY: other processes used the CPUs during these steps]"))
+
+
+def main() -> None:
+    args = parse_args()
+    dtype = "bfloat16" if args.bf16 else "float32"
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's jaxrl_llm, installed or not
+    print_versions(args)
+    ours, trl_res, dims, jax_mm, torch_mm = run_sides(args, dtype)
+    o, t = ours["records"], (trl_res["records"] if trl_res else None)
+    o_len = stat(o, "completion_length", "median")
+    flops = update_flops(dims, PROMPTS_PER_STEP * GROUP, args.prompt_tokens, o_len)
+    print_overview(args, ours, trl_res)
+    print_step_table(o, t)
+    print_flop_rates(args, dtype, o, t, flops, o_len, jax_mm, torch_mm)
     sys.stdout.flush()
 
 

@@ -10,10 +10,9 @@ markdown table (bench/README.md).
 
 from __future__ import annotations
 
-import time
-
 import jax
 import jax.numpy as jnp
+from common import best_seconds
 
 SHAPES = [(2048, 576, 1536), (2048, 1536, 576), (1024, 1024, 1024), (32, 576, 1536), (32, 1536, 576)]
 
@@ -24,12 +23,7 @@ def gflops(m: int, k: int, n: int, dtype: jnp.dtype, out: jnp.dtype | None) -> f
     w = (jax.random.normal(jax.random.key(1), (k, n)) * 0.02).astype(dtype)
     f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=out))
     f(x, w).block_until_ready()
-    best = float("inf")
-    for _ in range(50 if m >= 1024 else 300):
-        t0 = time.perf_counter()
-        f(x, w).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * m * k * n / best / 1e9
+    return 2 * m * k * n / best_seconds(lambda: f(x, w).block_until_ready(), 50 if m >= 1024 else 300) / 1e9
 
 
 def main() -> None:

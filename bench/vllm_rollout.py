@@ -72,7 +72,7 @@ def preload_libraries() -> list[str]:
     return added
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="a HF causal-LM directory")
     parser.add_argument("--prompts", required=True, help="JSON file: a list of prompt token-id lists (unpadded)")
@@ -83,8 +83,11 @@ def main() -> None:
     parser.add_argument("--kv-cache-gib", type=float, default=1.0)
     parser.add_argument("--prefix-caching", action="store_true", help="let vLLM reuse cached prompt prefixes")
     parser.add_argument("--no-preload", action="store_true", help="leave LD_PRELOAD as it is (no tcmalloc/iomp)")
-    args = parser.parse_args()
+    return parser.parse_args()
 
+
+def main() -> None:
+    args = parse_args()
     with open(args.prompts) as f:
         prompts: list[list[int]] = json.load(f)
     batch = len(prompts)

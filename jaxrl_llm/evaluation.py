@@ -62,17 +62,9 @@ class Scored:
 
 
 def generate_scored(
-    params: Params,
-    model_config: ModelConfig,
-    tokenizer: Any,
-    prompt_set: PromptSet,
-    reward: tuple[str, RewardFunction],
-    sampling: SamplingConfig,
-    *,
-    batch_size: int = 256,
-    limit: int | None = None,
-    mesh: Mesh | None = None,
-    key: jax.Array | None = None,
+    params: Params, model_config: ModelConfig, tokenizer: Any, prompt_set: PromptSet,
+    reward: tuple[str, RewardFunction], sampling: SamplingConfig, *, batch_size: int = 256, limit: int | None = None,
+    mesh: Mesh | None = None, key: jax.Array | None = None,
 ) -> Scored:
     """Sample `sampling.n` completions for each of the first `limit` prompts and score them with `reward`.
 
@@ -110,15 +102,8 @@ def generate_scored(
 
 
 def evaluate_greedy(
-    params: Params,
-    model_config: ModelConfig,
-    tokenizer: Any,
-    prompt_set: PromptSet,
-    reward: tuple[str, RewardFunction],
-    sampling: SamplingConfig,
-    *,
-    batch_size: int = 256,
-    limit: int | None = None,
+    params: Params, model_config: ModelConfig, tokenizer: Any, prompt_set: PromptSet,
+    reward: tuple[str, RewardFunction], sampling: SamplingConfig, *, batch_size: int = 256, limit: int | None = None,
     mesh: Mesh | None = None,
 ) -> dict[str, float]:
     """`{"eval/accuracy", "eval/<reward>"}` over the first `limit` prompts, greedy decoding: the accuracy is

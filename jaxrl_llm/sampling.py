@@ -73,6 +73,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decode import (
+    StepWeights,
     constrain_step_weights,
     decode_token,
     fusable_shards,
@@ -241,14 +242,8 @@ def _largest_passing(lo: jax.Array, hi: jax.Array, passes: Callable[[jax.Array],
     return jax.lax.fori_loop(0, 32, halve, (lo, hi))[0]
 
 
-def truncation_threshold(
-    scaled: jax.Array,
-    knobs: Knobs,
-    *,
-    use_top_k: bool,
-    use_top_p: bool,
-    use_min_p: bool,
-) -> jax.Array:
+def truncation_threshold(scaled: jax.Array, knobs: Knobs, *, use_top_k: bool, use_top_p: bool,
+                         use_min_p: bool) -> jax.Array:
     """Ordered-bits threshold `[B, 1]` uint32: the kept set is `K = {v : _ordered_bits(s_v) >= threshold}`.
 
     `scaled [B, V]` = logits / temperature. Top-k, then top-p on the top-k-renormalised distribution, then
@@ -277,14 +272,8 @@ def truncation_threshold(
     return threshold
 
 
-def truncate_logits(
-    scaled: jax.Array,
-    knobs: Knobs,
-    *,
-    use_top_k: bool,
-    use_top_p: bool,
-    use_min_p: bool,
-) -> jax.Array:
+def truncate_logits(scaled: jax.Array, knobs: Knobs, *, use_top_k: bool, use_top_p: bool,
+                    use_min_p: bool) -> jax.Array:
     """`scaled [B, V]` with the tokens outside the kept set `K` (see `truncation_threshold`) at `-inf`."""
     threshold = truncation_threshold(scaled, knobs, use_top_k=use_top_k, use_top_p=use_top_p, use_min_p=use_min_p)
     return jnp.where(_ordered_bits(scaled) >= threshold, scaled, -jnp.inf)
@@ -418,6 +407,48 @@ def _decode_loop(step: Callable[..., tuple[jax.Array, Any]], emit: Callable[...,
     return done, length, outputs
 
 
+def _completion_key_mask(prompt_mask: jax.Array, n: int, new_tokens: int) -> tuple[jax.Array, jax.Array]:
+    """The decode loop's key mask `[B * n, P_b + T_b]` (each prompt's mask, then every completion slot valid)
+    and the position of completion token 0 of each row `[B * n]` (its prompt's length)."""
+    rows = prompt_mask.shape[0] * n
+    # Completion slots are all marked valid up front: causality (key slot <= query slot) already hides the
+    # slots not written yet, so the key mask never changes inside the loop.
+    key_mask = jnp.concatenate(
+        [jnp.repeat(prompt_mask, n, axis=0), jnp.ones((rows, new_tokens), prompt_mask.dtype)], axis=1
+    )
+    return key_mask, jnp.repeat(jnp.sum(prompt_mask, axis=-1, dtype=jnp.int32), n)
+
+
+def _empty_outputs(rows: int, new_tokens: int, pad_id: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The loop's outputs before the first token: tokens (all `pad_id`), log-probs, untruncated log-probs,
+    each `[rows, new_tokens]`."""
+    return (
+        jnp.full((rows, new_tokens), pad_id, jnp.int32),
+        jnp.zeros((rows, new_tokens), jnp.float32),
+        jnp.zeros((rows, new_tokens), jnp.float32),
+    )
+
+
+def _token_step(params: Params, weights: list[StepWeights], config: ModelConfig, key_mask: jax.Array,
+                first_position: jax.Array, prompt_len: int,
+                shards: int) -> Callable[[jax.Array, jax.Array, Any], tuple[jax.Array, Any]]:
+    """The loop body's model call `step(i, token, caches) -> (logits, caches)`: feed token `i - 1` (cache slot
+    `P_b + i - 1`) and get the logits of token `i`; a longrope model switches to its long factors on the step
+    the batch's longest row first reaches past the original context."""
+    original = longrope_original(config)
+    key_positions = positions_from_mask(key_mask) if original is not None else None
+
+    def step(i: jax.Array, token: jax.Array, caches: Any) -> tuple[jax.Array, Any]:
+        slot = prompt_len + i - 1
+        if original is not None:  # the batch's longest row reaches past longrope's original context now
+            reach = jnp.max(first_position) + i  # transformers' seq_len of this call; the previous one was 1 less
+            caches = jax.lax.cond((reach > original) & (reach - 1 <= original),
+                                  lambda c: longrope_switch(c, config, key_positions), lambda c: c, caches)
+        return decode_token(params, weights, config, token, first_position + i - 1, key_mask, caches, slot, shards)
+
+    return step
+
+
 @functools.partial(jax.jit, static_argnames=("config", "static", "mesh"))
 def _sample_program(
     params: Params,
@@ -450,33 +481,12 @@ def _sample_program(
     logits = jnp.repeat(logits, n, axis=0)
     caches = _completion_caches(prompt_caches, n, new_tokens, mesh)
     rows = logits.shape[0]
-    # Completion slots are all marked valid up front: causality (key slot <= query slot) already hides the
-    # slots not written yet, so the key mask never changes inside the loop.
-    key_mask = jnp.concatenate(
-        [jnp.repeat(prompt_mask, n, axis=0), jnp.ones((rows, new_tokens), prompt_mask.dtype)], axis=1
-    )
-    first_position = jnp.repeat(jnp.sum(prompt_mask, axis=-1, dtype=jnp.int32), n)  # of completion token 0
+    key_mask, first_position = _completion_key_mask(prompt_mask, n, new_tokens)
     emit = functools.partial(_emit, key=key, knobs=knobs, static=static)
-    outputs = (
-        jnp.full((rows, new_tokens), static.pad_id, jnp.int32),
-        jnp.zeros((rows, new_tokens), jnp.float32),
-        jnp.zeros((rows, new_tokens), jnp.float32),
-    )
+    outputs = _empty_outputs(rows, new_tokens, static.pad_id)
     token, done, length, outputs = emit(0, logits, jnp.zeros((rows,), bool), jnp.zeros((rows,), jnp.int32), outputs)
     max_new = jnp.minimum(knobs.max_new_tokens, new_tokens)
-
-    original = longrope_original(config)
-    key_positions = positions_from_mask(key_mask) if original is not None else None
-
-    def step(i: jax.Array, token: jax.Array, caches: Any) -> tuple[jax.Array, Any]:
-        """Feed token `i - 1` (cache slot `P_b + i - 1`): the logits of token `i` and the caches."""
-        slot = prompt_len + i - 1
-        if original is not None:  # the batch's longest row reaches past longrope's original context now
-            reach = jnp.max(first_position) + i  # transformers' seq_len of this call; the previous one was 1 less
-            caches = jax.lax.cond((reach > original) & (reach - 1 <= original),
-                                  lambda c: longrope_switch(c, config, key_positions), lambda c: c, caches)
-        return decode_token(params, weights, config, token, first_position + i - 1, key_mask, caches, slot, shards)
-
+    step = _token_step(params, weights, config, key_mask, first_position, prompt_len, shards)
     done, length, outputs = _decode_loop(step, emit, max_new, (jnp.int32(1), token, caches, done, length, outputs))
     tokens, logprobs, untruncated = outputs
     mask = (jnp.arange(new_tokens)[None, :] < length[:, None]).astype(jnp.int32)
@@ -512,26 +522,16 @@ def bucket_prompts(
 
 
 def _static_from_config(sampling: SamplingConfig) -> _Static:
-    return _Static(
-        new_tokens=bucket_length(sampling.max_new_tokens, sampling.new_tokens_bucket),
-        greedy=sampling.greedy,
-        top_k=sampling.uses_top_k,
-        top_p=sampling.uses_top_p,
-        min_p=sampling.uses_min_p,
-        n=sampling.n,
-        eos_ids=sampling.eos_ids,
-        pad_id=sampling.pad_id,
-    )
+    """The switches of `sampling` that change the program (one compiled program per distinct set)."""
+    s = sampling
+    return _Static(new_tokens=bucket_length(s.max_new_tokens, s.new_tokens_bucket), greedy=s.greedy,
+                   top_k=s.uses_top_k, top_p=s.uses_top_p, min_p=s.uses_min_p, n=s.n, eos_ids=s.eos_ids,
+                   pad_id=s.pad_id)
 
 
 def _program_args(
-    params: Params,
-    model_config: ModelConfig,
-    prompt_tokens: Any,
-    prompt_mask: Any,
-    key: jax.Array,
-    sampling: SamplingConfig,
-    mesh: Mesh | None = None,
+    params: Params, model_config: ModelConfig, prompt_tokens: Any, prompt_mask: Any, key: jax.Array,
+    sampling: SamplingConfig, mesh: Mesh | None = None,
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     tokens, mask = bucket_prompts(prompt_tokens, prompt_mask, sampling)
     if mesh is not None:
@@ -543,13 +543,8 @@ def _program_args(
 
 
 def sample(
-    params: Params,
-    model_config: ModelConfig,
-    prompt_tokens: Any,
-    prompt_mask: Any,
-    key: jax.Array,
-    sampling: SamplingConfig,
-    mesh: Mesh | None = None,
+    params: Params, model_config: ModelConfig, prompt_tokens: Any, prompt_mask: Any, key: jax.Array,
+    sampling: SamplingConfig, mesh: Mesh | None = None,
 ) -> SampleOutput:
     """Sample `sampling.n` completions for each prompt of a left-padded batch.
 
@@ -576,13 +571,8 @@ def _trim(out: SampleOutput, columns: int) -> SampleOutput:
 
 
 def compile_sampler(
-    params: Params,
-    model_config: ModelConfig,
-    prompt_tokens: Any,
-    prompt_mask: Any,
-    key: jax.Array,
-    sampling: SamplingConfig,
-    mesh: Mesh | None = None,
+    params: Params, model_config: ModelConfig, prompt_tokens: Any, prompt_mask: Any, key: jax.Array,
+    sampling: SamplingConfig, mesh: Mesh | None = None,
 ) -> Callable[[Params, Any, Any, jax.Array], SampleOutput]:
     """Compile (ahead of time, without running) the program `sample` would use for these inputs.
 

@@ -181,16 +181,8 @@ def optimizer_state_bytes(
 # ----------------------------------------------------------------------------------------- activations
 
 
-def activation_bytes(
-    config: ModelConfig,
-    rows: int,
-    seq_len: int,
-    completion_len: int,
-    axis_sizes: Mapping[str, int],
-    *,
-    remat: bool,
-    logprob_block_mib: float = 256.0,
-) -> int:
+def activation_bytes(config: ModelConfig, rows: int, seq_len: int, completion_len: int, axis_sizes: Mapping[str, int],
+                     *, remat: bool, logprob_block_mib: float = 256.0) -> int:
     """Estimate of one device's activation memory in the train step (forward residuals + backward transients).
 
     `rows` = sequences of one micro-batch on this device, `seq_len` = `T` the forward length

@@ -74,22 +74,7 @@ class ModelConfig:
     lora_dropout: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.layer_types is not None:
-            if len(self.layer_types) != self.num_layers:
-                raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
-            unknown = set(self.layer_types) - {"full_attention", "sliding_attention"}
-            if unknown:
-                raise ValueError(f"unsupported layer_types {sorted(unknown)}; supported: full_attention, "
-                                 "sliding_attention")
-        if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
-            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: silu, gelu_pytorch_tanh")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
-            )
-        for name in ("param_dtype", "dtype"):
-            if getattr(self, name) not in ("float32", "bfloat16"):
-                raise ValueError(f"{name} must be 'float32' or 'bfloat16', got {getattr(self, name)!r}")
+        check_model_config(self)
 
     @property
     def jnp_dtype(self) -> jnp.dtype:
@@ -140,3 +125,23 @@ class ModelConfig:
         per_layer = attn + mlp + (4 if self.sandwich_norms else 2) * d
         head = 0 if self.tie_word_embeddings else d * self.vocab_size
         return self.vocab_size * d + self.num_layers * per_layer + d + head
+
+
+def check_model_config(config: ModelConfig) -> None:
+    """`ValueError` on the first field a decoder cannot be built with: layer types of the wrong count or kind, an
+    unsupported activation, query heads not a multiple of the KV heads, a dtype other than float32 / bfloat16."""
+    c = config
+    if c.layer_types is not None:
+        if len(c.layer_types) != c.num_layers:
+            raise ValueError(f"layer_types has {len(c.layer_types)} entries for {c.num_layers} layers")
+        unknown = set(c.layer_types) - {"full_attention", "sliding_attention"}
+        if unknown:
+            raise ValueError(f"unsupported layer_types {sorted(unknown)}; supported: full_attention, "
+                             "sliding_attention")
+    if c.hidden_act not in ("silu", "gelu_pytorch_tanh"):
+        raise ValueError(f"unsupported hidden_act {c.hidden_act!r}; supported: silu, gelu_pytorch_tanh")
+    if c.num_heads % c.num_kv_heads:
+        raise ValueError(f"num_heads ({c.num_heads}) must be a multiple of num_kv_heads ({c.num_kv_heads})")
+    for name in ("param_dtype", "dtype"):
+        if getattr(c, name) not in ("float32", "bfloat16"):
+            raise ValueError(f"{name} must be 'float32' or 'bfloat16', got {getattr(c, name)!r}")

@@ -197,53 +197,72 @@ def decode_token(
       for `shards` tensor-parallel shards (`step_weights(..., shards)`).
     """
     c = config
-    b = tokens.shape[0]
-    h, kvh, hd = c.num_heads, c.num_kv_heads, c.head_dim
-    groups = h // kvh
     act, dtype = c.jnp_activation_dtype, c.jnp_dtype  # activations; the dots' operands (`models/precision.py`)
     x = params["embed"]["embedding"][tokens].astype(dtype).astype(act)  # [B, D], as `Decoder.embed_tokens`
     if c.embed_scale:
         x = x * jnp.asarray(c.hidden_size**0.5, x.dtype)
-    eps, unit = c.rms_norm_eps, c.norm_unit_offset
     inputs = attention_inputs(c, positions[:, None], key_mask, 1, cache_index)  # cos/sin [B, 1, rot], [B, 1, S]
     new_caches = []
     for i, (w, cache) in enumerate(zip(weights, caches, strict=True)):
-        cos, sin, allowed = inputs[attention_kind(c, i)]
-        allowed = allowed[:, 0]  # [B, S]
-        qkv = matmul(rms_norm(x, w.attn_norm, eps, unit_offset=unit), w.qkv, dtype)
-        if w.qkv_bias is not None:
-            qkv = qkv + w.qkv_bias
-        q, k, v = _unfuse(qkv, (h * hd, kvh * hd, kvh * hd), shards)
-        q, k, v = q.reshape(b, h, hd), k.reshape(b, kvh, hd), v.reshape(b, kvh, hd)
-        if c.qk_norm:
-            q, k = rms_norm(q, w.q_norm, eps, unit_offset=unit), rms_norm(k, w.k_norm, eps, unit_offset=unit)
-        q, k = rotary(q, cos, sin), rotary(k, cos, sin)
-        k_all = jax.lax.dynamic_update_slice_in_dim(cache["k"], k[..., None].astype(cache["k"].dtype), cache_index, 3)
-        v_all = jax.lax.dynamic_update_slice_in_dim(cache["v"], v[:, :, None].astype(cache["v"].dtype), cache_index, 2)
-        new_caches.append({"k": k_all, "v": v_all})
-        # The decoder's grouped-query attention for one query per row, on the loop-layout caches.
-        qg = q.reshape(b, kvh, groups, hd)
-        scores = precision.einsum("bkgd,bkds->bkgs", qg, k_all, dtype, jnp.float32)
-        probs = masked_softmax(scores, allowed[:, None, None, :], c.attention_scale, c.attn_logit_softcap)
-        out = precision.einsum("bkgs,bksd->bkgd", probs, v_all, dtype)
-        attn = matmul(out.reshape(b, h * hd), w.o, dtype)
-        if w.o_bias is not None:
-            attn = attn + w.o_bias
-        if w.attn_post_norm is not None:
-            attn = rms_norm(attn, w.attn_post_norm, eps, unit_offset=unit)
+        attn, cache = _token_attention(x, w, cache, inputs[attention_kind(c, i)], c, cache_index, shards)
+        new_caches.append(cache)
         x = x + attn
-        gate_up = matmul(rms_norm(x, w.mlp_norm, eps, unit_offset=unit), w.gate_up, dtype)
-        if w.gate_up_bias is not None:
-            gate_up = gate_up + w.gate_up_bias
-        gate, up = _unfuse(gate_up, (c.intermediate_size, c.intermediate_size), shards)
-        mlp = matmul(gated_activation(gate, up, c.hidden_act), w.down, dtype)
-        if w.down_bias is not None:
-            mlp = mlp + w.down_bias
-        if w.mlp_post_norm is not None:
-            mlp = rms_norm(mlp, w.mlp_post_norm, eps, unit_offset=unit)
-        x = x + mlp
-    x = rms_norm(x, params["final_norm"]["scale"], eps, unit_offset=unit)
+        x = x + _token_mlp(x, w, c, shards)
+    x = rms_norm(x, params["final_norm"]["scale"], c.rms_norm_eps, unit_offset=c.norm_unit_offset)
     return unembed(params, c, x).astype(jnp.float32), new_caches
+
+
+def _dense(x: jax.Array, kernel: jax.Array, bias: jax.Array | None, dtype: jnp.dtype) -> jax.Array:
+    """`x @ kernel (+ bias)`, the dot's operands in `dtype`: `[B, D] x [D, N] -> [B, N]`."""
+    y = matmul(x, kernel, dtype)
+    return y if bias is None else y + bias
+
+
+def _post_norm(y: jax.Array, scale: jax.Array | None, config: ModelConfig) -> jax.Array:
+    """A sandwich norm (Gemma 2/3) on a block's output before the residual, or `y` as it is without one."""
+    return y if scale is None else rms_norm(y, scale, config.rms_norm_eps, unit_offset=config.norm_unit_offset)
+
+
+def _token_attention(x: jax.Array, w: StepWeights, cache: dict[str, jax.Array],
+                     rope_and_mask: tuple[jax.Array, jax.Array, jax.Array], config: ModelConfig,
+                     cache_index: jax.Array, shards: int) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """One layer's grouped-query attention for one new token per row, on the loop-layout caches::
+
+        q, k, v = split(norm(x) @ W_qkv);  K[:, :, :, i] = rotary(k);  V[:, :, i] = v     (i = cache_index)
+        out     = softmax(rotary(q) . K / scale, allowed) . V @ W_o
+
+    Shapes: `x [B, D]`, `rope_and_mask` `(cos, sin [B, 1, rot], allowed [B, 1, S])`, caches keys `[B, KVH, hd, S]`
+    and values `[B, KVH, S, hd]` -> `(out [B, D], updated cache)`."""
+    c = config
+    b = x.shape[0]
+    h, kvh, hd = c.num_heads, c.num_kv_heads, c.head_dim
+    eps, unit, dtype = c.rms_norm_eps, c.norm_unit_offset, c.jnp_dtype
+    cos, sin, allowed = rope_and_mask
+    allowed = allowed[:, 0]  # [B, S]
+    qkv = _dense(rms_norm(x, w.attn_norm, eps, unit_offset=unit), w.qkv, w.qkv_bias, dtype)
+    q, k, v = _unfuse(qkv, (h * hd, kvh * hd, kvh * hd), shards)
+    q, k, v = q.reshape(b, h, hd), k.reshape(b, kvh, hd), v.reshape(b, kvh, hd)
+    if c.qk_norm:
+        q, k = rms_norm(q, w.q_norm, eps, unit_offset=unit), rms_norm(k, w.k_norm, eps, unit_offset=unit)
+    q, k = rotary(q, cos, sin), rotary(k, cos, sin)
+    k_all = jax.lax.dynamic_update_slice_in_dim(cache["k"], k[..., None].astype(cache["k"].dtype), cache_index, 3)
+    v_all = jax.lax.dynamic_update_slice_in_dim(cache["v"], v[:, :, None].astype(cache["v"].dtype), cache_index, 2)
+    qg = q.reshape(b, kvh, h // kvh, hd)
+    scores = precision.einsum("bkgd,bkds->bkgs", qg, k_all, dtype, jnp.float32)
+    probs = masked_softmax(scores, allowed[:, None, None, :], c.attention_scale, c.attn_logit_softcap)
+    out = precision.einsum("bkgs,bksd->bkgd", probs, v_all, dtype)
+    attn = _dense(out.reshape(b, h * hd), w.o, w.o_bias, dtype)
+    return _post_norm(attn, w.attn_post_norm, c), {"k": k_all, "v": v_all}
+
+
+def _token_mlp(x: jax.Array, w: StepWeights, config: ModelConfig, shards: int) -> jax.Array:
+    """One layer's gated MLP: `act(norm(x) @ W_gate) * (norm(x) @ W_up) @ W_down`, `[B, D] -> [B, D]`."""
+    c = config
+    gate_up = _dense(rms_norm(x, w.mlp_norm, c.rms_norm_eps, unit_offset=c.norm_unit_offset), w.gate_up,
+                     w.gate_up_bias, c.jnp_dtype)
+    gate, up = _unfuse(gate_up, (c.intermediate_size, c.intermediate_size), shards)
+    mlp = _dense(gated_activation(gate, up, c.hidden_act), w.down, w.down_bias, c.jnp_dtype)
+    return _post_norm(mlp, w.mlp_post_norm, c)
 
 
 def longrope_original(config: ModelConfig) -> int | None:

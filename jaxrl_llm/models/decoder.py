@@ -146,15 +146,8 @@ class Attention(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(
-        self,
-        x: jax.Array,
-        layer_cache: Cache | None,
-        cos: jax.Array,
-        sin: jax.Array,
-        allowed: jax.Array,
-        cache_index: jax.Array | int,
-    ) -> tuple[jax.Array, Cache | None]:
+    def __call__(self, x: jax.Array, layer_cache: Cache | None, cos: jax.Array, sin: jax.Array, allowed: jax.Array,
+                 cache_index: jax.Array | int) -> tuple[jax.Array, Cache | None]:
         c = self.config
         b, t, _ = x.shape
         q = _dense(c, c.num_heads * c.head_dim, c.qkv_bias, "q")(x).reshape(b, t, c.num_heads, c.head_dim)
@@ -197,14 +190,8 @@ class DecoderLayer(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(
-        self,
-        x: jax.Array,
-        layer_cache: Cache | None,
-        inputs: tuple[AttentionInputs, ...],
-        cache_index: jax.Array | int,
-        kind: jax.Array | int = 0,
-    ) -> tuple[jax.Array, Cache | None]:
+    def __call__(self, x: jax.Array, layer_cache: Cache | None, inputs: tuple[AttentionInputs, ...],
+                 cache_index: jax.Array | int, kind: jax.Array | int = 0) -> tuple[jax.Array, Cache | None]:
         c = self.config
         cos, sin, allowed = _select(inputs, kind)
         h, layer_cache = Attention(c, name="attn")(_norm(c, "attn_norm")(x), layer_cache, cos, sin, allowed,
@@ -309,15 +296,8 @@ def init_cache(config: ModelConfig, batch: int, length: int) -> Cache:
     return {"k": jnp.zeros(shape, config.jnp_dtype), "v": jnp.zeros(shape, config.jnp_dtype)}
 
 
-def forward(
-    params: Params,
-    config: ModelConfig,
-    tokens: jax.Array,
-    attention_mask: jax.Array,
-    *,
-    return_hidden: bool = False,
-    dropout_key: jax.Array | None = None,
-) -> jax.Array:
+def forward(params: Params, config: ModelConfig, tokens: jax.Array, attention_mask: jax.Array, *,
+            return_hidden: bool = False, dropout_key: jax.Array | None = None) -> jax.Array:
     """Full-sequence forward of a left-padded batch: logits `[B, T, V]` (or final hidden `[B, T, D]`).
     `dropout_key`: the randomness of LoRA dropout (unmerged adapters in `params`; nothing else drops)."""
     out, _ = Decoder(config).apply(

@@ -83,26 +83,21 @@ TOKENIZER_FILES = (
     "generation_config.json",
 )
 
+
+def _projection_tensors(block: str, hf_block: str, names: tuple[str, ...]) -> dict[tuple[str, ...], str]:
+    """`(block, name, "kernel" | "bias") -> "{hf_block}.{name}_proj.weight" | ".bias"`, the kernels first."""
+    return {(block, name, kind): f"{hf_block}.{name}_proj.{'weight' if kind == 'kernel' else 'bias'}"
+            for kind in ("kernel", "bias") for name in names}
+
+
 # Our parameter path (layer params without the leading "layers") -> HF tensor name suffix.
 _LAYER_TENSORS = {
     ("attn_norm", "scale"): "input_layernorm.weight",
-    ("attn", "q", "kernel"): "self_attn.q_proj.weight",
-    ("attn", "k", "kernel"): "self_attn.k_proj.weight",
-    ("attn", "v", "kernel"): "self_attn.v_proj.weight",
-    ("attn", "o", "kernel"): "self_attn.o_proj.weight",
-    ("attn", "q", "bias"): "self_attn.q_proj.bias",
-    ("attn", "k", "bias"): "self_attn.k_proj.bias",
-    ("attn", "v", "bias"): "self_attn.v_proj.bias",
-    ("attn", "o", "bias"): "self_attn.o_proj.bias",
+    **_projection_tensors("attn", "self_attn", ("q", "k", "v", "o")),
     ("attn", "q_norm", "scale"): "self_attn.q_norm.weight",
     ("attn", "k_norm", "scale"): "self_attn.k_norm.weight",
     ("mlp_norm", "scale"): "post_attention_layernorm.weight",
-    ("mlp", "gate", "kernel"): "mlp.gate_proj.weight",
-    ("mlp", "up", "kernel"): "mlp.up_proj.weight",
-    ("mlp", "down", "kernel"): "mlp.down_proj.weight",
-    ("mlp", "gate", "bias"): "mlp.gate_proj.bias",
-    ("mlp", "up", "bias"): "mlp.up_proj.bias",
-    ("mlp", "down", "bias"): "mlp.down_proj.bias",
+    **_projection_tensors("mlp", "mlp", ("gate", "up", "down")),
 }
 _GLOBAL_TENSORS = {
     ("embed", "embedding"): "model.embed_tokens.weight",
@@ -276,10 +271,7 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     """config.json dict for `config` (legacy `rope_theta`/`rope_scaling` keys, read by transformers 4 and 5)."""
     c = config
-    if c.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ConversionError(f"cannot export model_type {c.model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
-    if c.model_type == "qwen2" and (c.qkv_bias is False or c.o_bias):
-        raise ConversionError("qwen2 has q/k/v biases and no o bias; export this config as 'llama' instead")
+    _check_exportable(c)
     hf: dict[str, Any] = {
         "architectures": [_ARCHITECTURE[c.model_type]],
         "model_type": c.model_type,
@@ -306,12 +298,28 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     if c.eos_token_id is not None:
         eos = c.eos_token_id
         hf["eos_token_id"] = list(eos) if isinstance(eos, tuple) else eos
+    _add_family_fields(hf, c)
+    return hf
+
+
+def _check_exportable(config: ModelConfig) -> None:
+    """`ConversionError` unless the model type is exported and its biases are the ones that type's config can say."""
+    c = config
+    if c.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConversionError(f"cannot export model_type {c.model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
+    if c.model_type == "qwen2" and (c.qkv_bias is False or c.o_bias):
+        raise ConversionError("qwen2 has q/k/v biases and no o bias; export this config as 'llama' instead")
     if c.model_type == "phi3" and (c.qkv_bias or c.o_bias or c.mlp_bias):
         raise ConversionError("phi3 has no biases; export this config as 'llama' instead")
+    if c.model_type == "llama" and c.qkv_bias != c.o_bias:
+        raise ConversionError("llama's attention_bias covers q/k/v and o together")
+
+
+def _add_family_fields(hf: dict[str, Any], config: ModelConfig) -> None:
+    """The config.json keys only some model types have (added to `hf` in place, after the common ones)."""
+    c = config
     if c.model_type in ("llama", "qwen3"):
         hf["attention_bias"] = c.qkv_bias
-        if c.qkv_bias != c.o_bias and c.model_type == "llama":
-            raise ConversionError("llama's attention_bias covers q/k/v and o together")
     if c.model_type == "llama":
         hf["mlp_bias"] = c.mlp_bias
     if c.model_type in ("mistral", "phi3"):
@@ -335,7 +343,6 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         hf["use_sliding_window"] = False
         hf["sliding_window"] = None
         hf["max_window_layers"] = c.num_layers
-    return hf
 
 
 def _int_if_whole(x: float | None) -> float | int | None:

@@ -251,27 +251,13 @@ def _map_over_time_chunks(
 
 
 @overload
-def token_logprobs_chunked(
-    logits: Array,
-    tokens: Array,
-    *,
-    temperature: float | Array = ...,
-    chunk_size: int = ...,
-    with_entropy: Literal[False] = ...,
-    logit_softcap: float | None = ...,
-) -> Array: ...
+def token_logprobs_chunked(logits: Array, tokens: Array, *, temperature: float | Array = ..., chunk_size: int = ...,
+                           with_entropy: Literal[False] = ..., logit_softcap: float | None = ...) -> Array: ...
 
 
 @overload
-def token_logprobs_chunked(
-    logits: Array,
-    tokens: Array,
-    *,
-    temperature: float | Array = ...,
-    chunk_size: int = ...,
-    with_entropy: Literal[True],
-    logit_softcap: float | None = ...,
-) -> tuple[Array, Array]: ...
+def token_logprobs_chunked(logits: Array, tokens: Array, *, temperature: float | Array = ..., chunk_size: int = ...,
+                           with_entropy: Literal[True], logit_softcap: float | None = ...) -> tuple[Array, Array]: ...
 
 
 def token_logprobs_chunked(
@@ -304,31 +290,17 @@ def token_logprobs_chunked(
 
 
 @overload
-def token_logprobs_from_hidden(
-    hidden: Array,
-    unembed: Array,
-    tokens: Array,
-    *,
-    temperature: float | Array = ...,
-    chunk_size: int = ...,
-    with_entropy: Literal[False] = ...,
-    logit_softcap: float | None = ...,
-    compute_dtype: jnp.dtype | str | None = ...,
-) -> Array: ...
+def token_logprobs_from_hidden(hidden: Array, unembed: Array, tokens: Array, *, temperature: float | Array = ...,
+                               chunk_size: int = ..., with_entropy: Literal[False] = ...,
+                               logit_softcap: float | None = ...,
+                               compute_dtype: jnp.dtype | str | None = ...) -> Array: ...
 
 
 @overload
-def token_logprobs_from_hidden(
-    hidden: Array,
-    unembed: Array,
-    tokens: Array,
-    *,
-    temperature: float | Array = ...,
-    chunk_size: int = ...,
-    with_entropy: Literal[True],
-    logit_softcap: float | None = ...,
-    compute_dtype: jnp.dtype | str | None = ...,
-) -> tuple[Array, Array]: ...
+def token_logprobs_from_hidden(hidden: Array, unembed: Array, tokens: Array, *, temperature: float | Array = ...,
+                               chunk_size: int = ..., with_entropy: Literal[True],
+                               logit_softcap: float | None = ...,
+                               compute_dtype: jnp.dtype | str | None = ...) -> tuple[Array, Array]: ...
 
 
 def token_logprobs_from_hidden(

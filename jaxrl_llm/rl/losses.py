@@ -245,6 +245,13 @@ def _token_log_ratio(logp: Array, old_logp: Array, mask: Array) -> Array:
     return jnp.clip(log_ratio, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
 
 
+def _with_ratio(ratio: Array, advantages: Array, epsilon_low: float | Array, epsilon_high: float | Array,
+                dual_clip_c: float | None) -> tuple[Array, Array]:
+    """``(clipped_surrogate(rho, A), rho)``: what a surrogate that clips its ratio ``rho`` returns."""
+    return clipped_surrogate(ratio, advantages, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
+                             dual_clip_c=dual_clip_c), ratio
+
+
 @register_policy_loss("ppo_clip")
 def ppo_clip_loss(logp: Array, old_logp: Array, advantages: Array, mask: Array, *,
                   epsilon_low: float | Array = 0.2, epsilon_high: float | Array = 0.2,
@@ -252,8 +259,7 @@ def ppo_clip_loss(logp: Array, old_logp: Array, advantages: Array, mask: Array, 
     """Token-level clipped surrogate (PPO, GRPO, DAPO, Dr.GRPO): ``rho_t = pi(y_t) / pi_old(y_t)``,
     ``l_t = clipped_surrogate(rho_t, A_t)``. Shapes: all ``[B, T]`` -> ``([B, T], [B, T])``."""
     ratio = jnp.exp(_token_log_ratio(logp, old_logp, mask))
-    return clipped_surrogate(ratio, advantages, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
-                             dual_clip_c=dual_clip_c), ratio
+    return _with_ratio(ratio, advantages, epsilon_low, epsilon_high, dual_clip_c)
 
 
 @register_policy_loss("gspo")
@@ -271,8 +277,7 @@ def gspo_loss(logp: Array, old_logp: Array, advantages: Array, mask: Array, *,
     sg = jax.lax.stop_gradient
     seq_log_ratio = masked_mean(_token_log_ratio(logp, old_logp, mask), mask, axis=-1, keepdims=True)
     ratio = jnp.exp(sg(seq_log_ratio) + jnp.where(_valid(mask), _f32(logp) - sg(_f32(logp)), 0.0))
-    return clipped_surrogate(ratio, advantages, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
-                             dual_clip_c=dual_clip_c), ratio
+    return _with_ratio(ratio, advantages, epsilon_low, epsilon_high, dual_clip_c)
 
 
 @register_policy_loss("cispo")
@@ -459,115 +464,138 @@ def compose_policy_loss(
     return loss, metrics
 
 
-def clipped_policy_loss(
-    logp: Array,
-    old_logp: Array,
-    advantages: Array,
-    mask: Array,
-    *,
-    surrogate: str = "ppo_clip",
-    epsilon_low: float | Array = 0.2,
-    epsilon_high: float | Array = 0.2,
-    dual_clip_c: float | None = None,
-    surrogate_options: Mapping[str, Any] | None = None,
-    ref_logp: Array | None = None,
-    kl_coef: float | Array = 0.0,
-    kl_estimator: KLEstimator = "k3",
-    kl_clamp: float | None = None,
-    entropy: Array | None = None,
-    entropy_coef: float | Array = 0.0,
-    sampler_logp: Array | None = None,
-    tis_cap: float | None = None,
-    rollout_correction: str = "token_truncate",
-    top_entropy_quantile: float = 1.0,
-    clip_cov_ratio: float = 0.0,
-    clip_cov_lb: float = 1.0,
-    clip_cov_ub: float = 5.0,
-    kl_cov_ratio: float = 0.0,
-    kl_cov_coef: float | Array = 1.0,
-    aggregation: AggregationMode = "token-mean",
-    max_len: int | None = None,
-    num_tokens: Array | float | None = None,
-    num_seqs: Array | float | None = None,
-) -> tuple[Array, dict[str, Array]]:
-    """The policy loss of PPO / GRPO / DAPO / Dr.GRPO / GSPO / CISPO / SAPO: a registered surrogate, the token
-    options below, composed with KL and entropy terms, with metrics. Per token::
-
-        s_t   = POLICY_LOSSES[surrogate](...)_t
-        s_t   = 0 on Clip-Cov's tokens;   s_t += kl_cov_coef * |log rho_t| on KL-Cov's tokens
-        l_t   = w_t * [t selected by entropy] * s_t  +  kl_coef * KL_t(pi || pi_ref)  -  entropy_coef * H_t
-        loss  = aggregate(l, mask, aggregation)
-
-    * ``surrogate``: ``"ppo_clip"`` (token ratio), ``"gspo"`` (sequence ratio), ``"cispo"`` (clipped IS weight),
-      ``"sapo"`` (soft gate), or any name added with `register_policy_loss`; ``surrogate_options``: extra static
-      keywords of that function (SAPO's ``tau_pos`` / ``tau_neg``).
-    * ``epsilon_low`` / ``epsilon_high``: asymmetric clip range (DAPO clip-higher uses 0.2 / 0.28);
-      ``dual_clip_c``: dual clip (Ye et al. 2019) bounding the loss of negative-advantage tokens by ``-c*A``.
-    * ``sampler_logp``: if given, ``w_t = rollout_correction_weights(old_logp, sampler_logp,
-      mode=rollout_correction, cap=tis_cap)`` corrects the sampler / trainer mismatch (default: token-level
-      truncation, TIS, Yao et al. 2025); otherwise ``w_t = 1``.
-    * ``ref_logp``: if given, the KL to the reference policy enters the loss (GRPO style, k3 by default).
-    * ``entropy``: per-token entropy ``[B, T]`` (with gradient) for the bonus, the metric and the selection.
-    * ``top_entropy_quantile`` ``q < 1``: the policy-gradient term only on the ``ceil(q n)`` highest-entropy valid
-      tokens (`top_entropy_token_mask`, "Beyond the 80/20 Rule"); the others still count in the aggregation's
-      denominator, as in the paper and TRL. ``q = 1`` (off) skips the selection.
-    * ``clip_cov_ratio > 0``: Clip-Cov (Cui et al. 2025, verl ``clip_cov``): the surrogate's gradient is detached
-      on `clip_cov_token_mask`'s tokens (covariance `token_covariance` in ``(clip_cov_lb, clip_cov_ub)``, not already
-      clipped by the PPO range), ``max(floor(ratio n), 1)`` of them: their loss is multiplied by 0, as verl's
-      ``corr``, so value and gradient agree (they still count in the denominator).
-    * ``kl_cov_ratio > 0``: KL-Cov (Cui et al. 2025, verl ``kl_cov``): ``kl_cov_coef * |log pi - log pi_old|``
-      (verl's ``ppo_kl_coef``) added to the surrogate on the ``max(floor(ratio n), 1)`` tokens of highest
-      covariance (`kl_cov_token_mask`). verl applies it to the unclipped ``-rho A``; here to whichever surrogate.
-
-    The token options count and rank over the (micro-)batch this call sees. ``advantages`` may be ``[B]`` (one per
-    sequence, broadcast over tokens) or ``[B, T]``. Log-ratios are clipped to ``[-20, 20]`` before ``exp`` and padded
-    positions are neutralised before any ``exp``. Metrics: ``policy_loss``, `clip_metrics`, plus ``kl`` /
-    ``entropy`` / ``is_weight/mean`` when those inputs are given, and ``top_entropy_fraction``,
-    ``clip_cov_fraction``, ``kl_cov_fraction`` (fractions of the valid tokens chosen) when those options are on.
-    Static: ``surrogate``, ``dual_clip_c``, ``surrogate_options``, ``kl_estimator``, ``kl_clamp``, ``tis_cap``,
-    ``rollout_correction``,
-    ``top_entropy_quantile``, ``clip_cov_*``, ``kl_cov_ratio``, ``aggregation``, ``max_len``. Shapes: ``logp``,
-    ``old_logp``, ``mask`` (and ``ref_logp``, ``entropy``, ``sampler_logp``) ``[B, T]``; returns ``(loss, metrics)``
-    with a float32 scalar loss.
-    """
-    if surrogate not in POLICY_LOSSES:
-        raise ValueError(f"unknown policy loss {surrogate!r}; expected one of {', '.join(POLICY_LOSSES)}")
-    logp = _f32(logp)
+def broadcast_advantages(advantages: Array, logp: Array) -> Array:
+    """One advantage per sequence ``[B]`` spread over its tokens, or per-token ``[B, T]`` as given:
+    ``A_t = A`` for every ``t``. Shapes: ``advantages [B]`` or ``[B, T]``, ``logp [B, T]`` -> ``[B, T]`` float32."""
     adv = _f32(advantages)
     if adv.ndim == logp.ndim - 1:
         adv = adv[..., None]
-    adv = jnp.broadcast_to(adv, logp.shape)
+    return jnp.broadcast_to(adv, logp.shape)
+
+
+def policy_surrogate(logp: Array, old_logp: Array, advantages: Array, mask: Array, *, surrogate: str = "ppo_clip",
+                     epsilon_low: float | Array = 0.2, epsilon_high: float | Array = 0.2,
+                     dual_clip_c: float | None = None,
+                     surrogate_options: Mapping[str, Any] | None = None) -> tuple[Array, Array]:
+    """The registered surrogate by name: ``(s_t, rho_t) = POLICY_LOSSES[surrogate](logp, old_logp, A, mask, ...)``,
+    with ``surrogate_options`` its extra static keywords (SAPO's ``tau_pos`` / ``tau_neg``).
+    Shapes: all ``[B, T]`` -> ``(loss [B, T], ratio [B, T])``. Static: ``surrogate``, ``dual_clip_c``, options."""
+    if surrogate not in POLICY_LOSSES:
+        raise ValueError(f"unknown policy loss {surrogate!r}; expected one of {', '.join(POLICY_LOSSES)}")
+    return POLICY_LOSSES[surrogate](logp, old_logp, advantages, mask, epsilon_low=epsilon_low,
+                                    epsilon_high=epsilon_high, dual_clip_c=dual_clip_c, **(surrogate_options or {}))
+
+
+def clip_cov_surrogate(token_loss: Array, ratio: Array, cov: Array, advantages: Array, mask: Array, *,
+                       epsilon_low: float | Array, epsilon_high: float | Array, fraction: float, lower: float,
+                       upper: float) -> tuple[Array, Array]:
+    """Clip-Cov (Cui et al. 2025, verl ``clip_cov``): the surrogate detached on `clip_cov_token_mask`'s tokens::
+
+        clipped_t = (A_t < 0 and rho_t < 1 - epsilon_low) or (A_t > 0 and rho_t > 1 + epsilon_high)
+        D         = clip_cov_token_mask(cov, eligible = not clipped, fraction, lower, upper)
+        s_t       = 0 if t in D else s_t
+
+    The loss is multiplied by 0 there, as verl's ``corr``, so value and gradient agree (the tokens still count in
+    the aggregation's denominator). Returns ``(s [B, T], fraction of the valid tokens in D)``. Shapes: ``[B, T]``.
+    """
+    # Tokens on the clipped side of the PPO range have no gradient already; verl leaves them out of the draw.
+    r = jax.lax.stop_gradient(ratio)
+    clipped = ((advantages < 0) & (r < 1.0 - epsilon_low)) | ((advantages > 0) & (r > 1.0 + epsilon_high))
+    detached = clip_cov_token_mask(cov, mask, ~clipped, fraction=fraction, lower=lower, upper=upper)
+    return jnp.where(detached, 0.0, token_loss), masked_mean(detached, mask)
+
+
+def kl_cov_surrogate(token_loss: Array, token_log_ratio: Array, cov: Array, mask: Array, *, fraction: float,
+                     coef: float | Array) -> tuple[Array, Array]:
+    """KL-Cov (Cui et al. 2025, verl ``kl_cov``; ``coef`` is verl's ``ppo_kl_coef``)::
+
+        s_t += coef * |log pi(y_t) - log pi_old(y_t)|     on the tokens of kl_cov_token_mask(cov, fraction)
+
+    verl applies it to the unclipped ``-rho A``; here to whichever surrogate. Returns ``(s [B, T], fraction of
+    the valid tokens penalised)``. Shapes: ``[B, T]``."""
+    penalised = kl_cov_token_mask(cov, mask, fraction=fraction)
+    penalty = jnp.asarray(coef, jnp.float32) * jnp.abs(token_log_ratio)
+    return token_loss + jnp.where(penalised, penalty, 0.0), masked_mean(penalised, mask)
+
+
+def top_entropy_surrogate(token_loss: Array, entropy: Array | None, mask: Array, *,
+                          quantile: float) -> tuple[Array, Array]:
+    """The policy-gradient term only on the ``ceil(q n)`` highest-entropy valid tokens ("Beyond the 80/20 Rule")::
+
+        s_t = s_t if t in top_entropy_token_mask(H, quantile) else 0
+
+    The others still count in the aggregation's denominator, as in the paper and TRL. Returns ``(s [B, T],
+    fraction of the valid tokens selected)``. Shapes: ``[B, T]``. Static: ``quantile``."""
+    if entropy is None:
+        raise ValueError("top_entropy_quantile < 1 selects tokens by entropy: pass entropy=[B, T]")
+    selected = top_entropy_token_mask(entropy, mask, quantile=quantile)
+    return jnp.where(selected, token_loss, 0.0), masked_mean(selected, mask)
+
+
+def rollout_corrected_surrogate(token_loss: Array, old_logp: Array, sampler_logp: Array, mask: Array, *,
+                                mode: str, cap: float | None) -> tuple[Array, dict[str, Array]]:
+    """``s_t = w_t * s_t`` with ``w_t = rollout_correction_weights(old_logp, sampler_logp, mode, cap)``, the
+    sampler / trainer mismatch correction (TIS / MIS). Metrics: ``is_weight/mean`` and, for the masking modes,
+    ``is_weight/masked_fraction``. Shapes: ``[B, T]``. Static: ``mode``, ``cap``."""
+    weights = rollout_correction_weights(old_logp, sampler_logp, mask, mode=mode, cap=cap)
+    metrics = {"is_weight/mean": masked_mean(weights, mask)}
+    if mode.endswith("_mask"):
+        metrics["is_weight/masked_fraction"] = masked_mean(weights == 0.0, mask)
+    return token_loss * weights, metrics
+
+
+def clipped_policy_loss(
+    logp: Array, old_logp: Array, advantages: Array, mask: Array, *, surrogate: str = "ppo_clip",
+    epsilon_low: float | Array = 0.2, epsilon_high: float | Array = 0.2, dual_clip_c: float | None = None,
+    surrogate_options: Mapping[str, Any] | None = None, ref_logp: Array | None = None, kl_coef: float | Array = 0.0,
+    kl_estimator: KLEstimator = "k3", kl_clamp: float | None = None, entropy: Array | None = None,
+    entropy_coef: float | Array = 0.0, sampler_logp: Array | None = None, tis_cap: float | None = None,
+    rollout_correction: str = "token_truncate", top_entropy_quantile: float = 1.0, clip_cov_ratio: float = 0.0,
+    clip_cov_lb: float = 1.0, clip_cov_ub: float = 5.0, kl_cov_ratio: float = 0.0, kl_cov_coef: float | Array = 1.0,
+    aggregation: AggregationMode = "token-mean", max_len: int | None = None, num_tokens: Array | float | None = None,
+    num_seqs: Array | float | None = None,
+) -> tuple[Array, dict[str, Array]]:
+    """The policy loss of PPO / GRPO / DAPO / Dr.GRPO / GSPO / CISPO / SAPO: a registered surrogate, the token
+    options, composed with KL and entropy terms, with metrics. Per token::
+
+        s_t   = policy_surrogate(surrogate)_t            "ppo_clip", "gspo", "cispo", "sapo" or a registered name
+        s_t   = clip_cov_surrogate(s)_t                  if clip_cov_ratio > 0  (0 on Clip-Cov's tokens)
+        s_t   = kl_cov_surrogate(s)_t                    if kl_cov_ratio > 0    (+ kl_cov_coef |log rho_t|)
+        s_t   = top_entropy_surrogate(s)_t               if top_entropy_quantile < 1  (0 off the selection)
+        s_t   = rollout_corrected_surrogate(s)_t         if sampler_logp given  (* w_t, TIS / MIS)
+        loss  = compose_policy_loss(s, KL(pi || pi_ref) if ref_logp given, H = entropy)
+              = aggregate(s) + kl_coef * aggregate(KL) - entropy_coef * aggregate(H)
+
+    ``epsilon_low`` / ``epsilon_high``: the (asymmetric, DAPO 0.2 / 0.28) clip range; ``dual_clip_c``: the dual
+    clip (Ye et al. 2019). The token options count and rank over the (micro-)batch this call sees. ``advantages`` may
+    be ``[B]`` or ``[B, T]`` (`broadcast_advantages`). Log-ratios are clipped to ``[-20, 20]`` before ``exp`` and
+    padded positions are neutralised before any ``exp``. Metrics (no gradient): ``policy_loss``, `clip_metrics`,
+    ``kl`` / ``entropy`` / ``is_weight/*`` when those inputs are given, ``clip_cov_fraction``, ``kl_cov_fraction``,
+    ``top_entropy_fraction`` when those options are on. Static: every option but the coefficients and ``num_*``.
+    Shapes: ``logp``, ``old_logp``, ``mask`` (``ref_logp``, ``entropy``, ``sampler_logp``) ``[B, T]`` -> (float32
+    scalar loss, metrics)."""
+    logp = _f32(logp)
+    adv = broadcast_advantages(advantages, logp)
     clip = dict(epsilon_low=epsilon_low, epsilon_high=epsilon_high, dual_clip_c=dual_clip_c)
-    token_loss, ratio = POLICY_LOSSES[surrogate](logp, old_logp, adv, mask, **clip, **(surrogate_options or {}))
+    token_loss, ratio = policy_surrogate(logp, old_logp, adv, mask, surrogate=surrogate, **clip,
+                                         surrogate_options=surrogate_options)
     token_log_ratio = _token_log_ratio(logp, old_logp, mask)
     metrics: dict[str, Array] = {}
-    if clip_cov_ratio > 0 or kl_cov_ratio > 0:
-        cov = token_covariance(logp, adv, mask)
+    cov = token_covariance(logp, adv, mask) if clip_cov_ratio > 0 or kl_cov_ratio > 0 else None
     if clip_cov_ratio > 0:
-        # Tokens on the clipped side of the PPO range have no gradient already; verl leaves them out of the draw.
-        r = jax.lax.stop_gradient(ratio)
-        clipped = ((adv < 0) & (r < 1.0 - epsilon_low)) | ((adv > 0) & (r > 1.0 + epsilon_high))
-        detached = clip_cov_token_mask(cov, mask, ~clipped, fraction=clip_cov_ratio, lower=clip_cov_lb,
-                                       upper=clip_cov_ub)
-        token_loss = jnp.where(detached, 0.0, token_loss)
-        metrics["clip_cov_fraction"] = masked_mean(detached, mask)
+        token_loss, metrics["clip_cov_fraction"] = clip_cov_surrogate(
+            token_loss, ratio, cov, adv, mask, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
+            fraction=clip_cov_ratio, lower=clip_cov_lb, upper=clip_cov_ub)
     if kl_cov_ratio > 0:
-        penalised = kl_cov_token_mask(cov, mask, fraction=kl_cov_ratio)
-        penalty = jnp.asarray(kl_cov_coef, jnp.float32) * jnp.abs(token_log_ratio)
-        token_loss = token_loss + jnp.where(penalised, penalty, 0.0)
-        metrics["kl_cov_fraction"] = masked_mean(penalised, mask)
+        token_loss, metrics["kl_cov_fraction"] = kl_cov_surrogate(token_loss, token_log_ratio, cov, mask,
+                                                                  fraction=kl_cov_ratio, coef=kl_cov_coef)
     if top_entropy_quantile < 1.0:
-        if entropy is None:
-            raise ValueError("top_entropy_quantile < 1 selects tokens by entropy: pass entropy=[B, T]")
-        selected = top_entropy_token_mask(entropy, mask, quantile=top_entropy_quantile)
-        token_loss = jnp.where(selected, token_loss, 0.0)
-        metrics["top_entropy_fraction"] = masked_mean(selected, mask)
+        token_loss, metrics["top_entropy_fraction"] = top_entropy_surrogate(token_loss, entropy, mask,
+                                                                            quantile=top_entropy_quantile)
     if sampler_logp is not None:
-        weights = rollout_correction_weights(old_logp, sampler_logp, mask, mode=rollout_correction, cap=tis_cap)
-        token_loss = token_loss * weights
-        metrics["is_weight/mean"] = masked_mean(weights, mask)
-        if rollout_correction.endswith("_mask"):
-            metrics["is_weight/masked_fraction"] = masked_mean(weights == 0.0, mask)
+        token_loss, is_metrics = rollout_corrected_surrogate(token_loss, old_logp, sampler_logp, mask,
+                                                             mode=rollout_correction, cap=tis_cap)
+        metrics.update(is_metrics)
     kl = kl_penalty(logp, ref_logp, estimator=kl_estimator, clamp=kl_clamp, mask=mask) if ref_logp is not None else None
     loss, terms = compose_policy_loss(token_loss, mask, kl=kl, kl_coef=kl_coef, entropy=entropy,
                                       entropy_coef=entropy_coef, aggregation=aggregation, max_len=max_len,
@@ -597,15 +625,8 @@ def explained_variance(values: Array, returns: Array, mask: Array) -> Array:
 
 
 def clipped_value_loss(
-    values: Array,
-    old_values: Array,
-    returns: Array,
-    mask: Array,
-    *,
-    clip_range: float | None = 0.2,
-    aggregation: AggregationMode = "token-mean",
-    max_len: int | None = None,
-    num_tokens: Array | float | None = None,
+    values: Array, old_values: Array, returns: Array, mask: Array, *, clip_range: float | None = 0.2,
+    aggregation: AggregationMode = "token-mean", max_len: int | None = None, num_tokens: Array | float | None = None,
     num_seqs: Array | float | None = None,
 ) -> tuple[Array, dict[str, Array]]:
     """PPO critic loss with value clipping (Schulman et al. 2017; as in OpenAI baselines' PPO2).
@@ -648,46 +669,17 @@ def clipped_value_loss(
 # --------------------------------------------------------------------------------------------------------
 
 
-def dpo_loss(
-    policy_chosen_logp: Array,
-    policy_rejected_logp: Array,
-    ref_chosen_logp: Array,
-    ref_rejected_logp: Array,
-    *,
-    beta: float | Array = 0.1,
-    loss_type: PreferenceLossType = "sigmoid",
-    label_smoothing: float | Array = 0.0,
-    mask: Array | None = None,
-    chosen_lengths: Array | None = None,
+def preference_scores(
+    policy_chosen_logp: Array, policy_rejected_logp: Array, ref_chosen_logp: Array, ref_rejected_logp: Array, *,
+    loss_type: PreferenceLossType = "sigmoid", chosen_lengths: Array | None = None,
     rejected_lengths: Array | None = None,
-    simpo_gamma: float | Array = 0.5,
-) -> tuple[Array, dict[str, Array]]:
-    """DPO-family preference losses on summed sequence log-probs, with reward metrics.
+) -> tuple[Array, Array]:
+    """What a DPO-family loss compares per response: the log-ratio to the reference, or SimPO's length-normalised
+    log-prob (reference-free)::
 
-    With the log-ratio margin ``h = (log pi(y_w) - log pi_ref(y_w)) - (log pi(y_l) - log pi_ref(y_l))``:
+        z = log pi(y) - log pi_ref(y)          z = log pi(y) / max(|y|, 1)   (loss_type="simpo")
 
-    * ``sigmoid`` (DPO, Rafailov et al. 2023; label smoothing = conservative DPO, Mitchell 2023)::
-
-          l = -(1 - eps) * log sigmoid(beta * h) - eps * log sigmoid(-beta * h)
-
-    * ``ipo`` (Azar et al. 2023): ``l = (h - 1 / (2 * beta))^2`` (IPO's ``tau`` is ``beta`` here; TRL feeds
-      length-averaged log-probs to IPO; pass those if that is wanted).
-    * ``hinge`` (SLiC, Zhao et al. 2023): ``l = max(0, 1 - beta * h)``.
-    * ``simpo`` (SimPO, Meng et al. 2024): reference-free and length-normalised, with ``a = log pi(y) / |y|``
-      (``chosen_lengths`` / ``rejected_lengths`` required; the reference log-probs are ignored)::
-
-          l = -(1 - eps) * log sigmoid(beta * (a_w - a_l) - gamma) - eps * log sigmoid(gamma - beta * (a_w - a_l))
-
-    The implicit rewards are ``beta * (log pi - log pi_ref)`` per response (SimPO: ``beta * a``). Metrics
-    (means over valid pairs, no gradient): ``loss``, ``rewards/chosen``, ``rewards/rejected``,
-    ``rewards/margins``, ``rewards/accuracies`` (fraction with chosen reward strictly above rejected),
-    ``logps/chosen``, ``logps/rejected`` (TRL's names).
-
-    Shapes: all four log-prob inputs ``[B]`` (sums over each response's tokens; ``masked_sum(..., axis=-1)``
-    of token log-probs), optional ``mask [B]`` for padding pairs, lengths ``[B]``. Returns ``(loss, metrics)``.
-    """
-    beta = jnp.asarray(beta, jnp.float32)
-    eps = jnp.asarray(label_smoothing, jnp.float32)
+    Shapes: log-probs and lengths ``[B]`` -> ``(z_chosen [B], z_rejected [B])`` float32. Static: ``loss_type``."""
     if loss_type == "simpo":
         if chosen_lengths is None or rejected_lengths is None:
             raise ValueError("loss_type='simpo' needs chosen_lengths and rejected_lengths")
@@ -696,18 +688,66 @@ def dpo_loss(
     else:
         chosen = _f32(policy_chosen_logp) - _f32(ref_chosen_logp)
         rejected = _f32(policy_rejected_logp) - _f32(ref_rejected_logp)
-    h = chosen - rejected
+    return chosen, rejected
+
+
+def preference_pair_loss(h: Array, *, beta: Array, label_smoothing: Array, loss_type: PreferenceLossType = "sigmoid",
+                         simpo_gamma: float | Array = 0.5) -> Array:
+    """Per-pair DPO-family loss of the margin ``h = z_chosen - z_rejected`` (`preference_scores`), ``eps`` the
+    label smoothing:
+
+    * ``sigmoid`` (DPO, Rafailov et al. 2023; label smoothing = conservative DPO, Mitchell 2023)::
+
+          l = -(1 - eps) * log sigmoid(beta * h) - eps * log sigmoid(-beta * h)
+
+    * ``ipo`` (Azar et al. 2023): ``l = (h - 1 / (2 * beta))^2`` (IPO's ``tau`` is ``beta`` here; TRL feeds
+      length-averaged log-probs to IPO; pass those if that is wanted).
+    * ``hinge`` (SLiC, Zhao et al. 2023): ``l = max(0, 1 - beta * h)``.
+    * ``simpo`` (SimPO, Meng et al. 2024), ``h`` the difference of length-normalised log-probs::
+
+          l = -(1 - eps) * log sigmoid(beta * h - gamma) - eps * log sigmoid(gamma - beta * h)
+
+    Shapes: ``h [B]``, ``beta``, ``label_smoothing`` float32 scalars -> ``[B]`` float32. Static: ``loss_type``."""
+    eps = label_smoothing
     if loss_type == "sigmoid":
-        per_pair = -(1.0 - eps) * jax.nn.log_sigmoid(beta * h) - eps * jax.nn.log_sigmoid(-beta * h)
-    elif loss_type == "simpo":
+        return -(1.0 - eps) * jax.nn.log_sigmoid(beta * h) - eps * jax.nn.log_sigmoid(-beta * h)
+    if loss_type == "simpo":
         z = beta * h - jnp.asarray(simpo_gamma, jnp.float32)
-        per_pair = -(1.0 - eps) * jax.nn.log_sigmoid(z) - eps * jax.nn.log_sigmoid(-z)
-    elif loss_type == "ipo":
-        per_pair = jnp.square(h - 1.0 / (2.0 * beta))
-    elif loss_type == "hinge":
-        per_pair = jax.nn.relu(1.0 - beta * h)
-    else:
-        raise ValueError(f"unknown loss_type {loss_type!r}; expected 'sigmoid', 'ipo', 'hinge' or 'simpo'")
+        return -(1.0 - eps) * jax.nn.log_sigmoid(z) - eps * jax.nn.log_sigmoid(-z)
+    if loss_type == "ipo":
+        return jnp.square(h - 1.0 / (2.0 * beta))
+    if loss_type == "hinge":
+        return jax.nn.relu(1.0 - beta * h)
+    raise ValueError(f"unknown loss_type {loss_type!r}; expected 'sigmoid', 'ipo', 'hinge' or 'simpo'")
+
+
+def dpo_loss(
+    policy_chosen_logp: Array, policy_rejected_logp: Array, ref_chosen_logp: Array, ref_rejected_logp: Array, *,
+    beta: float | Array = 0.1, loss_type: PreferenceLossType = "sigmoid", label_smoothing: float | Array = 0.0,
+    mask: Array | None = None, chosen_lengths: Array | None = None, rejected_lengths: Array | None = None,
+    simpo_gamma: float | Array = 0.5,
+) -> tuple[Array, dict[str, Array]]:
+    """DPO-family preference losses on summed sequence log-probs, with reward metrics::
+
+        z     = preference_scores(...)             log pi - log pi_ref  (SimPO: log pi / |y|, reference-free)
+        l     = preference_pair_loss(z_w - z_l)    sigmoid (DPO), ipo, hinge (SLiC) or simpo
+        loss  = mean over valid pairs of l
+
+    The implicit rewards are ``beta * z`` per response. Metrics (means over valid pairs, no gradient): ``loss``,
+    ``rewards/chosen``, ``rewards/rejected``, ``rewards/margins``, ``rewards/accuracies`` (fraction with chosen
+    reward strictly above rejected), ``logps/chosen``, ``logps/rejected`` (TRL's names).
+
+    Shapes: all four log-prob inputs ``[B]`` (sums over each response's tokens; ``masked_sum(..., axis=-1)``
+    of token log-probs), optional ``mask [B]`` for padding pairs, lengths ``[B]`` (SimPO's, required there).
+    Returns ``(loss, metrics)``.
+    """
+    beta = jnp.asarray(beta, jnp.float32)
+    eps = jnp.asarray(label_smoothing, jnp.float32)
+    chosen, rejected = preference_scores(policy_chosen_logp, policy_rejected_logp, ref_chosen_logp,
+                                         ref_rejected_logp, loss_type=loss_type, chosen_lengths=chosen_lengths,
+                                         rejected_lengths=rejected_lengths)
+    h = chosen - rejected
+    per_pair = preference_pair_loss(h, beta=beta, label_smoothing=eps, loss_type=loss_type, simpo_gamma=simpo_gamma)
     pair_mask = jnp.ones_like(h) if mask is None else mask
     loss = masked_mean(per_pair, pair_mask)
     chosen_reward = beta * chosen

@@ -43,23 +43,20 @@ class Checkpointer:
         self.pending: int | None = None  # the step whose (asynchronous) write may still be in flight
         self.failed = False
         with quiet_orbax():
-            self.manager = self._manager()
+            self.manager = open_manager(self.directory, self.keep)
 
-    def _manager(self) -> ocp.CheckpointManager:
-        return ocp.CheckpointManager(
-            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=self.keep, create=True)
-        )
+    def _reopen(self) -> None:
+        """A fresh manager after step folders were moved behind the current one's back."""
+        self.manager.close()
+        self.manager = open_manager(self.directory, self.keep)
 
     def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
         """Start writing the checkpoint of `step` (asynchronously); a failed earlier write raises here."""
         with self._writing():
             self.manager.wait_until_finished()
             self.pending = step
-            self.manager.save(
-                step,
-                args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
-                force=True,
-            )
+            args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+            self.manager.save(step, args=args, force=True)
 
     def wait(self) -> None:
         """Block until the last checkpoint is on disk; `StorageError` if it could not be written."""
@@ -78,13 +75,11 @@ class Checkpointer:
                 raise
             self.failed = True
             step, self.pending = self.pending, None
-            self._remove_partial(step)
-            kept = self.latest_step()
-            raise StorageError(
-                f"{cause} while writing checkpoint {step} to {self.directory}; "
-                + (f"the checkpoint of step {kept} is intact (continue with --resume once there is room)"
-                   if kept is not None else "no earlier checkpoint was written")
-            ) from None
+            if step is not None:
+                remove_partial_write(self.directory, step)
+                with contextlib.suppress(Exception):
+                    self.manager.reload()
+            raise write_failure(cause, step, self.directory, self.latest_step()) from None
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -94,11 +89,7 @@ class Checkpointer:
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict[str, Any]]:
         """Restore into the structure, shapes, dtypes and shardings of `abstract_state`."""
-        restored = self.manager.restore(
-            step,
-            args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()),
-        )
-        return restored.state, restored.meta
+        return read_checkpoint(self.manager, step, abstract_state)
 
     def keep_only_weights(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
         """Replace every checkpoint by one of `step` holding only `WEIGHT_KEYS` of `state`."""
@@ -108,21 +99,8 @@ class Checkpointer:
         self.save(step, {k: state[k] for k in WEIGHT_KEYS}, {**meta, "weights_only": True})
         self.wait()
 
-    def _remove_partial(self, step: int | None) -> None:
-        """The unfinished folder a failed write left (ours, and it holds the space the disk lacks)."""
-        if step is None:
-            return
-        for partial in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
-            shutil.rmtree(partial, ignore_errors=True)
-        with contextlib.suppress(Exception):
-            self.manager.reload()
-
     def _weights_only(self, step: int) -> bool:
-        try:
-            meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-        except Exception:  # unreadable: the full restore below reports it
-            return False
-        return bool(meta and meta.get("weights_only"))
+        return holds_only_weights(self.manager, step)
 
     def restore_latest(self, like: Any) -> tuple[Any, dict[str, Any]]:
         """The newest checkpoint that reads back whole, into the shapes, dtypes and shardings of the pytree
@@ -135,25 +113,10 @@ class Checkpointer:
                               f"checkpoint was written leaves none); start over with --overwrite instead of --resume")
         for step in steps:
             try:
-                if self._weights_only(step):
-                    weights, meta = self.restore(step, {k: abstract_state[k] for k in WEIGHT_KEYS})
-                    print(f"jaxrl_llm: the checkpoint of step {step} holds only the policy weights "
-                          f"(final_checkpoint=weights): the optimizer state starts afresh", file=sys.stderr)
-                    restored = ({**like, **weights}, meta)
-                else:
-                    restored = self.restore(step, abstract_state)
+                restored = read_resumable(self.manager, step, like, abstract_state)
             except Exception as e:  # any failure to read this step: try the one before
-                aside = self.directory.parent / "corrupt_checkpoints" / str(step)
-                self.claim(aside.parent)
-                print(f"jaxrl_llm: warning: checkpoint {self.directory / str(step)} cannot be read "
-                      f"({type(e).__name__}: {one_line(str(e))[:200]}); moved to {aside}, "
-                      f"falling back to the previous one", file=sys.stderr)
-                aside.parent.mkdir(parents=True, exist_ok=True)
-                if aside.exists():
-                    shutil.rmtree(aside)
-                shutil.move(str(self.directory / str(step)), aside)
-                self.manager.close()
-                self.manager = self._manager()
+                move_unreadable_aside(self.directory, step, e, self.claim)
+                self._reopen()
                 continue
             print(f"jaxrl_llm: resumed from the checkpoint of step {step} in {self.directory}", file=sys.stderr)
             return restored
@@ -166,15 +129,9 @@ class Checkpointer:
         self.wait()
         moved = [s for s in self.all_steps() if s >= first_step]
         for step in moved:
-            target = self.directory.parent / folder / str(step)
-            self.claim(target.parent)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            if target.exists():
-                shutil.rmtree(target)
-            shutil.move(str(self.directory / str(step)), target)
+            move_folder(self.directory / str(step), self.directory.parent / folder / str(step), self.claim)
         if moved:
-            self.manager.close()
-            self.manager = self._manager()
+            self._reopen()
         return moved
 
     def close(self) -> None:
@@ -185,6 +142,72 @@ class Checkpointer:
         finally:
             with quiet_orbax(), contextlib.suppress(Exception):
                 self.manager.close()
+
+
+def open_manager(directory: Path, keep: int) -> ocp.CheckpointManager:
+    """An orbax manager of `directory` (created if missing) that keeps the newest `keep` steps."""
+    return ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+
+
+def holds_only_weights(manager: ocp.CheckpointManager, step: int) -> bool:
+    """Whether the checkpoint of `step` is a weights-only one (`keep_only_weights`), from its meta alone."""
+    try:
+        meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+    except Exception:  # unreadable: the full restore reports it
+        return False
+    return bool(meta and meta.get("weights_only"))
+
+
+def read_checkpoint(manager: ocp.CheckpointManager, step: int, abstract_state: Any) -> tuple[Any, dict[str, Any]]:
+    """`(state, meta)` of `step`, into the structure, shapes, dtypes and shardings of `abstract_state`."""
+    args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore())
+    restored = manager.restore(step, args=args)
+    return restored.state, restored.meta
+
+
+def read_resumable(manager: ocp.CheckpointManager, step: int, like: Any,
+                   abstract_state: Any) -> tuple[Any, dict[str, Any]]:
+    """`read_checkpoint`, except that a weights-only checkpoint fills the rest of the state from `like`."""
+    if not holds_only_weights(manager, step):
+        return read_checkpoint(manager, step, abstract_state)
+    weights, meta = read_checkpoint(manager, step, {k: abstract_state[k] for k in WEIGHT_KEYS})
+    print(f"jaxrl_llm: the checkpoint of step {step} holds only the policy weights "
+          f"(final_checkpoint=weights): the optimizer state starts afresh", file=sys.stderr)
+    return {**like, **weights}, meta
+
+
+def move_unreadable_aside(directory: Path, step: int, error: Exception, claim: Callable[[Path], None]) -> None:
+    """Move the checkpoint of `step` that `error` says cannot be read to `corrupt_checkpoints/` next to
+    `directory`, with a warning (the resume falls back to the step before)."""
+    aside = directory.parent / "corrupt_checkpoints" / str(step)
+    print(f"jaxrl_llm: warning: checkpoint {directory / str(step)} cannot be read "
+          f"({type(error).__name__}: {one_line(str(error))[:200]}); moved to {aside}, "
+          f"falling back to the previous one", file=sys.stderr)
+    move_folder(directory / str(step), aside, claim)
+
+
+def move_folder(source: Path, target: Path, claim: Callable[[Path], None]) -> None:
+    """Move `source` to `target`, replacing what was there; `claim` is told of `target`'s parent first."""
+    claim(target.parent)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.exists():
+        shutil.rmtree(target)
+    shutil.move(str(source), target)
+
+
+def remove_partial_write(directory: Path, step: int) -> None:
+    """The unfinished folder a failed write of `step` left (ours, and it holds the space the disk lacks)."""
+    for partial in directory.glob(f"{step}.orbax-checkpoint-tmp*"):
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+def write_failure(cause: str, step: int | None, directory: Path, kept: int | None) -> StorageError:
+    """The one-line error of a failed write of `step`, saying whether the checkpoint of `kept` survives."""
+    return StorageError(
+        f"{cause} while writing checkpoint {step} to {directory}; "
+        + (f"the checkpoint of step {kept} is intact (continue with --resume once there is room)"
+           if kept is not None else "no earlier checkpoint was written")
+    )
 
 
 # orbax reports a failed write from each of its writer threads with a logged traceback, whenever the thread

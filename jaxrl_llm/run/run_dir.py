@@ -234,15 +234,8 @@ def open_run_dir(config: RunConfig, *, resume: bool = False, overwrite: bool = F
     import jax
 
     out_dir = Path(config.out_dir)
-    if resume and overwrite:
-        raise RunDirError("--resume and --overwrite exclude each other: continue the run, or start it over")
     export = Path(export_dir) if export_dir else None
-    for source in input_dirs:
-        if export is not None and Path(source).exists() and Path(source).resolve() == export.resolve():
-            raise RunDirError(f"export_dir={export} is the run's input model.path; export elsewhere "
-                              f"(default: out_dir/hf)")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise RunDirError(f"out_dir={out_dir} is a file, not a directory; choose a directory for the run's outputs")
+    _check_arguments(out_dir, resume=resume, overwrite=overwrite, export=export, input_dirs=input_dirs)
     if jax.process_index() != 0:  # one process owns the directory; the others only read and write files
         return RunDirectory(out_dir, None, primary=False)
     if not allow_tracked_dir and (why := _git_refusal(out_dir)):
@@ -273,22 +266,42 @@ def open_run_dir(config: RunConfig, *, resume: bool = False, overwrite: bool = F
             previous = _start_fresh(out_dir, manifest, export, overwrite, previous)
         manifest["data"] = _data_fingerprints(config)
         write_manifest(out_dir, manifest)
-        history = out_dir / "configs"
-        name = f"{len(previous) + 1:03d}-{'resume' if resume else 'start'}.yaml"
-        run_dir.claim(history / name)
-        history.mkdir(exist_ok=True)
-        (history / name).write_text(to_yaml(config))
-        first = out_dir / "config.yaml"
-        if not first.exists():
-            run_dir.claim(first)
-            first.write_text(to_yaml(config))
-        elif not owns(out_dir, first) and not resume:
-            _notice(f"{first} is not this run's (it was there before): left alone; this start's config is "
-                    f"{history / name}")
+        _record_config(run_dir, config, start=len(previous) + 1, resume=resume)
     except BaseException:
         run_dir.release()
         raise
     return run_dir
+
+
+def _check_arguments(out_dir: Path, *, resume: bool, overwrite: bool, export: Path | None,
+                     input_dirs: tuple[str, ...]) -> None:
+    """The refusals that need nothing of `out_dir` but whether it is a file: `RunDirError` on the first."""
+    if resume and overwrite:
+        raise RunDirError("--resume and --overwrite exclude each other: continue the run, or start it over")
+    for source in input_dirs:
+        if export is not None and Path(source).exists() and Path(source).resolve() == export.resolve():
+            raise RunDirError(f"export_dir={export} is the run's input model.path; export elsewhere "
+                              f"(default: out_dir/hf)")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise RunDirError(f"out_dir={out_dir} is a file, not a directory; choose a directory for the run's outputs")
+
+
+def _record_config(run_dir: RunDirectory, config: RunConfig, *, start: int, resume: bool) -> None:
+    """This start's config as `configs/NNN-start.yaml` (or `-resume`), and as `config.yaml` when there is none
+    (a `config.yaml` the run did not write is left alone, with a notice)."""
+    out_dir = run_dir.path
+    history = out_dir / "configs"
+    name = f"{start:03d}-{'resume' if resume else 'start'}.yaml"
+    run_dir.claim(history / name)
+    history.mkdir(exist_ok=True)
+    (history / name).write_text(to_yaml(config))
+    first = out_dir / "config.yaml"
+    if not first.exists():
+        run_dir.claim(first)
+        first.write_text(to_yaml(config))
+    elif not owns(out_dir, first) and not resume:
+        _notice(f"{first} is not this run's (it was there before): left alone; this start's config is "
+                f"{history / name}")
 
 
 def _unowned_start(out_dir: Path, overwrite: bool, config_dir: str | Path | None, export: Path | None) -> list[str]:

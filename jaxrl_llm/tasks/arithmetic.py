@@ -14,13 +14,13 @@ format, so `AutoTokenizer.from_pretrained` loads it like any other.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import numpy as np
 
-from jaxrl_llm.cli.errors import CommandParser, run_command
+from jaxrl_llm.cli.errors import run_command
+from jaxrl_llm.tasks.dataset_files import parse_split_args, split_parser, write_jsonl
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 CHARACTERS = list("0123456789+-*= ")
@@ -103,26 +103,18 @@ def write_dataset(out: Path, train: int, test: int, seed: int, max_digits: int, 
     problems = make_problems(train + test, seed, max_digits, ops, sloppy)
     out.mkdir(parents=True, exist_ok=True)
     for name, rows in (("train", problems[:train]), ("test", problems[train:])):
-        with (out / f"{name}.jsonl").open("w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+        write_jsonl(out / f"{name}.jsonl", rows)
         if ops == "+":
-            with (out / f"preferences_{name}.jsonl").open("w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in make_preferences(rows, seed + 1))
+            write_jsonl(out / f"preferences_{name}.jsonl", make_preferences(rows, seed + 1))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = CommandParser(prog="python -m jaxrl_llm.tasks.arithmetic",
-                           description="Write the arithmetic task's train/test JSONL files.")
-    parser.add_argument("--out", default="data/arithmetic")
-    parser.add_argument("--train", type=int, default=20000)
-    parser.add_argument("--test", type=int, default=1000)
-    parser.add_argument("--seed", type=int, default=1234)
+    parser = split_parser("python -m jaxrl_llm.tasks.arithmetic", "Write the arithmetic task's train/test JSONL files.",
+                          out="data/arithmetic", train=20000, test=1000, seed=1234)
     parser.add_argument("--max-digits", type=int, default=3)
     parser.add_argument("--ops", default="+")
     parser.add_argument("--sloppy", type=float, default=0.6, help="share of sft_answer that forget carries")
-    args = parser.parse_args(argv)
-    if args.train < 1 or args.test < 0:
-        parser.error(f"--train {args.train} must be >= 1 and --test {args.test} >= 0")
+    args = parse_split_args(parser, argv)
     write_dataset(Path(args.out), args.train, args.test, args.seed, args.max_digits, args.ops, args.sloppy)
     return 0
 

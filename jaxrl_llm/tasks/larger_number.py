@@ -13,7 +13,6 @@ as chat-format preference pairs for DPO: the true claim chosen over the reversed
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 from collections.abc import Sequence
@@ -22,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxrl_llm.cli.errors import CommandParser, run_command
+from jaxrl_llm.cli.errors import run_command
+from jaxrl_llm.tasks.dataset_files import parse_split_args, split_parser, write_jsonl
 
 
 def make_problems(count: int, seed: int, low: int = 10, high: int = 99) -> list[dict[str, object]]:
@@ -89,23 +89,16 @@ def make_preferences(problems: Sequence[dict[str, Any]]) -> list[dict[str, objec
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = CommandParser(prog="python -m jaxrl_llm.tasks.larger_number",
-                           description="Write the larger-number task's train/test JSONL files.")
-    parser.add_argument("--out", default="data/larger_number")
-    parser.add_argument("--train", type=int, default=6000)
-    parser.add_argument("--test", type=int, default=500)
-    parser.add_argument("--seed", type=int, default=2024)
-    args = parser.parse_args(argv)
-    if args.train < 1 or args.test < 0:
-        parser.error(f"--train {args.train} must be >= 1 and --test {args.test} >= 0")
+    parser = split_parser("python -m jaxrl_llm.tasks.larger_number",
+                          "Write the larger-number task's train/test JSONL files.", out="data/larger_number",
+                          train=6000, test=500, seed=2024)
+    args = parse_split_args(parser, argv)
     problems = make_problems(args.train + args.test, args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name, rows in (("train", problems[: args.train]), ("test", problems[args.train :])):
-        with (out / f"{name}.jsonl").open("w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
-        with (out / f"preferences_{name}.jsonl").open("w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in make_preferences(rows))
+        write_jsonl(out / f"{name}.jsonl", rows)
+        write_jsonl(out / f"preferences_{name}.jsonl", make_preferences(rows))
     return 0
 
 
