@@ -19,9 +19,11 @@ from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
 
 import jax
+import optax
 
 from jaxrl_llm.config import RunConfig
 from jaxrl_llm.data import DataState
+from jaxrl_llm.sharding import global_array
 
 State = dict[str, Any]
 
@@ -110,3 +112,14 @@ class Algorithm:
         completions scored differently."""
         zero_grad = metrics.get("grad_norm", 1.0) == 0.0 and not metrics.get("update_skipped", 0.0)
         return zero_grad or (self.group_relative and metrics.get("frac_zero_std_groups", 0.0) == 1.0)
+
+
+def example_update(update_fn: Any, mesh: Any, schedule: optax.Schedule, state: State, batch: Any, step: int,
+                   key: jax.Array, frozen: Any = None) -> Updated:
+    """One optimizer update of an algorithm that reads examples (SFT, reward model, DPO): the host batch onto the
+    mesh, the jitted `update_fn(state, batch, key, frozen)`, its metrics with the step's learning rate."""
+    batch = jax.tree.map(lambda x: global_array(x, mesh), batch)
+    state, metrics = update_fn(state, batch, key, frozen)
+    out, skipped = host_metrics(metrics)
+    out["learning_rate"] = float(schedule(step - 1))
+    return Updated(state, out, skipped)

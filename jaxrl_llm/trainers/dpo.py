@@ -37,8 +37,8 @@ from jaxrl_llm.data import (
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params
 from jaxrl_llm.rl.losses import dpo_loss
-from jaxrl_llm.sharding import global_array, init_optimizer_state
-from jaxrl_llm.trainers.base import Algorithm, Collected, State, Updated, host_metrics
+from jaxrl_llm.sharding import init_optimizer_state
+from jaxrl_llm.trainers.base import Algorithm, Collected, State, Updated, example_update
 from jaxrl_llm.trainers.policy import GreedyEvaluation, load_policy
 from jaxrl_llm.trainers.step import (
     Metrics,
@@ -221,11 +221,7 @@ class DPO(Algorithm):
                          data_state, {})
 
     def update(self, state: State, batch: PairBatch, step: int, key: jax.Array) -> Updated:
-        batch = jax.tree.map(lambda x: global_array(x, self.mesh), batch)
-        state, metrics = self.update_fn(state, batch, key, self.frozen)
-        out, skipped = host_metrics(metrics)
-        out["learning_rate"] = float(self.schedule(step - 1))
-        return Updated(state, out, skipped)
+        return example_update(self.update_fn, self.mesh, self.schedule, state, batch, step, key, self.frozen)
 
     def evaluate(self, state: State, limit: int | None) -> dict[str, float]:
         out: dict[str, float] = {}

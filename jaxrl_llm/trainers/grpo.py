@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, ClassVar
 
 import jax
@@ -26,7 +25,6 @@ import optax
 from jax.sharding import PartitionSpec
 
 from jaxrl_llm.config import RunConfig
-from jaxrl_llm.data import DataState
 from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.rl.entropy_control import (
     EntropyControllerState,
@@ -38,16 +36,14 @@ from jaxrl_llm.rl.estimators import kl_in_reward, needs_values, rollout_advantag
 from jaxrl_llm.rl.losses import logprob_mismatch
 from jaxrl_llm.rl.plugins import advantage_estimator, resolve_estimator, resolve_policy_loss
 from jaxrl_llm.sharding import batch_sharding, global_array, init_optimizer_state, to_host
-from jaxrl_llm.trainers.base import Algorithm, Collected, State, Updated, host_metrics
-from jaxrl_llm.trainers.policy import GreedyEvaluation, Policy, load_policy
-from jaxrl_llm.trainers.rollouts import DriftMeter, Rollout, RolloutCollector, rollout_tokens
+from jaxrl_llm.trainers.base import State, Updated, host_metrics
+from jaxrl_llm.trainers.policy import Policy
+from jaxrl_llm.trainers.rollouts import Rollout, RolloutAlgorithm
 from jaxrl_llm.trainers.step import (
     Metrics,
     PolicyBatch,
     PolicyLossConfig,
-    frozen_copy,
     jit_update,
-    make_logprob_fn,
     make_optimizer,
     policy_loss,
     scanned_updates,
@@ -182,7 +178,7 @@ def make_grpo_update(c: RunConfig, policy: Policy, optimizer: optax.GradientTran
     return update
 
 
-class GRPOFamily(Algorithm):
+class GRPOFamily(RolloutAlgorithm):
     """GRPO, Dr.GRPO, DAPO, GSPO, RLOO, REINFORCE++: group sampling, a registered estimator, a clipped loss.
 
     State: `{"params", "opt_state"}`, and `"entropy_controller"` (coef, active) under adaptive entropy control."""
@@ -198,14 +194,9 @@ class GRPOFamily(Algorithm):
         return rl_micro_batch(c)
 
     def __init__(self, config: RunConfig) -> None:
-        super().__init__(config)
-        c = config
+        super().__init__(config, reference=config.rl.beta > 0)  # the reference only for a KL term
+        c, r, p = config, config.rl, self.policy
         self.label = c.algo  # type: ignore[misc]
-        self.policy = p = load_policy(c)
-        self.mesh, self.vocab_size = p.mesh, p.model_config.vocab_size
-        self.collector = RolloutCollector(p)
-        self.evaluation = GreedyEvaluation(p, c.eval_batch_size)
-        r = c.rl
         self.rollout_size, self.minibatch_size, self.updates_per_step = update_sizes(c)
         self.optimizer, self.schedule = make_optimizer(c.optim, max(c.steps * self.updates_per_step, 1))
         self.estimator = advantage_estimator(c.algo, r.estimator)
@@ -214,12 +205,6 @@ class GRPOFamily(Algorithm):
             rollout_advantages, self.estimator, group_size=r.group_size, scale=r.scale_rewards, beta=r.beta,
             kl_estimator=r.kl_estimator,
         ))
-        # The reference policy is a frozen copy, only needed when the KL term is on (LoRA: the base itself).
-        self.ref_params = (p.base if p.base is not None else frozen_copy(p.initial_params, p.model_config)) \
-            if r.beta > 0 else None
-        self.ref_logprob_fn = make_logprob_fn(p.mesh, p.model_config, c.sampling.temperature, p.weights_sharding,
-                                              block_mib=c.model.logprob_block_mib)
-        self.drift_meter = DriftMeter(p, self.ref_params, self.ref_logprob_fn, c.monitor.drift_rows)
         # Adaptive entropy control (rl.entropy_target > 0): the coefficient is a traced input of the update, moved
         # after each step from the entropy it measured, and part of the state; off = the config's fixed one.
         self.adaptive_entropy = r.entropy_target > 0
@@ -242,15 +227,7 @@ class GRPOFamily(Algorithm):
 
     # ------------------------------------------------------------------------------------------ the shell's API
 
-    def describe(self) -> str:
-        p = self.policy
-        return (f"model {p.tokenizer_dir} ({p.model_config.num_params() / 1e6:.2f}M params), "
-                f"{self.collector.describe()}, {jax.device_count()} device(s)")
 
-    def collect(self, state: State, data_state: DataState, key: jax.Array) -> Collected:
-        ro, data_state, refills = self.collector.collect(self.policy.inference_weights(state["params"]), data_state,
-                                                         key)
-        return Collected(ro, data_state, self.collector.metrics(ro, refills), rollout_tokens(ro))
 
     def update(self, state: State, ro: Rollout, step: int, key: jax.Array) -> Updated:
         """Reference log-probs, advantages, then `mu` epochs of minibatch updates in one jit; the rollout goes
@@ -285,20 +262,3 @@ class GRPOFamily(Algorithm):
         out["advantages/abs_mean"] = float(np.abs(to_host(advantages))[mask].mean()) if mask.any() else 0.0
         out["learning_rate"] = float(self.schedule(step * self.updates_per_step - 1))
         return Updated(state, out, skipped)
-
-    def evaluate(self, state: State, limit: int | None) -> dict[str, float]:
-        return self.evaluation(self.policy.inference_weights(state["params"]), limit)
-
-    def drift(self, state: State, ro: Rollout) -> dict[str, float]:
-        return self.drift_meter(state["params"], ro)
-
-    def progress(self, metrics: dict[str, float]) -> dict[str, float]:
-        # `kl` only with a reference (beta > 0): approx_kl, the on-policy ratio's, is ~0 and would read as a bug.
-        kl = {"kl": metrics["kl"]} if "kl" in metrics else {}
-        return {"reward": metrics["reward/mean"], **kl, "s/step": metrics["time/step"]}
-
-    def sample_rows(self, ro: Rollout) -> list[dict[str, Any]]:
-        return self.collector.sample_rows(ro)
-
-    def export(self, state: State, directory: Path) -> str:
-        return self.policy.export(state["params"], directory)

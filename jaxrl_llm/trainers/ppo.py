@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
 
 import jax
@@ -29,7 +28,6 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from jaxrl_llm.config import RunConfig
-from jaxrl_llm.data import DataState
 from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.heads import CriticParams, critic_from_policy, critic_values, load_critic
@@ -37,17 +35,15 @@ from jaxrl_llm.rl.estimators import ppo_targets, rollout_value_metrics
 from jaxrl_llm.rl.kl_control import KLControllerKind, KLControllerState, init_kl_controller, kl_controller_update
 from jaxrl_llm.rl.losses import clipped_value_loss
 from jaxrl_llm.sharding import batch_sharding, global_array, init_optimizer_state, param_shardings, to_host
-from jaxrl_llm.trainers.base import Algorithm, Collected, State, Updated, host_metrics
+from jaxrl_llm.trainers.base import State, Updated, host_metrics
 from jaxrl_llm.trainers.grpo import old_policy_logprobs, policy_loss_config, rl_micro_batch, update_sizes, validate_rl
-from jaxrl_llm.trainers.policy import GreedyEvaluation, Policy, load_policy
-from jaxrl_llm.trainers.rollouts import DriftMeter, Rollout, RolloutCollector, rollout_tokens
+from jaxrl_llm.trainers.policy import Policy
+from jaxrl_llm.trainers.rollouts import Rollout, RolloutAlgorithm
 from jaxrl_llm.trainers.step import (
     Metrics,
     PolicyBatch,
     PolicyLossConfig,
-    frozen_copy,
     jit_update,
-    make_logprob_fn,
     make_optimizer,
     master_weights,
     policy_loss,
@@ -180,7 +176,7 @@ def make_ppo_update(c: RunConfig, policy: Policy, critic_config: ModelConfig, op
     return update
 
 
-class PPO(Algorithm):
+class PPO(RolloutAlgorithm):
     """PPO with a critic, GAE and the KL to the reference in the per-token reward.
 
     State: `{"params", "opt_state", "critic", "critic_opt_state", "kl_coef"}`."""
@@ -197,23 +193,13 @@ class PPO(Algorithm):
         return rl_micro_batch(c)
 
     def __init__(self, config: RunConfig) -> None:
-        super().__init__(config)
-        c, pc = config, config.ppo
-        self.policy = p = load_policy(c)
-        self.mesh, self.vocab_size = p.mesh, p.model_config.vocab_size
-        self.collector = RolloutCollector(p)
-        self.evaluation = GreedyEvaluation(p, c.eval_batch_size)
+        super().__init__(config, reference=config.ppo.kl_coef_init > 0)  # the reference only for a KL penalty
+        c, pc, p = config, config.ppo, self.policy
         self.rollout_size, self.minibatch_size, self.updates_per_step = update_sizes(c)
         total_updates = max(c.steps * self.updates_per_step, 1)
         self.optimizer, self.schedule = make_optimizer(c.optim, total_updates)
         self.critic_optimizer, self.critic_schedule = make_optimizer(
             dataclasses.replace(c.optim, learning_rate=pc.critic_learning_rate), total_updates)
-        # The reference: a frozen copy of the starting policy (LoRA: the base weights themselves).
-        self.ref_params = (p.base if p.base is not None else frozen_copy(p.initial_params, p.model_config)) \
-            if pc.kl_coef_init > 0 else None
-        self.ref_logprob_fn = make_logprob_fn(p.mesh, p.model_config, c.sampling.temperature, p.weights_sharding,
-                                              block_mib=c.model.logprob_block_mib)
-        self.drift_meter = DriftMeter(p, self.ref_params, self.ref_logprob_fn, c.monitor.drift_rows)
         self.critic_config, self.initial_critic = initial_critic(c, p)
         critic_sharding = state_sharding(self.initial_critic)
         critic_config = self.critic_config
@@ -238,14 +224,8 @@ class PPO(Algorithm):
                                         PartitionSpec())}
 
     def describe(self) -> str:
-        p = self.policy
-        return (f"model {p.tokenizer_dir} ({p.model_config.num_params() / 1e6:.2f}M params) and a critic, "
-                f"{self.collector.describe()}, {jax.device_count()} device(s)")
+        return super().describe().replace(" params), ", " params) and a critic, ", 1)
 
-    def collect(self, state: State, data_state: DataState, key: jax.Array) -> Collected:
-        ro, data_state, refills = self.collector.collect(self.policy.inference_weights(state["params"]), data_state,
-                                                         key)
-        return Collected(ro, data_state, self.collector.metrics(ro, refills), rollout_tokens(ro))
 
     def update(self, state: State, ro: Rollout, step: int, key: jax.Array) -> Updated:
         """Values, KL-shaped token rewards, GAE; then `mu` epochs of (policy, critic) minibatch updates."""
@@ -278,22 +258,6 @@ class PPO(Algorithm):
         controller = kl_controller_update(controller, out["kl"], self.rollout_size, kind=kl_controller_kind(
             pc.kl_target), target=pc.kl_target, horizon=pc.kl_horizon)
         return Updated({**state, "kl_coef": put(np.asarray(controller.coef), spec=PartitionSpec())}, out, skipped)
-
-    def evaluate(self, state: State, limit: int | None) -> dict[str, float]:
-        return self.evaluation(self.policy.inference_weights(state["params"]), limit)
-
-    def drift(self, state: State, ro: Rollout) -> dict[str, float]:
-        return self.drift_meter(state["params"], ro)
-
-    def progress(self, metrics: dict[str, float]) -> dict[str, float]:
-        kl = {"kl": metrics["kl"]} if "kl" in metrics else {}
-        return {"reward": metrics["reward/mean"], **kl, "s/step": metrics["time/step"]}
-
-    def sample_rows(self, ro: Rollout) -> list[dict[str, Any]]:
-        return self.collector.sample_rows(ro)
-
-    def export(self, state: State, directory: Path) -> str:
-        return self.policy.export(state["params"], directory)
 
 
 def targets_and_metrics(gamma: float, lam: float, kl_estimator: str, whiten: bool, scores: jax.Array,

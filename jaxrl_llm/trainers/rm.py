@@ -39,13 +39,12 @@ from jaxrl_llm.models.reward_model import save_hf_reward_model, sequence_scores
 from jaxrl_llm.rl.losses import dpo_loss
 from jaxrl_llm.sharding import (
     MeshShape,
-    global_array,
     init_optimizer_state,
     make_mesh,
     param_shardings,
     to_host,
 )
-from jaxrl_llm.trainers.base import Algorithm, Collected, State, Updated, host_metrics
+from jaxrl_llm.trainers.base import Algorithm, Collected, State, Updated, example_update
 from jaxrl_llm.trainers.step import (
     Metrics,
     jit_update,
@@ -183,11 +182,7 @@ class RewardModelTraining(Algorithm):
         return Collected(make_batch(self.pairs, idx, self.pad_id), data_state, {})
 
     def update(self, state: State, batch: PreferenceBatch, step: int, key: jax.Array) -> Updated:
-        batch = jax.tree.map(lambda x: global_array(x, self.mesh), batch)
-        state, metrics = self.update_fn(state, batch, key, None)
-        out, skipped = host_metrics(metrics)
-        out["learning_rate"] = float(self.schedule(step - 1))
-        return Updated(state, out, skipped)
+        return example_update(self.update_fn, self.mesh, self.schedule, state, batch, step, key, None)
 
     def evaluate(self, state: State, limit: int | None) -> dict[str, float]:
         if self.eval_pairs is None:

@@ -20,8 +20,8 @@ import numpy as np
 from jaxrl_llm.config import RunConfig
 from jaxrl_llm.data import DataState, PromptSet, bucket, left_pad, next_batch_indices
 from jaxrl_llm.errors import ConfigError
-from jaxrl_llm.sharding import global_array, init_optimizer_state
-from jaxrl_llm.trainers.base import Algorithm, Collected, State, Updated, host_metrics
+from jaxrl_llm.sharding import init_optimizer_state
+from jaxrl_llm.trainers.base import Algorithm, Collected, State, Updated, example_update
 from jaxrl_llm.trainers.policy import GreedyEvaluation, load_policy
 from jaxrl_llm.trainers.step import (
     PolicyBatch,
@@ -103,11 +103,7 @@ class SFT(Algorithm):
         return Collected(PolicyBatch(pt, pm, ct, cm, zeros, zeros, np.zeros(len(pt), np.float32)), data_state, {})
 
     def update(self, state: State, batch: PolicyBatch, step: int, key: jax.Array) -> Updated:
-        batch = jax.tree.map(lambda x: global_array(x, self.mesh), batch)
-        state, metrics = self.update_fn(state, batch, key, self.policy.frozen)
-        out, skipped = host_metrics(metrics)
-        out["learning_rate"] = float(self.schedule(step - 1))
-        return Updated(state, out, skipped)
+        return example_update(self.update_fn, self.mesh, self.schedule, state, batch, step, key, self.policy.frozen)
 
     def evaluate(self, state: State, limit: int | None) -> dict[str, float]:
         return self.evaluation(self.policy.inference_weights(state["params"]), limit)

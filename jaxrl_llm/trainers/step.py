@@ -138,15 +138,8 @@ def completion_logprobs(
 
 
 def policy_loss(
-    params: Params,
-    batch: PolicyBatch,
-    *,
-    model_config: ModelConfig,
-    loss_config: PolicyLossConfig,
-    num_tokens: jax.Array,
-    num_seqs: jax.Array,
-    frozen: Any = None,
-    dropout_key: jax.Array | None = None,
+    params: Params, batch: PolicyBatch, *, model_config: ModelConfig, loss_config: PolicyLossConfig,
+    num_tokens: jax.Array, num_seqs: jax.Array, frozen: Any = None, dropout_key: jax.Array | None = None,
     entropy_coef: jax.Array | None = None,
 ) -> tuple[jax.Array, Metrics]:
     """The GRPO/PPO policy objective of one (micro-)batch; returns `(loss, metrics)` (`frozen`, LoRA's base, is
@@ -197,15 +190,8 @@ def policy_loss(
 
 
 def sft_loss(
-    params: Params,
-    batch: PolicyBatch,
-    *,
-    model_config: ModelConfig,
-    loss_config: PolicyLossConfig,
-    num_tokens: jax.Array,
-    num_seqs: jax.Array,
-    frozen: Any = None,
-    dropout_key: jax.Array | None = None,
+    params: Params, batch: PolicyBatch, *, model_config: ModelConfig, loss_config: PolicyLossConfig,
+    num_tokens: jax.Array, num_seqs: jax.Array, frozen: Any = None, dropout_key: jax.Array | None = None,
 ) -> tuple[jax.Array, Metrics]:
     """Cross-entropy of the completion tokens: `-sum_t m_t log pi(y_t) / num_tokens` (token-mean)."""
     logp, _ = completion_logprobs(
