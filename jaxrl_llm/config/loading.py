@@ -34,53 +34,12 @@ def load_run_config(path: str | Path | None, overrides: list[str] | None = None,
     add_import_path(Path.cwd())  # `python train.py` puts the script's folder on sys.path, not the current one
     merged = OmegaConf.structured(RunConfig)
     if path is not None:
-        if not Path(path).is_file():
-            raise ConfigError(f"config file {path} does not exist (--config takes a YAML preset, e.g. configs/)")
-        try:
-            _check_top_level(path)
-            loaded = OmegaConf.load(path)
-        except ConfigError:
-            raise
-        except Exception as e:  # YAML syntax: the parser's message has the line and column
-            raise ConfigError(f"{path} is not valid YAML: {one_line(str(e))}") from e
-        _check_renamed(OmegaConf.to_container(loaded), f"in {path}")
-        if isinstance(loaded, DictConfig):
-            loaded = OmegaConf.create(resolve_yaml_paths(OmegaConf.to_container(loaded), Path(path).parent))
-        add_import_path(Path(path).parent)  # reward / estimator modules beside the YAML file
-        _check_containers(OmegaConf.to_container(loaded), RunConfig, "", f"in {path}")
-        try:
-            merged = OmegaConf.merge(merged, loaded)
-        except OmegaConfBaseException as e:
-            raise ConfigError(_omegaconf_message(e, f"in {path}")) from e
-        except Exception as e:  # YAML syntax: the parser's message has the line and column
-            raise ConfigError(f"{path} is not valid YAML: {one_line(str(e))}") from e
+        merged = _merge_yaml(merged, Path(path))
     if fields:  # the Python API's mapping: its type and key errors are config errors too, never omegaconf's
         _check_renamed(fields, API_WHERE)
-        _check_containers(fields, RunConfig, "", API_WHERE)
-        try:
-            merged = OmegaConf.merge(merged, OmegaConf.create(fields))
-        except OmegaConfBaseException as e:
-            raise ConfigError(_omegaconf_message(e, API_WHERE)) from e
-        except TypeError as e:  # a container OmegaConf cannot merge that _check_containers did not foresee
-            raise ConfigError(f"invalid configuration {API_WHERE}: {one_line(str(e))}") from e
+        merged = _merge(merged, fields, API_WHERE)
     for item in overrides:
-        key, eq, _ = item.partition("=")
-        if not eq or not key.strip():
-            raise ConfigError(f"command-line override {item!r} must be key=value, e.g. rl.beta=0.04 or steps=10")
-        _check_renamed(key.strip(), f"on the command line ({item!r})")
-        if not _.strip():  # `data.eval=` means the empty string (YAML would read null)
-            item = f"{key}=''"
-        where = f"on the command line ({item!r})"
-        try:
-            dotted = OmegaConf.from_dotlist([item])
-            _check_containers(OmegaConf.to_container(dotted), RunConfig, "", where)
-            merged = OmegaConf.merge(merged, dotted)
-        except OmegaConfBaseException as e:
-            raise ConfigError(_omegaconf_message(e, where)) from e
-        except TypeError as e:  # as for the Python API's fields
-            raise ConfigError(f"invalid configuration {where}: {one_line(str(e))}") from e
-        except yaml.YAMLError as e:  # the value is parsed as YAML: `rewards=[` has no closing bracket
-            raise ConfigError(f"command-line override {item!r}: the value is not valid YAML: {one_line(str(e))}") from e
+        merged = _merge_override(merged, item)
     try:
         config: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as e:
@@ -90,6 +49,53 @@ def load_run_config(path: str | Path | None, overrides: list[str] | None = None,
     except ConfigError as e:
         raise ConfigError(f"{e} ({config_source(str(e), path, overrides, fields)})") from e
     return config
+
+
+def _merge(merged: Any, tree: Any, where: str) -> Any:
+    """`tree` (a mapping) merged over `merged`, its container and type errors one line naming the key."""
+    _check_containers(OmegaConf.to_container(tree) if isinstance(tree, DictConfig) else tree, RunConfig, "", where)
+    try:
+        return OmegaConf.merge(merged, tree if isinstance(tree, DictConfig) else OmegaConf.create(tree))
+    except OmegaConfBaseException as e:
+        raise ConfigError(_omegaconf_message(e, where)) from e
+    except TypeError as e:  # a container OmegaConf cannot merge that _check_containers did not foresee
+        raise ConfigError(f"invalid configuration {where}: {one_line(str(e))}") from e
+
+
+def _merge_yaml(merged: Any, path: Path) -> Any:
+    """The YAML file at `path` merged over `merged`, its relative paths resolved against its folder."""
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist (--config takes a YAML preset, e.g. configs/)")
+    try:
+        _check_top_level(path)
+        loaded = OmegaConf.load(path)
+    except ConfigError:
+        raise
+    except Exception as e:  # YAML syntax: the parser's message has the line and column
+        raise ConfigError(f"{path} is not valid YAML: {one_line(str(e))}") from e
+    _check_renamed(OmegaConf.to_container(loaded), f"in {path}")
+    if isinstance(loaded, DictConfig):
+        loaded = OmegaConf.create(resolve_yaml_paths(OmegaConf.to_container(loaded), path.parent))
+    add_import_path(path.parent)  # reward / estimator modules beside the YAML file
+    return _merge(merged, loaded, f"in {path}")
+
+
+def _merge_override(merged: Any, item: str) -> Any:
+    """The dotted command-line override `item` ("rl.beta=0.04") merged over `merged`."""
+    key, eq, value = item.partition("=")
+    if not eq or not key.strip():
+        raise ConfigError(f"command-line override {item!r} must be key=value, e.g. rl.beta=0.04 or steps=10")
+    _check_renamed(key.strip(), f"on the command line ({item!r})")
+    if not value.strip():  # `data.eval=` means the empty string (YAML would read null)
+        item = f"{key}=''"
+    where = f"on the command line ({item!r})"
+    try:
+        dotted = OmegaConf.from_dotlist([item])
+    except OmegaConfBaseException as e:
+        raise ConfigError(_omegaconf_message(e, where)) from e
+    except yaml.YAMLError as e:  # the value is parsed as YAML: `rewards=[` has no closing bracket
+        raise ConfigError(f"command-line override {item!r}: the value is not valid YAML: {one_line(str(e))}") from e
+    return _merge(merged, dotted, where)
 
 
 API_WHERE = "in the Python API's config"  # where `load_run_config`'s keyword fields (jaxrl_llm.train) come from
