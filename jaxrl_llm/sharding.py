@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -26,6 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -192,7 +194,6 @@ def to_host(tree: Any) -> Any:
     """Every array of `tree` as a full numpy array on every process (an all-gather across hosts)."""
     if jax.process_count() == 1:
         return jax.tree.map(np.asarray, tree)
-    from jax.experimental import multihost_utils
 
     return jax.tree.map(
         lambda x: np.asarray(x) if getattr(x, "is_fully_addressable", True) else
@@ -227,7 +228,6 @@ def initialize_distributed(enabled: bool = False, coordinator_address: str = "",
     cluster auto-detection (SLURM, Open MPI, TPU pods).
     Must run before anything queries the devices. On CPU (tests) it also selects gloo collectives.
     """
-    import os
 
     if not (enabled or coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")):
         return False

@@ -64,3 +64,14 @@ def test_every_algorithm_keeps_its_state_out_of_itself():
         assert not hasattr(cls, "state") and not hasattr(cls, "load_state"), name  # the shell owns the state
         for method in ("init", "collect", "update", "export"):
             assert getattr(cls, method) is not getattr(Algorithm, method), f"{name} must define {method}"
+
+
+def test_function_level_imports_are_only_of_optional_or_heavy_libraries():
+    """The package imports its own modules at the top; inside functions only libraries a run may not need,
+    imported on first use: wandb (optional), and the heavy ones a command or a data source loads when it is used."""
+    from bench.code_shape import function_level_imports
+
+    lazy = {"wandb", "math_verify", "matplotlib", "datasets", "transformers", "tokenizers", "huggingface_hub",
+            "safetensors", "tensorboardX"}
+    found = [(where, module) for where, module in function_level_imports(ROOT) if module.split(".")[0] not in lazy]
+    assert found == []

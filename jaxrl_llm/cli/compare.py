@@ -46,10 +46,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 
 from jaxrl_llm.cli.errors import CommandParser, run_command
+from jaxrl_llm.cli.export import load_model
+from jaxrl_llm.config import DataSection
+from jaxrl_llm.data import build_prompt_set, load_records
 from jaxrl_llm.errors import DataError, UsageError
+from jaxrl_llm.evaluation import generate_scored
+from jaxrl_llm.rewards import resolve_reward
+from jaxrl_llm.sampling import SamplingConfig
 
 LABELS = string.ascii_uppercase
 
@@ -195,7 +202,6 @@ def render_sheet(rows: Sequence[dict[str, Any]], sheet: str = "") -> str:
 
 
 def _judge(spec: str) -> tuple[str, Any]:
-    from jaxrl_llm.rewards import resolve_reward
 
     if Path(spec).is_dir():
         return "reward_model", resolve_reward("reward_model", {"path": spec})
@@ -208,13 +214,6 @@ def _none(prompts: Sequence[str], completions: Sequence[str], **fields: Any) -> 
 
 def generate(args: argparse.Namespace) -> tuple[list[str], list[list[str]], np.ndarray | None]:
     """The rendered prompts, each model's responses `[M][P]`, and the judge's scores `[M, P]` (or None)."""
-    import jax
-
-    from jaxrl_llm.cli.export import load_model
-    from jaxrl_llm.config import DataSection
-    from jaxrl_llm.data import build_prompt_set, load_records
-    from jaxrl_llm.evaluation import generate_scored
-    from jaxrl_llm.sampling import SamplingConfig
 
     judge = _judge(args.judge) if args.judge else ("none", _none)
     records, label = load_records(args.prompts)

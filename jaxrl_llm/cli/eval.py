@@ -30,8 +30,15 @@ from typing import Any
 import jax
 
 from jaxrl_llm.cli.errors import CommandParser, run_command
+from jaxrl_llm.cli.export import load_model
+from jaxrl_llm.config import DataSection
+from jaxrl_llm.data import build_prompt_set, load_records
 from jaxrl_llm.errors import RunDirError, UsageError
+from jaxrl_llm.evaluation import default_ks, generate_scored, summarize
+from jaxrl_llm.rewards import resolve_reward
 from jaxrl_llm.run.manifest import claim, unowned_existing
+from jaxrl_llm.sampling import SamplingConfig
+from jaxrl_llm.trainers.policy import eval_reward
 
 DEFAULT_MAX_NEW_TOKENS = 256
 
@@ -72,12 +79,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def evaluate(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Path]:
     """The metrics, the `Scored` completions and the output folder of one `eval` command."""
-    from jaxrl_llm.cli.export import load_model
-    from jaxrl_llm.config import DataSection
-    from jaxrl_llm.data import build_prompt_set, load_records
-    from jaxrl_llm.evaluation import default_ks, generate_scored, summarize
-    from jaxrl_llm.rewards import resolve_reward
-    from jaxrl_llm.sampling import SamplingConfig
 
     model = load_model(args.model)
     run = model.run
@@ -85,7 +86,6 @@ def evaluate(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Path]:
     if args.reward:
         reward = (args.reward, resolve_reward(args.reward))
     elif c is not None and (c.eval_reward or c.rewards):
-        from jaxrl_llm.trainers.policy import eval_reward
 
         reward = eval_reward(c)
     else:

@@ -26,10 +26,14 @@ import yaml
 from jax.sharding import PartitionSpec
 
 from jaxrl_llm.cli.errors import CommandParser, run_command
+from jaxrl_llm.config import load_run_config
+from jaxrl_llm.data import eos_token_ids, load_tokenizer
 from jaxrl_llm.errors import ConversionError, UsageError
+from jaxrl_llm.models.hf import load_hf_model, resolve_model_dir
 from jaxrl_llm.run.checkpoint import WEIGHT_KEYS, Checkpointer, abstract_like
 from jaxrl_llm.run.manifest import claim
 from jaxrl_llm.sharding import global_array
+from jaxrl_llm.trainers import algorithm_class
 
 
 def is_run_dir(path: Path) -> bool:
@@ -49,7 +53,6 @@ def run_config_path(run_dir: Path) -> Path:
 
 def run_config(run_dir: Path) -> Any:
     """The `RunConfig` the run trained with, its `out_dir` set to `run_dir`."""
-    from jaxrl_llm.config import load_run_config
 
     tree = yaml.safe_load(run_config_path(run_dir).read_text()) or {}
     tree["out_dir"] = str(run_dir)
@@ -89,7 +92,6 @@ def checkpoint_steps(run_dir: Path) -> list[int]:
 
 def load_run_step(run_dir: str | Path, step: int | None = None) -> RunStep:
     """Rebuild the run's algorithm and restore the checkpoint of `step` (default: the latest) into it."""
-    from jaxrl_llm.trainers import algorithm_class
 
     run_dir = Path(run_dir)
     if not is_run_dir(run_dir):
@@ -138,8 +140,6 @@ class LoadedModel:
 
 def load_model(spec: str) -> LoadedModel:
     """`DIR` (a HF directory or hub id), `RUN_DIR` (its latest checkpoint) or `RUN_DIR:STEP`."""
-    from jaxrl_llm.data import eos_token_ids, load_tokenizer
-    from jaxrl_llm.models.hf import load_hf_model, resolve_model_dir
 
     path, step = split_spec(spec) if (":" in spec or Path(spec).exists()) else (Path(spec), None)
     if is_run_dir(path):

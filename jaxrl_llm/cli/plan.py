@@ -58,9 +58,15 @@ from jax.sharding import AbstractMesh, PartitionSpec
 
 from jaxrl_llm import sharding
 from jaxrl_llm.cli.errors import CommandParser, run_command
+from jaxrl_llm.config import OptimSection, load_run_config
 from jaxrl_llm.errors import UsageError
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import param_shapes
+from jaxrl_llm.models.hf import ConversionError, config_from_hf, read_hf_config
+from jaxrl_llm.models.lora import LoraSpec, init_adapters
+from jaxrl_llm.preflight import check_model_source
+from jaxrl_llm.sharding import MeshShape
+from jaxrl_llm.trainers.step import logprob_chunk_size, make_optimizer
 
 P = PartitionSpec
 # The sampler's cache `[L, B*n, S, KVH, hd]` (`init_cache`'s layout): rows over the batch axes, KV heads over
@@ -154,8 +160,6 @@ def make_plan_optimizer(name: str) -> optax.GradientTransformation:
     """The optimizer whose state is planned: `adamw` is the trainer's own (`train_step.make_optimizer`:
     clipping, AdamW, non-finite guard), `lion` keeps one moment, `sgd` none."""
     if name == "adamw":
-        from jaxrl_llm.config import OptimSection
-        from jaxrl_llm.trainers.step import make_optimizer
 
         return make_optimizer(OptimSection(), total_updates=1)[0]
     if name == "lion":
@@ -225,7 +229,6 @@ def activation_bytes(config: ModelConfig, rows: int, seq_len: int, completion_le
     v = _divided(config.vocab_size, t)
     q = min(tt, config.attention_query_chunk or tt)
     per_layer = b * tt * (s * (5 * d + 2 * (h + k) * hd + 6 * i) + 4 * 4 * d) + b * h * q * tt * (4 + s)
-    from jaxrl_llm.trainers.step import logprob_chunk_size
 
     chunk = logprob_chunk_size(b, cc, config.vocab_size, logprob_block_mib)
     head = HEAD_BLOCKS * 4 * b * chunk * v + b * tt * d * 4 + b * tt * tt
@@ -348,7 +351,6 @@ def _weight_bytes(config: ModelConfig, sizes: dict[str, int],
     master = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), shapes)
     opt = make_plan_optimizer(optimizer) if isinstance(optimizer, str) else optimizer
     if lora_rank:
-        from jaxrl_llm.models.lora import LoraSpec, init_adapters
 
         adapters = jax.eval_shape(lambda: init_adapters(shapes, LoraSpec(lora_rank, 1.0, lora_targets),
                                                         jax.random.key(0)))
@@ -486,7 +488,6 @@ def parse_mesh(text: str) -> tuple[int, int, int]:
 
 def load_hf_config_dict(model: str) -> dict[str, Any]:
     """config.json of a model directory, of a path to that file, or of a hub id (downloads config.json only)."""
-    from jaxrl_llm.models.hf import ConversionError, read_hf_config
 
     path = Path(model).expanduser()
     if model == DEFAULT_MODEL and not path.exists():  # the committed model, from any working directory
@@ -497,7 +498,6 @@ def load_hf_config_dict(model: str) -> dict[str, Any]:
         return json.loads(path.read_text())
     if path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1:
         raise ConversionError(f"model directory {path} does not exist (nor is it a hub id)")
-    from jaxrl_llm.preflight import check_model_source
 
     check_model_source("--model", model)  # offline or unknown: one line at once, not the download's retries
     from huggingface_hub import hf_hub_download
@@ -569,7 +569,6 @@ _SETTINGS: tuple[tuple[str, Any, Any], ...] = (
 
 def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The planned run's settings: command-line options over the `--config` run's, over the defaults."""
-    from jaxrl_llm.config import load_run_config
 
     config = load_run_config(args.config, args.overrides) if args.config else None
     if args.overrides and config is None:
@@ -586,7 +585,6 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
     if args.mesh:
         out["mesh"] = parse_mesh(args.mesh)
     elif config is not None:
-        from jaxrl_llm.sharding import MeshShape
 
         devices = args.devices or jax.device_count()
         out["mesh"] = MeshShape(config.mesh.data, config.mesh.fsdp, config.mesh.tensor).resolve(devices)
@@ -651,7 +649,6 @@ def render(plan: MemoryPlan, config: ModelConfig, device_memory: int, *, model: 
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m jaxrl_llm.plan ...`: print the plan table; exit 0 whether or not it fits, 2 on bad input."""
     args = _parser().parse_intermixed_args(argv)
-    from jaxrl_llm.models.hf import config_from_hf
 
     try:
         run = resolve_settings(args)

@@ -20,7 +20,9 @@ import jax.numpy as jnp
 
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params, forward
+from jaxrl_llm.models.hf import is_classifier, load_hf_model, resolve_model_dir  # hf imports the decoder
 from jaxrl_llm.models.precision import matmul
+from jaxrl_llm.models.reward_model import load_hf_reward_model
 
 ScalarHead = dict[str, jax.Array]
 CriticParams = dict[str, Any]  # {"decoder": Params, "value_head": ScalarHead}
@@ -75,8 +77,6 @@ def load_critic(model_dir: str | os.PathLike[str], **config_overrides: Any) -> t
       `bias = 0`, so at the start `V(x, y_<t)` is the reward model's score of the prefix `x, y_<t`;
     - a causal LM: its decoder and a zero head (every value 0 at the start).
     """
-    from jaxrl_llm.models.hf import is_classifier, load_hf_model, resolve_model_dir  # hf imports the decoder
-    from jaxrl_llm.models.reward_model import load_hf_reward_model
 
     path = resolve_model_dir(model_dir)
     if is_classifier(path):

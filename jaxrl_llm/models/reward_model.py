@@ -21,9 +21,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_llm.data import load_tokenizer
+from jaxrl_llm.errors import ConversionError
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params, forward
-from jaxrl_llm.models.hf import ConversionError, is_classifier, load_hf_model, read_tensor, resolve_model_dir
+from jaxrl_llm.models.hf import (
+    is_classifier,
+    load_hf_model,
+    read_tensor,
+    resolve_model_dir,
+    save_hf_model,
+)
 from jaxrl_llm.models.precision import matmul
 
 
@@ -72,7 +80,6 @@ class RewardModel:
     max_length: int = 1024
 
     def __post_init__(self) -> None:
-        from jaxrl_llm.data import load_tokenizer
 
         self.config, self.params, self.score_kernel = load_hf_reward_model(self.path)
         self.tokenizer = load_tokenizer(resolve_model_dir(self.path))
@@ -108,13 +115,11 @@ def save_hf_reward_model(params: Params, score_kernel: jax.Array, config: ModelC
                          out_dir: str | os.PathLike[str], *, tokenizer_dir: str | os.PathLike[str] | None = None,
                          pad_token_id: int | None = None) -> Any:
     """Write a HF `...ForSequenceClassification` directory (decoder + `score.weight [num_labels, D]`)."""
-    from jaxrl_llm.models.hf import save_hf_model
 
     num_labels = int(score_kernel.shape[1])
     architecture = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification",
                     "qwen3": "Qwen3ForSequenceClassification", "mistral": "MistralForSequenceClassification"}
     if config.model_type not in architecture:
-        from jaxrl_llm.errors import ConversionError
 
         raise ConversionError(f"reward models (...ForSequenceClassification) are supported for "
                               f"{', '.join(architecture)}, not {config.model_type}")

@@ -20,12 +20,12 @@ from typing import Any
 import numpy as np
 
 from jaxrl_llm.errors import RewardError, RewardNameError, one_line
+from jaxrl_llm.models.reward_model import reward_model_reward
 from jaxrl_llm.rewards.math_answers import math_answer_reward, math_verify_reward
 from jaxrl_llm.rewards.shaping import format_reward, overlong_reward
 
 
 def _reward_model_reward(prompts: Sequence[str], completions: Sequence[str], **fields: Any) -> list[float]:
-    from jaxrl_llm.models.reward_model import reward_model_reward
 
     return reward_model_reward(prompts, completions, **fields)
 

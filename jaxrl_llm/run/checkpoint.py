@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import jax
 import orbax.checkpoint as ocp
 
 from jaxrl_llm.errors import RunDirError, StorageError, one_line
@@ -279,7 +280,6 @@ def _text_cause(text: str) -> str | None:
 
 def abstract_like(tree: Any) -> Any:
     """Shapes, dtypes and shardings of `tree`'s arrays: what `restore` fills."""
-    import jax
 
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
                         tree)

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import jax
 from tqdm.auto import tqdm
 
 from jaxrl_llm.errors import ConfigError, StorageError
@@ -52,7 +53,6 @@ class RunLogger:
                  tensorboard: bool = True, progress_bar: bool = True, desc: str = "train",
                  resume_step: int | None = None, wandb: dict[str, Any] | None = None) -> None:
         """`wandb`: `{"project", "mode", "config"}` to also send every row to Weights & Biases (process 0)."""
-        import jax
 
         primary = jax.process_index() == 0
         self.out_dir = Path(out_dir)
@@ -152,7 +152,6 @@ def truncate_rows(path: Path, last_step: int) -> list[dict[str, Any]]:
 
 def write_summary(out_dir: str | Path, summary: dict[str, Any]) -> None:
     """`out_dir/summary.json`: the run's before/after evaluation, export and divergence verdict."""
-    import jax
 
     if jax.process_index() == 0:
         path = Path(out_dir) / "summary.json"

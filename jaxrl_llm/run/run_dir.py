@@ -34,6 +34,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import jax
 import yaml
 
 from jaxrl_llm.config import RunConfig, to_dict, to_yaml
@@ -231,7 +232,6 @@ def open_run_dir(config: RunConfig, *, resume: bool = False, overwrite: bool = F
 
     `config_dir`: the folder of the YAML file the config came from (a new run may share it with files that
     are not its own); `allow_tracked_dir`: write into a git work tree's root or a directory with tracked files."""
-    import jax
 
     out_dir = Path(config.out_dir)
     export = Path(export_dir) if export_dir else None

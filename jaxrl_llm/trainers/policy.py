@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_llm.config import RunConfig
@@ -32,6 +33,7 @@ from jaxrl_llm.models.lora import LoraSpec, init_adapters, insert_adapters, merg
 from jaxrl_llm.rewards import RewardFunction, resolve_reward
 from jaxrl_llm.sampling import SamplingConfig
 from jaxrl_llm.sharding import MeshShape, make_mesh, param_shardings, to_host
+from jaxrl_llm.tasks.arithmetic import make_tokenizer
 from jaxrl_llm.trainers.step import cast_floating, inference_copy, master_weights
 
 
@@ -169,13 +171,11 @@ def _scratch_tokenizer(spec: str, out_dir: Path) -> tuple[Any, Path]:
         raise ValueError("model.init is set (train from scratch) but model.tokenizer is empty")
     if jax.process_index() == 0:  # one writer; the others wait for the files below
         if spec == "arithmetic":
-            from jaxrl_llm.tasks.arithmetic import make_tokenizer
 
             make_tokenizer().save_pretrained(target)
         else:
             load_tokenizer(spec).save_pretrained(target)
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices("jaxrl_llm: scratch tokenizer written")
     return load_tokenizer(target), target

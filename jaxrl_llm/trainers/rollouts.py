@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from jaxrl_llm.config import RunConfig
 from jaxrl_llm.data import DataState, PromptSet, next_batch_indices
@@ -134,7 +135,6 @@ class RolloutCollector:
         rewards, each = rewards.astype(np.float32), {k: v.astype(np.float32) for k, v in each.items()}
         if jax.process_count() == 1:
             return rewards, each
-        from jax.experimental import multihost_utils
 
         gathered = multihost_utils.process_allgather((rewards, each), tiled=True)
         return np.asarray(gathered[0]), {k: np.asarray(v) for k, v in gathered[1].items()}
