@@ -185,6 +185,57 @@ def assert_jit_vmap_agree(fn, *args) -> None:
         jax.tree.map(lambda a, b, k=k: np.testing.assert_allclose(a[k], b, rtol=1e-5, atol=1e-6), batched, jitted(*c))
 
 
+# ------------------------------------------------------------------------------------ tiny runs and their outputs
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
+
+# The one shape of a tiny run: a rollout of 4 prompts x 4 samples, 16 held-out problems scored in one batch,
+# few steps. Tests that do not depend on these values keep them, so each compiled program (sampler, update,
+# evaluation) is compiled once and then served by the persistent compile cache to every other file.
+TINY_SHAPE = ("steps=1", "rl.prompts_per_step=4", "rl.group_size=4", "eval_size=16", "eval_batch_size=16")
+# Nothing a test does not look at: no progress bar, TensorBoard events, export or HTML report.
+QUIET = ("progress_bar=false", "tensorboard=false", "export=false", "report=false")
+
+
+def tiny_run_args(out: Path, *overrides: str, task: Path | None = None) -> list[str]:
+    """`key=value` arguments (for `train.py`, `train.cli` or `load_run_config`) of a tiny quiet run into `out`:
+    `task`'s model, train and held-out data when given (the `tiny_task` fixture's layout), TINY_SHAPE, QUIET,
+    then `overrides`, which win (e.g. `data.eval=` for no held-out set, `export=true`)."""
+    data = [] if task is None else [f"model.path={task / 'model'}", f"data.train={task / 'train.jsonl'}",
+                                    f"data.eval={task / 'test.jsonl'}"]
+    return [*data, f"out_dir={out}", *TINY_SHAPE, *QUIET, *overrides]
+
+
+def tiny_run(preset: str | None, out: Path, *overrides: str, task: Path | None = None, **kwargs):
+    """The RunConfig of a tiny run of `configs/<preset>` (None: the built-in defaults) into `out`, with
+    `tiny_run_args`; `kwargs` (algo=, rewards=) go to `load_run_config`."""
+    from jaxrl_llm.config import load_run_config
+
+    path = None if preset is None else CONFIGS / (preset if preset.endswith(".yaml") else f"{preset}.yaml")
+    return load_run_config(path, tiny_run_args(out, *overrides, task=task), **kwargs)
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def read_rows(run: Path, having: str | None = None) -> list[dict]:
+    """The rows of `run/metrics.jsonl`; with `having`, only those that log that metric (e.g. "reward/mean": the
+    training steps, not the evaluation-only rows)."""
+    return [r for r in _jsonl(run / "metrics.jsonl") if having is None or having in r]
+
+
+def read_samples(run: Path) -> list[dict]:
+    """The rows of `run/samples.jsonl`."""
+    return _jsonl(run / "samples.jsonl")
+
+
+def read_summary(run: Path) -> dict:
+    """`run/summary.json`."""
+    return json.loads((run / "summary.json").read_text())
+
+
 # A tiny Llama for trainer tests (with the arithmetic task's tokenizer).
 TINY = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)

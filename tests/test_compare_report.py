@@ -9,16 +9,13 @@ import json
 import re
 import shutil
 import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import tiny_run
 
-from jaxrl_llm.config import load_run_config
 from jaxrl_llm.errors import DataError
 from jaxrl_llm.trainers import make_trainer
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def parity(prompts, completions, **fields):
@@ -29,13 +26,9 @@ def parity(prompts, completions, **fields):
 def run3(tiny_task, tmp_path_factory):
     """Three GRPO steps (beta > 0), evaluated, sampled and checkpointed at every step."""
     out = tmp_path_factory.mktemp("compare_report") / "run"
-    config = load_run_config(ROOT / "configs" / "grpo_arithmetic.yaml", [
-        f"model.path={tiny_task / 'model'}", f"data.train={tiny_task / 'train.jsonl'}",
-        f"data.eval={tiny_task / 'test.jsonl'}", f"out_dir={out}", "rl.prompts_per_step=4", "rl.group_size=4",
-        "steps=3", "checkpoint_every=1", "keep_checkpoints=3", "eval_every=1", "eval_size=16",
-        "eval_batch_size=16", "sample_every=1", "rl.beta=0.04", "optim.learning_rate=0.1",
-        "optim.warmup_steps=0", "progress_bar=false", "tensorboard=false", "export=false",
-        "sampling.max_new_tokens=8"], rewards=[{"name": "test_compare_report:parity"}])
+    config = tiny_run("grpo_arithmetic", out, "steps=3", "checkpoint_every=1", "keep_checkpoints=3", "eval_every=1",
+                      "sample_every=1", "rl.beta=0.04", "optim.learning_rate=0.1", "optim.warmup_steps=0",
+                      "sampling.max_new_tokens=8", task=tiny_task, rewards=[{"name": "test_compare_report:parity"}])
     make_trainer(config).run()
     return out
 

@@ -4,17 +4,15 @@ silent and shows the drift KL, not the on-policy ratio's KL, on its progress lin
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import read_rows, tiny_run
 
-from jaxrl_llm.config import MonitorSection, load_run_config
+from jaxrl_llm.config import MonitorSection
 from jaxrl_llm.run.monitor import HINTS, diagnose, drift_kl, repeated_ngram_fraction
 from jaxrl_llm.trainers import make_trainer
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def always_zero(prompts, completions, **fields):
@@ -88,15 +86,8 @@ def test_thresholds_bound_the_symptoms():
 
 
 def _tiny(task: Path, out: Path, reward: str, *overrides: str):
-    return load_run_config(ROOT / "configs" / "grpo_arithmetic.yaml", [
-        f"model.path={task / 'model'}", f"data.train={task / 'train.jsonl'}", "data.eval=", f"out_dir={out}",
-        "rl.prompts_per_step=4", "rl.group_size=4", "checkpoint_every=0", "export=false", "progress_bar=false",
-        "tensorboard=false", "sampling.max_new_tokens=8", "monitor.on_divergence=warn", *overrides],
-        rewards=[{"name": reward}])
-
-
-def _rows(out: Path) -> list[dict]:
-    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"reward/mean"' in x]
+    return tiny_run("grpo_arithmetic", out, "data.eval=", "checkpoint_every=0", "monitor.on_divergence=warn",
+                    *overrides, task=task, rewards=[{"name": reward}])
 
 
 class FakeWandb:
@@ -127,7 +118,7 @@ def test_a_reward_that_is_always_zero_is_named_and_wandb_gets_the_same_rows(tiny
     out = tmp_path / "zero"
     summary = make_trainer(_tiny(tiny_task, out, "test_diagnostics:always_zero", "steps=3",
                                  "monitor.reward_steps=3", "logging.wandb=true")).run()
-    rows = _rows(out)
+    rows = read_rows(out, "reward/mean")
     assert [r.get("diagnostics/reward_zero") for r in rows] == [None, None, 1.0]
     assert fake.inits[0]["mode"] == "offline" and fake.inits[0]["config"]["steps"] == 3 and fake.finished == 1
     assert [(s, r) for s, r in fake.logged if "reward/mean" in r] == [
@@ -141,7 +132,7 @@ def test_a_huge_learning_rate_names_the_blow_up_and_the_collapse(tiny_task, tmp_
     summary = make_trainer(_tiny(tiny_task, out, "test_diagnostics:parity", "steps=4", "eval_every=1",
                                  "optim.learning_rate=1.0", "optim.warmup_steps=0",
                                  "monitor.baseline_steps=1", "model.dtype=float32")).run()
-    rows = _rows(out)
+    rows = read_rows(out, "reward/mean")
     assert all(r["drift_kl"] > 1.0 for r in rows)  # beta = 0, yet the drift from the initial policy is logged
     assert summary["diagnostics"]["kl_blowup"]["first_step"] == 1
     assert "entropy_collapse" in summary["diagnostics"]
@@ -153,12 +144,12 @@ def test_a_huge_learning_rate_names_the_blow_up_and_the_collapse(tiny_task, tmp_
 
 def test_the_default_task_stays_silent_and_shows_drift_not_the_ratio_kl(tmp_path, capsys):
     out = tmp_path / "default"
-    config = load_run_config(ROOT / "configs" / "grpo_arithmetic.yaml", [
-        f"out_dir={out}", "steps=4", "eval_every=2", "eval_size=64", "eval_batch_size=64", "checkpoint_every=0",
-        "export=false", "progress_bar=false", "tensorboard=false", "monitor.patience=1",
-        "monitor.reward_steps=2", "monitor.baseline_steps=1"])
+    # the preset's own 16 x 8 rollouts: with 4 x 4 a step of the default task trips a diagnostic
+    config = tiny_run("grpo_arithmetic", out, "rl.prompts_per_step=16", "rl.group_size=8", "steps=4", "eval_every=2",
+                      "checkpoint_every=0", "monitor.patience=1", "monitor.reward_steps=2",
+                      "monitor.baseline_steps=1")
     summary = make_trainer(config).run()
-    rows = _rows(out)
+    rows = read_rows(out, "reward/mean")
     assert [r["diagnostics/count"] for r in rows] == [0.0] * 4
     assert "diagnostics" not in summary
     drift = [r["drift_kl"] for r in rows if "drift_kl" in r]

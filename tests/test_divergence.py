@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
+from conftest import read_rows, read_summary, tiny_run_args
 
 import train
 from jaxrl_llm.config import MonitorSection
@@ -79,9 +80,9 @@ def test_patience_zero_turns_the_checks_off():
 
 
 def _args(out: Path, *extra: str) -> list[str]:
-    return [f"out_dir={out}", "optim.learning_rate=1e3", "steps=8", "rl.prompts_per_step=4", "eval_size=16",
-            "eval_batch_size=16", "checkpoint_every=2", "progress_bar=false", "tensorboard=false",
-            "monitor.patience=3", *extra]
+    # export=true: the diverged run is what must not export
+    return tiny_run_args(out, "optim.learning_rate=1e3", "steps=8", "checkpoint_every=2", "export=true",
+                         "monitor.patience=3", *extra)
 
 
 def test_a_destroyed_policy_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, capsys, monkeypatch):
@@ -93,11 +94,11 @@ def test_a_destroyed_policy_stops_the_run_and_keeps_the_last_good_checkpoint(tmp
     assert code == 1, err
     line = err.strip().splitlines()[-1]
     assert line.startswith("train.py: error: step ") and "the policy diverged" in line and "without export" in line
-    summary = json.loads((out / "summary.json").read_text())
+    summary = read_summary(out)
     stop, good = summary["diverged"]["step"], summary["diverged"]["last_good_checkpoint"]
     assert stop < 8 and not (out / "hf").exists()
     assert f"Last good checkpoint: step {good}" in line
-    rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = read_rows(out)
     assert [r["step"] for r in rows] == list(range(stop + 1))
     assert rows[-1]["eval/accuracy"] < rows[0]["eval/accuracy"]  # the final policy really is worse
     # The good checkpoint predates every step where a condition held; later ones were set aside, not deleted.
@@ -109,7 +110,7 @@ def test_a_destroyed_policy_stops_the_run_and_keeps_the_last_good_checkpoint(tmp
     assert train.cli([*_args(warned, "data.eval=", "steps=7"), "monitor.on_divergence=warn", "export=true"]) == 0
     err = capsys.readouterr().err
     assert "warning: the final policy diverged" in err
-    assert json.loads((warned / "summary.json").read_text())["diverged"]["conditions"]
+    assert read_summary(warned)["diverged"]["conditions"]
     assert (warned / "hf" / "config.json").is_file()
 
 

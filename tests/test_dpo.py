@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import read_rows, tiny_run
 
-from jaxrl_llm.config import load_run_config
 from jaxrl_llm.data import build_preference_set, pair_texts
 from jaxrl_llm.models.hf import hf_state_dict, load_hf_model
 from jaxrl_llm.rl.losses import dpo_loss
@@ -137,17 +137,14 @@ def test_reference_in_the_step_equals_precomputed_and_the_run_learns(tiny_task, 
     train, _ = _preference_files(tiny_task, tmp_path / "prefs")
     runs = {}
     for where in ("step", "precompute"):
-        config = load_run_config(ROOT / "configs" / "dpo_arithmetic.yaml", [
-            f"model.path={tiny_task / 'model'}", f"data.train={train}", f"data.eval={train}",
-            f"dpo.eval_prompts={tiny_task / 'test.jsonl'}", f"dpo.reference={where}", f"out_dir={tmp_path / where}",
-            "steps=6", "sft.batch_size=16", "sft.eval_batch_size=32", "eval_size=32", "eval_batch_size=32",
-            "optim.learning_rate=3e-3", "dpo.beta=1.0", "optim.warmup_steps=0", "progress_bar=false",
-            "tensorboard=false",
-            "checkpoint_every=0", "export=false"])
+        config = tiny_run("dpo_arithmetic", tmp_path / where, f"data.train={train}", f"data.eval={train}",
+                          f"dpo.eval_prompts={tiny_task / 'test.jsonl'}", f"dpo.reference={where}", "steps=6",
+                          "sft.batch_size=16", "sft.eval_batch_size=32", "optim.learning_rate=3e-3", "dpo.beta=1.0",
+                          "optim.warmup_steps=0", "checkpoint_every=0", task=tiny_task)
         trainer = make_trainer(config)
         assert (trainer.algorithm.frozen is None) == (where == "precompute")  # no reference weights kept
         summary = trainer.run()
-        rows = [json.loads(line) for line in (tmp_path / where / "metrics.jsonl").read_text().splitlines()]
+        rows = read_rows(tmp_path / where)
         runs[where] = (summary, rows, jax.tree.map(np.asarray, trainer.state["params"]))
     (s_step, rows_step, p_step), (s_pre, rows_pre, p_pre) = runs["step"], runs["precompute"]
     for a, b in zip(rows_step, rows_pre, strict=True):
@@ -168,14 +165,13 @@ def test_reference_in_the_step_equals_precomputed_and_the_run_learns(tiny_task, 
 
 
 def test_chat_dpo_preset_runs_on_a_tiny_chat_model(tiny_chat_model, tmp_path):
-    config = load_run_config(ROOT / "configs" / "dpo_smollm2_larger_number.yaml", [
-        f"model.path={tiny_chat_model}", f"out_dir={tmp_path / 'run'}", "steps=2", "sft.batch_size=2",
-        "sft.eval_batch_size=4", "eval_size=4", "eval_batch_size=4", "sampling.max_new_tokens=24",
-        "progress_bar=false", "tensorboard=false", "checkpoint_every=0"])
+    config = tiny_run("dpo_smollm2_larger_number", tmp_path / "run", f"model.path={tiny_chat_model}", "steps=2",
+                      "sft.batch_size=2", "sft.eval_batch_size=4", "eval_size=4", "eval_batch_size=4",
+                      "sampling.max_new_tokens=24", "checkpoint_every=0", "export=true")
     trainer = make_trainer(config)
     assert "<|im_start|>assistant" in trainer.algorithm.policy.tokenizer.decode(trainer.algorithm.pairs.prompt_ids[0])
     summary = trainer.run()
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = read_rows(tmp_path / "run")
     assert [r["step"] for r in rows if "rewards/accuracies" in r] == [1, 2]
     assert all(np.isfinite(r["loss"]) for r in rows if "loss" in r)
     assert {"eval/reward_accuracy", "eval/logp_accuracy", "eval/accuracy"} <= set(summary["after"])

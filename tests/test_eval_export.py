@@ -13,14 +13,12 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from conftest import read_rows, tiny_run
 
-from jaxrl_llm.config import load_run_config
 from jaxrl_llm.errors import UsageError
 from jaxrl_llm.evaluation import default_ks, pass_at_k
 from jaxrl_llm.models.hf import load_hf_model
 from jaxrl_llm.trainers import make_trainer
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def parity(prompts, completions, **fields):
@@ -51,15 +49,12 @@ def short_run(tiny_task, tmp_path_factory):
     """Two GRPO steps with a checkpoint and a held-out evaluation at each, exported to a custom export_dir."""
     root = tmp_path_factory.mktemp("eval_export")
     out, export_dir = root / "run", root / "exported"
-    config = load_run_config(ROOT / "configs" / "grpo_arithmetic.yaml", [
-        f"model.path={tiny_task / 'model'}", f"data.train={tiny_task / 'train.jsonl'}",
-        f"data.eval={tiny_task / 'test.jsonl'}", f"out_dir={out}", f"export_dir={export_dir}",
-        "rl.prompts_per_step=4", "rl.group_size=4", "steps=2", "checkpoint_every=1", "keep_checkpoints=3",
-        "eval_every=1", "eval_size=16", "eval_batch_size=16", "eval_reward=test_eval_export:parity",
-        "optim.learning_rate=0.01", "optim.warmup_steps=0", "progress_bar=false", "tensorboard=false",
-        "sampling.max_new_tokens=8"], rewards=[{"name": "test_eval_export:parity"}])
+    config = tiny_run("grpo_arithmetic", out, f"export_dir={export_dir}", "export=true", "steps=2",
+                      "checkpoint_every=1", "keep_checkpoints=3", "eval_every=1", "eval_reward=test_eval_export:parity",
+                      "optim.learning_rate=0.01", "optim.warmup_steps=0", "sampling.max_new_tokens=8", task=tiny_task,
+                      rewards=[{"name": "test_eval_export:parity"}])
     make_trainer(config).run()
-    rows = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+    rows = {r["step"]: r for r in read_rows(out)}
     return out, export_dir, rows
 
 

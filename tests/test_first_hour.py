@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from conftest import read_rows, read_samples, read_summary, tiny_run, tiny_run_args
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -80,13 +81,13 @@ def test_readme_section_runs_as_written_from_another_folder(tmp_path, tiny_chat_
     # training: the user's reward module beside the YAML, the run's outputs beside it too
     assert trained.returncode == 0, trained.stderr[-2000:]
     out = tmp_path / "my_task" / "run"
-    rows = _records(out / "metrics.jsonl")
+    rows = read_rows(out)
     assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2]
     assert all("reward/my_rewards:last_number_is_answer/mean" in r for r in rows if "reward/mean" in r)
-    samples = _records(out / "samples.jsonl")
+    samples = read_samples(out)
     assert samples and samples[0]["step"] == 1  # samples from the first step, not only every sample_every
     assert "<|im_start|>assistant" in samples[0]["prompt"]  # chat messages rendered with the model's template
-    summary = json.loads((out / "summary.json").read_text())
+    summary = read_summary(out)
     assert "eval/accuracy" in summary["before"] and "eval/accuracy" in summary["after"]
 
     # off a terminal: plain lines, one per step, and what the run is doing in words
@@ -120,7 +121,7 @@ def test_readme_python_quickstart_runs(tmp_path, tiny_chat_model, monkeypatch, c
         code = code.replace(old, new)
     monkeypatch.chdir(tmp_path)  # in this process (the API is Python): the snippet reads my_task/ from here
     exec(compile(code, "README.md", "exec"), {"__name__": "readme_quickstart"})
-    summary = json.loads((tmp_path / "runs" / "my_task_api" / "summary.json").read_text())
+    summary = read_summary(tmp_path / "runs" / "my_task_api")
     assert "eval/accuracy" in summary["after"]
     assert "eval/accuracy" in capsys.readouterr().out  # the snippet prints summary["after"]
 
@@ -143,7 +144,7 @@ def test_python_api_takes_a_function_and_in_memory_records(tmp_path, tiny_task):
         train_dataset=datasets.Dataset.from_list(records), eval_dataset=records[:4],
         overrides=["rl.prompts_per_step=2", "rl.group_size=2", "progress_bar=false", "tensorboard=false"], steps=2,
     )
-    samples = _records(tmp_path / "run" / "samples.jsonl")
+    samples = read_samples(tmp_path / "run")
     assert samples
     for s in samples:  # the rewards are the Python function's values, weighted
         assert s["reward/characters"] == float(len(s["completion"]))
@@ -157,9 +158,7 @@ def test_python_api_takes_a_function_and_in_memory_records(tmp_path, tiny_task):
 def test_sigint_checkpoints_the_last_step_and_the_run_resumes(tmp_path, tiny_task, capsys):
     out = tmp_path / "run"
     args = [sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / "configs" / "grpo_arithmetic.yaml"),
-            f"model.path={tiny_task / 'model'}", f"data.train={tiny_task / 'train.jsonl'}", "data.eval=",
-            f"out_dir={out}", "rl.prompts_per_step=2", "rl.group_size=2", "checkpoint_every=1000",
-            "tensorboard=false", "export=false"]
+            *tiny_run_args(out, "data.eval=", "checkpoint_every=1000", task=tiny_task)]
     proc = subprocess.Popen([*args, "steps=100000"], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     deadline = time.monotonic() + 300
@@ -175,26 +174,23 @@ def test_sigint_checkpoints_the_last_step_and_the_run_resumes(tmp_path, tiny_tas
     step = int(last.split("after step ")[1].split(";")[0])
     checkpoints = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
     assert checkpoints == [step]  # checkpoint_every=1000: the only one is the interrupt's
-    assert [r["step"] for r in _records(out / "metrics.jsonl")] == list(range(1, step + 1))
+    assert [r["step"] for r in read_rows(out)] == list(range(1, step + 1))
 
     sys.path.insert(0, str(ROOT))
     import train  # the same command, in this process
 
     assert train.cli([*args[2:], f"steps={step + 2}", "--resume"]) == 0
     assert f"resumed from step {step}" in capsys.readouterr().out
-    assert [r["step"] for r in _records(out / "metrics.jsonl")] == list(range(1, step + 3))
+    assert [r["step"] for r in read_rows(out)] == list(range(1, step + 3))
 
 
 def test_final_checkpoint_weights_keeps_only_the_policy(tmp_path, tiny_task):
-    from jaxrl_llm.config import load_run_config
     from jaxrl_llm.run.checkpoint import Checkpointer
     from jaxrl_llm.trainers import make_trainer
 
     def config(steps: int, *extra: str):
-        return load_run_config(ROOT / "configs" / "grpo_arithmetic.yaml", [
-            f"model.path={tiny_task / 'model'}", f"data.train={tiny_task / 'train.jsonl'}", "data.eval=",
-            f"out_dir={tmp_path / 'run'}", "rl.prompts_per_step=2", "rl.group_size=2", "checkpoint_every=1",
-            "progress_bar=false", "tensorboard=false", "export=false", f"steps={steps}", *extra])
+        return tiny_run("grpo_arithmetic", tmp_path / "run", "data.eval=", "checkpoint_every=1", f"steps={steps}",
+                        *extra, task=tiny_task)
 
     trainer = make_trainer(config(2, "final_checkpoint=weights"))
     trainer.run()
@@ -212,7 +208,7 @@ def test_final_checkpoint_weights_keeps_only_the_policy(tmp_path, tiny_task):
     assert all(np.array_equal(a, b) for a, b in zip(params, restored, strict=True))
     assert resumed.step == 2
     resumed.run()
-    assert [r["step"] for r in _records(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3]
+    assert [r["step"] for r in read_rows(tmp_path / "run")] == [1, 2, 3]
 
 
 def test_docs_config_md_is_current():

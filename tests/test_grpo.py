@@ -3,16 +3,14 @@ mu > 1 really moving the ratio, and the GSM8K preset on the shared data (mesh in
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import GSM8K, STORIES260K, TINY, requires_shared
+from conftest import GSM8K, STORIES260K, TINY, read_rows, requires_shared, tiny_run
 
-from jaxrl_llm.config import load_run_config
 from jaxrl_llm.data import DataState
 from jaxrl_llm.errors import TrainingError
 from jaxrl_llm.models.decoder import init_params
@@ -21,27 +19,9 @@ from jaxrl_llm.sharding import make_mesh
 from jaxrl_llm.trainers import make_trainer
 from jaxrl_llm.trainers.step import PolicyBatch, PolicyLossConfig, make_optimizer, make_train_step, policy_loss
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
 
 def _config(task: Path, out: Path, *overrides: str):
-    return load_run_config(
-        ROOT / "configs" / "grpo_arithmetic.yaml",
-        [
-            f"model.path={task / 'model'}",
-            f"data.train={task / 'train.jsonl'}",
-            f"data.eval={task / 'test.jsonl'}",
-            f"out_dir={out}",
-            "rl.prompts_per_step=4",
-            "rl.group_size=4",
-            "eval_size=16",
-            "eval_batch_size=16",
-            "progress_bar=false",
-            "tensorboard=true",
-            *overrides,
-        ],
-    )
+    return tiny_run("grpo_arithmetic", out, *overrides, task=task)
 
 
 def completion_length(prompts, completions, **fields):
@@ -57,10 +37,9 @@ TWO_REWARDS = "rewards=[{name: math_answer}, {name: 'test_grpo:completion_length
 def test_short_run_writes_metrics_checkpoints_and_resumes(tiny_task, tmp_path):
     out = tmp_path / "run"
     config = _config(tiny_task, out, "steps=3", "checkpoint_every=2", "rl.beta=0.04", "rl.mu=2",
-                     "rl.minibatch_size=8", "sample_every=1", "export=false", TWO_REWARDS)
+                     "rl.minibatch_size=8", "sample_every=1", "tensorboard=true", TWO_REWARDS)
     summary = make_trainer(config).run()
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "reward/mean" in r]
+    steps = read_rows(out, "reward/mean")
     assert [r["step"] for r in steps] == [1, 2, 3]
     for name in ("reward/mean", "reward/std", "reward/math_answer/mean", "kl", "clip_fraction/low",
                  "clip_fraction/high", "entropy", "policy_loss", "grad_norm", "learning_rate",
@@ -77,15 +56,14 @@ def test_short_run_writes_metrics_checkpoints_and_resumes(tiny_task, tmp_path):
 
     # Resume: continues from step 3 with the saved params, optimizer state and data position.
     resumed = make_trainer(_config(tiny_task, out, "steps=5", "checkpoint_every=2", "rl.beta=0.04",
-                                  "rl.mu=2", "rl.minibatch_size=8", "export=false", TWO_REWARDS), resume=True)
+                                  "rl.mu=2", "rl.minibatch_size=8", "tensorboard=true", TWO_REWARDS), resume=True)
     assert resumed.step == 3
     assert resumed.data_state.position == 12  # 3 steps x 4 prompts
-    first = make_trainer(_config(tiny_task, tmp_path / "fresh", "steps=3", "export=false"))
+    first = make_trainer(_config(tiny_task, tmp_path / "fresh", "steps=3"))
     changed = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), resumed.state["params"], first.state["params"])
     assert max(jax.tree.leaves(changed)) > 0  # restored trained params, not the initial ones
     resumed.run()
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2, 3, 4, 5]
+    assert [r["step"] for r in read_rows(out, "reward/mean")] == [1, 2, 3, 4, 5]
 
 
 def starts_with_seven(prompts, completions, **fields):
@@ -94,12 +72,11 @@ def starts_with_seven(prompts, completions, **fields):
 
 
 def test_learnable_reward_rises(tiny_task, tmp_path):
-    config = _config(tiny_task, tmp_path / "learn", "steps=30", "data.eval=''", "export=false",
-                     "checkpoint_every=0", "rewards=[{name: 'test_grpo:starts_with_seven'}]",
-                     "optim.learning_rate=1e-2", "rl.group_size=8", "sampling.max_new_tokens=3")
+    config = _config(tiny_task, tmp_path / "learn", "steps=30", "data.eval=''", "checkpoint_every=0",
+                     "rewards=[{name: 'test_grpo:starts_with_seven'}]", "optim.learning_rate=1e-2", "rl.group_size=8",
+                     "sampling.max_new_tokens=3")
     make_trainer(config).run()
-    rows = [json.loads(line) for line in (tmp_path / "learn" / "metrics.jsonl").read_text().splitlines()]
-    rewards = [r["reward/mean"] for r in rows]
+    rewards = [r["reward/mean"] for r in read_rows(tmp_path / "learn")]
     assert np.mean(rewards[:5]) < 0.3
     assert np.mean(rewards[-5:]) > 0.8, rewards
 
@@ -141,9 +118,9 @@ def test_nan_stops_the_step_not_the_checkpoints(tiny_task, tmp_path):
     """Non-finite gradients skip the update (params unchanged); persistent NaNs stop the run with an error
     that points at the intact checkpoints."""
     out = tmp_path / "nan"
-    trainer = make_trainer(_config(tiny_task, out, "steps=2", "checkpoint_every=1", "export=false", "data.eval=''"))
+    trainer = make_trainer(_config(tiny_task, out, "steps=2", "checkpoint_every=1", "data.eval=''"))
     trainer.run()
-    poisoned = _config(tiny_task, out, "steps=20", "checkpoint_every=1", "export=false", "data.eval=''")
+    poisoned = _config(tiny_task, out, "steps=20", "checkpoint_every=1", "data.eval=''")
     trainer = make_trainer(poisoned, resume=True)
     before = jax.tree.map(np.asarray, trainer.state["params"])
     real_update = trainer.algorithm.update
@@ -179,21 +156,16 @@ def test_gsm8k_preset_runs_with_a_tiny_local_model(tmp_path):
     config = config_from_hf({**TINY, "model_type": "qwen2", "vocab_size": 512, "eos_token_id": 2,
                              "max_position_embeddings": 1024})
     save_hf_model(init_params(config, jax.random.key(0)), config, model_dir)
-    config = load_run_config(ROOT / "configs" / "grpo_gsm8k_qwen2.5-0.5b.yaml", [
-        f"model.path={model_dir}",
-        f"data.train={GSM8K / 'train.jsonl'}",
-        f"data.eval={GSM8K / 'test.jsonl'}",
-        f"out_dir={tmp_path / 'run'}", "steps=2", "rl.prompts_per_step=2", "rl.group_size=2",
-        "sampling.max_new_tokens=8", "rl.minibatch_size=4", "rl.grad_accum=2",
-        "eval_size=4", "eval_batch_size=4", "progress_bar=false",
-        "checkpoint_every=0", "export=false", "model.dtype=float32", "model.param_dtype=float32",
-    ])
+    config = tiny_run("grpo_gsm8k_qwen2.5-0.5b", tmp_path / "run", f"model.path={model_dir}",
+                      f"data.train={GSM8K / 'train.jsonl'}", f"data.eval={GSM8K / 'test.jsonl'}", "steps=2",
+                      "rl.prompts_per_step=2", "rl.group_size=2", "sampling.max_new_tokens=8", "rl.minibatch_size=4",
+                      "rl.grad_accum=2", "eval_size=4", "eval_batch_size=4", "checkpoint_every=0",
+                      "model.dtype=float32", "model.param_dtype=float32")
     trainer = make_trainer(config)
     assert trainer.algorithm.collector.prompts.num_dropped > 0  # long GSM8K questions are dropped and counted
     assert "assistant:" in trainer.algorithm.collector.prompts.texts[0]  # chat template applied
     trainer.run()
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2]
+    assert [r["step"] for r in read_rows(tmp_path / "run", "reward/mean")] == [1, 2]
 
 
 def reward_depends_on_prompt_parity(prompts, completions, **fields):
@@ -206,7 +178,7 @@ def reward_depends_on_prompt_parity(prompts, completions, **fields):
 
 
 def test_dynamic_sampling_refills_the_batch_with_informative_groups(tiny_task, tmp_path):
-    config = _config(tiny_task, tmp_path / "dyn", "steps=1", "data.eval=''", "export=false", "checkpoint_every=0",
+    config = _config(tiny_task, tmp_path / "dyn", "steps=1", "data.eval=''", "checkpoint_every=0",
                      "rewards=[{name: 'test_grpo:reward_depends_on_prompt_parity'}]", "rl.group_size=8",
                      "rl.prompts_per_step=8", "rl.dynamic_sampling=true", "rl.max_refill_rounds=6")
     trainer = make_trainer(config)
@@ -219,8 +191,8 @@ def test_dynamic_sampling_refills_the_batch_with_informative_groups(tiny_task, t
     for i in ro.record_indices:
         assert int(trainer.algorithm.collector.prompts.records[i]["prompt"].split("+")[0]) % 2 == 1
     # The same rollout without dynamic sampling keeps the zero-variance groups.
-    plain = make_trainer(_config(tiny_task, tmp_path / "plain", "steps=1", "data.eval=''", "export=false",
-                                "checkpoint_every=0", "rl.group_size=8", "rl.prompts_per_step=8",
+    plain = make_trainer(_config(tiny_task, tmp_path / "plain", "steps=1", "data.eval=''", "checkpoint_every=0",
+                                "rl.group_size=8", "rl.prompts_per_step=8",
                                 "rewards=[{name: 'test_grpo:reward_depends_on_prompt_parity'}]"))
     ro_plain, _, _ = plain.algorithm.collector.collect(plain.state["params"], DataState(), jax.random.key(0))
     assert (ro_plain.rewards.reshape(8, 8).std(axis=1) == 0).any()
@@ -229,13 +201,13 @@ def test_dynamic_sampling_refills_the_batch_with_informative_groups(tiny_task, t
 @pytest.mark.parametrize("algo,extra", [("rloo", []), ("reinforce_pp", ["rl.beta=0.05", "rl.kl_estimator=k1"]),
                                         ("grpo", ["rl.estimator=reinforce_pp_baseline", "rl.beta=0.05"])])
 def test_other_estimators_run_on_the_same_loop(tiny_task, tmp_path, algo, extra):
-    config = _config(tiny_task, tmp_path / algo, f"algo={algo}", "steps=2", "data.eval=''", "export=false",
-                     "checkpoint_every=0", *extra)
+    config = _config(tiny_task, tmp_path / algo, f"algo={algo}", "steps=2", "data.eval=''", "checkpoint_every=0",
+                     *extra)
     trainer = make_trainer(config)
     # REINFORCE++ moves the KL into the token rewards, so the loss carries none.
     assert trainer.algorithm.loss_config.beta == (0.0 if algo == "reinforce_pp" else config.rl.beta)
     trainer.run()
-    rows = [json.loads(line) for line in (tmp_path / algo / "metrics.jsonl").read_text().splitlines()]
+    rows = read_rows(tmp_path / algo)
     assert [r["step"] for r in rows] == [1, 2]
     assert all(np.isfinite(r[k]) for r in rows for k in ("policy_loss", "grad_norm", "advantages/abs_mean"))
 
@@ -244,22 +216,11 @@ def test_eval_reward_chooses_the_accuracy_check(tiny_task, tmp_path):
     """Held-out accuracy uses `eval_reward` when set (e.g. an exact-answer check while training on another
     reward), else the first training reward."""
     rewards = [{"name": "format", "kwargs": {"pattern": r"\d+"}}]
-    summary = make_trainer(load_run_config(
-        ROOT / "configs" / "grpo_arithmetic.yaml",
-        [f"model.path={tiny_task / 'model'}", f"data.train={tiny_task / 'train.jsonl'}",
-         f"data.eval={tiny_task / 'test.jsonl'}", f"out_dir={tmp_path / 'a'}", "steps=1", "rl.prompts_per_step=2",
-         "rl.group_size=2", "eval_size=4", "eval_batch_size=4", "progress_bar=false", "tensorboard=false",
-         "export=false", "checkpoint_every=0", "eval_reward=math_answer"],
-        rewards=rewards,
-    )).run()
+    summary = make_trainer(tiny_run("grpo_arithmetic", tmp_path / "a", "checkpoint_every=0", "eval_reward=math_answer",
+                                    task=tiny_task, rewards=rewards)).run()
     assert "eval/math_answer" in summary["after"] and "eval/format" not in summary["after"]
-    default = make_trainer(load_run_config(
-        ROOT / "configs" / "grpo_arithmetic.yaml",
-        [f"model.path={tiny_task / 'model'}", f"data.train={tiny_task / 'train.jsonl'}",
-         f"data.eval={tiny_task / 'test.jsonl'}", f"out_dir={tmp_path / 'b'}", "steps=0", "eval_size=4",
-         "eval_batch_size=4", "progress_bar=false", "tensorboard=false", "export=false", "checkpoint_every=0"],
-        rewards=rewards,
-    ))
+    default = make_trainer(tiny_run("grpo_arithmetic", tmp_path / "b", "steps=0", "checkpoint_every=0", task=tiny_task,
+                                    rewards=rewards))
     assert default.algorithm.evaluate(default.state, 4).keys() == {"eval/accuracy", "eval/format"}
 
 
@@ -270,10 +231,10 @@ def test_rollout_correction_recomputes_and_weights(tiny_task, tmp_path, dtype, c
     (float32: the two paths agree to rounding); the importance-weighting modes also log the weights; `none`
     (the sampler's log-probs, no extra pass) logs neither."""
     out = tmp_path / correction
-    config = _config(tiny_task, out, "steps=2", "data.eval=''", "export=false", "checkpoint_every=0",
-                     f"model.dtype={dtype}", f"rl.rollout_correction={correction}", TWO_REWARDS)
+    config = _config(tiny_task, out, "steps=2", "data.eval=''", "checkpoint_every=0", f"model.dtype={dtype}",
+                     f"rl.rollout_correction={correction}", TWO_REWARDS)
     make_trainer(config).run()
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = read_rows(out)
     assert [r["step"] for r in rows] == [1, 2]
     if correction == "none":
         assert not any(k.startswith(("mismatch/", "is_weight/")) for r in rows for k in r)
@@ -294,7 +255,7 @@ def test_recompute_uses_the_train_steps_own_weights(tiny_task, tmp_path):
     from jaxrl_llm.data import DataState
     from jaxrl_llm.trainers.step import completion_logprobs, working_weights
 
-    config = _config(tiny_task, tmp_path / "rc", "steps=1", "data.eval=''", "export=false", "checkpoint_every=0",
+    config = _config(tiny_task, tmp_path / "rc", "steps=1", "data.eval=''", "checkpoint_every=0",
                      "model.dtype=float32", "model.param_dtype=bfloat16", "rl.rollout_correction=recompute",
                      TWO_REWARDS)
     algo = make_trainer(config).algorithm

@@ -10,6 +10,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import read_rows, tiny_run
 
 from jaxrl_llm.models.decoder import forward
 from jaxrl_llm.models.hf import load_hf_model
@@ -17,20 +18,15 @@ from jaxrl_llm.models.lora import LoraSpec, init_adapters, merge_adapters, targe
 from jaxrl_llm.preflight import load_config
 from jaxrl_llm.trainers import make_trainer
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def length_reward(prompts, completions, **fields):
     """A reward a random model's samples differ in (every group has a learning signal)."""
     return [float(len(c)) for c in completions]
 
 
-def _config(tiny_task: Path, out: Path, *extra: str, preset: str = "grpo_arithmetic.yaml"):
-    return load_config(ROOT / "configs" / preset, [
-        f"model.path={tiny_task / 'model'}", f"data.train={tiny_task / 'train.jsonl'}", "data.eval=",
-        f"out_dir={out}", "rl.prompts_per_step=4", "rl.group_size=4", "progress_bar=false", "tensorboard=false",
-        "lora.rank=4", "lora.alpha=8", "optim.learning_rate=1e-2", "optim.warmup_steps=0",
-        "rewards=[{name: 'test_lora:length_reward'}]", *extra])
+def _config(tiny_task: Path, out: Path, *extra: str, preset: str = "grpo_arithmetic"):
+    return tiny_run(preset, out, "data.eval=", "lora.rank=4", "lora.alpha=8", "optim.learning_rate=1e-2",
+                    "optim.warmup_steps=0", "rewards=[{name: 'test_lora:length_reward'}]", *extra, task=tiny_task)
 
 
 def _leaves(tree):
@@ -53,7 +49,7 @@ def test_zero_b_is_the_base_model_exactly(tiny_task):
 
 
 def test_only_adapters_train_and_own_the_optimizer_state_and_resume_is_exact(tiny_task, tmp_path):
-    trainer = make_trainer(_config(tiny_task, tmp_path / "run", "steps=2", "checkpoint_every=1", "export=false"))
+    trainer = make_trainer(_config(tiny_task, tmp_path / "run", "steps=2", "checkpoint_every=1"))
     algo = trainer.algorithm
     base_before = _leaves(algo.policy.base)
     adapters_before = _leaves(trainer.state["params"])
@@ -68,15 +64,14 @@ def test_only_adapters_train_and_own_the_optimizer_state_and_resume_is_exact(tin
                if "layers" in jax.tree_util.keystr(p) and "kernel" in jax.tree_util.keystr(p)]
     assert adapter_size == sum(layers * 4 * (fan_in + fan_out) for layers, fan_in, fan_out in kernels)  # L r (in+out)
     # the reference of the KL term / DPO is the base itself: no second copy
-    trainer_kl = make_trainer(_config(tiny_task, tmp_path / "kl", "steps=1", "rl.beta=0.1", "export=false"))
+    trainer_kl = make_trainer(_config(tiny_task, tmp_path / "kl", "steps=1", "rl.beta=0.1"))
     assert trainer_kl.algorithm.ref_params is trainer_kl.algorithm.policy.base
 
-    resumed = make_trainer(_config(tiny_task, tmp_path / "run", "steps=3", "checkpoint_every=1", "export=false"),
+    resumed = make_trainer(_config(tiny_task, tmp_path / "run", "steps=3", "checkpoint_every=1"),
                            resume=True)
     assert resumed.step == 2
     resumed.run()
-    straight = make_trainer(_config(tiny_task, tmp_path / "straight", "steps=3", "checkpoint_every=0",
-                                    "export=false"))
+    straight = make_trainer(_config(tiny_task, tmp_path / "straight", "steps=3", "checkpoint_every=0"))
     straight.run()
     assert all(np.array_equal(a, b) for a, b in zip(_leaves(resumed.state["params"]),
                                                     _leaves(straight.state["params"]), strict=True))
@@ -89,8 +84,8 @@ def test_merged_export_equals_peft_adapter_forward(tiny_task, tmp_path):
 
     out = tmp_path / "run"
     # float32: PEFT's float32 forward is the reference at 1e-5 (the default preset computes in bf16).
-    trainer = make_trainer(_config(tiny_task, out, "steps=2", "checkpoint_every=0", "lora.export_adapters=true",
-                                   "model.dtype=float32"))
+    trainer = make_trainer(_config(tiny_task, out, "steps=2", "checkpoint_every=0", "export=true",
+                                   "lora.export_adapters=true", "model.dtype=float32"))
     summary = trainer.run()
     assert summary["export"] == str(out / "hf")
     assert (out / "hf" / "adapter" / "adapter_config.json").is_file()
@@ -116,13 +111,13 @@ def test_sft_dpo_and_ppo_train_with_adapters(tiny_task, tmp_path):
     prefs = tmp_path / "prefs.jsonl"
     prefs.write_text("".join(json.dumps({"prompt": r["prompt"], "chosen": r["answer"],
                                          "rejected": str(int(r["answer"]) + 1)}) + "\n" for r in rows))
-    common = ["steps=1", "checkpoint_every=0", "export=false", "sft.batch_size=8",
+    common = ["steps=1", "checkpoint_every=0", "sft.batch_size=8",
               "lora.dropout=0.05"]  # the unmerged update with a dropout key, in each trainer
     runs = {
         "sft": _config(tiny_task, tmp_path / "sft", *common, "algo=sft"),  # SFT of model.path (no model.init)
         "dpo": _config(tiny_task, tmp_path / "dpo", *common, f"data.train={prefs}", "dpo.eval_prompts=",
-                       preset="dpo_arithmetic.yaml"),
-        "ppo": _config(tiny_task, tmp_path / "ppo", *common, "rl.minibatch_size=8", preset="ppo_arithmetic.yaml"),
+                       preset="dpo_arithmetic"),
+        "ppo": _config(tiny_task, tmp_path / "ppo", *common, "rl.minibatch_size=8", preset="ppo_arithmetic"),
     }
     for name, config in runs.items():
         trainer = make_trainer(config)
@@ -152,14 +147,13 @@ def test_lora_options_are_checked():
 def test_bf16_base_with_float32_adapters(tiny_task, tmp_path):
     import jax.numpy as jnp
 
-    trainer = make_trainer(_config(tiny_task, tmp_path / "bf16", "steps=2", "checkpoint_every=0", "export=false",
+    trainer = make_trainer(_config(tiny_task, tmp_path / "bf16", "steps=2", "checkpoint_every=0",
                                    "model.dtype=bfloat16", "model.param_dtype=bfloat16"))
     policy = trainer.algorithm.policy
     assert {x.dtype for x in jax.tree.leaves(policy.base)} == {jnp.dtype(jnp.bfloat16)}  # half the base bytes
     assert {x.dtype for x in jax.tree.leaves(trainer.state["params"])} == {jnp.dtype(jnp.float32)}  # float32 adapters
     trainer.run()
-    rows = [json.loads(line) for line in (tmp_path / "bf16" / "metrics.jsonl").read_text().splitlines()]
-    assert all(np.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in rows)
+    assert all(np.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in read_rows(tmp_path / "bf16"))
 
 
 def test_unmerged_adapters_with_dropout(tiny_task, tmp_path):
@@ -193,7 +187,7 @@ def test_unmerged_adapters_with_dropout(tiny_task, tmp_path):
     np.testing.assert_array_equal(np.asarray(forward(params, unmerged_config, tokens, mask, dropout_key=key)),
                                   np.asarray(base_only))
 
-    trainer = make_trainer(_config(tiny_task, tmp_path / "drop", "steps=2", "checkpoint_every=0", "export=false",
+    trainer = make_trainer(_config(tiny_task, tmp_path / "drop", "steps=2", "checkpoint_every=0",
                                    "lora.dropout=0.1"))
     assert trainer.algorithm.policy.lora_dropout
     before = _leaves(trainer.state["params"])

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import tiny_run_args
 from safetensors import SafetensorError
 
 import train
@@ -282,10 +283,8 @@ def test_train_cli_reports_a_truncated_model_in_one_line(model_dir, tmp_path, ca
     weights = model_dir / "model.safetensors"
     _truncate(weights)
     data = ROOT / "data" / "arithmetic"
-    code = train.cli([f"model.path={model_dir}", f"data.train={data / 'train.jsonl'}",
-                      f"data.eval={data / 'test.jsonl'}", f"out_dir={tmp_path / 'run'}", "steps=1",
-                      "rl.prompts_per_step=2", "rl.group_size=2", "eval_size=4", "eval_batch_size=4",
-                      "progress_bar=false", "tensorboard=false", "export=false"])
+    code = train.cli(tiny_run_args(tmp_path / "run", f"model.path={model_dir}", f"data.train={data / 'train.jsonl'}",
+                                   f"data.eval={data / 'test.jsonl'}"))
     captured = capsys.readouterr()
     lines = [line for line in captured.err.splitlines() if line.strip()]
     assert code == 2

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import FAMILIES, hf_logits, left_padded_batch, make_hf_model
+from conftest import FAMILIES, hf_logits, left_padded_batch, make_hf_model, read_rows, tiny_run
 from safetensors.numpy import load_file
 
 from jaxrl_llm.errors import ConversionError
@@ -133,19 +133,15 @@ def completion_length(prompts, completions, **fields):
 
 @pytest.mark.parametrize("kind", ["phi3_longrope", "gemma2", "gemma3"])
 def test_one_grpo_step_runs(kind, family_task, tiny_task, tmp_path):
-    from jaxrl_llm.config import load_run_config
     from jaxrl_llm.trainers import make_trainer
 
     model = family_task(kind)
     out = tmp_path / "run"
-    config = load_run_config(Path(__file__).resolve().parents[1] / "configs" / "grpo_arithmetic.yaml", [
-        f"model.path={model}", f"data.train={tiny_task / 'train.jsonl'}", "data.eval=''", f"out_dir={out}",
-        "rl.prompts_per_step=2", "rl.group_size=4", "steps=1", "rl.beta=0.04", "sampling.max_new_tokens=8",
-        "progress_bar=false", "checkpoint_every=0", "export=true", "optim.warmup_steps=0",
-        "rewards=[{name: 'test_model_families:completion_length'}]",
-    ])
+    config = tiny_run("grpo_arithmetic", out, f"model.path={model}", "data.eval=''", "rl.beta=0.04",
+                      "sampling.max_new_tokens=8", "checkpoint_every=0", "export=true", "optim.warmup_steps=0",
+                      "rewards=[{name: 'test_model_families:completion_length'}]", task=tiny_task)
     make_trainer(config).run()
-    row = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "policy_loss" in line][-1]
+    row = read_rows(out, "policy_loss")[-1]
     assert all(np.isfinite(row[k]) for k in ("policy_loss", "grad_norm", "entropy", "kl")) and row["grad_norm"] > 0
     exported = next(p for p in out.rglob("config.json") if p.parent != out)
     _, before = load_hf_model(model)

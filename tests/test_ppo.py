@@ -3,16 +3,15 @@ a few end-to-end steps on the tiny task with finite metrics, and resume with the
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY  # noqa: E402
+from conftest import TINY, read_rows, tiny_run
 
-from jaxrl_llm.config import ConfigError, OptimSection, load_run_config
+from jaxrl_llm.config import ConfigError, OptimSection
 from jaxrl_llm.models.decoder import forward, init_params
 from jaxrl_llm.models.heads import (
     critic_from_policy,
@@ -28,31 +27,15 @@ from jaxrl_llm.trainers import make_trainer
 from jaxrl_llm.trainers.ppo import CriticBatch, ValueLossConfig, critic_loss, kl_controller_kind
 from jaxrl_llm.trainers.step import make_optimizer, make_train_step
 
-ROOT = Path(__file__).resolve().parents[1]
 values_jit = jax.jit(critic_values, static_argnums=1)
 forward_jit = jax.jit(forward, static_argnums=1, static_argnames="return_hidden")
 
 
 
 def _config(task: Path, out: Path, *overrides: str):
-    return load_run_config(
-        ROOT / "configs" / "ppo_arithmetic.yaml",
-        [
-            f"model.path={task / 'model'}",
-            f"data.train={task / 'train.jsonl'}",
-            f"data.eval={task / 'test.jsonl'}",
-            f"out_dir={out}",
-            "rl.prompts_per_step=8",
-            "rl.group_size=1",  # PPO needs no groups
-            "rl.minibatch_size=4",
-            "eval_size=16",
-            "eval_batch_size=16",
-            "progress_bar=false",
-            "tensorboard=false",
-            "export=false",
-            *overrides,
-        ],
-    )
+    # PPO needs no groups: 8 prompts x 1 sample
+    return tiny_run("ppo_arithmetic", out, "rl.prompts_per_step=8", "rl.group_size=1", "rl.minibatch_size=4",
+                    *overrides, task=task)
 
 
 # ------------------------------------------------------------------------------------ the hand-made rollout
@@ -235,8 +218,7 @@ def short_run(tiny_task, tmp_path_factory):
                  "sample_every=1")
     trainer = make_trainer(_config(tiny_task, out, "steps=3", *overrides))
     summary = trainer.run()
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return out, overrides, trainer, summary, [r for r in rows if "reward/mean" in r]
+    return out, overrides, trainer, summary, read_rows(out, "reward/mean")
 
 
 def test_ppo_runs_end_to_end_with_finite_metrics(short_run):
@@ -275,8 +257,7 @@ def test_ppo_resumes_critic_and_kl_state(short_run, tiny_task):
                             trainer.state["critic_opt_state"])
     assert all(jax.tree.leaves(opt_same))
     resumed.run()
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2, 3, 4]
+    assert [r["step"] for r in read_rows(out, "reward/mean")] == [1, 2, 3, 4]
 
 
 def test_ppo_config_validation(tiny_task, tmp_path):

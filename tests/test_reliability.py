@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import read_rows, read_samples, tiny_run_args
 
 import train
 from jaxrl_llm.cli.errors import run_command
@@ -65,9 +66,8 @@ def hangs(prompts, completions, **_):
 
 
 def _base(task: Path, out: Path) -> list[str]:
-    return [f"model.path={task / 'model'}", f"data.train={task / 'train.jsonl'}", f"data.eval={task / 'test.jsonl'}",
-            f"out_dir={out}", "steps=1", "rl.prompts_per_step=2", "rl.group_size=2", "eval_size=4",
-            "eval_batch_size=4", "progress_bar=false", "tensorboard=false", "export=false"]
+    # 2 prompts x 2 samples: the messages and counts below name these values
+    return tiny_run_args(out, "rl.prompts_per_step=2", "rl.group_size=2", task=task)
 
 
 def _snapshot(*roots: Path, skip: Path) -> dict[str, tuple[int, int]]:
@@ -274,8 +274,7 @@ def test_a_finished_run_is_not_overwritten_unless_asked(tiny_task, tmp_path, cap
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == first  # nothing touched
     code, err = _run_cli([*_base(tiny_task, out), "export=true", "seed=1", "--overwrite"], capsys)
     assert code == 0, err
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1]  # the old run's rows are gone, not appended to
+    assert [r["step"] for r in read_rows(out)] == [0, 1]  # the old run's rows are gone, not appended to
     assert sorted(p.name for p in (out / "configs").iterdir()) == ["001-start.yaml"]
     assert "seed: 1" in (out / "config.yaml").read_text()
 
@@ -299,8 +298,7 @@ def test_resume_checks_the_config(tiny_task, tmp_path, capsys):
     assert "learning_rate: 0.0001" in (out / "configs" / "001-start.yaml").read_text()
     assert "learning_rate: 0.0002" in (out / "configs" / "003-resume.yaml").read_text()
     assert "steps: 1" in (out / "config.yaml").read_text()  # the first start's config, never rewritten
-    rows = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert rows == [1, 2, 3]
+    assert [r["step"] for r in read_rows(out)] == [1, 2, 3]
 
 
 def test_a_second_run_into_a_running_out_dir_is_refused(tiny_task, tmp_path):
@@ -319,8 +317,7 @@ def test_a_second_run_into_a_running_out_dir_is_refused(tiny_task, tmp_path):
     assert f"is in use by another run (PID {first.pid} on {socket.gethostname()}" in second.stderr
     assert "Traceback" not in second.stderr
     assert not (out / ".lock").exists()  # released at the end
-    rows = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert rows == [1, 2, 3]
+    assert [r["step"] for r in read_rows(out)] == [1, 2, 3]
 
 
 def test_a_stale_lock_is_taken_over(tiny_task, tmp_path, capsys):
@@ -334,10 +331,6 @@ def test_a_stale_lock_is_taken_over(tiny_task, tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------------ crashes and damage
-
-
-def _rows(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def _stable(rows: list[dict]) -> list[dict]:
@@ -401,7 +394,7 @@ def test_kill_9_then_resume_gives_identical_metrics(when, tiny_task, reference_r
         deadline = time.time() + 240
         while time.time() < deadline and proc.poll() is None:  # killed once step 3 is logged: inside step 4
             written = (out / "checkpoints" / "2").is_dir()  # finished (orbax renames it when complete)
-            if written and (out / "metrics.jsonl").exists() and any(r["step"] == 3 for r in _rows(out)):
+            if written and (out / "metrics.jsonl").exists() and any(r["step"] == 3 for r in read_rows(out)):
                 break
             time.sleep(0.05)
         proc.send_signal(signal.SIGKILL)
@@ -413,12 +406,12 @@ def test_kill_9_then_resume_gives_identical_metrics(when, tiny_task, reference_r
     assert (out / ".lock").exists()  # the killed run could not release it: the resume finds it stale
     code, err = _run_cli([*args, "--resume"], capsys)
     assert code == 0, err
-    rows = _rows(out)
+    rows = read_rows(out)
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]  # one row per step, none replayed twice
-    assert _stable(rows) == _stable(_rows(reference_run))
+    assert _stable(rows) == _stable(read_rows(reference_run))
     tb = _tensorboard_steps(out)
     assert tb["reward/mean"] == [1, 2, 3, 4] and tb["eval/accuracy"] == [0, 4]
-    samples = [json.loads(line)["step"] for line in (out / "samples.jsonl").read_text().splitlines()]
+    samples = [s["step"] for s in read_samples(out)]
     assert samples == sorted(samples) and len(samples) == 4 * 4  # 4 completions per step, once each
 
 
@@ -433,17 +426,16 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous(tiny_task, refer
     assert f"checkpoint {out / 'checkpoints' / '4'} cannot be read" in err and "falling back" in err
     assert (out / "corrupt_checkpoints" / "4").is_dir()  # kept aside, not deleted
     assert f"resumed from the checkpoint of step 2 in {out / 'checkpoints'}" in err
-    assert _stable(_rows(out)) == _stable(_rows(reference_run))  # steps 3-4 replayed from checkpoint 2
-    assert [r["step"] for r in _rows(out)] == [0, 1, 2, 3, 4]
+    assert _stable(read_rows(out)) == _stable(read_rows(reference_run))  # steps 3-4 replayed from checkpoint 2
+    assert [r["step"] for r in read_rows(out)] == [0, 1, 2, 3, 4]
 
 
 # ------------------------------------------------------------------------------------ SFT and RM resume
 
 
 def _sft_rm_args(algo: str, task: Path, out: Path, pairs: Path) -> list[str]:
-    common = [f"out_dir={out}", "progress_bar=false", "tensorboard=false", "export=false", "sft.batch_size=8",
-              "checkpoint_every=2", "optim.learning_rate=3e-3", "optim.schedule=constant", "eval_every=0",
-              "log_every=1"]
+    common = tiny_run_args(out, "sft.batch_size=8", "checkpoint_every=2", "optim.learning_rate=3e-3",
+                           "optim.schedule=constant", "eval_every=0", "log_every=1")
     if algo == "sft":
         return ["--algo", "sft", *common, f"data.train={task / 'train.jsonl'}", f"data.eval={task / 'test.jsonl'}",
                 "eval_size=8", "eval_batch_size=8", "sft.eval_batch_size=8", "data.answer_field=answer",
@@ -472,10 +464,10 @@ def test_sft_and_reward_model_runs_resume_exactly(algo, tiny_task, tmp_path, cap
     assert code == 0, err
     assert "resuming with changed steps: 2 -> 4" in err
     # The first segment ended at step 2 with its final evaluation in that row; otherwise the rows are the same.
-    no_eval = [{k: v for k, v in r.items() if not k.startswith("eval/")} for r in _stable(_rows(resumed))]
-    assert no_eval == [{k: v for k, v in r.items() if not k.startswith("eval/")} for r in _stable(_rows(straight))]
-    assert _stable(_rows(resumed))[-1] == _stable(_rows(straight))[-1]
+    no_eval = [{k: v for k, v in r.items() if not k.startswith("eval/")} for r in _stable(read_rows(resumed))]
+    assert no_eval == [{k: v for k, v in r.items() if not k.startswith("eval/")} for r in _stable(read_rows(straight))]
+    assert _stable(read_rows(resumed))[-1] == _stable(read_rows(straight))[-1]
     first = 0 if algo == "rm" else 1  # the reward model logs its "before" evaluation as step 0
-    assert [r["step"] for r in _rows(resumed)] == list(range(first, 5))
+    assert [r["step"] for r in read_rows(resumed)] == list(range(first, 5))
     loss = "sft_loss" if algo == "sft" else "loss"
-    assert _rows(resumed)[-1][loss] == _rows(straight)[-1][loss]
+    assert read_rows(resumed)[-1][loss] == read_rows(straight)[-1][loss]

@@ -77,17 +77,13 @@ def test_an_estimator_registered_from_outside_is_a_config_choice():
 
 def test_training_with_a_module_function_estimator(tiny_task, tmp_path):
     """`rl.estimator=module:function` imports, registers and trains with it: every advantage is +-1."""
-    import json
+    from conftest import read_rows, tiny_run_args
 
     import train
 
     out = tmp_path / "run"
-    code = train.cli([f"model.path={tiny_task / 'model'}", f"data.train={tiny_task / 'train.jsonl'}", "data.eval=",
-                      f"out_dir={out}", "steps=2", "rl.prompts_per_step=2", "rl.group_size=4",
-                      "progress_bar=false", "tensorboard=false", "export=false",
-                      "rl.estimator=test_rl_estimators:sign_of_reward",
-                      "rewards=[{name: 'test_grpo:starts_with_seven'}]"])
+    code = train.cli(tiny_run_args(out, "data.eval=", "steps=2", "rl.estimator=test_rl_estimators:sign_of_reward",
+                                   "rewards=[{name: 'test_grpo:starts_with_seven'}]", task=tiny_task))
     assert code == 0
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["advantages/abs_mean"] for r in rows] == [1.0, 1.0]
+    assert [r["advantages/abs_mean"] for r in read_rows(out)] == [1.0, 1.0]
     assert train.cli(["out_dir=" + str(tmp_path / "x"), "rl.estimator=nope"]) == 2

@@ -527,17 +527,15 @@ def test_a_registered_policy_loss_is_used_by_the_composer():
 
 def test_training_with_a_module_function_policy_loss(tiny_task, tmp_path):
     """`rl.policy_loss=module:function` imports, registers and trains with it."""
-    import json
+    from conftest import read_rows, tiny_run_args
 
     import train
 
     out = tmp_path / "run"
-    code = train.cli([f"model.path={tiny_task / 'model'}", f"data.train={tiny_task / 'train.jsonl'}", "data.eval=",
-                      f"out_dir={out}", "steps=1", "rl.prompts_per_step=2", "rl.group_size=4",
-                      "progress_bar=false", "tensorboard=false", "export=false",
-                      "rl.policy_loss=test_rl_losses:vanilla_pg_loss", "rl.entropy_coef=0.01"])
+    code = train.cli(tiny_run_args(out, "data.eval=", "rl.policy_loss=test_rl_losses:vanilla_pg_loss",
+                                   "rl.entropy_coef=0.01", task=tiny_task))
     assert code == 0
-    row = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    row = read_rows(out)[-1]
     assert np.isfinite(row["policy_loss"]) and row["grad_norm"] > 0
     assert train.cli(["out_dir=" + str(tmp_path / "x"), "rl.policy_loss=nope"]) == 2
 

@@ -5,7 +5,6 @@ property, and one GRPO trainer run with it on the tiny model."""
 from __future__ import annotations
 
 import functools
-import json
 import math
 from fractions import Fraction
 from pathlib import Path
@@ -15,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_jit_vmap_agree
+from conftest import assert_jit_vmap_agree, read_rows, tiny_run
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from jax.test_util import check_grads
@@ -553,14 +552,8 @@ def test_bench_rows_are_valid_configs():
 
 
 def _config(task: Path, out: Path, *overrides: str):
-    return load_config(ROOT / "configs" / "grpo_arithmetic.yaml", [
-        f"model.path={task / 'model'}", f"data.train={task / 'train.jsonl'}", "data.eval=''", f"out_dir={out}",
-        "rl.prompts_per_step=4", "rl.group_size=4", "progress_bar=false", "tensorboard=false", "export=false",
-        "rewards=[{name: math_answer}, {name: 'test_grpo:completion_length'}]", *overrides])
-
-
-def _rows(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "reward/mean" in line]
+    return tiny_run("grpo_arithmetic", out, "data.eval=''",
+                    "rewards=[{name: math_answer}, {name: 'test_grpo:completion_length'}]", *overrides, task=task)
 
 
 @pytest.mark.parametrize(
@@ -576,7 +569,7 @@ def _rows(out: Path) -> list[dict]:
 def test_a_grpo_step_runs_with_each_objective(tiny_task, tmp_path, overrides, metric):
     out = tmp_path / "run"
     make_trainer(_config(tiny_task, out, "steps=1", "checkpoint_every=0", *overrides)).run()
-    (row,) = _rows(out)
+    (row,) = read_rows(out, "reward/mean")
     assert all(np.isfinite(row[k]) for k in ("policy_loss", "grad_norm", "entropy", metric))
     assert row["grad_norm"] > 0
     if metric.endswith("fraction"):
@@ -616,11 +609,11 @@ def test_adaptive_entropy_control_steers_checkpoints_and_resumes(tiny_task, tmp_
     trainer = make_trainer(_config(tiny_task, out, "steps=2", *options))
     assert "entropy_controller" in trainer.state
     trainer.run()
-    np.testing.assert_allclose([r["entropy_coef"] for r in _rows(out)], [0.0, 0.01], rtol=1e-6)
+    np.testing.assert_allclose([r["entropy_coef"] for r in read_rows(out, "reward/mean")], [0.0, 0.01], rtol=1e-6)
     resumed = make_trainer(_config(tiny_task, out, "steps=3", *options), resume=True)
     np.testing.assert_allclose(resumed.state["entropy_controller"]["coef"], 0.02, rtol=1e-6)  # restored, not 0
     resumed.run()
-    np.testing.assert_allclose([r["entropy_coef"] for r in _rows(out)], [0.0, 0.01, 0.02], rtol=1e-6)
+    np.testing.assert_allclose([r["entropy_coef"] for r in read_rows(out, "reward/mean")], [0.0, 0.01, 0.02], rtol=1e-6)
     # a fixed coefficient keeps the checkpoint's old shape
     fixed = make_trainer(_config(tiny_task, tmp_path / "fixed", "steps=0", "checkpoint_every=0"))
     assert "entropy_controller" not in fixed.state

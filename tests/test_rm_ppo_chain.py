@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import read_rows, read_samples, tiny_run
 
 from jaxrl_llm.config import load_run_config
 from jaxrl_llm.data import load_tokenizer
@@ -20,45 +21,35 @@ from jaxrl_llm.tasks.arithmetic import make_preferences
 from jaxrl_llm.trainers import make_trainer, train
 
 ROOT = Path(__file__).resolve().parents[1]
-QUIET = ("progress_bar=false", "tensorboard=false")
-
-
-def _records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
 def chain(tiny_task, tmp_path_factory):
     root = tmp_path_factory.mktemp("rm_ppo_chain")
     # Preference pairs (true answer over a wrong one) of the tiny task's own problems.
-    pairs = make_preferences(_records(tiny_task / "train.jsonl"), seed=3)
+    pairs = make_preferences([json.loads(line) for line in (tiny_task / "train.jsonl").read_text().splitlines()],
+                             seed=3)
     (root / "prefs_train.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
 
     # 1. --algo rm, a few steps, exported as a HF sequence classifier.
-    rm_config = load_run_config(ROOT / "configs" / "rm_arithmetic.yaml", [
-        f"model.path={tiny_task / 'model'}", f"data.train={root / 'prefs_train.jsonl'}",
-        "data.eval=''", f"out_dir={root / 'rm'}", f"export_dir={root / 'rm' / 'hf'}",
-        "steps=4", "sft.batch_size=16", "eval_every=0",
-        "optim.learning_rate=3e-3", "optim.warmup_steps=0", "log_every=1", *QUIET,
-    ], algo="rm")
+    rm_config = tiny_run("rm_arithmetic", root / "rm", f"data.train={root / 'prefs_train.jsonl'}", "data.eval=''",
+                         "export=true", f"export_dir={root / 'rm' / 'hf'}", "steps=4", "sft.batch_size=16",
+                         "eval_every=0", "optim.learning_rate=3e-3", "optim.warmup_steps=0", "log_every=1",
+                         task=tiny_task, algo="rm")
     rm_summary = train(rm_config)
     rm_dir = Path(rm_summary["export"])
 
     # 2. --algo ppo with the preset, its reward model and critic swapped for the export.
     preset = ROOT / "configs" / "ppo_rm_arithmetic.yaml"
-    ppo_config = load_run_config(preset, [
-        f"model.path={tiny_task / 'model'}", f"data.train={tiny_task / 'train.jsonl'}",
-        f"data.eval={tiny_task / 'test.jsonl'}", f"out_dir={root / 'ppo'}", f"ppo.critic_init={rm_dir}",
-        "steps=2", "rl.prompts_per_step=8", "rl.group_size=2", "rl.mu=1", "rl.minibatch_size=16",
-        "eval_size=16", "eval_batch_size=16", "sample_every=1", "checkpoint_every=0", "export=false", *QUIET,
-    ], rewards=[{"name": "math_answer", "weight": 0.0},
-                {"name": "reward_model", "weight": 1.0, "kwargs": {"path": str(rm_dir)}}])
+    ppo_config = tiny_run(preset.name, root / "ppo", f"ppo.critic_init={rm_dir}", "steps=2", "rl.mu=1",
+                          "rl.minibatch_size=16", "sample_every=1", "checkpoint_every=0", task=tiny_task,
+                          rewards=[{"name": "math_answer", "weight": 0.0},
+                                   {"name": "reward_model", "weight": 1.0, "kwargs": {"path": str(rm_dir)}}])
     trainer = make_trainer(ppo_config)
     summary = trainer.run()
-    rows = _records(root / "ppo" / "metrics.jsonl")
-    return {"rm_dir": rm_dir, "rm_summary": rm_summary, "rm_rows": _records(root / "rm" / "metrics.jsonl"),
-            "trainer": trainer, "summary": summary, "steps": [r for r in rows if "reward/mean" in r],
-            "samples": _records(root / "ppo" / "samples.jsonl"), "preset": load_run_config(preset, algo="ppo")}
+    return {"rm_dir": rm_dir, "rm_summary": rm_summary, "rm_rows": read_rows(root / "rm"),
+            "trainer": trainer, "summary": summary, "steps": read_rows(root / "ppo", "reward/mean"),
+            "samples": read_samples(root / "ppo"), "preset": load_run_config(preset, algo="ppo")}
 
 
 def test_the_preset_trains_on_the_reward_model_only(chain):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import read_rows, tiny_run_args
 
 import train
 from jaxrl_llm.run.manifest import MANIFEST_NAME, claim, foreign_entry, new_manifest, read_manifest, write_manifest
@@ -28,9 +29,7 @@ USER_FILES = {  # a user's folder whose files are named like run outputs
 
 
 def _base(task: Path, out: Path | str) -> list[str]:
-    return [f"model.path={task / 'model'}", f"data.train={task / 'train.jsonl'}", f"data.eval={task / 'test.jsonl'}",
-            f"out_dir={out}", "steps=1", "rl.prompts_per_step=2", "rl.group_size=2", "eval_size=4",
-            "eval_batch_size=4", "progress_bar=false", "tensorboard=false", "export=false", "report=false"]
+    return tiny_run_args(out, task=task)
 
 
 def _yaml(overrides: list[str]) -> str:
@@ -250,8 +249,7 @@ def test_a_run_from_before_manifests_resumes_and_is_never_overwritten(tiny_task,
     code, lines = _cli([*base, "--resume", "steps=2"], capsys)
     assert code == 0, lines
     assert any("from now on its new files are recorded" in line for line in lines)
-    rows = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert rows == [1, 2]
+    assert [r["step"] for r in read_rows(out)] == [1, 2]
     code, lines = _cli([*base, "--overwrite", "steps=2"], capsys)  # still refused: its old files are unrecorded
     assert code == 2 and "nothing was removed" in _error(lines)
     assert (out / "checkpoints" / "1").is_dir()
@@ -330,8 +328,7 @@ def test_disk_full_is_one_line_and_the_previous_checkpoint_is_intact(tiny_task, 
     code, lines = _cli([*base, "--resume"], capsys)
     assert code == 0, lines
     assert any(f"resumed from the checkpoint of step {failed - 1}" in line for line in lines)
-    rows = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert rows == [1, 2, 3, 4]
+    assert [r["step"] for r in read_rows(out)] == [1, 2, 3, 4]
 
 
 def test_a_read_only_out_dir_exits_2_with_one_line(tiny_task, tmp_path, capsys):

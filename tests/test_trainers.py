@@ -5,7 +5,6 @@ the one metric reducer's rules, and `trainers.loop.Trainer` driving an algorithm
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 from typing import Any
 
@@ -13,10 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY
+from conftest import TINY, read_rows, read_samples, tiny_run
 from test_grpo import _fixed_batch
 
-from jaxrl_llm.config import OptimSection, load_run_config
+from jaxrl_llm.config import OptimSection
 from jaxrl_llm.data import DataState, next_batch_indices
 from jaxrl_llm.models.decoder import init_params
 from jaxrl_llm.models.hf import config_from_hf
@@ -135,13 +134,11 @@ class CountingAlgorithm(Algorithm):
 
 def test_the_shell_drives_an_outside_algorithm_and_resumes_it(tmp_path):
     def config(steps: int):
-        return load_run_config(None, [f"out_dir={tmp_path / 'run'}", f"steps={steps}", "checkpoint_every=2",
-                                      "progress_bar=false", "tensorboard=false", "sample_every=1", "data.eval=''",
-                                      f"model.path={tmp_path / 'no_model'}"])
+        return tiny_run(None, tmp_path / "run", f"steps={steps}", "checkpoint_every=2", "sample_every=1",
+                        "data.eval=''", f"model.path={tmp_path / 'no_model'}", "export=true")
 
-    straight = Trainer(load_run_config(None, [f"out_dir={tmp_path / 'straight'}", "steps=5", "progress_bar=false",
-                                              "tensorboard=false", "checkpoint_every=0", "export=false",
-                                              f"model.path={tmp_path / 'no_model'}"]), CountingAlgorithm)
+    straight = Trainer(tiny_run(None, tmp_path / "straight", "steps=5", "checkpoint_every=0",
+                                f"model.path={tmp_path / 'no_model'}"), CountingAlgorithm)
     straight_summary = straight.run()
     assert straight.algorithm.seen == list(range(10))  # 5 steps x 2 examples, in data order
 
@@ -152,11 +149,9 @@ def test_the_shell_drives_an_outside_algorithm_and_resumes_it(tmp_path):
     summary = resumed.run()
     assert resumed.algorithm.seen == list(range(6, 10))  # the data position came back with the checkpoint
     assert summary["after"] == straight_summary["after"] == {"eval/total": 45.0}
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "loss" in r]
+    steps = read_rows(tmp_path / "run", "loss")
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5]
     assert [r["loss"] for r in steps] == [1.0, 6.0, 15.0, 28.0, 45.0]
     assert all("time/data" in r and "time/update" in r for r in steps)  # the algorithm's collect phase name
     assert (tmp_path / "run" / "hf" / "total.txt").read_text() == "45.0"
-    samples = (tmp_path / "run" / "samples.jsonl").read_text().splitlines()
-    assert [json.loads(s)["index"] for s in samples] == list(range(10))
+    assert [s["index"] for s in read_samples(tmp_path / "run")] == list(range(10))

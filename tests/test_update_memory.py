@@ -127,15 +127,14 @@ def test_bf16_weights_update_through_a_float32_master() -> None:
 
 
 def test_trainer_keeps_float32_master_with_bf16_params(tiny_task, tmp_path) -> None:
-    from test_grpo import _config
+    from conftest import tiny_run
 
     from jaxrl_llm.trainers import make_trainer
 
-    config = _config(tiny_task, tmp_path / "run", "steps=1", "model.param_dtype=bfloat16", "model.dtype=bfloat16",
-                     "optim.learning_rate=1e-6", "optim.warmup_steps=0", "rl.beta=0.04", "checkpoint_every=0",
-                     "eval_size=4",
-                     "rl.entropy_coef=0.01",  # a gradient even when every reward is 0 (random model)
-                     "eval_batch_size=4")
+    config = tiny_run("grpo_arithmetic", tmp_path / "run", "model.param_dtype=bfloat16", "model.dtype=bfloat16",
+                      "optim.learning_rate=1e-6", "optim.warmup_steps=0", "rl.beta=0.04", "checkpoint_every=0",
+                      "rl.entropy_coef=0.01",  # a gradient even when every reward is 0 (random model)
+                      "export=true", task=tiny_task)
     run = make_trainer(config)
     trainer = run.algorithm
     before = np.asarray(run.state["params"]["layers"]["mlp"]["up"]["kernel"])
