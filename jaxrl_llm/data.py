@@ -123,21 +123,7 @@ def build_prompt_set(records: Sequence[dict[str, Any]], label: str, cfg: DataSec
             record[cfg.answer_field] = _fill(cfg.answer_template, record, where)
         if cfg.prompt_field not in record:
             raise DataError(f"{where}: no {cfg.prompt_field!r} field (fields: {sorted(record)})")
-        prompt = record[cfg.prompt_field]
-        if isinstance(prompt, list) and not all(isinstance(m, dict) and "role" in m and "content" in m
-                                                for m in prompt):
-            raise DataError(f"{where}: chat prompt must be a list of {{'role', 'content'}} messages")
-        messages = _chat_messages(prompt, cfg)
-        if messages is not None:
-            if getattr(tokenizer, "chat_template", None) is None:
-                raise DataError(f"{where}: chat prompt given but the tokenizer has no chat template")
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            ids = encode_text(tokenizer, text, add_special_tokens=False)
-        elif isinstance(prompt, str):
-            text = cfg.system_prompt + prompt
-            ids = encode_text(tokenizer, text)
-        else:
-            raise DataError(f"{where}: {cfg.prompt_field!r} must be text or chat messages, got {type(prompt).__name__}")
+        text, ids = render_prompt(record[cfg.prompt_field], cfg, tokenizer, where)
         if len(ids) > cfg.max_prompt_tokens:
             dropped += 1
             continue
@@ -147,6 +133,27 @@ def build_prompt_set(records: Sequence[dict[str, Any]], label: str, cfg: DataSec
     if not token_ids:
         raise DataError(f"{label}: no prompt fits data.max_prompt_tokens={cfg.max_prompt_tokens} ({dropped} dropped)")
     return PromptSet(token_ids, texts, kept, dropped)
+
+
+def render_prompt(prompt: Any, cfg: DataSection, tokenizer: Any, where: str,
+                  tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
+    """`(text, token ids)` of a prompt (text, or chat messages): through the chat template with the system prompt
+    (and `tools`, the JSON schemas of the tools, for a template that renders them), or as text after
+    `data.system_prompt`. A multi-turn episode's opening goes through here too, so its tokens are a single-turn
+    prompt's."""
+    if isinstance(prompt, list) and not all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
+        raise DataError(f"{where}: chat prompt must be a list of {{'role', 'content'}} messages")
+    messages = _chat_messages(prompt, cfg)
+    if messages is not None:
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise DataError(f"{where}: chat prompt given but the tokenizer has no chat template")
+        extra = {"tools": tools} if tools else {}
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+        return text, encode_text(tokenizer, text, add_special_tokens=False)
+    if isinstance(prompt, str):
+        text = cfg.system_prompt + prompt
+        return text, encode_text(tokenizer, text)
+    raise DataError(f"{where}: {cfg.prompt_field!r} must be text or chat messages, got {type(prompt).__name__}")
 
 
 def _chat_messages(prompt: Any, cfg: DataSection) -> list[dict[str, Any]] | None:

@@ -45,7 +45,7 @@ def test_the_config_is_a_leaf():
 
 
 @pytest.mark.parametrize("library", ["jaxrl_llm.rl", "jaxrl_llm.models", "jaxrl_llm.rewards", "jaxrl_llm.sampling",
-                                     "jaxrl_llm.data", "jaxrl_llm.run", "jaxrl_llm.config"])
+                                     "jaxrl_llm.data", "jaxrl_llm.run", "jaxrl_llm.config", "jaxrl_llm.envs"])
 def test_the_library_never_imports_the_shell_or_the_commands(library):
     modules = [m for m in FULL_GRAPH if m == library or m.startswith(library + ".")]
     reached = set().union(*(reachable(FULL_GRAPH, m) for m in modules))

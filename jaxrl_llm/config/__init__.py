@@ -22,6 +22,7 @@ from jaxrl_llm.config.schema import (
     DataSection,
     DistributedSection,
     DPOSection,
+    EnvSection,
     LoggingSection,
     LoraSection,
     MeshSection,
@@ -41,7 +42,7 @@ from jaxrl_llm.config.schema import (
 from jaxrl_llm.errors import ConfigError
 
 __all__ = [
-    "API_WHERE", "KL_ESTIMATORS", "RENAMED", "ROLLOUT_CORRECTIONS", "ConfigError", "DPOSection",
+    "API_WHERE", "KL_ESTIMATORS", "RENAMED", "ROLLOUT_CORRECTIONS", "ConfigError", "DPOSection", "EnvSection",
     "DataSection", "DistributedSection", "LoggingSection", "LoraSection", "MeshSection", "ModelSection",
     "MonitorSection", "OptimSection", "PPOSection", "RLSection", "Range", "RewardSpec", "RunConfig", "SFTSection",
     "SamplingSection", "add_import_path", "check_fields", "config_source", "get_field", "load_run_config",

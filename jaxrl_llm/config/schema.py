@@ -363,6 +363,22 @@ class MonitorSection:
 
 
 @dataclass
+class EnvSection:
+    """Multi-turn rollouts (GRPO family): each row is an episode with an environment (`jaxrl_llm.envs`); the
+    model's turns are sampled, the environment's messages are appended as the chat template renders them, and
+    the loss covers the model's tokens only. name "" = single-turn (one completion per prompt)."""
+
+    name: str = ""  # "" (single-turn) | tool_use | a registered name | module:function (factory(record, **kwargs))
+    kwargs: dict[str, Any] = field(default_factory=dict)  # keywords bound to the environment's factory
+    tools: list[str] = field(default_factory=list)  # tools the model may call: calculator | python | module:attr
+    max_turns: int = at_least(4, 1)  # the model's turns per episode at most
+    # completion tokens per episode at most (the model's and the environment's); sampling.max_new_tokens per turn
+    max_tokens: int = at_least(512, 1)
+    timeout_s: float = positive(30.0)  # one environment step longer than this ends its episode with an error
+    workers: int = at_least(8, 1)  # environment steps run in this many threads (they may block on tools)
+
+
+@dataclass
 class LoggingSection:
     """Where metrics go besides metrics.jsonl and TensorBoard."""
 
@@ -392,6 +408,7 @@ class RunConfig:
     mesh: MeshSection = field(default_factory=MeshSection)
     distributed: DistributedSection = field(default_factory=DistributedSection)
     monitor: MonitorSection = field(default_factory=MonitorSection)
+    env: EnvSection = field(default_factory=EnvSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
     log_every: int = at_least(1, 1)  # a metrics row (and a plain log line when not on a terminal) every N steps
     sample_every: int = at_least(10)  # write sample completions with rewards at step 1 and every N steps (0 = never)

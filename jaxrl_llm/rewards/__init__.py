@@ -21,6 +21,7 @@ import numpy as np
 
 from jaxrl_llm.errors import RewardError, RewardNameError, one_line
 from jaxrl_llm.models.reward_model import reward_model_reward
+from jaxrl_llm.rewards.code_execution import code_tests_reward
 from jaxrl_llm.rewards.math_answers import math_answer_reward, math_verify_reward
 from jaxrl_llm.rewards.shaping import format_reward, overlong_reward
 
@@ -38,6 +39,7 @@ REWARD_FUNCTIONS: dict[str, RewardFunction] = {
     "format": format_reward,
     "overlong": overlong_reward,
     "reward_model": _reward_model_reward,  # kwargs: {path: DIR_OR_HUB_ID of a ...ForSequenceClassification}
+    "code_tests": code_tests_reward,  # the record's unit tests run against the completion's code, sandboxed
 }
 
 # Functions handed over in Python (`jaxrl_llm.train(reward_funcs=[fn])`), by the name their config entry uses.

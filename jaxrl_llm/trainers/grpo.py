@@ -38,7 +38,8 @@ from jaxrl_llm.rl.plugins import advantage_estimator, resolve_estimator, resolve
 from jaxrl_llm.sharding import batch_sharding, global_array, init_optimizer_state, to_host
 from jaxrl_llm.trainers.base import State, Updated, host_metrics
 from jaxrl_llm.trainers.policy import Policy
-from jaxrl_llm.trainers.rollouts import Rollout, RolloutAlgorithm
+from jaxrl_llm.trainers.rl import RolloutAlgorithm
+from jaxrl_llm.trainers.rollouts import Rollout
 from jaxrl_llm.trainers.step import (
     Metrics,
     PolicyBatch,
@@ -234,16 +235,19 @@ class GRPOFamily(RolloutAlgorithm):
         to the devices once and stays there."""
         put = functools.partial(global_array, mesh=self.mesh)
         pt, pm, ct, cm = put(ro.prompt_tokens), put(ro.prompt_mask), put(ro.out.tokens), put(ro.out.mask)
+        # Multi-turn: the loss, the advantages and the mismatch cover the model's tokens; attention covers all.
+        lm = cm if ro.loss_mask is None else put(ro.loss_mask)
         p = self.policy
         old_logp, sampler_logp, mismatch = old_policy_logprobs(
-            self.config.rl.rollout_correction, put(np.asarray(ro.out.logprobs_untruncated, np.float32)), cm,
+            self.config.rl.rollout_correction, put(np.asarray(ro.out.logprobs_untruncated, np.float32)), lm,
             lambda: self.ref_logprob_fn(working_weights(p.model_weights(state["params"]), p.model_config),
                                         pt, pm, ct, cm))
         # log pi_ref of the rollout's tokens, zeros when no KL term needs them.
         ref_logp = (self.ref_logprob_fn(self.ref_params, pt, pm, ct, cm) if self.ref_params is not None
                     else put(np.zeros(ro.out.tokens.shape, np.float32)))
-        advantages = self.advantage_fn(put(ro.rewards.astype(np.float32)), cm, old_logp, ref_logp)
-        batch = PolicyBatch(pt, pm, ct, cm, old_logp, ref_logp, advantages, sampler_logp)
+        advantages = self.advantage_fn(put(ro.rewards.astype(np.float32)), lm, old_logp, ref_logp)
+        batch = PolicyBatch(pt, pm, ct, cm, old_logp, ref_logp, advantages, sampler_logp,
+                            None if ro.loss_mask is None else lm)
         ctl = (EntropyControllerState(**{k: jnp.asarray(v, jnp.float32) for k, v in
                                          jax.device_get(state["entropy_controller"]).items()})
                if self.adaptive_entropy else None)
@@ -258,7 +262,7 @@ class GRPOFamily(RolloutAlgorithm):
             state = {**state, "entropy_controller": self._put_controller(adaptive_entropy_update(
                 ctl, out["entropy"], target=r.entropy_target, delta=r.entropy_coef_delta, min_coef=r.entropy_coef_min,
                 max_coef=r.entropy_coef_max))}
-        mask = np.asarray(ro.out.mask, bool)
+        mask = np.asarray(ro.out.mask if ro.loss_mask is None else ro.loss_mask, bool)
         out["advantages/abs_mean"] = float(np.abs(to_host(advantages))[mask].mean()) if mask.any() else 0.0
         out["learning_rate"] = float(self.schedule(step * self.updates_per_step - 1))
         return Updated(state, out, skipped)

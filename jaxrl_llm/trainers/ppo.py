@@ -38,7 +38,8 @@ from jaxrl_llm.sharding import batch_sharding, global_array, init_optimizer_stat
 from jaxrl_llm.trainers.base import State, Updated, host_metrics
 from jaxrl_llm.trainers.grpo import old_policy_logprobs, policy_loss_config, rl_micro_batch, update_sizes, validate_rl
 from jaxrl_llm.trainers.policy import Policy
-from jaxrl_llm.trainers.rollouts import Rollout, RolloutAlgorithm
+from jaxrl_llm.trainers.rl import RolloutAlgorithm
+from jaxrl_llm.trainers.rollouts import Rollout
 from jaxrl_llm.trainers.step import (
     Metrics,
     PolicyBatch,
@@ -103,6 +104,9 @@ def validate_ppo(c: RunConfig) -> None:
     controller's settings."""
     validate_rl(c)
     p = c.ppo
+    if c.env.name:
+        raise ConfigError(f"env.name={c.env.name} with algo=ppo: multi-turn rollouts train the GRPO family (grpo, "
+                          f"rloo, reinforce_pp); PPO's critic values single replies")
     if c.rl.entropy_target:
         raise ConfigError(f"rl.entropy_target={c.rl.entropy_target} with algo=ppo: adaptive entropy control is "
                           f"wired into the GRPO family (grpo, rloo, reinforce_pp); set rl.entropy_target=0")

@@ -10,14 +10,12 @@ freshly sampled ones, up to `max_refill_rounds` extra rounds.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxrl_llm.config import RunConfig
 from jaxrl_llm.data import DataState, PromptSet, next_batch_indices
 from jaxrl_llm.evaluation import decode_completions, reward_fields
 from jaxrl_llm.models.decoder import Params
@@ -25,9 +23,7 @@ from jaxrl_llm.rewards import RewardFunction, compute_rewards, resolve_reward
 from jaxrl_llm.run.monitor import drift_kl, repeated_ngram_fraction
 from jaxrl_llm.sampling import SampleOutput, sample
 from jaxrl_llm.sharding import batch_divisor, global_array, process_rows, to_host
-from jaxrl_llm.trainers.base import Algorithm, Collected, State
-from jaxrl_llm.trainers.policy import GreedyEvaluation, Policy, load_policy
-from jaxrl_llm.trainers.step import frozen_copy, make_logprob_fn
+from jaxrl_llm.trainers.policy import Policy
 
 
 @dataclasses.dataclass
@@ -39,6 +35,12 @@ class Rollout:
     per_function: dict[str, np.ndarray]
     completions: list[str]
     record_indices: np.ndarray  # [N // G] prompt records
+    # Multi-turn episodes (trainers/trajectories.py): 1 on the model's tokens, 0 on the environment's; None when
+    # every completion token is the model's (then `out.mask` is the loss mask too)
+    loss_mask: np.ndarray | None = None
+    conversations: list[list[dict[str, Any]]] | None = None  # [N] each episode's messages
+    episode_stats: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # [N] turns, tool_calls, ...
+    env_seconds: float = 0.0
 
 
 def assemble_groups(parts: list[tuple[Rollout, np.ndarray]], *, group_size: int, groups: int, pad_id: int) -> Rollout:
@@ -66,6 +68,11 @@ def assemble_groups(parts: list[tuple[Rollout, np.ndarray]], *, group_size: int,
         per_function={k: take(lambda ro, k=k: ro.per_function[k]) for k in parts[0][0].per_function},
         completions=[ro.completions[j] for ro, i in chosen for j in range(i * g, (i + 1) * g)],
         record_indices=np.asarray([ro.record_indices[i] for ro, i in chosen]),
+        loss_mask=take(lambda ro: ro.loss_mask) if parts[0][0].loss_mask is not None else None,
+        conversations=[ro.conversations[j] for ro, i in chosen for j in range(i * g, (i + 1) * g)]
+        if parts[0][0].conversations is not None else None,
+        episode_stats={k: take(lambda ro, k=k: ro.episode_stats[k]) for k in parts[0][0].episode_stats},
+        env_seconds=sum(ro.env_seconds for ro, _ in parts),
     )
 
 
@@ -208,49 +215,3 @@ class DriftMeter:
         logp = to_host(self.logprob_fn(p.model_weights(params), *arrays))
         initial_logp = to_host(self.logprob_fn(initial, *arrays))
         return {"drift_kl": drift_kl(logp, initial_logp, np.asarray(ro.out.mask)[:rows])}
-
-
-class RolloutAlgorithm(Algorithm):
-    """What the algorithms that sample their batches share (the GRPO family, PPO): the policy, the rollout
-    collector, the held-out evaluation and the drift meter, and the shell's calls that only read them. `reference`:
-    keep the starting policy as the reference (a frozen copy; under LoRA the base itself)."""
-
-    def __init__(self, config: RunConfig, *, reference: bool) -> None:
-        super().__init__(config)
-        c = config
-        self.policy = p = load_policy(c)
-        self.mesh, self.vocab_size = p.mesh, p.model_config.vocab_size
-        self.collector = RolloutCollector(p)
-        self.evaluation = GreedyEvaluation(p, c.eval_batch_size)
-        self.ref_params = (p.base if p.base is not None else frozen_copy(p.initial_params, p.model_config)) \
-            if reference else None
-        self.ref_logprob_fn = make_logprob_fn(p.mesh, p.model_config, c.sampling.temperature, p.weights_sharding,
-                                              block_mib=c.model.logprob_block_mib)
-        self.drift_meter = DriftMeter(p, self.ref_params, self.ref_logprob_fn, c.monitor.drift_rows)
-
-    def describe(self) -> str:
-        p = self.policy
-        return (f"model {p.tokenizer_dir} ({p.model_config.num_params() / 1e6:.2f}M params), "
-                f"{self.collector.describe()}, {jax.device_count()} device(s)")
-
-    def collect(self, state: State, data_state: DataState, key: jax.Array) -> Collected:
-        ro, data_state, refills = self.collector.collect(self.policy.inference_weights(state["params"]), data_state,
-                                                         key)
-        return Collected(ro, data_state, self.collector.metrics(ro, refills), rollout_tokens(ro))
-
-    def evaluate(self, state: State, limit: int | None) -> dict[str, float]:
-        return self.evaluation(self.policy.inference_weights(state["params"]), limit)
-
-    def drift(self, state: State, ro: Rollout) -> dict[str, float]:
-        return self.drift_meter(state["params"], ro)
-
-    def progress(self, metrics: dict[str, float]) -> dict[str, float]:
-        # `kl` only with a reference: approx_kl, the on-policy ratio's, is ~0 and would read as a bug.
-        kl = {"kl": metrics["kl"]} if "kl" in metrics else {}
-        return {"reward": metrics["reward/mean"], **kl, "s/step": metrics["time/step"]}
-
-    def sample_rows(self, ro: Rollout) -> list[dict[str, Any]]:
-        return self.collector.sample_rows(ro)
-
-    def export(self, state: State, directory: Path) -> str:
-        return self.policy.export(state["params"], directory)

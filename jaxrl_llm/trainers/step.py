@@ -51,7 +51,9 @@ class PolicyBatch(NamedTuple):
     prompt_tokens/prompt_mask `[N, P]` (left-padded), completion_tokens/completion_mask `[N, T]`
     (right-padded; mask 1 up to and including EOS), old_logp/ref_logp `[N, T]` float32, advantages `[N]`;
     sampler_logp `[N, T]` float32, the sampler's own log-probs when `rl.rollout_correction` weights the loss by
-    `old / sampler` (then `old_logp` is the trainer's recomputation), else None.
+    `old / sampler` (then `old_logp` is the trainer's recomputation), else None; loss_mask `[N, T]`, in a
+    multi-turn rollout 1 on the model's tokens and 0 on the environment's (which `completion_mask`, the attention
+    mask, covers too), else None (the loss covers `completion_mask`).
     """
 
     prompt_tokens: jax.Array
@@ -62,6 +64,7 @@ class PolicyBatch(NamedTuple):
     ref_logp: jax.Array
     advantages: jax.Array
     sampler_logp: jax.Array | None = None
+    loss_mask: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +165,7 @@ def policy_loss(
         logp,
         batch.old_logp,
         batch.advantages,
-        batch.completion_mask,
+        loss_mask(batch),
         epsilon_low=c.epsilon_low,
         epsilon_high=c.epsilon_high,
         dual_clip_c=c.dual_clip_c,
@@ -315,10 +318,16 @@ def reduce_metrics(stacked: Metrics, weights: jax.Array | None = None, *, sum_lo
     return out
 
 
+def loss_mask(batch: Any) -> jax.Array:
+    """The tokens a batch's loss covers `[N, T]`: the model's own (`loss_mask`), else every completion token."""
+    own = getattr(batch, "loss_mask", None)
+    return batch.completion_mask if own is None else own
+
+
 def batch_counts(batch: Any) -> tuple[jax.Array, jax.Array]:
     """`(num_tokens, num_seqs)` of a batch: valid completion tokens and sequences with at least one, or the
     row count for both when the batch has no `completion_mask` (a preference batch)."""
-    mask = getattr(batch, "completion_mask", None)
+    mask = loss_mask(batch) if hasattr(batch, "completion_mask") else None
     if mask is None:
         rows = jnp.asarray(jax.tree.leaves(batch)[0].shape[0], jnp.float32)
         return rows, rows

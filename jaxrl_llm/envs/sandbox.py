@@ -1,0 +1,363 @@
+"""Run untrusted Python (a model's code) under resource limits: in bubblewrap (`bwrap`) when it is usable, else
+in a plain subprocess. docs/sandbox.md says what each mode enforces.
+
+    result = run_python("print(6 * 7)", timeout_s=2)     SandboxResult(stdout="42\\n", ..., mode="bwrap")
+    result.observation()                                 what a model sees: output, errors, a note on limits
+
+A call never raises and never outlives its wall-clock timeout by more than the time it takes to kill the process:
+broken or hostile code (a loop, a fork bomb, a huge allocation or output) comes back as an error observation.
+`JAXRL_LLM_SANDBOX=subprocess` forces the plain subprocess (tests cover both modes that way).
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+SANDBOX_ENV = "JAXRL_LLM_SANDBOX"
+# The largest file the code may write (RLIMIT_FSIZE) and, under bwrap, the size of each of its tmpfs mounts
+# (/tmp, which holds the work dir, and /dev/shm): what it writes lives in memory and dies with the sandbox.
+DISK_MB = 64
+OPEN_FILES = 64  # RLIMIT_NOFILE
+STDERR_TAIL_CHARS = 2000  # of stderr in `observation()`: a traceback's end says what went wrong
+NOBODY = 65534  # the uid and gid the code runs as when the caller is root: rlimits on processes bind only non-root
+WORK_DIR = "/tmp/work"  # the work dir's path inside bwrap (/ is read-only there, so it lives in the /tmp tmpfs)
+
+# Runs first inside the sandbox: it lowers the limits, then replaces itself with the user's program, so no line of
+# that program runs without them. A limit is never raised above the hard limit it inherits (non-root can't).
+_LAUNCHER = """\
+import os, resource, sys
+names = ("RLIMIT_CPU", "RLIMIT_AS", "RLIMIT_NPROC", "RLIMIT_FSIZE", "RLIMIT_NOFILE", "RLIMIT_CORE")
+for name, value in zip(names, map(int, sys.argv[1:])):
+    res = getattr(resource, name)
+    hard = resource.getrlimit(res)[1]
+    inf = hard == resource.RLIM_INFINITY
+    soft = value if inf else min(value, hard)
+    # CPU: SIGXCPU at the soft limit (reported as the CPU limit), then SIGKILL a second later if it is caught.
+    new_hard = soft + 1 if name == "RLIMIT_CPU" and (inf or soft + 1 <= hard) else soft
+    resource.setrlimit(res, (soft, new_hard))
+os.execv(sys.executable, [sys.executable, "-I", "main.py"])
+"""
+
+_SIGNAL_REASONS = {
+    signal.SIGXCPU: "the CPU time limit",
+    signal.SIGXFSZ: "the file size limit",
+    signal.SIGKILL: "a limit (CPU time or memory) or the sandbox",
+    signal.SIGSEGV: "a crash",
+}
+
+
+@dataclass(frozen=True)
+class SandboxResult:
+    """What one sandboxed run produced: its (bounded) output, exit status, and which limits cut it short."""
+
+    stdout: str  # the first max_output_bytes bytes
+    stderr: str  # the last max_output_bytes bytes (a traceback ends there)
+    returncode: int | None  # negative: killed by that signal; None: it never ran, or was killed at the timeout
+    timed_out: bool
+    truncated: bool  # a stream was longer than max_output_bytes
+    mode: str  # "bwrap" or "subprocess"
+
+    def note(self) -> str:
+        """A one-line account of how the run ended, or "" for a clean exit."""
+        notes = []
+        if self.timed_out:
+            notes.append("timed out: killed at the wall-clock limit")
+        elif self.returncode is None:
+            notes.append("the sandbox could not run the code")
+        elif self.returncode < 0:
+            try:
+                sig = signal.Signals(-self.returncode)
+                notes.append(f"killed by {sig.name} ({_SIGNAL_REASONS.get(sig, 'a signal')})")
+            except ValueError:
+                notes.append(f"killed by signal {-self.returncode}")
+        elif self.returncode > 0:
+            notes.append(f"exit status {self.returncode}")
+        if self.truncated:
+            notes.append("output truncated (stdout keeps its start, stderr its end)")
+        return "; ".join(notes)
+
+    def observation(self) -> str:
+        """What a model sees: stdout, then the end of stderr, then a bracketed note when the run did not end
+        cleanly."""
+        parts = [self.stdout.rstrip("\n")] if self.stdout else []
+        if self.stderr:
+            parts.append(self.stderr[-STDERR_TAIL_CHARS:].rstrip("\n"))
+        note = self.note()
+        if note:
+            parts.append(f"[{note}]")
+        return "\n".join(parts) if parts else "[no output]"
+
+
+_probe_lock = threading.Lock()
+# "bwrap": ((path, modern options work) or None, why not); "nobody": (None, "yes" or "no")
+_probe: dict[str, tuple[tuple[str, bool] | None, str]] = {}
+
+
+def _bwrap_args(modern: bool, host_dir: Path | None) -> list[str]:
+    """bwrap's options: no network, IPC, UTS or PID sharing, an unprivileged user in its own user namespace, a
+    read-only view of /, and small fresh tmpfs mounts; `modern` adds what bwrap >= 0.8 offers."""
+    size = ["--size", str(DISK_MB * 2**20)] if modern else []
+    args = ["--unshare-all", "--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY),
+            "--die-with-parent", "--new-session"]
+    if modern:
+        args += ["--disable-userns"]  # no nested user namespace, hence no way to regain capabilities in one
+    if os.geteuid() == 0:
+        args += ["--cap-drop", "ALL"]
+    args += ["--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev",
+             # /dev is a writable tmpfs of unbounded size: a bounded /dev/shm on it, then the rest read-only.
+             *size, "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
+             *size, "--tmpfs", "/tmp", "--dir", WORK_DIR]
+    if host_dir is not None:
+        args += ["--ro-bind", str(host_dir / "work" / "main.py"), f"{WORK_DIR}/main.py"]
+    return [*args, "--chdir", WORK_DIR]
+
+
+def _probe_bwrap() -> tuple[tuple[str, bool] | None, str]:
+    """`(bwrap's path, whether its modern options work)`, or None and why not; tried once per process."""
+    with _probe_lock:
+        if "bwrap" not in _probe:
+            found: tuple[str, bool] | None = None
+            why = "bwrap (Debian's bubblewrap) is not installed"
+            bwrap = shutil.which("bwrap")
+            for modern in (True, False) if bwrap is not None else ():
+                assert bwrap is not None
+                try:
+                    proc = subprocess.run([bwrap, *_bwrap_args(modern, None), "--", sys.executable, "-I", "-S", "-c",
+                                           "pass"], capture_output=True, timeout=30, env=_sandbox_env())
+                except (OSError, subprocess.SubprocessError) as e:
+                    why = f"bwrap failed to start ({type(e).__name__}: {e})"
+                    break
+                if proc.returncode == 0:
+                    found = (bwrap, modern)
+                    break
+                err = proc.stderr.decode(errors="replace").strip().splitlines()
+                why = f"bwrap is not usable here ({err[-1] if err else f'exit status {proc.returncode}'})"
+            _probe["bwrap"] = (found, why)
+        return _probe["bwrap"]
+
+
+def bwrap_usable() -> bool:
+    """Whether bubblewrap runs here (probed once per process)."""
+    return _probe_bwrap()[0] is not None
+
+
+_noted_fallback = False
+
+
+def sandbox_mode() -> str:
+    """The mode `run_python` uses now: "subprocess" when forced by JAXRL_LLM_SANDBOX or when bwrap is unusable
+    (said once on stderr), else "bwrap"."""
+    global _noted_fallback
+    if os.environ.get(SANDBOX_ENV, "").strip().lower() == "subprocess":
+        return "subprocess"
+    found, why = _probe_bwrap()
+    if found is not None:
+        return "bwrap"
+    with _probe_lock:
+        if not _noted_fallback:
+            _noted_fallback = True
+            print(f"jaxrl_llm: {why}; sandboxed code runs in a plain subprocess under resource limits, without "
+                  f"network isolation or a read-only view of the system (docs/sandbox.md)", file=sys.stderr,
+                  flush=True)
+    return "subprocess"
+
+
+def _sandbox_env(home: str = WORK_DIR) -> dict[str, str]:
+    """The sandbox's whole environment: nothing of the caller's (tokens, keys) leaks in."""
+    return {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "HOME": home,
+        "LANG": "C.UTF-8",
+        "PYTHONIOENCODING": "utf-8",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        # BLAS and OpenMP start a thread per core, which the process limit (threads count) would refuse.
+        "OMP_NUM_THREADS": "1",
+        "OPENBLAS_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+    }
+
+
+def _nobody_can_run_python() -> bool:
+    """Whether uid `NOBODY` can start this interpreter (not when it lives under root's 0700 home); tried once."""
+    with _probe_lock:
+        if "nobody" not in _probe:
+            try:
+                ok = subprocess.run([sys.executable, "-I", "-S", "-c", "pass"], capture_output=True, timeout=30,
+                                    cwd="/", env=_sandbox_env(), user=NOBODY, group=NOBODY,
+                                    extra_groups=[]).returncode == 0
+            except (OSError, subprocess.SubprocessError):
+                ok = False
+            _probe["nobody"] = (None, "yes" if ok else "no")
+        return _probe["nobody"][1] == "yes"
+
+
+def run_python(code: str, *, timeout_s: float = 5.0, memory_mb: int = 512, max_output_bytes: int = 8192,
+               max_processes: int = 16, stdin: str = "") -> SandboxResult:
+    """Run `code` as a Python program in the sandbox with `stdin` as its input; never raises."""
+    mode = "subprocess"
+    try:
+        mode = sandbox_mode()
+        return _run(code, mode, max(0.01, float(timeout_s)), max(1, int(memory_mb)), max(0, int(max_output_bytes)),
+                    max(1, int(max_processes)), stdin)
+    except Exception as e:  # a sandbox that fails must read as a failed run to the caller, not stop it
+        return SandboxResult("", f"sandbox error: {type(e).__name__}: {e}", None, False, False, mode)
+
+
+def _run(code: str, mode: str, timeout_s: float, memory_mb: int, max_output_bytes: int, max_processes: int,
+         stdin: str) -> SandboxResult:
+    host_dir = Path(tempfile.mkdtemp(prefix="jaxrl_llm_sandbox_"))
+    try:
+        work_dir = host_dir / "work"  # the fallback's work dir; stdin stays beside it, out of the code's sight
+        work_dir.mkdir()
+        (work_dir / "main.py").write_bytes(code.encode("utf-8", errors="replace"))
+        (host_dir / "stdin").write_bytes(stdin.encode("utf-8", errors="replace"))
+        limits = [int(timeout_s) + 1, memory_mb * 2**20, max_processes, DISK_MB * 2**20, OPEN_FILES, 0]
+        inner = [sys.executable, "-I", "-S", "-c", _LAUNCHER, *map(str, limits)]
+        user: int | None = None
+        if mode == "bwrap":
+            found, _ = _probe_bwrap()
+            assert found is not None
+            argv, cwd = [found[0], *_bwrap_args(found[1], host_dir), "--", *inner], None
+            # Run by root, bwrap maps the sandbox's user to root outside, whom the kernel exempts from
+            # RLIMIT_NPROC: the process count is then watched from here instead.
+            watch_processes = os.geteuid() == 0
+        else:
+            argv, cwd = inner, work_dir
+            watch_processes = False
+            if os.geteuid() == 0:
+                if _nobody_can_run_python():
+                    # Root ignores RLIMIT_NPROC and may write anywhere: the code runs as nobody, in a dir it owns.
+                    user = NOBODY
+                    os.chown(work_dir, NOBODY, NOBODY)
+                    host_dir.chmod(0o711)  # mkdtemp's 0700 would bar nobody from the path to its own dir
+                else:
+                    watch_processes = True
+        deadline = time.monotonic() + timeout_s
+        with open(host_dir / "stdin", "rb") as stdin_file:
+            proc = subprocess.Popen(argv, stdin=stdin_file, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd,
+                                    env=_sandbox_env(WORK_DIR if mode == "bwrap" else str(work_dir)),
+                                    start_new_session=True, user=user, group=user,
+                                    extra_groups=[] if user is not None else None)
+        watch = _ProcessWatch(proc.pid, mode, max_processes) if watch_processes else None
+        try:
+            stdout, stderr, truncated, timed_out = _collect(proc, deadline, max_output_bytes, watch)
+        finally:
+            # The whole group, not just the child: forks left behind (in bwrap, killing bwrap ends its namespace).
+            _kill_group(proc.pid)
+            returncode = proc.wait()
+            assert proc.stdout is not None and proc.stderr is not None
+            proc.stdout.close()
+            proc.stderr.close()
+        if mode == "bwrap" and 128 < returncode < 128 + signal.NSIG:
+            returncode = -(returncode - 128)  # bwrap reports a child killed by signal N as 128 + N
+        if watch is not None and watch.exceeded:
+            stderr += b"\n" if stderr and not stderr.endswith(b"\n") else b""
+            stderr += f"sandbox: more than {max_processes} processes; all were killed\n".encode()
+            returncode, timed_out = -signal.SIGKILL, False
+        return SandboxResult(stdout.decode("utf-8", errors="replace"), stderr.decode("utf-8", errors="replace"),
+                             None if timed_out else returncode, timed_out, truncated, mode)
+    finally:
+        shutil.rmtree(host_dir, ignore_errors=True)
+
+
+class _ProcessWatch:
+    """Counts a run's processes from outside, where RLIMIT_NPROC does not bind (the code runs as host root): in
+    bwrap those of its PID namespace, which none can leave; else those of its process group."""
+
+    def __init__(self, pid: int, mode: str, max_processes: int) -> None:
+        self.pid, self.mode, self.max_processes = pid, mode, max_processes
+        self.namespace = ""  # bwrap's PID namespace, known once its first child is up
+        self.exceeded = False
+        self.next_check = 0.0
+
+    def check(self) -> bool:
+        """Whether the run has more processes than allowed (then it is killed); at most every 20 ms."""
+        now = time.monotonic()
+        if self.exceeded or now < self.next_check:
+            return self.exceeded
+        self.next_check = now + 0.02
+        count = 0
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                if self.mode == "bwrap":
+                    if not self.namespace:
+                        stat = Path(f"/proc/{entry}/stat").read_text()
+                        if int(stat[stat.rindex(")") + 2 :].split()[1]) == self.pid:  # bwrap's child: PID 1 there
+                            self.namespace = os.readlink(f"/proc/{entry}/ns/pid")
+                    count += bool(self.namespace) and os.readlink(f"/proc/{entry}/ns/pid") == self.namespace
+                else:
+                    stat = Path(f"/proc/{entry}/stat").read_text()
+                    count += int(stat[stat.rindex(")") + 2 :].split()[2]) == self.pid
+            except (OSError, ValueError, IndexError):
+                continue  # it exited while we looked
+        if count > self.max_processes:
+            self.exceeded = True
+            _kill_group(self.pid)
+        return self.exceeded
+
+
+def _collect(proc: subprocess.Popen[bytes], deadline: float, limit: int,
+             watch: _ProcessWatch | None) -> tuple[bytes, bytes, bool, bool]:
+    """`(stdout head, stderr tail, truncated, timed_out)`: both pipes drained as they fill, keeping at most `limit`
+    bytes of each, until the program exits (and its pipes are empty), the deadline passes or `watch` kills it."""
+    out, err = bytearray(), bytearray()
+    truncated = exited = False
+    with selectors.DefaultSelector() as sel:
+        assert proc.stdout is not None and proc.stderr is not None
+        sel.register(proc.stdout, selectors.EVENT_READ, out)
+        sel.register(proc.stderr, selectors.EVENT_READ, err)
+        while sel.get_map():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return bytes(out), bytes(err), truncated, True
+            # Once it has exited, only what is already in the pipes counts: a child it left behind holding them
+            # open does not keep the run going (it is killed with the group).
+            events = sel.select(0 if exited else min(remaining, 0.02))
+            if not events and exited:
+                break
+            for key, _ in events:
+                chunk = os.read(key.fd, 65536)
+                if not chunk:
+                    sel.unregister(key.fileobj)
+                    continue
+                buf: bytearray = key.data
+                room = limit - len(buf)
+                truncated = truncated or len(chunk) > room
+                if buf is out:
+                    # Past the limit stdout is read and dropped, so the program runs on to its exit status.
+                    buf += chunk[: max(0, room)]
+                else:
+                    buf += chunk
+                    del buf[: max(0, len(buf) - limit)]
+            if watch is not None and watch.check():
+                return bytes(out), bytes(err), truncated, False
+            # Not reaped (WNOWAIT): the group's id stays reserved until the group is killed.
+            exited = exited or os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    while not exited:
+        if time.monotonic() >= deadline:
+            return bytes(out), bytes(err), truncated, True
+        if watch is not None and watch.check():
+            return bytes(out), bytes(err), truncated, False
+        time.sleep(0.005)
+        exited = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    return bytes(out), bytes(err), truncated, False
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL every process of the group; quiet when none is left."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -1,0 +1,158 @@
+"""Tool calling: tools declared as JSON schemas, calls parsed from the model's text, results as tool messages.
+
+    <tool_call>{"name": "calculator", "arguments": {"expression": "123 * 456"}}</tool_call>
+
+is the call format (Hermes / Qwen2.5's, which most chat templates with tool support render and most instruct
+models were trained on). A template that supports tools gets the schemas through
+`apply_chat_template(..., tools=[...])`; one that does not (SmolLM2's, or no template) gets the documented
+plain-text convention: `tool_instructions(tools)` is a system message that lists the schemas and asks for the same
+format. Either way the model's text is parsed the same way and a result comes back as a `{"role": "tool"}`
+message. A bad call (not JSON, an unknown tool, wrong arguments, a tool that raises or times out) is answered with
+an error observation the model can read; it never stops the run.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import importlib
+import json
+import re
+from collections.abc import Callable
+from typing import Any
+
+from jaxrl_llm.envs.calculator import CalculatorError, calculate
+from jaxrl_llm.envs.sandbox import run_python
+from jaxrl_llm.errors import ConfigError
+
+TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+MAX_RESULT_CHARS = 2000  # a tool's answer is cut to this many characters before the model reads it
+
+
+class ToolError(Exception):
+    """A call the model made wrong: the message is what the model reads back."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Tool:
+    """A function the model may call: its name, what it does, its arguments as a JSON schema, and `fn(**args)
+    -> str` (a `ToolError` or any exception becomes an error observation)."""
+
+    name: str
+    description: str
+    parameters: dict[str, Any]
+    fn: Callable[..., str]
+    timeout_s: float = 10.0
+
+    @property
+    def schema(self) -> dict[str, Any]:
+        """The OpenAI-style declaration chat templates render (`tools=[...]`)."""
+        return {"type": "function", "function": {"name": self.name, "description": self.description,
+                                                 "parameters": self.parameters}}
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: dict[str, Any]
+
+
+def parse_tool_calls(text: str) -> tuple[list[ToolCall], list[str]]:
+    """The well-formed calls in `text`, and one error message for each `<tool_call>` block that is not one."""
+    calls, errors = [], []
+    for block in TOOL_CALL.findall(text):
+        try:
+            data = json.loads(block)
+        except json.JSONDecodeError as e:
+            errors.append(f"the tool call is not valid JSON ({e.msg}); write "
+                          f'<tool_call>{{"name": ..., "arguments": {{...}}}}</tool_call>')
+            continue
+        name, arguments = (data.get("name"), data.get("arguments", {})) if isinstance(data, dict) else (None, None)
+        if isinstance(arguments, str):  # some models write the arguments as a JSON string
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                arguments = None
+        if not isinstance(name, str) or not isinstance(arguments, dict):
+            errors.append('a tool call needs "name" (a string) and "arguments" (an object)')
+            continue
+        calls.append(ToolCall(name, arguments))
+    return calls, errors
+
+
+def call_tool(tools: dict[str, Tool], call: ToolCall) -> tuple[str, bool]:
+    """`(observation, ok)` of one call: the tool's answer, or an error the model can read. The tool runs in a
+    worker thread so that one that hangs past its timeout is abandoned, not waited for."""
+    tool = tools.get(call.name)
+    if tool is None:
+        return f"error: unknown tool {call.name!r} (available: {', '.join(sorted(tools))})", False
+    required = tool.parameters.get("required", [])
+    known = tool.parameters.get("properties", {})
+    missing, unknown = [a for a in required if a not in call.arguments], [a for a in call.arguments if a not in known]
+    if missing or unknown:
+        return f"error: {call.name} takes {', '.join(known)}; got {', '.join(call.arguments) or 'nothing'}", False
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    try:
+        return str(pool.submit(tool.fn, **call.arguments).result(timeout=tool.timeout_s))[:MAX_RESULT_CHARS], True
+    except concurrent.futures.TimeoutError:
+        return f"error: {call.name} took longer than {tool.timeout_s:g} s", False
+    except Exception as e:  # a tool that raises is the model's observation, never the run's crash
+        return f"error: {' '.join(str(e).split())[:300] or type(e).__name__}", False
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def tool_instructions(tools: list[Tool]) -> str:
+    """The plain-text convention for a chat template without tool support: a system message that declares the
+    tools and the call format."""
+    schemas = "\n".join(json.dumps(t.schema) for t in tools)
+    return ("You can call tools. To call one, write exactly\n"
+            '<tool_call>{"name": TOOL_NAME, "arguments": {ARGUMENTS}}</tool_call>\n'
+            "and stop; its result comes back in the next message. When you know the answer, reply without a tool "
+            f"call. The tools:\n{schemas}")
+
+
+def template_supports_tools(tokenizer: Any) -> bool:
+    """Whether the tokenizer's chat template renders a `tools` list (Qwen2.5, Llama 3.1, ...)."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return "tools" in (template if isinstance(template, str) else json.dumps(template))
+
+
+def _calculator(expression: str) -> str:
+    try:
+        return calculate(expression)
+    except CalculatorError as e:
+        raise ToolError(str(e)) from None
+
+
+def _python(code: str) -> str:
+    return run_python(code, timeout_s=5.0).observation()
+
+
+CALCULATOR = Tool("calculator", "Exact arithmetic: + - * / // % ** and parentheses on integers and decimals.",
+                  {"type": "object", "properties": {"expression": {"type": "string",
+                                                                   "description": "e.g. 1234 * 5678"}},
+                   "required": ["expression"]}, _calculator)
+PYTHON = Tool("python", "Run a Python program in a sandbox (no network, 5 s) and return what it prints.",
+              {"type": "object", "properties": {"code": {"type": "string", "description": "the program"}},
+               "required": ["code"]}, _python, timeout_s=15.0)
+TOOLS: dict[str, Tool] = {t.name: t for t in (CALCULATOR, PYTHON)}
+
+
+def resolve_tools(names: list[str]) -> list[Tool]:
+    """The built-in tools named (`calculator`, `python`), or a `module:attribute` holding a `Tool`."""
+    out = []
+    for name in names:
+        if name in TOOLS:
+            out.append(TOOLS[name])
+            continue
+        module, _, attr = name.partition(":")
+        try:
+            tool = getattr(importlib.import_module(module), attr) if attr else None
+        except (ImportError, AttributeError) as e:
+            raise ConfigError(f"env.tools: {name!r} cannot be imported: {e}") from e
+        if not isinstance(tool, Tool):
+            raise ConfigError(f"env.tools: {name!r} is not a built-in tool ({', '.join(TOOLS)}) or a "
+                              f"module:attribute holding a jaxrl_llm.envs.tools.Tool")
+        out.append(tool)
+    return out

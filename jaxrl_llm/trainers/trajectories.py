@@ -1,0 +1,302 @@
+"""Multi-turn rollouts: each row is an episode with an environment, built on the jitted sampler.
+
+    opening = env.reset()                         rendered like a single-turn prompt (chat template, system prompt,
+                                                  the tools' declarations)
+    turn 1: sample G completions of each prompt   exactly the single-turn sampler call (same key, same shapes)
+    repeat until every episode is done (the environment says so, max_turns, the token budget, a cut turn):
+        env.step(text of the turn)                on the host, in a thread pool, each with a timeout
+        append the environment's messages         rendered by the chat template, masked out of the loss
+        sample the next turn of the live rows     the conversation so far re-prefilled (no KV carried over)
+
+The update sees exactly the sampled token ids: a turn's tokens are appended as the sampler returned them and
+never re-tokenized from text, and only the environment's messages are tokenized. `loss_mask [N, T]` is 1 on the
+model's tokens and 0 on the environment's; `mask` (attention) is 1 on both. The old policy's log-probs are the
+sampler's for the model's tokens. The run's reward functions score the last assistant message; the environment's
+per-turn rewards are added to it (one reward per trajectory).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxrl_llm.data import PromptSet, bucket, encode_text, left_pad, render_prompt
+from jaxrl_llm.envs.base import Environment, Message, StepResult, resolve_environment
+from jaxrl_llm.envs.tools import resolve_tools, template_supports_tools, tool_instructions
+from jaxrl_llm.models.decoder import Params
+from jaxrl_llm.sampling import SampleOutput, SamplingConfig, sample
+from jaxrl_llm.sharding import to_host
+from jaxrl_llm.trainers.policy import Policy, eval_reward
+from jaxrl_llm.trainers.rollouts import Rollout, RolloutCollector
+
+TEXT_TOOL_RESULT = "\n<tool_response>\n{content}\n</tool_response>\n"  # a tool's answer without a chat template
+
+
+@dataclasses.dataclass
+class Episode:
+    """One row's episode while it is rolled out: its environment, its tokens after the prompt (the model's and
+    the environment's, told apart by `loss_mask`), the sampler's log-probs, the conversation, and its counters."""
+
+    env: Environment | None
+    prompt_ids: list[int]
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    loss_mask: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    logprobs_untruncated: list[float] = dataclasses.field(default_factory=list)
+    conversation: list[Message] = dataclasses.field(default_factory=list)
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    env_reward: float = 0.0
+    done: bool = False
+    stopped_on_eos: bool = True
+    error: str = ""
+
+    @property
+    def final_text(self) -> str:
+        return next((m["content"] for m in reversed(self.conversation) if m["role"] == "assistant"), "")
+
+
+def followup_text(tokenizer: Any, messages: list[Message], *, chat: bool) -> str:
+    """The text that follows a model's turn (which ended with its EOS token) when `messages` come next: what the
+    chat template renders after the assistant's end-of-turn, through the next assistant header; without a chat
+    template, each message's content (a tool's wrapped in <tool_response>)."""
+    if not chat:
+        return "".join(TEXT_TOOL_RESULT.format(content=m["content"]) if m["role"] == "tool" else m["content"]
+                       for m in messages)
+    base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+    before = tokenizer.apply_chat_template(base, tokenize=False)
+    after = tokenizer.apply_chat_template(base + messages, tokenize=False, add_generation_prompt=True)
+    eos = tokenizer.eos_token or ""
+    end = before.rfind(eos) + len(eos) if eos and eos in before else len(before)
+    return before[end:] + after[len(before):]  # e.g. "\n" + "<|im_start|>tool\n...<|im_end|>\n<|im_start|>assistant\n"
+
+
+class TrajectoryCollector(RolloutCollector):
+    """Samples and scores multi-turn episodes (`env:` section) from `data.train`; a `Rollout` with a loss mask."""
+
+    def __init__(self, policy: Policy) -> None:
+        super().__init__(policy)
+        c = policy.config
+        e = c.env
+        self.env_config, self.factory = e, resolve_environment(e.name)
+        self.tools = resolve_tools(e.tools)
+        self.env_kwargs = {**dict(e.kwargs), **({"tools": self.tools} if self.tools else {})}
+        native = bool(self.tools) and c.data.chat_template and template_supports_tools(policy.tokenizer)
+        self.tool_schemas = [t.schema for t in self.tools] if native else None
+        extra = tool_instructions(self.tools) if self.tools and not native else ""
+        joiner = "\n\n" if c.data.chat_template else "\n"
+        self.data_config = dataclasses.replace(
+            c.data, system_prompt=joiner.join(s for s in (extra, c.data.system_prompt) if s))
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=e.workers, thread_name_prefix="jaxrl_llm-env")
+        self.env_seconds = 0.0
+
+    def describe(self) -> str:
+        tools = f" with tools {', '.join(t.name for t in self.tools)}" if self.tools else ""
+        return f"{super().describe()}, environment {self.env_config.name}{tools}, {self.env_config.max_turns} turns"
+
+    def _call(self, fn: Any, *args: Any) -> concurrent.futures.Future:
+        return self.pool.submit(fn, *args)
+
+    def _open(self, record: dict[str, Any]) -> tuple[Environment | None, list[Message] | str, str]:
+        """A new environment for `record`, its opening (messages, or the text of a text-mode prompt), an error."""
+        try:
+            env = self.factory(record, **self.env_kwargs)
+            opening = env.reset()
+        except Exception as e:  # an environment that cannot start: the episode is empty and scores 0
+            return None, record.get(self.policy.config.data.prompt_field, ""), f"reset failed: {e}"
+        if not self.policy.config.data.chat_template and len(opening) == 1 and opening[0]["role"] == "user":
+            return env, opening[0]["content"], ""  # a text-mode prompt renders as text, as a single-turn one
+        return env, opening, ""
+
+    def rollout(self, params: Params, indices: np.ndarray, key: jax.Array) -> Rollout:
+        """G episodes of each prompt, scored: the rollout the update reads, with `loss_mask`."""
+        g, self.env_seconds = self.group_size, 0.0
+        episodes, texts, tokens, mask = self.run_episodes(params, self.prompts, indices, key,
+                                                          self.policy.sampling_config(n=g))
+        records = [self.prompts.records[i] for i in indices for _ in range(g)]
+        return self._assemble(episodes, records, [texts[r // g] for r in range(len(episodes))],
+                              np.repeat(tokens, g, axis=0), np.repeat(mask, g, axis=0), indices)
+
+    def run_episodes(self, params: Params, prompts: PromptSet, indices: np.ndarray, key: jax.Array,
+                     sampling: SamplingConfig) -> tuple[list[Episode], list[str], np.ndarray, np.ndarray]:
+        """`sampling.n` episodes of each prompt of `indices` (rows prompt-major), played to their end; with the
+        rendered prompts' texts and their left-padded tokens and mask `[P, W]`."""
+        p, g, c = self.policy, sampling.n, self.policy.config
+        t0 = time.perf_counter()
+        opened = list(self.pool.map(self._open, [prompts.records[i] for i in indices for _ in range(g)]))
+        self.env_seconds += time.perf_counter() - t0
+        rendered = [render_prompt(opened[i * g][1], self.data_config, p.tokenizer, f"prompt {j}", self.tool_schemas)
+                    for i, j in enumerate(indices)]
+        episodes = [Episode(env, rendered[r // g][1], conversation=_as_messages(opening), error=error,
+                            done=env is None) for r, (env, opening, error) in enumerate(opened)]
+        width = bucket(max(len(ids) for _, ids in rendered), c.sampling.prompt_bucket)
+        tokens, mask = left_pad([ids for _, ids in rendered], width, p.pad_id)
+        self._take_turn(episodes, list(range(len(episodes))),
+                        to_host(sample(params, p.model_config, tokens, mask, key, sampling, mesh=p.mesh)))
+        for turn in range(2, self.env_config.max_turns + 1):
+            live = [r for r, ep in enumerate(episodes) if not ep.done]
+            if not live:
+                break
+            self._sample_turn(params, episodes, live, jax.random.fold_in(key, turn),
+                              dataclasses.replace(sampling, n=1))
+        for ep in episodes:
+            ep.done = True
+        return episodes, [text for text, _ in rendered], tokens, mask
+
+    def _sample_turn(self, params: Params, episodes: list[Episode], live: list[int], key: jax.Array,
+                     sampling: SamplingConfig) -> None:
+        """The next turn of the `live` rows: each conversation so far re-prefilled, one sample each."""
+        p, c = self.policy, self.policy.config
+        budget = min(c.env.max_tokens - len(episodes[r].tokens) for r in live)
+        contexts = [episodes[r].prompt_ids + episodes[r].tokens for r in live]
+        tokens, mask = left_pad(contexts, bucket(max(map(len, contexts)), c.sampling.prompt_bucket), p.pad_id)
+        sampling = dataclasses.replace(sampling, max_new_tokens=max(1, min(c.sampling.max_new_tokens, budget)))
+        self._take_turn(episodes, live, to_host(sample(params, p.model_config, tokens, mask, key, sampling,
+                                                       mesh=p.mesh)))
+
+    def _take_turn(self, episodes: list[Episode], rows: list[int], out: SampleOutput) -> None:
+        """Append the sampled turn of each of `rows` (`out` row i is `rows[i]`), then step their environments."""
+        tokenizer, e = self.policy.tokenizer, self.env_config
+        texts = []
+        for i, r in enumerate(rows):
+            ep, m = episodes[r], np.asarray(out.mask[i], bool)
+            ids = np.asarray(out.tokens[i])[m].tolist()
+            ep.tokens += ids
+            ep.loss_mask += [1] * len(ids)
+            ep.logprobs += np.asarray(out.logprobs[i])[m].tolist()
+            ep.logprobs_untruncated += np.asarray(out.logprobs_untruncated[i])[m].tolist()
+            ep.turns += 1
+            ep.stopped_on_eos = bool(out.stopped_on_eos[i])
+            texts.append(tokenizer.decode(ids, skip_special_tokens=True))
+            ep.conversation.append({"role": "assistant", "content": texts[-1]})
+        t0 = time.perf_counter()
+        steps = {r: self._call(episodes[r].env.step, text) for r, text in zip(rows, texts, strict=True)
+                 if episodes[r].env is not None and not episodes[r].done}
+        deadline = t0 + e.timeout_s  # every step of the turn started now: none is waited for past this
+        for r in rows:
+            ep = episodes[r]
+            result = self._result(steps[r], ep, deadline) if r in steps else StepResult([], done=True)
+            ep.env_reward += float(result.reward)
+            ep.tool_calls += int(result.info.get("tool_calls", 0))
+            ep.tool_errors += int(result.info.get("tool_errors", 0))
+            ep.done = ep.done or result.done or not ep.stopped_on_eos or ep.turns >= e.max_turns
+            if not ep.done:
+                self._append_messages(ep, result.messages)
+        self.env_seconds += time.perf_counter() - t0
+
+    def _result(self, future: concurrent.futures.Future, ep: Episode, deadline: float) -> StepResult:
+        """The environment's answer, or (it raised, or was not done by `deadline`) the end of the episode."""
+        try:
+            result = future.result(timeout=max(0.0, deadline - time.perf_counter()))
+            return result if isinstance(result, StepResult) else StepResult(*result)
+        except concurrent.futures.TimeoutError:
+            ep.error = f"the environment took longer than env.timeout_s={self.env_config.timeout_s:g} s"
+        except Exception as e:  # the environment's bug ends its own episode, never the run
+            ep.error = f"the environment raised {type(e).__name__}: {' '.join(str(e).split())[:200]}"
+        return StepResult([], done=True, info={"error": ep.error})
+
+    def _append_messages(self, ep: Episode, messages: list[Message]) -> None:
+        """The environment's messages as the template renders them, masked out of the loss; past the token budget
+        the episode ends instead."""
+        c = self.policy.config
+        ids = encode_text(self.policy.tokenizer, followup_text(self.policy.tokenizer, messages,
+                                                               chat=c.data.chat_template), add_special_tokens=False)
+        if not messages or len(ep.tokens) + len(ids) >= c.env.max_tokens:
+            ep.done = True
+            return
+        ep.tokens += ids
+        ep.loss_mask += [0] * len(ids)
+        ep.logprobs += [0.0] * len(ids)
+        ep.logprobs_untruncated += [0.0] * len(ids)
+        ep.conversation += messages
+
+    def _assemble(self, episodes: list[Episode], records: list[dict[str, Any]], prompt_texts: list[str],
+                  prompt_tokens: np.ndarray, prompt_mask: np.ndarray, indices: np.ndarray) -> Rollout:
+        """The episodes as right-padded `[N, T]` arrays (T: sampling.max_new_tokens when every episode fits it, so
+        a one-turn rollout has a single-turn rollout's shapes; else the longest rounded up to its bucket), scored."""
+        c, pad = self.policy.config, self.policy.pad_id
+        longest = max(len(ep.tokens) for ep in episodes)
+        width = (c.sampling.max_new_tokens if longest <= c.sampling.max_new_tokens
+                 else bucket(longest, c.sampling.new_tokens_bucket))
+        n = len(episodes)
+        tokens, mask, loss_mask = np.full((n, width), pad, np.int32), np.zeros((n, width), np.int32), \
+            np.zeros((n, width), np.int32)
+        logprobs, untruncated = np.zeros((n, width), np.float32), np.zeros((n, width), np.float32)
+        for r, ep in enumerate(episodes):
+            k = len(ep.tokens)
+            tokens[r, :k], mask[r, :k], loss_mask[r, :k] = ep.tokens, 1, ep.loss_mask
+            logprobs[r, :k], untruncated[r, :k] = ep.logprobs, ep.logprobs_untruncated
+        out = SampleOutput(tokens, mask, logprobs, untruncated, loss_mask.sum(axis=1).astype(np.int32),
+                           np.asarray([ep.stopped_on_eos for ep in episodes]))
+        completions = [ep.final_text for ep in episodes]
+        rewards, each = self._rewards(records, prompt_texts, completions, out)
+        env_rewards = np.asarray([ep.env_reward for ep in episodes], np.float32)
+        if env_rewards.any():
+            rewards, each = rewards + env_rewards, {**each, "env": env_rewards}
+        stats = {"turns": [ep.turns for ep in episodes], "tool_calls": [ep.tool_calls for ep in episodes],
+                 "tool_errors": [ep.tool_errors for ep in episodes], "env_errors": [bool(ep.error) for ep in episodes],
+                 "env_error_messages": [ep.error for ep in episodes]}
+        return Rollout(prompt_tokens, prompt_mask, out, rewards, each, completions, indices, loss_mask=loss_mask,
+                       conversations=[ep.conversation for ep in episodes],
+                       episode_stats={k: np.asarray(v) for k, v in stats.items()}, env_seconds=self.env_seconds)
+
+    def metrics(self, ro: Rollout, refills: int) -> dict[str, float]:
+        """The single-turn metrics over the model's tokens, and the episodes': turns, tool calls, tool errors,
+        environment time and the share of the completion tokens that are the environment's."""
+        out = super().metrics(ro, refills)
+        s, calls = ro.episode_stats, float(ro.episode_stats["tool_calls"].sum())
+        mask, loss_mask = np.asarray(ro.out.mask), np.asarray(ro.loss_mask)
+        out.update({"turns/mean": float(s["turns"].mean()), "tool_calls/mean": float(s["tool_calls"].mean()),
+                    "tool_calls/frac_episodes": float((s["tool_calls"] > 0).mean()),
+                    "tool_errors/frac": float(s["tool_errors"].sum() / calls) if calls else 0.0,
+                    "env_errors/frac": float(s["env_errors"].mean()), "time/env": ro.env_seconds,
+                    "masked_tokens/frac": float(1.0 - loss_mask.sum() / max(mask.sum(), 1))})
+        return out
+
+    def sample_rows(self, ro: Rollout, limit: int = 16) -> list[dict[str, Any]]:
+        """Whole conversations: each message with its role (the model's turns are `assistant`)."""
+        rows = super().sample_rows(ro, limit)
+        for j, row in enumerate(rows):
+            row["conversation"] = ro.conversations[j]
+            row["turns"] = int(ro.episode_stats["turns"][j])
+            row["tool_calls"] = int(ro.episode_stats["tool_calls"][j])
+        return rows
+
+
+def _as_messages(opening: list[Message] | str) -> list[Message]:
+    return [{"role": "user", "content": opening}] if isinstance(opening, str) else list(opening)
+
+
+class EpisodeEvaluation:
+    """Held-out greedy success of the policy in its environment: each prompt of `data.eval` played once, greedy,
+    to the episode's end; `eval/accuracy` is the share of final answers the eval reward scores exactly 1, and
+    `eval/<reward>` its mean, as the single-turn evaluation's; `eval/turns` and `eval/tool_calls` per episode."""
+
+    def __init__(self, collector: TrajectoryCollector, batch_size: int) -> None:
+        p, c = collector.policy, collector.policy.config
+        self.collector, self.batch_size = collector, batch_size
+        self.prompts = p.prompt_set(c.data.eval, c.data.eval_split) if c.data.eval else None
+        self.reward = eval_reward(c) if c.data.eval else None
+
+    def __call__(self, params: Params, limit: int | None) -> dict[str, float]:
+        if self.prompts is None or self.reward is None:
+            return {}
+        count = len(self.prompts) if limit is None else min(limit, len(self.prompts))
+        greedy = self.collector.policy.sampling_config(greedy=True, n=1)
+        episodes: list[Episode] = []
+        for start in range(0, count, self.batch_size):
+            indices = np.arange(start, min(start + self.batch_size, count))
+            episodes += self.collector.run_episodes(params, self.prompts, indices, jax.random.key(0), greedy)[0]
+        records = self.prompts.records[:count]
+        name, fn = self.reward
+        rewards = np.asarray(fn([self.prompts.texts[i] for i in range(count)], [ep.final_text for ep in episodes],
+                                **{k: [r.get(k) for r in records] for k in set().union(*records)}), np.float64)
+        return {"eval/accuracy": float((rewards == 1.0).mean()), f"eval/{name}": float(rewards.mean()),
+                "eval/turns": float(np.mean([ep.turns for ep in episodes])),
+                "eval/tool_calls": float(np.mean([ep.tool_calls for ep in episodes]))}

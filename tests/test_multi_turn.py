@@ -1,0 +1,212 @@
+"""Multi-turn rollouts: the update trains on exactly the sampled tokens, the loss mask is exactly the model's
+positions, a one-turn environment is today's single-turn step bit for bit, and tools answer with observations."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from conftest import read_rows, read_samples, tiny_run
+
+import jaxrl_llm.trainers.trajectories as trajectories
+from jaxrl_llm.data import DataState, encode_text, load_tokenizer
+from jaxrl_llm.envs.base import StepResult
+from jaxrl_llm.envs.tools import CALCULATOR, Tool, ToolCall, call_tool, parse_tool_calls
+from jaxrl_llm.trainers import make_trainer
+
+# Text the environment says that a tokenizer splits differently alone and after the model's text.
+REPLY = "ok: 7+1=8?"
+
+
+class ChattyEnvironment:
+    """Answers every turn with REPLY for `turns - 1` turns, then ends: the model's text does not matter."""
+
+    def __init__(self, record: dict, *, turns: int = 3, **unused: object) -> None:
+        self.record, self.turns, self.seen = record, turns, 0
+
+    def reset(self) -> list[dict]:
+        return [{"role": "user", "content": self.record["prompt"]}]
+
+    def step(self, text: str) -> StepResult:
+        self.seen += 1
+        done = self.seen >= self.turns
+        return StepResult([] if done else [{"role": "user", "content": REPLY}], 0.25, done, {})
+
+
+def chatty(record: dict, **kwargs: object) -> ChattyEnvironment:
+    return ChattyEnvironment(record, **kwargs)
+
+
+class BrokenEnvironment(ChattyEnvironment):
+    """Raises on odd rows' first step and hangs on the others' (past env.timeout_s)."""
+
+    def step(self, text: str) -> StepResult:
+        if int(self.record["prompt"].split("+")[0]) % 2:
+            raise RuntimeError("the game crashed")
+        time.sleep(3.0)
+        return super().step(text)
+
+
+def broken(record: dict, **kwargs: object) -> BrokenEnvironment:
+    return BrokenEnvironment(record, **kwargs)
+
+
+def _chat_task(tmp_path: Path) -> Path:
+    rows = [{"prompt": f"What is {a} + {b}? Reply with the number.", "answer": str(a + b)}
+            for a in range(8) for b in range(3)]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return tmp_path / "chat.jsonl"
+
+
+def test_a_one_turn_environment_is_the_single_turn_step_bit_for_bit(tiny_task, tmp_path):
+    single = make_trainer(tiny_run("grpo_arithmetic", tmp_path / "single", "data.eval=", task=tiny_task))
+    multi = make_trainer(tiny_run("grpo_arithmetic", tmp_path / "multi", "data.eval=", "env.name=single_turn",
+                                  task=tiny_task))
+    collect_key, update_key = jax.random.split(jax.random.key(7))
+    a = single.algorithm.collect(single.state, DataState(), collect_key)
+    b = multi.algorithm.collect(multi.state, DataState(), collect_key)
+    for field in ("tokens", "mask", "logprobs", "logprobs_untruncated", "lengths", "stopped_on_eos"):
+        np.testing.assert_array_equal(np.asarray(getattr(a.batch.out, field)), np.asarray(getattr(b.batch.out, field)))
+    np.testing.assert_array_equal(a.batch.rewards, b.batch.rewards)
+    np.testing.assert_array_equal(b.batch.loss_mask, np.asarray(a.batch.out.mask))  # one turn: all the model's
+    assert a.batch.completions == b.batch.completions and a.tokens == b.tokens
+    ua = single.algorithm.update(single.state, a.batch, 1, update_key)
+    ub = multi.algorithm.update(multi.state, b.batch, 1, update_key)
+    for x, y in zip(jax.tree.leaves(ua.state["params"]), jax.tree.leaves(ub.state["params"]), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert {k: ua.metrics[k] for k in ua.metrics} == {k: ub.metrics[k] for k in ua.metrics}
+    assert b.metrics["turns/mean"] == 1.0 and b.metrics["masked_tokens/frac"] == 0.0
+
+
+def test_the_update_trains_on_the_sampled_tokens_and_the_loss_mask_is_the_models(tiny_chat_model, tmp_path,
+                                                                                  monkeypatch):
+    """Each turn's tokens are the sampler's, unchanged, whatever the environment prints; the environment's are the
+    template's rendering; the mask is 1 exactly on the sampled ones; the update gets these arrays."""
+    turns: list[tuple[list[int], np.ndarray, np.ndarray]] = []  # (rows, tokens, mask) of each sampled turn
+    take_turn = trajectories.TrajectoryCollector._take_turn
+
+    def spy(self, episodes, rows, out):
+        turns.append((list(rows), np.asarray(out.tokens), np.asarray(out.mask, bool)))
+        return take_turn(self, episodes, rows, out)
+
+    monkeypatch.setattr(trajectories.TrajectoryCollector, "_take_turn", spy)
+    config = tiny_run(None, tmp_path / "run", f"model.path={tiny_chat_model}", f"data.train={_chat_task(tmp_path)}",
+                      "data.eval=", "data.chat_template=true", "sampling.max_new_tokens=6", "env.max_tokens=200",
+                      "env.name=test_multi_turn:chatty", "rl.prompts_per_step=2", "rl.group_size=2",
+                      rewards=[{"name": "math_answer"}])
+    trainer = make_trainer(config)
+    ro = trainer.algorithm.collect(trainer.state, DataState(), jax.random.key(0)).batch
+    tokenizer = load_tokenizer(tiny_chat_model)
+    reply = encode_text(tokenizer, trajectories.followup_text(tokenizer, [{"role": "user", "content": REPLY}],
+                                                              chat=True), add_special_tokens=False)
+    expected = {r: ([], []) for r in range(len(ro.completions))}  # tokens, loss mask
+    retokenized_differs = False
+    for turn, (rows, tokens, mask) in enumerate(turns):
+        for i, r in enumerate(rows):
+            ids = tokens[i][mask[i]].tolist()
+            if turn > 0:  # the row went on: the environment's reply came first
+                expected[r][0].extend(reply)
+                expected[r][1].extend([0] * len(reply))
+            expected[r][0].extend(ids)
+            expected[r][1].extend([1] * len(ids))
+            text = tokenizer.decode(ids, skip_special_tokens=True)
+            retokenized_differs |= encode_text(tokenizer, text, add_special_tokens=False) != ids
+    assert len(turns) > 1
+    width = ro.out.tokens.shape[1]
+    for r, (ids, loss) in expected.items():
+        assert np.asarray(ro.out.tokens)[r, : len(ids)].tolist() == ids, r
+        assert np.asarray(ro.loss_mask)[r].tolist() == loss + [0] * (width - len(ids)), r
+        assert int(np.asarray(ro.out.mask)[r].sum()) == len(ids)
+    assert retokenized_differs  # decoding and re-encoding the model's text would have changed its tokens
+    seen = {}
+    update_fn = trainer.algorithm.update_fn
+
+    def spy_update(state, batch, *rest):
+        seen["tokens"], seen["loss_mask"] = np.asarray(batch.completion_tokens), np.asarray(batch.loss_mask)
+        seen["attention"] = np.asarray(batch.completion_mask)
+        return update_fn(state, batch, *rest)
+
+    trainer.algorithm.update_fn = spy_update
+    trainer.algorithm.update(trainer.state, ro, 1, jax.random.key(1))
+    np.testing.assert_array_equal(seen["tokens"], np.asarray(ro.out.tokens))
+    np.testing.assert_array_equal(seen["loss_mask"], np.asarray(ro.loss_mask))
+    np.testing.assert_array_equal(seen["attention"], np.asarray(ro.out.mask))
+    assert 0 < np.asarray(ro.loss_mask).sum() < np.asarray(ro.out.mask).sum()  # both kinds of tokens present
+
+
+def test_an_environment_that_raises_or_hangs_ends_its_episode_not_the_run(tiny_task, tmp_path):
+    config = tiny_run("grpo_arithmetic", tmp_path / "run", "data.eval=", "env.name=test_multi_turn:broken",
+                      "env.timeout_s=0.5", "steps=1", task=tiny_task)
+    trainer = make_trainer(config)
+    collected = trainer.algorithm.collect(trainer.state, DataState(), jax.random.key(0))
+    assert collected.metrics["env_errors/frac"] == 1.0  # every episode ended on its environment's fault
+    assert (collected.batch.episode_stats["turns"] == 1).all()
+    errors = {ep_error for ep_error in collected.batch.episode_stats["env_error_messages"]}
+    assert any("raised RuntimeError: the game crashed" in e for e in errors)
+    assert any("longer than env.timeout_s=0.5 s" in e for e in errors)  # the hung steps were abandoned
+
+
+def test_a_tool_run_logs_turns_and_shows_conversations(tiny_task, tmp_path):
+    out = tmp_path / "run"
+    config = tiny_run("grpo_arithmetic", out, "data.eval=", "env.name=test_multi_turn:chatty", "env.max_tokens=64",
+                      "steps=2", "sample_every=1", task=tiny_task)
+    make_trainer(config).run()
+    rows = read_rows(out, "reward/mean")
+    assert len(rows) == 2
+    for row in rows:
+        assert 1.0 <= row["turns/mean"] <= 3.0 and 0.0 < row["masked_tokens/frac"] < 1.0
+        assert row["time/env"] >= 0.0 and row["tool_calls/mean"] == 0.0
+    sample = read_samples(out)[0]
+    roles = [m["role"] for m in sample["conversation"]]
+    assert roles[0] == "user" and roles[1] == "assistant"
+    assert all(m["content"] == REPLY for m in sample["conversation"][2::2])
+
+
+def test_tool_calls_are_parsed_and_bad_ones_answered_with_an_error():
+    calls, errors = parse_tool_calls('x <tool_call>{"name": "calculator", "arguments": {"expression": "2*3"}}'
+                                     '</tool_call> <tool_call>{not json}</tool_call>')
+    assert calls == [ToolCall("calculator", {"expression": "2*3"})] and len(errors) == 1
+    tools = {"calculator": CALCULATOR}
+    assert call_tool(tools, calls[0]) == ("6", True)
+    assert call_tool(tools, ToolCall("search", {}))[1] is False
+    assert "takes expression" in call_tool(tools, ToolCall("calculator", {"expr": "1"}))[0]
+    assert call_tool(tools, ToolCall("calculator", {"expression": "1/0"}))[0].startswith("error:")
+
+    def slow(seconds: str) -> str:
+        time.sleep(float(seconds))
+        return "late"
+
+    sleeper = Tool("sleep", "sleeps", {"type": "object", "properties": {"seconds": {"type": "string"}},
+                                       "required": ["seconds"]}, slow, timeout_s=0.2)
+    start = time.perf_counter()
+    observation, ok = call_tool({"sleep": sleeper}, ToolCall("sleep", {"seconds": "5"}))
+    assert not ok and "longer than" in observation and time.perf_counter() - start < 4
+
+
+def test_followup_text_is_what_the_chat_template_renders_after_the_models_turn(tiny_chat_model):
+    tokenizer = load_tokenizer(tiny_chat_model)
+    messages = [{"role": "tool", "content": "42"}]
+    text = trajectories.followup_text(tokenizer, messages, chat=True)
+    assert text == "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
+    conversation = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    whole = tokenizer.apply_chat_template(conversation + messages, tokenize=False, add_generation_prompt=True)
+    assert whole.endswith("a<|im_end|>" + text)
+    assert trajectories.followup_text(None, messages, chat=False) == "\n<tool_response>\n42\n</tool_response>\n"
+
+
+@pytest.mark.parametrize("name", ["tool_use", "single_turn"])
+def test_the_built_in_environments_open_with_the_records_prompt(name):
+    from jaxrl_llm.envs.base import resolve_environment
+
+    env = resolve_environment(name)({"prompt": "2+2=", "answer": "4"}, tools=[CALCULATOR])
+    assert env.reset() == [{"role": "user", "content": "2+2="}]
+    done = env.step("4")
+    assert done.done and done.messages == []
+    if name == "tool_use":
+        result = env.step('<tool_call>{"name": "calculator", "arguments": {"expression": "12*12"}}</tool_call>')
+        assert not result.done and result.messages == [{"role": "tool", "name": "calculator", "content": "144"}]
+        assert result.info == {"tool_calls": 1, "tool_errors": 0}
