@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from jaxrl_llm.config import ConfigError, RunConfig, config_source, get_field, load_run_config, looks_local, shown_path
+from jaxrl_llm.envs.base import resolve_environment
+from jaxrl_llm.envs.tools import resolve_tools
 from jaxrl_llm.errors import one_line
 from jaxrl_llm.rewards import resolve_reward
 from jaxrl_llm.rl.plugins import resolve_estimator, resolve_policy_loss
@@ -57,6 +59,9 @@ def resolve_plugins(c: RunConfig) -> None:
     if c.rl.estimator:
         resolve_estimator(c.rl.estimator)
     resolve_policy_loss(c.rl.policy_loss)
+    if c.env.name:
+        resolve_environment(c.env.name)
+        resolve_tools(c.env.tools)
 
 
 def check_required(c: RunConfig) -> None:

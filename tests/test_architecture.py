@@ -68,10 +68,10 @@ def test_every_algorithm_keeps_its_state_out_of_itself():
 
 def test_function_level_imports_are_only_of_optional_or_heavy_libraries():
     """The package imports its own modules at the top; inside functions only libraries a run may not need,
-    imported on first use: wandb (optional), and the heavy ones a command or a data source loads when it is used."""
+    imported on first use: wandb and textarena (optional), and the heavy ones a command or a data source loads."""
     from bench.code_shape import function_level_imports
 
     lazy = {"wandb", "math_verify", "matplotlib", "datasets", "transformers", "tokenizers", "huggingface_hub",
-            "safetensors", "tensorboardX"}
+            "safetensors", "tensorboardX", "textarena"}
     found = [(where, module) for where, module in function_level_imports(ROOT) if module.split(".")[0] not in lazy]
     assert found == []

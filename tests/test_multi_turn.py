@@ -210,3 +210,23 @@ def test_the_built_in_environments_open_with_the_records_prompt(name):
         result = env.step('<tool_call>{"name": "calculator", "arguments": {"expression": "12*12"}}</tool_call>')
         assert not result.done and result.messages == [{"role": "tool", "name": "calculator", "content": "144"}]
         assert result.info == {"tool_calls": 1, "tool_errors": 0}
+
+
+def test_eval_plays_the_environment_and_writes_whole_conversations(tiny_task, tmp_path):
+    import sys
+
+    from jaxrl_llm.cli.eval import main
+
+    out = tmp_path / "eval"
+    assert main(["--model", str(tiny_task / "model"), "--data", str(tiny_task / "test.jsonl"), "--reward",
+                 "math_answer", "--env", "test_multi_turn:chatty", "--max-turns", "2", "--max-new-tokens", "6",
+                 "--limit", "4", "--out", str(out)]) == 0
+    result = json.loads((out / "eval.json").read_text())
+    assert result["settings"]["env"] == "test_multi_turn:chatty" and result["metrics"]["prompts"] == 4.0
+    rows = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and sys.modules["test_multi_turn"]
+    for row in rows:
+        roles = [m["role"] for m in row["conversation"]]
+        assert roles[:2] == ["user", "assistant"] and row["turns"] == roles.count("assistant") <= 2
+        assert row["completion"] == row["conversation"][-1]["content"] or roles[-1] != "assistant"
+    assert result["metrics"]["turns"] == np.mean([r["turns"] for r in rows])

@@ -15,6 +15,11 @@ prompt at `--temperature`, and pass@k for each k (default 1, 2, 4, ..., K) with 
 
 Writes `eval.json` (the metrics and settings) and `completions.jsonl` (every completion with its reward) to
 `--out` (default: RUN_DIR/eval/step-N for a run, else eval/<model folder name>), and prints a table.
+
+With an environment (`--env NAME [--tools calculator,python] [--max-turns N]`, or a run trained with `env.name`),
+each prompt is played greedily to the end of its episode (jaxrl_llm/envs): the reward scores the final answer,
+the table adds turns, tool calls per episode and the share of failed calls, and `completions.jsonl` holds whole
+conversations, the model's turns (`assistant`) told apart from the environment's messages.
 """
 
 from __future__ import annotations
@@ -31,14 +36,15 @@ import jax
 
 from jaxrl_llm.cli.errors import CommandParser, run_command
 from jaxrl_llm.cli.export import load_model
-from jaxrl_llm.config import DataSection
+from jaxrl_llm.config import DataSection, load_run_config
 from jaxrl_llm.data import build_prompt_set, load_records
 from jaxrl_llm.errors import RunDirError, UsageError
 from jaxrl_llm.evaluation import default_ks, generate_scored, summarize
 from jaxrl_llm.rewards import resolve_reward
 from jaxrl_llm.run.manifest import claim, unowned_existing
 from jaxrl_llm.sampling import SamplingConfig
-from jaxrl_llm.trainers.policy import eval_reward
+from jaxrl_llm.trainers.policy import eval_reward, load_policy
+from jaxrl_llm.trainers.trajectories import EpisodeEvaluation, TrajectoryCollector, episode_metrics
 
 DEFAULT_MAX_NEW_TOKENS = 256
 
@@ -60,7 +66,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=0, help="prompts per batch (default: the run's, else 64)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="", help="output folder for eval.json and completions.jsonl")
+    parser.add_argument("--env", default=None, help="an environment (tool_use, module:function); a run: its own")
+    parser.add_argument("--tools", default=None, help="comma-separated tools of the environment (calculator,python)")
+    parser.add_argument("--max-turns", type=int, default=0, help="the model's turns per episode (default: 4)")
     args = parser.parse_args(argv)
+    if args.env is not None and args.n:
+        parser.error("--env plays each prompt once, greedily: drop --n")
     if args.n < 0 or (args.n == 0 and args.k):
         parser.error("--k needs --n K (K samples per prompt); --n must be >= 1")
     if args.n and args.temperature <= 0:
@@ -78,11 +89,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def evaluate(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Path]:
-    """The metrics, the `Scored` completions and the output folder of one `eval` command."""
+    """The metrics, the completions (`Scored`, or episode rows) and the output folder of one `eval` command."""
 
     model = load_model(args.model)
     run = model.run
     c = run.config if run is not None else None
+    if args.env or (args.env is None and c is not None and c.env.name):
+        return evaluate_episodes(args, model)
     if args.reward:
         reward = (args.reward, resolve_reward(args.reward))
     elif c is not None and (c.eval_reward or c.rewards):
@@ -115,17 +128,54 @@ def evaluate(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Path]:
                 "greedy": not args.n, "n": n, "temperature": sampling.temperature if args.n else 0.0,
                 "max_new_tokens": sampling.max_new_tokens, "limit": limit, "seed": args.seed,
                 "dropped_prompts": prompts.num_dropped}
+    return {"metrics": metrics, "settings": settings}, scored, output_folder(args, run)
+
+
+def evaluate_episodes(args: argparse.Namespace, model: Any) -> tuple[dict[str, Any], list[dict[str, Any]], Path]:
+    """`evaluate` with an environment: every prompt of `--data` played greedily to the end of its episode."""
+    run = model.run
+    base = run.config if run is not None else load_run_config(None, [f"model.path={args.model}",
+                                                                     "data.max_prompt_tokens=1073741824"])
+    env = dataclasses.replace(base.env, name=args.env or base.env.name,
+                              tools=args.tools.split(",") if args.tools else base.env.tools,
+                              max_turns=args.max_turns or base.env.max_turns)
+    sampling = dataclasses.replace(base.sampling, max_new_tokens=args.max_new_tokens or base.sampling.max_new_tokens)
+    data = dataclasses.replace(base.data, train=args.data, chat_template=base.data.chat_template or args.chat)
+    config = dataclasses.replace(base, env=env, sampling=sampling, data=data,
+                                 eval_reward=args.reward or base.eval_reward)
+    if not (config.eval_reward or config.rewards):
+        raise UsageError("--reward is required (a built-in like math_answer, or module:function)")
+    policy = (dataclasses.replace(run.algorithm.policy, config=config) if run is not None
+              else load_policy(config))
+    evaluation = EpisodeEvaluation(TrajectoryCollector(policy), args.batch_size or config.eval_batch_size)
+    evaluation.reward = eval_reward(config)
+    prompts = policy.prompt_set(args.data, config.data.split)
+    limit = args.limit if args.limit >= 0 else (config.eval_size if run is not None else 0)
+    episodes, rewards, texts = evaluation.play(model.params, prompts, limit or None)
+    metrics = {k.removeprefix("eval/"): v for k, v in episode_metrics(episodes, rewards, evaluation.reward[0]).items()}
+    metrics["prompts"] = float(len(episodes))
+    rows = [{"prompt_index": i, "prompt": texts[i], "conversation": ep.conversation,
+             "completion": ep.final_text, "reward": float(rewards[i]), "turns": ep.turns,
+             "tool_calls": ep.tool_calls, "tool_errors": ep.tool_errors} for i, ep in enumerate(episodes)]
+    settings = {"model": args.model, "step": run.step if run else None, "data": args.data,
+                "reward": evaluation.reward[0], "greedy": True, "n": 1, "temperature": 0.0, "env": env.name,
+                "tools": list(env.tools), "max_turns": env.max_turns, "max_new_tokens": sampling.max_new_tokens,
+                "limit": limit, "seed": args.seed, "dropped_prompts": prompts.num_dropped}
+    return {"metrics": metrics, "settings": settings}, rows, output_folder(args, run)
+
+
+def output_folder(args: argparse.Namespace, run: Any) -> Path:
+    """`--out`, else the run's own eval/step-N (recorded as the run's), else eval/<model folder name>."""
     if args.out:
-        out = Path(args.out)
-    elif run is not None:  # the run's own eval/ (or a new one, recorded); never a folder that was there before
-        out = run.run_dir / "eval" / f"step-{run.step}"
-        if unowned_existing(run.run_dir, run.run_dir / "eval"):
-            raise RunDirError(f"{run.run_dir / 'eval'} was not written by the run in {run.run_dir} (it was there "
-                              f"before): left alone; choose another folder with --out")
-        claim(run.run_dir, out)
-    else:
-        out = Path("eval") / Path(args.model.rstrip("/")).name
-    return {"metrics": metrics, "settings": settings}, scored, out
+        return Path(args.out)
+    if run is None:
+        return Path("eval") / Path(args.model.rstrip("/")).name
+    if unowned_existing(run.run_dir, run.run_dir / "eval"):
+        raise RunDirError(f"{run.run_dir / 'eval'} was not written by the run in {run.run_dir} (it was there "
+                          f"before): left alone; choose another folder with --out")
+    out = run.run_dir / "eval" / f"step-{run.step}"
+    claim(run.run_dir, out)
+    return out
 
 
 def table(result: dict[str, Any]) -> str:
@@ -148,7 +198,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     result, scored, out = evaluate(args)
     out.mkdir(parents=True, exist_ok=True)
     (out / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "completions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in scored.rows()))
+    rows = scored if isinstance(scored, list) else scored.rows()
+    (out / "completions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     print(table(result))
     print(f"wrote {out / 'eval.json'} and {out / 'completions.jsonl'}")
     return 0

@@ -34,6 +34,8 @@ PLOTS: dict[str, tuple[str, str, list[str], list[str]]] = {
                                                      "clip_fraction"], []),
     "lengths": ("Completion lengths (tokens) and the truncated fraction (dashed, right)", "tokens",
                 ["completion_length/mean", "completion_length/max"], ["frac_truncated"]),
+    "turns": ("Turns and tool calls per episode, and failed calls (dashed, right)", "per episode",
+              ["turns/mean", "tool_calls/mean", "eval/turns", "eval/tool_calls"], ["tool_errors/frac"]),
     "time": ("Time per step (s, log scale) and rollout tokens/s (dashed, right)", "seconds",
              ["time/rollout", "time/data", "time/update", "time/step"], ["tokens_per_second"]),
 }
@@ -172,7 +174,9 @@ def render_html(runs: Sequence[dict[str, Any]], images: Sequence[str], samples_p
              "body{font-family:sans-serif;margin:20px;max-width:1100px} table{border-collapse:collapse;"
              "margin:8px 0} td,th{border:1px solid #ccc;padding:3px 6px;font-size:13px;vertical-align:top}"
              " img{max-width:100%;margin:4px 0} pre{white-space:pre-wrap;margin:0}"
-             " .plots{display:grid;grid-template-columns:1fr 1fr;gap:4px}</style></head><body>",
+             " .plots{display:grid;grid-template-columns:1fr 1fr;gap:4px}"
+             " .model{background:#eef5ff;margin:2px 0} .env{background:#f4f4f4;margin:2px 0;color:#444}"
+             "</style></head><body>",
              "<h1>Run report</h1><table><tr><th>run</th><th>last step</th><th>accuracy before</th>"
              "<th>accuracy after</th><th>diagnostics</th><th>export</th></tr>"]
     for run in runs:
@@ -189,7 +193,7 @@ def render_html(runs: Sequence[dict[str, Any]], images: Sequence[str], samples_p
             for s in rows:
                 reward = s.get("reward")
                 parts.append(f"<tr><td><pre>{html.escape(str(s.get('prompt', '')))}</pre></td>"
-                             f"<td><pre>{html.escape(str(s.get('completion', '')))}</pre></td>"
+                             f"<td>{completion_html(s)}</td>"
                              f"<td>{'-' if reward is None else f'{reward:.3g}'}</td></tr>")
             parts.append("</table>")
     parts.append("<script>window.addEventListener('load',function(){var im=document.images,ok=0;"
@@ -197,6 +201,21 @@ def render_html(runs: Sequence[dict[str, Any]], images: Sequence[str], samples_p
                  "document.body.setAttribute('data-images-loaded',ok+'/'+im.length);});</script>")
     parts.append("</body></html>")
     return "\n".join(parts)
+
+
+def completion_html(sample: dict[str, Any]) -> str:
+    """A sample's completion; for a multi-turn episode the whole conversation after the prompt, each message
+    labelled with its role, the model's turns (`assistant`) set apart from the environment's messages."""
+    conversation = sample.get("conversation")
+    if not conversation:
+        return f"<pre>{html.escape(str(sample.get('completion', '')))}</pre>"
+    parts = []
+    for message in conversation[1:]:  # the first is the prompt's
+        role = str(message.get("role", ""))
+        kind = "model" if role == "assistant" else "env"
+        parts.append(f"<div class='{kind}'><b>{html.escape(role)}</b><pre>{html.escape(str(message.get('content')))}"
+                     f"</pre></div>")
+    return "".join(parts)
 
 
 def write_report(run_dirs: Sequence[str | Path], out: str | Path | None = None, samples_per_step: int = 4) -> Path:

@@ -2,4 +2,4 @@
 built-in tools (a calculator, a sandboxed Python) and environments (`tool_use.py`), and adapters for
 environment libraries. The environment owns its state; the trainer owns the tokens."""
 
-from jaxrl_llm.envs import tool_use  # noqa: F401  (registers the built-in environments)
+from jaxrl_llm.envs import adapters, tool_use  # noqa: F401  (register the environments; libraries import lazily)

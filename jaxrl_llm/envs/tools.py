@@ -104,12 +104,16 @@ def call_tool(tools: dict[str, Tool], call: ToolCall) -> tuple[str, bool]:
 
 def tool_instructions(tools: list[Tool]) -> str:
     """The plain-text convention for a chat template without tool support: a system message that declares the
-    tools and the call format."""
-    schemas = "\n".join(json.dumps(t.schema) for t in tools)
-    return ("You can call tools. To call one, write exactly\n"
-            '<tool_call>{"name": TOOL_NAME, "arguments": {ARGUMENTS}}</tool_call>\n'
-            "and stop; its result comes back in the next message. When you know the answer, reply without a tool "
-            f"call. The tools:\n{schemas}")
+    tools (one line each: `name(argument: type, ...): description`) and the call format."""
+    lines = []
+    for t in tools:
+        arguments = ", ".join(f"{name}: {spec.get('type', 'any')}"
+                              for name, spec in t.parameters.get("properties", {}).items())
+        lines.append(f"- {t.name}({arguments}): {t.description}")
+    return ("You can use tools. To call one, reply with only\n"
+            '<tool_call>{"name": "TOOL", "arguments": {...}}</tool_call>\n'
+            "Its result comes back in the next message. To answer, reply without a tool call.\nTools:\n"
+            + "\n".join(lines))
 
 
 def template_supports_tools(tokenizer: Any) -> bool:

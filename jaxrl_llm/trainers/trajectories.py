@@ -28,6 +28,7 @@ import numpy as np
 from jaxrl_llm.data import PromptSet, bucket, encode_text, left_pad, render_prompt
 from jaxrl_llm.envs.base import Environment, Message, StepResult, resolve_environment
 from jaxrl_llm.envs.tools import resolve_tools, template_supports_tools, tool_instructions
+from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.models.decoder import Params
 from jaxrl_llm.sampling import SampleOutput, SamplingConfig, sample
 from jaxrl_llm.sharding import to_host
@@ -108,6 +109,8 @@ class TrajectoryCollector(RolloutCollector):
         try:
             env = self.factory(record, **self.env_kwargs)
             opening = env.reset()
+        except ConfigError:  # the run's settings are wrong (a missing package, an unknown game): stop it
+            raise
         except Exception as e:  # an environment that cannot start: the episode is empty and scores 0
             return None, record.get(self.policy.config.data.prompt_field, ""), f"reset failed: {e}"
         if not self.policy.config.data.chat_template and len(opening) == 1 and opening[0]["role"] == "user":
@@ -287,16 +290,33 @@ class EpisodeEvaluation:
     def __call__(self, params: Params, limit: int | None) -> dict[str, float]:
         if self.prompts is None or self.reward is None:
             return {}
-        count = len(self.prompts) if limit is None else min(limit, len(self.prompts))
+        episodes, rewards, _ = self.play(params, self.prompts, limit)
+        return episode_metrics(episodes, rewards, self.reward[0])
+
+    def play(self, params: Params, prompts: PromptSet, limit: int | None
+             ) -> tuple[list[Episode], np.ndarray, list[str]]:
+        """Each of the first `limit` prompts played once, greedy: the episodes, the eval reward of each final
+        answer, and each episode's rendered opening (with the tools' declarations)."""
+        assert self.reward is not None
+        count = len(prompts) if limit is None else min(limit, len(prompts))
         greedy = self.collector.policy.sampling_config(greedy=True, n=1)
         episodes: list[Episode] = []
+        texts: list[str] = []
         for start in range(0, count, self.batch_size):
             indices = np.arange(start, min(start + self.batch_size, count))
-            episodes += self.collector.run_episodes(params, self.prompts, indices, jax.random.key(0), greedy)[0]
-        records = self.prompts.records[:count]
-        name, fn = self.reward
-        rewards = np.asarray(fn([self.prompts.texts[i] for i in range(count)], [ep.final_text for ep in episodes],
-                                **{k: [r.get(k) for r in records] for k in set().union(*records)}), np.float64)
-        return {"eval/accuracy": float((rewards == 1.0).mean()), f"eval/{name}": float(rewards.mean()),
-                "eval/turns": float(np.mean([ep.turns for ep in episodes])),
-                "eval/tool_calls": float(np.mean([ep.tool_calls for ep in episodes]))}
+            played, rendered, _, _ = self.collector.run_episodes(params, prompts, indices, jax.random.key(0), greedy)
+            episodes, texts = episodes + played, texts + rendered
+        records = prompts.records[:count]
+        fields = {k: [r.get(k) for r in records] for k in set().union(*records)}
+        rewards = self.reward[1](texts, [ep.final_text for ep in episodes], **fields)
+        return episodes, np.asarray(rewards, np.float64), texts
+
+
+def episode_metrics(episodes: list[Episode], rewards: np.ndarray, reward_name: str) -> dict[str, float]:
+    """Held-out metrics of greedy episodes: accuracy (reward exactly 1), the mean reward, turns and tool calls per
+    episode, and the share of calls that failed."""
+    calls = sum(ep.tool_calls for ep in episodes)
+    return {"eval/accuracy": float((rewards == 1.0).mean()), f"eval/{reward_name}": float(rewards.mean()),
+            "eval/turns": float(np.mean([ep.turns for ep in episodes])),
+            "eval/tool_calls": float(np.mean([ep.tool_calls for ep in episodes])),
+            "eval/tool_errors": float(sum(ep.tool_errors for ep in episodes) / calls) if calls else 0.0}
