@@ -25,9 +25,10 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxrl_llm.config import DataSection
 from jaxrl_llm.data import PromptSet, bucket, encode_text, left_pad, render_prompt
 from jaxrl_llm.envs.base import Environment, Message, StepResult, resolve_environment
-from jaxrl_llm.envs.tools import resolve_tools, template_supports_tools, tool_instructions
+from jaxrl_llm.envs.tools import Tool, resolve_tools, template_supports_tools, tool_instructions
 from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.models.decoder import Params
 from jaxrl_llm.sampling import SampleOutput, SamplingConfig, sample
@@ -62,6 +63,33 @@ class Episode:
     def final_text(self) -> str:
         return next((m["content"] for m in reversed(self.conversation) if m["role"] == "assistant"), "")
 
+    def add_model_turn(self, ids: list[int], logprobs: list[float], untruncated: list[float], stopped_on_eos: bool,
+                       text: str) -> None:
+        """The sampled ids of a turn, as they are (in the loss), with the sampler's log-probs and its text."""
+        self.tokens += ids
+        self.loss_mask += [1] * len(ids)
+        self.logprobs += logprobs
+        self.logprobs_untruncated += untruncated
+        self.turns += 1
+        self.stopped_on_eos = stopped_on_eos
+        self.conversation.append({"role": "assistant", "content": text})
+
+    def record_step(self, result: StepResult, max_turns: int) -> None:
+        """The environment's answer to the last turn: its reward and counters, and whether the episode is over (it
+        says so, the turn was cut at its token limit, or this was the last turn)."""
+        self.env_reward += float(result.reward)
+        self.tool_calls += int(result.info.get("tool_calls", 0))
+        self.tool_errors += int(result.info.get("tool_errors", 0))
+        self.done = self.done or result.done or not self.stopped_on_eos or self.turns >= max_turns
+
+    def add_env_messages(self, ids: list[int], messages: list[Message]) -> None:
+        """The environment's messages and their rendered ids (out of the loss; log-probs 0)."""
+        self.tokens += ids
+        self.loss_mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.logprobs_untruncated += [0.0] * len(ids)
+        self.conversation += messages
+
 
 def followup_text(tokenizer: Any, messages: list[Message], *, chat: bool) -> str:
     """The text that follows a model's turn (which ended with its EOS token) when `messages` come next: what the
@@ -88,12 +116,7 @@ class TrajectoryCollector(RolloutCollector):
         self.env_config, self.factory = e, resolve_environment(e.name)
         self.tools = resolve_tools(e.tools)
         self.env_kwargs = {**dict(e.kwargs), **({"tools": self.tools} if self.tools else {})}
-        native = bool(self.tools) and c.data.chat_template and template_supports_tools(policy.tokenizer)
-        self.tool_schemas = [t.schema for t in self.tools] if native else None
-        extra = tool_instructions(self.tools) if self.tools and not native else ""
-        joiner = "\n\n" if c.data.chat_template else "\n"
-        self.data_config = dataclasses.replace(
-            c.data, system_prompt=joiner.join(s for s in (extra, c.data.system_prompt) if s))
+        self.tool_schemas, self.data_config = declare_tools(self.tools, c.data, policy.tokenizer)
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=e.workers, thread_name_prefix="jaxrl_llm-env")
         self.env_seconds = 0.0
 
@@ -101,21 +124,8 @@ class TrajectoryCollector(RolloutCollector):
         tools = f" with tools {', '.join(t.name for t in self.tools)}" if self.tools else ""
         return f"{super().describe()}, environment {self.env_config.name}{tools}, {self.env_config.max_turns} turns"
 
-    def _call(self, fn: Any, *args: Any) -> concurrent.futures.Future:
-        return self.pool.submit(fn, *args)
-
     def _open(self, record: dict[str, Any]) -> tuple[Environment | None, list[Message] | str, str]:
-        """A new environment for `record`, its opening (messages, or the text of a text-mode prompt), an error."""
-        try:
-            env = self.factory(record, **self.env_kwargs)
-            opening = env.reset()
-        except ConfigError:  # the run's settings are wrong (a missing package, an unknown game): stop it
-            raise
-        except Exception as e:  # an environment that cannot start: the episode is empty and scores 0
-            return None, record.get(self.policy.config.data.prompt_field, ""), f"reset failed: {e}"
-        if not self.policy.config.data.chat_template and len(opening) == 1 and opening[0]["role"] == "user":
-            return env, opening[0]["content"], ""  # a text-mode prompt renders as text, as a single-turn one
-        return env, opening, ""
+        return open_episode(self.factory, self.env_kwargs, record, self.policy.config.data)
 
     def rollout(self, params: Params, indices: np.ndarray, key: jax.Array) -> Rollout:
         """G episodes of each prompt, scored: the rollout the update reads, with `loss_mask`."""
@@ -168,108 +178,132 @@ class TrajectoryCollector(RolloutCollector):
         tokenizer, e = self.policy.tokenizer, self.env_config
         texts = []
         for i, r in enumerate(rows):
-            ep, m = episodes[r], np.asarray(out.mask[i], bool)
+            m = np.asarray(out.mask[i], bool)
             ids = np.asarray(out.tokens[i])[m].tolist()
-            ep.tokens += ids
-            ep.loss_mask += [1] * len(ids)
-            ep.logprobs += np.asarray(out.logprobs[i])[m].tolist()
-            ep.logprobs_untruncated += np.asarray(out.logprobs_untruncated[i])[m].tolist()
-            ep.turns += 1
-            ep.stopped_on_eos = bool(out.stopped_on_eos[i])
             texts.append(tokenizer.decode(ids, skip_special_tokens=True))
-            ep.conversation.append({"role": "assistant", "content": texts[-1]})
+            episodes[r].add_model_turn(ids, np.asarray(out.logprobs[i])[m].tolist(),
+                                       np.asarray(out.logprobs_untruncated[i])[m].tolist(),
+                                       bool(out.stopped_on_eos[i]), texts[-1])
         t0 = time.perf_counter()
-        steps = {r: self._call(episodes[r].env.step, text) for r, text in zip(rows, texts, strict=True)
+        steps = {r: self.pool.submit(episodes[r].env.step, text) for r, text in zip(rows, texts, strict=True)
                  if episodes[r].env is not None and not episodes[r].done}
         deadline = t0 + e.timeout_s  # every step of the turn started now: none is waited for past this
         for r in rows:
             ep = episodes[r]
-            result = self._result(steps[r], ep, deadline) if r in steps else StepResult([], done=True)
-            ep.env_reward += float(result.reward)
-            ep.tool_calls += int(result.info.get("tool_calls", 0))
-            ep.tool_errors += int(result.info.get("tool_errors", 0))
-            ep.done = ep.done or result.done or not ep.stopped_on_eos or ep.turns >= e.max_turns
-            if not ep.done:
-                self._append_messages(ep, result.messages)
+            result = step_result(steps[r], ep, deadline, e.timeout_s) if r in steps else StepResult([], done=True)
+            ep.record_step(result, e.max_turns)
+            if not ep.done:  # the environment's messages, rendered; past the token budget the episode ends instead
+                text = followup_text(tokenizer, result.messages, chat=self.data_config.chat_template)
+                ids = encode_text(tokenizer, text, add_special_tokens=False)
+                ep.done = not result.messages or len(ep.tokens) + len(ids) >= e.max_tokens
+                if not ep.done:
+                    ep.add_env_messages(ids, result.messages)
         self.env_seconds += time.perf_counter() - t0
-
-    def _result(self, future: concurrent.futures.Future, ep: Episode, deadline: float) -> StepResult:
-        """The environment's answer, or (it raised, or was not done by `deadline`) the end of the episode."""
-        try:
-            result = future.result(timeout=max(0.0, deadline - time.perf_counter()))
-            return result if isinstance(result, StepResult) else StepResult(*result)
-        except concurrent.futures.TimeoutError:
-            ep.error = f"the environment took longer than env.timeout_s={self.env_config.timeout_s:g} s"
-        except Exception as e:  # the environment's bug ends its own episode, never the run
-            ep.error = f"the environment raised {type(e).__name__}: {' '.join(str(e).split())[:200]}"
-        return StepResult([], done=True, info={"error": ep.error})
-
-    def _append_messages(self, ep: Episode, messages: list[Message]) -> None:
-        """The environment's messages as the template renders them, masked out of the loss; past the token budget
-        the episode ends instead."""
-        c = self.policy.config
-        ids = encode_text(self.policy.tokenizer, followup_text(self.policy.tokenizer, messages,
-                                                               chat=c.data.chat_template), add_special_tokens=False)
-        if not messages or len(ep.tokens) + len(ids) >= c.env.max_tokens:
-            ep.done = True
-            return
-        ep.tokens += ids
-        ep.loss_mask += [0] * len(ids)
-        ep.logprobs += [0.0] * len(ids)
-        ep.logprobs_untruncated += [0.0] * len(ids)
-        ep.conversation += messages
 
     def _assemble(self, episodes: list[Episode], records: list[dict[str, Any]], prompt_texts: list[str],
                   prompt_tokens: np.ndarray, prompt_mask: np.ndarray, indices: np.ndarray) -> Rollout:
         """The episodes as right-padded `[N, T]` arrays (T: sampling.max_new_tokens when every episode fits it, so
         a one-turn rollout has a single-turn rollout's shapes; else the longest rounded up to its bucket), scored."""
-        c, pad = self.policy.config, self.policy.pad_id
-        longest = max(len(ep.tokens) for ep in episodes)
-        width = (c.sampling.max_new_tokens if longest <= c.sampling.max_new_tokens
-                 else bucket(longest, c.sampling.new_tokens_bucket))
-        n = len(episodes)
-        tokens, mask, loss_mask = np.full((n, width), pad, np.int32), np.zeros((n, width), np.int32), \
-            np.zeros((n, width), np.int32)
-        logprobs, untruncated = np.zeros((n, width), np.float32), np.zeros((n, width), np.float32)
-        for r, ep in enumerate(episodes):
-            k = len(ep.tokens)
-            tokens[r, :k], mask[r, :k], loss_mask[r, :k] = ep.tokens, 1, ep.loss_mask
-            logprobs[r, :k], untruncated[r, :k] = ep.logprobs, ep.logprobs_untruncated
-        out = SampleOutput(tokens, mask, logprobs, untruncated, loss_mask.sum(axis=1).astype(np.int32),
-                           np.asarray([ep.stopped_on_eos for ep in episodes]))
+        s = self.policy.config.sampling
+        out, loss_mask = episode_arrays(episodes, self.policy.pad_id, s.max_new_tokens, s.new_tokens_bucket)
         completions = [ep.final_text for ep in episodes]
         rewards, each = self._rewards(records, prompt_texts, completions, out)
         env_rewards = np.asarray([ep.env_reward for ep in episodes], np.float32)
         if env_rewards.any():
             rewards, each = rewards + env_rewards, {**each, "env": env_rewards}
-        stats = {"turns": [ep.turns for ep in episodes], "tool_calls": [ep.tool_calls for ep in episodes],
-                 "tool_errors": [ep.tool_errors for ep in episodes], "env_errors": [bool(ep.error) for ep in episodes],
-                 "env_error_messages": [ep.error for ep in episodes]}
         return Rollout(prompt_tokens, prompt_mask, out, rewards, each, completions, indices, loss_mask=loss_mask,
-                       conversations=[ep.conversation for ep in episodes],
-                       episode_stats={k: np.asarray(v) for k, v in stats.items()}, env_seconds=self.env_seconds)
+                       conversations=[ep.conversation for ep in episodes], episode_stats=episode_stats(episodes),
+                       env_seconds=self.env_seconds)
 
     def metrics(self, ro: Rollout, refills: int) -> dict[str, float]:
         """The single-turn metrics over the model's tokens, and the episodes': turns, tool calls, tool errors,
         environment time and the share of the completion tokens that are the environment's."""
-        out = super().metrics(ro, refills)
-        s, calls = ro.episode_stats, float(ro.episode_stats["tool_calls"].sum())
-        mask, loss_mask = np.asarray(ro.out.mask), np.asarray(ro.loss_mask)
-        out.update({"turns/mean": float(s["turns"].mean()), "tool_calls/mean": float(s["tool_calls"].mean()),
-                    "tool_calls/frac_episodes": float((s["tool_calls"] > 0).mean()),
-                    "tool_errors/frac": float(s["tool_errors"].sum() / calls) if calls else 0.0,
-                    "env_errors/frac": float(s["env_errors"].mean()), "time/env": ro.env_seconds,
-                    "masked_tokens/frac": float(1.0 - loss_mask.sum() / max(mask.sum(), 1))})
-        return out
+        return {**super().metrics(ro, refills), **episode_rollout_metrics(ro)}
 
     def sample_rows(self, ro: Rollout, limit: int = 16) -> list[dict[str, Any]]:
         """Whole conversations: each message with its role (the model's turns are `assistant`)."""
-        rows = super().sample_rows(ro, limit)
-        for j, row in enumerate(rows):
-            row["conversation"] = ro.conversations[j]
-            row["turns"] = int(ro.episode_stats["turns"][j])
-            row["tool_calls"] = int(ro.episode_stats["tool_calls"][j])
-        return rows
+        return [{**row, "conversation": ro.conversations[j], "turns": int(ro.episode_stats["turns"][j]),
+                 "tool_calls": int(ro.episode_stats["tool_calls"][j])}
+                for j, row in enumerate(super().sample_rows(ro, limit))]
+
+
+def declare_tools(tools: list[Tool], data: DataSection, tokenizer: Any
+                  ) -> tuple[list[dict[str, Any]] | None, DataSection]:
+    """How the tools reach the model: their JSON schemas for a chat template that renders them (else None), and the
+    data settings whose system prompt carries the plain-text convention (`tool_instructions`) otherwise."""
+    native = bool(tools) and data.chat_template and template_supports_tools(tokenizer)
+    extra = tool_instructions(tools) if tools and not native else ""
+    joiner = "\n\n" if data.chat_template else "\n"
+    system = joiner.join(s for s in (extra, data.system_prompt) if s)
+    return ([t.schema for t in tools] if native else None), dataclasses.replace(data, system_prompt=system)
+
+
+def open_episode(factory: Any, kwargs: dict[str, Any], record: dict[str, Any], data: DataSection
+                 ) -> tuple[Environment | None, list[Message] | str, str]:
+    """A new environment for `record`, its opening (messages, or the text of a text-mode prompt) and an error: an
+    environment that cannot start leaves an empty episode (it scores 0), a `ConfigError` stops the run."""
+    try:
+        env = factory(record, **kwargs)
+        opening = env.reset()
+    except ConfigError:  # the run's settings are wrong (a missing package, an unknown game): stop it
+        raise
+    except Exception as e:  # an environment that cannot start: the episode is empty and scores 0
+        return None, record.get(data.prompt_field, ""), f"reset failed: {e}"
+    if not data.chat_template and len(opening) == 1 and opening[0]["role"] == "user":
+        return env, opening[0]["content"], ""  # a text-mode prompt renders as text, as a single-turn one
+    return env, opening, ""
+
+
+def step_result(future: concurrent.futures.Future, ep: Episode, deadline: float, timeout_s: float) -> StepResult:
+    """The environment's answer, or (it raised, or was not done by `deadline`) the end of the episode."""
+    try:
+        result = future.result(timeout=max(0.0, deadline - time.perf_counter()))
+        return result if isinstance(result, StepResult) else StepResult(*result)
+    except concurrent.futures.TimeoutError:
+        ep.error = f"the environment took longer than env.timeout_s={timeout_s:g} s"
+    except Exception as e:  # the environment's bug ends its own episode, never the run
+        ep.error = f"the environment raised {type(e).__name__}: {' '.join(str(e).split())[:200]}"
+    return StepResult([], done=True, info={"error": ep.error})
+
+
+def episode_arrays(episodes: list[Episode], pad_id: int, max_new_tokens: int, multiple: int
+                   ) -> tuple[SampleOutput, np.ndarray]:
+    """The episodes as right-padded `[N, T]` arrays and their loss mask: T is `max_new_tokens` when every episode
+    fits it (so a one-turn rollout has a single-turn rollout's shapes), else the longest rounded up to `multiple`;
+    `lengths` count the model's tokens."""
+    longest = max(len(ep.tokens) for ep in episodes)
+    width, n = max_new_tokens if longest <= max_new_tokens else bucket(longest, multiple), len(episodes)
+    tokens, mask, loss_mask = (np.full((n, width), pad_id, np.int32), np.zeros((n, width), np.int32),
+                               np.zeros((n, width), np.int32))
+    logprobs, untruncated = np.zeros((n, width), np.float32), np.zeros((n, width), np.float32)
+    for r, ep in enumerate(episodes):
+        k = len(ep.tokens)
+        tokens[r, :k], mask[r, :k], loss_mask[r, :k] = ep.tokens, 1, ep.loss_mask
+        logprobs[r, :k], untruncated[r, :k] = ep.logprobs, ep.logprobs_untruncated
+    return SampleOutput(tokens, mask, logprobs, untruncated, loss_mask.sum(axis=1).astype(np.int32),
+                        np.asarray([ep.stopped_on_eos for ep in episodes])), loss_mask
+
+
+def episode_stats(episodes: list[Episode]) -> dict[str, np.ndarray]:
+    """Each episode's turns, tool calls, failed calls and environment error `[N]`."""
+    return {"turns": np.asarray([ep.turns for ep in episodes]),
+            "tool_calls": np.asarray([ep.tool_calls for ep in episodes]),
+            "tool_errors": np.asarray([ep.tool_errors for ep in episodes]),
+            "env_errors": np.asarray([bool(ep.error) for ep in episodes]),
+            "env_error_messages": np.asarray([ep.error for ep in episodes])}
+
+
+def episode_rollout_metrics(ro: Rollout) -> dict[str, float]:
+    """Turns and tool calls per episode, the share of episodes with a call, failed calls per call, episodes ended
+    by an environment fault, seconds in environment steps, and the share of completion tokens that are the
+    environment's."""
+    s, calls = ro.episode_stats, float(ro.episode_stats["tool_calls"].sum())
+    mask, loss_mask = np.asarray(ro.out.mask), np.asarray(ro.loss_mask)
+    return {"turns/mean": float(s["turns"].mean()), "tool_calls/mean": float(s["tool_calls"].mean()),
+            "tool_calls/frac_episodes": float((s["tool_calls"] > 0).mean()),
+            "tool_errors/frac": float(s["tool_errors"].sum() / calls) if calls else 0.0,
+            "env_errors/frac": float(s["env_errors"].mean()), "time/env": ro.env_seconds,
+            "masked_tokens/frac": float(1.0 - loss_mask.sum() / max(mask.sum(), 1))}
 
 
 def _as_messages(opening: list[Message] | str) -> list[Message]:
