@@ -164,6 +164,13 @@ def test_a_tool_run_logs_turns_and_shows_conversations(tiny_task, tmp_path):
     roles = [m["role"] for m in sample["conversation"]]
     assert roles[0] == "user" and roles[1] == "assistant"
     assert all(m["content"] == REPLY for m in sample["conversation"][2::2])
+    from jaxrl_llm.cli.report import PLOTS, completion_html, expand_keys, load_run
+
+    _, _, left, right = PLOTS["turns"]
+    assert expand_keys(left + right, load_run(out)["metrics"])  # the report's turns plot has its metrics
+    page = completion_html(sample)
+    assert page.count("class='model'") == roles.count("assistant") and page.count("class='env'") == len(roles) - 1 \
+        - roles.count("assistant")
 
 
 def test_tool_calls_are_parsed_and_bad_ones_answered_with_an_error():
