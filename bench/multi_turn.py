@@ -1,92 +1,88 @@
-"""Time of a multi-turn GRPO step against a single-turn step of the same total tokens, on the default job's model.
+"""The rollout cost of a multi-turn episode against a single-turn completion of the same total tokens.
 
-    python bench/multi_turn.py [--steps 12] [--turns 3] [--turn-tokens 16]
+    python bench/multi_turn.py [--rows 128] [--turns 3] [--turn-tokens 16] [--reply-tokens 8] [--repeats 5]
 
-Both runs are the default preset (configs/grpo_arithmetic.yaml, 16 prompts x 8 samples). The multi-turn run's
-episodes have `--turns` model turns of at most `--turn-tokens` tokens each, separated by a fixed environment reply
-(`echo` below, masked out of the loss); the single-turn run samples one completion of at most the same total
-(the model's tokens plus the replies'). A turn after the first re-prefills the conversation so far (no KV cache
-is carried across turns), so the difference is the cost of re-prefill and of the smaller sampler calls. Prints
-the median seconds per step (rollout, update, whole step, after the compile steps) and the tokens each step held.
+On the default job's model (models/arith-base) and prompts, with EOS turned off so every row has exactly the tokens
+asked for. Single turn: one sampler call of `turns * turn_tokens + (turns - 1) * reply_tokens` new tokens. Multi
+turn, as `trainers/trajectories.py` rolls out: `turns` sampler calls of `turn_tokens` each, the conversation so
+far (prompt, the turns, `reply_tokens` of environment reply between them) re-prefilled before each, since no KV
+cache is carried across turns. Both end with the same [rows, total] completion arrays, so the update that follows
+costs the same; the difference is the rollout's. Prints the best-of-`repeats` seconds of each (after a compile
+call) and their ratio.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
+import dataclasses
 import sys
-import tempfile
 from pathlib import Path
+
+import jax
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from jaxrl_llm.envs.base import StepResult  # noqa: E402
-from jaxrl_llm.preflight import load_config  # noqa: E402
-from jaxrl_llm.trainers import make_trainer  # noqa: E402
-
-REPLY = "Check it and go on: "
-
-
-class Echo:
-    """Replies REPLY after each of the model's turns, `turns - 1` times, then ends the episode."""
-
-    def __init__(self, record: dict, *, turns: int = 3) -> None:
-        self.record, self.turns, self.seen = record, turns, 0
-
-    def reset(self) -> list[dict]:
-        return [{"role": "user", "content": self.record["prompt"]}]
-
-    def step(self, text: str) -> StepResult:
-        self.seen += 1
-        done = self.seen >= self.turns
-        return StepResult([] if done else [{"role": "user", "content": REPLY}], 0.0, done, {})
+from bench.common import best_seconds  # noqa: E402
+from jaxrl_llm.data import left_pad, load_records, load_tokenizer  # noqa: E402
+from jaxrl_llm.models.hf import load_hf_model  # noqa: E402
+from jaxrl_llm.sampling import SamplingConfig, sample  # noqa: E402
 
 
-def echo(record: dict, **kwargs: object) -> Echo:
-    return Echo(record, **kwargs)
-
-
-def run(name: str, out: Path, steps: int, overrides: list[str]) -> dict[str, float]:
-    """Median timings (after the first two steps, which compile) and tokens per step of one run."""
-    config = load_config(ROOT / "configs" / "grpo_arithmetic.yaml",
-                         [f"out_dir={out / name}", f"steps={steps}", "data.eval=", "checkpoint_every=0", "export=false",
-                          "progress_bar=false", "tensorboard=false", "report=false", "sample_every=0", *overrides])
-    make_trainer(config).run()
-    rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "time/step" in r][2:]
-    median = {k: statistics.median(r[k] for r in rows) for k in ("time/rollout", "time/update", "time/step")}
-    width = 16 * 8  # rows of a step
-    model_tokens = statistics.median(r["completion_length/mean"] * width for r in rows)
-    masked = statistics.median(r.get("masked_tokens/frac", 0.0) for r in rows)
-    return {**median, "model_tokens": model_tokens, "all_tokens": model_tokens / (1 - masked)}
+def multi_turn(params, config, prompts: list[list[int]], sampling: SamplingConfig, turns: int, reply: list[int],
+               key: jax.Array) -> np.ndarray:
+    """`turns` sampler calls, each re-prefilling the conversation so far; the completion tokens [rows, total]."""
+    contexts = [list(p) for p in prompts]
+    completions: list[list[int]] = [[] for _ in prompts]
+    for turn in range(turns):
+        width = max(map(len, contexts))
+        tokens, mask = left_pad(contexts, width + (-width) % sampling.prompt_bucket, sampling.pad_id)
+        out = jax.device_get(sample(params, config, tokens, mask, jax.random.fold_in(key, turn), sampling))
+        for r, row in enumerate(np.asarray(out.tokens)):
+            added = row.tolist() + (reply if turn < turns - 1 else [])
+            contexts[r] += added
+            completions[r] += added
+    return np.asarray(completions)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--rows", type=int, default=128)
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--turn-tokens", type=int, default=16)
+    parser.add_argument("--reply-tokens", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    from jaxrl_llm.data import load_tokenizer
+    model_dir = ROOT / "models" / "arith-base"
+    config, params = load_hf_model(model_dir)
+    tokenizer = load_tokenizer(model_dir)
+    records, _ = load_records(str(ROOT / "data" / "arithmetic" / "train.jsonl"))
+    prompts = [tokenizer(r["prompt"])["input_ids"] for r in records[: args.rows]]
+    total = args.turns * args.turn_tokens + (args.turns - 1) * args.reply_tokens
+    base = SamplingConfig(max_new_tokens=total, temperature=1.0, eos_ids=(), pad_id=int(tokenizer.pad_token_id),
+                          prompt_bucket=16, new_tokens_bucket=16)
+    reply = tokenizer("= ok; ")["input_ids"][: args.reply_tokens]
+    reply += reply[-1:] * (args.reply_tokens - len(reply))
+    key = jax.random.key(0)
+    width = max(map(len, prompts))
+    tokens, mask = left_pad(prompts, width + (-width) % 16, base.pad_id)
 
-    reply_tokens = len(load_tokenizer(ROOT / "models" / "arith-base")(REPLY)["input_ids"])
-    total = args.turns * args.turn_tokens + (args.turns - 1) * reply_tokens
-    with tempfile.TemporaryDirectory() as tmp:
-        single = run("single", Path(tmp), args.steps, [f"sampling.max_new_tokens={total}"])
-        multi = run("multi", Path(tmp), args.steps, [f"sampling.max_new_tokens={args.turn_tokens}",
-                                                     "env.name=bench.multi_turn:echo",
-                                                     f"env.kwargs={{turns: {args.turns}}}",
-                                                     f"env.max_turns={args.turns}", f"env.max_tokens={total + 1}"])
-    print("| run | completion budget | tokens/step (model / all) | rollout s | update s | step s |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for name, r, budget in (("single-turn", single, f"{total} tokens"),
-                            (f"{args.turns} turns", multi, f"{args.turns} x {args.turn_tokens} + replies")):
-        print(f"| {name} | {budget} | {r['model_tokens']:.0f} / {r['all_tokens']:.0f} | {r['time/rollout']:.3f} | "
-              f"{r['time/update']:.3f} | {r['time/step']:.3f} |")
-    print(f"multi-turn / single-turn step time: {multi['time/step'] / single['time/step']:.2f}x "
-          f"(rollout {multi['time/rollout'] / single['time/rollout']:.2f}x)")
+    def single() -> None:
+        jax.block_until_ready(sample(params, config, tokens, mask, key, base).tokens)
+
+    turn = dataclasses.replace(base, max_new_tokens=args.turn_tokens)
+    assert multi_turn(params, config, prompts, turn, args.turns, reply, key).shape == (args.rows, total)
+    single()  # compiles
+    single_s = best_seconds(single, repeats=args.repeats)
+    multi_s = best_seconds(lambda: multi_turn(params, config, prompts, turn, args.turns, reply, key),
+                           repeats=args.repeats)
+    print(f"| rollout of {args.rows} rows, {total} completion tokens each | seconds (best of {args.repeats}) |")
+    print("| --- | --- |")
+    print(f"| single turn: one sampler call of {total} tokens | {single_s:.3f} |")
+    print(f"| {args.turns} turns of {args.turn_tokens} tokens + {args.reply_tokens}-token replies, re-prefilled "
+          f"| {multi_s:.3f} |")
+    print(f"multi-turn / single-turn rollout: {multi_s / single_s:.2f}x")
 
 
 if __name__ == "__main__":

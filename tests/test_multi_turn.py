@@ -237,3 +237,49 @@ def test_eval_plays_the_environment_and_writes_whole_conversations(tiny_task, tm
         assert roles[:2] == ["user", "assistant"] and row["turns"] == roles.count("assistant") <= 2
         assert row["completion"] == row["conversation"][-1]["content"] or roles[-1] != "assistant"
     assert result["metrics"]["turns"] == np.mean([r["turns"] for r in rows])
+
+
+class RewardingEnvironment(ChattyEnvironment):
+    """Rewards its first turn with 1 (whatever the model says), the later ones with 0, over 3 turns."""
+
+    def step(self, text: str) -> StepResult:
+        result = super().step(text)
+        return result._replace(reward=1.0 if self.seen == 1 else 0.0)
+
+
+def rewarding(record: dict, **kwargs: object) -> RewardingEnvironment:
+    return RewardingEnvironment(record, **kwargs)
+
+
+def test_turn_level_advantages_give_each_turn_its_return_still_to_come():
+    import jax.numpy as jnp
+
+    from jaxrl_llm.rl.advantages import group_normalized_advantages, turn_level_advantages
+
+    rewards = jnp.array([2.0, 1.0, 0.0, 1.0])  # one group of 4 whole returns G_1
+    outcome = group_normalized_advantages(rewards, group_size=4)
+    credit = jnp.array([[0.0, 0.0, -1.0, -1.0], [0.0, -1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0], [0.0, -1.0, -1.0, 0.0]])
+    got = np.asarray(turn_level_advantages(jnp.repeat(outcome[:, None], 4, axis=1), credit, rewards, group_size=4))
+    std = float(np.std([2.0, 1.0, 0.0, 1.0], ddof=1))
+    for i in range(4):
+        for t in range(4):
+            g_k = float(rewards[i] + credit[i, t])  # the return from this token's turn on
+            assert got[i, t] == pytest.approx((g_k - 1.0) / (std + 1e-6), rel=1e-5)
+    none = np.asarray(turn_level_advantages(jnp.zeros((4, 4)), credit, rewards, group_size=4, scale="none"))
+    np.testing.assert_allclose(none, np.asarray(credit))
+
+
+def test_an_environment_that_rewards_turns_credits_each_turn_with_what_comes_after(tiny_task, tmp_path):
+    config = tiny_run("grpo_arithmetic", tmp_path / "run", "data.eval=", "env.name=test_multi_turn:rewarding",
+                      "env.max_tokens=200", task=tiny_task)
+    trainer = make_trainer(config)
+    ro = trainer.algorithm.collect(trainer.state, DataState(), jax.random.key(0)).batch
+    assert ro.turn_credit is not None
+    loss_mask, credit = np.asarray(ro.loss_mask, bool), ro.turn_credit
+    for r in range(len(ro.completions)):
+        turns = ro.episode_stats["turns"][r]
+        values = credit[r][loss_mask[r]]
+        assert set(np.unique(values)) <= {0.0, -1.0} and (values[0] == 0.0)  # turn 1 keeps its whole return
+        assert (values == -1.0).any() == (turns > 1)  # later turns do not get turn 1's reward
+        assert (credit[r][~loss_mask[r]] == 0).all()
+    trainer.algorithm.update(trainer.state, ro, 1, jax.random.key(1))  # the update takes the credit

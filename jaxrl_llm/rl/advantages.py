@@ -222,3 +222,36 @@ def gae_advantages(
     advantages = _reverse_time_scan(step, (zeros, zeros), r, v, valid)
     returns = jnp.where(valid, advantages + v, 0.0)
     return advantages, returns
+
+
+def turn_level_advantages(
+    advantages: Array,
+    credit: Array,
+    rewards: Array,
+    *,
+    group_size: int,
+    scale: AdvantageScale = "group",
+    epsilon: float = 1e-6,
+    ddof: int = 1,
+) -> Array:
+    """Per-turn credit in multi-turn episodes whose environment rewards turns (rewards-to-go with a group baseline).
+
+    With ``G_{i,k}`` the return of episode ``i`` from its turn ``k`` on (the rewards of turns ``k, k+1, ...`` and
+    the final score) and ``G_{i,1} = r_i`` its whole return, the tokens of turn ``k`` get::
+
+        A_{i,t} = (G_{i,k} - mean_j r_j) / (std + epsilon) = A_i + (G_{i,k} - G_{i,1}) / (std + epsilon)
+
+    the group-normalized advantage of the return still to come: a turn is not credited with rewards earned before
+    it. ``credit [N, T]`` holds ``G_{i,k(t)} - G_{i,1}`` (minus the rewards of the turns before ``t``'s; 0 on the
+    first turn and on the environment's tokens), ``advantages [N, T]`` the outcome advantages of ``r [N]``
+    (``group_normalized_advantages`` broadcast), ``std`` as there (``scale="none"``: no division). With every turn
+    reward 0, ``credit`` is 0 and the advantages are unchanged. Returns ``[N, T]`` float32.
+    """
+    r = rewards.astype(jnp.float32)
+    if scale == "none":
+        return advantages + credit
+    if scale == "batch":
+        std = jnp.broadcast_to(jnp.std(r, ddof=ddof), r.shape)
+    else:
+        std = jnp.repeat(jnp.std(r.reshape(-1, group_size), axis=1, ddof=ddof), group_size)
+    return advantages + credit / (std + epsilon)[:, None]

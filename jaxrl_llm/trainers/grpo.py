@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec
 
 from jaxrl_llm.config import RunConfig
 from jaxrl_llm.errors import ConfigError
+from jaxrl_llm.rl.advantages import turn_level_advantages
 from jaxrl_llm.rl.entropy_control import (
     EntropyControllerState,
     adaptive_entropy_update,
@@ -135,6 +136,9 @@ def validate_grpo(c: RunConfig) -> None:
     advantages, and adaptive entropy control's bounds."""
     validate_rl(c)
     g = c.rl
+    if c.env.name and g.dynamic_sampling:
+        raise ConfigError(f"rl.dynamic_sampling=true with env.name={c.env.name}: refilling groups is single-turn only "
+                          f"(episodes of different lengths do not stack); set rl.dynamic_sampling=false")
     if g.group_size < 2 and c.algo in ("grpo", "rloo") and g.estimator != "reinforce_pp":
         raise ConfigError(f"rl.group_size={g.group_size}: a group-relative advantage needs at least 2 samples")
     if g.entropy_target:
@@ -246,6 +250,10 @@ class GRPOFamily(RolloutAlgorithm):
         ref_logp = (self.ref_logprob_fn(self.ref_params, pt, pm, ct, cm) if self.ref_params is not None
                     else put(np.zeros(ro.out.tokens.shape, np.float32)))
         advantages = self.advantage_fn(put(ro.rewards.astype(np.float32)), lm, old_logp, ref_logp)
+        if ro.turn_credit is not None:  # an environment that rewards turns: each turn's return still to come
+            r = self.config.rl
+            advantages = turn_level_advantages(advantages, put(ro.turn_credit), put(ro.rewards.astype(np.float32)),
+                                               group_size=r.group_size, scale=r.scale_rewards)
         batch = PolicyBatch(pt, pm, ct, cm, old_logp, ref_logp, advantages, sampler_logp,
                             None if ro.loss_mask is None else lm)
         ctl = (EntropyControllerState(**{k: jnp.asarray(v, jnp.float32) for k, v in

@@ -41,6 +41,8 @@ class Rollout:
     conversations: list[list[dict[str, Any]]] | None = None  # [N] each episode's messages
     episode_stats: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # [N] turns, tool_calls, ...
     env_seconds: float = 0.0
+    # [N, T] per-turn credit when the environment rewards turns (rl.advantages.turn_level_advantages), else None
+    turn_credit: np.ndarray | None = None
 
 
 def assemble_groups(parts: list[tuple[Rollout, np.ndarray]], *, group_size: int, groups: int, pad_id: int) -> Rollout:
@@ -73,6 +75,7 @@ def assemble_groups(parts: list[tuple[Rollout, np.ndarray]], *, group_size: int,
         if parts[0][0].conversations is not None else None,
         episode_stats={k: take(lambda ro, k=k: ro.episode_stats[k]) for k in parts[0][0].episode_stats},
         env_seconds=sum(ro.env_seconds for ro, _ in parts),
+        turn_credit=take(lambda ro: ro.turn_credit) if parts[0][0].turn_credit is not None else None,
     )
 
 

@@ -55,6 +55,8 @@ class Episode:
     tool_calls: int = 0
     tool_errors: int = 0
     env_reward: float = 0.0
+    turn_rewards: list[float] = dataclasses.field(default_factory=list)  # the environment's, after each turn
+    token_turns: list[int] = dataclasses.field(default_factory=list)  # each token's turn (1, 2, ...; 0: env)
     done: bool = False
     stopped_on_eos: bool = True
     error: str = ""
@@ -68,6 +70,7 @@ class Episode:
         """The sampled ids of a turn, as they are (in the loss), with the sampler's log-probs and its text."""
         self.tokens += ids
         self.loss_mask += [1] * len(ids)
+        self.token_turns += [self.turns + 1] * len(ids)
         self.logprobs += logprobs
         self.logprobs_untruncated += untruncated
         self.turns += 1
@@ -78,6 +81,7 @@ class Episode:
         """The environment's answer to the last turn: its reward and counters, and whether the episode is over (it
         says so, the turn was cut at its token limit, or this was the last turn)."""
         self.env_reward += float(result.reward)
+        self.turn_rewards.append(float(result.reward))
         self.tool_calls += int(result.info.get("tool_calls", 0))
         self.tool_errors += int(result.info.get("tool_errors", 0))
         self.done = self.done or result.done or not self.stopped_on_eos or self.turns >= max_turns
@@ -86,6 +90,7 @@ class Episode:
         """The environment's messages and their rendered ids (out of the loss; log-probs 0)."""
         self.tokens += ids
         self.loss_mask += [0] * len(ids)
+        self.token_turns += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
         self.logprobs_untruncated += [0.0] * len(ids)
         self.conversation += messages
@@ -211,9 +216,10 @@ class TrajectoryCollector(RolloutCollector):
         env_rewards = np.asarray([ep.env_reward for ep in episodes], np.float32)
         if env_rewards.any():
             rewards, each = rewards + env_rewards, {**each, "env": env_rewards}
+        credit = turn_credit(episodes, loss_mask.shape[1])
         return Rollout(prompt_tokens, prompt_mask, out, rewards, each, completions, indices, loss_mask=loss_mask,
                        conversations=[ep.conversation for ep in episodes], episode_stats=episode_stats(episodes),
-                       env_seconds=self.env_seconds)
+                       env_seconds=self.env_seconds, turn_credit=credit if credit.any() else None)
 
     def metrics(self, ro: Rollout, refills: int) -> dict[str, float]:
         """The single-turn metrics over the model's tokens, and the episodes': turns, tool calls, tool errors,
@@ -282,6 +288,17 @@ def episode_arrays(episodes: list[Episode], pad_id: int, max_new_tokens: int, mu
         logprobs[r, :k], untruncated[r, :k] = ep.logprobs, ep.logprobs_untruncated
     return SampleOutput(tokens, mask, logprobs, untruncated, loss_mask.sum(axis=1).astype(np.int32),
                         np.asarray([ep.stopped_on_eos for ep in episodes])), loss_mask
+
+
+def turn_credit(episodes: list[Episode], width: int) -> np.ndarray:
+    """`[N, width]` float32: on each model token of turn k, minus the environment's rewards of the turns before k
+    (`G_k - G_1` of `rl.advantages.turn_level_advantages`); 0 on the first turn's and the environment's tokens."""
+    credit = np.zeros((len(episodes), width), np.float32)
+    for r, ep in enumerate(episodes):
+        earned = np.concatenate([[0.0], np.cumsum(ep.turn_rewards)])  # before turn k: earned[k - 1]
+        turns = np.asarray(ep.token_turns, np.int64)
+        credit[r, : len(turns)] = np.where(turns > 0, -earned[np.clip(turns - 1, 0, len(earned) - 1)], 0.0)
+    return credit
 
 
 def episode_stats(episodes: list[Episode]) -> dict[str, np.ndarray]:
