@@ -92,8 +92,8 @@ def _fixed_batch(config, n=8, p=6, t=5, seed=0):
     return pt, pm, ct, cm, adv
 
 
-def test_mu_greater_than_one_moves_the_ratio_and_clipping_bites():
-    """The old log-probs are kept: the 2nd update on the same rollout sees ratio != 1 and clips."""
+def fixed_update_setup():
+    """A tiny random model, a fixed policy batch whose old log-probs are the model's own, and AdamW at 0.05."""
     from jaxrl_llm.config import OptimSection
     from jaxrl_llm.trainers.step import completion_logprobs
 
@@ -101,8 +101,13 @@ def test_mu_greater_than_one_moves_the_ratio_and_clipping_bites():
     params = init_params(config, jax.random.key(1))
     pt, pm, ct, cm, adv = _fixed_batch(config)
     old = completion_logprobs(params, config, pt, pm, ct, cm)[0]
-    batch = PolicyBatch(pt, pm, ct, cm, old, jnp.zeros_like(old), adv)
     optimizer, _ = make_optimizer(OptimSection(learning_rate=0.05, max_grad_norm=0.0), 10)
+    return config, params, PolicyBatch(pt, pm, ct, cm, old, jnp.zeros_like(old), adv), optimizer
+
+
+def test_mu_greater_than_one_moves_the_ratio_and_clipping_bites():
+    """The old log-probs are kept: the 2nd update on the same rollout sees ratio != 1 and clips."""
+    config, params, batch, optimizer = fixed_update_setup()
     step = make_train_step(make_mesh(), loss_fn=policy_loss, model_config=config,
                            loss_config=PolicyLossConfig(epsilon_low=0.1, epsilon_high=0.1), optimizer=optimizer)
     opt_state = optimizer.init(params)

@@ -12,21 +12,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY, read_rows, read_samples, tiny_run
-from test_grpo import _fixed_batch
+from conftest import read_rows, read_samples, tiny_run
+from test_grpo import fixed_update_setup
 
-from jaxrl_llm.config import OptimSection
 from jaxrl_llm.data import DataState, next_batch_indices
-from jaxrl_llm.models.decoder import init_params
-from jaxrl_llm.models.hf import config_from_hf
 from jaxrl_llm.sharding import make_mesh
 from jaxrl_llm.trainers.base import Algorithm, Collected, Updated
 from jaxrl_llm.trainers.loop import Trainer
 from jaxrl_llm.trainers.step import (
-    PolicyBatch,
     PolicyLossConfig,
-    completion_logprobs,
-    make_optimizer,
     policy_loss,
     reduce_metrics,
     scanned_updates,
@@ -37,12 +31,7 @@ from jaxrl_llm.trainers.step import (
 def test_scanned_update_equals_the_host_loop_of_train_steps():
     """mu = 2 epochs x 2 minibatches of 4 rows in one jit (shuffle on the device) == the same permutations cut
     into minibatches on the host and one jitted train step each: same params, optimizer state and metrics."""
-    config = config_from_hf({**TINY, "vocab_size": 19})
-    params = init_params(config, jax.random.key(1))
-    pt, pm, ct, cm, adv = _fixed_batch(config)
-    old = completion_logprobs(params, config, pt, pm, ct, cm)[0]
-    batch = PolicyBatch(pt, pm, ct, cm, old, jnp.zeros_like(old), adv)
-    optimizer, _ = make_optimizer(OptimSection(learning_rate=0.05, max_grad_norm=0.0), 10)
+    config, params, batch, optimizer = fixed_update_setup()
     step = functools.partial(train_step, loss_fn=policy_loss, model_config=config,
                              loss_config=PolicyLossConfig(epsilon_low=0.1, epsilon_high=0.1), optimizer=optimizer,
                              grad_accum=1)

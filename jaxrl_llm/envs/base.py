@@ -16,11 +16,11 @@ called as `factory(record, **kwargs)`.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 from jaxrl_llm.errors import ConfigError
+from jaxrl_llm.rl.plugins import resolve_name
 
 Message = dict[str, Any]  # {"role": "system" | "user" | "assistant" | "tool", "content": str, ...}
 
@@ -55,16 +55,10 @@ def register_environment(name: str) -> Callable[[EnvironmentFactory], Environmen
 
 def resolve_environment(name: str) -> EnvironmentFactory:
     """The factory of a registered name or of a `module:function`; a one-line `ConfigError` naming `env.name`."""
-    if name in ENVIRONMENTS:
-        return ENVIRONMENTS[name]
-    if ":" not in name:
-        raise ConfigError(f"env.name={name!r}: expected one of {', '.join(sorted(ENVIRONMENTS))}, or "
-                          f"'module:function' (see docs/environments.md)")
-    module_name, _, attr = name.partition(":")
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"env.name={name!r} cannot be imported: {e}") from e
-    if not callable(factory):
-        raise ConfigError(f"env.name={name!r} is not callable (a factory: record, **kwargs -> environment)")
-    return factory
+
+    def register(key: str, factory: Any) -> None:
+        if not callable(factory):
+            raise ConfigError(f"env.name={key!r} is not callable (a factory: record, **kwargs -> environment)")
+        ENVIRONMENTS[key] = factory
+
+    return ENVIRONMENTS[resolve_name("env.name", name, ENVIRONMENTS, register, "docs/environments.md")]

@@ -224,16 +224,8 @@ def gae_advantages(
     return advantages, returns
 
 
-def turn_level_advantages(
-    advantages: Array,
-    credit: Array,
-    rewards: Array,
-    *,
-    group_size: int,
-    scale: AdvantageScale = "group",
-    epsilon: float = 1e-6,
-    ddof: int = 1,
-) -> Array:
+def turn_level_advantages(advantages: Array, credit: Array, rewards: Array, *, group_size: int,
+                          scale: AdvantageScale = "group", epsilon: float = 1e-6, ddof: int = 1) -> Array:
     """Per-turn credit in multi-turn episodes whose environment rewards turns (rewards-to-go with a group baseline).
 
     With ``G_{i,k}`` the return of episode ``i`` from its turn ``k`` on (the rewards of turns ``k, k+1, ...`` and

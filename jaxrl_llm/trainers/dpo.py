@@ -38,7 +38,7 @@ from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params
 from jaxrl_llm.rl.losses import dpo_loss
 from jaxrl_llm.sharding import init_optimizer_state
-from jaxrl_llm.trainers.base import Algorithm, Collected, State, Updated, example_update
+from jaxrl_llm.trainers.base import Collected, ExampleAlgorithm, State
 from jaxrl_llm.trainers.policy import GreedyEvaluation, load_policy
 from jaxrl_llm.trainers.step import (
     Metrics,
@@ -134,16 +134,10 @@ def pair_batch(pairs: PreferenceSet, indices: np.ndarray, pad_id: int, prompt_bu
     return PairBatch(pt, pm, *right_pad(chosen), *right_pad(rejected), ref_c, ref_r)
 
 
-class DPO(Algorithm):
+class DPO(ExampleAlgorithm):
     """The policy trained on preference pairs against a frozen reference (the starting model)."""
 
     label: ClassVar[str] = "dpo"
-    collect_phase: ClassVar[str] = "data"
-    needs_rewards: ClassVar[bool] = False
-
-    @classmethod
-    def micro_batch(cls, c: RunConfig) -> tuple[str, int]:
-        return f"sft.batch_size={c.sft.batch_size}", c.sft.batch_size
 
     def __init__(self, config: RunConfig) -> None:
         super().__init__(config)
@@ -179,6 +173,7 @@ class DPO(Algorithm):
         step = functools.partial(train_step, loss_fn=preference_loss, model_config=p.model_config,
                                  loss_config=self.loss_config,  # type: ignore[arg-type]
                                  optimizer=self.optimizer, grad_accum=1, compose=p.compose)
+        self.frozen_input = self.frozen
         self.update_fn = jit_update(single_step_update(step, with_key=p.lora_dropout), p.mesh,
                                     state_sharding(self.init()),
                                     frozen_sharding=state_sharding(self.frozen) if self.frozen else None)
@@ -219,9 +214,6 @@ class DPO(Algorithm):
         idx, data_state = next_batch_indices(len(self.pairs), c.sft.batch_size, data_state, c.seed, c.data.shuffle)
         return Collected(pair_batch(self.pairs, idx, self.policy.pad_id, c.sampling.prompt_bucket, self.train_ref),
                          data_state, {})
-
-    def update(self, state: State, batch: PairBatch, step: int, key: jax.Array) -> Updated:
-        return example_update(self.update_fn, self.mesh, self.schedule, state, batch, step, key, self.frozen)
 
     def evaluate(self, state: State, limit: int | None) -> dict[str, float]:
         out: dict[str, float] = {}

@@ -39,7 +39,7 @@ from jaxrl_llm.rl.plugins import advantage_estimator, resolve_estimator, resolve
 from jaxrl_llm.sharding import batch_sharding, global_array, init_optimizer_state, to_host
 from jaxrl_llm.trainers.base import State, Updated, host_metrics
 from jaxrl_llm.trainers.policy import Policy
-from jaxrl_llm.trainers.rl import RolloutAlgorithm
+from jaxrl_llm.trainers.rl import RolloutAlgorithm, update_sizes
 from jaxrl_llm.trainers.rollouts import Rollout
 from jaxrl_llm.trainers.step import (
     Metrics,
@@ -93,14 +93,6 @@ def old_policy_logprobs(rollout_correction: str, sampler_logp: jax.Array, mask: 
     return old_logp, (sampler_logp if importance_weighting(rollout_correction) else None), mismatch
 
 
-def update_sizes(c: RunConfig) -> tuple[int, int, int]:
-    """`(rollout size, minibatch size, optimizer updates per step)`."""
-    r = c.rl
-    rollout = r.prompts_per_step * r.group_size
-    minibatch = r.minibatch_size or rollout
-    return rollout, minibatch, r.mu * (rollout // minibatch)
-
-
 def validate_rl(c: RunConfig) -> None:
     """The `rl` section's relations shared by the GRPO family and PPO: the sizes that must divide each other, the
     loss's options, and the names of the estimator and the policy loss (a `module:function` is imported here)."""
@@ -122,13 +114,6 @@ def validate_rl(c: RunConfig) -> None:
                           f"ppo_clip's loss; {g.policy_loss} has none (set rl.dual_clip_c=0)")
     if g.clip_cov_ratio and g.clip_cov_lb >= g.clip_cov_ub:
         raise ConfigError(f"rl.clip_cov_lb={g.clip_cov_lb} must be < rl.clip_cov_ub={g.clip_cov_ub}")
-
-
-def rl_micro_batch(c: RunConfig) -> tuple[str, int]:
-    """The micro-batch of the GRPO family's and PPO's data-parallel step."""
-    rollout, minibatch, _ = update_sizes(c)
-    return f"the micro-batch rl.minibatch_size / rl.grad_accum = {minibatch // c.rl.grad_accum} sequences", \
-        minibatch // c.rl.grad_accum
 
 
 def validate_grpo(c: RunConfig) -> None:
@@ -194,10 +179,6 @@ class GRPOFamily(RolloutAlgorithm):
     def validate(cls, c: RunConfig) -> None:
         validate_grpo(c)
 
-    @classmethod
-    def micro_batch(cls, c: RunConfig) -> tuple[str, int]:
-        return rl_micro_batch(c)
-
     def __init__(self, config: RunConfig) -> None:
         super().__init__(config, reference=config.rl.beta > 0)  # the reference only for a KL term
         c, r, p = config, config.rl, self.policy
@@ -231,7 +212,6 @@ class GRPOFamily(RolloutAlgorithm):
                 for name, value in ctl._asdict().items()}
 
     # ------------------------------------------------------------------------------------------ the shell's API
-
 
 
     def update(self, state: State, ro: Rollout, step: int, key: jax.Array) -> Updated:

@@ -36,9 +36,9 @@ from jaxrl_llm.rl.kl_control import KLControllerKind, KLControllerState, init_kl
 from jaxrl_llm.rl.losses import clipped_value_loss
 from jaxrl_llm.sharding import batch_sharding, global_array, init_optimizer_state, param_shardings, to_host
 from jaxrl_llm.trainers.base import State, Updated, host_metrics
-from jaxrl_llm.trainers.grpo import old_policy_logprobs, policy_loss_config, rl_micro_batch, update_sizes, validate_rl
+from jaxrl_llm.trainers.grpo import old_policy_logprobs, policy_loss_config, validate_rl
 from jaxrl_llm.trainers.policy import Policy
-from jaxrl_llm.trainers.rl import RolloutAlgorithm
+from jaxrl_llm.trainers.rl import RolloutAlgorithm, update_sizes
 from jaxrl_llm.trainers.rollouts import Rollout
 from jaxrl_llm.trainers.step import (
     Metrics,
@@ -192,10 +192,6 @@ class PPO(RolloutAlgorithm):
     def validate(cls, c: RunConfig) -> None:
         validate_ppo(c)
 
-    @classmethod
-    def micro_batch(cls, c: RunConfig) -> tuple[str, int]:
-        return rl_micro_batch(c)
-
     def __init__(self, config: RunConfig) -> None:
         super().__init__(config, reference=config.ppo.kl_coef_init > 0)  # the reference only for a KL penalty
         c, pc, p = config, config.ppo, self.policy
@@ -229,7 +225,6 @@ class PPO(RolloutAlgorithm):
 
     def describe(self) -> str:
         return super().describe().replace(" params), ", " params) and a critic, ", 1)
-
 
     def update(self, state: State, ro: Rollout, step: int, key: jax.Array) -> Updated:
         """Values, KL-shaped token rewards, GAE; then `mu` epochs of (policy, critic) minibatch updates."""

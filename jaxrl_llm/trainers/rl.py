@@ -16,10 +16,29 @@ from jaxrl_llm.trainers.step import frozen_copy, make_logprob_fn
 from jaxrl_llm.trainers.trajectories import EpisodeEvaluation, TrajectoryCollector
 
 
+def update_sizes(c: RunConfig) -> tuple[int, int, int]:
+    """`(rollout size, minibatch size, optimizer updates per step)`."""
+    r = c.rl
+    rollout = r.prompts_per_step * r.group_size
+    minibatch = r.minibatch_size or rollout
+    return rollout, minibatch, r.mu * (rollout // minibatch)
+
+
+def rl_micro_batch(c: RunConfig) -> tuple[str, int]:
+    """The micro-batch of the GRPO family's and PPO's data-parallel step."""
+    rollout, minibatch, _ = update_sizes(c)
+    return f"the micro-batch rl.minibatch_size / rl.grad_accum = {minibatch // c.rl.grad_accum} sequences", \
+        minibatch // c.rl.grad_accum
+
+
 class RolloutAlgorithm(Algorithm):
     """What the algorithms that sample their batches share (the GRPO family, PPO): the policy, the rollout
     collector, the held-out evaluation and the drift meter, and the shell's calls that only read them. `reference`:
     keep the starting policy as the reference (a frozen copy; under LoRA the base itself)."""
+
+    @classmethod
+    def micro_batch(cls, c: RunConfig) -> tuple[str, int]:
+        return rl_micro_batch(c)
 
     def __init__(self, config: RunConfig, *, reference: bool) -> None:
         super().__init__(config)

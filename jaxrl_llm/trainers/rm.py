@@ -44,7 +44,7 @@ from jaxrl_llm.sharding import (
     param_shardings,
     to_host,
 )
-from jaxrl_llm.trainers.base import Algorithm, Collected, State, Updated, example_update
+from jaxrl_llm.trainers.base import Collected, ExampleAlgorithm, State
 from jaxrl_llm.trainers.step import (
     Metrics,
     jit_update,
@@ -131,22 +131,16 @@ def pair_accuracy(params: Params, config: ModelConfig, pairs: list[tuple[list[in
     return correct / len(pairs)
 
 
-class RewardModelTraining(Algorithm):
+class RewardModelTraining(ExampleAlgorithm):
     """A scalar reward model trained on preference pairs. State: `{"params": {"decoder", "score"}, "opt_state"}`."""
 
     label: ClassVar[str] = "rm"
-    collect_phase: ClassVar[str] = "data"
-    needs_rewards: ClassVar[bool] = False
 
     @classmethod
     def validate(cls, c: RunConfig) -> None:
         if c.lora.rank:
             raise ConfigError(f"lora.rank={c.lora.rank} with algo=rm: LoRA adapts a pretrained policy (GRPO family, "
                               f"PPO, DPO, SFT from model.path); set lora.rank=0")
-
-    @classmethod
-    def micro_batch(cls, c: RunConfig) -> tuple[str, int]:
-        return f"sft.batch_size={c.sft.batch_size}", c.sft.batch_size
 
     def __init__(self, config: RunConfig) -> None:
         super().__init__(config)
@@ -180,9 +174,6 @@ class RewardModelTraining(Algorithm):
         c = self.config
         idx, data_state = next_batch_indices(len(self.pairs), c.sft.batch_size, data_state, c.seed, c.data.shuffle)
         return Collected(make_batch(self.pairs, idx, self.pad_id), data_state, {})
-
-    def update(self, state: State, batch: PreferenceBatch, step: int, key: jax.Array) -> Updated:
-        return example_update(self.update_fn, self.mesh, self.schedule, state, batch, step, key, None)
 
     def evaluate(self, state: State, limit: int | None) -> dict[str, float]:
         if self.eval_pairs is None:

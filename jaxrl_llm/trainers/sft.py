@@ -21,7 +21,7 @@ from jaxrl_llm.config import RunConfig
 from jaxrl_llm.data import DataState, PromptSet, bucket, left_pad, next_batch_indices
 from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.sharding import init_optimizer_state
-from jaxrl_llm.trainers.base import Algorithm, Collected, State, Updated, example_update
+from jaxrl_llm.trainers.base import Collected, ExampleAlgorithm, State
 from jaxrl_llm.trainers.policy import GreedyEvaluation, load_policy
 from jaxrl_llm.trainers.step import (
     PolicyBatch,
@@ -51,24 +51,18 @@ def completion_arrays(prompt_set: PromptSet, indices: np.ndarray, tokenizer: Any
     return pt, pm, ct, cm
 
 
-class SFT(Algorithm):
+class SFT(ExampleAlgorithm):
     """Cross-entropy on the answers of `data.train` (`data.answer_field`). State: `{"params", "opt_state"}`."""
 
     label: ClassVar[str] = "sft"
-    collect_phase: ClassVar[str] = "data"
     evaluates_before: ClassVar[bool] = False
     from_scratch: ClassVar[bool] = True  # model.init: random weights, no model directory read
-    needs_rewards: ClassVar[bool] = False
 
     @classmethod
     def validate(cls, c: RunConfig) -> None:
         if c.lora.rank and c.model.init:
             raise ConfigError(f"lora.rank={c.lora.rank} with algo=sft and model.init: LoRA adapts a pretrained "
                               f"model (model.path); set lora.rank=0")
-
-    @classmethod
-    def micro_batch(cls, c: RunConfig) -> tuple[str, int]:
-        return f"sft.batch_size={c.sft.batch_size}", c.sft.batch_size
 
     def __init__(self, config: RunConfig) -> None:
         super().__init__(config)
@@ -81,6 +75,7 @@ class SFT(Algorithm):
         step = functools.partial(train_step, loss_fn=sft_loss, model_config=p.model_config,
                                  loss_config=PolicyLossConfig(logprob_block_mib=c.model.logprob_block_mib),
                                  optimizer=self.optimizer, grad_accum=1, compose=p.compose)
+        self.frozen_input = self.policy.frozen
         self.update_fn = jit_update(single_step_update(step, with_key=p.lora_dropout), p.mesh,
                                     state_sharding(self.init()), frozen_sharding=p.frozen_sharding)
 
@@ -101,9 +96,6 @@ class SFT(Algorithm):
                                            p.pad_id)
         zeros = np.zeros(ct.shape, np.float32)
         return Collected(PolicyBatch(pt, pm, ct, cm, zeros, zeros, np.zeros(len(pt), np.float32)), data_state, {})
-
-    def update(self, state: State, batch: PolicyBatch, step: int, key: jax.Array) -> Updated:
-        return example_update(self.update_fn, self.mesh, self.schedule, state, batch, step, key, self.policy.frozen)
 
     def evaluate(self, state: State, limit: int | None) -> dict[str, float]:
         return self.evaluation(self.policy.inference_weights(state["params"]), limit)
