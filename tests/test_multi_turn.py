@@ -63,9 +63,13 @@ def _chat_task(tmp_path: Path) -> Path:
 
 
 def test_a_one_turn_environment_is_the_single_turn_step_bit_for_bit(tiny_task, tmp_path):
-    single = make_trainer(tiny_run("grpo_arithmetic", tmp_path / "single", "data.eval=", task=tiny_task))
-    multi = make_trainer(tiny_run("grpo_arithmetic", tmp_path / "multi", "data.eval=", "env.name=single_turn",
-                                  task=tiny_task))
+    # no warmup: the first update moves the weights (a zero step would make any two updates equal)
+    # a reward that varies within groups (completion length), so the update has something to learn from
+    rewards = [{"name": "test_grpo:completion_length"}]
+    single = make_trainer(tiny_run("grpo_arithmetic", tmp_path / "single", "data.eval=", "optim.warmup_steps=0",
+                                   task=tiny_task, rewards=rewards))
+    multi = make_trainer(tiny_run("grpo_arithmetic", tmp_path / "multi", "data.eval=", "optim.warmup_steps=0",
+                                  "env.name=single_turn", task=tiny_task, rewards=rewards))
     collect_key, update_key = jax.random.split(jax.random.key(7))
     a = single.algorithm.collect(single.state, DataState(), collect_key)
     b = multi.algorithm.collect(multi.state, DataState(), collect_key)
@@ -74,8 +78,11 @@ def test_a_one_turn_environment_is_the_single_turn_step_bit_for_bit(tiny_task, t
     np.testing.assert_array_equal(a.batch.rewards, b.batch.rewards)
     np.testing.assert_array_equal(b.batch.loss_mask, np.asarray(a.batch.out.mask))  # one turn: all the model's
     assert a.batch.completions == b.batch.completions and a.tokens == b.tokens
+    initial = [np.asarray(x) for x in jax.tree.leaves(single.state["params"])]
     ua = single.algorithm.update(single.state, a.batch, 1, update_key)
     ub = multi.algorithm.update(multi.state, b.batch, 1, update_key)
+    assert any(not np.array_equal(x, np.asarray(y)) for x, y in zip(initial, jax.tree.leaves(ua.state["params"]),
+                                                                     strict=True))
     for x, y in zip(jax.tree.leaves(ua.state["params"]), jax.tree.leaves(ub.state["params"]), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert {k: ua.metrics[k] for k in ua.metrics} == {k: ub.metrics[k] for k in ua.metrics}
@@ -267,6 +274,8 @@ def test_turn_level_advantages_give_each_turn_its_return_still_to_come():
             assert got[i, t] == pytest.approx((g_k - 1.0) / (std + 1e-6), rel=1e-5)
     none = np.asarray(turn_level_advantages(jnp.zeros((4, 4)), credit, rewards, group_size=4, scale="none"))
     np.testing.assert_allclose(none, np.asarray(credit))
+    tied = np.asarray(turn_level_advantages(jnp.zeros((4, 4)), credit, jnp.ones(4), group_size=4))
+    np.testing.assert_allclose(tied, np.asarray(credit))  # equal returns: the credit is not divided by a zero std
 
 
 def test_an_environment_that_rewards_turns_credits_each_turn_with_what_comes_after(tiny_task, tmp_path):
@@ -283,3 +292,42 @@ def test_an_environment_that_rewards_turns_credits_each_turn_with_what_comes_aft
         assert (values == -1.0).any() == (turns > 1)  # later turns do not get turn 1's reward
         assert (credit[r][~loss_mask[r]] == 0).all()
     trainer.algorithm.update(trainer.state, ro, 1, jax.random.key(1))  # the update takes the credit
+
+
+@pytest.mark.parametrize("algo", ["rloo", "reinforce_pp"])
+def test_every_grpo_family_algorithm_trains_on_trajectories(tiny_task, tmp_path, algo):
+    config = tiny_run("grpo_arithmetic", tmp_path / algo, "data.eval=", "env.name=test_multi_turn:rewarding",
+                      "env.max_tokens=64", f"algo={algo}", "rl.beta=0.04", "optim.warmup_steps=0", task=tiny_task)
+    trainer = make_trainer(config)
+    collected = trainer.algorithm.collect(trainer.state, DataState(), jax.random.key(0))
+    before = [np.asarray(x) for x in jax.tree.leaves(trainer.state["params"])]  # the update donates the state
+    updated = trainer.algorithm.update(trainer.state, collected.batch, 1, jax.random.key(1))
+    assert collected.metrics["turns/mean"] > 1 and np.isfinite(updated.metrics["policy_loss"])
+    after = jax.tree.leaves(updated.state["params"])
+    assert any(not np.array_equal(a, np.asarray(b)) for a, b in zip(before, after, strict=True))
+
+
+def test_ppo_refuses_an_environment_in_one_line():
+    from jaxrl_llm.errors import ConfigError
+    from jaxrl_llm.preflight import load_config
+
+    with pytest.raises(ConfigError, match="env.name=tool_use with algo=ppo"):
+        load_config(None, ["algo=ppo", "env.name=tool_use"])
+
+
+def test_a_template_that_renders_tools_gets_their_schemas(tiny_chat_model):
+    from jaxrl_llm.config import DataSection
+    from jaxrl_llm.data import render_prompt
+    from jaxrl_llm.trainers.trajectories import declare_tools
+
+    tokenizer = load_tokenizer(tiny_chat_model)
+    plain = DataSection(chat_template=True)
+    schemas, data = declare_tools([CALCULATOR], plain, tokenizer)  # ChatML here: no tool format
+    assert schemas is None and data.system_prompt.startswith("You can use tools.")
+    tokenizer.chat_template = ("{% if tools %}<|im_start|>system\nTools: {% for t in tools %}{{ t.function.name }} "
+                               "{% endfor %}<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n"
+                               "{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+    schemas, data = declare_tools([CALCULATOR], plain, tokenizer)
+    assert schemas == [CALCULATOR.schema] and data.system_prompt == ""
+    text, _ = render_prompt("What is 2 * 3?", data, tokenizer, "test", schemas)
+    assert text.startswith("<|im_start|>system\nTools: calculator ")

@@ -236,8 +236,9 @@ def turn_level_advantages(advantages: Array, credit: Array, rewards: Array, *, g
     the group-normalized advantage of the return still to come: a turn is not credited with rewards earned before
     it. ``credit [N, T]`` holds ``G_{i,k(t)} - G_{i,1}`` (minus the rewards of the turns before ``t``'s; 0 on the
     first turn and on the environment's tokens), ``advantages [N, T]`` the outcome advantages of ``r [N]``
-    (``group_normalized_advantages`` broadcast), ``std`` as there (``scale="none"``: no division). With every turn
-    reward 0, ``credit`` is 0 and the advantages are unchanged. Returns ``[N, T]`` float32.
+    (``group_normalized_advantages`` broadcast), ``std`` as there (``scale="none"``, or a group whose returns are all
+    equal: no division). With every turn reward 0, ``credit`` is 0 and the advantages are unchanged. Returns
+    ``[N, T]`` float32.
     """
     r = rewards.astype(jnp.float32)
     if scale == "none":
@@ -246,4 +247,5 @@ def turn_level_advantages(advantages: Array, credit: Array, rewards: Array, *, g
         std = jnp.broadcast_to(jnp.std(r, ddof=ddof), r.shape)
     else:
         std = jnp.repeat(jnp.std(r.reshape(-1, group_size), axis=1, ddof=ddof), group_size)
-    return advantages + credit / (std + epsilon)[:, None]
+    # A group whose whole returns are all equal has outcome advantages 0; its turns' credit is not divided by 0.
+    return advantages + credit / jnp.where(std > 0, std + epsilon, 1.0)[:, None]

@@ -232,8 +232,9 @@ class GRPOFamily(RolloutAlgorithm):
         advantages = self.advantage_fn(put(ro.rewards.astype(np.float32)), lm, old_logp, ref_logp)
         if ro.turn_credit is not None:  # an environment that rewards turns: each turn's return still to come
             r = self.config.rl
+            scale = r.scale_rewards if self.estimator == "grpo" else "none"  # RLOO, REINFORCE++: their own scales
             advantages = turn_level_advantages(advantages, put(ro.turn_credit), put(ro.rewards.astype(np.float32)),
-                                               group_size=r.group_size, scale=r.scale_rewards)
+                                               group_size=r.group_size, scale=scale)
         batch = PolicyBatch(pt, pm, ct, cm, old_logp, ref_logp, advantages, sampler_logp,
                             None if ro.loss_mask is None else lm)
         ctl = (EntropyControllerState(**{k: jnp.asarray(v, jnp.float32) for k, v in
