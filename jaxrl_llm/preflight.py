@@ -21,7 +21,7 @@ from jaxrl_llm.envs.tools import resolve_tools
 from jaxrl_llm.errors import one_line
 from jaxrl_llm.rewards import resolve_reward
 from jaxrl_llm.rl.plugins import resolve_estimator, resolve_policy_loss
-from jaxrl_llm.trainers import algorithm_class, check_devices
+from jaxrl_llm.trainers import algorithm_class, check_devices, validate
 
 HUB_TIMEOUT_S = 10.0
 
@@ -31,7 +31,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, **f
     overrides = list(overrides or [])
     config = load_run_config(path, overrides, **fields)
     try:
-        algorithm_class(config.algo).validate(config)
+        validate(config)
     except ConfigError as e:
         raise type(e)(f"{e} ({config_source(str(e), path, overrides, fields)})") from e
     return config

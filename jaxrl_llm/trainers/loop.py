@@ -91,10 +91,13 @@ class Trainer:
         self.data_state = DataState(**meta["data_state"])
         self.monitor.divergence = DivergenceState.from_json(meta.get("divergence"))
 
-    def save_checkpoint(self) -> None:
-        meta = {"step": self.step, "data_state": dataclasses.asdict(self.data_state),
+    def _meta(self) -> dict[str, Any]:
+        """The checkpoint's metadata: the step, the data position and the divergence streaks."""
+        return {"step": self.step, "data_state": dataclasses.asdict(self.data_state),
                 "divergence": self.monitor.divergence.to_json()}
-        self.checkpointer.save(self.step, self._checkpointed(), meta)
+
+    def save_checkpoint(self) -> None:
+        self.checkpointer.save(self.step, self._checkpointed(), self._meta())
 
     # ------------------------------------------------------------------------------------------ the loop
 
@@ -259,9 +262,7 @@ def finish_steps(t: Trainer, logger: RunLogger, *, stopped: bool) -> None:
     if c.checkpoint_every and t.checkpointer.latest_step() != t.step and not stopped:
         t.save_checkpoint()
     if c.final_checkpoint == "weights" and not stopped and t.step == c.steps:
-        meta = {"step": t.step, "data_state": dataclasses.asdict(t.data_state),
-                "divergence": t.monitor.divergence.to_json()}
-        t.checkpointer.keep_only_weights(t.step, t._checkpointed(), meta)
+        t.checkpointer.keep_only_weights(t.step, t._checkpointed(), t._meta())
         logger.message(f"final_checkpoint=weights: checkpoints reduced to the policy weights of step {t.step}")
 
 
