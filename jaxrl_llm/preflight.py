@@ -17,11 +17,13 @@ from typing import Any
 
 from jaxrl_llm.config import ConfigError, RunConfig, config_source, get_field, load_run_config, looks_local, shown_path
 from jaxrl_llm.envs.base import resolve_environment
+from jaxrl_llm.envs.sandbox import sandbox_problem
 from jaxrl_llm.envs.tools import resolve_tools
 from jaxrl_llm.errors import one_line
 from jaxrl_llm.rewards import resolve_reward
 from jaxrl_llm.rl.plugins import resolve_estimator, resolve_policy_loss
 from jaxrl_llm.trainers import algorithm_class, check_devices, validate
+from jaxrl_llm.trainers.rl import sandbox_users
 
 HUB_TIMEOUT_S = 10.0
 
@@ -45,6 +47,7 @@ def preflight(config: RunConfig, path: str | Path | None = None, overrides: list
         check_required(config)
         check_inputs(config)
         check_optional_packages(config)
+        check_sandbox(config)
         check_devices(config)
     except ConfigError as e:
         raise type(e)(f"{e} ({config_source(str(e), path, list(overrides or []), fields)})") from e
@@ -71,8 +74,9 @@ def check_required(c: RunConfig) -> None:
         missing.append("model.path (a Hugging Face model directory or hub id)")
     if not c.data.train:
         missing.append("data.train (a JSONL file, or hf:NAME for a hub dataset)")
-    if algorithm.needs_rewards and not c.rewards:
-        missing.append("rewards (a list such as [{name: math_answer}] or [{name: my_module:my_reward}])")
+    if algorithm.needs_rewards and not c.rewards and not c.env.name:  # an environment's rewards are a reward
+        missing.append("rewards (a list such as [{name: math_answer}] or [{name: my_module:my_reward}], or an "
+                       "environment that rewards: env.name)")
     if missing:
         raise ConfigError(f"algo={c.algo} needs {'; '.join(missing)}: set {'them' if len(missing) > 1 else 'it'} "
                           f"in the YAML file or on the command line (python train.py --print-config lists every "
@@ -80,7 +84,7 @@ def check_required(c: RunConfig) -> None:
     if c.algo == "dpo" and c.dpo.eval_prompts and not (c.rewards or c.eval_reward):
         raise ConfigError(f"dpo.eval_prompts={c.dpo.eval_prompts} needs a reward to score the greedy answers: set "
                           f"eval_reward (e.g. math_answer) or rewards")
-    if c.data.eval and c.algo not in ("rm", "dpo") and not (c.rewards or c.eval_reward):
+    if c.data.eval and c.algo not in ("rm", "dpo") and not (c.rewards or c.eval_reward or c.env.name):
         raise ConfigError(f"data.eval={c.data.eval} needs a reward to score the held-out answers: set eval_reward "
                           f"(e.g. math_answer) or rewards, or data.eval='' for no evaluation")
 
@@ -105,6 +109,16 @@ def check_optional_packages(c: RunConfig) -> None:
         except ImportError:
             raise ConfigError("logging.wandb=true needs the wandb package, which is not installed: pip install "
                               "wandb (or pip install 'jaxrl_llm[wandb]'), or set logging.wandb=false") from None
+
+
+def check_sandbox(c: RunConfig) -> None:
+    """A run that executes model code can: bubblewrap is usable, or the user opted in to the plain subprocess by
+    name (env.sandbox: subprocess), which as root runs the code as nobody or refuses (jaxrl_llm.envs.sandbox)."""
+    users = sandbox_users(c)
+    problem = sandbox_problem(c.env.sandbox) if users else ""
+    if problem:
+        raise ConfigError(f"{' and '.join(users)} run model code, and env.sandbox={c.env.sandbox} cannot here: "
+                          f"{problem}")
 
 
 def check_model_source(key: str, value: str) -> None:

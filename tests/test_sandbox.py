@@ -6,10 +6,12 @@ no test can harm the machine that runs it, root included.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
 import socket
+import sys
 import tempfile
 import textwrap
 import time
@@ -18,24 +20,39 @@ from pathlib import Path
 
 import pytest
 
-from jaxrl_llm.envs.sandbox import SANDBOX_ENV, SandboxResult, bwrap_usable, run_python
+from jaxrl_llm.envs.sandbox import SANDBOX_ENV, SandboxResult, bwrap_usable, run_python, sandbox_problem
 from jaxrl_llm.rewards.code_execution import code_tests_reward, extract_code
+
+
+def subprocess_python() -> str | None:
+    """An interpreter the plain-subprocess mode can run here: this one, or (run by root, when user nobody cannot
+    start this one, e.g. pyenv under root's 0700 home) the system's Python, which nobody can; None if neither."""
+    for python in (sys.executable, "/usr/bin/python3", shutil.which("python3")):
+        if python and os.path.exists(python) and not sandbox_problem("subprocess", python):
+            return python
+    return None
+
+
+SUBPROCESS_PYTHON = subprocess_python()
 
 
 @pytest.fixture(params=["bwrap", "subprocess"])
 def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each sandbox mode in turn: bwrap (skipped where it is not usable) and the forced fallback."""
+    """Each sandbox mode in turn: bwrap (skipped where it is not usable) and the opted-in plain subprocess."""
     if request.param == "bwrap":
         if not bwrap_usable():
             pytest.skip("bubblewrap (bwrap) is not installed or not usable here")
         monkeypatch.delenv(SANDBOX_ENV, raising=False)
     else:
+        if SUBPROCESS_PYTHON is None:
+            pytest.skip("run by root, and user nobody can start no Python here: the plain subprocess refuses")
         monkeypatch.setenv(SANDBOX_ENV, "subprocess")
     return request.param
 
 
 def run(mode: str, code: str, **kwargs: object) -> SandboxResult:
-    result = run_python(textwrap.dedent(code), **kwargs)  # type: ignore[arg-type]
+    python = SUBPROCESS_PYTHON if mode == "subprocess" else None
+    result = run_python(textwrap.dedent(code), python=python, **kwargs)  # type: ignore[arg-type]
     assert result.mode == mode
     return result
 
@@ -173,9 +190,7 @@ def outside_file() -> Iterator[Path]:
 
 
 def test_system_is_read_only(mode: str, outside_file: Path) -> None:
-    if mode == "subprocess" and run(mode, "import os\nprint(os.geteuid())").stdout == "0\n":
-        pytest.skip("the fallback runs the code as root here (nobody cannot start this interpreter): only file "
-                    "permissions would protect the caller's files, and root passes them")
+    assert run(mode, "import os\nprint(os.geteuid())").stdout != "0\n"  # never root, in either mode
     result = run(mode, f"""
         import os
         target = {str(outside_file)!r}
@@ -204,7 +219,9 @@ def test_system_is_read_only(mode: str, outside_file: Path) -> None:
     assert sorted(p.name for p in outside_file.parent.iterdir()) == ["precious.txt"]
     assert not Path("/usr/jaxrl_llm_sandbox_probe").exists()
     if mode == "bwrap":
-        assert "read keep me" in result.stdout  # a read-only view: world-readable files stay readable
+        assert "read refused FileNotFoundError" in result.stdout  # not in its view at all
+    else:
+        assert "read keep me" in result.stdout  # the opt-in: what user nobody may read is readable
 
 
 def test_network_is_blocked_under_bwrap(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -227,9 +244,6 @@ def test_network_is_blocked_under_bwrap(monkeypatch: pytest.MonkeyPatch) -> None
     assert result.stdout.startswith("blocked"), result.observation()
 
 
-def test_fallback_can_be_forced(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(SANDBOX_ENV, "subprocess")
-    assert run_python("print(1)").mode == "subprocess"
 
 
 def test_observation_notes() -> None:
@@ -267,3 +281,163 @@ def test_code_tests_reward() -> None:
 def test_code_tests_reward_needs_its_field() -> None:
     with pytest.raises(ValueError, match="'unit_tests'"):
         code_tests_reward(["p"], ["x = 1"], tests_field="unit_tests", answer=["1"])
+
+
+@pytest.fixture
+def caller_secrets(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Path]]:
+    """Files the caller can read and the code must not: a 0600 file in $HOME, a file in the caller's working
+    directory, and one beside a run directory (both outside /tmp, which bwrap replaces with its own)."""
+    if not (Path("/var/tmp").is_dir() and os.access("/var/tmp", os.W_OK)):
+        pytest.skip("/var/tmp is not a writable directory here")
+    home = Path.home()
+    if not (home.is_dir() and os.access(home, os.W_OK)):
+        pytest.skip(f"the home directory {home} is not writable here")
+    work = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="jaxrl_llm_sandbox_test_"))
+    work.chmod(0o755)
+    (work / "runs" / "my_run").mkdir(parents=True)
+    found = {"home": home / f".jaxrl_llm_sandbox_test_{secrets.token_hex(4)}", "cwd": work / ".env",
+             "beside_run": work / "runs" / "hf_token"}
+    for path in found.values():
+        path.write_text("SECRET")
+    found["home"].chmod(0o600)
+    monkeypatch.chdir(work)
+    try:
+        yield found
+    finally:
+        found["home"].unlink(missing_ok=True)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def test_bwrap_shows_the_code_a_minimal_view(caller_secrets: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    if not bwrap_usable():
+        pytest.skip("bubblewrap (bwrap) is not installed or not usable here")
+    monkeypatch.delenv(SANDBOX_ENV, raising=False)
+    prefix = os.path.realpath(sys.prefix)
+    reads = ["/etc/shadow", "/etc/hostname", *map(str, caller_secrets.values())]
+    lists = ["/root", "/home", os.path.dirname(prefix), str(caller_secrets["cwd"].parent), "/var", "/sys"]
+    writes = ["/x", "/etc/x", "/usr/x", "/root/x", f"{prefix}/x", "/var/x", "/proc/x", "/dev/x"]
+    result = run("bwrap", f"""
+        import json, os
+        seen = {{}}
+        for path in {reads!r}:
+            try:
+                seen[path] = open(path).read()
+            except OSError as e:
+                seen[path] = type(e).__name__
+        for path in {lists!r}:
+            try:
+                seen[path] = os.listdir(path)
+            except OSError as e:
+                seen[path] = type(e).__name__
+        for path in {writes!r}:
+            try:
+                open(path, "w").write("x")
+                seen[path] = "WROTE"
+            except OSError as e:
+                seen[path] = type(e).__name__
+        try:
+            os.chmod("/root", 0o755)
+            seen["chmod /root"] = "CHANGED"
+        except OSError as e:
+            seen["chmod /root"] = type(e).__name__
+        open("scratch.txt", "w").write("mine")  # the work dir is the code's own
+        open("/tmp/other.txt", "w").write("mine")
+        seen["work dir"] = sorted(os.listdir("."))
+        seen["/"] = sorted(os.listdir("/"))
+        print(json.dumps(seen))
+    """)
+    seen = json.loads(result.stdout)
+    assert "SECRET" not in result.stdout, seen
+    for path in reads:
+        assert seen[path] == "FileNotFoundError", (path, seen[path])  # not hidden: absent
+    for path in lists:
+        assert seen[path] in ("PermissionError", "FileNotFoundError"), (path, seen[path])
+    for path in writes:
+        assert seen[path] in ("OSError", "PermissionError", "FileNotFoundError"), (path, seen[path])
+    assert seen["chmod /root"] == "OSError"  # a read-only root: the closed directories stay closed
+    assert seen["work dir"] == ["main.py", "scratch.txt"]
+    assert set(seen["/"]) <= {"bin", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "root", "sbin", "tmp",
+                              "usr", *Path(prefix).parts[1:2]}
+    assert all(path.read_text() == "SECRET" for path in caller_secrets.values())
+
+
+def test_the_standard_library_and_installed_packages_work_under_bwrap(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not bwrap_usable():
+        pytest.skip("bubblewrap (bwrap) is not installed or not usable here")
+    monkeypatch.delenv(SANDBOX_ENV, raising=False)
+    result = run("bwrap", """
+        import collections, datetime, decimal, fractions, getpass, hashlib, itertools, json, math, random, re
+        import sqlite3, statistics, subprocess, tempfile, time
+        from multiprocessing import Pool
+        import numpy as np
+
+        db = sqlite3.connect(":memory:")
+        db.execute("create table t (x)")
+        db.executemany("insert into t values (?)", [(i,) for i in range(10)])
+        with tempfile.NamedTemporaryFile("w") as f:
+            f.write("x")
+        with Pool(2) as pool:
+            squares = pool.map(abs, [-1, -2, -3])
+        print(json.dumps({
+            "math": math.comb(10, 3), "fraction": str(fractions.Fraction(1, 3) + fractions.Fraction(1, 6)),
+            "decimal": str(decimal.Decimal("0.1") + decimal.Decimal("0.2")),
+            "sql": db.execute("select sum(x) from t").fetchone()[0],
+            "stats": statistics.mean([1, 2, 3, 4]), "sha": hashlib.sha256(b"a").hexdigest()[:8],
+            "regex": re.findall(r"\\d+", "a1b22"), "counter": collections.Counter("aab")["a"],
+            "pool": squares, "user": getpass.getuser(), "year": datetime.date(2026, 1, 1).year,
+            "zone": time.localtime().tm_zone is not None, "numpy": int(np.arange(5).sum()),
+            "echo": subprocess.run(["echo", "hi"], capture_output=True, text=True).stdout,
+            "perm": len(list(itertools.permutations(range(4)))), "random": 0 <= random.random() < 1,
+        }))
+    """, timeout_s=20)
+    assert result.returncode == 0, result.observation()
+    assert json.loads(result.stdout) == {
+        "math": 120, "fraction": "1/2", "decimal": "0.3", "sql": 45, "stats": 2.5, "sha": "ca978112",
+        "regex": ["1", "22"], "counter": 2, "pool": [1, 2, 3], "user": "nobody", "year": 2026, "zone": True,
+        "numpy": 10, "echo": "hi\n", "perm": 24, "random": True}
+
+
+def test_without_bwrap_nothing_runs_and_one_line_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch,
+                                                                        tmp_path: Path) -> None:
+    from jaxrl_llm.config import ConfigError, load_run_config
+    from jaxrl_llm.envs import sandbox
+    from jaxrl_llm.preflight import check_sandbox
+
+    monkeypatch.setattr(sandbox, "_probe", {})  # probed again, with no bwrap on PATH
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv(SANDBOX_ENV, raising=False)
+    marker = tmp_path / "ran"
+    result = run_python(f"open({str(marker)!r}, 'w').write('x')")
+    assert (result.mode, result.returncode, result.stdout) == ("bwrap", None, "")
+    assert not marker.exists()  # refused: the code never ran, in no other mode either
+    problem = sandbox_problem()
+    assert "\n" not in problem and "apt-get install bubblewrap" in problem and "env.sandbox: subprocess" in problem
+    assert result.stderr == f"sandbox unavailable: {problem}\n" and problem in result.observation()
+    with pytest.raises(RuntimeError, match="apt-get install bubblewrap"):
+        code_tests_reward(["p"], ["x = 1"], tests=["assert x == 1"])
+    config = load_run_config(None, ["env.name=tool_use", "env.tools=[calculator,python]"])
+    with pytest.raises(ConfigError, match=r"^the python tool \(env.tools\) run model code, and env.sandbox=bwrap "
+                                          r"cannot here: the code sandbox needs bubblewrap: .*apt-get install") as e:
+        check_sandbox(config)
+    assert "\n" not in str(e.value)
+    check_sandbox(load_run_config(None, ["env.name=tool_use", "env.tools=[calculator]"]))  # no code to run: fine
+
+
+def test_the_subprocess_opt_in_says_so_and_never_runs_as_root(monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    from jaxrl_llm.envs import sandbox
+
+    monkeypatch.setattr(sandbox, "_said", set())
+    monkeypatch.delenv(SANDBOX_ENV, raising=False)
+    if os.geteuid() == 0 and sandbox_problem("subprocess"):  # this interpreter is closed to nobody: refused
+        refused = run_python("print(1)", mode="subprocess")
+        assert refused.returncode is None and "runs the code as user nobody (65534), who cannot start" in \
+            refused.stderr and "apt-get install bubblewrap" in refused.stderr
+    if SUBPROCESS_PYTHON is None:
+        pytest.skip("run by root, and user nobody can start no Python here: the plain subprocess refuses")
+    result = run_python("import os\nprint(os.geteuid())", mode="subprocess", python=SUBPROCESS_PYTHON)
+    assert result.mode == "subprocess" and result.returncode == 0
+    assert int(result.stdout) == (sandbox.NOBODY if os.geteuid() == 0 else os.geteuid())
+    said = capsys.readouterr().err
+    assert "sandboxed code runs in a plain subprocess" in said and "opted in" in said
+    assert "no network isolation" in sandbox.describe_sandbox("subprocess", SUBPROCESS_PYTHON)

@@ -38,6 +38,7 @@ from jaxrl_llm.cli.errors import CommandParser, run_command
 from jaxrl_llm.cli.export import load_model
 from jaxrl_llm.config import DataSection, load_run_config
 from jaxrl_llm.data import build_prompt_set, load_records
+from jaxrl_llm.envs.sandbox import use_sandbox
 from jaxrl_llm.errors import RunDirError, UsageError
 from jaxrl_llm.evaluation import default_ks, generate_scored, summarize
 from jaxrl_llm.rewards import resolve_reward
@@ -143,22 +144,24 @@ def evaluate_episodes(args: argparse.Namespace, model: Any) -> tuple[dict[str, A
     data = dataclasses.replace(base.data, train=args.data, chat_template=base.data.chat_template or args.chat)
     config = dataclasses.replace(base, env=env, sampling=sampling, data=data,
                                  eval_reward=args.reward or base.eval_reward)
-    if not (config.eval_reward or config.rewards):
-        raise UsageError("--reward is required (a built-in like math_answer, or module:function)")
+    use_sandbox(config.env.sandbox)  # the python tool: the run's sandbox mode, else bubblewrap
     policy = (dataclasses.replace(run.algorithm.policy, config=config) if run is not None
               else load_policy(config))
     evaluation = EpisodeEvaluation(TrajectoryCollector(policy), args.batch_size or config.eval_batch_size)
-    evaluation.reward = eval_reward(config)
+    # Without a reward function the environment's rewards are the whole return.
+    evaluation.reward = eval_reward(config) if config.eval_reward or config.rewards else None
+    name = evaluation.reward[0] if evaluation.reward else None
     prompts = policy.prompt_set(args.data, config.data.split)
     limit = args.limit if args.limit >= 0 else (config.eval_size if run is not None else 0)
-    episodes, rewards, texts = evaluation.play(model.params, prompts, limit or None)
-    metrics = {k.removeprefix("eval/"): v for k, v in episode_metrics(episodes, rewards, evaluation.reward[0]).items()}
+    episodes, scores, texts = evaluation.play(model.params, prompts, limit or None)
+    metrics = {k.removeprefix("eval/"): v for k, v in episode_metrics(episodes, scores, name).items()}
     metrics["prompts"] = float(len(episodes))
     rows = [{"prompt_index": i, "prompt": texts[i], "conversation": ep.conversation,
-             "completion": ep.final_text, "reward": float(rewards[i]), "turns": ep.turns,
-             "tool_calls": ep.tool_calls, "tool_errors": ep.tool_errors} for i, ep in enumerate(episodes)]
+             "completion": ep.final_text, "reward": float(scores[i] + ep.env_reward), "env_reward": ep.env_reward,
+             "turns": ep.turns, "tool_calls": ep.tool_calls, "tool_errors": ep.tool_errors}
+            for i, ep in enumerate(episodes)]
     settings = {"model": args.model, "step": run.step if run else None, "data": args.data,
-                "reward": evaluation.reward[0], "greedy": True, "n": 1, "temperature": 0.0, "env": env.name,
+                "reward": name or "the environment's", "greedy": True, "n": 1, "temperature": 0.0, "env": env.name,
                 "tools": list(env.tools), "max_turns": env.max_turns, "max_new_tokens": sampling.max_new_tokens,
                 "limit": limit, "seed": args.seed, "dropped_prompts": prompts.num_dropped}
     return {"metrics": metrics, "settings": settings}, rows, output_folder(args, run)

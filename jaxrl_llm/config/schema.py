@@ -39,6 +39,8 @@ RENAMED = {
 
 DTYPES = ("float32", "bfloat16")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+# Where the python tool and the code_tests reward run model code (jaxrl_llm.envs.sandbox, docs/sandbox.md).
+SANDBOX_MODES = ("bwrap", "subprocess")
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 # rl.rollout_correction: where the old policy's log-probs come from (see RLSection)
 ROLLOUT_CORRECTIONS = ("none", "recompute", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -374,8 +376,12 @@ class EnvSection:
     max_turns: int = at_least(4, 1)  # the model's turns per episode at most
     # completion tokens per episode at most (the model's and the environment's); sampling.max_new_tokens per turn
     max_tokens: int = at_least(512, 1)
-    timeout_s: float = positive(30.0)  # one environment step longer than this ends its episode with an error
-    workers: int = at_least(8, 1)  # environment steps run in this many threads (they may block on tools)
+    # an environment's step (or start) not done within this ends its episode with an error; nothing waits for it
+    timeout_s: float = positive(30.0)
+    workers: int = at_least(8, 1)  # environment steps run in this many threads at once (they may block on tools)
+    # where the python tool and the code_tests reward run model code: bwrap (bubblewrap, a minimal read-only view,
+    # no network) | subprocess (opt-in: a plain subprocess under rlimits, without isolation)
+    sandbox: str = one_of("bwrap", SANDBOX_MODES)
 
 
 @dataclass

@@ -1,12 +1,15 @@
-"""Run untrusted Python (a model's code) under resource limits: in bubblewrap (`bwrap`) when it is usable, else
-in a plain subprocess. docs/sandbox.md says what each mode enforces.
+"""Run untrusted Python (a model's code) under resource limits, in bubblewrap (`bwrap`) with a minimal view of
+the filesystem, or, only when the user opts in by name, in a plain subprocess. docs/sandbox.md says what each mode
+enforces and what the code sees.
 
     result = run_python("print(6 * 7)", timeout_s=2)     SandboxResult(stdout="42\\n", ..., mode="bwrap")
     result.observation()                                 what a model sees: output, errors, a note on limits
+    sandbox_problem("bwrap")                             "" when that mode can run code here, else one line why
 
 A call never raises and never outlives its wall-clock timeout by more than the time it takes to kill the process:
-broken or hostile code (a loop, a fork bomb, a huge allocation or output) comes back as an error observation.
-`JAXRL_LLM_SANDBOX=subprocess` forces the plain subprocess (tests cover both modes that way).
+broken or hostile code (a loop, a fork bomb, a huge allocation or output) comes back as an error observation. The
+mode is `run_python(mode=...)`, else the run's `env.sandbox` (`use_sandbox`), else `JAXRL_LLM_SANDBOX`, else
+bwrap. Where bwrap is missing and nobody opted in, no code runs: the result says how to install bubblewrap.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from jaxrl_llm.config.schema import SANDBOX_MODES
 
 SANDBOX_ENV = "JAXRL_LLM_SANDBOX"
 # The largest file the code may write (RLIMIT_FSIZE) and, under bwrap, the size of each of its tmpfs mounts
@@ -98,14 +103,61 @@ class SandboxResult:
         return "\n".join(parts) if parts else "[no output]"
 
 
+INSTALL_BWRAP = "install bubblewrap (apt-get install bubblewrap, or dnf install bubblewrap)"
+OPT_IN = ("or opt in to a plain subprocess without isolation by name: env.sandbox: subprocess in a run "
+          f"({SANDBOX_ENV}=subprocess outside one); docs/sandbox.md")
+# What bwrap shows the code besides its interpreter, read-only: the system's programs and shared libraries
+# (/usr, and /bin, /lib, ... as the links into it that a merged /usr makes them, or as directories), the dynamic
+# loader's cache (where it finds those libraries) and the local time zone (time.localtime). /etc/passwd and
+# /etc/group are the sandbox's own (root and nobody), so user lookups work without the host's accounts.
+SYSTEM_DIRS = ("/usr",)
+SYSTEM_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+ETC_FILES = ("/etc/ld.so.cache", "/etc/localtime")
+_PASSWD = (f"root:x:0:0:root:/nonexistent:/usr/sbin/nologin\n"
+           f"nobody:x:{NOBODY}:{NOBODY}:nobody:{WORK_DIR}:/usr/sbin/nologin\n")
+_GROUP = f"root:x:0:\nnogroup:x:{NOBODY}:\n"
+
+
+@dataclass(frozen=True)
+class Interpreter:
+    """The Python that runs the code: its executable (directories resolved, so the path exists under bwrap) and
+    the directories it loads from that bwrap must show (its prefix, a venv's base prefix), outside /usr."""
+
+    executable: str
+    roots: tuple[str, ...]
+
+
 _probe_lock = threading.Lock()
-# "bwrap": ((path, modern options work) or None, why not); "nobody": (None, "yes" or "no")
-_probe: dict[str, tuple[tuple[str, bool] | None, str]] = {}
+_interpreters: dict[str, Interpreter] = {}
+_probe: dict[tuple[str, str], tuple[bool | None, str]] = {}  # (what, executable) -> (result, why not)
 
 
-def _bwrap_args(modern: bool, host_dir: Path | None) -> list[str]:
+def interpreter(python: str | None = None) -> Interpreter:
+    """The `Interpreter` of `python` (default: this one); another interpreter is asked once for its prefixes."""
+    python = python or sys.executable
+    with _probe_lock:
+        if python not in _interpreters:
+            if python == sys.executable:
+                prefixes = [sys.prefix, sys.base_prefix]
+            else:
+                ask = "import sys; print(sys.prefix); print(sys.base_prefix)"
+                out = subprocess.run([python, "-I", "-S", "-c", ask], capture_output=True, text=True, timeout=30,
+                                     check=True).stdout
+                prefixes = out.split("\n")[:2]
+            exe = os.path.join(os.path.realpath(os.path.dirname(python)), os.path.basename(python))
+            found = (*prefixes, os.path.dirname(exe), os.path.dirname(os.path.realpath(exe)))
+            dirs = {os.path.realpath(d) for d in found}
+            shown = [d for d in sorted(dirs) if not any(d == s or d.startswith(s + "/") for s in SYSTEM_DIRS)]
+            # a directory inside another one already shown needs no bind of its own
+            roots = tuple(d for d in shown if not any(d.startswith(o + "/") for o in shown if o != d))
+            _interpreters[python] = Interpreter(exe, roots)
+        return _interpreters[python]
+
+
+def _bwrap_args(modern: bool, interp: Interpreter, host_dir: Path) -> list[str]:
     """bwrap's options: no network, IPC, UTS or PID sharing, an unprivileged user in its own user namespace, a
-    read-only view of /, and small fresh tmpfs mounts; `modern` adds what bwrap >= 0.8 offers."""
+    read-only minimal view (the system directories, the interpreter's, a few /etc files) on a read-only root, and
+    small fresh tmpfs mounts; `modern` adds what bwrap >= 0.8 offers."""
     size = ["--size", str(DISK_MB * 2**20)] if modern else []
     args = ["--unshare-all", "--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY),
             "--die-with-parent", "--new-session"]
@@ -113,63 +165,137 @@ def _bwrap_args(modern: bool, host_dir: Path | None) -> list[str]:
         args += ["--disable-userns"]  # no nested user namespace, hence no way to regain capabilities in one
     if os.geteuid() == 0:
         args += ["--cap-drop", "ALL"]
-    args += ["--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev",
+    for d in SYSTEM_DIRS:
+        if os.path.isdir(d):
+            args += ["--ro-bind", d, d]
+    for link in SYSTEM_LINKS:
+        if os.path.islink(link):
+            args += ["--symlink", os.readlink(link), link]
+        elif os.path.isdir(link):
+            args += ["--ro-bind", link, link]
+    for f in ETC_FILES:
+        if os.path.exists(f):
+            args += ["--ro-bind", os.path.realpath(f), f]
+    args += ["--ro-bind", str(host_dir / "passwd"), "/etc/passwd", "--ro-bind", str(host_dir / "group"), "/etc/group"]
+    made: set[str] = set()
+    for root in interp.roots:
+        # The directories above the interpreter's (/root, /home/me, ...) exist only as its path: 0111, so the code
+        # may pass through them but not list them; the root is remounted read-only below, so it cannot chmod them.
+        for parent in reversed(Path(root).parents[:-1]):
+            if str(parent) not in made:
+                made.add(str(parent))
+                args += ["--perms", "0111", "--dir", str(parent)]
+        args += ["--ro-bind", root, root]
+    args += ["--proc", "/proc", "--dev", "/dev",
              # /dev is a writable tmpfs of unbounded size: a bounded /dev/shm on it, then the rest read-only.
              *size, "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
-             *size, "--tmpfs", "/tmp", "--dir", WORK_DIR]
-    if host_dir is not None:
-        args += ["--ro-bind", str(host_dir / "work" / "main.py"), f"{WORK_DIR}/main.py"]
+             *size, "--tmpfs", "/tmp", "--dir", WORK_DIR,
+             "--ro-bind", str(host_dir / "work" / "main.py"), f"{WORK_DIR}/main.py", "--remount-ro", "/"]
     return [*args, "--chdir", WORK_DIR]
 
 
-def _probe_bwrap() -> tuple[tuple[str, bool] | None, str]:
-    """`(bwrap's path, whether its modern options work)`, or None and why not; tried once per process."""
+def _host_dir(code: str, stdin: str) -> Path:
+    """A fresh host temp dir: `work/main.py`, `stdin` beside the work dir (out of the code's sight), and the
+    sandbox's /etc/passwd and /etc/group."""
+    host_dir = Path(tempfile.mkdtemp(prefix="jaxrl_llm_sandbox_"))
+    (host_dir / "work").mkdir()
+    (host_dir / "work" / "main.py").write_bytes(code.encode("utf-8", errors="replace"))
+    (host_dir / "stdin").write_bytes(stdin.encode("utf-8", errors="replace"))
+    (host_dir / "passwd").write_text(_PASSWD)
+    (host_dir / "group").write_text(_GROUP)
+    return host_dir
+
+
+def _probe_bwrap(interp: Interpreter) -> tuple[bool | None, str]:
+    """`(whether bwrap's modern options work, "")`, or `(None, why bwrap cannot run this interpreter)`; tried once
+    per process and interpreter."""
     with _probe_lock:
-        if "bwrap" not in _probe:
-            found: tuple[str, bool] | None = None
-            why = "bwrap (Debian's bubblewrap) is not installed"
+        key = ("bwrap", interp.executable)
+        if key not in _probe:
+            found: bool | None = None
+            why = "bwrap (bubblewrap) is not installed"
             bwrap = shutil.which("bwrap")
-            for modern in (True, False) if bwrap is not None else ():
-                assert bwrap is not None
-                try:
-                    proc = subprocess.run([bwrap, *_bwrap_args(modern, None), "--", sys.executable, "-I", "-S", "-c",
-                                           "pass"], capture_output=True, timeout=30, env=_sandbox_env())
-                except (OSError, subprocess.SubprocessError) as e:
-                    why = f"bwrap failed to start ({type(e).__name__}: {e})"
-                    break
-                if proc.returncode == 0:
-                    found = (bwrap, modern)
-                    break
-                err = proc.stderr.decode(errors="replace").strip().splitlines()
-                why = f"bwrap is not usable here ({err[-1] if err else f'exit status {proc.returncode}'})"
-            _probe["bwrap"] = (found, why)
-        return _probe["bwrap"]
+            host_dir = _host_dir("pass\n", "")
+            try:
+                for modern in (True, False) if bwrap is not None else ():
+                    assert bwrap is not None
+                    try:
+                        proc = subprocess.run([bwrap, *_bwrap_args(modern, interp, host_dir), "--",
+                                               interp.executable, "-I", "-S", "main.py"], capture_output=True,
+                                              timeout=30, env=_sandbox_env())
+                    except (OSError, subprocess.SubprocessError) as e:
+                        why = f"bwrap failed to start ({type(e).__name__}: {e})"
+                        break
+                    if proc.returncode == 0:
+                        found = modern
+                        break
+                    err = proc.stderr.decode(errors="replace").strip().splitlines()
+                    why = f"bwrap is not usable here ({err[-1] if err else f'exit status {proc.returncode}'})"
+            finally:
+                shutil.rmtree(host_dir, ignore_errors=True)
+            _probe[key] = (found, why)
+        return _probe[key]
 
 
-def bwrap_usable() -> bool:
-    """Whether bubblewrap runs here (probed once per process)."""
-    return _probe_bwrap()[0] is not None
+def bwrap_usable(python: str | None = None) -> bool:
+    """Whether bubblewrap runs this interpreter here (probed once per process)."""
+    return _probe_bwrap(interpreter(python))[0] is not None
 
 
-_noted_fallback = False
+_configured = ""
 
 
-def sandbox_mode() -> str:
-    """The mode `run_python` uses now: "subprocess" when forced by JAXRL_LLM_SANDBOX or when bwrap is unusable
-    (said once on stderr), else "bwrap"."""
-    global _noted_fallback
-    if os.environ.get(SANDBOX_ENV, "").strip().lower() == "subprocess":
-        return "subprocess"
-    found, why = _probe_bwrap()
-    if found is not None:
-        return "bwrap"
+def use_sandbox(mode: str) -> None:
+    """The mode of every later `run_python` call without its own `mode` in this process: a run's `env.sandbox`."""
+    global _configured
+    if mode not in SANDBOX_MODES:
+        raise ValueError(f"sandbox mode {mode!r}: one of {', '.join(SANDBOX_MODES)}")
+    _configured = mode
+
+
+def sandbox_mode(mode: str | None = None) -> str:
+    """The mode a call runs in: `mode`, else `use_sandbox`'s, else JAXRL_LLM_SANDBOX, else "bwrap"."""
+    return mode or _configured or os.environ.get(SANDBOX_ENV, "").strip().lower() or "bwrap"
+
+
+def sandbox_problem(mode: str | None = None, python: str | None = None) -> str:
+    """"" when `mode` (default: `sandbox_mode()`) can run code here, else one line saying why and what to do."""
+    mode = sandbox_mode(mode)
+    interp = interpreter(python)
+    if mode == "bwrap":
+        found, why = _probe_bwrap(interp)
+        return "" if found is not None else f"the code sandbox needs bubblewrap: {why}; {INSTALL_BWRAP}, {OPT_IN}"
+    if mode != "subprocess":
+        return f"sandbox mode {mode!r} ({SANDBOX_ENV} or env.sandbox): one of {', '.join(SANDBOX_MODES)}"
+    if os.geteuid() == 0 and not _nobody_can_run(interp):
+        return (f"the plain-subprocess sandbox, run by root, runs the code as user nobody ({NOBODY}), who cannot "
+                f"start {interp.executable} (a directory on its path is closed to other users); {INSTALL_BWRAP}, or "
+                f"run as a user other than root")
+    return ""
+
+
+_said: set[str] = set()
+
+
+def _say_once(line: str) -> None:
     with _probe_lock:
-        if not _noted_fallback:
-            _noted_fallback = True
-            print(f"jaxrl_llm: {why}; sandboxed code runs in a plain subprocess under resource limits, without "
-                  f"network isolation or a read-only view of the system (docs/sandbox.md)", file=sys.stderr,
-                  flush=True)
-    return "subprocess"
+        if line in _said:
+            return
+        _said.add(line)
+    print(f"jaxrl_llm: {line}", file=sys.stderr, flush=True)
+
+
+def describe_sandbox(mode: str | None = None, python: str | None = None) -> str:
+    """One line for a run's log: the mode and what it isolates, or why it cannot run."""
+    mode = sandbox_mode(mode)
+    problem = sandbox_problem(mode, python)
+    if problem:
+        return problem
+    if mode == "bwrap":
+        return "sandboxed code runs in bubblewrap: a minimal read-only view, no network (docs/sandbox.md)"
+    user = f"user nobody ({NOBODY})" if os.geteuid() == 0 else "this process's user"
+    return (f"sandboxed code runs in a plain subprocess as {user} (env.sandbox: subprocess, opted in): rlimits only, "
+            f"no network isolation, the files that user may read are readable (docs/sandbox.md)")
 
 
 def _sandbox_env(home: str = WORK_DIR) -> dict[str, str]:
@@ -177,6 +303,7 @@ def _sandbox_env(home: str = WORK_DIR) -> dict[str, str]:
     return {
         "PATH": "/usr/local/bin:/usr/bin:/bin",
         "HOME": home,
+        "TMPDIR": home,
         "LANG": "C.UTF-8",
         "PYTHONIOENCODING": "utf-8",
         "PYTHONDONTWRITEBYTECODE": "1",
@@ -187,61 +314,63 @@ def _sandbox_env(home: str = WORK_DIR) -> dict[str, str]:
     }
 
 
-def _nobody_can_run_python() -> bool:
-    """Whether uid `NOBODY` can start this interpreter (not when it lives under root's 0700 home); tried once."""
+def _nobody_can_run(interp: Interpreter) -> bool:
+    """Whether uid `NOBODY` can start the interpreter (not when it lives under root's 0700 home); tried once."""
     with _probe_lock:
-        if "nobody" not in _probe:
+        key = ("nobody", interp.executable)
+        if key not in _probe:
             try:
-                ok = subprocess.run([sys.executable, "-I", "-S", "-c", "pass"], capture_output=True, timeout=30,
+                ok = subprocess.run([interp.executable, "-I", "-S", "-c", "pass"], capture_output=True, timeout=30,
                                     cwd="/", env=_sandbox_env(), user=NOBODY, group=NOBODY,
                                     extra_groups=[]).returncode == 0
             except (OSError, subprocess.SubprocessError):
                 ok = False
-            _probe["nobody"] = (None, "yes" if ok else "no")
-        return _probe["nobody"][1] == "yes"
+            _probe[key] = (ok, "")
+        return bool(_probe[key][0])
 
 
 def run_python(code: str, *, timeout_s: float = 5.0, memory_mb: int = 512, max_output_bytes: int = 8192,
-               max_processes: int = 16, stdin: str = "") -> SandboxResult:
-    """Run `code` as a Python program in the sandbox with `stdin` as its input; never raises."""
-    mode = "subprocess"
+               max_processes: int = 16, stdin: str = "", mode: str | None = None,
+               python: str | None = None) -> SandboxResult:
+    """Run `code` as a Python program in the sandbox with `stdin` as its input; never raises. `mode`: "bwrap" or
+    "subprocess" (default: `sandbox_mode()`); `python`: the interpreter (default: this one)."""
+    mode = sandbox_mode(mode)
     try:
-        mode = sandbox_mode()
-        return _run(code, mode, max(0.01, float(timeout_s)), max(1, int(memory_mb)), max(0, int(max_output_bytes)),
-                    max(1, int(max_processes)), stdin)
+        problem = sandbox_problem(mode, python)
+        if problem:  # refused: no code runs outside the sandbox asked for
+            _say_once(problem)
+            return SandboxResult("", f"sandbox unavailable: {problem}\n", None, False, False, mode)
+        if mode == "subprocess":
+            _say_once(describe_sandbox(mode, python))
+        return _run(code, mode, interpreter(python), max(0.01, float(timeout_s)), max(1, int(memory_mb)),
+                    max(0, int(max_output_bytes)), max(1, int(max_processes)), stdin)
     except Exception as e:  # a sandbox that fails must read as a failed run to the caller, not stop it
         return SandboxResult("", f"sandbox error: {type(e).__name__}: {e}", None, False, False, mode)
 
 
-def _run(code: str, mode: str, timeout_s: float, memory_mb: int, max_output_bytes: int, max_processes: int,
-         stdin: str) -> SandboxResult:
-    host_dir = Path(tempfile.mkdtemp(prefix="jaxrl_llm_sandbox_"))
+def _run(code: str, mode: str, interp: Interpreter, timeout_s: float, memory_mb: int, max_output_bytes: int,
+         max_processes: int, stdin: str) -> SandboxResult:
+    host_dir = _host_dir(code, stdin)
     try:
-        work_dir = host_dir / "work"  # the fallback's work dir; stdin stays beside it, out of the code's sight
-        work_dir.mkdir()
-        (work_dir / "main.py").write_bytes(code.encode("utf-8", errors="replace"))
-        (host_dir / "stdin").write_bytes(stdin.encode("utf-8", errors="replace"))
+        work_dir = host_dir / "work"  # the fallback's work dir
         limits = [int(timeout_s) + 1, memory_mb * 2**20, max_processes, DISK_MB * 2**20, OPEN_FILES, 0]
-        inner = [sys.executable, "-I", "-S", "-c", _LAUNCHER, *map(str, limits)]
+        inner = [interp.executable, "-I", "-S", "-c", _LAUNCHER, *map(str, limits)]
         user: int | None = None
         if mode == "bwrap":
-            found, _ = _probe_bwrap()
-            assert found is not None
-            argv, cwd = [found[0], *_bwrap_args(found[1], host_dir), "--", *inner], None
+            modern, _ = _probe_bwrap(interp)
+            bwrap = shutil.which("bwrap")
+            assert modern is not None and bwrap is not None
+            argv, cwd = [bwrap, *_bwrap_args(modern, interp, host_dir), "--", *inner], None
             # Run by root, bwrap maps the sandbox's user to root outside, whom the kernel exempts from
             # RLIMIT_NPROC: the process count is then watched from here instead.
             watch_processes = os.geteuid() == 0
         else:
             argv, cwd = inner, work_dir
             watch_processes = False
-            if os.geteuid() == 0:
-                if _nobody_can_run_python():
-                    # Root ignores RLIMIT_NPROC and may write anywhere: the code runs as nobody, in a dir it owns.
-                    user = NOBODY
-                    os.chown(work_dir, NOBODY, NOBODY)
-                    host_dir.chmod(0o711)  # mkdtemp's 0700 would bar nobody from the path to its own dir
-                else:
-                    watch_processes = True
+            if os.geteuid() == 0:  # never root: `sandbox_problem` refused the mode unless nobody can run it
+                user = NOBODY
+                os.chown(work_dir, NOBODY, NOBODY)
+                host_dir.chmod(0o711)  # mkdtemp's 0700 would bar nobody from the path to its own dir
         deadline = time.monotonic() + timeout_s
         with open(host_dir / "stdin", "rb") as stdin_file:
             proc = subprocess.Popen(argv, stdin=stdin_file, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd,

@@ -13,20 +13,25 @@ an error observation the model can read; it never stops the run.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
+import functools
 import importlib
 import json
 import re
+import time
 from collections.abc import Callable
 from typing import Any
 
 from jaxrl_llm.envs.calculator import CalculatorError, calculate
+from jaxrl_llm.envs.deadlines import DeadlineExceeded, DeadlineWorkers, HungCalls
 from jaxrl_llm.envs.sandbox import run_python
 from jaxrl_llm.errors import ConfigError
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 MAX_RESULT_CHARS = 2000  # a tool's answer is cut to this many characters before the model reads it
+# Every tool call of the process runs here: as many at once as a run's environment steps usually make (each waits
+# on its tool), and at most 64 abandoned calls alive before a tool answers "unavailable".
+TOOL_WORKERS = DeadlineWorkers(16, "jaxrl_llm-tool", max_hung=64)
 
 
 class ToolError(Exception):
@@ -81,8 +86,8 @@ def parse_tool_calls(text: str) -> tuple[list[ToolCall], list[str]]:
 
 
 def call_tool(tools: dict[str, Tool], call: ToolCall) -> tuple[str, bool]:
-    """`(observation, ok)` of one call: the tool's answer, or an error the model can read. The tool runs in a
-    worker thread so that one that hangs past its timeout is abandoned, not waited for."""
+    """`(observation, ok)` of one call: the tool's answer, or an error the model can read. The tool runs on
+    `TOOL_WORKERS`, so one that hangs past its `timeout_s` is abandoned, not waited for (envs/deadlines.py)."""
     tool = tools.get(call.name)
     if tool is None:
         return f"error: unknown tool {call.name!r} (available: {', '.join(sorted(tools))})", False
@@ -91,15 +96,16 @@ def call_tool(tools: dict[str, Tool], call: ToolCall) -> tuple[str, bool]:
     missing, unknown = [a for a in required if a not in call.arguments], [a for a in call.arguments if a not in known]
     if missing or unknown:
         return f"error: {call.name} takes {', '.join(known)}; got {', '.join(call.arguments) or 'nothing'}", False
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    pending = TOOL_WORKERS.submit(functools.partial(tool.fn, **call.arguments),
+                                  deadline=time.monotonic() + tool.timeout_s)
     try:
-        return str(pool.submit(tool.fn, **call.arguments).result(timeout=tool.timeout_s))[:MAX_RESULT_CHARS], True
-    except concurrent.futures.TimeoutError:
+        return str(TOOL_WORKERS.result(pending))[:MAX_RESULT_CHARS], True
+    except HungCalls:
+        return f"error: {call.name} is unavailable (earlier calls to tools still hang)", False
+    except DeadlineExceeded:
         return f"error: {call.name} took longer than {tool.timeout_s:g} s", False
     except Exception as e:  # a tool that raises is the model's observation, never the run's crash
         return f"error: {' '.join(str(e).split())[:300] or type(e).__name__}", False
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def tool_instructions(tools: list[Tool]) -> str:

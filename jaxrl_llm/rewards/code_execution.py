@@ -1,7 +1,9 @@
 """The code-execution reward `code_tests`: a completion's Python code, followed by its record's unit tests (a
 string of asserts), run in the sandbox (jaxrl_llm.envs.sandbox); 1.0 when the program gets through the tests
-and exits 0, else 0.0. A random marker written after the tests tells a pass from code that exits early with
-status 0 (`sys.exit(0)`, `os._exit(0)`); code set on cheating could still read it from its own file.
+and exits 0, else 0.0. Where the sandbox cannot run (no bubblewrap, and no opt-in to the plain subprocess), it
+raises rather than score every completion 0. A random marker written after the tests tells a pass from code that
+exits early with status 0 (`sys.exit(0)`, `os._exit(0)`); code set on cheating could still read it from its own
+file.
 
     rewards:
       - name: jaxrl_llm.rewards.code_execution:code_tests_reward
@@ -17,7 +19,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from jaxrl_llm.envs.sandbox import run_python
+from jaxrl_llm.envs.sandbox import run_python, sandbox_problem
 
 # A fenced block tagged python (or py), or untagged; the last one is the answer (earlier ones are often drafts).
 _FENCED = re.compile(r"```(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
@@ -39,6 +41,9 @@ def code_tests_reward(prompts: Sequence[str], completions: Sequence[str], *, tes
                          f"Python asserts per record); fields present: {', '.join(sorted(fields)) or 'none'}")
     if len(tests) != len(completions):
         raise ValueError(f"code_tests got {len(tests)} {tests_field!r} values for {len(completions)} completions")
+    problem = sandbox_problem()
+    if problem:  # no code runs outside the sandbox, and a sandbox that cannot run must not read as failed tests
+        raise RuntimeError(problem)
 
     def score(i: int) -> float:
         marker = secrets.token_hex(16)

@@ -9,6 +9,7 @@ import jax
 
 from jaxrl_llm.config import RunConfig
 from jaxrl_llm.data import DataState
+from jaxrl_llm.envs.sandbox import describe_sandbox, use_sandbox
 from jaxrl_llm.trainers.base import Algorithm, Collected, State
 from jaxrl_llm.trainers.policy import GreedyEvaluation, load_policy
 from jaxrl_llm.trainers.rollouts import DriftMeter, Rollout, RolloutCollector, rollout_tokens
@@ -31,6 +32,16 @@ def rl_micro_batch(c: RunConfig) -> tuple[str, int]:
         minibatch // c.rl.grad_accum
 
 
+CODE_TESTS = ("code_tests", "jaxrl_llm.rewards.code_execution:code_tests_reward")
+
+
+def sandbox_users(c: RunConfig) -> list[str]:
+    """What in the run executes model code in the sandbox (`env.sandbox`): the python tool, the code_tests reward."""
+    users = ["the python tool (env.tools)"] if c.env.name and "python" in c.env.tools else []
+    rewards = [spec.name for spec in c.rewards] + [c.eval_reward]
+    return users + [f"the {name} reward" for name in dict.fromkeys(rewards) if name in CODE_TESTS]
+
+
 class RolloutAlgorithm(Algorithm):
     """What the algorithms that sample their batches share (the GRPO family, PPO): the policy, the rollout
     collector, the held-out evaluation and the drift meter, and the shell's calls that only read them. `reference`:
@@ -43,6 +54,7 @@ class RolloutAlgorithm(Algorithm):
     def __init__(self, config: RunConfig, *, reference: bool) -> None:
         super().__init__(config)
         c = config
+        use_sandbox(c.env.sandbox)  # where the python tool and the code_tests reward run model code
         self.policy = p = load_policy(c)
         self.mesh, self.vocab_size = p.mesh, p.model_config.vocab_size
         # Multi-turn episodes with an environment (env.name), else one completion per prompt.
@@ -57,8 +69,10 @@ class RolloutAlgorithm(Algorithm):
 
     def describe(self) -> str:
         p = self.policy
+        users = sandbox_users(self.config)
+        sandbox = f"; {' and '.join(users)}: {describe_sandbox()}" if users else ""
         return (f"model {p.tokenizer_dir} ({p.model_config.num_params() / 1e6:.2f}M params), "
-                f"{self.collector.describe()}, {jax.device_count()} device(s)")
+                f"{self.collector.describe()}, {jax.device_count()} device(s){sandbox}")
 
     def collect(self, state: State, data_state: DataState, key: jax.Array) -> Collected:
         ro, data_state, refills = self.collector.collect(self.policy.inference_weights(state["params"]), data_state,

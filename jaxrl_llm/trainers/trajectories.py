@@ -4,7 +4,7 @@
                                                   the tools' declarations)
     turn 1: sample G completions of each prompt   exactly the single-turn sampler call (same key, same shapes)
     repeat until every episode is done (the environment says so, max_turns, the token budget, a cut turn):
-        env.step(text of the turn)                on the host, in a thread pool, each with a timeout
+        env.step(text of the turn)                on the host, in worker threads, each cut at env.timeout_s
         append the environment's messages         rendered by the chat template, masked out of the loss
         sample the next turn of the live rows     the conversation so far re-prefilled (no KV carried over)
 
@@ -12,12 +12,11 @@ The update sees exactly the sampled token ids: a turn's tokens are appended as t
 never re-tokenized from text, and only the environment's messages are tokenized. `loss_mask [N, T]` is 1 on the
 model's tokens and 0 on the environment's; `mask` (attention) is 1 on both. The old policy's log-probs are the
 sampler's for the model's tokens. The run's reward functions score the last assistant message; the environment's
-per-turn rewards are added to it (one reward per trajectory).
+per-turn rewards are added to it (one reward per trajectory), or are the whole reward when the run has none.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import time
 from typing import Any
@@ -28,6 +27,7 @@ import numpy as np
 from jaxrl_llm.config import DataSection
 from jaxrl_llm.data import PromptSet, bucket, encode_text, left_pad, render_prompt
 from jaxrl_llm.envs.base import Environment, Message, StepResult, resolve_environment
+from jaxrl_llm.envs.deadlines import Call, DeadlineExceeded, DeadlineWorkers, HungCalls
 from jaxrl_llm.envs.tools import Tool, resolve_tools, template_supports_tools, tool_instructions
 from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.models.decoder import Params
@@ -122,7 +122,7 @@ class TrajectoryCollector(RolloutCollector):
         self.tools = resolve_tools(e.tools)
         self.env_kwargs = {**dict(e.kwargs), **({"tools": self.tools} if self.tools else {})}
         self.tool_schemas, self.data_config = declare_tools(self.tools, c.data, policy.tokenizer)
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=e.workers, thread_name_prefix="jaxrl_llm-env")
+        self.workers = DeadlineWorkers(e.workers, "jaxrl_llm-env")
         self.env_seconds = 0.0
 
     def describe(self) -> str:
@@ -146,9 +146,13 @@ class TrajectoryCollector(RolloutCollector):
         """`sampling.n` episodes of each prompt of `indices` (rows prompt-major), played to their end; with the
         rendered prompts' texts and their left-padded tokens and mask `[P, W]`."""
         p, g, c = self.policy, sampling.n, self.policy.config
-        t0 = time.perf_counter()
-        opened = list(self.pool.map(self._open, [prompts.records[i] for i in indices for _ in range(g)]))
-        self.env_seconds += time.perf_counter() - t0
+        t0 = time.monotonic()
+        records = [prompts.records[i] for i in indices for _ in range(g)]
+        calls = [self.workers.submit(self._open, record, deadline=t0 + self.env_config.timeout_s)
+                 for record in records]
+        opened = [opened_episode(self.workers, call, record, self.policy.config.data, self.env_config.timeout_s)
+                  for call, record in zip(calls, records, strict=True)]
+        self.env_seconds += time.monotonic() - t0
         rendered = [render_prompt(opened[i * g][1], self.data_config, p.tokenizer, f"prompt {j}", self.tool_schemas)
                     for i, j in enumerate(indices)]
         episodes = [Episode(env, rendered[r // g][1], conversation=_as_messages(opening), error=error,
@@ -189,13 +193,13 @@ class TrajectoryCollector(RolloutCollector):
             episodes[r].add_model_turn(ids, np.asarray(out.logprobs[i])[m].tolist(),
                                        np.asarray(out.logprobs_untruncated[i])[m].tolist(),
                                        bool(out.stopped_on_eos[i]), texts[-1])
-        t0 = time.perf_counter()
-        steps = {r: self.pool.submit(episodes[r].env.step, text) for r, text in zip(rows, texts, strict=True)
-                 if episodes[r].env is not None and not episodes[r].done}
-        deadline = t0 + e.timeout_s  # every step of the turn started now: none is waited for past this
+        t0 = time.monotonic()
+        deadline = t0 + e.timeout_s  # every step of the turn is submitted now: none runs or is waited for past this
+        steps = {r: self.workers.submit(episodes[r].env.step, text, deadline=deadline)
+                 for r, text in zip(rows, texts, strict=True) if episodes[r].env is not None and not episodes[r].done}
         for r in rows:
             ep = episodes[r]
-            result = step_result(steps[r], ep, deadline, e.timeout_s) if r in steps else StepResult([], done=True)
+            result = step_result(self.workers, steps[r], ep, e.timeout_s) if r in steps else StepResult([], done=True)
             ep.record_step(result, e.max_turns)
             if not ep.done:  # the environment's messages, rendered; past the token budget the episode ends instead
                 text = followup_text(tokenizer, result.messages, chat=self.data_config.chat_template)
@@ -203,7 +207,7 @@ class TrajectoryCollector(RolloutCollector):
                 ep.done = not result.messages or len(ep.tokens) + len(ids) >= e.max_tokens
                 if not ep.done:
                     ep.add_env_messages(ids, result.messages)
-        self.env_seconds += time.perf_counter() - t0
+        self.env_seconds += time.monotonic() - t0
 
     def _assemble(self, episodes: list[Episode], records: list[dict[str, Any]], prompt_texts: list[str],
                   prompt_tokens: np.ndarray, prompt_mask: np.ndarray, indices: np.ndarray) -> Rollout:
@@ -214,7 +218,7 @@ class TrajectoryCollector(RolloutCollector):
         completions = [ep.final_text for ep in episodes]
         rewards, each = self._rewards(records, prompt_texts, completions, out)
         env_rewards = np.asarray([ep.env_reward for ep in episodes], np.float32)
-        if env_rewards.any():
+        if env_rewards.any() or not each:  # with no reward function the environment's rewards are the reward
             rewards, each = rewards + env_rewards, {**each, "env": env_rewards}
         credit = turn_credit(episodes, loss_mask.shape[1])
         return Rollout(prompt_tokens, prompt_mask, out, rewards, each, completions, indices, loss_mask=loss_mask,
@@ -260,12 +264,27 @@ def open_episode(factory: Any, kwargs: dict[str, Any], record: dict[str, Any], d
     return env, opening, ""
 
 
-def step_result(future: concurrent.futures.Future, ep: Episode, deadline: float, timeout_s: float) -> StepResult:
-    """The environment's answer, or (it raised, or was not done by `deadline`) the end of the episode."""
+def opened_episode(workers: DeadlineWorkers, call: Call, record: dict[str, Any], data: DataSection,
+                   timeout_s: float) -> tuple[Environment | None, list[Message] | str, str]:
+    """`open_episode`'s answer, or an empty episode when the environment's factory or `reset` did not return by
+    its deadline (a `ConfigError` still stops the run)."""
     try:
-        result = future.result(timeout=max(0.0, deadline - time.perf_counter()))
+        return workers.result(call)
+    except HungCalls as e:
+        error = f"the environment did not start: {e}"
+    except DeadlineExceeded:
+        error = f"the environment's reset took longer than env.timeout_s={timeout_s:g} s"
+    return None, record.get(data.prompt_field, ""), error
+
+
+def step_result(workers: DeadlineWorkers, call: Call, ep: Episode, timeout_s: float) -> StepResult:
+    """The environment's answer, or (it raised, or was not done by its deadline) the end of the episode."""
+    try:
+        result = workers.result(call)
         return result if isinstance(result, StepResult) else StepResult(*result)
-    except concurrent.futures.TimeoutError:
+    except HungCalls as e:
+        ep.error = f"the environment did not step: {e}"
+    except DeadlineExceeded:
         ep.error = f"the environment took longer than env.timeout_s={timeout_s:g} s"
     except Exception as e:  # the environment's bug ends its own episode, never the run
         ep.error = f"the environment raised {type(e).__name__}: {' '.join(str(e).split())[:200]}"
@@ -329,26 +348,27 @@ def _as_messages(opening: list[Message] | str) -> list[Message]:
 
 class EpisodeEvaluation:
     """Held-out greedy success of the policy in its environment: each prompt of `data.eval` played once, greedy,
-    to the episode's end; `eval/accuracy` is the share of final answers the eval reward scores exactly 1, and
-    `eval/<reward>` its mean, as the single-turn evaluation's; `eval/turns` and `eval/tool_calls` per episode."""
+    to the episode's end, scored like training: an episode's return is the environment's rewards plus the eval
+    reward's score of the final answer (`eval_reward`, else the first of `rewards`; none when the run has neither,
+    and the environment's rewards are the whole return). `episode_metrics` says what is logged."""
 
     def __init__(self, collector: TrajectoryCollector, batch_size: int) -> None:
         p, c = collector.policy, collector.policy.config
         self.collector, self.batch_size = collector, batch_size
         self.prompts = p.prompt_set(c.data.eval, c.data.eval_split) if c.data.eval else None
-        self.reward = eval_reward(c) if c.data.eval else None
+        self.reward = eval_reward(c) if c.data.eval and (c.eval_reward or c.rewards) else None
 
     def __call__(self, params: Params, limit: int | None) -> dict[str, float]:
-        if self.prompts is None or self.reward is None:
+        if self.prompts is None:
             return {}
-        episodes, rewards, _ = self.play(params, self.prompts, limit)
-        return episode_metrics(episodes, rewards, self.reward[0])
+        episodes, scores, _ = self.play(params, self.prompts, limit)
+        return episode_metrics(episodes, scores, self.reward[0] if self.reward else None)
 
     def play(self, params: Params, prompts: PromptSet, limit: int | None
              ) -> tuple[list[Episode], np.ndarray, list[str]]:
-        """Each of the first `limit` prompts played once, greedy: the episodes, the eval reward of each final
-        answer, and each episode's rendered opening (with the tools' declarations)."""
-        assert self.reward is not None
+        """Each of the first `limit` prompts played once, greedy: the episodes, the eval reward's score of each
+        final answer (0 without an eval reward), and each episode's rendered opening (with the tools'
+        declarations)."""
         count = len(prompts) if limit is None else min(limit, len(prompts))
         greedy = self.collector.policy.sampling_config(greedy=True, n=1)
         episodes: list[Episode] = []
@@ -357,17 +377,24 @@ class EpisodeEvaluation:
             indices = np.arange(start, min(start + self.batch_size, count))
             played, rendered, _, _ = self.collector.run_episodes(params, prompts, indices, jax.random.key(0), greedy)
             episodes, texts = episodes + played, texts + rendered
+        if self.reward is None:
+            return episodes, np.zeros(len(episodes)), texts
         records = prompts.records[:count]
         fields = {k: [r.get(k) for r in records] for k in set().union(*records)}
-        rewards = self.reward[1](texts, [ep.final_text for ep in episodes], **fields)
-        return episodes, np.asarray(rewards, np.float64), texts
+        scores = self.reward[1](texts, [ep.final_text for ep in episodes], **fields)
+        return episodes, np.asarray(scores, np.float64), texts
 
 
-def episode_metrics(episodes: list[Episode], rewards: np.ndarray, reward_name: str) -> dict[str, float]:
-    """Held-out metrics of greedy episodes: accuracy (reward exactly 1), the mean reward, turns and tool calls per
+def episode_metrics(episodes: list[Episode], scores: np.ndarray, reward_name: str | None) -> dict[str, float]:
+    """Held-out metrics of greedy episodes: `eval/return` (the mean of each episode's environment rewards plus its
+    eval reward score), `eval/accuracy` (the share of episodes whose return reaches 1), `eval/env` (the
+    environment's rewards), `eval/<reward>` (the eval reward's mean, when there is one), turns and tool calls per
     episode, and the share of calls that failed."""
     calls = sum(ep.tool_calls for ep in episodes)
-    return {"eval/accuracy": float((rewards == 1.0).mean()), f"eval/{reward_name}": float(rewards.mean()),
+    env = np.asarray([ep.env_reward for ep in episodes], np.float64)
+    returns = env + scores
+    return {"eval/accuracy": float((returns >= 1.0).mean()), "eval/return": float(returns.mean()),
+            "eval/env": float(env.mean()), **({f"eval/{reward_name}": float(scores.mean())} if reward_name else {}),
             "eval/turns": float(np.mean([ep.turns for ep in episodes])),
             "eval/tool_calls": float(np.mean([ep.tool_calls for ep in episodes])),
             "eval/tool_errors": float(sum(ep.tool_errors for ep in episodes) / calls) if calls else 0.0}
