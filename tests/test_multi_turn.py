@@ -3,14 +3,18 @@ positions, a one-turn environment is today's single-turn step bit for bit, and t
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
-from conftest import read_rows, read_samples, tiny_run
+from conftest import ROOT, read_rows, read_samples, tiny_run, tiny_run_args
 
 import jaxrl_llm.trainers.trajectories as trajectories
 from jaxrl_llm.data import DataState, encode_text, load_tokenizer
@@ -42,7 +46,15 @@ def chatty(record: dict, **kwargs: object) -> ChattyEnvironment:
 
 
 class BrokenEnvironment(ChattyEnvironment):
-    """Raises on odd rows' first step and hangs on the others' (past env.timeout_s)."""
+    """Every fourth one hangs at its start; the others raise on odd rows' first step and hang on the others' (past
+    env.timeout_s)."""
+
+    started = itertools.count()
+
+    def reset(self) -> list[dict]:
+        if next(self.started) % 4 == 0:
+            time.sleep(3.0)
+        return super().reset()
 
     def step(self, text: str) -> StepResult:
         if int(self.record["prompt"].split("+")[0]) % 2:
@@ -154,7 +166,52 @@ def test_an_environment_that_raises_or_hangs_ends_its_episode_not_the_run(tiny_t
     assert (collected.batch.episode_stats["turns"] == 1).all()
     errors = {ep_error for ep_error in collected.batch.episode_stats["env_error_messages"]}
     assert any("raised RuntimeError: the game crashed" in e for e in errors)
-    assert any("longer than env.timeout_s=0.5 s" in e for e in errors)  # the hung steps were abandoned
+    assert any("environment took longer than env.timeout_s=0.5 s" in e for e in errors), errors  # hung steps abandoned
+    assert any("reset took longer than env.timeout_s=0.5 s" in e for e in errors)  # and hung starts
+    assert collected.metrics["time/env"] < 0.5 * 2 + 2.0  # one deadline to start, one to step: not the 3 s hangs
+
+
+HUNG_ENVIRONMENT = """
+import time
+
+from jaxrl_llm.envs.base import StepResult
+
+
+class Hung:
+    def __init__(self, record, **kwargs):
+        self.record = record
+
+    def reset(self):
+        return [{"role": "user", "content": self.record["prompt"]}]
+
+    def step(self, text):
+        time.sleep(600)  # far past env.timeout_s, and past the test's own timeout
+        return StepResult([], 1.0, True)
+
+
+def hung(record, **kwargs):
+    return Hung(record)
+"""
+
+
+def test_a_run_whose_environment_hangs_every_step_pays_the_deadline_and_exits_at_once(tiny_task, tmp_path):
+    (tmp_path / "hung_env.py").write_text(HUNG_ENVIRONMENT)
+    out = tmp_path / "run"
+    args = tiny_run_args(out, "data.eval=", "env.name=hung_env:hung", "env.timeout_s=1", "env.workers=2",
+                         "steps=3", "rewards=[]", task=tiny_task)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "--algo", "grpo", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=400)
+    ended = time.time()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_rows(out, "reward/mean")
+    assert len(rows) == 3 and all(row["env_errors/frac"] == 1.0 and row["reward/mean"] == 0.0 for row in rows)
+    # Each step waits for its environment steps until env.timeout_s, then goes on: 2 workers each hold a hung call
+    # per step (6 by the end) and the other 14 episodes' steps are cancelled at the deadline, not queued behind them.
+    assert all(1.0 <= row["time/env"] < 1.0 + 10 for row in rows), [row["time/env"] for row in rows]
+    assert rows[-1]["time/step"] < 1.0 + 30  # the deadline and the tiny model's own work, not the 600 s hang
+    last_write = max(path.stat().st_mtime for path in out.rglob("*") if path.is_file())
+    assert ended - last_write < 30  # the process did not wait for its 6 hung calls to end
 
 
 def test_a_tool_run_logs_turns_and_shows_conversations(tiny_task, tmp_path):
@@ -331,3 +388,17 @@ def test_a_template_that_renders_tools_gets_their_schemas(tiny_chat_model):
     assert schemas == [CALCULATOR.schema] and data.system_prompt == ""
     text, _ = render_prompt("What is 2 * 3?", data, tokenizer, "test", schemas)
     assert text.startswith("<|im_start|>system\nTools: calculator ")
+
+
+def test_a_run_that_executes_model_code_says_where_at_its_start(tiny_task, tmp_path):
+    from jaxrl_llm.envs.sandbox import bwrap_usable
+    from jaxrl_llm.preflight import check_sandbox
+
+    config = tiny_run("grpo_arithmetic", tmp_path / "run", "data.eval=", "env.name=tool_use",
+                      "env.tools=[calculator,python]", task=tiny_task)
+    if not bwrap_usable():
+        pytest.skip("bubblewrap is not usable here: the run refuses to start (tests/test_sandbox.py)")
+    check_sandbox(config)
+    described = make_trainer(config).algorithm.describe()
+    assert described.endswith("; the python tool (env.tools): sandboxed code runs in bubblewrap: a minimal "
+                              "read-only view, no network (docs/sandbox.md)")

@@ -70,6 +70,8 @@ class DeadlineWorkers:
             return call.future.result(timeout=max(0.0, call.deadline - time.monotonic()))
         except concurrent.futures.TimeoutError:
             pass
+        except concurrent.futures.CancelledError:  # a worker found it queued past its deadline
+            raise DeadlineExceeded("the call was still queued at its deadline") from None
         with self._lock:
             if not call.future.done() and not call.future.cancel():  # running: abandon it, free its worker
                 call.abandoned = True
