@@ -38,7 +38,11 @@ SUBPROCESS_PYTHON = subprocess_python()
 
 @pytest.fixture(params=["bwrap", "subprocess"])
 def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each sandbox mode in turn: bwrap (skipped where it is not usable) and the opted-in plain subprocess."""
+    """Each sandbox mode in turn: bwrap (skipped where it is not usable) and the opted-in plain subprocess, chosen
+    by JAXRL_LLM_SANDBOX as a library user would (no run's env.sandbox left over from another test)."""
+    from jaxrl_llm.envs import sandbox
+
+    monkeypatch.setattr(sandbox, "_configured", "")
     if request.param == "bwrap":
         if not bwrap_usable():
             pytest.skip("bubblewrap (bwrap) is not installed or not usable here")
@@ -262,7 +266,22 @@ def test_extract_code() -> None:
     assert extract_code("z = 4") == "z = 4"
 
 
-def test_code_tests_reward() -> None:
+@pytest.fixture
+def usable_sandbox(monkeypatch: pytest.MonkeyPatch) -> str:
+    """A mode that runs code here, as a user would pick it: bwrap, else the opt-in (when it can run this Python)."""
+    from jaxrl_llm.envs import sandbox
+
+    monkeypatch.setattr(sandbox, "_configured", "")
+    monkeypatch.delenv(SANDBOX_ENV, raising=False)
+    if bwrap_usable():
+        return "bwrap"
+    if sandbox_problem("subprocess"):
+        pytest.skip("no sandbox runs here: bubblewrap is missing, and the plain subprocess refuses this Python")
+    monkeypatch.setenv(SANDBOX_ENV, "subprocess")
+    return "subprocess"
+
+
+def test_code_tests_reward(usable_sandbox: str) -> None:
     tests = "assert add(2, 3) == 5\nassert add(-1, 1) == 0\n"
     completions = [
         "Sure:\n```python\ndef add(a, b):\n    return a + b\n```",
@@ -404,6 +423,7 @@ def test_without_bwrap_nothing_runs_and_one_line_says_how_to_install_it(monkeypa
     from jaxrl_llm.preflight import check_sandbox
 
     monkeypatch.setattr(sandbox, "_probe", {})  # probed again, with no bwrap on PATH
+    monkeypatch.setattr(sandbox, "_configured", "")
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.delenv(SANDBOX_ENV, raising=False)
     marker = tmp_path / "ran"
