@@ -215,7 +215,7 @@ class Ours:
         ])
         self.trainer = trainer = GRPOFamily(config)
         trainer.policy.eos_ids = ()  # never stop early: exactly NEW_TOKENS tokens per row, like TRL's min_new_tokens
-        self.data_state, self.step_index = DataState(), 0
+        self.state, self.data_state, self.step_index = trainer.init(), DataState(), 0
         self.setup = time.perf_counter() - t_setup
         self.timer = Timer()
         rollouts_module.sample = self.timer.wrap("sampling", rollouts_module.sample, jax.block_until_ready)
@@ -238,10 +238,11 @@ class Ours:
         meter = CpuMeter()
         t0 = time.perf_counter()
         self.step_index += 1
-        ro, self.data_state, collected = trainer.collect(self.data_state, sample_key)
+        collected = trainer.collect(self.state, self.data_state, sample_key)
+        ro, self.data_state = collected.batch, collected.data_state
         t1 = time.perf_counter()
-        metrics = trainer.update(ro, self.step_index, update_key)
-        metrics.update(collected)
+        updated = trainer.update(self.state, ro, self.step_index, update_key)
+        self.state, metrics = updated.state, {**collected.metrics, **updated.metrics}
         t2 = time.perf_counter()
         parts = self.timer.take()
         self.prompt_width = int(ro.prompt_tokens.shape[1])

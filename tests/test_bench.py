@@ -1,0 +1,63 @@
+"""Every `bench/` script runs at its smallest shape, so none rots unnoticed: each is run as a user runs it (`python
+bench/X.py ...`, a subprocess), and must exit 0 and print its result. Peers that are not installed (TRL, vLLM) are
+skipped the way the scripts offer (`--skip-trl`), or the script is skipped with the reason."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, TINY
+
+
+def _has(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+# script -> (its smallest-shape arguments, with {tmp} / {chat_model} / {tiny_config}, and a line its output holds)
+SMOKE: dict[str, tuple[list[str], str]] = {
+    "algorithms.py": (["--only", "grpo", "--steps", "1", "--out", "{tmp}/runs", "--results", "{tmp}/algorithms.md"],
+                      "| GRPO (`grpo_arithmetic.yaml`) |"),
+    "code_shape.py": ([], "module-level import cycles:"),
+    "entropy_objectives.py": (["--model", "{chat_model}", "--only", "grpo", "--steps", "1", "--prompts", "1",
+                               "--eval-size", "2", "--out", "{tmp}/runs", "--results", "{tmp}/entropy.md"],
+                              "| plain GRPO |"),
+    "gpu_step.py": (["--tiny", "--steps", "1", "--prompts", "2", "--group", "2", "--prompt-len", "8",
+                     "--new-tokens", "8"], '"finite": true'),
+    "grpo_vs_trl.py": (["--steps", "1", "--warmup", "0", *([] if _has("trl") else ["--skip-trl"])],
+                       "policy fwd+bwd+AdamW"),
+    "matmul_kernels.py": ([], "| 1024 x 1024 x 1024 |"),
+    "memory_step.py": (["--model", "{tiny_config}", "--micro-batch", "1", "--grad-accum", "1", "--prompt-len", "8",
+                        "--new-tokens", "8"], '"compiled_gib"'),
+    "multi_turn.py": (["--rows", "2", "--turns", "2", "--turn-tokens", "2", "--reply-tokens", "2", "--repeats", "1"],
+                      "multi-turn / single-turn rollout:"),
+    "sampling.py": (["--batch", "2", "--prompt-len", "4", "--new-tokens", "4", "--repeats", "1", "--peer", "hf"],
+                    "ratio = ours_tok_s / hf_tok_s"),
+    "vllm_rollout.py": (["--model", "{chat_model}", "--prompts", "{tmp}/prompts.json", "--new-tokens", "2",
+                         "--repeats", "1"], "tokens/s"),
+}
+NEEDS = {"vllm_rollout.py": "vllm", "sampling.py": "torch"}  # the peer a script cannot run without
+
+
+def test_every_bench_script_has_a_smoke_run() -> None:
+    scripts = {p.name for p in (ROOT / "bench").glob("*.py")} - {"common.py"}  # common.py: the scripts' helpers
+    assert scripts == set(SMOKE), f"add the new script's smallest shape to SMOKE: {sorted(scripts ^ set(SMOKE))}"
+
+
+@pytest.mark.parametrize("script", sorted(SMOKE))
+def test_bench_script_runs_at_its_smallest_shape(script: str, tmp_path: Path, tiny_chat_model: Path) -> None:
+    peer = NEEDS.get(script)
+    if peer and not _has(peer):
+        pytest.skip(f"{script} needs {peer}, which is not installed here")
+    args, expected = SMOKE[script]
+    (tmp_path / "config.json").write_text(json.dumps({**TINY, "vocab_size": 64}))
+    (tmp_path / "prompts.json").write_text(json.dumps([[1, 2, 3], [4, 5]]))
+    argv = [a.format(tmp=tmp_path, chat_model=tiny_chat_model, tiny_config=tmp_path / "config.json") for a in args]
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), *argv], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, f"python bench/{script} {' '.join(argv)}:\n{proc.stderr[-3000:]}"
+    assert expected in proc.stdout, proc.stdout[-3000:]
