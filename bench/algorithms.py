@@ -19,7 +19,7 @@ shows. Intermediate evaluations and checkpoints are switched off (`eval_every=0 
 wall times compare training (plus start-up, compilation, and the before/after evaluations).
 
 The 2025 objectives are rows of the GRPO preset with config overrides (shown in the table): CISPO, SAPO,
-high-entropy token selection (`rl.top_entropy_quantile=0.2`), Clip-Cov, KL-Cov and adaptive entropy control. With
+high-entropy token selection (`rl.loss.top_entropy_quantile=0.2`), Clip-Cov, KL-Cov and adaptive entropy control. With
 the preset's one update per rollout the ratio is 1 (up to sampler / trainer rounding), where CISPO's and SAPO's
 gradients are GRPO's and KL-Cov's penalty `|log ratio|` is ~0; so those three, and a GRPO baseline beside them
 (`grpo_mb4`), split each rollout into 4 minibatches (`rl.minibatch_size=32`: 4 updates, the ratio moves after the
@@ -71,18 +71,18 @@ ALGORITHMS = [
     Algorithm("rm_ppo", "RM -> PPO (learned reward)", "ppo", "ppo_rm_arithmetic.yaml"),
     # The 2025 objectives (docs/algorithms.md), each against the GRPO row of the same update schedule.
     Algorithm("top_entropy", "GRPO, top-20% entropy tokens", "grpo", "grpo_arithmetic.yaml",
-              ("rl.top_entropy_quantile=0.2",)),
-    Algorithm("clip_cov", "GRPO + Clip-Cov", "grpo", "grpo_arithmetic.yaml", ("rl.clip_cov_ratio=0.02",)),
+              ("rl.loss.top_entropy_quantile=0.2",)),
+    Algorithm("clip_cov", "GRPO + Clip-Cov", "grpo", "grpo_arithmetic.yaml", ("rl.loss.clip_cov_ratio=0.02",)),
     Algorithm("entropy_control", "GRPO + adaptive entropy control", "grpo", "grpo_arithmetic.yaml",
               ("rl.entropy_target=0.2", "rl.entropy_coef=0.0", "rl.entropy_coef_delta=0.005")),
     Algorithm("grpo_mb4", "GRPO, 4 minibatches", "grpo", "grpo_arithmetic.yaml", FOUR_MINIBATCHES),
     # TRL's / ScaleRL's CISPO: no lower bound, weight capped at eps_max = 5 (epsilon_high = eps_max - 1).
     Algorithm("cispo", "CISPO, 4 minibatches", "grpo", "grpo_arithmetic.yaml",
-              (*FOUR_MINIBATCHES, "rl.policy_loss=cispo", "rl.epsilon_low=1.0", "rl.epsilon_high=4.0")),
+              (*FOUR_MINIBATCHES, "rl.policy_loss=cispo", "rl.loss.epsilon_low=1.0", "rl.loss.epsilon_high=4.0")),
     Algorithm("sapo", "SAPO, 4 minibatches", "grpo", "grpo_arithmetic.yaml",
               (*FOUR_MINIBATCHES, "rl.policy_loss=sapo")),
     Algorithm("kl_cov", "GRPO + KL-Cov, 4 minibatches", "grpo", "grpo_arithmetic.yaml",
-              (*FOUR_MINIBATCHES, "rl.kl_cov_ratio=0.02")),
+              (*FOUR_MINIBATCHES, "rl.loss.kl_cov_ratio=0.02")),
 ]
 COMMON = ("eval_every=0", "checkpoint_every=0", "progress_bar=false", "tensorboard=false")
 

@@ -10,7 +10,7 @@ subprocess from the same model and seed, one after the other. The per-step `entr
 the sampling temperature, measured during the update) and the held-out greedy accuracy before and after (first
 `--eval-size` prompts of `data/larger_number/test.jsonl`) are read from each run's `metrics.jsonl`.
 
-Variants: plain GRPO; high-entropy token selection (`rl.top_entropy_quantile=0.2`); Clip-Cov and KL-Cov
+Variants: plain GRPO; high-entropy token selection (`rl.loss.top_entropy_quantile=0.2`); Clip-Cov and KL-Cov
 (ratio 0.02: at most 1,024 tokens a step here, where the papers' 2e-4 would pick one); adaptive entropy control
 with the target at the base model's entropy.
 """
@@ -30,9 +30,9 @@ from algorithms import ROOT, minutes, run  # noqa: E402
 
 VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "grpo": ("plain GRPO", ()),
-    "top_entropy": ("top-20% entropy tokens", ("rl.top_entropy_quantile=0.2",)),
-    "clip_cov": ("Clip-Cov", ("rl.clip_cov_ratio=0.02",)),
-    "kl_cov": ("KL-Cov", ("rl.kl_cov_ratio=0.02",)),
+    "top_entropy": ("top-20% entropy tokens", ("rl.loss.top_entropy_quantile=0.2",)),
+    "clip_cov": ("Clip-Cov", ("rl.loss.clip_cov_ratio=0.02",)),
+    "kl_cov": ("KL-Cov", ("rl.loss.kl_cov_ratio=0.02",)),
     "entropy_control": ("adaptive entropy control (target 0.8)",
                         ("rl.entropy_target=0.8", "rl.entropy_coef=0.0", "rl.entropy_coef_delta=0.005")),
 }

@@ -94,22 +94,23 @@ def time_train_step(args: argparse.Namespace, mesh: Any, config: Any, shardings:
     """`(best seconds of --steps train steps, the first call's seconds (compile included), metrics)`."""
     from jaxrl_llm.config import OptimSection
     from jaxrl_llm.sharding import init_optimizer_state
-    from jaxrl_llm.trainers.step import PolicyLossConfig, make_optimizer, make_train_step, policy_loss
+    from jaxrl_llm.trainers.objectives import PolicyObjective, policy_loss
+    from jaxrl_llm.trainers.step import jit_one_step_update, make_optimizer
 
     optimizer, _ = make_optimizer(OptimSection(learning_rate=1e-6), 100)
     opt_state = init_optimizer_state(optimizer, params, shardings, mesh)
-    step = make_train_step(mesh, loss_fn=policy_loss, model_config=config,
-                           loss_config=PolicyLossConfig(beta=0.04, max_len=args.new_tokens), optimizer=optimizer,
-                           params_sharding=shardings,
-                           opt_state_sharding=jax.tree.map(lambda x: x.sharding, opt_state))
+    state = {"params": params, "opt_state": opt_state}
+    update = jit_one_step_update(mesh, state, loss_fn=policy_loss, model_config=config, optimizer=optimizer,
+                                 loss_config=PolicyObjective(beta=0.04, max_len=args.new_tokens), grad_accum=1)
+    key = jax.random.key(0)
     start = time.perf_counter()
-    params, opt_state, metrics = step(params, opt_state, batch)
+    state, metrics = update(state, batch, key, None)
     jax.block_until_ready(metrics)
     step_compile = time.perf_counter() - start
     step_times = []
     for _ in range(args.steps):
         start = time.perf_counter()
-        params, opt_state, metrics = step(params, opt_state, batch)
+        state, metrics = update(state, batch, key, None)
         jax.block_until_ready(metrics)
         step_times.append(time.perf_counter() - start)
     return min(step_times), step_compile, metrics
@@ -118,7 +119,7 @@ def time_train_step(args: argparse.Namespace, mesh: Any, config: Any, shardings:
 def main() -> None:
     args = parse_args()
     from jaxrl_llm.sharding import global_array
-    from jaxrl_llm.trainers.step import PolicyBatch
+    from jaxrl_llm.trainers.objectives import PolicyBatch
 
     mesh, config, shardings, params = build_model(args)
     rng = np.random.default_rng(0)

@@ -48,7 +48,8 @@ def main() -> None:
     from jaxrl_llm.config import OptimSection
     from jaxrl_llm.models.decoder import param_shapes
     from jaxrl_llm.models.hf import config_from_hf
-    from jaxrl_llm.trainers.step import PolicyBatch, PolicyLossConfig, make_optimizer, policy_loss, train_step
+    from jaxrl_llm.trainers.objectives import PolicyBatch, PolicyObjective, policy_loss
+    from jaxrl_llm.trainers.step import make_optimizer, train_step
 
     hf = plan.load_hf_config_dict(args.model) if args.model else QWEN25_05B
     config = config_from_hf(hf, dtype=args.dtype, param_dtype="float32", remat=not args.no_remat,
@@ -60,7 +61,7 @@ def main() -> None:
     floats = lambda t: jax.ShapeDtypeStruct((rows, t), jnp.float32)  # noqa: E731
     batch = PolicyBatch(ints(args.prompt_len), ints(args.prompt_len), ints(args.new_tokens), ints(args.new_tokens),
                         floats(args.new_tokens), floats(args.new_tokens), jax.ShapeDtypeStruct((rows,), jnp.float32))
-    loss_config = PolicyLossConfig(beta=args.beta, max_len=args.new_tokens, logprob_block_mib=args.logprob_block_mib)
+    loss_config = PolicyObjective(beta=args.beta, max_len=args.new_tokens, logprob_block_mib=args.logprob_block_mib)
     step = functools.partial(train_step, loss_fn=policy_loss, model_config=config, loss_config=loss_config,
                              optimizer=optimizer, grad_accum=args.grad_accum)
     start = time.perf_counter()

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 # The repository root, so tests share bench/common.py (the random-model builder and the FLOP counter).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -288,3 +290,12 @@ def tiny_chat_model(tmp_path_factory):
                              "max_position_embeddings": 256})
     save_hf_model(init_params(config, jax.random.key(0)), config, root / "model", tokenizer_dir=root / "tok")
     return root / "model"
+
+
+def with_options(keywords: dict[str, Any]) -> dict[str, Any]:
+    """`clipped_policy_loss`'s keywords from a flat dict: the `PolicyLossOptions` fields among them as `options=`."""
+    from jaxrl_llm.rl import PolicyLossOptions
+
+    names = {f.name for f in dataclasses.fields(PolicyLossOptions)}
+    options = {k: v for k, v in keywords.items() if k in names}
+    return {**{k: v for k, v in keywords.items() if k not in names}, "options": PolicyLossOptions(**options)}

@@ -215,8 +215,8 @@ def test_divisibility_is_checked_up_front(tmp_path):
         load_config(None, ["rl.prompts_per_step=2", "rl.group_size=4", "rl.minibatch_size=6"])
     with pytest.raises(ConfigError, match="grad_accum=3 must divide"):
         load_config(None, ["rl.grad_accum=3"])
-    with pytest.raises(ConfigError, match="loss_aggregation='mean'"):
-        load_config(None, ["rl.loss_aggregation=mean"])
+    with pytest.raises(ConfigError, match="rl.loss.aggregation='mean'"):
+        load_config(None, ["rl.loss.aggregation=mean"])
 
 
 def test_default_presets_parse():

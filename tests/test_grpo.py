@@ -15,9 +15,11 @@ from jaxrl_llm.data import DataState
 from jaxrl_llm.errors import TrainingError
 from jaxrl_llm.models.decoder import init_params
 from jaxrl_llm.models.hf import config_from_hf, save_hf_model
+from jaxrl_llm.rl import PolicyLossOptions
 from jaxrl_llm.sharding import make_mesh
 from jaxrl_llm.trainers import make_trainer
-from jaxrl_llm.trainers.step import PolicyBatch, PolicyLossConfig, make_optimizer, make_train_step, policy_loss
+from jaxrl_llm.trainers.objectives import PolicyBatch, PolicyObjective, policy_loss
+from jaxrl_llm.trainers.step import jit_one_step_update, make_optimizer
 
 
 def _config(task: Path, out: Path, *overrides: str):
@@ -95,7 +97,7 @@ def _fixed_batch(config, n=8, p=6, t=5, seed=0):
 def fixed_update_setup():
     """A tiny random model, a fixed policy batch whose old log-probs are the model's own, and AdamW at 0.05."""
     from jaxrl_llm.config import OptimSection
-    from jaxrl_llm.trainers.step import completion_logprobs
+    from jaxrl_llm.trainers.objectives import completion_logprobs
 
     config = config_from_hf({**TINY, "vocab_size": 19})
     params = init_params(config, jax.random.key(1))
@@ -108,13 +110,15 @@ def fixed_update_setup():
 def test_mu_greater_than_one_moves_the_ratio_and_clipping_bites():
     """The old log-probs are kept: the 2nd update on the same rollout sees ratio != 1 and clips."""
     config, params, batch, optimizer = fixed_update_setup()
-    step = make_train_step(make_mesh(), loss_fn=policy_loss, model_config=config,
-                           loss_config=PolicyLossConfig(epsilon_low=0.1, epsilon_high=0.1), optimizer=optimizer)
-    opt_state = optimizer.init(params)
-    params, opt_state, m1 = step(params, opt_state, batch)
+    state = {"params": params, "opt_state": optimizer.init(params)}
+    objective = PolicyObjective(options=PolicyLossOptions(epsilon_low=0.1, epsilon_high=0.1))
+    update = jit_one_step_update(make_mesh(), state, loss_fn=policy_loss, model_config=config, optimizer=optimizer,
+                                 loss_config=objective, grad_accum=1)
+    key = jax.random.key(0)
+    state, m1 = update(state, batch, key, None)
     assert abs(float(m1["ratio/max"]) - 1) < 1e-5 and abs(float(m1["ratio/min"]) - 1) < 1e-5
     assert float(m1["clip_fraction"]) == 0.0
-    params, opt_state, m2 = step(params, opt_state, batch)
+    state, m2 = update(state, batch, key, None)
     assert float(m2["ratio/max"]) > 1.1 or float(m2["ratio/min"]) < 0.9
     assert float(m2["clip_fraction"]) > 0
 
@@ -203,14 +207,14 @@ def test_dynamic_sampling_refills_the_batch_with_informative_groups(tiny_task, t
     assert (ro_plain.rewards.reshape(8, 8).std(axis=1) == 0).any()
 
 
-@pytest.mark.parametrize("algo,extra", [("rloo", []), ("reinforce_pp", ["rl.beta=0.05", "rl.kl_estimator=k1"]),
+@pytest.mark.parametrize("algo,extra", [("rloo", []), ("reinforce_pp", ["rl.beta=0.05", "rl.loss.kl_estimator=k1"]),
                                         ("grpo", ["rl.estimator=reinforce_pp_baseline", "rl.beta=0.05"])])
 def test_other_estimators_run_on_the_same_loop(tiny_task, tmp_path, algo, extra):
     config = _config(tiny_task, tmp_path / algo, f"algo={algo}", "steps=2", "data.eval=''", "checkpoint_every=0",
                      *extra)
     trainer = make_trainer(config)
     # REINFORCE++ moves the KL into the token rewards, so the loss carries none.
-    assert trainer.algorithm.loss_config.beta == (0.0 if algo == "reinforce_pp" else config.rl.beta)
+    assert trainer.algorithm.objective.beta == (0.0 if algo == "reinforce_pp" else config.rl.beta)
     trainer.run()
     rows = read_rows(tmp_path / algo)
     assert [r["step"] for r in rows] == [1, 2]
@@ -232,12 +236,12 @@ def test_eval_reward_chooses_the_accuracy_check(tiny_task, tmp_path):
 @pytest.mark.parametrize("dtype,correction", [("float32", "recompute"), ("bfloat16", "sequence_mask"),
                                               ("bfloat16", "none")])
 def test_rollout_correction_recomputes_and_weights(tiny_task, tmp_path, dtype, correction):
-    """rl.rollout_correction: `recompute` replaces the sampler's log-probs by the trainer's and logs the mismatch
+    """rl.loss.rollout_correction: `recompute` replaces the sampler's log-probs by the trainer's and logs the mismatch
     (float32: the two paths agree to rounding); the importance-weighting modes also log the weights; `none`
     (the sampler's log-probs, no extra pass) logs neither."""
     out = tmp_path / correction
     config = _config(tiny_task, out, "steps=2", "data.eval=''", "checkpoint_every=0", f"model.dtype={dtype}",
-                     f"rl.rollout_correction={correction}", TWO_REWARDS)
+                     f"rl.loss.rollout_correction={correction}", TWO_REWARDS)
     make_trainer(config).run()
     rows = read_rows(out)
     assert [r["step"] for r in rows] == [1, 2]
@@ -255,13 +259,14 @@ def test_rollout_correction_recomputes_and_weights(tiny_task, tmp_path, dtype, c
 
 
 def test_recompute_uses_the_train_steps_own_weights(tiny_task, tmp_path):
-    """`rl.rollout_correction=recompute` gives the old log-probs of the update's own forward: the master cast to
+    """`rl.loss.rollout_correction=recompute` gives the old log-probs of the update's own forward: the master cast to
     `model.param_dtype` (here bf16), not the float32 master, so the first update's ratio is 1 up to rounding."""
     from jaxrl_llm.data import DataState
-    from jaxrl_llm.trainers.step import completion_logprobs, working_weights
+    from jaxrl_llm.models.weights import working_weights
+    from jaxrl_llm.trainers.objectives import completion_logprobs
 
     config = _config(tiny_task, tmp_path / "rc", "steps=1", "data.eval=''", "checkpoint_every=0",
-                     "model.dtype=float32", "model.param_dtype=bfloat16", "rl.rollout_correction=recompute",
+                     "model.dtype=float32", "model.param_dtype=bfloat16", "rl.loss.rollout_correction=recompute",
                      TWO_REWARDS)
     algo = make_trainer(config).algorithm
     p = algo.policy

@@ -244,7 +244,8 @@ def test_activation_estimate_against_compiled_train_step(remat: bool) -> None:
     shows up here: re-measure and update `plan.activation_bytes` then.
     """
     from jaxrl_llm.config import OptimSection
-    from jaxrl_llm.trainers.step import PolicyBatch, PolicyLossConfig, make_optimizer, policy_loss, train_step
+    from jaxrl_llm.trainers.objectives import PolicyBatch, PolicyObjective, policy_loss
+    from jaxrl_llm.trainers.step import make_optimizer, train_step
 
     config = _hand_config(vocab_size=256, hidden_size=64, intermediate_size=128, remat=remat, head_dim=16)
     b, prompt_len, new = 8, 64, 32
@@ -254,7 +255,7 @@ def test_activation_estimate_against_compiled_train_step(remat: bool) -> None:
     floats = lambda t: jax.ShapeDtypeStruct((b, t), jnp.float32)  # noqa: E731
     batch = PolicyBatch(ints(prompt_len), ints(prompt_len), ints(new), ints(new), floats(new), floats(new),
                         jax.ShapeDtypeStruct((b,), jnp.float32))
-    step = functools.partial(train_step, loss_fn=policy_loss, model_config=config, loss_config=PolicyLossConfig(),
+    step = functools.partial(train_step, loss_fn=policy_loss, model_config=config, loss_config=PolicyObjective(),
                              optimizer=optimizer, grad_accum=1)
     compiled = jax.jit(step, donate_argnums=(0, 1)).lower(shapes, jax.eval_shape(optimizer.init, shapes),
                                                           batch).compile()

@@ -25,7 +25,7 @@ from jaxrl_llm.rl.kl_control import init_kl_controller, kl_controller_update
 from jaxrl_llm.sharding import make_mesh
 from jaxrl_llm.trainers import make_trainer
 from jaxrl_llm.trainers.ppo import CriticBatch, ValueLossConfig, critic_loss, kl_controller_kind
-from jaxrl_llm.trainers.step import make_optimizer, make_train_step
+from jaxrl_llm.trainers.step import jit_one_step_update, make_optimizer
 
 values_jit = jax.jit(critic_values, static_argnums=1)
 forward_jit = jax.jit(forward, static_argnums=1, static_argnames="return_hidden")
@@ -160,21 +160,20 @@ def test_critic_step_moves_values_toward_returns():
     returns = np.where(cm > 0, np.random.default_rng(3).uniform(0.0, 1.0, ct.shape), 0.0).astype(np.float32)
     old_values = np.zeros(ct.shape, np.float32)
     optimizer, _ = make_optimizer(OptimSection(learning_rate=3e-3), 20)
-    step = make_train_step(make_mesh(), loss_fn=critic_loss, model_config=config,
-                           loss_config=ValueLossConfig(clip_range=0.2), optimizer=optimizer,  # type: ignore[arg-type]
-                           grad_accum=2)
-    opt_state = optimizer.init(critic)
+    state = {"params": critic, "opt_state": optimizer.init(critic)}
+    update = jit_one_step_update(make_mesh(), state, loss_fn=critic_loss, model_config=config,
+                                 loss_config=ValueLossConfig(clip_range=0.2), optimizer=optimizer, grad_accum=2)
     losses, fracs = [], []
     for _ in range(8):
         batch = CriticBatch(pt, pm, ct, cm, old_values, returns)
-        critic, opt_state, metrics = step(critic, opt_state, batch)
+        state, metrics = update(state, batch, jax.random.key(0), None)
         losses.append(float(metrics["value_loss"]))
         fracs.append(float(metrics["value_clip_fraction"]))
     assert losses[-1] < 0.7 * losses[0], losses
     assert fracs[0] == 0.0  # V = V_old at first: nothing clipped
     # The initial loss is 0.5 * mean over valid tokens of R^2 (V = 0).
     np.testing.assert_allclose(losses[0], 0.5 * np.mean(returns[cm > 0] ** 2), rtol=1e-5)
-    values = np.asarray(values_jit(critic, config, pt, pm, ct, cm))
+    values = np.asarray(values_jit(state["params"], config, pt, pm, ct, cm))
     err_before = np.abs(returns[cm > 0]).mean()
     assert np.abs(values - returns)[cm > 0].mean() < err_before
 
@@ -238,7 +237,7 @@ def test_ppo_runs_end_to_end_with_finite_metrics(short_run):
     # The adaptive controller moves beta every step (KL is never exactly on target).
     assert steps[0]["kl_coef"] == pytest.approx(0.05)
     assert steps[1]["kl_coef"] != pytest.approx(0.05, rel=1e-6)
-    assert trainer.algorithm.loss_config.beta == 0.0  # KL is in the reward, not the loss
+    assert trainer.algorithm.objective.beta == 0.0  # KL is in the reward, not the loss
     assert "frac_zero_std_groups" not in steps[0]  # group_size 1
     assert "eval/accuracy" in summary["before"] and "eval/accuracy" in summary["after"]
     assert sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == [2, 3]

@@ -17,7 +17,8 @@ from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decode import decode_token, loop_caches, prefill, split_layers, step_weights
 from jaxrl_llm.models.decoder import forward, init_params
 from jaxrl_llm.models.heads import apply_scalar_head
-from jaxrl_llm.trainers.step import completion_logprobs, inference_copy
+from jaxrl_llm.models.weights import inference_copy
+from jaxrl_llm.trainers.objectives import completion_logprobs
 
 DOT = re.compile(r"stablehlo\.dot_general[^\n]*?:\s*\((tensor<[^>]*>), (tensor<[^>]*>)\)\s*->\s*(tensor<[^>]*>)")
 

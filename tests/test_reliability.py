@@ -153,7 +153,7 @@ CASES = [
     ("top_p_above_one", ["sampling.top_p=1.5"], 2, ["sampling.top_p=1.5 must be > 0 and <= 1"]),
     ("zero_new_tokens", ["sampling.max_new_tokens=0"], 2, ["sampling.max_new_tokens=0 must be >= 1"]),
     ("negative_seed", ["seed=-1"], 2, ["seed=-1 must be >= 0"]),
-    ("bad_choice", ["rl.loss_aggregation=mean"], 2, ["rl.loss_aggregation='mean'", "token-mean"]),
+    ("bad_choice", ["rl.loss.aggregation=mean"], 2, ["rl.loss.aggregation='mean'", "token-mean"]),
     ("bad_dtype", ["model.dtype=float16"], 2, ["model.dtype='float16'", "bfloat16"]),
     ("bad_on_divergence", ["monitor.on_divergence=ignore"], 2, ["monitor.on_divergence='ignore'", "stop, warn"]),
     ("negative_timeout", [_reward("raises", ", timeout_s: -1")], 2, ["rewards.0.timeout_s=-1.0 must be >= 0"]),

@@ -11,7 +11,7 @@ from conftest import assert_jit_vmap_agree
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxrl_llm.rl import logprobs as lp
+import jaxrl_llm.rl as lp
 
 LN2 = np.log(2.0)
 # Jitted once per static config: a compiled call is several times faster than eager op-by-op dispatch.

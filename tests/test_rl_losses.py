@@ -1,4 +1,5 @@
-"""Tests for jaxrl_llm.rl.losses: KL estimators, reward shaping, clipped policy loss, value loss, DPO."""
+"""Tests for the losses of jaxrl_llm.rl (kl, surrogates, policy_loss, value_loss, preference): KL estimators,
+reward shaping, clipped policy loss, value loss, DPO."""
 
 import functools
 
@@ -7,13 +8,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_jit_vmap_agree
+from conftest import assert_jit_vmap_agree, with_options
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from jax.test_util import check_grads
 
-from jaxrl_llm.rl import logprobs as lp
-from jaxrl_llm.rl import losses as L
+import jaxrl_llm.rl as L
+import jaxrl_llm.rl as lp
+from jaxrl_llm.rl.rollout_correction import ROLLOUT_CORRECTION_MODES
 
 PROPS = settings(max_examples=40, deadline=None)
 LN2 = np.log(2.0)
@@ -150,7 +152,9 @@ def test_policy_loss_hand_computed_gradient():
 
 
 def test_policy_loss_seq_mean_token_mean_and_token_level_advantages():
-    loss, _ = L.clipped_policy_loss(LOGP, OLD, ADV, MASK, aggregation="seq-mean-token-mean")
+    loss, _ = L.clipped_policy_loss(
+        LOGP, OLD, ADV, MASK, options=L.PolicyLossOptions(aggregation="seq-mean-token-mean")
+    )
     np.testing.assert_allclose(loss, (SURR_SUM_ROW0 / 3 + SURR_SUM_ROW1 / 2) / 2, rtol=1e-5)  # 0.025
     # a [B, T] advantage equal to the broadcast [B] one gives the same loss
     loss_bt, _ = L.clipped_policy_loss(LOGP, OLD, jnp.broadcast_to(ADV[:, None], (2, 3)), MASK)
@@ -161,7 +165,15 @@ def test_policy_loss_kl_entropy_and_truncated_is_terms():
     ref_logp = LOGP - 0.1  # k1 = logp - ref = 0.1 on every valid token
     entropy = jnp.array([[1.0, 2.0, 3.0], [4.0, 5.0, 100.0]])  # valid mean (1+2+3+4+5)/5 = 3
     loss, m = L.clipped_policy_loss(
-        LOGP, OLD, ADV, MASK, ref_logp=ref_logp, kl_coef=0.5, kl_estimator="k1", entropy=entropy, entropy_coef=0.01
+        LOGP,
+        OLD,
+        ADV,
+        MASK,
+        ref_logp=ref_logp,
+        kl_coef=0.5,
+        entropy=entropy,
+        entropy_coef=0.01,
+        options=L.PolicyLossOptions(kl_estimator="k1"),
     )
     # -0.16 + 0.5 * 0.1 - 0.01 * 3 = -0.14
     np.testing.assert_allclose(loss, -0.16 + 0.05 - 0.03, rtol=1e-5)
@@ -174,21 +186,35 @@ def test_policy_loss_kl_entropy_and_truncated_is_terms():
 
     # TIS: sampler probability 1/3 of the trainer's on row 0 -> w = 3, capped at 2; row 1 w = 1
     sampler = OLD.at[0].add(-np.log(3.0))
-    loss_tis, m_tis = L.clipped_policy_loss(LOGP, OLD, ADV, MASK, sampler_logp=sampler, tis_cap=2.0)
+    loss_tis, m_tis = L.clipped_policy_loss(
+        LOGP,
+        OLD,
+        ADV,
+        MASK,
+        sampler_logp=sampler,
+        options=L.PolicyLossOptions(rollout_correction="token_truncate", rollout_correction_cap=2.0),
+    )
     np.testing.assert_allclose(loss_tis, (2 * SURR_SUM_ROW0 + SURR_SUM_ROW1) / 5, rtol=1e-5)  # -0.7
     np.testing.assert_allclose(m_tis["is_weight/mean"], (2 + 2 + 2 + 1 + 1) / 5, rtol=1e-5)
-    loss_untruncated, _ = L.clipped_policy_loss(LOGP, OLD, ADV, MASK, sampler_logp=sampler)
+    uncapped = L.PolicyLossOptions(rollout_correction="token_truncate", rollout_correction_cap=1e6)
+    loss_untruncated, _ = L.clipped_policy_loss(LOGP, OLD, ADV, MASK, sampler_logp=sampler, options=uncapped)
     np.testing.assert_allclose(loss_untruncated, (3 * SURR_SUM_ROW0 + SURR_SUM_ROW1) / 5, rtol=1e-5)
 
 
 def test_policy_loss_dual_clip_hand_computed():
     old = jnp.zeros((1, 2))
     logp = jnp.log(jnp.array([[4.0, 2.0]]))  # ratios 4 and 2, both with A = -1
-    loss, m = L.clipped_policy_loss(logp, old, jnp.array([-1.0]), jnp.ones((1, 2)), dual_clip_c=3.0)
+    loss, m = L.clipped_policy_loss(
+        logp, old, jnp.array([-1.0]), jnp.ones((1, 2)), options=L.PolicyLossOptions(dual_clip_c=3.0)
+    )
     # r=4: min(4, c=3) = 3; r=2: 2 (below c) -> (3 + 2) / 2
     np.testing.assert_allclose(loss, 2.5, rtol=1e-5)
     np.testing.assert_allclose(m["clip_fraction/dual"], 0.5)
-    grad = jax.grad(lambda x: L.clipped_policy_loss(x, old, jnp.array([-1.0]), jnp.ones((1, 2)), dual_clip_c=3.0)[0])
+    grad = jax.grad(
+        lambda x: L.clipped_policy_loss(
+            x, old, jnp.array([-1.0]), jnp.ones((1, 2)), options=L.PolicyLossOptions(dual_clip_c=3.0)
+        )[0]
+    )
     # dual-clipped token: no gradient; the other: -r A / 2 = 1
     np.testing.assert_allclose(grad(logp), [[0.0, 1.0]], rtol=1e-5, atol=1e-7)
 
@@ -200,7 +226,9 @@ def test_policy_loss_sequence_level_gspo_hand_computed():
     a = jnp.array([1.0, -1.0])
 
     def f(x):
-        return L.clipped_policy_loss(x, old, a, mask, surrogate="gspo", aggregation="seq-mean-token-mean")
+        return L.clipped_policy_loss(
+            x, old, a, mask, surrogate="gspo", options=L.PolicyLossOptions(aggregation="seq-mean-token-mean")
+        )
 
     loss, m = f(logp)
     # row 0: s = exp(mean(0.1, 0.2, 0.3)) = e^0.2 = 1.221403 > 1.2 with A>0 -> clipped, -1.2 per token
@@ -238,7 +266,7 @@ def test_surrogate_value_is_zero_at_ratio_one_but_gradient_is_not():
     logp = jnp.full((4, 3), -1.0)
 
     def f(x, aggregation):
-        return L.clipped_policy_loss(x, logp, advs, mask, aggregation=aggregation)[0]
+        return L.clipped_policy_loss(x, logp, advs, mask, options=L.PolicyLossOptions(aggregation=aggregation))[0]
 
     # seq-mean-token-mean: -(1/4) sum_i A_i = 0 because the advantages are zero-mean per group ...
     np.testing.assert_allclose(f(logp, "seq-mean-token-mean"), 0.0, atol=1e-7)
@@ -258,7 +286,9 @@ def test_surrogate_value_is_zero_at_ratio_one_but_gradient_is_not():
 @jax.jit
 def _loss_and_grad(logp, old, a, mask, eps_low, eps_high):
     def f(x):
-        return L.clipped_policy_loss(x, old, a, mask, epsilon_low=eps_low, epsilon_high=eps_high)[0]
+        return L.clipped_policy_loss(
+            x, old, a, mask, options=L.PolicyLossOptions(epsilon_low=eps_low, epsilon_high=eps_high)
+        )[0]
 
     return jax.value_and_grad(f)(logp)
 
@@ -333,7 +363,7 @@ def test_gradient_is_zero_exactly_where_clipped_on_the_pushing_side(log_ratio, a
         # the 2025 objectives (tests/test_rl_objectives.py): the selections are piecewise constant, and the
         # entropies and covariances here are far enough apart that a step of 1e-3 never changes them
         {"surrogate": "sapo", "aggregation": "seq-mean-token-mean"},
-        {"surrogate": "sapo", "surrogate_options": {"tau_pos": 3.0, "tau_neg": 5.0}},
+        {"surrogate": "sapo", "settings": {"tau_pos": 3.0, "tau_neg": 5.0}},
         {"top_entropy_quantile": 0.5},
         {"top_entropy_quantile": 0.4, "surrogate": "sapo", "aggregation": "seq-mean-token-mean"},
         {"clip_cov_ratio": 0.3, "clip_cov_lb": -10.0, "clip_cov_ub": 10.0},
@@ -354,7 +384,7 @@ def test_composed_loss_gradient_matches_finite_differences(options):
     def loss(x):
         logp, ent = lp.token_logprobs_and_entropy(x, tokens, temperature=0.8)
         return L.clipped_policy_loss(
-            logp, old, a, mask, ref_logp=ref, kl_coef=0.5, entropy=ent, entropy_coef=0.1, **options
+            logp, old, a, mask, ref_logp=ref, kl_coef=0.5, entropy=ent, entropy_coef=0.1, **with_options(options)
         )[0]
 
     # Tolerance chosen so that dropping the gradient of the ratio, the KL term or the entropy term
@@ -475,16 +505,15 @@ _VALS = jax.random.normal(_K[4], (2, 5))
         (
             functools.partial(
                 L.clipped_policy_loss,
-                epsilon_high=0.28,
-                dual_clip_c=3.0,
                 surrogate="gspo",
-                aggregation="seq-mean-token-sum-norm",
+                options=L.PolicyLossOptions(epsilon_high=0.28, dual_clip_c=3.0, aggregation="seq-mean-token-sum-norm"),
             ),
             (_LP, _OLD, _A, _M),
         ),
         (
             lambda lp_, old, a, m, ref, ent, samp: L.clipped_policy_loss(
-                lp_, old, a, m, ref_logp=ref, kl_coef=0.1, entropy=ent, entropy_coef=0.01, sampler_logp=samp
+                lp_, old, a, m, ref_logp=ref, kl_coef=0.1, entropy=ent, entropy_coef=0.01, sampler_logp=samp,
+                options=L.PolicyLossOptions(rollout_correction="token_truncate"),
             ),
             (_LP, _OLD, _A, _M, _REF, _ENT, _REF),
         ),
@@ -525,19 +554,35 @@ def test_a_registered_policy_loss_is_used_by_the_composer():
         del L.POLICY_LOSSES["vanilla_pg_test"]
 
 
-def test_training_with_a_module_function_policy_loss(tiny_task, tmp_path):
-    """`rl.policy_loss=module:function` imports, registers and trains with it."""
-    from conftest import read_rows, tiny_run_args
+def test_a_plugin_policy_loss_with_a_setting_of_its_own_trains(tiny_task, tmp_path, monkeypatch):
+    """docs/extending.md's `my_losses.py`, a file outside the package, trains through train.py as
+    `rl.policy_loss=my_losses:capped_pg_loss` with `rl.policy_loss_kwargs={max_ratio: ...}`; the setting reaches the
+    loss: `max_ratio: 0` zeroes the policy gradient exactly, `max_ratio: 5` trains. A key the function does not
+    take is refused in one line before anything compiles."""
+    import re
+
+    from conftest import ROOT, read_rows, tiny_run_args
 
     import train
 
-    out = tmp_path / "run"
-    code = train.cli(tiny_run_args(out, "data.eval=", "rl.policy_loss=test_rl_losses:vanilla_pg_loss",
-                                   "rl.entropy_coef=0.01", task=tiny_task))
-    assert code == 0
-    row = read_rows(out)[-1]
-    assert np.isfinite(row["policy_loss"]) and row["grad_norm"] > 0
-    assert train.cli(["out_dir=" + str(tmp_path / "x"), "rl.policy_loss=nope"]) == 2
+    page = (ROOT / "docs" / "extending.md").read_text()
+    module = re.search(r"<!-- file: my_losses.py -->\n```python\n(.*?)```", page, re.S)[1]
+    (tmp_path / "my_losses.py").write_text(module)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rows = {}
+    for max_ratio in (0.0, 5.0):
+        out = tmp_path / f"run_{max_ratio}"
+        code = train.cli(tiny_run_args(out, "data.eval=", "steps=1", "rl.policy_loss=my_losses:capped_pg_loss",
+                                       f"rl.policy_loss_kwargs={{max_ratio: {max_ratio}}}",
+                                       "rewards=[{name: 'test_grpo:starts_with_seven'}]", task=tiny_task))
+        assert code == 0
+        rows[max_ratio] = read_rows(out, having="grad_norm")[-1]
+    assert rows[0.0]["policy_loss"] == 0.0 and rows[0.0]["grad_norm"] == 0.0
+    assert rows[5.0]["frac_zero_std_groups"] < 1  # a learning signal: the zero above is the setting's
+    assert np.isfinite(rows[5.0]["policy_loss"]) and rows[5.0]["grad_norm"] > 0
+    assert train.cli(tiny_run_args(tmp_path / "x", "rl.policy_loss=my_losses:capped_pg_loss",
+                                   "rl.policy_loss_kwargs={cap: 5.0}", task=tiny_task)) == 2
+    assert train.cli(["out_dir=" + str(tmp_path / "y"), "rl.policy_loss=nope"]) == 2
 
 
 def test_rollout_correction_weights_hand_computed():
@@ -555,15 +600,29 @@ def test_rollout_correction_weights_hand_computed():
         w(mode="turn_mask")
     from jaxrl_llm.config import ROLLOUT_CORRECTIONS
 
-    assert ROLLOUT_CORRECTIONS == ("none", "recompute", *L.ROLLOUT_CORRECTION_MODES)  # the config's choices
+    assert ROLLOUT_CORRECTIONS == ("none", "recompute", *ROLLOUT_CORRECTION_MODES)  # the config's choices
     # in the loss: the masked sequence (row 0) leaves the policy gradient, row 1 is weighted by 2.25
     adv = jnp.array([1.0, 1.0])
-    loss, m = L.clipped_policy_loss(old, old, adv, mask, sampler_logp=sampler, tis_cap=3.0,
-                                    rollout_correction="sequence_mask")
+    loss, m = L.clipped_policy_loss(
+        old,
+        old,
+        adv,
+        mask,
+        sampler_logp=sampler,
+        options=L.PolicyLossOptions(rollout_correction="sequence_mask", rollout_correction_cap=3.0),
+    )
     np.testing.assert_allclose(loss, -(2.25 * 2) / 5, rtol=1e-5)  # token-mean of -r A w over 5 tokens, r = 1
     np.testing.assert_allclose(m["is_weight/masked_fraction"], 3 / 5, rtol=1e-6)
-    grad = jax.grad(lambda lp_: L.clipped_policy_loss(lp_, old, adv, mask, sampler_logp=sampler, tis_cap=3.0,
-                                                      rollout_correction="sequence_mask")[0])(old)
+    grad = jax.grad(
+        lambda lp_: L.clipped_policy_loss(
+            lp_,
+            old,
+            adv,
+            mask,
+            sampler_logp=sampler,
+            options=L.PolicyLossOptions(rollout_correction="sequence_mask", rollout_correction_cap=3.0),
+        )[0]
+    )(old)
     np.testing.assert_allclose(grad[0], 0.0)
     np.testing.assert_allclose(grad[1, :2], -2.25 / 5, rtol=1e-5)
 

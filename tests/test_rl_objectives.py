@@ -1,5 +1,5 @@
 """The 2025 objectives: CISPO and SAPO surrogates, high-entropy token selection, Clip-Cov / KL-Cov, adaptive
-entropy control (jaxrl_llm.rl.losses, jaxrl_llm.rl.entropy_control), each by hand, by finite differences, by a
+entropy control (jaxrl_llm.rl.surrogates, token_selection, entropy_control), each by hand, by finite differences, by a
 property, and one GRPO trainer run with it on the tiny model."""
 
 from __future__ import annotations
@@ -14,16 +14,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_jit_vmap_agree, read_rows, tiny_run
+from conftest import assert_jit_vmap_agree, read_rows, tiny_run, with_options
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from jax.test_util import check_grads
 
+import jaxrl_llm.rl as L
+import jaxrl_llm.rl as lp
 from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.preflight import load_config
 from jaxrl_llm.rl import entropy_control as ec
-from jaxrl_llm.rl import logprobs as lp
-from jaxrl_llm.rl import losses as L
+from jaxrl_llm.rl.surrogates import token_log_ratio
 from jaxrl_llm.trainers import make_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,7 +40,7 @@ MASK = jnp.array([[1, 1, 1], [1, 1, 0]])
 
 
 def _grad(logp, *args, **options):
-    return jax.grad(lambda x: L.clipped_policy_loss(x, *args, **options)[0])(logp)
+    return jax.grad(lambda x: L.clipped_policy_loss(x, *args, **with_options(options))[0])(logp)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -60,7 +61,7 @@ def test_cispo_hand_computed_value_and_gradient():
     np.testing.assert_allclose(_grad(LOGP, OLD, ADV, MASK), [[-0.2, 0.0, -0.1], [0.0, 0.22, 0.0]], rtol=1e-5,
                                atol=1e-7)
     with pytest.raises(ValueError, match="dual clip"):
-        L.clipped_policy_loss(LOGP, OLD, ADV, MASK, surrogate="cispo", dual_clip_c=3.0)
+        L.clipped_policy_loss(LOGP, OLD, ADV, MASK, surrogate="cispo", options=L.PolicyLossOptions(dual_clip_c=3.0))
 
 
 def test_cispo_with_trl_settings_caps_the_weight_only_above():
@@ -122,8 +123,7 @@ def test_sapo_hand_computed_value_and_gradient():
     np.testing.assert_allclose(expected[0, 1], -0.282003, rtol=1e-5)
     np.testing.assert_allclose(_grad(LOGP, OLD, ADV, MASK, surrogate="sapo"), expected, rtol=1e-5, atol=1e-7)
     # the temperatures are options of the surrogate
-    loss2, _ = L.clipped_policy_loss(LOGP, OLD, ADV, MASK, surrogate="sapo",
-                                     surrogate_options={"tau_pos": 2.0, "tau_neg": 3.0})
+    loss2, _ = L.clipped_policy_loss(LOGP, OLD, ADV, MASK, surrogate="sapo", settings={"tau_pos": 2.0, "tau_neg": 3.0})
     tau2 = np.array([[2.0], [3.0]])
     by_hand = (-(_sigmoid(tau2 * (r - 1)) * 4 / tau2) * np.array([[1.0], [-1.0]]) * np.asarray(MASK)).sum() / 5
     np.testing.assert_allclose(loss2, by_hand, rtol=1e-5)
@@ -133,7 +133,7 @@ def test_sapo_hand_computed_value_and_gradient():
 def _sapo_grad_at(log_ratio: jax.Array, a: jax.Array, tau_pos: jax.Array, tau_neg: jax.Array) -> jax.Array:
     old = jnp.full((1, 1), np.log(0.3))
     return _grad(old + log_ratio, old, a[None], jnp.ones((1, 1)), surrogate="sapo",
-                 surrogate_options={"tau_pos": tau_pos, "tau_neg": tau_neg})[0, 0]
+                 settings={"tau_pos": tau_pos, "tau_neg": tau_neg})[0, 0]
 
 
 def _sapo_token_grad(ratio: float, a: float, tau_pos: float = 1.0, tau_neg: float = 1.05) -> float:
@@ -146,7 +146,7 @@ def _sapo_token_grad(ratio: float, a: float, tau_pos: float = 1.0, tau_neg: floa
 @given(a=_ADVS, mask=_MASKS, old=_OLDS, tau_pos=st.floats(0.1, 20.0), tau_neg=st.floats(0.1, 20.0))
 def test_sapo_at_ratio_one_is_the_unclipped_gradient(a, mask, old, tau_pos, tau_neg):
     # f'(1) = 4 sigmoid(0) (1 - sigmoid(0)) = 1 for any temperature: grad = -A / N, as -r A's at r = 1
-    grad = _grad(old, old, a, mask, surrogate="sapo", surrogate_options={"tau_pos": tau_pos, "tau_neg": tau_neg})
+    grad = _grad(old, old, a, mask, surrogate="sapo", settings={"tau_pos": tau_pos, "tau_neg": tau_neg})
     n = max(int(mask.sum()), 1)
     np.testing.assert_allclose(grad, np.where(mask > 0, -a / n, 0.0), rtol=1e-5, atol=1e-7)
 
@@ -192,7 +192,9 @@ def test_top_entropy_hand_computed():
     # q = 0.5 -> ceil(2.5) = 3: adds 1.0; q = 0.01 -> at least one token
     assert int(L.top_entropy_token_mask(ENT, MASK, quantile=0.5).sum()) == 3
     np.testing.assert_array_equal(L.top_entropy_token_mask(ENT, MASK, quantile=0.01), [[0, 0, 0], [1, 0, 0]])
-    loss, m = L.clipped_policy_loss(LOGP, OLD, ADV, MASK, entropy=ENT, top_entropy_quantile=0.4)
+    loss, m = L.clipped_policy_loss(
+        LOGP, OLD, ADV, MASK, entropy=ENT, options=L.PolicyLossOptions(top_entropy_quantile=0.4)
+    )
     # ppo_clip per token (test_rl_losses): row 0 [-1, -1.2, -0.5], row 1 [0.8, 1.1]; selected (0,1) and (1,0);
     # the denominator stays all 5 valid tokens
     np.testing.assert_allclose(loss, (-1.2 + 0.8) / 5, rtol=1e-5)
@@ -202,7 +204,7 @@ def test_top_entropy_hand_computed():
     grad = _grad(LOGP, OLD, ADV, MASK, entropy=ENT, top_entropy_quantile=0.5)  # adds (0,2): r=0.5, A>0
     np.testing.assert_allclose(grad, [[0.0, 0.0, -0.1], [0.0, 0.0, 0.0]], atol=1e-7)
     with pytest.raises(ValueError, match="entropy"):
-        L.clipped_policy_loss(LOGP, OLD, ADV, MASK, top_entropy_quantile=0.5)
+        L.clipped_policy_loss(LOGP, OLD, ADV, MASK, options=L.PolicyLossOptions(top_entropy_quantile=0.5))
     with pytest.raises(ValueError, match="quantile"):
         L.top_entropy_token_mask(ENT, MASK, quantile=0.0)
 
@@ -242,7 +244,7 @@ def test_top_entropy_works_with_every_surrogate(surrogate):
 def test_top_entropy_quantile_one_is_the_unselected_loss_bit_for_bit(surrogate):
     f = functools.partial(L.clipped_policy_loss, surrogate=surrogate, entropy=ENT, entropy_coef=0.1)
     (loss, m), grad = jax.value_and_grad(lambda x: f(x, OLD, ADV, MASK), has_aux=True)(LOGP)
-    (loss1, m1), grad1 = jax.value_and_grad(lambda x: f(x, OLD, ADV, MASK, top_entropy_quantile=1.0),
+    (loss1, m1), grad1 = jax.value_and_grad(lambda x: f(x, OLD, ADV, MASK, **with_options({"top_entropy_quantile": 1.0})),
                                             has_aux=True)(LOGP)
     np.testing.assert_array_equal(loss1, loss)
     np.testing.assert_array_equal(grad1, grad)
@@ -271,7 +273,7 @@ def test_clip_cov_hand_computed():
     base = np.asarray(_grad(COV_LOGP, old, ADV, MASK))
     # band (0.5, 1.5): only 0.88 at (0, 2) (1.68 is above, 0.48 below); max(floor(0.2 * 5), 1) = 1 token
     options = dict(clip_cov_ratio=0.2, clip_cov_lb=0.5, clip_cov_ub=1.5)
-    loss, m = L.clipped_policy_loss(COV_LOGP, old, ADV, MASK, **options)
+    loss, m = L.clipped_policy_loss(COV_LOGP, old, ADV, MASK, **with_options(options))
     grad = np.asarray(_grad(COV_LOGP, old, ADV, MASK, **options))
     assert grad[0, 2] == 0 and base[0, 2] != 0
     keep = np.ones((2, 3), bool)
@@ -299,7 +301,9 @@ def test_kl_cov_hand_computed():
     base_loss = float(L.clipped_policy_loss(COV_LOGP, old, ADV, MASK)[0])
     base = np.asarray(_grad(COV_LOGP, old, ADV, MASK))
     # fraction 0.4 -> 2 tokens of highest covariance: 1.68 at (1, 0) and 0.88 at (0, 2) (no band)
-    loss, m = L.clipped_policy_loss(COV_LOGP, old, ADV, MASK, kl_cov_ratio=0.4, kl_cov_coef=0.1)
+    loss, m = L.clipped_policy_loss(
+        COV_LOGP, old, ADV, MASK, options=L.PolicyLossOptions(kl_cov_ratio=0.4, kl_cov_coef=0.1)
+    )
     # + 0.1 * (|-0.1| + |0.15|) / 5 = 0.005
     np.testing.assert_allclose(float(loss) - base_loss, 0.005, rtol=1e-4)
     np.testing.assert_allclose(m["kl_cov_fraction"], 2 / 5)
@@ -362,9 +366,13 @@ def test_kl_cov_adds_exactly_coef_abs_log_ratio_on_the_top_covariance_tokens(log
     left = (mask > 0) & ~chosen
     if left.any():
         assert cov[chosen].min() >= cov[left].max()
-    with_kl = float(L.clipped_policy_loss(logp, old, a, mask, kl_cov_ratio=fraction, kl_cov_coef=coef)[0])
+    with_kl = float(
+        L.clipped_policy_loss(logp, old, a, mask, options=L.PolicyLossOptions(kl_cov_ratio=fraction, kl_cov_coef=coef))[
+            0
+        ]
+    )
     without = float(L.clipped_policy_loss(logp, old, a, mask)[0])
-    lr = np.asarray(L._token_log_ratio(jnp.asarray(logp), jnp.asarray(old), jnp.asarray(mask)))
+    lr = np.asarray(token_log_ratio(jnp.asarray(logp), jnp.asarray(old), jnp.asarray(mask)))
     np.testing.assert_allclose(with_kl - without, coef * np.abs(lr)[chosen].sum() / mask.sum(), rtol=1e-4,
                                atol=3e-6)
 
@@ -400,7 +408,7 @@ def test_cispo_gradient_matches_finite_differences_of_its_objective(options):
 
     def library(x):
         logp = lp.token_logprobs(x, tokens, temperature=0.8)
-        return L.clipped_policy_loss(logp, old, a, mask, surrogate="cispo", **options)[0]
+        return L.clipped_policy_loss(logp, old, a, mask, surrogate="cispo", **with_options(options))[0]
 
     grad = jax.grad(library)(logits)
     np.testing.assert_allclose(grad, jax.grad(objective)(logits), rtol=1e-5, atol=1e-7)
@@ -423,9 +431,11 @@ _ENT = jnp.array([[1.0, 0.2, 2.0, 0.5], [0.7, 1.5, 0.1, 0.9]])
     [
         functools.partial(L.clipped_policy_loss, surrogate="cispo"),
         functools.partial(L.clipped_policy_loss, surrogate="sapo"),
-        functools.partial(L.clipped_policy_loss, top_entropy_quantile=0.5),
-        functools.partial(L.clipped_policy_loss, clip_cov_ratio=0.3, clip_cov_lb=-10.0, clip_cov_ub=10.0),
-        functools.partial(L.clipped_policy_loss, kl_cov_ratio=0.3),
+        functools.partial(L.clipped_policy_loss, options=L.PolicyLossOptions(top_entropy_quantile=0.5)),
+        functools.partial(
+            L.clipped_policy_loss, options=L.PolicyLossOptions(clip_cov_ratio=0.3, clip_cov_lb=-10.0, clip_cov_ub=10.0)
+        ),
+        functools.partial(L.clipped_policy_loss, options=L.PolicyLossOptions(kl_cov_ratio=0.3)),
     ],
 )
 def test_objectives_jit_and_vmap(fn):
@@ -509,11 +519,12 @@ def test_entropy_controller_scans_and_vmaps():
 @pytest.mark.parametrize(
     "override,match",
     [
-        ("rl.top_entropy_quantile=0", "rl.top_entropy_quantile=0"),
-        ("rl.top_entropy_quantile=1.5", "rl.top_entropy_quantile"),
-        ("rl.sapo_tau_pos=0", "rl.sapo_tau_pos"),
-        ("rl.clip_cov_ratio=-0.1", "rl.clip_cov_ratio"),
-        ("rl.kl_cov_coef=-1", "rl.kl_cov_coef"),
+        ("rl.loss.top_entropy_quantile=0", "rl.loss.top_entropy_quantile=0"),
+        ("rl.loss.top_entropy_quantile=1.5", "rl.loss.top_entropy_quantile"),
+        ("rl.sapo_tau_pos=2", "rl.sapo_tau_pos .* was renamed to rl.policy_loss_kwargs.tau_pos"),
+        ("rl.epsilon_high=0.28", "rl.epsilon_high .* was renamed to rl.loss.epsilon_high"),
+        ("rl.loss.clip_cov_ratio=-0.1", "rl.loss.clip_cov_ratio"),
+        ("rl.loss.kl_cov_coef=-1", "rl.loss.kl_cov_coef"),
         ("rl.entropy_target=-1", "rl.entropy_target"),
     ],
 )
@@ -524,15 +535,24 @@ def test_config_range_checks(override, match):
 
 def test_config_relations():
     with pytest.raises(ConfigError, match="clip_cov_lb"):
-        load_config(None, ["rl.clip_cov_ratio=0.01", "rl.clip_cov_lb=5", "rl.clip_cov_ub=1"])
+        load_config(None, ["rl.loss.clip_cov_ratio=0.01", "rl.loss.clip_cov_lb=5", "rl.loss.clip_cov_ub=1"])
     with pytest.raises(ConfigError, match="dual_clip_c"):
-        load_config(None, ["rl.policy_loss=cispo", "rl.dual_clip_c=3"])
+        load_config(None, ["rl.policy_loss=cispo", "rl.loss.dual_clip_c=3"])
     with pytest.raises(ConfigError, match="GRPO family"):
         load_config(None, ["algo=ppo", "rl.entropy_target=0.2"])
     with pytest.raises(ConfigError, match="entropy_coef_min"):
         load_config(None, ["rl.entropy_target=0.2", "rl.entropy_coef=2.0"])
-    c = load_config(None, ["rl.policy_loss=sapo", "rl.top_entropy_quantile=0.2", "rl.entropy_target=0.2"])
-    assert c.rl.policy_loss == "sapo" and c.rl.sapo_tau_neg == 1.05
+    c = load_config(None, ["rl.policy_loss=sapo", "rl.loss.top_entropy_quantile=0.2", "rl.entropy_target=0.2"])
+    assert c.rl.policy_loss == "sapo" and c.rl.policy_loss_kwargs == {}  # sapo_loss's own defaults (1.0, 1.05)
+    # a surrogate's settings are checked against its signature: its own keywords, scalar values
+    with pytest.raises(ConfigError, match="rl.policy_loss_kwargs.tau: rl.policy_loss=sapo takes tau_pos, tau_neg"):
+        load_config(None, ["rl.policy_loss=sapo", "rl.policy_loss_kwargs={tau: 2.0}"])
+    with pytest.raises(ConfigError, match="rl.policy_loss_kwargs.epsilon_high: .* takes no settings of its own"):
+        load_config(None, ["rl.policy_loss_kwargs={epsilon_high: 0.3}"])
+    with pytest.raises(ConfigError, match="a setting is a number, a string or a boolean"):
+        load_config(None, ["rl.policy_loss=sapo", "rl.policy_loss_kwargs={tau_pos: [1, 2]}"])
+    c = load_config(None, ["rl.policy_loss=sapo", "rl.policy_loss_kwargs={tau_pos: 2.0, tau_neg: 3.0}"])
+    assert c.rl.policy_loss_kwargs == {"tau_pos": 2.0, "tau_neg": 3.0}
 
 
 def test_bench_rows_are_valid_configs():
@@ -559,11 +579,11 @@ def _config(task: Path, out: Path, *overrides: str):
 @pytest.mark.parametrize(
     "overrides,metric",
     [
-        (("rl.policy_loss=cispo", "rl.epsilon_low=1.0", "rl.epsilon_high=4.0", "rl.mu=2"), "policy_loss"),
-        (("rl.policy_loss=sapo", "rl.loss_aggregation=seq-mean-token-mean", "rl.mu=2"), "policy_loss"),
-        (("rl.top_entropy_quantile=0.2",), "top_entropy_fraction"),
-        (("rl.clip_cov_ratio=0.05", "rl.clip_cov_lb=0.0"), "clip_cov_fraction"),
-        (("rl.kl_cov_ratio=0.05", "rl.mu=2"), "kl_cov_fraction"),
+        (("rl.policy_loss=cispo", "rl.loss.epsilon_low=1.0", "rl.loss.epsilon_high=4.0", "rl.mu=2"), "policy_loss"),
+        (("rl.policy_loss=sapo", "rl.loss.aggregation=seq-mean-token-mean", "rl.mu=2"), "policy_loss"),
+        (("rl.loss.top_entropy_quantile=0.2",), "top_entropy_fraction"),
+        (("rl.loss.clip_cov_ratio=0.05", "rl.loss.clip_cov_lb=0.0"), "clip_cov_fraction"),
+        (("rl.loss.kl_cov_ratio=0.05", "rl.mu=2"), "kl_cov_fraction"),
     ],
 )
 def test_a_grpo_step_runs_with_each_objective(tiny_task, tmp_path, overrides, metric):
@@ -582,7 +602,7 @@ def test_a_traced_entropy_coef_replaces_the_configured_one_in_the_policy_loss():
 
     from jaxrl_llm.models.decoder import init_params
     from jaxrl_llm.models.hf import config_from_hf
-    from jaxrl_llm.trainers.step import PolicyBatch, PolicyLossConfig, policy_loss
+    from jaxrl_llm.trainers.objectives import PolicyBatch, PolicyObjective, policy_loss
 
     config = config_from_hf({**TINY, "vocab_size": 19})
     params = init_params(config, jax.random.key(0))
@@ -592,10 +612,10 @@ def test_a_traced_entropy_coef_replaces_the_configured_one_in_the_policy_loss():
                         jnp.asarray(rng.integers(3, 19, (4, 5)), jnp.int32), jnp.asarray(cm),
                         jnp.zeros((4, 5)), jnp.zeros((4, 5)), jnp.asarray(rng.normal(size=4), jnp.float32))
     counts = dict(model_config=config, num_tokens=jnp.float32(cm.sum()), num_seqs=jnp.float32(4))
-    fixed, _ = policy_loss(params, batch, loss_config=PolicyLossConfig(entropy_coef=0.5), **counts)
-    traced, _ = jax.jit(lambda c: policy_loss(params, batch, loss_config=PolicyLossConfig(), entropy_coef=c,
+    fixed, _ = policy_loss(params, batch, loss_config=PolicyObjective(entropy_coef=0.5), **counts)
+    traced, _ = jax.jit(lambda c: policy_loss(params, batch, loss_config=PolicyObjective(), entropy_coef=c,
                                               **counts))(jnp.float32(0.5))
-    plain, metrics = policy_loss(params, batch, loss_config=PolicyLossConfig(), **counts)
+    plain, metrics = policy_loss(params, batch, loss_config=PolicyObjective(), **counts)
     np.testing.assert_allclose(traced, fixed, rtol=1e-6)
     np.testing.assert_allclose(float(plain) - float(traced), 0.5 * float(metrics["entropy"]), rtol=1e-4)
 

@@ -392,15 +392,19 @@ def test_overwrite_replaces_only_an_export_the_run_wrote(tiny_task, tmp_path, ca
 
 
 def test_resume_of_a_run_whose_config_predates_new_fields(tiny_task, tmp_path, capsys):
-    """A field added since the run started ran at its default then: not a config change."""
+    """A field added since the run started ran at its default then: not a config change; and a run written
+    before the `rl.loss` section (the loss's keys flat in `rl`, `loss_aggregation`) resumes under the new names."""
     out = tmp_path / "run"
     base = [*_base(tiny_task, out), "checkpoint_every=1", "data.eval="]
     assert _cli(base, capsys)[0] == 0
     start = out / "configs" / "001-start.yaml"
     tree = yaml.safe_load(start.read_text())
-    del tree["rl"]["top_entropy_quantile"], tree["rl"]["kl_cov_ratio"]
+    loss = tree["rl"].pop("loss")
+    del loss["top_entropy_quantile"], loss["kl_cov_ratio"]
+    aggregation = loss.pop("aggregation")
+    tree["rl"] |= {**loss, "loss_aggregation": aggregation}  # the layout of before rl.loss
     start.write_text(yaml.safe_dump(tree))
     code, lines = _cli([*base, "--resume", "steps=2"], capsys)
     assert code == 0, lines
-    code, lines = _cli([*base, "--resume", "steps=3", "rl.kl_cov_ratio=0.1"], capsys)
-    assert code == 2 and "rl.kl_cov_ratio: 0.0 -> 0.1" in _error(lines)
+    code, lines = _cli([*base, "--resume", "steps=3", "rl.loss.kl_cov_ratio=0.1"], capsys)
+    assert code == 2 and "rl.loss.kl_cov_ratio: 0.0 -> 0.1" in _error(lines)

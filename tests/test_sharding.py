@@ -30,8 +30,9 @@ from jaxrl_llm.models.hf import config_from_hf, load_hf_model, save_hf_model
 from jaxrl_llm.sampling import SamplingConfig, sample
 from jaxrl_llm.sharding import (MeshShape, global_array, init_optimizer_state, make_mesh, param_shardings,
                                 path_string, to_host)
-from jaxrl_llm.trainers.step import (PolicyBatch, PolicyLossConfig, completion_logprobs, make_optimizer,
-                                  make_train_step, policy_loss)
+from jaxrl_llm.trainers.objectives import PolicyBatch, PolicyObjective, completion_logprobs, policy_loss
+from jaxrl_llm.rl import PolicyLossOptions
+from jaxrl_llm.trainers.step import jit_one_step_update, make_optimizer
 
 assert jax.device_count() == 8, jax.devices()
 hf = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -56,7 +57,8 @@ old = (logp + rng.normal(0, 0.1, logp.shape)).astype(np.float32) * cm
 ref = (logp + rng.normal(0, 0.1, logp.shape)).astype(np.float32) * cm
 adv = rng.normal(0, 1, n).astype(np.float32)
 batch = PolicyBatch(pt, pm, ct, cm, old, ref, adv)
-loss_config = PolicyLossConfig(beta=0.1, epsilon_low=0.1, epsilon_high=0.1, aggregation="token-mean")
+loss_config = PolicyObjective(options=PolicyLossOptions(epsilon_low=0.1, epsilon_high=0.1, aggregation="token-mean"),
+                              beta=0.1)
 sampling = SamplingConfig(max_new_tokens=24, greedy=True, n=2, eos_ids=(), pad_id=0)
 drawn = SamplingConfig(max_new_tokens=24, temperature=0.9, top_p=0.95, n=2, eos_ids=(), pad_id=0)
 prompts_t, prompts_m = pt[:8], pm[:8]
@@ -69,15 +71,17 @@ def run(shape, grad_accum=1):
     placed = jax.device_put(jax.tree.map(jnp.copy, params), shardings)
     optimizer, _ = make_optimizer(OptimSection(learning_rate=1e-2), 10)
     opt_state = init_optimizer_state(optimizer, placed, shardings, mesh)
-    step = make_train_step(mesh, loss_fn=policy_loss, model_config=config, loss_config=loss_config,
-                           optimizer=optimizer, grad_accum=grad_accum, params_sharding=shardings,
-                           opt_state_sharding=jax.tree.map(lambda x: x.sharding, opt_state))
+    update = jit_one_step_update(mesh, {"params": placed, "opt_state": opt_state}, loss_fn=policy_loss,
+                                 model_config=config, loss_config=loss_config, optimizer=optimizer,
+                                 grad_accum=grad_accum)
     greedy = to_host(sample(placed, config, prompts_t, prompts_m, jax.random.key(0), sampling, mesh=mesh))
     sampled = to_host(sample(placed, config, prompts_t, prompts_m, jax.random.key(4), drawn, mesh=mesh))
     specs = {path_string(k): str(tuple(v.sharding.spec)) for k, v in jax.tree_util.tree_flatten_with_path(placed)[0]}
     mu_specs = {path_string(k): str(tuple(v.sharding.spec))
                 for k, v in jax.tree_util.tree_flatten_with_path(opt_state.inner_state[1][0].mu)[0]}
-    new, new_opt, m = step(placed, opt_state, jax.tree.map(lambda x: global_array(x, mesh), batch))
+    state, m = update({"params": placed, "opt_state": opt_state}, jax.tree.map(lambda x: global_array(x, mesh), batch),
+                      jax.random.key(0), None)
+    new = state["params"]
     return {"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]), "kl": float(m.get("kl", 0.0)),
             "params": to_host(new), "tokens": np.asarray(greedy.tokens).tolist(), "specs": specs,
             "mu_specs": mu_specs, "sampled": np.asarray(sampled.tokens).tolist(),
@@ -119,12 +123,14 @@ def run_lora(shape):
     adapters = jax.device_put(jax.tree.map(jnp.copy, adapters0), replicated)
     optimizer, _ = make_optimizer(OptimSection(learning_rate=1e-2), 10)
     opt_state = init_optimizer_state(optimizer, adapters, jax.tree.map(lambda x: replicated, adapters), mesh)
-    step = make_train_step(mesh, loss_fn=policy_loss, model_config=config, loss_config=loss_config,
-                           optimizer=optimizer, params_sharding=jax.tree.map(lambda x: replicated, adapters),
-                           opt_state_sharding=jax.tree.map(lambda x: x.sharding, opt_state),
-                           frozen_sharding={"base": shardings},
-                           compose=lambda a, f: merge_adapters(f["base"], a, spec.scale))
-    new, _, m = step(adapters, opt_state, jax.tree.map(lambda x: global_array(x, mesh), batch), {"base": base})
+    update = jit_one_step_update(mesh, {"params": adapters, "opt_state": opt_state},
+                                 frozen_sharding={"base": shardings},
+                                 loss_fn=policy_loss, model_config=config, loss_config=loss_config,
+                                 optimizer=optimizer, grad_accum=1,
+                                 compose=lambda a, f: merge_adapters(f["base"], a, spec.scale))
+    state, m = update({"params": adapters, "opt_state": opt_state},
+                      jax.tree.map(lambda x: global_array(x, mesh), batch), jax.random.key(0), {"base": base})
+    new = state["params"]
     return float(m["loss"]), to_host(new), to_host(base)
 
 

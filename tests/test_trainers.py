@@ -16,16 +16,12 @@ from conftest import read_rows, read_samples, tiny_run
 from test_grpo import fixed_update_setup
 
 from jaxrl_llm.data import DataState, next_batch_indices
+from jaxrl_llm.rl import PolicyLossOptions
 from jaxrl_llm.sharding import make_mesh
 from jaxrl_llm.trainers.base import Algorithm, Collected, Updated
 from jaxrl_llm.trainers.loop import Trainer
-from jaxrl_llm.trainers.step import (
-    PolicyLossConfig,
-    policy_loss,
-    reduce_metrics,
-    scanned_updates,
-    train_step,
-)
+from jaxrl_llm.trainers.objectives import PolicyObjective, policy_loss
+from jaxrl_llm.trainers.step import reduce_metrics, scanned_updates, train_step
 
 
 def test_scanned_update_equals_the_host_loop_of_train_steps():
@@ -33,7 +29,8 @@ def test_scanned_update_equals_the_host_loop_of_train_steps():
     into minibatches on the host and one jitted train step each: same params, optimizer state and metrics."""
     config, params, batch, optimizer = fixed_update_setup()
     step = functools.partial(train_step, loss_fn=policy_loss, model_config=config,
-                             loss_config=PolicyLossConfig(epsilon_low=0.1, epsilon_high=0.1), optimizer=optimizer,
+                             loss_config=PolicyObjective(options=PolicyLossOptions(epsilon_low=0.1, epsilon_high=0.1)),
+                             optimizer=optimizer,
                              grad_accum=1)
     key = jax.random.key(7)
 

@@ -14,17 +14,11 @@ from jaxrl_llm.cli import plan
 from jaxrl_llm.config import OptimSection
 from jaxrl_llm.models.decoder import forward, init_params, param_shapes
 from jaxrl_llm.models.hf import config_from_hf
+from jaxrl_llm.models.weights import master_weights
 from jaxrl_llm.rl.logprobs import token_logprobs_and_entropy
-from jaxrl_llm.rl.losses import clipped_policy_loss
-from jaxrl_llm.trainers.step import (
-    PolicyBatch,
-    PolicyLossConfig,
-    logprob_chunk_size,
-    make_optimizer,
-    master_weights,
-    policy_loss,
-    train_step,
-)
+from jaxrl_llm.rl.policy_loss import clipped_policy_loss
+from jaxrl_llm.trainers.objectives import PolicyBatch, PolicyObjective, logprob_chunk_size, policy_loss
+from jaxrl_llm.trainers.step import make_optimizer, train_step
 
 SMALL = dict(model_type="qwen2", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=128, vocab_size=1000, tie_word_embeddings=False)
@@ -44,7 +38,7 @@ def _batch(config, rows: int = 6, prompt_len: int = 5, new: int = 11, seed: int 
     return PolicyBatch(pt, pm, ct, cm, old, ref, rng.normal(size=rows).astype(np.float32))
 
 
-def _full_logit_loss(params, batch: PolicyBatch, config, c: PolicyLossConfig):
+def _full_logit_loss(params, batch: PolicyBatch, config, c: PolicyObjective):
     """The reference: `[N, P + T - 1, V]` logits from the plain forward, sliced, then the same loss formula."""
     tokens = jnp.concatenate([batch.prompt_tokens, batch.completion_tokens], axis=1)[:, :-1]
     mask = jnp.concatenate([batch.prompt_mask, batch.completion_mask], axis=1)[:, :-1]
@@ -52,10 +46,17 @@ def _full_logit_loss(params, batch: PolicyBatch, config, c: PolicyLossConfig):
     logp, entropy = token_logprobs_and_entropy(logits, batch.completion_tokens, temperature=c.temperature)
     mask_f = batch.completion_mask.astype(jnp.float32)
     return clipped_policy_loss(
-        logp, batch.old_logp, batch.advantages, batch.completion_mask, epsilon_low=c.epsilon_low,
-        epsilon_high=c.epsilon_high, ref_logp=batch.ref_logp, kl_coef=c.beta, kl_estimator=c.kl_estimator,
-        entropy=entropy, entropy_coef=c.entropy_coef, aggregation=c.aggregation,
-        num_tokens=mask_f.sum(), num_seqs=(mask_f.sum(axis=1) > 0).sum().astype(jnp.float32),
+        logp,
+        batch.old_logp,
+        batch.advantages,
+        batch.completion_mask,
+        ref_logp=batch.ref_logp,
+        kl_coef=c.beta,
+        entropy=entropy,
+        entropy_coef=c.entropy_coef,
+        num_tokens=mask_f.sum(),
+        num_seqs=(mask_f.sum(axis=1) > 0).sum().astype(jnp.float32),
+        options=c.options,
     )
 
 
@@ -67,7 +68,7 @@ def test_chunked_update_equals_full_logit_update(tied: bool) -> None:
     mask = batch.completion_mask.astype(jnp.float32)
     counts = dict(num_tokens=mask.sum(), num_seqs=(mask.sum(axis=1) > 0).sum().astype(jnp.float32))
     # 6 rows x 1000 words x 4 bytes = 24,000 bytes per position: 0.07 MiB -> chunks of 3 positions (11 = 3+3+3+2).
-    chunked = PolicyLossConfig(temperature=0.8, beta=0.04, entropy_coef=0.01, logprob_block_mib=0.07)
+    chunked = PolicyObjective(temperature=0.8, beta=0.04, entropy_coef=0.01, logprob_block_mib=0.07)
     assert logprob_chunk_size(6, 11, config.vocab_size, chunked.logprob_block_mib) == 3
 
     def ours(p):
@@ -107,7 +108,7 @@ def test_bf16_weights_update_through_a_float32_master() -> None:
     optimizer = make_optimizer(OptimSection(learning_rate=1e-6, max_grad_norm=0.0), 10)[0]
     batch = jax.tree.map(jnp.asarray, _batch(config, rows=4, new=6))
     step = jax.jit(functools.partial(train_step, loss_fn=policy_loss, model_config=config,
-                                     loss_config=PolicyLossConfig(), optimizer=optimizer, grad_accum=2))
+                                     loss_config=PolicyObjective(), optimizer=optimizer, grad_accum=2))
 
     def moved_fraction(before, after) -> float:
         a = np.asarray(before["layers"]["mlp"]["up"]["kernel"], np.float32)
@@ -170,7 +171,7 @@ def test_planner_agrees_with_compiled_train_step(micro_rows: int, prompt_len: in
     floats = lambda t: jax.ShapeDtypeStruct((rows, t), jnp.float32)  # noqa: E731
     batch = PolicyBatch(ints(prompt_len), ints(prompt_len), ints(new_tokens), ints(new_tokens), floats(new_tokens),
                         floats(new_tokens), jax.ShapeDtypeStruct((rows,), jnp.float32))
-    loss_config = PolicyLossConfig(beta=0.04, logprob_block_mib=4)
+    loss_config = PolicyObjective(beta=0.04, logprob_block_mib=4)
     step = functools.partial(train_step, loss_fn=policy_loss, model_config=config, loss_config=loss_config,
                              optimizer=optimizer, grad_accum=accum)
     compiled = jax.jit(step, donate_argnums=(0, 1)).lower(shapes, jax.eval_shape(optimizer.init, shapes),

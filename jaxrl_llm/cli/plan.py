@@ -66,7 +66,8 @@ from jaxrl_llm.models.hf import ConversionError, config_from_hf, read_hf_config
 from jaxrl_llm.models.lora import LoraSpec, init_adapters
 from jaxrl_llm.preflight import check_model_source
 from jaxrl_llm.sharding import MeshShape
-from jaxrl_llm.trainers.step import logprob_chunk_size, make_optimizer
+from jaxrl_llm.trainers.objectives import logprob_chunk_size
+from jaxrl_llm.trainers.step import make_optimizer
 
 P = PartitionSpec
 # The sampler's cache `[L, B*n, S, KVH, hd]` (`init_cache`'s layout): rows over the batch axes, KV heads over

@@ -143,8 +143,12 @@ def markdown() -> str:
     table("Top level", RunConfig, defaults, "")
     out.extend(["Each entry of `rewards` is:", ""])
     table("rewards[]", RewardSpec, RewardSpec(), "rewards[].")
-    for name, cls in _sections(RunConfig):
-        table(f"{name}:", cls, getattr(defaults, name), f"{name}.")
+    def sections(cls: type, obj: Any, prefix: str) -> None:  # nested sections (rl.loss) after their parent
+        for name, sub in _sections(cls):
+            table(f"{prefix}{name}:", sub, getattr(obj, name), f"{prefix}{name}.")
+            sections(sub, getattr(obj, name), f"{prefix}{name}.")
+
+    sections(RunConfig, defaults, "")
     return "\n".join(out)
 
 

@@ -34,6 +34,12 @@ RENAMED = {
         "baseline_steps", "empty_fraction", "reward_steps", "entropy_ratio", "length_low", "length_high",
         "repetition", "zero_std_groups", "throughput_ratio", "throughput_window", "drift_rows")},
     "divergence": "monitor (one section for the run's health checks)",
+    **{f"rl.{k}": f"rl.loss.{k}" for k in (
+        "epsilon_low", "epsilon_high", "dual_clip_c", "kl_estimator", "top_entropy_quantile", "clip_cov_ratio",
+        "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "kl_cov_coef", "rollout_correction", "rollout_correction_cap")},
+    "rl.loss_aggregation": "rl.loss.aggregation",
+    "rl.sapo_tau_pos": "rl.policy_loss_kwargs.tau_pos (rl.policy_loss_kwargs: {tau_pos: ..., tau_neg: ...})",
+    "rl.sapo_tau_neg": "rl.policy_loss_kwargs.tau_neg (rl.policy_loss_kwargs: {tau_pos: ..., tau_neg: ...})",
     "diagnostics": "monitor (one section for the run's health checks)",
 }
 
@@ -42,8 +48,9 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 # Where the python tool and the code_tests reward run model code (jaxrl_llm.envs.sandbox, docs/sandbox.md).
 SANDBOX_MODES = ("bwrap", "subprocess")
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-# rl.rollout_correction: where the old policy's log-probs come from (see RLSection)
+# rl.loss.rollout_correction: where the old policy's log-probs come from (see PolicyLossOptions)
 ROLLOUT_CORRECTIONS = ("none", "recompute", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+PREFERENCE_LOSSES = ("sigmoid", "ipo", "hinge", "simpo")  # dpo.loss (jaxrl_llm.rl.preference)
 INF = float("inf")
 
 
@@ -157,40 +164,20 @@ class SamplingSection:
     new_tokens_bucket: int = at_least(16, 1)  # completion lengths are rounded up to a multiple of this
 
 
-@dataclass
-class RLSection:
-    """The RL loop (GRPO family and PPO): rollout sizes, the update's epochs and minibatches, the policy loss
-    and the advantage estimator (both picked by name from their registries)."""
+@dataclass(frozen=True)
+class PolicyLossOptions:
+    """`rl.loss`: the policy loss's options for every surrogate, one frozen (hashable, jit-static) object that
+    `jaxrl_llm.rl.policy_loss.clipped_policy_loss` takes as it is: the clip range, the KL estimator, the aggregation,
+    token selection (top entropy, Clip-Cov, KL-Cov) and the rollout correction. The surrogate itself and its own
+    keywords are `rl.policy_loss` and `rl.policy_loss_kwargs`; the coefficients (`rl.beta`, `rl.entropy_coef`)
+    may be traced and stay in `rl`."""
 
-    prompts_per_step: int = at_least(16, 1)  # P
-    group_size: int = at_least(8, 1)  # G: samples per prompt
-    mu: int = at_least(1, 1)  # optimisation passes over each rollout
-    minibatch_size: int = at_least(0)  # sequences per optimizer step; 0 = the whole rollout (P * G)
-    grad_accum: int = at_least(1, 1)  # micro-batches per optimizer step (divides minibatch_size)
     epsilon_low: float = at_least(0.2)  # ratio clip range below 1 (PPO epsilon)
     epsilon_high: float = at_least(0.2)  # ratio clip range above 1 (DAPO clip-higher: 0.28)
-    dual_clip_c: float = at_least(0.0)  # 0 = off; else > 1
-    # rl.losses.POLICY_LOSSES: ppo_clip (token ratio) | gspo (sequence ratio) | cispo (clipped IS weight, MiniMax-M1)
-    # | sapo (soft gate, SAPO) | module:function
-    policy_loss: str = "ppo_clip"
-    # sapo: gate temperature of tokens with advantage > 0 (TRL sapo_temperature_pos)
-    sapo_tau_pos: float = positive(1.0)
-    # sapo: gate temperature of tokens with advantage <= 0 (TRL sapo_temperature_neg)
-    sapo_tau_neg: float = positive(1.05)
-    beta: float = at_least(0.0)  # KL coefficient to the reference model; 0 skips the reference pass
+    dual_clip_c: float = at_least(0.0)  # dual clip of ppo_clip / gspo for A < 0 (Ye et al. 2019): 0 = off; else > 1
     kl_estimator: str = one_of("k3", KL_ESTIMATORS)  # k1 | k2 | k3 (Schulman's estimators of the KL term)
     # token-mean | seq-mean-token-mean | seq-mean-token-sum(-norm)
-    loss_aggregation: str = one_of("token-mean", LOSS_AGGREGATIONS)
-    # group | batch (group mean, std of the whole batch) | none (Dr.GRPO)
-    scale_rewards: str = one_of("group", ("group", "batch", "none"))
-    entropy_coef: float = finite(0.0)  # adds -entropy_coef * entropy to the loss (the start value when adaptive)
-    # > 0: adaptive entropy control (Skywork-OR1, GRPO family): entropy_coef moves by entropy_coef_delta per step,
-    # up while the mean entropy per token is below this target (nats) and down above it, and the bonus is applied
-    # only below it; 0 = entropy_coef stays fixed
-    entropy_target: float = at_least(0.0)
-    entropy_coef_delta: float = at_least(0.005)  # adaptive entropy control: change of entropy_coef per step
-    entropy_coef_min: float = at_least(0.0)  # adaptive entropy control: entropy_coef's lower bound
-    entropy_coef_max: float = at_least(1.0)  # adaptive entropy control: entropy_coef's upper bound
+    aggregation: str = one_of("token-mean", LOSS_AGGREGATIONS)
     # < 1: the policy gradient only on this fraction of each batch's valid tokens, those of highest entropy
     # ("Beyond the 80/20 rule": 0.2); 1 = every token
     top_entropy_quantile: float = within(1.0, 0.0, 1.0, low_open=True)
@@ -212,6 +199,35 @@ class RLSection:
     # rollout_correction_cap or masked (0) above it (TRL's vllm_importance_sampling_mode, verl's rollout_is)
     rollout_correction: str = one_of("none", ROLLOUT_CORRECTIONS)
     rollout_correction_cap: float = positive(3.0)  # C of the *_truncate / *_mask modes (TRL's default)
+
+
+@dataclass
+class RLSection:
+    """The RL loop (GRPO family and PPO): rollout sizes, the update's epochs and minibatches, the policy loss
+    and the advantage estimator (both picked by name from their registries)."""
+
+    prompts_per_step: int = at_least(16, 1)  # P
+    group_size: int = at_least(8, 1)  # G: samples per prompt
+    mu: int = at_least(1, 1)  # optimisation passes over each rollout
+    minibatch_size: int = at_least(0)  # sequences per optimizer step; 0 = the whole rollout (P * G)
+    grad_accum: int = at_least(1, 1)  # micro-batches per optimizer step (divides minibatch_size)
+    # rl.surrogates.POLICY_LOSSES: ppo_clip (token ratio) | gspo (sequence ratio) | cispo (clipped IS weight,
+    # MiniMax-M1) | sapo (soft gate, SAPO) | module:function
+    policy_loss: str = "ppo_clip"
+    # the surrogate's own keywords, beyond rl.loss (sapo: {tau_pos: 1.0, tau_neg: 1.05}); a plugin's settings too
+    policy_loss_kwargs: dict[str, Any] = field(default_factory=dict)
+    loss: PolicyLossOptions = field(default_factory=PolicyLossOptions)
+    beta: float = at_least(0.0)  # KL coefficient to the reference model; 0 skips the reference pass
+    # group | batch (group mean, std of the whole batch) | none (Dr.GRPO)
+    scale_rewards: str = one_of("group", ("group", "batch", "none"))
+    entropy_coef: float = finite(0.0)  # adds -entropy_coef * entropy to the loss (the start value when adaptive)
+    # > 0: adaptive entropy control (Skywork-OR1, GRPO family): entropy_coef moves by entropy_coef_delta per step,
+    # up while the mean entropy per token is below this target (nats) and down above it, and the bonus is applied
+    # only below it; 0 = entropy_coef stays fixed
+    entropy_target: float = at_least(0.0)
+    entropy_coef_delta: float = at_least(0.005)  # adaptive entropy control: change of entropy_coef per step
+    entropy_coef_min: float = at_least(0.0)  # adaptive entropy control: entropy_coef's lower bound
+    entropy_coef_max: float = at_least(1.0)  # adaptive entropy control: entropy_coef's upper bound
     # Advantage estimator: "" = the algorithm's own (grpo, rloo, reinforce_pp); or reinforce_pp_baseline.
     estimator: str = ""
     dynamic_sampling: bool = False  # DAPO: drop zero-variance groups and refill the batch
@@ -220,8 +236,8 @@ class RLSection:
 
 @dataclass
 class PPOSection:
-    """--algo ppo only; the loop's knobs (prompts_per_step, group_size, mu, minibatch_size, epsilons,
-    entropy_coef) are in `rl`. The KL to the reference is in the per-token reward, not in the loss."""
+    """--algo ppo only; the loop's knobs (prompts_per_step, group_size, mu, minibatch_size, entropy_coef) are in
+    `rl`, the clip range in `rl.loss`. The KL to the reference is in the per-token reward, not in the loss."""
 
     gamma: float = fraction(1.0)  # discount over completion tokens
     lam: float = fraction(0.95)  # GAE lambda
@@ -241,7 +257,7 @@ class DPOSection:
     """--algo dpo: preference optimisation on (prompt, chosen, rejected) pairs, against a frozen reference."""
 
     # sigmoid (DPO) | ipo | hinge (SLiC) | simpo (reference-free, length-normalised)
-    loss: str = one_of("sigmoid", ("sigmoid", "ipo", "hinge", "simpo"))
+    loss: str = one_of("sigmoid", PREFERENCE_LOSSES)
     # the implicit reward is beta * (log pi - log pi_ref) of a response (simpo: of its mean)
     beta: float = positive(0.1)
     # sigmoid / simpo: the share of flipped labels assumed (conservative DPO)

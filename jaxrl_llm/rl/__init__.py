@@ -1,5 +1,8 @@
-"""RL math as pure functions: log-probs, advantages, KL estimators, policy / value / preference losses, and the
-KL- and entropy-coefficient controllers.
+"""RL math as pure functions, one idea per module: masked reductions and loss aggregation (`reductions`), token
+log-probs (`logprobs`), advantages and their registry (`advantages`, `estimators`), KL estimators and KL-shaped
+rewards (`kl`), policy-gradient surrogates and their registry (`surrogates`), token selection
+(`token_selection`), rollout correction (`rollout_correction`), the composed policy loss (`policy_loss`), the
+critic's loss (`value_loss`), preference losses (`preference`), and the KL- and entropy-coefficient controllers.
 
 Formulas and references: ``docs/algorithms.md``.
 """
@@ -23,6 +26,7 @@ from jaxrl_llm.rl.entropy_control import (
     fixed_entropy_update,
     init_entropy_controller,
 )
+from jaxrl_llm.rl.kl import KLEstimator, kl_penalty, kl_shaped_token_rewards, last_token_mask
 from jaxrl_llm.rl.kl_control import (
     KLControllerKind,
     KLControllerState,
@@ -32,6 +36,15 @@ from jaxrl_llm.rl.kl_control import (
     kl_controller_update,
 )
 from jaxrl_llm.rl.logprobs import (
+    token_entropy,
+    token_logprobs,
+    token_logprobs_and_entropy,
+    token_logprobs_chunked,
+    token_logprobs_from_hidden,
+)
+from jaxrl_llm.rl.policy_loss import PolicyLossOptions, clipped_policy_loss, compose_policy_loss
+from jaxrl_llm.rl.preference import PreferenceLossType, dpo_loss
+from jaxrl_llm.rl.reductions import (
     AGGREGATION_MODES,
     AggregationMode,
     aggregate_loss,
@@ -42,40 +55,33 @@ from jaxrl_llm.rl.logprobs import (
     masked_sum,
     masked_var,
     safe_divide,
-    token_entropy,
-    token_logprobs,
-    token_logprobs_and_entropy,
-    token_logprobs_chunked,
-    token_logprobs_from_hidden,
 )
-from jaxrl_llm.rl.losses import (
+from jaxrl_llm.rl.rollout_correction import (
+    logprob_mismatch,
+    rollout_correction_weights,
+    truncated_importance_weights,
+)
+from jaxrl_llm.rl.surrogates import (
     POLICY_LOSSES,
-    KLEstimator,
-    PreferenceLossType,
     cispo_loss,
-    clip_cov_token_mask,
     clip_metrics,
-    clipped_policy_loss,
     clipped_surrogate,
-    clipped_value_loss,
-    compose_policy_loss,
-    dpo_loss,
-    explained_variance,
     gspo_loss,
-    kl_cov_token_mask,
-    kl_penalty,
-    kl_shaped_token_rewards,
-    last_token_mask,
     ppo_clip_loss,
     register_policy_loss,
     sapo_loss,
+)
+from jaxrl_llm.rl.token_selection import (
+    clip_cov_token_mask,
+    kl_cov_token_mask,
     token_covariance,
     top_entropy_token_mask,
-    truncated_importance_weights,
 )
+from jaxrl_llm.rl.value_loss import clipped_value_loss, explained_variance
 
 __all__ = [
     "AGGREGATION_MODES",
+    "POLICY_LOSSES",
     "AdvantageScale",
     "AggregationMode",
     "EntropyControllerKind",
@@ -83,23 +89,19 @@ __all__ = [
     "KLControllerKind",
     "KLControllerState",
     "KLEstimator",
+    "PolicyLossOptions",
     "PreferenceLossType",
     "adaptive_entropy_update",
     "adaptive_kl_update",
-    "applied_entropy_coef",
     "aggregate_loss",
-    "POLICY_LOSSES",
+    "applied_entropy_coef",
     "cispo_loss",
     "clip_cov_token_mask",
     "clip_metrics",
     "clipped_policy_loss",
-    "compose_policy_loss",
-    "gspo_loss",
-    "ppo_clip_loss",
-    "register_policy_loss",
-    "sapo_loss",
     "clipped_surrogate",
     "clipped_value_loss",
+    "compose_policy_loss",
     "discounted_returns",
     "dpo_loss",
     "entropy_controller_update",
@@ -108,6 +110,7 @@ __all__ = [
     "fixed_kl_update",
     "gae_advantages",
     "group_normalized_advantages",
+    "gspo_loss",
     "init_entropy_controller",
     "init_kl_controller",
     "kl_controller_update",
@@ -115,6 +118,7 @@ __all__ = [
     "kl_penalty",
     "kl_shaped_token_rewards",
     "last_token_mask",
+    "logprob_mismatch",
     "masked_count",
     "masked_max",
     "masked_mean",
@@ -122,10 +126,14 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "ppo_clip_loss",
+    "register_policy_loss",
     "reinforce_plus_plus_advantages",
     "reinforce_plus_plus_baseline_advantages",
     "rloo_advantages",
+    "rollout_correction_weights",
     "safe_divide",
+    "sapo_loss",
     "token_covariance",
     "token_entropy",
     "token_logprobs",

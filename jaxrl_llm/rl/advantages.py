@@ -11,7 +11,7 @@ from typing import Any, Literal
 import jax.numpy as jnp
 from jax import Array, lax
 
-from jaxrl_llm.rl.logprobs import masked_mean, masked_var
+from jaxrl_llm.rl.reductions import masked_mean, masked_var
 
 AdvantageScale = Literal["group", "batch", "none"]
 

@@ -27,8 +27,9 @@ from jaxrl_llm.rl.advantages import (
     reinforce_plus_plus_baseline_advantages,
     rloo_advantages,
 )
-from jaxrl_llm.rl.logprobs import masked_mean
-from jaxrl_llm.rl.losses import KLEstimator, explained_variance, kl_penalty, kl_shaped_token_rewards
+from jaxrl_llm.rl.kl import KLEstimator, kl_penalty, kl_shaped_token_rewards
+from jaxrl_llm.rl.reductions import masked_mean
+from jaxrl_llm.rl.value_loss import explained_variance
 
 EstimatorFn = Callable[..., jax.Array]
 

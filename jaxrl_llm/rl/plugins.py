@@ -9,7 +9,7 @@ from typing import Any
 
 from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.rl.estimators import ADVANTAGE_ESTIMATORS, register_estimator
-from jaxrl_llm.rl.losses import POLICY_LOSSES, register_policy_loss
+from jaxrl_llm.rl.surrogates import POLICY_LOSSES, register_policy_loss
 
 
 def resolve_name(key: str, name: str, registry: dict[str, Any], register: Callable[[str, Any], None],

@@ -273,7 +273,7 @@ CHECKS: tuple[Check, ...] = (
           "completions shrink to nothing without gaining reward; check for a length-rewarding shortcut, lower "
           "optim.learning_rate"),
     Check("length_explosion", "warn", _length_explosion,
-          "completions grow far past their start; check rl.loss_aggregation (token-mean favours long answers) and "
+          "completions grow far past their start; check rl.loss.aggregation (token-mean favours long answers) and "
           "add an overlong penalty"),
     Check("repetition", "warn", _repetition,
           "completions repeat themselves (degenerate loops); lower optim.learning_rate, raise rl.beta, or add a "

@@ -455,13 +455,28 @@ def _with_defaults(old: dict[str, Any]) -> dict[str, Any]:
 
 def _current_names(old: dict[str, Any]) -> dict[str, Any]:
     """A config written by an earlier version, with its renamed keys under their current names (`grpo:` is
-    `rl:`, `ratio_level: token|sequence` is `policy_loss: ppo_clip|gspo`), so such a run still resumes."""
+    `rl:`, `ratio_level: token|sequence` is `policy_loss: ppo_clip|gspo`, the loss's flat `rl` keys are `rl.loss`'s,
+    SAPO's `sapo_tau_*` are `rl.policy_loss_kwargs`), so such a run still resumes."""
     if "grpo" in old and "rl" not in old:
         rl = dict(old.pop("grpo") or {})
         if "ratio_level" in rl:
             rl["policy_loss"] = {"token": "ppo_clip", "sequence": "gspo"}.get(rl.pop("ratio_level"), "ppo_clip")
         old = {**old, "rl": rl}
+    rl = dict(old.get("rl") or {})
+    moved = {k: rl.pop(k) for k in LOSS_KEYS if k in rl}  # flat rl keys of before the rl.loss section
+    if "loss_aggregation" in rl:
+        moved["aggregation"] = rl.pop("loss_aggregation")
+    taus = {k[len("sapo_"):]: rl.pop(k) for k in ("sapo_tau_pos", "sapo_tau_neg") if k in rl}
+    if rl.get("policy_loss") == "sapo" and taus:
+        rl["policy_loss_kwargs"] = {**taus, **(rl.get("policy_loss_kwargs") or {})}
+    if moved or taus:
+        old = {**old, "rl": {**rl, "loss": {**moved, **(rl.get("loss") or {})}}}
     return old
+
+
+LOSS_KEYS = ("epsilon_low", "epsilon_high", "dual_clip_c", "kl_estimator", "top_entropy_quantile", "clip_cov_ratio",
+             "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "kl_cov_coef", "rollout_correction",
+             "rollout_correction_cap")
 
 
 def config_path_fallback(out_dir: Path) -> Path | None:

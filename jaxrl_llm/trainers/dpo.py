@@ -2,7 +2,7 @@
 
     collect: the next `sft.batch_size` pairs -> left-padded prompts, right-padded `chosen + EOS` and
              `rejected + EOS` responses (and their precomputed reference log-probs, with dpo.reference=precompute)
-    update:  one jitted, data-parallel train_step on `rl.losses.dpo_loss` of the summed response log-probs;
+    update:  one jitted, data-parallel train_step on `rl.preference.dpo_loss` of the summed response log-probs;
              with dpo.reference=step the frozen reference's log-probs are computed inside that same jit
 
 Data: JSONL (or hf:NAME) with `prompt`, `chosen`, `rejected` (`data.*_field`). A prompt is text or chat messages,
@@ -36,20 +36,13 @@ from jaxrl_llm.data import (
 )
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params
-from jaxrl_llm.rl.losses import dpo_loss
+from jaxrl_llm.models.weights import frozen_copy
+from jaxrl_llm.rl.preference import dpo_loss
 from jaxrl_llm.sharding import init_optimizer_state
 from jaxrl_llm.trainers.base import Collected, ExampleAlgorithm, State
+from jaxrl_llm.trainers.objectives import completion_logprobs
 from jaxrl_llm.trainers.policy import GreedyEvaluation, load_policy
-from jaxrl_llm.trainers.step import (
-    Metrics,
-    completion_logprobs,
-    frozen_copy,
-    jit_update,
-    make_optimizer,
-    single_step_update,
-    state_sharding,
-    train_step,
-)
+from jaxrl_llm.trainers.step import Metrics, jit_update, make_optimizer, single_step_update, state_sharding, train_step
 
 
 class PairBatch(NamedTuple):
@@ -68,7 +61,7 @@ class PairBatch(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class DPOLossConfig:
-    """Static settings of the preference loss (see `rl.losses.dpo_loss`)."""
+    """Static settings of the preference loss (see `rl.preference.dpo_loss`)."""
 
     loss: str = "sigmoid"
     beta: float = 0.1

@@ -9,13 +9,12 @@ of the loop shell, differing only in the advantage estimator and the policy loss
 
 The sampler's log-probs (full distribution at the sampling temperature) are kept as the old policy's, so the
 importance ratio and clipping are real when `mu > 1` or minibatches make several updates per rollout; with
-`rl.rollout_correction` the trainer recomputes them instead (and may weight the loss by `old / sampler`).
+`rl.loss.rollout_correction` the trainer recomputes them instead (and may weight the loss by `old / sampler`).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 import jax
@@ -26,6 +25,7 @@ from jax.sharding import PartitionSpec
 
 from jaxrl_llm.config import RunConfig
 from jaxrl_llm.errors import ConfigError
+from jaxrl_llm.models.weights import working_weights
 from jaxrl_llm.rl.advantages import turn_level_advantages
 from jaxrl_llm.rl.entropy_control import (
     EntropyControllerState,
@@ -33,87 +33,15 @@ from jaxrl_llm.rl.entropy_control import (
     applied_entropy_coef,
     init_entropy_controller,
 )
-from jaxrl_llm.rl.estimators import kl_in_reward, needs_values, rollout_advantages
-from jaxrl_llm.rl.losses import logprob_mismatch
-from jaxrl_llm.rl.plugins import advantage_estimator, resolve_estimator, resolve_policy_loss
+from jaxrl_llm.rl.estimators import kl_in_reward, rollout_advantages
+from jaxrl_llm.rl.plugins import advantage_estimator
 from jaxrl_llm.sharding import batch_sharding, global_array, init_optimizer_state, to_host
 from jaxrl_llm.trainers.base import State, Updated, host_metrics
+from jaxrl_llm.trainers.objectives import PolicyBatch, PolicyObjective, policy_loss, policy_objective
 from jaxrl_llm.trainers.policy import Policy
-from jaxrl_llm.trainers.rl import RolloutAlgorithm, update_sizes
+from jaxrl_llm.trainers.rl import RolloutAlgorithm, old_policy_logprobs, update_sizes, validate_rl
 from jaxrl_llm.trainers.rollouts import Rollout
-from jaxrl_llm.trainers.step import (
-    Metrics,
-    PolicyBatch,
-    PolicyLossConfig,
-    jit_update,
-    make_optimizer,
-    policy_loss,
-    scanned_updates,
-    state_sharding,
-    train_step,
-    working_weights,
-)
-
-
-def surrogate_options(c: RunConfig) -> tuple[tuple[str, float], ...]:
-    """The config's keywords for the chosen surrogate beyond the common signature: SAPO's temperatures."""
-    r = c.rl
-    return (("tau_pos", r.sapo_tau_pos), ("tau_neg", r.sapo_tau_neg)) if r.policy_loss == "sapo" else ()
-
-
-def policy_loss_config(c: RunConfig, *, beta: float) -> PolicyLossConfig:
-    """The policy loss's static knobs from `rl` (`beta`: the KL coefficient the loss carries)."""
-    r = c.rl
-    return PolicyLossConfig(temperature=c.sampling.temperature, epsilon_low=r.epsilon_low,
-                            epsilon_high=r.epsilon_high, dual_clip_c=r.dual_clip_c or None, policy_loss=r.policy_loss,
-                            surrogate_options=surrogate_options(c), beta=beta, kl_estimator=r.kl_estimator,
-                            aggregation=r.loss_aggregation, entropy_coef=r.entropy_coef,
-                            top_entropy_quantile=r.top_entropy_quantile, clip_cov_ratio=r.clip_cov_ratio,
-                            clip_cov_lb=r.clip_cov_lb, clip_cov_ub=r.clip_cov_ub, kl_cov_ratio=r.kl_cov_ratio,
-                            kl_cov_coef=r.kl_cov_coef, max_len=c.sampling.max_new_tokens,
-                            logprob_block_mib=c.model.logprob_block_mib,
-                            rollout_correction=importance_weighting(r.rollout_correction),
-                            rollout_correction_cap=r.rollout_correction_cap)
-
-
-def importance_weighting(rollout_correction: str) -> str:
-    """`PolicyLossConfig.rollout_correction` of a `rl.rollout_correction`: the IS mode, or "" (none, recompute)."""
-    return "" if rollout_correction in ("none", "recompute") else rollout_correction
-
-
-def old_policy_logprobs(rollout_correction: str, sampler_logp: jax.Array, mask: jax.Array,
-                        recompute: Callable[[], jax.Array]) -> tuple[jax.Array, jax.Array | None, dict[str, float]]:
-    """`(old_logp, sampler_logp for the loss or None, mismatch metrics)` of a rollout under `rl.rollout_correction`:
-    the sampler's log-probs as they are (`none`), or the trainer's `recompute()` with the mismatch measured
-    (`logprob_mismatch`) and, for the importance-weighting modes, the sampler's kept for the loss's weights."""
-    if rollout_correction == "none":
-        return sampler_logp, None, {}
-    old_logp = recompute()
-    mismatch = {k: float(v) for k, v in jax.device_get(logprob_mismatch(old_logp, sampler_logp, mask)).items()}
-    return old_logp, (sampler_logp if importance_weighting(rollout_correction) else None), mismatch
-
-
-def validate_rl(c: RunConfig) -> None:
-    """The `rl` section's relations shared by the GRPO family and PPO: the sizes that must divide each other, the
-    loss's options, and the names of the estimator and the policy loss (a `module:function` is imported here)."""
-    g = c.rl
-    resolve_policy_loss(g.policy_loss)
-    if g.estimator and needs_values(resolve_estimator(g.estimator)) != (c.algo == "ppo"):
-        raise ConfigError(f"rl.estimator={g.estimator} with algo={c.algo}: PPO's advantages are GAE over its "
-                          f"critic's values (rl.estimator=gae or empty), and only --algo ppo has a critic")
-    rollout, minibatch, _ = update_sizes(c)
-    if rollout % minibatch:
-        raise ConfigError(f"rl.minibatch_size={minibatch} must divide the rollout size rl.prompts_per_step * "
-                          f"rl.group_size = {g.prompts_per_step} * {g.group_size} = {rollout}")
-    if minibatch % g.grad_accum:
-        raise ConfigError(f"rl.grad_accum={g.grad_accum} must divide rl.minibatch_size={minibatch}")
-    if g.dual_clip_c and g.dual_clip_c <= 1:
-        raise ConfigError(f"rl.dual_clip_c={g.dual_clip_c} must be > 1 (or 0 to disable)")
-    if g.dual_clip_c and g.policy_loss in ("cispo", "sapo"):
-        raise ConfigError(f"rl.dual_clip_c={g.dual_clip_c} with rl.policy_loss={g.policy_loss}: the dual clip bounds "
-                          f"ppo_clip's loss; {g.policy_loss} has none (set rl.dual_clip_c=0)")
-    if g.clip_cov_ratio and g.clip_cov_lb >= g.clip_cov_ub:
-        raise ConfigError(f"rl.clip_cov_lb={g.clip_cov_lb} must be < rl.clip_cov_ub={g.clip_cov_ub}")
+from jaxrl_llm.trainers.step import Metrics, jit_update, make_optimizer, scanned_updates, state_sharding, train_step
 
 
 def validate_grpo(c: RunConfig) -> None:
@@ -137,14 +65,14 @@ def validate_grpo(c: RunConfig) -> None:
 
 
 def make_grpo_update(c: RunConfig, policy: Policy, optimizer: optax.GradientTransformation,
-                     loss_config: PolicyLossConfig, minibatch_size: int) -> Any:
+                     objective: PolicyObjective, minibatch_size: int) -> Any:
     """`update(state, batch [N, ...], key, frozen, entropy_coef) -> (state, metrics)` for `jit_update`: `rl.mu`
     epochs x minibatches of `train_step` in one `lax.scan` (`frozen`: LoRA's base weights, or None;
     `entropy_coef`: the adaptive controller's coefficient, a float32 scalar, or None for the config's fixed one).
     The rest of the state (the entropy controller) passes through unchanged."""
     rows = batch_sharding(policy.mesh)
     step = functools.partial(train_step, loss_fn=policy_loss, model_config=policy.model_config,
-                             loss_config=loss_config, optimizer=optimizer, grad_accum=c.rl.grad_accum,
+                             loss_config=objective, optimizer=optimizer, grad_accum=c.rl.grad_accum,
                              compose=policy.compose)
     dropout = policy.lora_dropout
 
@@ -186,16 +114,16 @@ class GRPOFamily(RolloutAlgorithm):
         self.rollout_size, self.minibatch_size, self.updates_per_step = update_sizes(c)
         self.optimizer, self.schedule = make_optimizer(c.optim, max(c.steps * self.updates_per_step, 1))
         self.estimator = advantage_estimator(c.algo, r.estimator)
-        self.loss_config = policy_loss_config(c, beta=0.0 if kl_in_reward(self.estimator) else r.beta)
+        self.objective = policy_objective(c, beta=0.0 if kl_in_reward(self.estimator) else r.beta)
         self.advantage_fn = jax.jit(functools.partial(
             rollout_advantages, self.estimator, group_size=r.group_size, scale=r.scale_rewards, beta=r.beta,
-            kl_estimator=r.kl_estimator,
+            kl_estimator=r.loss.kl_estimator,
         ))
         # Adaptive entropy control (rl.entropy_target > 0): the coefficient is a traced input of the update, moved
         # after each step from the entropy it measured, and part of the state; off = the config's fixed one.
         self.adaptive_entropy = r.entropy_target > 0
         replicated = jax.sharding.NamedSharding(p.mesh, PartitionSpec())
-        self.update_fn = jit_update(make_grpo_update(c, p, self.optimizer, self.loss_config, self.minibatch_size),
+        self.update_fn = jit_update(make_grpo_update(c, p, self.optimizer, self.objective, self.minibatch_size),
                                     p.mesh, state_sharding(self.init()), frozen_sharding=p.frozen_sharding,
                                     extra_shardings=(replicated if self.adaptive_entropy else None,))
 
@@ -223,7 +151,7 @@ class GRPOFamily(RolloutAlgorithm):
         lm = cm if ro.loss_mask is None else put(ro.loss_mask)
         p = self.policy
         old_logp, sampler_logp, mismatch = old_policy_logprobs(
-            self.config.rl.rollout_correction, put(np.asarray(ro.out.logprobs_untruncated, np.float32)), lm,
+            self.config.rl.loss.rollout_correction, put(np.asarray(ro.out.logprobs_untruncated, np.float32)), lm,
             lambda: self.ref_logprob_fn(working_weights(p.model_weights(state["params"]), p.model_config),
                                         pt, pm, ct, cm))
         # log pi_ref of the rollout's tokens, zeros when no KL term needs them.

@@ -30,11 +30,11 @@ from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params, init_params
 from jaxrl_llm.models.hf import config_from_hf, load_hf_model, resolve_model_dir, save_hf_model
 from jaxrl_llm.models.lora import LoraSpec, init_adapters, insert_adapters, merge_adapters, save_peft_adapters
+from jaxrl_llm.models.weights import cast_floating, inference_copy, master_weights
 from jaxrl_llm.rewards import RewardFunction, resolve_reward
 from jaxrl_llm.sampling import SamplingConfig
 from jaxrl_llm.sharding import MeshShape, make_mesh, param_shardings, to_host
 from jaxrl_llm.tasks.arithmetic import make_tokenizer
-from jaxrl_llm.trainers.step import cast_floating, inference_copy, master_weights
 
 
 @dataclasses.dataclass

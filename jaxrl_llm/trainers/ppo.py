@@ -31,28 +31,17 @@ from jaxrl_llm.config import RunConfig
 from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.heads import CriticParams, critic_from_policy, critic_values, load_critic
+from jaxrl_llm.models.weights import master_weights, working_weights
 from jaxrl_llm.rl.estimators import ppo_targets, rollout_value_metrics
 from jaxrl_llm.rl.kl_control import KLControllerKind, KLControllerState, init_kl_controller, kl_controller_update
-from jaxrl_llm.rl.losses import clipped_value_loss
+from jaxrl_llm.rl.value_loss import clipped_value_loss
 from jaxrl_llm.sharding import batch_sharding, global_array, init_optimizer_state, param_shardings, to_host
 from jaxrl_llm.trainers.base import State, Updated, host_metrics
-from jaxrl_llm.trainers.grpo import old_policy_logprobs, policy_loss_config, validate_rl
+from jaxrl_llm.trainers.objectives import PolicyBatch, PolicyObjective, policy_loss, policy_objective
 from jaxrl_llm.trainers.policy import Policy
-from jaxrl_llm.trainers.rl import RolloutAlgorithm, update_sizes
+from jaxrl_llm.trainers.rl import RolloutAlgorithm, old_policy_logprobs, update_sizes, validate_rl
 from jaxrl_llm.trainers.rollouts import Rollout
-from jaxrl_llm.trainers.step import (
-    Metrics,
-    PolicyBatch,
-    PolicyLossConfig,
-    jit_update,
-    make_optimizer,
-    master_weights,
-    policy_loss,
-    scanned_updates,
-    state_sharding,
-    train_step,
-    working_weights,
-)
+from jaxrl_llm.trainers.step import Metrics, jit_update, make_optimizer, scanned_updates, state_sharding, train_step
 
 
 class CriticBatch(NamedTuple):
@@ -135,15 +124,15 @@ def initial_critic(c: RunConfig, policy: Policy) -> tuple[ModelConfig, CriticPar
 
 
 def make_ppo_update(c: RunConfig, policy: Policy, critic_config: ModelConfig, optimizers: tuple[Any, Any],
-                    loss_config: PolicyLossConfig, minibatch_size: int, *, train_policy: bool) -> Any:
+                    objective: PolicyObjective, minibatch_size: int, *, train_policy: bool) -> Any:
     """`update(state, PPOBatch, key, frozen) -> (state, metrics)` for `jit_update`: mu epochs x minibatches of
     (policy, critic) updates in one `lax.scan`; with `train_policy=False` (critic warm-up) only the critic
     moves. The state's `kl_coef` passes through (the controller moves it on the host)."""
     rows = batch_sharding(policy.mesh)
     policy_step = functools.partial(train_step, loss_fn=policy_loss, model_config=policy.model_config,
-                                    loss_config=loss_config, optimizer=optimizers[0],
+                                    loss_config=objective, optimizer=optimizers[0],
                                     grad_accum=c.rl.grad_accum, compose=policy.compose)
-    value_loss_config = ValueLossConfig(clip_range=c.ppo.value_clip or None, aggregation=c.rl.loss_aggregation,
+    value_loss_config = ValueLossConfig(clip_range=c.ppo.value_clip or None, aggregation=c.rl.loss.aggregation,
                                         max_len=c.sampling.max_new_tokens)
     critic_step = functools.partial(train_step, loss_fn=critic_loss, model_config=critic_config,
                                     loss_config=value_loss_config,  # type: ignore[arg-type]
@@ -208,9 +197,9 @@ class PPO(RolloutAlgorithm):
                                 out_shardings=batch_sharding(p.mesh))
         self.targets_fn = jax.jit(functools.partial(targets_and_metrics, pc.gamma, pc.lam, pc.kl_estimator,
                                                     pc.whiten_advantages))
-        self.loss_config = policy_loss_config(c, beta=0.0)  # the KL to the reference is in the reward
+        self.objective = policy_objective(c, beta=0.0)  # the KL to the reference is in the reward
         optimizers, sharding = (self.optimizer, self.critic_optimizer), state_sharding(self.init())
-        self.update_fns = {train: jit_update(make_ppo_update(c, p, self.critic_config, optimizers, self.loss_config,
+        self.update_fns = {train: jit_update(make_ppo_update(c, p, self.critic_config, optimizers, self.objective,
                                                              self.minibatch_size, train_policy=train), p.mesh,
                                              sharding, frozen_sharding=p.frozen_sharding) for train in (True, False)}
 
@@ -232,7 +221,7 @@ class PPO(RolloutAlgorithm):
         put = functools.partial(global_array, mesh=self.mesh)
         pt, pm, ct, cm = put(ro.prompt_tokens), put(ro.prompt_mask), put(ro.out.tokens), put(ro.out.mask)
         old_logp, sampler_logp, mismatch = old_policy_logprobs(
-            self.config.rl.rollout_correction, put(np.asarray(ro.out.logprobs_untruncated, np.float32)), cm,
+            self.config.rl.loss.rollout_correction, put(np.asarray(ro.out.logprobs_untruncated, np.float32)), cm,
             lambda: self.ref_logprob_fn(working_weights(p.model_weights(state["params"]), p.model_config),
                                         pt, pm, ct, cm))
         ref_logp = self.ref_logprob_fn(self.ref_params, pt, pm, ct, cm) if self.ref_params is not None else old_logp

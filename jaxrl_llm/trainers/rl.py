@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -10,10 +12,16 @@ import jax
 from jaxrl_llm.config import RunConfig
 from jaxrl_llm.data import DataState
 from jaxrl_llm.envs.sandbox import describe_sandbox, use_sandbox
+from jaxrl_llm.errors import ConfigError
+from jaxrl_llm.models.weights import frozen_copy
+from jaxrl_llm.rl.estimators import needs_values
+from jaxrl_llm.rl.plugins import resolve_estimator, resolve_policy_loss
+from jaxrl_llm.rl.rollout_correction import ROLLOUT_CORRECTION_MODES, logprob_mismatch
+from jaxrl_llm.rl.surrogates import NO_DUAL_CLIP, POLICY_LOSSES
 from jaxrl_llm.trainers.base import Algorithm, Collected, State
+from jaxrl_llm.trainers.objectives import make_logprob_fn
 from jaxrl_llm.trainers.policy import GreedyEvaluation, load_policy
 from jaxrl_llm.trainers.rollouts import DriftMeter, Rollout, RolloutCollector, rollout_tokens
-from jaxrl_llm.trainers.step import frozen_copy, make_logprob_fn
 from jaxrl_llm.trainers.trajectories import EpisodeEvaluation, TrajectoryCollector
 
 
@@ -30,6 +38,63 @@ def rl_micro_batch(c: RunConfig) -> tuple[str, int]:
     rollout, minibatch, _ = update_sizes(c)
     return f"the micro-batch rl.minibatch_size / rl.grad_accum = {minibatch // c.rl.grad_accum} sequences", \
         minibatch // c.rl.grad_accum
+
+
+# The keywords every surrogate takes (jaxrl_llm.rl.surrogates); rl.policy_loss_kwargs holds the others.
+SURROGATE_PARAMETERS = ("logp", "old_logp", "advantages", "mask", "epsilon_low", "epsilon_high", "dual_clip_c")
+
+
+def check_surrogate_settings(name: str, settings: dict[str, Any]) -> None:
+    """`rl.policy_loss_kwargs` against the surrogate's signature: each key one of its own keywords (not one `rl.loss`
+    sets), each value a number, string or boolean (the jitted update keeps them as static values)."""
+    params = inspect.signature(POLICY_LOSSES[name]).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    own = [k for k in params if k not in SURROGATE_PARAMETERS and params[k].kind is not inspect.Parameter.VAR_KEYWORD]
+    for key, value in settings.items():
+        if key in SURROGATE_PARAMETERS or not (takes_any or key in own):
+            raise ConfigError(f"rl.policy_loss_kwargs.{key}: rl.policy_loss={name} takes "
+                              f"{', '.join(own) or 'no settings of its own'}"
+                              + (" (the clip range is rl.loss's)" if key in SURROGATE_PARAMETERS else ""))
+        if not isinstance(value, (bool, int, float, str)):
+            raise ConfigError(f"rl.policy_loss_kwargs.{key}={value!r}: a setting is a number, a string or a boolean")
+
+
+def validate_rl(c: RunConfig) -> None:
+    """The `rl` section's relations shared by the GRPO family and PPO: the sizes that must divide each other, the
+    loss's options, and the names of the estimator and the policy loss (a `module:function` is imported here)
+    with its settings."""
+    g, o = c.rl, c.rl.loss
+    resolve_policy_loss(g.policy_loss)
+    check_surrogate_settings(g.policy_loss, g.policy_loss_kwargs)
+    if g.estimator and needs_values(resolve_estimator(g.estimator)) != (c.algo == "ppo"):
+        raise ConfigError(f"rl.estimator={g.estimator} with algo={c.algo}: PPO's advantages are GAE over its "
+                          f"critic's values (rl.estimator=gae or empty), and only --algo ppo has a critic")
+    rollout, minibatch, _ = update_sizes(c)
+    if rollout % minibatch:
+        raise ConfigError(f"rl.minibatch_size={minibatch} must divide the rollout size rl.prompts_per_step * "
+                          f"rl.group_size = {g.prompts_per_step} * {g.group_size} = {rollout}")
+    if minibatch % g.grad_accum:
+        raise ConfigError(f"rl.grad_accum={g.grad_accum} must divide rl.minibatch_size={minibatch}")
+    if o.dual_clip_c and o.dual_clip_c <= 1:
+        raise ConfigError(f"rl.loss.dual_clip_c={o.dual_clip_c} must be > 1 (or 0 to disable)")
+    if o.dual_clip_c and g.policy_loss in NO_DUAL_CLIP:
+        raise ConfigError(f"rl.loss.dual_clip_c={o.dual_clip_c} with rl.policy_loss={g.policy_loss}: it has no dual "
+                          f"clip (set rl.loss.dual_clip_c=0)")
+    if o.clip_cov_ratio and o.clip_cov_lb >= o.clip_cov_ub:
+        raise ConfigError(f"rl.loss.clip_cov_lb={o.clip_cov_lb} must be < rl.loss.clip_cov_ub={o.clip_cov_ub}")
+
+
+def old_policy_logprobs(rollout_correction: str, sampler_logp: jax.Array, mask: jax.Array,
+                        recompute: Callable[[], jax.Array]) -> tuple[jax.Array, jax.Array | None, dict[str, float]]:
+    """`(old_logp, sampler_logp for the loss or None, mismatch metrics)` of a rollout under
+    `rl.loss.rollout_correction`: the sampler's log-probs as they are (`none`), or the trainer's `recompute()` with
+    the mismatch measured (`logprob_mismatch`) and, for the importance-weighting modes, the sampler's kept for the
+    loss's weights."""
+    if rollout_correction == "none":
+        return sampler_logp, None, {}
+    old_logp = recompute()
+    mismatch = {k: float(v) for k, v in jax.device_get(logprob_mismatch(old_logp, sampler_logp, mask)).items()}
+    return old_logp, (sampler_logp if rollout_correction in ROLLOUT_CORRECTION_MODES else None), mismatch
 
 
 CODE_TESTS = ("code_tests", "jaxrl_llm.rewards.code_execution:code_tests_reward")

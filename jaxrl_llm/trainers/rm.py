@@ -36,7 +36,8 @@ from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params
 from jaxrl_llm.models.hf import is_classifier, load_hf_model, read_tensor, resolve_model_dir
 from jaxrl_llm.models.reward_model import save_hf_reward_model, sequence_scores
-from jaxrl_llm.rl.losses import dpo_loss
+from jaxrl_llm.models.weights import master_weights
+from jaxrl_llm.rl.preference import dpo_loss
 from jaxrl_llm.sharding import (
     MeshShape,
     init_optimizer_state,
@@ -45,15 +46,7 @@ from jaxrl_llm.sharding import (
     to_host,
 )
 from jaxrl_llm.trainers.base import Collected, ExampleAlgorithm, State
-from jaxrl_llm.trainers.step import (
-    Metrics,
-    jit_update,
-    make_optimizer,
-    master_weights,
-    single_step_update,
-    state_sharding,
-    train_step,
-)
+from jaxrl_llm.trainers.step import Metrics, jit_update, make_optimizer, single_step_update, state_sharding, train_step
 
 
 class PreferenceBatch(NamedTuple):

@@ -10,7 +10,6 @@ deliberately short budget, so its greedy held-out accuracy is well below 100% an
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -22,17 +21,9 @@ from jaxrl_llm.data import DataState, PromptSet, bucket, left_pad, next_batch_in
 from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.sharding import init_optimizer_state
 from jaxrl_llm.trainers.base import Collected, ExampleAlgorithm, State
+from jaxrl_llm.trainers.objectives import PolicyBatch, PolicyObjective, sft_loss
 from jaxrl_llm.trainers.policy import GreedyEvaluation, load_policy
-from jaxrl_llm.trainers.step import (
-    PolicyBatch,
-    PolicyLossConfig,
-    jit_update,
-    make_optimizer,
-    sft_loss,
-    single_step_update,
-    state_sharding,
-    train_step,
-)
+from jaxrl_llm.trainers.step import jit_one_step_update, make_optimizer
 
 
 def completion_arrays(prompt_set: PromptSet, indices: np.ndarray, tokenizer: Any, answer_field: str,
@@ -72,12 +63,11 @@ class SFT(ExampleAlgorithm):
         self.examples = p.prompt_set(c.data.train, c.data.split)
         self.evaluation = GreedyEvaluation(p, c.sft.eval_batch_size)
         self.optimizer, self.schedule = make_optimizer(c.optim, max(c.steps, 1))
-        step = functools.partial(train_step, loss_fn=sft_loss, model_config=p.model_config,
-                                 loss_config=PolicyLossConfig(logprob_block_mib=c.model.logprob_block_mib),
-                                 optimizer=self.optimizer, grad_accum=1, compose=p.compose)
         self.frozen_input = self.policy.frozen
-        self.update_fn = jit_update(single_step_update(step, with_key=p.lora_dropout), p.mesh,
-                                    state_sharding(self.init()), frozen_sharding=p.frozen_sharding)
+        self.update_fn = jit_one_step_update(
+            p.mesh, self.init(), frozen_sharding=p.frozen_sharding, with_key=p.lora_dropout, loss_fn=sft_loss,
+            model_config=p.model_config, loss_config=PolicyObjective(logprob_block_mib=c.model.logprob_block_mib),
+            optimizer=self.optimizer, grad_accum=1, compose=p.compose)
 
     def init(self) -> State:
         p = self.policy
