@@ -81,7 +81,7 @@ def main() -> None:
     print(f"compiled: arguments {m.argument_size_in_bytes / GIB:.2f} GiB + temporaries {m.temp_size_in_bytes / GIB:.2f}"
           f" GiB + outputs {m.output_size_in_bytes / GIB:.2f} GiB - aliased {m.alias_size_in_bytes / GIB:.2f} GiB"
           f" = {total / GIB:.2f} GiB")
-    print(f"planner (python -m jaxrl_llm.plan, 'train step program alone'): params {p.params / GIB:.2f} + optimizer "
+    print(f"planner (python -m jaxrl_llm plan, 'train step program alone'): params {p.params / GIB:.2f} + optimizer "
           f"{p.optimizer / GIB:.2f} + batch {p.batch / GIB:.2f} + {p.gradient_buffers} x gradients "
           f"{p.gradients / GIB:.2f} + activations {p.activations / GIB:.2f} = {planned / GIB:.2f} GiB "
           f"(planned / compiled = {planned / total:.3f})")

@@ -65,7 +65,7 @@ def test_win_rates_and_reveal_follow_their_formulas():
 
 
 
-PROG = "python -m jaxrl_llm.compare"
+PROG = "python -m jaxrl_llm compare"
 PROMPTS_A = ["1+1=", "2+3=", "4+4=", "5+2=", "9+1="]
 PROMPTS_B = ["7*3=", "6*2=", "8*8=", "3*3=", "2*9="]
 

@@ -277,6 +277,7 @@ def test_missing_required_settings_are_one_error_naming_them():
 
 
 def test_planner_plans_the_run_a_config_describes(capsys, monkeypatch):
+    from jaxrl_llm import memory_plan
     from jaxrl_llm.cli import plan
     from jaxrl_llm.config import load_run_config
     from jaxrl_llm.models.hf import config_from_hf
@@ -289,7 +290,7 @@ def test_planner_plans_the_run_a_config_describes(capsys, monkeypatch):
     printed = capsys.readouterr().out
     c = load_run_config(preset, overrides)
     assert f"rl.prompts_per_step={c.rl.prompts_per_step} x rl.group_size=4" in printed
-    expected = plan.plan_memory(
+    expected = memory_plan.plan_memory(
         config_from_hf(plan.load_hf_config_dict(str(tiny_model)), dtype=c.model.dtype,
                        param_dtype=c.model.param_dtype, remat=False,
                        attention_query_chunk=c.model.attention_query_chunk),
@@ -315,8 +316,9 @@ def _doc_blocks(languages: set[str]):
 
 
 def _doc_commands():
-    """(where, program, argv) of every `python train.py`, `python -m jaxrl_llm.X` and `python bench/X.py` command
-    in the docs' shell blocks (a console block's commands are its `$ ` lines; comments and `VAR=value` dropped)."""
+    """(where, program, argv) of every `python train.py`, `python -m jaxrl_llm X`, `python -m jaxrl_llm.X` (a module's
+    own tool) and `python bench/X.py` command in the docs' shell blocks (a console block's commands are its `$ `
+    lines; comments and `VAR=value` dropped)."""
     for page, line, language, body in _doc_blocks(SHELL):
         for text in body.replace("\\\n", " ").splitlines():
             if language == "console":
@@ -341,7 +343,9 @@ def _doc_commands():
                 where = f"{page}:{line}: {shlex.join(argv)}"
                 if argv[1] == "train.py":
                     yield where, "train.py", argv[2:]
-                elif argv[1] == "-m" and argv[2].startswith("jaxrl_llm."):
+                elif argv[1] == "-m" and argv[2] == "jaxrl_llm" and len(argv) > 3:
+                    yield where, f"jaxrl_llm {argv[3]}", argv[4:]
+                elif argv[1] == "-m" and argv[2].startswith("jaxrl_llm."):  # a module's own tool (tasks, config)
                     yield where, argv[2], argv[3:]
                 elif argv[1].startswith("bench/"):
                     yield where, argv[1], argv[2:]
@@ -383,7 +387,7 @@ def _config_path(path: Path, folders: list[Path]) -> Path:
 
 def test_docs_commands_name_real_presets_modules_and_flags(tmp_path, monkeypatch, capsys):
     """Every command in the docs' shell blocks parses: train.py's options, its preset file and every override key
-    (`load_run_config`, which rejects unknown keys), each `python -m jaxrl_llm.X` module and its options (its own
+    (`load_run_config`, which rejects unknown keys), each `python -m jaxrl_llm X` command and its options (its own
     argparse parser, stopped before it runs), and each bench script and the flags it is given. Nothing trains."""
     from jaxrl_llm.config import load_run_config
 
@@ -398,7 +402,7 @@ def test_docs_commands_name_real_presets_modules_and_flags(tmp_path, monkeypatch
     folders = [ROOT, tmp_path]
     commands = list(_doc_commands())
     assert len(commands) >= 30 and {program for _, program, _ in commands} >= {
-        "train.py", "jaxrl_llm.eval", "jaxrl_llm.plan", "bench/sampling.py"}, commands
+        "train.py", "jaxrl_llm eval", "jaxrl_llm plan", "bench/sampling.py"}, commands
     failures = []
     for where, program, argv in commands:
         try:
@@ -408,12 +412,15 @@ def test_docs_commands_name_real_presets_modules_and_flags(tmp_path, monkeypatch
                     preset = _config_path(args.config, folders) if args.config else train.DEFAULT_CONFIGS[
                         args.algo or "grpo"]
                     load_run_config(preset, args.overrides, **({"algo": args.algo} if args.algo else {}))
+            elif program.startswith("jaxrl_llm "):
+                from jaxrl_llm.__main__ import COMMANDS
+
+                command = program.removeprefix("jaxrl_llm ")
+                assert command in COMMANDS, f"no command {command} (python -m jaxrl_llm knows {COMMANDS})"
+                args = _parse_only(importlib.import_module(f"jaxrl_llm.cli.{command}").main, argv)
             elif program.startswith("jaxrl_llm."):
                 assert importlib.util.find_spec(program) is not None, f"no module {program}"
-                command = f"jaxrl_llm.cli.{program.removeprefix('jaxrl_llm.')}"
-                module = importlib.import_module(command if (ROOT / (command.replace(".", "/") + ".py")).is_file()
-                                                 else program)
-                args = _parse_only(module.main, argv)
+                args = _parse_only(importlib.import_module(program).main, argv)
                 if getattr(args, "config", None):
                     load_run_config(_config_path(args.config, folders), getattr(args, "overrides", []))
             else:

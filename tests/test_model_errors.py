@@ -297,7 +297,7 @@ def test_train_cli_reports_a_truncated_model_in_one_line(model_dir, tmp_path, ca
 def test_generate_reports_a_missing_shard_in_one_line(sharded_dir, capsys):
     shard = sorted(sharded_dir.glob("model-*.safetensors"))[0]
     shard.unlink()
-    prog = "python -m jaxrl_llm.generate"
+    prog = "python -m jaxrl_llm generate"
     code = run_command(prog, generate.main, ["--model", str(sharded_dir), "--prompt", "1+1="])
     err = capsys.readouterr().err
     assert code == 2

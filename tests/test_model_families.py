@@ -152,7 +152,7 @@ def test_one_grpo_step_runs(kind, family_task, tiny_task, tmp_path):
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral", *NEW_FAMILIES])
 def test_planner_knows_the_family(kind, hf_model_dir, capsys):
-    """`python -m jaxrl_llm.plan` on each family: its parameter count equals transformers' model's."""
+    """`python -m jaxrl_llm plan` on each family: its parameter count equals transformers' model's."""
     from jaxrl_llm.cli.plan import main
 
     assert main(["--model", str(hf_model_dir(kind)), "--batch", "2", "--prompt-len", "16", "--new-tokens", "16",

@@ -12,9 +12,11 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 
-from jaxrl_llm.cli import plan
+from jaxrl_llm import memory_plan as plan
+from jaxrl_llm.cli import plan as plan_cli
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import param_shapes
 from jaxrl_llm.models.hf import config_from_hf
@@ -42,7 +44,7 @@ from jaxrl_llm import sharding
 from jaxrl_llm.config import OptimSection
 from jaxrl_llm.models.decoder import init_cache, param_shapes
 from jaxrl_llm.models.hf import config_from_hf
-from jaxrl_llm.cli.plan import KV_CACHE_SPEC
+from jaxrl_llm.memory_plan import KV_CACHE_SPEC
 from jaxrl_llm.trainers.step import make_optimizer
 
 assert jax.device_count() == 8, jax.devices()
@@ -142,10 +144,10 @@ def test_hand_computed_plan_on_one_device() -> None:
     assert r.sampler_weights == 3 * (16 * 32 + 16 * 64 + 16 * 16 + 32 * 16) * 4 // 2
     norms = 2 * 3 * 16 + 16  # the norm scales stay replicated
     assert r.params == 4 * ((n - norms) // 4 + norms)
-    # Other optimizers: Lion keeps one moment and a count, plain SGD nothing.
+    # A library user's own optax transformation: Lion keeps one moment and a count, plain SGD nothing.
     kw = dict(batch=2, prompt_len=5, new_tokens=7)
-    assert plan.plan_memory(_hand_config(), (1, 1, 1), optimizer="lion", **kw).optimizer == 4 * n + 4
-    assert plan.plan_memory(_hand_config(), (1, 1, 1), optimizer="sgd", **kw).optimizer == 0
+    assert plan.plan_memory(_hand_config(), (1, 1, 1), optimizer=optax.lion(1e-4), **kw).optimizer == 4 * n + 4
+    assert plan.plan_memory(_hand_config(), (1, 1, 1), optimizer=optax.sgd(1e-3), **kw).optimizer == 0
     with pytest.raises(ValueError, match="grad_accum"):
         plan.plan_memory(_hand_config(), (1, 1, 1), batch=2, group_size=3, prompt_len=5, new_tokens=7, grad_accum=4)
 
@@ -166,23 +168,23 @@ def test_shard_shape_agrees_with_jax() -> None:
 
 
 def test_parsers() -> None:
-    assert plan.parse_mesh("data=2,fsdp=2,tensor=2") == (2, 2, 2)
-    assert plan.parse_mesh("fsdp=8") == (1, 8, 1)
-    assert plan.parse_mesh("4,1,2") == (4, 1, 2)
+    assert plan_cli.parse_mesh("data=2,fsdp=2,tensor=2") == (2, 2, 2)
+    assert plan_cli.parse_mesh("fsdp=8") == (1, 8, 1)
+    assert plan_cli.parse_mesh("4,1,2") == (4, 1, 2)
     for bad in ("data=2,pipeline=2", "2,2", "fsdp=0"):
         with pytest.raises(ValueError):
-            plan.parse_mesh(bad)
-    assert plan.parse_bytes("80GiB") == 80 * 2**30
-    assert plan.parse_bytes("16GB") == plan.parse_bytes("16G") == 16 * 10**9
-    assert plan.parse_bytes("1.5 KiB") == 1536 and plan.parse_bytes("123") == 123
+            plan_cli.parse_mesh(bad)
+    assert plan_cli.parse_bytes("80GiB") == 80 * 2**30
+    assert plan_cli.parse_bytes("16GB") == plan_cli.parse_bytes("16G") == 16 * 10**9
+    assert plan_cli.parse_bytes("1.5 KiB") == 1536 and plan_cli.parse_bytes("123") == 123
     with pytest.raises(ValueError):
-        plan.parse_bytes("lots")
-    assert plan.format_bytes(3 * 2**30) == "3.00 GiB" and plan.format_bytes(-512) == "-512 B"
+        plan_cli.parse_bytes("lots")
+    assert plan_cli.format_bytes(3 * 2**30) == "3.00 GiB" and plan_cli.format_bytes(-512) == "-512 B"
 
 
 def test_cli_on_committed_model_fits_and_does_not_fit() -> None:
-    """`python -m jaxrl_llm.plan` on `models/arith-base`: FITS in 80 GiB, DOES NOT FIT in 1 MiB, exit 0."""
-    base = [sys.executable, "-m", "jaxrl_llm.plan", "--model", "models/arith-base", "--mesh",
+    """`python -m jaxrl_llm plan` on `models/arith-base`: FITS in 80 GiB, DOES NOT FIT in 1 MiB, exit 0."""
+    base = [sys.executable, "-m", "jaxrl_llm", "plan", "--model", "models/arith-base", "--mesh",
             "data=2,fsdp=2,tensor=2", "--batch", "64", "--prompt-len", "256", "--new-tokens", "512", "--reference"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     for memory, verdict in (("80GiB", "FITS"), ("1MiB", "DOES NOT FIT")):
@@ -199,9 +201,9 @@ def test_cli_on_committed_model_fits_and_does_not_fit() -> None:
 def test_cli_rejects_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
     from jaxrl_llm.cli.errors import run_command
 
-    assert run_command("plan", plan.main, ["--mesh", "data=2,pipe=2"]) == 2
+    assert run_command("plan", plan_cli.main, ["--mesh", "data=2,pipe=2"]) == 2
     assert "plan: error: cannot read mesh" in capsys.readouterr().err
-    assert run_command("plan", plan.main, ["--model", "./no/such/dir"]) == 2
+    assert run_command("plan", plan_cli.main, ["--model", "./no/such/dir"]) == 2
     assert "does not exist" in capsys.readouterr().err
 
 
@@ -226,7 +228,7 @@ def test_hub_id_downloads_config_json_only(monkeypatch: pytest.MonkeyPatch, tmp_
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
     monkeypatch.setattr(huggingface_hub, "model_info", fake_model_info)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
-    assert plan.load_hf_config_dict("Qwen/Qwen2.5-0.5B") == qwen
+    assert plan_cli.load_hf_config_dict("Qwen/Qwen2.5-0.5B") == qwen
     assert requested == [("Qwen/Qwen2.5-0.5B", "model_info"), ("Qwen/Qwen2.5-0.5B", "config.json")]
     p = plan.plan_memory(config_from_hf(qwen), (1, 8, 1), batch=64, prompt_len=256, new_tokens=512)
     assert 494_000_000 < p.num_params < 495_000_000  # Qwen2.5-0.5B: 494M parameters (tied embeddings)

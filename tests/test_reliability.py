@@ -244,13 +244,16 @@ def test_unexpected_errors_are_one_line_too(capsys):
 
 
 def test_python_m_commands_report_one_line(tmp_path):
-    """The module entry points share the boundary (checked in subprocesses: their own `__main__`)."""
+    """`python -m jaxrl_llm <command>` (the one entry point) and the module tools share the boundary (checked in
+    subprocesses); an unknown or missing command is one line too, naming the commands."""
     cases = [
-        (["-m", "jaxrl_llm.generate", "--model", str(tmp_path / "none"), "--prompt", "hi"], 2,
-         "python -m jaxrl_llm.generate: error: model directory"),
-        (["-m", "jaxrl_llm.plan", "--model", str(ROOT / "models" / "arith-base"), "--batch", "0"], 2,
-         "python -m jaxrl_llm.plan: error: batch, group_size"),
-        (["-m", "jaxrl_llm.plan"], 2, "python -m jaxrl_llm.plan: error: no model to plan"),
+        (["-m", "jaxrl_llm", "evaluate"], 2,
+         "python -m jaxrl_llm: unknown command 'evaluate'; expected one of eval, compare, report, export, generate"),
+        (["-m", "jaxrl_llm", "generate", "--model", str(tmp_path / "none"), "--prompt", "hi"], 2,
+         "python -m jaxrl_llm generate: error: model directory"),
+        (["-m", "jaxrl_llm", "plan", "--model", str(ROOT / "models" / "arith-base"), "--batch", "0"], 2,
+         "python -m jaxrl_llm plan: error: batch, group_size"),
+        (["-m", "jaxrl_llm", "plan"], 2, "python -m jaxrl_llm plan: error: no model to plan"),
         (["-m", "jaxrl_llm.tasks.arithmetic", "--train", "0", "--out", str(tmp_path / "d")], 2,
          "python -m jaxrl_llm.tasks.arithmetic: error: --train 0 must be >= 1"),
     ]

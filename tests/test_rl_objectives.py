@@ -244,8 +244,8 @@ def test_top_entropy_works_with_every_surrogate(surrogate):
 def test_top_entropy_quantile_one_is_the_unselected_loss_bit_for_bit(surrogate):
     f = functools.partial(L.clipped_policy_loss, surrogate=surrogate, entropy=ENT, entropy_coef=0.1)
     (loss, m), grad = jax.value_and_grad(lambda x: f(x, OLD, ADV, MASK), has_aux=True)(LOGP)
-    (loss1, m1), grad1 = jax.value_and_grad(lambda x: f(x, OLD, ADV, MASK, **with_options({"top_entropy_quantile": 1.0})),
-                                            has_aux=True)(LOGP)
+    unselected = with_options({"top_entropy_quantile": 1.0})
+    (loss1, m1), grad1 = jax.value_and_grad(lambda x: f(x, OLD, ADV, MASK, **unselected), has_aux=True)(LOGP)
     np.testing.assert_array_equal(loss1, loss)
     np.testing.assert_array_equal(grad1, grad)
     assert m1.keys() == m.keys()

@@ -499,7 +499,7 @@ def test_cli_cpu_devices_split_the_batch_and_keep_the_tokens():
     from jaxrl_llm.cli.generate import main
 
     def completions(*extra: str) -> list[str]:
-        command = [sys.executable, "-m", "jaxrl_llm.generate", "--model", str(STORIES260K), "--prompt", "Once",
+        command = [sys.executable, "-m", "jaxrl_llm", "generate", "--model", str(STORIES260K), "--prompt", "Once",
                    "--prompt", "Lily", "--prompt", "The dog", "--prompt", "Tom", "--max-new-tokens", "24",
                    "--temperature", "0.9", "--top-p", "0.95", "--n", "2", "--seed", "5", *extra]
         env = {**os.environ, "JAX_PLATFORMS": "cpu"}

@@ -1,8 +1,8 @@
 """Blind comparison of several models (e.g. SFT, an early RL checkpoint, the final one) on the same prompts.
 
-    python -m jaxrl_llm.compare --models A B C --prompts FILE [--out DIR] [--limit N] [--chat]
+    python -m jaxrl_llm compare --models A B C --prompts FILE [--out DIR] [--limit N] [--chat]
         [--max-new-tokens N] [--greedy | --temperature T] [--seed S] [--judge REWARD_OR_REWARD_MODEL_DIR]
-    python -m jaxrl_llm.compare --reveal VOTES.csv --key DIR/key.json
+    python -m jaxrl_llm compare --reveal VOTES.csv --key DIR/key.json
 
 Each model (a HF directory, RUN_DIR or RUN_DIR:STEP) answers every prompt (greedy by default). The blind sheet
 shows each prompt's answers under the labels A, B, C, ... with the models shuffled per prompt (a permutation
@@ -49,7 +49,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxrl_llm.cli.errors import CommandParser, run_command
+from jaxrl_llm.cli.errors import CommandParser
 from jaxrl_llm.cli.export import load_model
 from jaxrl_llm.config import DataSection
 from jaxrl_llm.data import build_prompt_set, load_records
@@ -237,7 +237,7 @@ def generate(args: argparse.Namespace) -> tuple[list[str], list[list[str]], np.n
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = CommandParser(prog="python -m jaxrl_llm.compare", description=__doc__,
+    parser = CommandParser(prog="python -m jaxrl_llm compare", description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=[], help="HF directories, RUN_DIR or RUN_DIR:STEP")
     parser.add_argument("--prompts", default="", help="JSONL prompts (with the fields a --judge reward reads)")
@@ -281,7 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         key = load_key(key_path)
         warning = check_same_sheet(votes, key, votes_name=str(votes_path), key_name=str(key_path))
         if warning:
-            print(f"python -m jaxrl_llm.compare: warning: {warning}", file=sys.stderr)
+            print(f"python -m jaxrl_llm compare: warning: {warning}", file=sys.stderr)
         rates = reveal(votes, key)
         _print_rates(f"share of the votes ({sum(1 for v in votes if str(v.get('preferred') or '').strip())} votes, "
                      f"95% interval):", rates)
@@ -314,6 +314,3 @@ def main(argv: Sequence[str] | None = None) -> int:
                      win_rates(scores, args.models))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(run_command("python -m jaxrl_llm.compare", main))

@@ -1,6 +1,6 @@
 """Evaluate a model on fixed prompts: accuracy, pass@k, mean reward, completion length, truncation rate.
 
-    python -m jaxrl_llm.eval --model DIR_OR_RUN_DIR[:STEP] --data FILE --reward NAME [--chat]
+    python -m jaxrl_llm eval --model DIR_OR_RUN_DIR[:STEP] --data FILE --reward NAME [--chat]
         [--greedy | --n K --temperature T] [--k 1,4,8] [--max-new-tokens N] [--limit N] [--batch-size N]
         [--seed S] [--out DIR]
 
@@ -27,14 +27,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
 
-from jaxrl_llm.cli.errors import CommandParser, run_command
+from jaxrl_llm.cli.errors import CommandParser
 from jaxrl_llm.cli.export import load_model
 from jaxrl_llm.config import DataSection, load_run_config
 from jaxrl_llm.data import build_prompt_set, load_records
@@ -51,7 +50,7 @@ DEFAULT_MAX_NEW_TOKENS = 256
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = CommandParser(prog="python -m jaxrl_llm.eval", description=__doc__,
+    parser = CommandParser(prog="python -m jaxrl_llm eval", description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="HF directory, hub id, RUN_DIR or RUN_DIR:STEP")
     parser.add_argument("--data", required=True, help="JSONL prompts (with the fields the reward reads)")
@@ -207,6 +206,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"wrote {out / 'eval.json'} and {out / 'completions.jsonl'}")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(run_command("python -m jaxrl_llm.eval", main))

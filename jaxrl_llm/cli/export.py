@@ -1,6 +1,6 @@
 """Write any checkpoint step of a run as a Hugging Face directory; read models for `eval` and `compare`.
 
-    python -m jaxrl_llm.export RUN_DIR [--step N] --out DIR
+    python -m jaxrl_llm export RUN_DIR [--step N] --out DIR
 
 The run's algorithm is rebuilt from its config (the last start's, `RUN_DIR/configs/NNN-*.yaml`, else
 `config.yaml`; relative paths in it are relative to the folder training ran from), the checkpoint of step N
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ import numpy as np
 import yaml
 from jax.sharding import PartitionSpec
 
-from jaxrl_llm.cli.errors import CommandParser, run_command
+from jaxrl_llm.cli.errors import CommandParser
 from jaxrl_llm.config import load_run_config
 from jaxrl_llm.data import eos_token_ids, load_tokenizer
 from jaxrl_llm.errors import ConversionError, UsageError
@@ -171,7 +170,7 @@ def export_step(run_dir: str | Path, out: str | Path, step: int | None = None) -
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = CommandParser(prog="python -m jaxrl_llm.export", description=__doc__,
+    parser = CommandParser(prog="python -m jaxrl_llm export", description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", help="a training run's out_dir")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
@@ -186,6 +185,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"exported step {step} of {args.run_dir} to {directory}")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(run_command("python -m jaxrl_llm.export", main))

@@ -1,6 +1,6 @@
 """Sample completions from any supported Hugging Face checkpoint with the jitted sampler.
 
-    python -m jaxrl_llm.generate --model DIR_OR_HUB_ID --prompt "Once upon a time" [--prompt "..."] [--chat]
+    python -m jaxrl_llm generate --model DIR_OR_HUB_ID --prompt "Once upon a time" [--prompt "..."] [--chat]
         [--max-new-tokens 128] [--greedy | --temperature 1.0] [--top-k 0] [--top-p 1.0] [--min-p 0.0]
         [--n 1] [--seed 0] [--dtype float32|bfloat16] [--cpu-devices N]
 
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,7 +28,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxrl_llm.cli.errors import CommandParser, run_command
+from jaxrl_llm.cli.errors import CommandParser
 from jaxrl_llm.data import check_tokenizer_files
 from jaxrl_llm.errors import UsageError
 from jaxrl_llm.models.hf import load_hf_model, resolve_model_dir
@@ -90,7 +89,7 @@ def completion_text(tokenizer: Any, prompt_ids: list[int], completion_ids: list[
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = CommandParser(
-        prog="python -m jaxrl_llm.generate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m jaxrl_llm generate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", required=True, help="local HF model directory or hub id")
     parser.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
@@ -170,6 +169,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(run_command("python -m jaxrl_llm.generate", main))

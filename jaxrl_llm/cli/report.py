@@ -1,6 +1,6 @@
 """A run report: `report.html` with PNG plots (matplotlib) of one or several runs overlaid, and samples.
 
-    python -m jaxrl_llm.report RUN_DIR [RUN_DIR ...] [--out DIR] [--samples N]
+    python -m jaxrl_llm report RUN_DIR [RUN_DIR ...] [--out DIR] [--samples N]
 
 Reads each run's `metrics.jsonl`, `samples.jsonl`, `summary.json` and `config.yaml`; writes to `--out`
 (default: RUN_DIR/report for one run, `report/` in the current folder for several) one PNG per entry of
@@ -14,12 +14,11 @@ from __future__ import annotations
 import argparse
 import html
 import json
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxrl_llm.cli.errors import CommandParser, run_command
+from jaxrl_llm.cli.errors import CommandParser
 from jaxrl_llm.errors import RunDirError, UsageError
 from jaxrl_llm.run.manifest import claim, unowned_existing
 
@@ -228,7 +227,7 @@ def write_report(run_dirs: Sequence[str | Path], out: str | Path | None = None, 
     for run in runs:  # into a run's folder: only a report/ the run created (or a new one, then recorded)
         if unowned_existing(run["dir"], out):
             raise RunDirError(f"{out} was not written by the run in {run['dir']} (it was there before): left alone; "
-                              f"write the report elsewhere with python -m jaxrl_llm.report {run['dir']} --out DIR")
+                              f"write the report elsewhere with python -m jaxrl_llm report {run['dir']} --out DIR")
         claim(run["dir"], out)
     out.mkdir(parents=True, exist_ok=True)
     images = []
@@ -241,7 +240,7 @@ def write_report(run_dirs: Sequence[str | Path], out: str | Path | None = None, 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = CommandParser(prog="python -m jaxrl_llm.report", description=__doc__,
+    parser = CommandParser(prog="python -m jaxrl_llm report", description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dirs", nargs="+", help="training runs' out_dirs (several are overlaid)")
     parser.add_argument("--out", default="", help="report folder (default: RUN_DIR/report, or report/)")
@@ -251,6 +250,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"report: {page}")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(run_command("python -m jaxrl_llm.report", main))

@@ -449,7 +449,7 @@ class RunConfig:
     export_dir: str = ""  # default: out_dir/hf
     tensorboard: bool = True  # TensorBoard events under out_dir/tensorboard
     progress_bar: bool = True  # a tqdm bar on a terminal; plain log lines otherwise
-    report: bool = True  # train.py writes out_dir/report/report.html (python -m jaxrl_llm.report) at the end
+    report: bool = True  # train.py writes out_dir/report/report.html (python -m jaxrl_llm report) at the end
 
 
 def _fields(obj: Any, prefix: str = "") -> list[tuple[str, Any, dataclasses.Field]]:

@@ -294,7 +294,7 @@ def finish(t: Trainer, summary: dict[str, Any], diverged: dict[str, str]) -> dic
                 raise
             raise StorageError(
                 f"{cause} while exporting the model to {t.export_dir}; the checkpoints are intact: make room, "
-                f"then python -m jaxrl_llm.export {t.out_dir} --out {t.export_dir}") from None
+                f"then python -m jaxrl_llm export {t.out_dir} --out {t.export_dir}") from None
         write_summary(t.out_dir, summary)
     return summary
 
