@@ -247,7 +247,8 @@ TINY = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden
 def tiny_task(tmp_path_factory):
     """A random tiny Llama with the arithmetic tokenizer, and small train/test JSONL files."""
     from jaxrl_llm.models.decoder import init_params
-    from jaxrl_llm.models.hf import config_from_hf, save_hf_model
+    from jaxrl_llm.models.hf import config_from_hf
+    from jaxrl_llm.models.hf_export import save_hf_model
     from jaxrl_llm.tasks.arithmetic import make_problems, make_tokenizer
 
     root = tmp_path_factory.mktemp("tiny_task")
@@ -273,7 +274,8 @@ def tiny_chat_model(tmp_path_factory):
     from transformers import PreTrainedTokenizerFast
 
     from jaxrl_llm.models.decoder import init_params
-    from jaxrl_llm.models.hf import config_from_hf, save_hf_model
+    from jaxrl_llm.models.hf import config_from_hf
+    from jaxrl_llm.models.hf_export import save_hf_model
 
     root = tmp_path_factory.mktemp("tiny_chat_model")
     bpe = Tokenizer(models.BPE())

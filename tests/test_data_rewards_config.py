@@ -192,7 +192,7 @@ def test_renamed_keys_name_their_new_names(tmp_path):
     import yaml
 
     from jaxrl_llm.config import to_dict
-    from jaxrl_llm.run.run_dir import _current_names, config_changes
+    from jaxrl_llm.run.config_history import _current_names, config_changes
 
     current = load_config(None, ["rl.group_size=4"])
     written = to_dict(current)

@@ -15,7 +15,8 @@ import pytest
 from conftest import read_rows, tiny_run
 
 from jaxrl_llm.data import build_preference_set, pair_texts
-from jaxrl_llm.models.hf import hf_state_dict, load_hf_model
+from jaxrl_llm.models.hf import load_hf_model
+from jaxrl_llm.models.hf_export import hf_state_dict
 from jaxrl_llm.rl.preference import dpo_loss
 from jaxrl_llm.trainers import make_trainer
 from jaxrl_llm.trainers.dpo import DPOLossConfig, PairBatch, pair_batch, preference_loss

@@ -14,7 +14,8 @@ from conftest import GSM8K, STORIES260K, TINY, read_rows, requires_shared, tiny_
 from jaxrl_llm.data import DataState
 from jaxrl_llm.errors import TrainingError
 from jaxrl_llm.models.decoder import init_params
-from jaxrl_llm.models.hf import config_from_hf, save_hf_model
+from jaxrl_llm.models.hf import config_from_hf
+from jaxrl_llm.models.hf_export import save_hf_model
 from jaxrl_llm.rl import PolicyLossOptions
 from jaxrl_llm.sharding import make_mesh
 from jaxrl_llm.trainers import make_trainer

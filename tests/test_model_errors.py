@@ -20,8 +20,9 @@ import train
 from jaxrl_llm.cli import generate
 from jaxrl_llm.cli.errors import run_command
 from jaxrl_llm.errors import ConversionError, ModelError, UsageError
-from jaxrl_llm.models import hf
-from jaxrl_llm.models.hf import load_hf_model, read_tensor, save_hf_model
+from jaxrl_llm.models import hf, hf_export
+from jaxrl_llm.models.hf import load_hf_model, read_tensor
+from jaxrl_llm.models.hf_export import save_hf_model
 
 ROOT = Path(__file__).resolve().parents[1]
 ARITH_BASE = ROOT / "models" / "arith-base"
@@ -355,7 +356,7 @@ def test_exported_adapters_have_plain_file_modes(tmp_path):
 def test_umask_is_read_without_changing_it():
     old = os.umask(0o027)
     try:
-        assert hf._umask() == 0o027
+        assert hf_export._umask() == 0o027
         assert os.umask(0o027) == 0o027  # still what it was
     finally:
         os.umask(old)
@@ -365,10 +366,10 @@ def test_umask_fallback_without_proc_restores_it(monkeypatch):
     def no_proc(*_: Any) -> Path:
         raise OSError("no /proc here")
 
-    monkeypatch.setattr(hf, "Path", no_proc)  # as on macOS: only os.umask can read it
+    monkeypatch.setattr(hf_export, "Path", no_proc)  # as on macOS: only os.umask can read it
     old = os.umask(0o007)
     try:
-        assert hf._umask() == 0o007
+        assert hf_export._umask() == 0o007
         assert os.umask(0o007) == 0o007
     finally:
         os.umask(old)

@@ -21,7 +21,8 @@ from safetensors.numpy import load_file
 
 from jaxrl_llm.errors import ConversionError
 from jaxrl_llm.models.decoder import forward
-from jaxrl_llm.models.hf import load_hf_model, save_hf_model
+from jaxrl_llm.models.hf import load_hf_model
+from jaxrl_llm.models.hf_export import save_hf_model
 
 NEW_FAMILIES = ["phi3", "phi3_longrope", "gemma2", "gemma3"]
 # Rows of 40 tokens: past the original context (16) of the scaled RoPEs and every sliding window (4-6).

@@ -12,7 +12,8 @@ import pytest
 from conftest import FAMILIES, STORIES260K, hf_logits, left_padded_batch, make_hf_model, requires_shared
 
 from jaxrl_llm.models.decoder import decode_step, forward, init_cache, positions_from_mask
-from jaxrl_llm.models.hf import ConversionError, load_hf_model, save_hf_model
+from jaxrl_llm.models.hf import ConversionError, load_hf_model
+from jaxrl_llm.models.hf_export import save_hf_model
 
 LENGTHS = [12, 7, 3, 12]
 

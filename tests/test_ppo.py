@@ -19,7 +19,8 @@ from jaxrl_llm.models.heads import (
     init_scalar_head,
     load_critic,
 )
-from jaxrl_llm.models.hf import config_from_hf, save_hf_model
+from jaxrl_llm.models.hf import config_from_hf
+from jaxrl_llm.models.hf_export import save_hf_model
 from jaxrl_llm.rl.estimators import ppo_targets, rollout_advantages, rollout_value_metrics
 from jaxrl_llm.rl.kl_control import init_kl_controller, kl_controller_update
 from jaxrl_llm.sharding import make_mesh

@@ -26,7 +26,8 @@ import json, sys, tempfile
 import jax, jax.numpy as jnp, numpy as np
 from jaxrl_llm.config import OptimSection
 from jaxrl_llm.models.decoder import init_params
-from jaxrl_llm.models.hf import config_from_hf, load_hf_model, save_hf_model
+from jaxrl_llm.models.hf import config_from_hf, load_hf_model
+from jaxrl_llm.models.hf_export import save_hf_model
 from jaxrl_llm.sampling import SamplingConfig, sample
 from jaxrl_llm.sharding import (MeshShape, global_array, init_optimizer_state, make_mesh, param_shardings,
                                 path_string, to_host)

@@ -3,6 +3,7 @@ and loading (`loading.py`: YAML, the Python API's fields, dotted overrides, rena
 `--print-config` and docs/config.md. Checks that need an algorithm or the outside world are elsewhere:
 `jaxrl_llm.trainers` (each algorithm's `validate`) and `jaxrl_llm.preflight`."""
 
+from jaxrl_llm.config.fields import Range
 from jaxrl_llm.config.loading import (
     API_WHERE,
     add_import_path,
@@ -30,7 +31,6 @@ from jaxrl_llm.config.schema import (
     MonitorSection,
     OptimSection,
     PPOSection,
-    Range,
     RewardSpec,
     RLSection,
     RunConfig,

@@ -33,7 +33,8 @@ import numpy as np
 
 from jaxrl_llm.errors import ConfigError, ConversionError
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.hf import _tensor_name, set_plain_file_mode
+from jaxrl_llm.models.hf import _tensor_name
+from jaxrl_llm.models.hf_export import set_plain_file_mode
 
 Params = dict[str, Any]
 LORA_A, LORA_B = "lora_a", "lora_b"

@@ -25,13 +25,8 @@ from jaxrl_llm.data import load_tokenizer
 from jaxrl_llm.errors import ConversionError
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params, forward
-from jaxrl_llm.models.hf import (
-    is_classifier,
-    load_hf_model,
-    read_tensor,
-    resolve_model_dir,
-    save_hf_model,
-)
+from jaxrl_llm.models.hf import is_classifier, load_hf_model, read_tensor, resolve_model_dir
+from jaxrl_llm.models.hf_export import save_hf_model
 from jaxrl_llm.models.precision import matmul
 
 

@@ -28,7 +28,8 @@ from jaxrl_llm.data import PromptSet, bucket, build_prompt_set, eos_token_ids, l
 from jaxrl_llm.evaluation import evaluate_greedy
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params, init_params
-from jaxrl_llm.models.hf import config_from_hf, load_hf_model, resolve_model_dir, save_hf_model
+from jaxrl_llm.models.hf import config_from_hf, load_hf_model, resolve_model_dir
+from jaxrl_llm.models.hf_export import save_hf_model
 from jaxrl_llm.models.lora import LoraSpec, init_adapters, insert_adapters, merge_adapters, save_peft_adapters
 from jaxrl_llm.models.weights import cast_floating, inference_copy, master_weights
 from jaxrl_llm.rewards import RewardFunction, resolve_reward

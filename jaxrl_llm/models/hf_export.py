@@ -1,0 +1,144 @@
+"""Writing a Hugging Face model directory: `save_hf_model(params, config, out_dir)` writes config.json, safetensors
+(sharded above a size threshold, with an index) and carries tokenizer files over, so
+`AutoModelForCausalLM.from_pretrained` loads the result; `hf_state_dict` yields the tensors one at a time in HF
+names and layouts (Flax `[in, out]` kernels back to `[out, in]`, Phi-3's fused tensors rejoined)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors.numpy import save_file
+
+from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.decoder import Params
+from jaxrl_llm.models.hf import TOKENIZER_FILES, _fused_rows, _is_kernel, _tensor_name
+from jaxrl_llm.models.hf_config import config_to_hf
+
+
+def hf_state_dict(params: Params, config: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield `(HF tensor name, numpy array)` one tensor at a time, in HF layouts; Phi-3's q|k|v and gate|up
+    are concatenated back into their fused tensors (yielded once all parts are in)."""
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    pending: dict[str, dict[int, np.ndarray]] = {}
+    for key_path, leaf in flat:
+        path = tuple(k.key for k in key_path)
+        array = np.asarray(jax.device_get(leaf))
+        fused = _fused_rows(path, config)
+        layers = range(config.num_layers) if path[0] == "layers" else [None]
+        for layer in layers:
+            tensor = array[layer] if layer is not None else array
+            tensor = np.ascontiguousarray(tensor.T if _is_kernel(path) else tensor)
+            name = _tensor_name(path, layer, config.model_type)
+            if fused is None:
+                yield name, tensor
+                continue
+            parts = pending.setdefault(name, {})
+            parts[fused[0]] = tensor
+            if sum(p.shape[0] for p in parts.values()) == fused[2]:
+                yield name, np.concatenate([parts[k] for k in sorted(parts)], axis=0)
+                del pending[name]
+
+
+_UMASK_LOCK = threading.Lock()
+
+
+def _umask() -> int:
+    """The process's umask. Linux shows it in /proc/self/status, read without changing it; elsewhere the only
+    way is `os.umask`, which sets it process-wide: set to 0 and restored at once (a file another thread
+    creates in between would get umask 0, so the window is two calls; the lock keeps two readers apart)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    with _UMASK_LOCK:
+        old = os.umask(0)
+        os.umask(old)
+    return old
+
+
+def set_plain_file_mode(path: str | os.PathLike[str]) -> None:
+    """Give `path` the mode a plain `open(path, "w")` gives a new file (0o666 less the umask): safetensors'
+    `save_file` leaves its file 0600, so nobody else could read an exported model."""
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _save_safetensors(tensors: dict[str, np.ndarray], file: Path, metadata: dict[str, str]) -> None:
+    save_file(tensors, file, metadata=metadata)
+    set_plain_file_mode(file)
+
+
+def _write_safetensors(out: Path, tensors: Any, cast: np.dtype | None, max_shard_bytes: int) -> None:
+    """`(name, array)` pairs (cast to `cast`) as `model.safetensors`, or as shards of at most `max_shard_bytes`
+    with `model.safetensors.index.json`; earlier weight files in `out` are removed first."""
+    shards: list[dict[str, np.ndarray]] = [{}]
+    sizes = [0]
+    for name, tensor in tensors:
+        if cast is not None:
+            tensor = tensor.astype(cast)
+        if sizes[-1] and sizes[-1] + tensor.nbytes > max_shard_bytes:
+            shards.append({})
+            sizes.append(0)
+        shards[-1][name] = tensor
+        sizes[-1] += tensor.nbytes
+    for stale in out.glob("model*.safetensors*"):
+        stale.unlink()
+    metadata = {"format": "pt"}  # transformers refuses safetensors without it
+    if len(shards) == 1:
+        _save_safetensors(shards[0], out / "model.safetensors", metadata)
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        _save_safetensors(shard, out / file, metadata)
+        weight_map.update(dict.fromkeys(shard, file))
+    index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def save_hf_model(
+    params: Params,
+    config: ModelConfig,
+    out_dir: str | os.PathLike[str],
+    *,
+    tokenizer_dir: str | os.PathLike[str] | None = None,
+    max_shard_bytes: int = 2 * 1024**3,
+    dtype: str | None = None,
+    extra_tensors: dict[str, np.ndarray] | None = None,
+    extra_config: dict[str, Any] | None = None,
+) -> Path:
+    """Write `params` as a HF directory: config.json, safetensors (sharded above `max_shard_bytes`, with
+    `model.safetensors.index.json`), and the tokenizer files found in `tokenizer_dir`.
+
+    `dtype` ("float32" / "bfloat16") casts on the way out; default: the parameters' dtype.
+    `extra_tensors` (HF names -> arrays, e.g. a classifier's `score.weight`) are written with the weights and
+    `extra_config` updates config.json (e.g. `architectures` of a sequence classifier).
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    hf_config = {**config_to_hf(config), **(extra_config or {})}
+    cast = np.dtype(jnp.dtype(dtype)) if dtype else None
+    if cast is not None:
+        hf_config["torch_dtype"] = dtype
+
+    tensors = itertools.chain(hf_state_dict(params, config), (extra_tensors or {}).items())
+    _write_safetensors(out, tensors, cast, max_shard_bytes)
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2))
+
+    if tokenizer_dir is not None:
+        for name in TOKENIZER_FILES:
+            src = Path(tokenizer_dir) / name
+            if src.is_file() and src.resolve() != (out / name).resolve():
+                shutil.copyfile(src, out / name)
+    return out
