@@ -43,8 +43,9 @@ from jaxrl_llm.evaluation import default_ks, generate_scored, summarize
 from jaxrl_llm.rewards import resolve_reward
 from jaxrl_llm.run.manifest import claim, unowned_existing
 from jaxrl_llm.sampling import SamplingConfig
-from jaxrl_llm.trainers.policy import eval_reward, load_policy
-from jaxrl_llm.trainers.trajectories import EpisodeEvaluation, TrajectoryCollector, episode_metrics
+from jaxrl_llm.trainers.evaluation import EpisodeEvaluation, episode_metrics, eval_reward
+from jaxrl_llm.trainers.policy import load_policy
+from jaxrl_llm.trainers.trajectories import TrajectoryCollector
 
 DEFAULT_MAX_NEW_TOKENS = 256
 

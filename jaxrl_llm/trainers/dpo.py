@@ -39,10 +39,12 @@ from jaxrl_llm.models.decoder import Params
 from jaxrl_llm.models.weights import frozen_copy
 from jaxrl_llm.rl.preference import dpo_loss
 from jaxrl_llm.sharding import init_optimizer_state
-from jaxrl_llm.trainers.base import Collected, ExampleAlgorithm, State
+from jaxrl_llm.trainers.base import Collected, State
+from jaxrl_llm.trainers.evaluation import GreedyEvaluation
 from jaxrl_llm.trainers.objectives import completion_logprobs
-from jaxrl_llm.trainers.policy import GreedyEvaluation, load_policy
+from jaxrl_llm.trainers.policy import load_policy
 from jaxrl_llm.trainers.step import Metrics, jit_update, make_optimizer, single_step_update, state_sharding, train_step
+from jaxrl_llm.trainers.supervised import ExampleAlgorithm
 
 
 class PairBatch(NamedTuple):

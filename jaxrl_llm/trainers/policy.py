@@ -25,14 +25,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_llm.config import RunConfig
 from jaxrl_llm.data import PromptSet, bucket, build_prompt_set, eos_token_ids, left_pad, load_records, load_tokenizer
-from jaxrl_llm.evaluation import evaluate_greedy
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params, init_params
 from jaxrl_llm.models.hf import config_from_hf, load_hf_model, resolve_model_dir
 from jaxrl_llm.models.hf_export import save_hf_model
 from jaxrl_llm.models.lora import LoraSpec, init_adapters, insert_adapters, merge_adapters, save_peft_adapters
 from jaxrl_llm.models.weights import cast_floating, inference_copy, master_weights
-from jaxrl_llm.rewards import RewardFunction, resolve_reward
 from jaxrl_llm.sampling import SamplingConfig
 from jaxrl_llm.sharding import MeshShape, make_mesh, param_shardings, to_host
 from jaxrl_llm.tasks.arithmetic import make_tokenizer
@@ -138,31 +136,6 @@ class Policy:
             save_peft_adapters(adapters, self.model_config, self.lora, Path(directory) / "adapter",
                                base_model=self.config.model.path)
         return str(out)
-
-
-def eval_reward(c: RunConfig) -> tuple[str, RewardFunction]:
-    """The held-out accuracy's reward: `eval_reward` if set, else the first of `rewards`."""
-    if c.eval_reward:
-        return c.eval_reward, resolve_reward(c.eval_reward)
-    return c.rewards[0].name, resolve_reward(c.rewards[0].name, dict(c.rewards[0].kwargs))
-
-
-class GreedyEvaluation:
-    """Held-out greedy accuracy of the policy on `source` (default `data.eval`; nothing when it is empty)."""
-
-    def __init__(self, policy: Policy, batch_size: int, source: str | None = None) -> None:
-        c = policy.config
-        source = c.data.eval if source is None else source
-        self.policy, self.batch_size = policy, batch_size
-        self.prompts = policy.prompt_set(source, c.data.eval_split) if source else None
-        self.reward = eval_reward(c) if source else None
-
-    def __call__(self, params: Params, limit: int | None) -> dict[str, float]:
-        if self.prompts is None:
-            return {}
-        p = self.policy
-        return evaluate_greedy(params, p.model_config, p.tokenizer, self.prompts, self.reward,
-                               p.sampling_config(greedy=True), batch_size=self.batch_size, limit=limit, mesh=p.mesh)
 
 
 def _scratch_tokenizer(spec: str, out_dir: Path) -> tuple[Any, Path]:

@@ -19,10 +19,11 @@ from jaxrl_llm.rl.plugins import resolve_estimator, resolve_policy_loss
 from jaxrl_llm.rl.rollout_correction import ROLLOUT_CORRECTION_MODES, logprob_mismatch
 from jaxrl_llm.rl.surrogates import NO_DUAL_CLIP, POLICY_LOSSES
 from jaxrl_llm.trainers.base import Algorithm, Collected, State
+from jaxrl_llm.trainers.evaluation import EpisodeEvaluation, GreedyEvaluation
 from jaxrl_llm.trainers.objectives import make_logprob_fn
-from jaxrl_llm.trainers.policy import GreedyEvaluation, load_policy
+from jaxrl_llm.trainers.policy import load_policy
 from jaxrl_llm.trainers.rollouts import DriftMeter, Rollout, RolloutCollector, rollout_tokens
-from jaxrl_llm.trainers.trajectories import EpisodeEvaluation, TrajectoryCollector
+from jaxrl_llm.trainers.trajectories import TrajectoryCollector
 
 
 def update_sizes(c: RunConfig) -> tuple[int, int, int]:

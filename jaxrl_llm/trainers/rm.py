@@ -45,8 +45,9 @@ from jaxrl_llm.sharding import (
     param_shardings,
     to_host,
 )
-from jaxrl_llm.trainers.base import Collected, ExampleAlgorithm, State
+from jaxrl_llm.trainers.base import Collected, State
 from jaxrl_llm.trainers.step import Metrics, jit_update, make_optimizer, single_step_update, state_sharding, train_step
+from jaxrl_llm.trainers.supervised import ExampleAlgorithm
 
 
 class PreferenceBatch(NamedTuple):

@@ -20,10 +20,12 @@ from jaxrl_llm.config import RunConfig
 from jaxrl_llm.data import DataState, PromptSet, bucket, left_pad, next_batch_indices
 from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.sharding import init_optimizer_state
-from jaxrl_llm.trainers.base import Collected, ExampleAlgorithm, State
+from jaxrl_llm.trainers.base import Collected, State
+from jaxrl_llm.trainers.evaluation import GreedyEvaluation
 from jaxrl_llm.trainers.objectives import PolicyBatch, PolicyObjective, sft_loss
-from jaxrl_llm.trainers.policy import GreedyEvaluation, load_policy
+from jaxrl_llm.trainers.policy import load_policy
 from jaxrl_llm.trainers.step import jit_one_step_update, make_optimizer
+from jaxrl_llm.trainers.supervised import ExampleAlgorithm
 
 
 def completion_arrays(prompt_set: PromptSet, indices: np.ndarray, tokenizer: Any, answer_field: str,

@@ -1,0 +1,43 @@
+"""What the algorithms that read examples or pairs share (SFT, the reward model, DPO): `ExampleAlgorithm`, one
+optimizer update of `sft.batch_size` examples a step. The RL algorithms' shared code is `trainers/rl.py`."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import jax
+import optax
+
+from jaxrl_llm.config import RunConfig
+from jaxrl_llm.sharding import global_array
+from jaxrl_llm.trainers.base import Algorithm, State, Updated, host_metrics
+
+
+def example_update(update_fn: Any, mesh: Any, schedule: optax.Schedule, state: State, batch: Any, step: int,
+                   key: jax.Array, frozen: Any = None) -> Updated:
+    """One optimizer update of an algorithm that reads examples (SFT, reward model, DPO): the host batch onto the
+    mesh, the jitted `update_fn(state, batch, key, frozen)`, its metrics with the step's learning rate."""
+    batch = jax.tree.map(lambda x: global_array(x, mesh), batch)
+    state, metrics = update_fn(state, batch, key, frozen)
+    out, skipped = host_metrics(metrics)
+    out["learning_rate"] = float(schedule(step - 1))
+    return Updated(state, out, skipped)
+
+
+class ExampleAlgorithm(Algorithm):
+    """The base of the algorithms that read examples or pairs (SFT, reward model, DPO): one optimizer update of
+    `sft.batch_size` examples a step through `self.update_fn` (a `jit_update`), with `self.schedule`'s rate and
+    `self.frozen_input` (LoRA's base, a reference model, or None) as the frozen input."""
+
+    collect_phase: ClassVar[str] = "data"
+    needs_rewards: ClassVar[bool] = False
+    update_fn: Any
+    schedule: optax.Schedule
+    frozen_input: Any = None
+
+    @classmethod
+    def micro_batch(cls, config: RunConfig) -> tuple[str, int]:
+        return f"sft.batch_size={config.sft.batch_size}", config.sft.batch_size
+
+    def update(self, state: State, batch: Any, step: int, key: jax.Array) -> Updated:
+        return example_update(self.update_fn, self.mesh, self.schedule, state, batch, step, key, self.frozen_input)
