@@ -75,3 +75,18 @@ def test_function_level_imports_are_only_of_optional_or_heavy_libraries():
             "safetensors", "tensorboardX", "textarena"}
     found = [(where, module) for where, module in function_level_imports(ROOT) if module.split(".")[0] not in lazy]
     assert found == []
+
+
+def test_model_families_are_data():
+    """A family is one module of models/families/ (named in FAMILY_MODULES, defining FAMILY); no other module
+    branches on a family's name (only the reference family, llama, is a default)."""
+    import re
+
+    from jaxrl_llm.models.families import FAMILIES, FAMILY_MODULES
+
+    modules = {p.stem for p in (ROOT / "models" / "families").glob("*.py")} - {"__init__"}
+    assert modules == set(FAMILY_MODULES) and set(FAMILIES) == modules
+    named = re.compile("|".join(f'"{name}"' for name in FAMILIES))
+    outside = {(str(p.relative_to(ROOT)), m) for p in ROOT.rglob("*.py") if "families" not in p.parts
+               for m in named.findall(p.read_text())}
+    assert outside <= {("models/config.py", '"llama"'), ("models/hf.py", '"llama"')}, sorted(outside)

@@ -33,11 +33,8 @@ from safetensors import SafetensorError, safe_open
 from jaxrl_llm.errors import ConversionError, ModelError, one_line
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params, param_shapes
-from jaxrl_llm.models.hf_config import (
-    CLASSIFIER_ARCHITECTURES,
-    GEMMA_TYPES,
-    config_from_hf,
-)
+from jaxrl_llm.models.families import FAMILIES
+from jaxrl_llm.models.hf_config import CLASSIFIER_ARCHITECTURES, config_from_hf
 from jaxrl_llm.sharding import param_spec
 
 
@@ -87,20 +84,6 @@ _GLOBAL_TENSORS = {
     ("final_norm", "scale"): "model.norm.weight",
     ("lm_head", "kernel"): "lm_head.weight",
 }
-# Gemma 2/3 name their four norms differently: post_attention_layernorm is the attention output's norm there.
-_GEMMA_LAYER_TENSORS = {
-    ("attn_post_norm", "scale"): "post_attention_layernorm.weight",
-    ("mlp_norm", "scale"): "pre_feedforward_layernorm.weight",
-    ("mlp_post_norm", "scale"): "post_feedforward_layernorm.weight",
-}
-# Phi-3 fuses q|k|v and gate|up: our kernel -> (HF fused tensor, index of the part in the concatenation).
-_FUSED = {
-    ("attn", "q", "kernel"): ("self_attn.qkv_proj.weight", 0),
-    ("attn", "k", "kernel"): ("self_attn.qkv_proj.weight", 1),
-    ("attn", "v", "kernel"): ("self_attn.qkv_proj.weight", 2),
-    ("mlp", "gate", "kernel"): ("mlp.gate_up_proj.weight", 0),
-    ("mlp", "up", "kernel"): ("mlp.gate_up_proj.weight", 1),
-}
 # Tensors some checkpoints carry that the model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -110,24 +93,26 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def _tensor_name(path: tuple[str, ...], layer: int | None, model_type: str = "llama") -> str:
-    """The HF tensor holding our parameter `path` (of layer `layer`); for Phi-3's fused kernels, the fused one."""
+    """The HF tensor holding our parameter `path` (of layer `layer`): Llama's name unless the family names it its
+    own way (`Family.layer_tensors`); for a fused kernel (`Family.fused_tensors`, Phi-3), the fused one."""
     if path[0] == "layers":
-        if model_type == "phi3" and path[1:] in _FUSED:
-            return f"model.layers.{layer}.{_FUSED[path[1:]][0]}"
-        suffix = _GEMMA_LAYER_TENSORS.get(path[1:]) if model_type in GEMMA_TYPES else None
-        return f"model.layers.{layer}.{suffix or _LAYER_TENSORS[path[1:]]}"
+        family = FAMILIES[model_type]
+        if path[1:] in family.fused_tensors:
+            return f"model.layers.{layer}.{family.fused_tensors[path[1:]][0]}"
+        return f"model.layers.{layer}.{family.layer_tensors.get(path[1:]) or _LAYER_TENSORS[path[1:]]}"
     return _GLOBAL_TENSORS[path]
 
 
 def _fused_rows(path: tuple[str, ...], config: ModelConfig) -> tuple[int, int, int] | None:
-    """For a Phi-3 fused kernel: `(first row of our part, its rows, the fused tensor's rows)` in HF's `[out, in]`
+    """For a fused kernel (Phi-3's): `(first row of our part, its rows, the fused tensor's rows)` in HF's `[out, in]`
     layout (q|k|v: H*hd, KVH*hd, KVH*hd; gate|up: F, F); None for other parameters."""
-    if config.model_type != "phi3" or path[0] != "layers" or path[1:] not in _FUSED:
+    fused = FAMILIES[config.model_type].fused_tensors
+    if path[0] != "layers" or path[1:] not in fused:
         return None
     hd = config.head_dim
     widths = ((config.num_heads * hd, config.num_kv_heads * hd, config.num_kv_heads * hd)
               if path[1] == "attn" else (config.intermediate_size,) * 2)
-    part = _FUSED[path[1:]][1]
+    part = fused[path[1:]][1]
     return sum(widths[:part]), widths[part], sum(widths)
 
 

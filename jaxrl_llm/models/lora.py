@@ -33,6 +33,7 @@ import numpy as np
 
 from jaxrl_llm.errors import ConfigError, ConversionError
 from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.families import FAMILIES
 from jaxrl_llm.models.hf import _tensor_name
 from jaxrl_llm.models.hf_export import set_plain_file_mode
 
@@ -148,10 +149,10 @@ def save_peft_adapters(adapters: Params, config: ModelConfig, spec: LoraSpec, di
     """PEFT's LoRA format in `directory`: `adapter_config.json` and `adapter_model.safetensors` (float32)."""
     from safetensors.numpy import save_file
 
-    if config.model_type == "phi3":
-        raise ConversionError("PEFT adapters for phi3 would sit on its fused qkv_proj / gate_up_proj, not on our "
-                              "separate q/k/v and gate/up adapters; use the merged export "
-                              "(lora.export_adapters=false)")
+    if FAMILIES[config.model_type].fused_tensors:
+        raise ConversionError(f"PEFT adapters for {config.model_type} would sit on its fused qkv_proj / gate_up_proj, "
+                              f"not on our separate q/k/v and gate/up adapters; use the merged export "
+                              f"(lora.export_adapters=false)")
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     tensors = dict(peft_tensors(adapters, config))

@@ -25,6 +25,7 @@ from jaxrl_llm.data import load_tokenizer
 from jaxrl_llm.errors import ConversionError
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params, forward
+from jaxrl_llm.models.families import FAMILIES
 from jaxrl_llm.models.hf import is_classifier, load_hf_model, read_tensor, resolve_model_dir
 from jaxrl_llm.models.hf_export import save_hf_model
 from jaxrl_llm.models.precision import matmul
@@ -112,14 +113,13 @@ def save_hf_reward_model(params: Params, score_kernel: jax.Array, config: ModelC
     """Write a HF `...ForSequenceClassification` directory (decoder + `score.weight [num_labels, D]`)."""
 
     num_labels = int(score_kernel.shape[1])
-    architecture = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification",
-                    "qwen3": "Qwen3ForSequenceClassification", "mistral": "MistralForSequenceClassification"}
-    if config.model_type not in architecture:
-
-        raise ConversionError(f"reward models (...ForSequenceClassification) are supported for "
-                              f"{', '.join(architecture)}, not {config.model_type}")
+    family = FAMILIES.get(config.model_type)
+    if family is None or family.classifier is None:
+        supported = ", ".join(f.model_type for f in FAMILIES.values() if f.classifier)
+        raise ConversionError(f"reward models (...ForSequenceClassification) are supported for {supported}, not "
+                              f"{config.model_type}")
     extra_config = {
-        "architectures": [architecture[config.model_type]],
+        "architectures": [family.classifier],
         "num_labels": num_labels,
         "id2label": {str(i): f"LABEL_{i}" for i in range(num_labels)},
         "label2id": {f"LABEL_{i}": i for i in range(num_labels)},
