@@ -16,15 +16,8 @@ from jaxrl_llm.errors import UsageError
 from jaxrl_llm.models.decode import decode_layers, decode_token, decoder_caches, loop_caches, split_layers, step_weights
 from jaxrl_llm.models.decoder import decode_step, forward, init_cache, positions_from_mask
 from jaxrl_llm.models.hf import load_hf_model
-from jaxrl_llm.sampling import (
-    Knobs,
-    SamplingConfig,
-    bucket_prompts,
-    compiled_program_count,
-    sample,
-    sample_from_logits,
-    truncate_logits,
-)
+from jaxrl_llm.sampling import Knobs, SamplingConfig, bucket_prompts, compiled_program_count, sample
+from jaxrl_llm.sampling.logits import sample_from_logits, truncate_logits
 
 PAD = 0
 
