@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import time
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -30,12 +29,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxrl_llm.data import load_tokenizer
-from jaxrl_llm.models.decoder import forward
+from jaxrl_llm.data import bucket, left_pad, load_tokenizer, read_jsonl
+from jaxrl_llm.evaluation import decode_completions
 from jaxrl_llm.models.hf import load_hf_model
 from jaxrl_llm.rewards.math_answers import math_answer_reward
-from jaxrl_llm.rl import PolicyLossOptions, clipped_policy_loss, group_normalized_advantages, token_logprobs
+from jaxrl_llm.rl import PolicyLossOptions, clipped_policy_loss, group_normalized_advantages
 from jaxrl_llm.sampling import SamplingConfig, sample
+from jaxrl_llm.trainers.objectives import completion_logprobs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,39 +52,22 @@ class Batch(NamedTuple):
     advantages: jax.Array
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def left_pad(tokenizer: Any, prompts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """Token ids and mask `[B, P]` of `prompts`, padded on the left (the sampler continues every row at P)."""
-    ids = tokenizer(prompts)["input_ids"]
-    width = max(len(row) for row in ids)
-    tokens = np.full((len(ids), width), tokenizer.pad_token_id, np.int32)
-    mask = np.zeros((len(ids), width), np.int32)
-    for i, row in enumerate(ids):
-        tokens[i, width - len(row):], mask[i, width - len(row):] = row, 1
-    return tokens, mask
-
-
-def decode(tokenizer: Any, tokens: np.ndarray, mask: np.ndarray) -> list[str]:
-    return tokenizer.batch_decode([row[m > 0] for row, m in zip(tokens, mask, strict=True)], skip_special_tokens=True)
-
-
-def completion_logprobs(params: Any, config: Any, batch: Batch, temperature: float) -> jax.Array:
-    """log pi(y_t | x, y_<t) `[N, T]`: one forward over prompt + completion[:-1], logits of the completion."""
-    p = batch.prompt_tokens.shape[1]
-    tokens = jnp.concatenate([batch.prompt_tokens, batch.tokens], axis=1)[:, :-1]
-    mask = jnp.concatenate([batch.prompt_mask, batch.mask], axis=1)[:, :-1]
-    logits = forward(params, config, tokens, mask)[:, p - 1:]
-    return token_logprobs(logits, batch.tokens, temperature=temperature)
+def prompt_batch(tokenizer: Any, problems: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids and mask `[B, P]` of the problems' prompts, padded on the left (the sampler continues at P) to a
+    multiple of 16, so every step's batch has the same shape and the train step compiles once."""
+    ids = tokenizer([p["prompt"] for p in problems])["input_ids"]
+    return left_pad(ids, bucket(max(map(len, ids))), tokenizer.pad_token_id)
 
 
 def grpo_loss(params: Any, ref_params: Any, config: Any, batch: Batch, *, epsilon: float, beta: float,
               temperature: float) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The clipped surrogate on the group advantages, token-mean, plus beta * k3 KL to the reference."""
-    logp = completion_logprobs(params, config, batch, temperature)
-    ref_logp = jax.lax.stop_gradient(completion_logprobs(ref_params, config, batch, temperature)) if beta else None
+    def logprobs(p: Any) -> jax.Array:  # log pi(y_t | x, y_<t) [N, T]: one forward over prompt + completion
+        return completion_logprobs(p, config, batch.prompt_tokens, batch.prompt_mask, batch.tokens, batch.mask,
+                                   temperature=temperature)[0]
+
+    logp = logprobs(params)
+    ref_logp = jax.lax.stop_gradient(logprobs(ref_params)) if beta else None
     options = PolicyLossOptions(epsilon_low=epsilon, epsilon_high=epsilon, kl_estimator="k3", aggregation="token-mean")
     return clipped_policy_loss(logp, batch.old_logp, batch.advantages, batch.mask, options, ref_logp=ref_logp,
                                kl_coef=beta)
@@ -111,9 +94,9 @@ def accuracy(params: Any, config: Any, tokenizer: Any, problems: list[dict[str, 
     right = 0.0
     for start in range(0, len(problems), batch_size):
         chunk = problems[start:start + batch_size]
-        tokens, mask = left_pad(tokenizer, [p["prompt"] for p in chunk])
+        tokens, mask = prompt_batch(tokenizer, chunk)
         out = jax.device_get(sample(params, config, tokens, mask, jax.random.key(0), greedy))
-        completions = decode(tokenizer, out.tokens, out.mask)
+        completions = decode_completions(tokenizer, out)
         right += sum(math_answer_reward([], completions, answer=[p["answer"] for p in chunk]))
     return right / len(problems)
 
@@ -157,11 +140,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             order, cursor = rng.permutation(len(train)), 0
         problems = [train[i] for i in order[cursor:cursor + args.prompts]]
         cursor += args.prompts
-        prompt_tokens, prompt_mask = left_pad(tokenizer, [p["prompt"] for p in problems])
+        prompt_tokens, prompt_mask = prompt_batch(tokenizer, problems)
         out = jax.device_get(sample(params, config, prompt_tokens, prompt_mask, jax.random.fold_in(key, step),
                                     rollout))
         answers = [p["answer"] for p in problems for _ in range(args.group)]
-        rewards = np.asarray(math_answer_reward([], decode(tokenizer, out.tokens, out.mask), answer=answers),
+        rewards = np.asarray(math_answer_reward([], decode_completions(tokenizer, out), answer=answers),
                              np.float32)
         advantages = group_normalized_advantages(jnp.asarray(rewards), group_size=args.group)
         batch = Batch(np.repeat(prompt_tokens, args.group, 0), np.repeat(prompt_mask, args.group, 0),

@@ -1,5 +1,6 @@
-"""The memory planner (`jaxrl_llm.plan`): its byte counts against live sharded arrays on 8 virtual devices,
-a hand-computed case, the command line, and the activation estimate against XLA's compiled train step."""
+"""The memory planner (`jaxrl_llm.memory_plan`, printed by `python -m jaxrl_llm plan`): its byte counts against live
+sharded arrays on 8 virtual devices, a hand-computed case, the command line, and the activation estimate against
+XLA's compiled train step."""
 
 from __future__ import annotations
 

@@ -186,14 +186,8 @@ def test_policy_loss_kl_entropy_and_truncated_is_terms():
 
     # TIS: sampler probability 1/3 of the trainer's on row 0 -> w = 3, capped at 2; row 1 w = 1
     sampler = OLD.at[0].add(-np.log(3.0))
-    loss_tis, m_tis = L.clipped_policy_loss(
-        LOGP,
-        OLD,
-        ADV,
-        MASK,
-        sampler_logp=sampler,
-        options=L.PolicyLossOptions(rollout_correction="token_truncate", rollout_correction_cap=2.0),
-    )
+    capped = L.PolicyLossOptions(rollout_correction="token_truncate", rollout_correction_cap=2.0)
+    loss_tis, m_tis = L.clipped_policy_loss(LOGP, OLD, ADV, MASK, sampler_logp=sampler, options=capped)
     np.testing.assert_allclose(loss_tis, (2 * SURR_SUM_ROW0 + SURR_SUM_ROW1) / 5, rtol=1e-5)  # -0.7
     np.testing.assert_allclose(m_tis["is_weight/mean"], (2 + 2 + 2 + 1 + 1) / 5, rtol=1e-5)
     uncapped = L.PolicyLossOptions(rollout_correction="token_truncate", rollout_correction_cap=1e6)
@@ -600,29 +594,16 @@ def test_rollout_correction_weights_hand_computed():
         w(mode="turn_mask")
     from jaxrl_llm.config import ROLLOUT_CORRECTIONS
 
-    assert ROLLOUT_CORRECTIONS == ("none", "recompute", *ROLLOUT_CORRECTION_MODES)  # the config's choices
+    # the loss-weighting modes are the config's choices but the two that only pick the old log-probs
+    assert ROLLOUT_CORRECTION_MODES == ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+    assert ROLLOUT_CORRECTIONS == ("none", "recompute", *ROLLOUT_CORRECTION_MODES)
     # in the loss: the masked sequence (row 0) leaves the policy gradient, row 1 is weighted by 2.25
     adv = jnp.array([1.0, 1.0])
-    loss, m = L.clipped_policy_loss(
-        old,
-        old,
-        adv,
-        mask,
-        sampler_logp=sampler,
-        options=L.PolicyLossOptions(rollout_correction="sequence_mask", rollout_correction_cap=3.0),
-    )
+    masked = L.PolicyLossOptions(rollout_correction="sequence_mask", rollout_correction_cap=3.0)
+    loss, m = L.clipped_policy_loss(old, old, adv, mask, sampler_logp=sampler, options=masked)
     np.testing.assert_allclose(loss, -(2.25 * 2) / 5, rtol=1e-5)  # token-mean of -r A w over 5 tokens, r = 1
     np.testing.assert_allclose(m["is_weight/masked_fraction"], 3 / 5, rtol=1e-6)
-    grad = jax.grad(
-        lambda lp_: L.clipped_policy_loss(
-            lp_,
-            old,
-            adv,
-            mask,
-            sampler_logp=sampler,
-            options=L.PolicyLossOptions(rollout_correction="sequence_mask", rollout_correction_cap=3.0),
-        )[0]
-    )(old)
+    grad = jax.grad(lambda x: L.clipped_policy_loss(x, old, adv, mask, sampler_logp=sampler, options=masked)[0])(old)
     np.testing.assert_allclose(grad[0], 0.0)
     np.testing.assert_allclose(grad[1, :2], -2.25 / 5, rtol=1e-5)
 

@@ -29,13 +29,6 @@ _REFUSED = {
 }
 
 
-def family_of(model_type: str) -> Family:
-    """The family data of `model_type` (`ConversionError` naming the supported ones otherwise)."""
-    if model_type not in FAMILIES:
-        raise ConversionError(f"model_type {model_type!r} is not supported; supported: {', '.join(FAMILIES)}")
-    return FAMILIES[model_type]
-
-
 def _check_supported(hf: dict[str, Any]) -> str:
     """The config's `model_type`, or `ConversionError` naming what is supported (model types, architectures,
     activations)."""

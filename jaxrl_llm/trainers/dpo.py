@@ -43,7 +43,7 @@ from jaxrl_llm.trainers.base import Collected, State
 from jaxrl_llm.trainers.evaluation import GreedyEvaluation
 from jaxrl_llm.trainers.objectives import completion_logprobs
 from jaxrl_llm.trainers.policy import load_policy
-from jaxrl_llm.trainers.step import Metrics, jit_update, make_optimizer, single_step_update, state_sharding, train_step
+from jaxrl_llm.trainers.step import Metrics, jit_one_step_update, make_optimizer, state_sharding
 from jaxrl_llm.trainers.supervised import ExampleAlgorithm
 
 
@@ -165,13 +165,11 @@ class DPO(ExampleAlgorithm):
         frozen = {**(p.frozen or {}), **({"reference": reference} if in_step else {})}
         self.frozen = frozen or None
         self.optimizer, self.schedule = make_optimizer(c.optim, max(c.steps, 1))
-        step = functools.partial(train_step, loss_fn=preference_loss, model_config=p.model_config,
-                                 loss_config=self.loss_config,  # type: ignore[arg-type]
-                                 optimizer=self.optimizer, grad_accum=1, compose=p.compose)
         self.frozen_input = self.frozen
-        self.update_fn = jit_update(single_step_update(step, with_key=p.lora_dropout), p.mesh,
-                                    state_sharding(self.init()),
-                                    frozen_sharding=state_sharding(self.frozen) if self.frozen else None)
+        self.update_fn = jit_one_step_update(
+            p.mesh, self.init(), frozen_sharding=state_sharding(self.frozen) if self.frozen else None,
+            with_key=p.lora_dropout, loss_fn=preference_loss, model_config=p.model_config,
+            loss_config=self.loss_config, optimizer=self.optimizer, grad_accum=1, compose=p.compose)
 
     def init(self) -> State:
         p = self.policy

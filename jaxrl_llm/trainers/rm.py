@@ -46,7 +46,7 @@ from jaxrl_llm.sharding import (
     to_host,
 )
 from jaxrl_llm.trainers.base import Collected, State
-from jaxrl_llm.trainers.step import Metrics, jit_update, make_optimizer, single_step_update, state_sharding, train_step
+from jaxrl_llm.trainers.step import Metrics, jit_one_step_update, make_optimizer, state_sharding
 from jaxrl_llm.trainers.supervised import ExampleAlgorithm
 
 
@@ -152,9 +152,8 @@ class RewardModelTraining(ExampleAlgorithm):
         evals = encode_pairs(*load_records(c.data.eval, c.data.eval_split), self.tokenizer, c) if c.data.eval else None
         self.eval_pairs = evals[: c.eval_size] if evals is not None and c.eval_size else evals
         self.optimizer, self.schedule = make_optimizer(c.optim, max(c.steps, 1))
-        step = functools.partial(train_step, loss_fn=pair_loss, model_config=self.model_config,
-                                 loss_config=None, optimizer=self.optimizer, grad_accum=1)  # type: ignore[arg-type]
-        self.update_fn = jit_update(single_step_update(step, with_key=False), self.mesh, state_sharding(self.init()))
+        self.update_fn = jit_one_step_update(self.mesh, self.init(), loss_fn=pair_loss, model_config=self.model_config,
+                                             loss_config=None, optimizer=self.optimizer, grad_accum=1)
 
     def init(self) -> State:
         params = self.initial_params
