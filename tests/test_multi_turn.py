@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from conftest import ROOT, read_rows, read_samples, tiny_run, tiny_run_args
 
+import jaxrl_llm.envs.rendering as rendering
 import jaxrl_llm.trainers.trajectories as trajectories
 from jaxrl_llm.data import DataState, encode_text, load_tokenizer
 from jaxrl_llm.envs.base import StepResult
@@ -120,7 +121,7 @@ def test_the_update_trains_on_the_sampled_tokens_and_the_loss_mask_is_the_models
     trainer = make_trainer(config)
     ro = trainer.algorithm.collect(trainer.state, DataState(), jax.random.key(0)).batch
     tokenizer = load_tokenizer(tiny_chat_model)
-    reply = encode_text(tokenizer, trajectories.followup_text(tokenizer, [{"role": "user", "content": REPLY}],
+    reply = encode_text(tokenizer, rendering.followup_text(tokenizer, [{"role": "user", "content": REPLY}],
                                                               chat=True), add_special_tokens=False)
     expected = {r: ([], []) for r in range(len(ro.completions))}  # tokens, loss mask
     retokenized_differs = False
@@ -261,12 +262,12 @@ def test_tool_calls_are_parsed_and_bad_ones_answered_with_an_error():
 def test_followup_text_is_what_the_chat_template_renders_after_the_models_turn(tiny_chat_model):
     tokenizer = load_tokenizer(tiny_chat_model)
     messages = [{"role": "tool", "content": "42"}]
-    text = trajectories.followup_text(tokenizer, messages, chat=True)
+    text = rendering.followup_text(tokenizer, messages, chat=True)
     assert text == "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
     conversation = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
     whole = tokenizer.apply_chat_template(conversation + messages, tokenize=False, add_generation_prompt=True)
     assert whole.endswith("a<|im_end|>" + text)
-    assert trajectories.followup_text(None, messages, chat=False) == "\n<tool_response>\n42\n</tool_response>\n"
+    assert rendering.followup_text(None, messages, chat=False) == "\n<tool_response>\n42\n</tool_response>\n"
 
 
 @pytest.mark.parametrize("name", ["tool_use", "single_turn"])
@@ -375,7 +376,7 @@ def test_ppo_refuses_an_environment_in_one_line():
 def test_a_template_that_renders_tools_gets_their_schemas(tiny_chat_model):
     from jaxrl_llm.config import DataSection
     from jaxrl_llm.data import render_prompt
-    from jaxrl_llm.trainers.trajectories import declare_tools
+    from jaxrl_llm.envs.rendering import declare_tools
 
     tokenizer = load_tokenizer(tiny_chat_model)
     plain = DataSection(chat_template=True)

@@ -1,14 +1,15 @@
-"""The sampler's model side: the same decoder, driven for generation.
+"""The sampler's model side: the decoder's block (`block.transformer_block`), driven for generation.
 
 - `decode_layers`: the Flax `DecoderLayer` modules with the layer loop unrolled over per-layer caches (the
   prefill, and a reference for the token step);
-- `decode_token`: the decode loop's token step as plain `jnp` on prepared `StepWeights` (fused q|k|v and
-  gate|up, caches in the loop's layout), built from the same `layers.py` functions as the decoder
-  (`rms_norm`, `rotary`, `masked_softmax`, `gated_activation`), so a model family is written once.
+- `decode_token`: the decode loop's token step: the same block on prepared `StepWeights` (`step_ops`: fused
+  q|k|v and gate|up) over caches in the loop's layout (`loop_cache_attention`), so a model family is written
+  once.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -16,10 +17,11 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxrl_llm.models import precision
+from jaxrl_llm.models.block import Attend, LayerOps, transformer_block
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Decoder, DecoderLayer, Params, attention_inputs, attention_kind, unembed
 from jaxrl_llm.models.layers import (
-    gated_activation,
+    embed_tokens,
     masked_softmax,
     positions_from_mask,
     rms_norm,
@@ -185,84 +187,83 @@ def decode_token(
     `cache_index`; `key_mask [B, S]` the valid key slots (causality and each layer's sliding window are applied
     here). Returns `(logits [B, V], caches)`.
 
-    The same math as `decode_layers` with `T = 1` (a test checks they agree), written for the hot loop:
-    - caches in `loop_caches` layout, keys `[B, KVH, hd, S]` and values `[B, KVH, S, hd]` (the prefill's
-      `[B, S, KVH, hd]` caches are transposed once per call): `q.K` is then a `[groups, hd] x [hd, S]`
-      product per row and head and `p.V` a `[groups, S] x [S, hd]` one, both on the cache as stored, so
-      XLA:CPU transposes no cache on any token (with `[B, S, KVH, hd]` it re-laid out every layer's whole
-      K and V cache per token: about a quarter of the step's op time on the benchmark model; keys
-      `[B, KVH, hd, S]` instead of `[B, KVH, S, hd]`: 1.1x per call, bench/HISTORY.md); the new token's keys
-      and values are written in place;
-    - plain `jnp` on `StepWeights` (no Flax module per layer), q|k|v and gate|up as one matmul each, laid out
-      for `shards` tensor-parallel shards (`step_weights(..., shards)`).
+    The decoder's block (`block.transformer_block`, a test checks the logits agree with `decode_layers`), run
+    on the sampler's prepared weights (`step_ops`: q|k|v and gate|up as one matmul each, laid out for `shards`
+    tensor-parallel shards) over the loop's caches (`loop_cache_attention`).
     """
     c = config
-    act, dtype = c.jnp_activation_dtype, c.jnp_dtype  # activations; the dots' operands (`models/precision.py`)
-    x = params["embed"]["embedding"][tokens].astype(dtype).astype(act)  # [B, D], as `Decoder.embed_tokens`
-    if c.embed_scale:
-        x = x * jnp.asarray(c.hidden_size**0.5, x.dtype)
+    x = embed_tokens(params["embed"]["embedding"], tokens[:, None], c)  # [B, 1, D]
     inputs = attention_inputs(c, positions[:, None], key_mask, 1, cache_index)  # cos/sin [B, 1, rot], [B, 1, S]
     new_caches = []
     for i, (w, cache) in enumerate(zip(weights, caches, strict=True)):
-        attn, cache = _token_attention(x, w, cache, inputs[attention_kind(c, i)], c, cache_index, shards)
+        cos, sin, allowed = inputs[attention_kind(c, i)]
+        x, cache = transformer_block(x, step_ops(w, c, shards), loop_cache_attention(c, allowed, cache, cache_index),
+                                     cos, sin, c)
         new_caches.append(cache)
-        x = x + attn
-        x = x + _token_mlp(x, w, c, shards)
-    x = rms_norm(x, params["final_norm"]["scale"], c.rms_norm_eps, unit_offset=c.norm_unit_offset)
+    x = rms_norm(x[:, 0], params["final_norm"]["scale"], c.rms_norm_eps, unit_offset=c.norm_unit_offset)
     return unembed(params, c, x).astype(jnp.float32), new_caches
 
 
-def _dense(x: jax.Array, kernel: jax.Array, bias: jax.Array | None, dtype: jnp.dtype) -> jax.Array:
-    """`x @ kernel (+ bias)`, the dot's operands in `dtype`: `[B, D] x [D, N] -> [B, N]`."""
-    y = matmul(x, kernel, dtype)
-    return y if bias is None else y + bias
-
-
-def _post_norm(y: jax.Array, scale: jax.Array | None, config: ModelConfig) -> jax.Array:
-    """A sandwich norm (Gemma 2/3) on a block's output before the residual, or `y` as it is without one."""
-    return y if scale is None else rms_norm(y, scale, config.rms_norm_eps, unit_offset=config.norm_unit_offset)
-
-
-def _token_attention(x: jax.Array, w: StepWeights, cache: dict[str, jax.Array],
-                     rope_and_mask: tuple[jax.Array, jax.Array, jax.Array], config: ModelConfig,
-                     cache_index: jax.Array, shards: int) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """One layer's grouped-query attention for one new token per row, on the loop-layout caches::
-
-        q, k, v = split(norm(x) @ W_qkv);  K[:, :, :, i] = rotary(k);  V[:, :, i] = v     (i = cache_index)
-        out     = softmax(rotary(q) . K / scale, allowed) . V @ W_o
-
-    Shapes: `x [B, D]`, `rope_and_mask` `(cos, sin [B, 1, rot], allowed [B, 1, S])`, caches keys `[B, KVH, hd, S]`
-    and values `[B, KVH, S, hd]` -> `(out [B, D], updated cache)`."""
+def step_ops(w: StepWeights, config: ModelConfig, shards: int = 1) -> LayerOps:
+    """`StepWeights` as the block's `LayerOps`: each matmul's operands in the compute dtype, biases added in
+    the activation dtype, the fused q|k|v and gate|up outputs split back per shard (`_unfuse`)."""
     c = config
-    b = x.shape[0]
-    h, kvh, hd = c.num_heads, c.num_kv_heads, c.head_dim
-    eps, unit, dtype = c.rms_norm_eps, c.norm_unit_offset, c.jnp_dtype
-    cos, sin, allowed = rope_and_mask
-    allowed = allowed[:, 0]  # [B, S]
-    qkv = _dense(rms_norm(x, w.attn_norm, eps, unit_offset=unit), w.qkv, w.qkv_bias, dtype)
-    q, k, v = _unfuse(qkv, (h * hd, kvh * hd, kvh * hd), shards)
-    q, k, v = q.reshape(b, h, hd), k.reshape(b, kvh, hd), v.reshape(b, kvh, hd)
-    if c.qk_norm:
-        q, k = rms_norm(q, w.q_norm, eps, unit_offset=unit), rms_norm(k, w.k_norm, eps, unit_offset=unit)
-    q, k = rotary(q, cos, sin), rotary(k, cos, sin)
-    k_all = jax.lax.dynamic_update_slice_in_dim(cache["k"], k[..., None].astype(cache["k"].dtype), cache_index, 3)
-    v_all = jax.lax.dynamic_update_slice_in_dim(cache["v"], v[:, :, None].astype(cache["v"].dtype), cache_index, 2)
-    qg = q.reshape(b, kvh, h // kvh, hd)
-    scores = precision.einsum("bkgd,bkds->bkgs", qg, k_all, dtype, jnp.float32)
-    probs = masked_softmax(scores, allowed[:, None, None, :], c.attention_scale, c.attn_logit_softcap)
-    out = precision.einsum("bkgs,bksd->bkgd", probs, v_all, dtype)
-    attn = _dense(out.reshape(b, h * hd), w.o, w.o_bias, dtype)
-    return _post_norm(attn, w.attn_post_norm, c), {"k": k_all, "v": v_all}
+    h, kvh, hd, dtype = c.num_heads, c.num_kv_heads, c.head_dim, c.jnp_dtype
+
+    def dense(kernel: jax.Array, bias: jax.Array | None) -> Callable[[jax.Array], jax.Array]:
+        def apply(x: jax.Array) -> jax.Array:
+            y = matmul(x, kernel, dtype)
+            return y if bias is None else y + bias
+        return apply
+
+    def norm(scale: jax.Array | None) -> Callable[[jax.Array], jax.Array] | None:
+        if scale is None:
+            return None
+        return lambda x: rms_norm(x, scale, c.rms_norm_eps, unit_offset=c.norm_unit_offset)
+
+    def qkv(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        b, t, _ = x.shape
+        q, k, v = _unfuse(dense(w.qkv, w.qkv_bias)(x), (h * hd, kvh * hd, kvh * hd), shards)
+        return q.reshape(b, t, h, hd), k.reshape(b, t, kvh, hd), v.reshape(b, t, kvh, hd)
+
+    def gate_up(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        gate, up = _unfuse(dense(w.gate_up, w.gate_up_bias)(x), (c.intermediate_size, c.intermediate_size), shards)
+        return gate, up
+
+    return LayerOps(attn_norm=norm(w.attn_norm), qkv=qkv, q_norm=norm(w.q_norm), k_norm=norm(w.k_norm),
+                    o=dense(w.o, w.o_bias), attn_post_norm=norm(w.attn_post_norm), mlp_norm=norm(w.mlp_norm),
+                    gate_up=gate_up, down=dense(w.down, w.down_bias), mlp_post_norm=norm(w.mlp_post_norm))
 
 
-def _token_mlp(x: jax.Array, w: StepWeights, config: ModelConfig, shards: int) -> jax.Array:
-    """One layer's gated MLP: `act(norm(x) @ W_gate) * (norm(x) @ W_up) @ W_down`, `[B, D] -> [B, D]`."""
+def loop_cache_attention(config: ModelConfig, allowed: jax.Array, cache: dict[str, jax.Array],
+                         cache_index: jax.Array) -> Attend:
+    """Grouped-query attention of one new token per row over the decode loop's caches (`loop_caches`
+    layout: keys `[B, KVH, hd, S]`, values `[B, KVH, S, hd]`)::
+
+        K[:, :, :, i] = k;  V[:, :, i] = v     (i = cache_index)
+        out = softmax(q . K * scale, allowed) . V
+
+    With this layout `q.K` is a `[groups, hd] x [hd, S]` product per row and head and `p.V` a
+    `[groups, S] x [S, hd]` one, both on the cache as stored, so XLA:CPU transposes no cache on any token
+    (with `[B, S, KVH, hd]` it re-laid out every layer's whole K and V cache per token: about a quarter of the
+    step's op time on the benchmark model; keys `[B, KVH, hd, S]` instead of `[B, KVH, S, hd]`: 1.1x per call,
+    bench/HISTORY.md); the new token's keys and values are written in place. `allowed [B, 1, S]`."""
     c = config
-    gate_up = _dense(rms_norm(x, w.mlp_norm, c.rms_norm_eps, unit_offset=c.norm_unit_offset), w.gate_up,
-                     w.gate_up_bias, c.jnp_dtype)
-    gate, up = _unfuse(gate_up, (c.intermediate_size, c.intermediate_size), shards)
-    mlp = _dense(gated_activation(gate, up, c.hidden_act), w.down, w.down_bias, c.jnp_dtype)
-    return _post_norm(mlp, w.mlp_post_norm, c)
+    h, kvh, hd, dtype = c.num_heads, c.num_kv_heads, c.head_dim, c.jnp_dtype
+
+    def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        b = q.shape[0]  # q [B, 1, H, hd], k and v [B, 1, KVH, hd]
+        k_all = jax.lax.dynamic_update_slice_in_dim(cache["k"], k[:, 0, :, :, None].astype(cache["k"].dtype),
+                                                    cache_index, 3)
+        v_all = jax.lax.dynamic_update_slice_in_dim(cache["v"], v[:, 0, :, None, :].astype(cache["v"].dtype),
+                                                    cache_index, 2)
+        qg = q.reshape(b, kvh, h // kvh, hd)
+        scores = precision.einsum("bkgd,bkds->bkgs", qg, k_all, dtype, jnp.float32)
+        probs = masked_softmax(scores, allowed[:, 0][:, None, None, :], c.attention_scale, c.attn_logit_softcap)
+        out = precision.einsum("bkgs,bksd->bkgd", probs, v_all, dtype)
+        return out.reshape(b, 1, h * hd), {"k": k_all, "v": v_all}
+
+    return attend
 
 
 def longrope_original(config: ModelConfig) -> int | None:

@@ -29,11 +29,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxrl_llm.models.block import LayerOps, cached_attention, transformer_block
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.layers import (  # noqa: F401  (re-exported: the decoder's public math)
     SUPPORTED_ROPE_SCALING,
     apply_rope,
     attention_allowed,
+    embed_tokens,
     gated_activation,
     grouped_query_attention,
     positions_from_mask,
@@ -143,66 +145,76 @@ def _norm(config: ModelConfig, name: str) -> RMSNorm:
 
 
 class Attention(nn.Module):
+    """The attention's weights: q, k, v, o projections (`Dense`) and Qwen3 / Gemma 3's q and k norms."""
+
     config: ModelConfig
 
-    @nn.compact
-    def __call__(self, x: jax.Array, layer_cache: Cache | None, cos: jax.Array, sin: jax.Array, allowed: jax.Array,
-                 cache_index: jax.Array | int) -> tuple[jax.Array, Cache | None]:
+    def setup(self) -> None:
+        c = self.config
+        self.q = _dense(c, c.num_heads * c.head_dim, c.qkv_bias, "q")
+        self.k = _dense(c, c.num_kv_heads * c.head_dim, c.qkv_bias, "k")
+        self.v = _dense(c, c.num_kv_heads * c.head_dim, c.qkv_bias, "v")
+        self.o = _dense(c, c.hidden_size, c.o_bias, "o")
+        if c.qk_norm:
+            self.q_norm = _norm(c, "q_norm")
+            self.k_norm = _norm(c, "k_norm")
+
+    def qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """`x [B, T, D]` -> `q [B, T, H, hd]`, `k, v [B, T, KVH, hd]`."""
         c = self.config
         b, t, _ = x.shape
-        q = _dense(c, c.num_heads * c.head_dim, c.qkv_bias, "q")(x).reshape(b, t, c.num_heads, c.head_dim)
-        k = _dense(c, c.num_kv_heads * c.head_dim, c.qkv_bias, "k")(x).reshape(b, t, c.num_kv_heads, c.head_dim)
-        v = _dense(c, c.num_kv_heads * c.head_dim, c.qkv_bias, "v")(x).reshape(b, t, c.num_kv_heads, c.head_dim)
-        if c.qk_norm:
-            q, k = _norm(c, "q_norm")(q), _norm(c, "k_norm")(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if layer_cache is not None:
-            k_all = jax.lax.dynamic_update_slice_in_dim(layer_cache["k"], k.astype(layer_cache["k"].dtype),
-                                                        cache_index, axis=1)
-            v_all = jax.lax.dynamic_update_slice_in_dim(layer_cache["v"], v.astype(layer_cache["v"].dtype),
-                                                        cache_index, axis=1)
-            layer_cache = {"k": k_all, "v": v_all}
-            k, v = k_all, v_all  # the cache's dtype: attention's dots cast their operands to the compute dtype
-        out = grouped_query_attention(q, k, v, allowed, query_chunk=c.attention_query_chunk,
-                                      scale=c.attention_scale, logit_softcap=c.attn_logit_softcap,
-                                      compute_dtype=c.jnp_dtype)
-        return _dense(c, c.hidden_size, c.o_bias, "o")(out), layer_cache
+        return (self.q(x).reshape(b, t, c.num_heads, c.head_dim), self.k(x).reshape(b, t, c.num_kv_heads, c.head_dim),
+                self.v(x).reshape(b, t, c.num_kv_heads, c.head_dim))
 
 
 class MLP(nn.Module):
-    """Gated MLP: down(act(gate(x)) * up(x)), SwiGLU or GeGLU (`config.hidden_act`)."""
+    """The gated MLP's weights, `down(act(gate(x)) * up(x))` (SwiGLU or GeGLU, `config.hidden_act`)."""
 
     config: ModelConfig
 
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def setup(self) -> None:
         c = self.config
-        gate = _dense(c, c.intermediate_size, c.mlp_bias, "gate")(x)
-        up = _dense(c, c.intermediate_size, c.mlp_bias, "up")(x)
-        return _dense(c, c.hidden_size, c.mlp_bias, "down")(gated_activation(gate, up, c.hidden_act))
+        self.gate = _dense(c, c.intermediate_size, c.mlp_bias, "gate")
+        self.up = _dense(c, c.intermediate_size, c.mlp_bias, "up")
+        self.down = _dense(c, c.hidden_size, c.mlp_bias, "down")
+
+    def gate_up(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return self.gate(x), self.up(x)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))`; with `sandwich_norms` (Gemma 2/3) each
-    branch's output is normed again before the residual add. `inputs`: `attention_inputs(...)`, of which the
-    layer takes entry `kind`."""
+    """One layer's weights (`attn_norm`, `attn`, `mlp_norm`, `mlp`, and Gemma 2/3's sandwich norms), run as
+    `block.transformer_block` over the decoder's cache layout (`block.cached_attention`). `inputs`:
+    `attention_inputs(...)`, of which the layer takes entry `kind`."""
 
     config: ModelConfig
 
-    @nn.compact
+    def setup(self) -> None:
+        c = self.config
+        self.attn_norm = _norm(c, "attn_norm")
+        self.attn = Attention(c, name="attn")
+        self.mlp_norm = _norm(c, "mlp_norm")
+        self.mlp = MLP(c, name="mlp")
+        if c.sandwich_norms:
+            self.attn_post_norm = _norm(c, "attn_post_norm")
+            self.mlp_post_norm = _norm(c, "mlp_post_norm")
+
+    def ops(self) -> LayerOps:
+        """The layer's weights as `LayerOps` (the Flax modules: LoRA factors and dropout included)."""
+        c = self.config
+        return LayerOps(
+            attn_norm=self.attn_norm, qkv=self.attn.qkv,
+            q_norm=self.attn.q_norm if c.qk_norm else None, k_norm=self.attn.k_norm if c.qk_norm else None,
+            o=self.attn.o, attn_post_norm=self.attn_post_norm if c.sandwich_norms else None,
+            mlp_norm=self.mlp_norm, gate_up=self.mlp.gate_up, down=self.mlp.down,
+            mlp_post_norm=self.mlp_post_norm if c.sandwich_norms else None,
+        )
+
     def __call__(self, x: jax.Array, layer_cache: Cache | None, inputs: tuple[AttentionInputs, ...],
                  cache_index: jax.Array | int, kind: jax.Array | int = 0) -> tuple[jax.Array, Cache | None]:
-        c = self.config
         cos, sin, allowed = _select(inputs, kind)
-        h, layer_cache = Attention(c, name="attn")(_norm(c, "attn_norm")(x), layer_cache, cos, sin, allowed,
-                                                   cache_index)
-        if c.sandwich_norms:
-            h = _norm(c, "attn_post_norm")(h)
-        x = x + h
-        h = MLP(c, name="mlp")(_norm(c, "mlp_norm")(x))
-        if c.sandwich_norms:
-            h = _norm(c, "mlp_post_norm")(h)
-        return x + h, layer_cache
+        return transformer_block(x, self.ops(), cached_attention(self.config, allowed, layer_cache, cache_index),
+                                 cos, sin, self.config)
 
 
 class Decoder(nn.Module):
@@ -256,15 +268,8 @@ class Decoder(nn.Module):
         return self.unembed(x), cache
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
-        """Token embeddings `[..., D]` in the activation dtype, times `sqrt(D)` for Gemma (`embed_scale`). The
-        embedding is a weight matrix (a one-hot matmul): its rows are read in the compute dtype, as every dot
-        reads its weights, so a bfloat16-stored copy gives the same activations as the float32 master. Rows are
-        gathered, then cast (never the whole table)."""
-        c = self.config
-        x = jnp.take(self.embed.embedding, tokens, axis=0).astype(c.jnp_dtype).astype(c.jnp_activation_dtype)
-        if c.embed_scale:
-            x = x * jnp.asarray(c.hidden_size**0.5, x.dtype)
-        return x
+        """Token embeddings `[..., D]` (`layers.embed_tokens`)."""
+        return embed_tokens(self.embed.embedding, tokens, self.config)
 
     def unembed(self, hidden: jax.Array) -> jax.Array:
         """Logits `[..., V]` from final hidden states `[..., D]` (tied: `hidden @ embedding^T`), soft-capped

@@ -34,6 +34,17 @@ def rms_norm(
     return scale.astype(dtype) * normed.astype(dtype)
 
 
+def embed_tokens(embedding: jax.Array, tokens: jax.Array, config: ModelConfig) -> jax.Array:
+    """Token embeddings `[..., D]` in the activation dtype, times `sqrt(D)` for Gemma (`embed_scale`). The
+    embedding is a weight matrix (a one-hot matmul): its rows are read in the compute dtype, as every dot
+    reads its weights, so a bfloat16-stored copy gives the same activations as the float32 master. Rows are
+    gathered, then cast (never the whole table)."""
+    x = jnp.take(embedding, tokens, axis=0).astype(config.jnp_dtype).astype(config.jnp_activation_dtype)
+    if config.embed_scale:
+        x = x * jnp.asarray(config.hidden_size**0.5, x.dtype)
+    return x
+
+
 def gated_activation(gate: jax.Array, up: jax.Array, hidden_act: str = "silu") -> jax.Array:
     """The gated MLP's inner activation, `act(gate) * up` (the MLP is `down(act(gate(x)) * up(x))`): SwiGLU
     with `silu`, GeGLU with `gelu_pytorch_tanh` (`0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`)."""

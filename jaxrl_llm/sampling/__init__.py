@@ -18,12 +18,11 @@ Program shape (one XLA program per prompt bucket, completion bucket, batch size 
    lengths fall into one bucket reuses one compiled program; only *whether* greedy / top-k / top-p / min-p
    is on, `n`, `eos_ids` and `pad_id` are static (they change the program).
 
-The decoder's layers run unrolled over per-layer weights and caches: `decode_layers` (the same Flax modules
-as `Decoder`) for the prefill, and `decode_token` (the same math in plain `jnp`, q|k|v and gate|up fused,
-caches laid out as the attention contractions read them, so XLA does not transpose the caches on every
-step) in the loop: inside a while loop,
-`nn.scan` over the stacked `[L, ...]` arrays would copy every layer's weights and cache slice out and the
-updated cache back on every token.
+The decoder's layers run unrolled over per-layer weights and caches, both through the one block
+(`models/block.py`): `decode_layers` (the Flax modules of `Decoder`) for the prefill, and `decode_token` (the
+block on fused q|k|v and gate|up weights, over caches laid out as the attention contractions read them, so XLA
+does not transpose the caches on every step) in the loop: inside a while loop, `nn.scan` over the stacked
+`[L, ...]` arrays would copy every layer's weights and cache slice out and the updated cache back on every token.
 
 KV-cache memory: allocated once per call, inside the jitted program, as one key and one value buffer per
 layer, `[B*n, KVH, hd, P_b + T_b]` and `[B*n, KVH, P_b + T_b, hd]` (together as large as the

@@ -13,8 +13,9 @@ from jaxrl_llm.data import PromptSet
 from jaxrl_llm.evaluation import evaluate_greedy
 from jaxrl_llm.models.decoder import Params
 from jaxrl_llm.rewards import RewardFunction, resolve_reward
+from jaxrl_llm.trainers.episodes import Episode
 from jaxrl_llm.trainers.policy import Policy
-from jaxrl_llm.trainers.trajectories import Episode, TrajectoryCollector
+from jaxrl_llm.trainers.trajectories import TrajectoryCollector
 
 
 def eval_reward(c: RunConfig) -> tuple[str, RewardFunction]:

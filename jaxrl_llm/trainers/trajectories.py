@@ -24,91 +24,27 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxrl_llm.config import DataSection
 from jaxrl_llm.data import PromptSet, bucket, encode_text, left_pad, render_prompt
 from jaxrl_llm.envs.base import Environment, Message, StepResult, resolve_environment
-from jaxrl_llm.envs.deadlines import Call, DeadlineExceeded, DeadlineWorkers, HungCalls
-from jaxrl_llm.envs.tools import Tool, resolve_tools, template_supports_tools, tool_instructions
-from jaxrl_llm.errors import ConfigError
+from jaxrl_llm.envs.deadlines import DeadlineWorkers
+from jaxrl_llm.envs.rendering import declare_tools, followup_text
+from jaxrl_llm.envs.tools import resolve_tools
 from jaxrl_llm.models.decoder import Params
 from jaxrl_llm.sampling import SampleOutput, SamplingConfig, sample
 from jaxrl_llm.sharding import to_host
+from jaxrl_llm.trainers.episodes import (
+    Episode,
+    as_messages,
+    episode_arrays,
+    episode_rollout_metrics,
+    episode_stats,
+    open_episode,
+    opened_episode,
+    step_result,
+    turn_credit,
+)
 from jaxrl_llm.trainers.policy import Policy
 from jaxrl_llm.trainers.rollouts import Rollout, RolloutCollector
-
-TEXT_TOOL_RESULT = "\n<tool_response>\n{content}\n</tool_response>\n"  # a tool's answer without a chat template
-
-
-@dataclasses.dataclass
-class Episode:
-    """One row's episode while it is rolled out: its environment, its tokens after the prompt (the model's and
-    the environment's, told apart by `loss_mask`), the sampler's log-probs, the conversation, and its counters."""
-
-    env: Environment | None
-    prompt_ids: list[int]
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    loss_mask: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    logprobs_untruncated: list[float] = dataclasses.field(default_factory=list)
-    conversation: list[Message] = dataclasses.field(default_factory=list)
-    turns: int = 0
-    tool_calls: int = 0
-    tool_errors: int = 0
-    env_reward: float = 0.0
-    turn_rewards: list[float] = dataclasses.field(default_factory=list)  # the environment's, after each turn
-    token_turns: list[int] = dataclasses.field(default_factory=list)  # each token's turn (1, 2, ...; 0: env)
-    done: bool = False
-    stopped_on_eos: bool = True
-    error: str = ""
-
-    @property
-    def final_text(self) -> str:
-        return next((m["content"] for m in reversed(self.conversation) if m["role"] == "assistant"), "")
-
-    def add_model_turn(self, ids: list[int], logprobs: list[float], untruncated: list[float], stopped_on_eos: bool,
-                       text: str) -> None:
-        """The sampled ids of a turn, as they are (in the loss), with the sampler's log-probs and its text."""
-        self.tokens += ids
-        self.loss_mask += [1] * len(ids)
-        self.token_turns += [self.turns + 1] * len(ids)
-        self.logprobs += logprobs
-        self.logprobs_untruncated += untruncated
-        self.turns += 1
-        self.stopped_on_eos = stopped_on_eos
-        self.conversation.append({"role": "assistant", "content": text})
-
-    def record_step(self, result: StepResult, max_turns: int) -> None:
-        """The environment's answer to the last turn: its reward and counters, and whether the episode is over (it
-        says so, the turn was cut at its token limit, or this was the last turn)."""
-        self.env_reward += float(result.reward)
-        self.turn_rewards.append(float(result.reward))
-        self.tool_calls += int(result.info.get("tool_calls", 0))
-        self.tool_errors += int(result.info.get("tool_errors", 0))
-        self.done = self.done or result.done or not self.stopped_on_eos or self.turns >= max_turns
-
-    def add_env_messages(self, ids: list[int], messages: list[Message]) -> None:
-        """The environment's messages and their rendered ids (out of the loss; log-probs 0)."""
-        self.tokens += ids
-        self.loss_mask += [0] * len(ids)
-        self.token_turns += [0] * len(ids)
-        self.logprobs += [0.0] * len(ids)
-        self.logprobs_untruncated += [0.0] * len(ids)
-        self.conversation += messages
-
-
-def followup_text(tokenizer: Any, messages: list[Message], *, chat: bool) -> str:
-    """The text that follows a model's turn (which ended with its EOS token) when `messages` come next: what the
-    chat template renders after the assistant's end-of-turn, through the next assistant header; without a chat
-    template, each message's content (a tool's wrapped in <tool_response>)."""
-    if not chat:
-        return "".join(TEXT_TOOL_RESULT.format(content=m["content"]) if m["role"] == "tool" else m["content"]
-                       for m in messages)
-    base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
-    before = tokenizer.apply_chat_template(base, tokenize=False)
-    after = tokenizer.apply_chat_template(base + messages, tokenize=False, add_generation_prompt=True)
-    eos = tokenizer.eos_token or ""
-    end = before.rfind(eos) + len(eos) if eos and eos in before else len(before)
-    return before[end:] + after[len(before):]  # e.g. "\n" + "<|im_start|>tool\n...<|im_end|>\n<|im_start|>assistant\n"
 
 
 class TrajectoryCollector(RolloutCollector):
@@ -155,7 +91,7 @@ class TrajectoryCollector(RolloutCollector):
         self.env_seconds += time.monotonic() - t0
         rendered = [render_prompt(opened[i * g][1], self.data_config, p.tokenizer, f"prompt {j}", self.tool_schemas)
                     for i, j in enumerate(indices)]
-        episodes = [Episode(env, rendered[r // g][1], conversation=_as_messages(opening), error=error,
+        episodes = [Episode(env, rendered[r // g][1], conversation=as_messages(opening), error=error,
                             done=env is None) for r, (env, opening, error) in enumerate(opened)]
         width = bucket(max(len(ids) for _, ids in rendered), c.sampling.prompt_bucket)
         tokens, mask = left_pad([ids for _, ids in rendered], width, p.pad_id)
@@ -237,110 +173,3 @@ class TrajectoryCollector(RolloutCollector):
                 for j, row in enumerate(super().sample_rows(ro, limit))]
 
 
-def declare_tools(tools: list[Tool], data: DataSection, tokenizer: Any
-                  ) -> tuple[list[dict[str, Any]] | None, DataSection]:
-    """How the tools reach the model: their JSON schemas for a chat template that renders them (else None), and the
-    data settings whose system prompt carries the plain-text convention (`tool_instructions`) otherwise."""
-    native = bool(tools) and data.chat_template and template_supports_tools(tokenizer)
-    extra = tool_instructions(tools) if tools and not native else ""
-    joiner = "\n\n" if data.chat_template else "\n"
-    system = joiner.join(s for s in (extra, data.system_prompt) if s)
-    return ([t.schema for t in tools] if native else None), dataclasses.replace(data, system_prompt=system)
-
-
-def open_episode(factory: Any, kwargs: dict[str, Any], record: dict[str, Any], data: DataSection
-                 ) -> tuple[Environment | None, list[Message] | str, str]:
-    """A new environment for `record`, its opening (messages, or the text of a text-mode prompt) and an error: an
-    environment that cannot start leaves an empty episode (it scores 0), a `ConfigError` stops the run."""
-    try:
-        env = factory(record, **kwargs)
-        opening = env.reset()
-    except ConfigError:  # the run's settings are wrong (a missing package, an unknown game): stop it
-        raise
-    except Exception as e:  # an environment that cannot start: the episode is empty and scores 0
-        return None, record.get(data.prompt_field, ""), f"reset failed: {e}"
-    if not data.chat_template and len(opening) == 1 and opening[0]["role"] == "user":
-        return env, opening[0]["content"], ""  # a text-mode prompt renders as text, as a single-turn one
-    return env, opening, ""
-
-
-def opened_episode(workers: DeadlineWorkers, call: Call, record: dict[str, Any], data: DataSection,
-                   timeout_s: float) -> tuple[Environment | None, list[Message] | str, str]:
-    """`open_episode`'s answer, or an empty episode when the environment's factory or `reset` did not return by
-    its deadline (a `ConfigError` still stops the run)."""
-    try:
-        return workers.result(call)
-    except HungCalls as e:
-        error = f"the environment did not start: {e}"
-    except DeadlineExceeded:
-        error = f"the environment's reset took longer than env.timeout_s={timeout_s:g} s"
-    return None, record.get(data.prompt_field, ""), error
-
-
-def step_result(workers: DeadlineWorkers, call: Call, ep: Episode, timeout_s: float) -> StepResult:
-    """The environment's answer, or (it raised, or was not done by its deadline) the end of the episode."""
-    try:
-        result = workers.result(call)
-        return result if isinstance(result, StepResult) else StepResult(*result)
-    except HungCalls as e:
-        ep.error = f"the environment did not step: {e}"
-    except DeadlineExceeded:
-        ep.error = f"the environment took longer than env.timeout_s={timeout_s:g} s"
-    except Exception as e:  # the environment's bug ends its own episode, never the run
-        ep.error = f"the environment raised {type(e).__name__}: {' '.join(str(e).split())[:200]}"
-    return StepResult([], done=True, info={"error": ep.error})
-
-
-def episode_arrays(episodes: list[Episode], pad_id: int, max_new_tokens: int, multiple: int
-                   ) -> tuple[SampleOutput, np.ndarray]:
-    """The episodes as right-padded `[N, T]` arrays and their loss mask: T is `max_new_tokens` when every episode
-    fits it (so a one-turn rollout has a single-turn rollout's shapes), else the longest rounded up to `multiple`;
-    `lengths` count the model's tokens."""
-    longest = max(len(ep.tokens) for ep in episodes)
-    width, n = max_new_tokens if longest <= max_new_tokens else bucket(longest, multiple), len(episodes)
-    tokens, mask, loss_mask = (np.full((n, width), pad_id, np.int32), np.zeros((n, width), np.int32),
-                               np.zeros((n, width), np.int32))
-    logprobs, untruncated = np.zeros((n, width), np.float32), np.zeros((n, width), np.float32)
-    for r, ep in enumerate(episodes):
-        k = len(ep.tokens)
-        tokens[r, :k], mask[r, :k], loss_mask[r, :k] = ep.tokens, 1, ep.loss_mask
-        logprobs[r, :k], untruncated[r, :k] = ep.logprobs, ep.logprobs_untruncated
-    return SampleOutput(tokens, mask, logprobs, untruncated, loss_mask.sum(axis=1).astype(np.int32),
-                        np.asarray([ep.stopped_on_eos for ep in episodes])), loss_mask
-
-
-def turn_credit(episodes: list[Episode], width: int) -> np.ndarray:
-    """`[N, width]` float32: on each model token of turn k, minus the environment's rewards of the turns before k
-    (`G_k - G_1` of `rl.advantages.turn_level_advantages`); 0 on the first turn's and the environment's tokens."""
-    credit = np.zeros((len(episodes), width), np.float32)
-    for r, ep in enumerate(episodes):
-        earned = np.concatenate([[0.0], np.cumsum(ep.turn_rewards)])  # before turn k: earned[k - 1]
-        turns = np.asarray(ep.token_turns, np.int64)
-        credit[r, : len(turns)] = np.where(turns > 0, -earned[np.clip(turns - 1, 0, len(earned) - 1)], 0.0)
-    return credit
-
-
-def episode_stats(episodes: list[Episode]) -> dict[str, np.ndarray]:
-    """Each episode's turns, tool calls, failed calls and environment error `[N]`."""
-    return {"turns": np.asarray([ep.turns for ep in episodes]),
-            "tool_calls": np.asarray([ep.tool_calls for ep in episodes]),
-            "tool_errors": np.asarray([ep.tool_errors for ep in episodes]),
-            "env_errors": np.asarray([bool(ep.error) for ep in episodes]),
-            "env_error_messages": np.asarray([ep.error for ep in episodes])}
-
-
-def episode_rollout_metrics(ro: Rollout) -> dict[str, float]:
-    """Turns and tool calls per episode, the share of episodes with a call, failed calls per call, episodes ended
-    by an environment fault, seconds in environment steps, and the share of completion tokens that are the
-    environment's."""
-    s, calls = ro.episode_stats, float(ro.episode_stats["tool_calls"].sum())
-    mask, loss_mask = np.asarray(ro.out.mask), np.asarray(ro.loss_mask)
-    return {"turns/mean": float(s["turns"].mean()), "tool_calls/mean": float(s["tool_calls"].mean()),
-            "tool_calls/frac_episodes": float((s["tool_calls"] > 0).mean()),
-            "tool_errors/frac": float(s["tool_errors"].sum() / calls) if calls else 0.0,
-            "env_errors/frac": float(s["env_errors"].mean()), "time/env": ro.env_seconds,
-            "masked_tokens/frac": float(1.0 - loss_mask.sum() / max(mask.sum(), 1))}
-
-
-def _as_messages(opening: list[Message] | str) -> list[Message]:
-    return [{"role": "user", "content": opening}] if isinstance(opening, str) else list(opening)
