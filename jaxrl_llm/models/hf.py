@@ -49,20 +49,6 @@ def _host() -> Any:
         return None
 
 
-# Files a model directory may carry besides weights and config; copied verbatim on export.
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "generation_config.json",
-)
-
 
 def _projection_tensors(block: str, hf_block: str, names: tuple[str, ...]) -> dict[tuple[str, ...], str]:
     """`(block, name, "kernel" | "bias") -> "{hf_block}.{name}_proj.weight" | ".bias"`, the kernels first."""

@@ -19,10 +19,16 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import save_file
 
+from jaxrl_llm.data import TOKENIZER_FILES
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params
-from jaxrl_llm.models.hf import TOKENIZER_FILES, _fused_rows, _is_kernel, _tensor_name
+from jaxrl_llm.models.hf import _fused_rows, _is_kernel, _tensor_name
 from jaxrl_llm.models.hf_config import config_to_hf
+
+# Files a model directory may carry besides weights and config, copied verbatim on export: the tokenizer's (any
+# of `data.TOKENIZER_FILES` makes one) and their companions.
+COPIED_FILES = (*TOKENIZER_FILES, "special_tokens_map.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
+                "chat_template.json", "generation_config.json")
 
 
 def hf_state_dict(params: Params, config: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
@@ -137,7 +143,7 @@ def save_hf_model(
     (out / "config.json").write_text(json.dumps(hf_config, indent=2))
 
     if tokenizer_dir is not None:
-        for name in TOKENIZER_FILES:
+        for name in COPIED_FILES:
             src = Path(tokenizer_dir) / name
             if src.is_file() and src.resolve() != (out / name).resolve():
                 shutil.copyfile(src, out / name)
