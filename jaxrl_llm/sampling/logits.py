@@ -125,6 +125,22 @@ def sample_from_logits(
 
     See the module docstring for the exact meaning of the two log-probs. All math in float32.
     """
+    return sample_with_uniform(logits, jax.random.uniform(key, logits.shape[:1], jnp.float32), knobs, greedy=greedy,
+                               use_top_k=use_top_k, use_top_p=use_top_p, use_min_p=use_min_p)
+
+
+def sample_with_uniform(
+    logits: jax.Array,
+    uniform: jax.Array,
+    knobs: Knobs,
+    *,
+    greedy: bool,
+    use_top_k: bool = False,
+    use_top_p: bool = False,
+    use_min_p: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`sample_from_logits` with each row's uniform draw `uniform [B]` in [0, 1) given (the rollout engine draws
+    it from the row's own key and position, so a row's tokens do not depend on the batch it lands in)."""
     logits = logits.astype(jnp.float32)
     if greedy:
         token = first_argmax(logits)
@@ -139,7 +155,7 @@ def sample_from_logits(
         threshold = truncation_threshold(scaled, knobs, use_top_k=use_top_k, use_top_p=use_top_p,
                                          use_min_p=use_min_p)
         kept = jnp.where(_ordered_bits(scaled) >= threshold, weights, 0.0)
-    token = inverse_cdf_sample(kept, jax.random.uniform(key, logits.shape[:1], jnp.float32))
+    token = inverse_cdf_sample(kept, uniform)
     picked = jnp.take_along_axis(scaled - peak, token[:, None], -1)[:, 0]
     untruncated = picked - jnp.log(jnp.sum(weights, -1))
     truncated = picked - jnp.log(jnp.sum(kept, -1)) if truncating else untruncated

@@ -1,0 +1,53 @@
+"""The rollout engine: continuous batching over a paged KV cache, a group's prompt prefilled once and shared,
+conversations kept across turns (docs/engine.md).
+
+- `pages.py`: the paged KV cache as pure functions; `allocator.py`: free pages and reference counts (host);
+- `model.py`: the decoder's block over pages; `programs.py`: the jitted prefill and decode programs;
+- `scheduler.py`: `Engine`, admission, prefill, fork, decode slots (host);
+- `engine_sample`: the static sampler's interface (`SampleOutput`) on top of an `Engine`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxrl_llm.engine.scheduler import Completion, Conversation, Engine, EngineStats, Request
+from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.decoder import Params
+from jaxrl_llm.sampling.config import SampleOutput, SamplingConfig
+
+__all__ = ["Completion", "Conversation", "Engine", "EngineStats", "Request", "engine_sample", "sample_output"]
+
+
+def prompt_requests(prompt_tokens: Any, prompt_mask: Any, key: jax.Array, sampling: SamplingConfig
+                    ) -> list[Request]:
+    """One request per row of a left-padded prompt batch `[B, P]` (its tokens under the mask), keyed
+    `fold_in(key, row)`, with `sampling.n` samples."""
+    tokens, mask = np.asarray(prompt_tokens), np.asarray(prompt_mask).astype(bool)
+    return [Request(tokens[b][mask[b]].tolist(), jax.random.fold_in(key, b), n=sampling.n)
+            for b in range(tokens.shape[0])]
+
+
+def sample_output(completions: list[Completion], columns: int, pad_id: int) -> SampleOutput:
+    """Completions as the static sampler's right-padded `SampleOutput` `[N, columns]` (numpy)."""
+    n = len(completions)
+    tokens = np.full((n, columns), pad_id, np.int32)
+    mask = np.zeros((n, columns), np.int32)
+    logprobs, untruncated = np.zeros((n, columns), np.float32), np.zeros((n, columns), np.float32)
+    for r, c in enumerate(completions):
+        k = len(c.tokens)
+        tokens[r, :k], mask[r, :k], logprobs[r, :k], untruncated[r, :k] = c.tokens, 1, c.logprobs, c.untruncated
+    return SampleOutput(tokens, mask, logprobs, untruncated, mask.sum(axis=1).astype(np.int32),
+                        np.asarray([c.stopped_on_eos for c in completions], bool))
+
+
+def engine_sample(engine: Engine, params: Params, config: ModelConfig, prompt_tokens: Any, prompt_mask: Any,
+                  key: jax.Array, sampling: SamplingConfig) -> SampleOutput:
+    """`sampling.n` completions of each prompt of a left-padded batch through `engine`: the static sampler's
+    `sample` (same arguments, prompt-major rows, `max_new_tokens` columns), with each row's randomness its own."""
+    del config  # the engine's
+    results = engine.generate(params, prompt_requests(prompt_tokens, prompt_mask, key, sampling), sampling)
+    return sample_output([c for group in results for c in group], sampling.max_new_tokens, sampling.pad_id)

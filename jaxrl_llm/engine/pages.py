@@ -1,0 +1,71 @@
+"""A paged KV cache as pure functions: a pool of fixed-size pages per layer, read and written through page tables.
+
+    pool (one per layer)   k, v  [num_pages, page_size, KVH, hd]       in the model's compute dtype
+    page table (per row)   [max_pages] int32: the pages holding positions 0 .. max_pages * page_size - 1,
+                           position p lives in page table[p // page_size] at offset p % page_size
+
+A sequence's keys and values are as long as the sequence, not as the longest row of a batch: memory is
+`pages in use * page_size * KVH * hd * 2 * L * itemsize`. Rows may share pages (the G samples of a GRPO group read
+their prompt's pages; `allocator.py` counts the references), and a page is written only by the one row that owns
+it. Positions are contiguous from 0 in every sequence (no left padding), so a key's slot in the gathered context
+is its position. Allocation is on the host (`allocator.py`); everything here is jittable.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_llm.models.config import ModelConfig
+
+PagedLayer = dict[str, jax.Array]  # {"k", "v": [num_pages, page_size, KVH, hd]}
+
+
+def init_pages(config: ModelConfig, num_pages: int, page_size: int) -> list[PagedLayer]:
+    """Zero pools, one per layer. Bytes: `2 * L * num_pages * page_size * KVH * hd * itemsize(dtype)`."""
+    shape = (num_pages, page_size, config.num_kv_heads, config.head_dim)
+    return [{"k": jnp.zeros(shape, config.jnp_dtype), "v": jnp.zeros(shape, config.jnp_dtype)}
+            for _ in range(config.num_layers)]
+
+
+def page_slots(page_table: jax.Array, positions: jax.Array, page_size: int, num_pages: int) -> jax.Array:
+    """Flat pool slots `page * page_size + offset` of `positions [R, T]` (page tables `[R, M]`); a negative
+    position (padding) maps to `num_pages * page_size`, one past the pool, which a write drops."""
+    page = jnp.take_along_axis(page_table, jnp.maximum(positions, 0) // page_size, axis=1)
+    return jnp.where(positions >= 0, page * page_size + positions % page_size, num_pages * page_size)
+
+
+def write_pages(layer: PagedLayer, slots: jax.Array, k: jax.Array, v: jax.Array) -> PagedLayer:
+    """`k, v [R, T, KVH, hd]` written at flat `slots [R, T]` (out-of-pool slots dropped)."""
+    n, size, kvh, hd = layer["k"].shape
+
+    def write(pool: jax.Array, new: jax.Array) -> jax.Array:
+        flat = pool.reshape(n * size, kvh, hd)
+        flat = flat.at[slots.reshape(-1)].set(new.reshape(-1, kvh, hd).astype(pool.dtype), mode="drop")
+        return flat.reshape(n, size, kvh, hd)
+
+    return {"k": write(layer["k"], k), "v": write(layer["v"], v)}
+
+
+def gather_pages(layer: PagedLayer, page_table: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Each row's context `k, v [R, M * page_size, KVH, hd]` from its page table `[R, M]` (slot s = position s)."""
+    r, m = page_table.shape
+    _, size, kvh, hd = layer["k"].shape
+    return (layer["k"][page_table].reshape(r, m * size, kvh, hd),
+            layer["v"][page_table].reshape(r, m * size, kvh, hd))
+
+
+def copy_pages(pages: list[PagedLayer], source: jax.Array, target: jax.Array) -> list[PagedLayer]:
+    """Every layer's pages `source [n]` copied onto pages `target [n]` (copy on write of a shared partial page)."""
+    return [{name: pool.at[target].set(pool[source]) for name, pool in layer.items()} for layer in pages]
+
+
+def context_allowed(positions: jax.Array, context: int, sliding_window: int | None) -> jax.Array:
+    """Boolean `[R, T, context]`: the query at position `positions[r, t]` may read the key at position `s`
+    (`s <= position`, within the sliding window if any); padded queries (position < 0) read nothing."""
+    s = jnp.arange(context)[None, None, :]
+    p = positions[:, :, None]
+    allowed = (s <= p) & (p >= 0)
+    if sliding_window is not None:
+        allowed &= p - s < sliding_window
+    return allowed

@@ -1,0 +1,140 @@
+"""The engine's device programs (jitted; static shapes, so a run compiles a bounded set):
+
+- `prefill_program`: a chunk of prompt tokens `[R, C]` per row written into the rows' pages; the logits of each
+  row's last real token;
+- `decode_program`: `steps` decode steps of every slot `[S]` in one call (the host is not in the inner loop); a
+  slot that finished (EOS, its token limit) or is empty computes on padding and writes nothing;
+- `first_tokens_program`: the first token of each sample from its prompt's last logits;
+- `copy_pages_program`: copy on write of shared pages.
+
+A row's token at completion index `i` is drawn with the uniform `U(fold_in(row_key, i))`: its own key and
+position, whatever slot or batch it lands in, so a seed gives the same tokens under any scheduling.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_llm.engine.model import paged_forward, paged_logits
+from jaxrl_llm.engine.pages import PagedLayer, copy_pages
+from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.decode import StepWeights, split_layers, step_weights
+from jaxrl_llm.models.decoder import Params
+from jaxrl_llm.sampling.config import Knobs
+from jaxrl_llm.sampling.logits import sample_with_uniform
+
+
+class SamplingFlags(NamedTuple):
+    """What changes the decode program (static): greedy, which truncations are on, the EOS ids, the pad id."""
+
+    greedy: bool
+    top_k: bool
+    top_p: bool
+    min_p: bool
+    eos_ids: tuple[int, ...]
+    pad_id: int
+
+
+class SlotState(NamedTuple):
+    """The decode slots `[S]`: the token to feed next and its position, page tables `[S, M]`, each row's key data
+    `[S, 2]` (uint32), the completion index of the next token to sample, how many it may still sample, and
+    whether the slot is decoding."""
+
+    token: jax.Array
+    position: jax.Array
+    page_table: jax.Array
+    key_data: jax.Array
+    index: jax.Array
+    remaining: jax.Array
+    active: jax.Array
+
+
+class StepOutputs(NamedTuple):
+    """What `steps` decode steps emitted per slot: tokens, log-probs and untruncated log-probs `[S, steps]`
+    (pad / 0 where the slot was not active), and whether the slot stopped on EOS `[S]`."""
+
+    tokens: jax.Array
+    logprobs: jax.Array
+    untruncated: jax.Array
+    hit_eos: jax.Array
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def prepare_weights(params: Params, config: ModelConfig) -> list[StepWeights]:
+    """The block's fused per-layer weights (`models/decode.py: step_weights`), made once per generate call."""
+    return step_weights(split_layers(params, config), config)
+
+
+def row_uniforms(key_data: jax.Array, index: jax.Array) -> jax.Array:
+    """`[R]` uniforms in [0, 1): row r's draw for its completion index `index[r]`."""
+    def one(data: jax.Array, i: jax.Array) -> jax.Array:
+        return jax.random.uniform(jax.random.fold_in(jax.random.wrap_key_data(data), i), (), jnp.float32)
+
+    return jax.vmap(one)(key_data, index)
+
+
+def _sample(logits: jax.Array, uniform: jax.Array, knobs: Knobs, flags: SamplingFlags
+            ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    return sample_with_uniform(logits, uniform, knobs, greedy=flags.greedy, use_top_k=flags.top_k,
+                               use_top_p=flags.top_p, use_min_p=flags.min_p)
+
+
+@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("pages",))
+def prefill_program(params: Params, weights: list[StepWeights], pages: list[PagedLayer], tokens: jax.Array,
+                    positions: jax.Array, page_table: jax.Array, last: jax.Array, *, config: ModelConfig
+                    ) -> tuple[jax.Array, list[PagedLayer]]:
+    """`tokens, positions [R, C]` (position -1: padding) written into pages; returns the float32 logits `[R, V]`
+    at column `last [R]` of each row, and the pages."""
+    hidden, pages = paged_forward(params, weights, config, tokens, positions, page_table, pages)
+    picked = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
+    return paged_logits(params, config, picked), pages
+
+
+@functools.partial(jax.jit, static_argnames=("flags",))
+def first_tokens_program(logits: jax.Array, key_data: jax.Array, knobs: Knobs, *, flags: SamplingFlags
+                         ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Completion token 0 of each row from `logits [R, V]` (a group's rows repeat their prompt's logits)."""
+    return _sample(logits, row_uniforms(key_data, jnp.zeros(logits.shape[:1], jnp.int32)), knobs, flags)
+
+
+@functools.partial(jax.jit, donate_argnames=("pages",))
+def copy_pages_program(pages: list[PagedLayer], source: jax.Array, target: jax.Array) -> list[PagedLayer]:
+    return copy_pages(pages, source, target)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "flags", "steps"), donate_argnames=("pages",))
+def decode_program(params: Params, weights: list[StepWeights], pages: list[PagedLayer], state: SlotState,
+                   knobs: Knobs, *, config: ModelConfig, flags: SamplingFlags, steps: int
+                   ) -> tuple[SlotState, StepOutputs, list[PagedLayer]]:
+    """`steps` decode steps of every slot: feed `state.token` at `state.position`, sample the next token at
+    completion index `state.index`; a slot stops at EOS or when `remaining` reaches 0. Returns the new state, the
+    tokens emitted `[S, steps]` and the pages."""
+    slots = state.token.shape[0]
+    eos = jnp.asarray(flags.eos_ids, jnp.int32)
+    empty = StepOutputs(jnp.full((slots, steps), flags.pad_id, jnp.int32), jnp.zeros((slots, steps), jnp.float32),
+                        jnp.zeros((slots, steps), jnp.float32), jnp.zeros((slots,), bool))
+
+    def step(j: int, carry: tuple) -> tuple:
+        s, out, pages = carry
+        position = jnp.where(s.active, s.position, -1)
+        hidden, pages = paged_forward(params, weights, config, s.token[:, None], position[:, None], s.page_table,
+                                      pages)
+        logits = paged_logits(params, config, hidden[:, 0])
+        token, logprob, untruncated = _sample(logits, row_uniforms(s.key_data, s.index), knobs, flags)
+        token = jnp.where(s.active, token, flags.pad_id)
+        hit = s.active & (jnp.any(token[:, None] == eos, axis=-1) if flags.eos_ids else False)
+        out = StepOutputs(out.tokens.at[:, j].set(token),
+                          out.logprobs.at[:, j].set(jnp.where(s.active, logprob, 0.0)),
+                          out.untruncated.at[:, j].set(jnp.where(s.active, untruncated, 0.0)), out.hit_eos | hit)
+        step_ = s.active.astype(jnp.int32)
+        remaining = s.remaining - step_
+        s = SlotState(token, s.position + step_, s.page_table, s.key_data, s.index + step_, remaining,
+                      s.active & ~hit & (remaining > 0))
+        return s, out, pages
+
+    state, out, pages = jax.lax.fori_loop(0, steps, step, (state, empty, pages))
+    return state, out, pages

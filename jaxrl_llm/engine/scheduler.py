@@ -1,0 +1,352 @@
+"""The rollout engine's host side: continuous batching over the paged KV cache.
+
+    requests ──admit (pages reserved)──> prefill once per prompt ──fork n samples──> ready ──> decode slots
+        ^                                                                                      │ EOS / limit
+        └──────────── queued while the pool cannot hold them ◄── pages released ◄──────────────┘
+
+- **Admission**: a request (a prompt and its `n` samples, or a conversation's next turn) is admitted when the
+  pool can hold its prompt's pages plus each sample's growth to its token limit (a reservation, so an admitted
+  sequence never waits for memory); otherwise it waits in the queue.
+- **Prefill once, share**: the prompt is prefilled once, in chunks of `prefill_chunk` tokens (several prompts per
+  call); its `n` samples share the prompt's full pages (reference counts) and each gets its own copy of the
+  last, partial page (copy on write) before writing into it.
+- **Continuous batching**: `slots` sequences decode at once, `steps_per_call` tokens per device call; between
+  calls the host appends the emitted tokens, releases the pages of finished sequences and fills free slots
+  from the ready queue. A finished row never decodes again; a slot with nothing to do computes on padding.
+- **Conversations**: with `keep=True` a finished sequence keeps its pages (`Conversation`); its next turn
+  prefills only the new tokens (the environment's reply) after them.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_llm.engine.allocator import PageAllocator
+from jaxrl_llm.engine.model import check_engine_model
+from jaxrl_llm.engine.pages import PagedLayer, init_pages
+from jaxrl_llm.engine.programs import (
+    SamplingFlags,
+    SlotState,
+    copy_pages_program,
+    decode_program,
+    first_tokens_program,
+    prefill_program,
+    prepare_weights,
+)
+from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.decoder import Params
+from jaxrl_llm.sampling.config import SamplingConfig, knobs_from_config
+
+
+@dataclasses.dataclass
+class Conversation:
+    """A finished sequence's context kept in the pool: every token so far (`tokens`; the last one sampled but not
+    yet written), and the pages holding the first `written` of them."""
+
+    tokens: list[int]
+    pages: list[int]
+    written: int
+
+
+@dataclasses.dataclass
+class Request:
+    """`n` samples of `tokens` (a prompt; or, with `conversation`, the tokens that follow it), keyed by `key`
+    (sample j draws with `fold_in(key, j)`), each up to `max_new_tokens`."""
+
+    tokens: list[int]
+    key: jax.Array
+    n: int = 1
+    max_new_tokens: int | None = None
+    conversation: Conversation | None = None
+
+
+@dataclasses.dataclass
+class Completion:
+    """One sample: its tokens, their log-probs (as sampled, and untruncated), whether it stopped on EOS, and its
+    conversation when kept."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    untruncated: list[float]
+    stopped_on_eos: bool
+    conversation: Conversation | None = None
+
+
+@dataclasses.dataclass
+class _Sequence:
+    result: int  # index into the results
+    key_data: np.ndarray  # [2] uint32
+    context: list[int]  # every token so far, the last one sampled and not yet written
+    pages: list[int]
+    reserved: int  # pages still reserved for its growth
+    remaining: int  # tokens it may still sample
+    completion: Completion
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Counters of the last `generate`: prompt tokens prefilled, decode calls, pages shared by forks, the pool's
+    peak pages in use."""
+
+    prefilled_tokens: int = 0
+    decode_calls: int = 0
+    shared_pages: int = 0
+    peak_pages: int = 0
+
+
+class Engine:
+    """Generates with continuous batching over a paged KV cache of `num_pages` pages of `page_size` tokens."""
+
+    def __init__(self, config: ModelConfig, *, num_pages: int, page_size: int = 16, slots: int = 32,
+                 steps_per_call: int = 8, prefill_chunk: int = 128, prefill_rows: int = 8) -> None:
+        check_engine_model(config)
+        self.config, self.page_size, self.slots = config, page_size, slots
+        self.steps, self.chunk, self.prefill_rows = steps_per_call, prefill_chunk, prefill_rows
+        self.allocator = PageAllocator(num_pages)
+        self.pages: list[PagedLayer] = init_pages(config, num_pages, page_size)
+        self.stats = EngineStats()
+
+    # ------------------------------------------------------------------------------------------- public
+
+    def generate(self, params: Params, requests: list[Request], sampling: SamplingConfig, *,
+                 keep: bool = False) -> list[list[Completion]]:
+        """Every request's `n` completions, in request order. With `keep`, each completion holds its
+        `Conversation` (its pages stay in the pool until `release`)."""
+        self.stats = EngineStats()
+        weights = prepare_weights(params, self.config)
+        knobs = knobs_from_config(sampling)
+        flags = SamplingFlags(sampling.greedy, sampling.uses_top_k, sampling.uses_top_p, sampling.uses_min_p,
+                              tuple(sampling.eos_ids), sampling.pad_id)
+        results: list[list[Completion]] = [[] for _ in requests]
+        flat: list[Completion] = []
+        queue = collections.deque(range(len(requests)))
+        ready: collections.deque[_Sequence] = collections.deque()
+        slots: list[_Sequence | None] = [None] * self.slots
+        while queue or ready or any(s is not None for s in slots):
+            admitted = self._admit(requests, queue, len(ready) + sum(s is not None for s in slots), sampling)
+            if admitted:
+                ready.extend(self._prefill(params, weights, requests, admitted, sampling, knobs, flags, results,
+                                           flat, keep))
+            for i in range(self.slots):
+                if slots[i] is None and ready:
+                    slots[i] = ready.popleft()
+            if any(s is not None for s in slots):
+                self._decode(params, weights, slots, knobs, flags, keep)
+            elif not admitted and queue:
+                need = self._pages_needed(requests[queue[0]], sampling)
+                raise RuntimeError(f"the rollout engine's pool ({self.allocator.num_pages} pages of "
+                                   f"{self.page_size}) cannot hold one request ({need} pages); raise "
+                                   "rollout.engine_pages")
+        return results
+
+    def release(self, conversation: Conversation) -> None:
+        """Give a kept conversation's pages back to the pool."""
+        self.allocator.release(conversation.pages)
+        conversation.pages = []
+
+    # ------------------------------------------------------------------------------------------ admission
+
+    def _max_new(self, request: Request, sampling: SamplingConfig) -> int:
+        return request.max_new_tokens or sampling.max_new_tokens
+
+    def _pages_needed(self, request: Request, sampling: SamplingConfig) -> int:
+        """Pages to reserve for a request: each sample holds positions up to `context + max_new - 2` (the last
+        sampled token is never written). A group's samples share the prompt's full pages; each owns the rest
+        (its copy of the partial last page included), and the prompt's own partial page lives until the fork."""
+        ps, conv, m = self.page_size, request.conversation, self._max_new(request, sampling)
+        if conv is not None:
+            context = len(conv.tokens) + len(request.tokens)
+            return max(0, math.ceil((context + m - 1) / ps) - len(conv.pages))
+        p = len(request.tokens)
+        per_sample = math.ceil((p + m - 1) / ps)
+        if request.n == 1:
+            return per_sample
+        full = p // ps
+        return full + (1 if p % ps else 0) + request.n * (per_sample - full)
+
+    def _admit(self, requests: list[Request], queue: collections.deque, waiting: int,
+               sampling: SamplingConfig) -> list[int]:
+        """Requests taken from the queue for prefill: while the pool can hold them, up to `prefill_rows`, and
+        only while fewer than two slot-fulls of samples wait for a slot."""
+        admitted: list[int] = []
+        while queue and len(admitted) < self.prefill_rows and waiting < 2 * self.slots:
+            need = self._pages_needed(requests[queue[0]], sampling)
+            if need > self.allocator.available():
+                break
+            self.allocator.reserve(need)
+            admitted.append(queue.popleft())
+            waiting += requests[admitted[-1]].n
+        return admitted
+
+    # -------------------------------------------------------------------------------------------- prefill
+
+    def _prefill(self, params: Params, weights: Any, requests: list[Request], admitted: list[int],
+                 sampling: SamplingConfig, knobs: Any, flags: SamplingFlags, results: list[list[Completion]],
+                 flat: list[Completion], keep: bool) -> list[_Sequence]:
+        """Prefill the admitted requests' new tokens (chunked, `prefill_rows` rows per call), then fork each into
+        its samples with their first token. Returns the samples that still decode."""
+        ps, alloc = self.page_size, self.allocator
+        rows = []  # (tokens to write, first position, pages)
+        for r in admitted:
+            req, conv = requests[r], requests[r].conversation
+            if conv is not None:
+                if req.n != 1:
+                    raise ValueError("a conversation's next turn takes n=1")
+                tokens, start, pages = conv.tokens[conv.written:] + list(req.tokens), conv.written, list(conv.pages)
+                conv.pages = []  # its pages now belong to the new turn's sequence
+            else:
+                if not req.tokens:
+                    raise ValueError(f"request {r} has an empty prompt")
+                tokens, start, pages = list(req.tokens), 0, []
+            pages += alloc.allocate(math.ceil((start + len(tokens)) / ps) - len(pages), reserved=True)
+            rows.append((tokens, start, pages))
+        logits = self._run_prefill(params, weights, rows)
+        out = []
+        for (tokens, start, pages), r, row_logits in zip(rows, admitted, logits, strict=True):
+            out += self._fork(requests[r], r, tokens, start, pages, row_logits, sampling, knobs, flags, results,
+                              flat, keep)
+        self.stats.peak_pages = max(self.stats.peak_pages, alloc.in_use())
+        return out
+
+    def _run_prefill(self, params: Params, weights: Any, rows: list[tuple[list[int], int, list[int]]]
+                     ) -> list[jax.Array]:
+        """The prefill calls for `rows` (in groups of `prefill_rows`, chunks of `prefill_chunk` tokens): each
+        row's last logits `[V]`."""
+        c, width = self.chunk, self.prefill_rows
+        logits: list[jax.Array] = []
+        for g in range(0, len(rows), width):
+            group = rows[g:g + width]
+            m = _pow2(max(len(pages) for _, _, pages in group))
+            table = np.zeros((width, m), np.int32)
+            for i, (_, _, pages) in enumerate(group):
+                table[i, :len(pages)] = pages
+            chunks = max(math.ceil(len(tokens) / c) for tokens, _, _ in group)
+            last_logits: list[Any] = [None] * len(group)
+            for k in range(chunks):
+                tok = np.zeros((width, c), np.int32)
+                pos = np.full((width, c), -1, np.int32)
+                last = np.zeros((width,), np.int32)
+                for i, (tokens, start, _) in enumerate(group):
+                    part = tokens[k * c:(k + 1) * c]
+                    tok[i, :len(part)] = part
+                    pos[i, :len(part)] = start + k * c + np.arange(len(part))
+                    last[i] = max(len(part) - 1, 0)
+                    self.stats.prefilled_tokens += len(part)
+                out, self.pages = prefill_program(params, weights, self.pages, jnp.asarray(tok), jnp.asarray(pos),
+                                                  jnp.asarray(table), jnp.asarray(last), config=self.config)
+                for i, (tokens, _, _) in enumerate(group):
+                    if (k + 1) * c >= len(tokens) > k * c:
+                        last_logits[i] = out[i]
+            logits += last_logits
+        return logits
+
+    def _fork(self, req: Request, r: int, tokens: list[int], start: int, pages: list[int], logits: jax.Array,
+              sampling: SamplingConfig, knobs: Any, flags: SamplingFlags, results: list[list[Completion]],
+              flat: list[Completion], keep: bool) -> list[_Sequence]:
+        """The request's `n` samples after its prefill: page tables (shared full pages, own copies of the partial
+        last one), first tokens, and the samples still to decode."""
+        ps, alloc, n = self.page_size, self.allocator, req.n
+        context = (req.conversation.tokens[:start] if req.conversation else []) + tokens
+        m = self._max_new(req, sampling)
+        keys = np.stack([np.asarray(jax.random.key_data(jax.random.fold_in(req.key, j))) for j in range(n)])
+        first, logprob, untruncated = first_tokens_program(jnp.repeat(logits[None], n, axis=0), jnp.asarray(keys),
+                                                           knobs, flags=flags)
+        first, logprob, untruncated = np.asarray(first), np.asarray(logprob), np.asarray(untruncated)
+        per_sample = math.ceil((len(context) + m - 1) / ps)
+        if n == 1:
+            tables = [pages]
+        else:
+            full, partial = pages[:len(context) // ps], pages[len(context) // ps:]
+            tables = []
+            for _ in range(n):
+                alloc.share(full)
+                own = alloc.allocate(len(partial), reserved=True)
+                tables.append(full + own)
+                if partial:
+                    self.pages = copy_pages_program(self.pages, jnp.asarray(partial), jnp.asarray(own))
+            self.stats.shared_pages += len(full) * (n - 1)
+            alloc.release(pages)  # the prefill's own references: the samples hold theirs
+        out = []
+        for j in range(n):
+            completion = Completion([int(first[j])], [float(logprob[j])], [float(untruncated[j])], False)
+            results[r].append(completion)
+            flat.append(completion)
+            seq = _Sequence(r, keys[j], context + [int(first[j])], tables[j], per_sample - len(tables[j]), m - 1,
+                            completion)
+            if int(first[j]) in flags.eos_ids or m == 1:
+                completion.stopped_on_eos = int(first[j]) in flags.eos_ids
+                self._finish(seq, keep)
+            else:
+                out.append(seq)
+        return out
+
+    # --------------------------------------------------------------------------------------------- decode
+
+    def _decode(self, params: Params, weights: Any, slots: list[_Sequence | None], knobs: Any,
+                flags: SamplingFlags, keep: bool) -> None:
+        """One decode call: pages for the next `steps_per_call` positions of every slot, the call, then each
+        slot's emitted tokens appended; finished sequences leave their slot."""
+        ps, alloc, steps = self.page_size, self.allocator, self.steps
+        for seq in slots:
+            if seq is not None:
+                written_to = len(seq.context) - 1 + min(steps, seq.remaining)  # positions written by this call
+                grow = math.ceil(written_to / ps) - len(seq.pages)
+                if grow > 0:
+                    seq.pages += alloc.allocate(grow, reserved=True)
+                    seq.reserved -= grow
+        self.stats.peak_pages = max(self.stats.peak_pages, alloc.in_use())
+        m = _pow2(max(len(seq.pages) for seq in slots if seq is not None))
+        count = len(slots)
+        table = np.zeros((count, m), np.int32)
+        token, position = np.zeros((count,), np.int32), np.zeros((count,), np.int32)
+        key_data, index = np.zeros((count, 2), np.uint32), np.zeros((count,), np.int32)
+        remaining, active = np.zeros((count,), np.int32), np.zeros((count,), bool)
+        for i, seq in enumerate(slots):
+            if seq is None:
+                continue
+            table[i, :len(seq.pages)] = seq.pages
+            token[i], position[i] = seq.context[-1], len(seq.context) - 1
+            key_data[i], index[i] = seq.key_data, len(seq.completion.tokens)
+            remaining[i], active[i] = seq.remaining, True
+        state = SlotState(*(jnp.asarray(a) for a in (token, position, table, key_data, index, remaining, active)))
+        state, out, self.pages = decode_program(params, weights, self.pages, state, knobs, config=self.config,
+                                                flags=flags, steps=steps)
+        self.stats.decode_calls += 1
+        new_index, still = np.asarray(state.index), np.asarray(state.active)
+        tokens, logprobs, untruncated = np.asarray(out.tokens), np.asarray(out.logprobs), np.asarray(out.untruncated)
+        hit_eos = np.asarray(out.hit_eos)
+        for i, seq in enumerate(slots):
+            if seq is None:
+                continue
+            emitted = int(new_index[i] - index[i])
+            seq.context += tokens[i, :emitted].tolist()
+            seq.completion.tokens += tokens[i, :emitted].tolist()
+            seq.completion.logprobs += logprobs[i, :emitted].tolist()
+            seq.completion.untruncated += untruncated[i, :emitted].tolist()
+            seq.remaining -= emitted
+            if not still[i]:
+                seq.completion.stopped_on_eos = bool(hit_eos[i])
+                self._finish(seq, keep)
+                slots[i] = None
+
+    def _finish(self, seq: _Sequence, keep: bool) -> None:
+        """A finished sample: its unused reservation back; its pages kept as its conversation, or released."""
+        self.allocator.unreserve(seq.reserved)
+        seq.reserved = 0
+        if keep:
+            seq.completion.conversation = Conversation(seq.context, seq.pages, len(seq.context) - 1)
+        else:
+            self.allocator.release(seq.pages)
+        seq.pages = []
+
+
+def _pow2(n: int) -> int:
+    """The page-table width for `n` pages: the next power of two (at least 4), so few programs compile."""
+    return max(4, 1 << max(0, n - 1).bit_length())
