@@ -1,9 +1,14 @@
 """The decoder over a paged KV cache: the model's block (`models/block.py`) on the sampler's prepared weights
 (`models/decode.py: step_ops`), its attention reading and writing pages (`pages.py`).
 
-`paged_forward` runs `T` tokens per row at explicit positions (`-1` = padding: neither written nor attended
-from), writes their keys and values into the rows' pages and attends over each row's pages: one function for a
-prefill chunk (`T` = the chunk) and a decode step (`T = 1`).
+- `paged_forward` runs `T` tokens per row at explicit positions (`-1` = padding: neither written nor attended
+  from), writes their keys and values into the rows' pages and attends over each row's gathered pages: a prefill
+  chunk (the gather is shared by the chunk's `T` queries).
+- `slot_caches` + `slot_decode_step`: the decode steps of one engine call. Gathering every row's pages on every
+  token would copy the whole context per token (on XLA:CPU that copy costs more than the attention itself), so a
+  call gathers each slot's context once into contiguous caches in the layout the static sampler's token step reads
+  (keys `[S, KVH, hd, C]`, values `[S, KVH, C, hd]`, `models/decode.py: loop_caches`); each step writes its token
+  into both the call's caches and the pages (the pages stay the record: a kept conversation continues from them).
 """
 
 from __future__ import annotations
@@ -11,12 +16,21 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm.engine.pages import PagedLayer, context_allowed, gather_pages, page_slots, write_pages
+from jaxrl_llm.engine.pages import (
+    PagedLayer,
+    context_allowed,
+    from_storage,
+    gather_pages,
+    page_slots,
+    to_storage,
+    write_pages,
+)
+from jaxrl_llm.models import precision
 from jaxrl_llm.models.block import Attend, transformer_block
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decode import StepWeights, longrope_original, step_ops
 from jaxrl_llm.models.decoder import Params, unembed
-from jaxrl_llm.models.layers import embed_tokens, grouped_query_attention, rms_norm, rope_cos_sin
+from jaxrl_llm.models.layers import embed_tokens, grouped_query_attention, masked_softmax, rms_norm, rope_cos_sin
 
 
 def check_engine_model(config: ModelConfig) -> None:
@@ -34,8 +48,8 @@ def paged_attention(config: ModelConfig, layer: PagedLayer, page_table: jax.Arra
     c = config
 
     def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, PagedLayer]:
-        new = write_pages(layer, slots, k, v)
-        keys, values = gather_pages(new, page_table)
+        new = write_pages(layer, slots, k, v, c.jnp_dtype)
+        keys, values = (from_storage(x, c.jnp_dtype) for x in gather_pages(new, page_table))
         out = grouped_query_attention(q, keys, values, allowed, scale=c.attention_scale,
                                       logit_softcap=c.attn_logit_softcap, compute_dtype=c.jnp_dtype)
         return out, new
@@ -65,6 +79,65 @@ def paged_forward(params: Params, weights: list[StepWeights], config: ModelConfi
                                      cos, sin, c)
         new_pages.append(layer)
     return rms_norm(x, params["final_norm"]["scale"], c.rms_norm_eps, unit_offset=c.norm_unit_offset), new_pages
+
+
+def slot_caches(pages: list[PagedLayer], page_table: jax.Array) -> list[dict[str, jax.Array]]:
+    """Each slot's context gathered from its pages `[S, M]` into contiguous caches: keys `[S, KVH, hd, M * ps]`,
+    values `[S, KVH, M * ps, hd]` (the decode loop's layout), as stored (`pages.storage_dtype`)."""
+    out = []
+    for layer in pages:
+        k, v = gather_pages(layer, page_table)  # [S, C, KVH, hd]
+        out.append({"k": jnp.transpose(k, (0, 2, 3, 1)), "v": jnp.swapaxes(v, 1, 2)})
+    return out
+
+
+def slot_attention(config: ModelConfig, layer: PagedLayer, cache: dict[str, jax.Array], slots: jax.Array,
+                   positions: jax.Array, allowed: jax.Array) -> Attend:
+    """One new token per slot: its key and value written into the pages (at flat `slots [S, 1]`) and into the call's
+    contiguous cache at each slot's own position `positions [S]`, then attention over that cache under
+    `allowed [S, 1, C]` (the static sampler's contraction layout)."""
+    c = config
+    h, kvh, hd, dtype = c.num_heads, c.num_kv_heads, c.head_dim, c.jnp_dtype
+
+    def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, tuple[PagedLayer, dict[str, jax.Array]]]:
+        s = q.shape[0]
+        new_layer = write_pages(layer, slots, k, v, dtype)
+        rows, at = jnp.arange(s), jnp.maximum(positions, 0)
+        k_all = cache["k"].at[rows, :, :, at].set(to_storage(k[:, 0], dtype))
+        v_all = cache["v"].at[rows, :, at].set(to_storage(v[:, 0], dtype))
+        scores = precision.einsum("bkgd,bkds->bkgs", q.reshape(s, kvh, h // kvh, hd), from_storage(k_all, dtype),
+                                  dtype, jnp.float32)
+        probs = masked_softmax(scores, allowed[:, 0][:, None, None, :], c.attention_scale, c.attn_logit_softcap)
+        out = precision.einsum("bkgs,bksd->bkgd", probs, from_storage(v_all, dtype), dtype)
+        return out.reshape(s, 1, h * hd), (new_layer, {"k": k_all, "v": v_all})
+
+    return attend
+
+
+def slot_decode_step(params: Params, weights: list[StepWeights], config: ModelConfig, tokens: jax.Array,
+                     positions: jax.Array, page_table: jax.Array, pages: list[PagedLayer],
+                     caches: list[dict[str, jax.Array]]) -> tuple[jax.Array, list[PagedLayer], list[dict]]:
+    """One decode step of every slot: `tokens [S]` at `positions [S]` (-1: an idle slot, which writes nothing).
+    Returns float32 logits `[S, V]`, the pages and the call's caches with the tokens written."""
+    c = config
+    num_pages, page_size = pages[0]["k"].shape[:2]
+    context = caches[0]["k"].shape[-1]
+    slots = page_slots(page_table, positions[:, None], page_size, num_pages)
+    clamped = jnp.maximum(positions, 0)[:, None]
+    kinds = sorted({c.is_sliding(i) for i in range(c.num_layers)})
+    inputs = {local: (*rope_cos_sin(c, clamped, local=local),
+                      context_allowed(positions[:, None], context, c.sliding_window if local else None))
+              for local in kinds}
+    x = embed_tokens(params["embed"]["embedding"], tokens[:, None], c)
+    new_pages, new_caches = [], []
+    for i, (w, layer, cache) in enumerate(zip(weights, pages, caches, strict=True)):
+        cos, sin, allowed = inputs[c.is_sliding(i)]
+        x, (layer, cache) = transformer_block(x, step_ops(w, c), slot_attention(c, layer, cache, slots, positions,
+                                                                                allowed), cos, sin, c)
+        new_pages.append(layer)
+        new_caches.append(cache)
+    hidden = rms_norm(x[:, 0], params["final_norm"]["scale"], c.rms_norm_eps, unit_offset=c.norm_unit_offset)
+    return paged_logits(params, c, hidden), new_pages, new_caches
 
 
 def paged_logits(params: Params, config: ModelConfig, hidden: jax.Array) -> jax.Array:

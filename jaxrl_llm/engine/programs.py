@@ -19,7 +19,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm.engine.model import paged_forward, paged_logits
+from jaxrl_llm.engine.model import paged_forward, paged_logits, slot_caches, slot_decode_step
 from jaxrl_llm.engine.pages import PagedLayer, copy_pages
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decode import StepWeights, split_layers, step_weights
@@ -119,11 +119,10 @@ def decode_program(params: Params, weights: list[StepWeights], pages: list[Paged
                         jnp.zeros((slots, steps), jnp.float32), jnp.zeros((slots,), bool))
 
     def step(j: int, carry: tuple) -> tuple:
-        s, out, pages = carry
+        s, out, pages, caches = carry
         position = jnp.where(s.active, s.position, -1)
-        hidden, pages = paged_forward(params, weights, config, s.token[:, None], position[:, None], s.page_table,
-                                      pages)
-        logits = paged_logits(params, config, hidden[:, 0])
+        logits, pages, caches = slot_decode_step(params, weights, config, s.token, position, s.page_table, pages,
+                                                 caches)
         token, logprob, untruncated = _sample(logits, row_uniforms(s.key_data, s.index), knobs, flags)
         token = jnp.where(s.active, token, flags.pad_id)
         hit = s.active & (jnp.any(token[:, None] == eos, axis=-1) if flags.eos_ids else False)
@@ -134,7 +133,8 @@ def decode_program(params: Params, weights: list[StepWeights], pages: list[Paged
         remaining = s.remaining - step_
         s = SlotState(token, s.position + step_, s.page_table, s.key_data, s.index + step_, remaining,
                       s.active & ~hit & (remaining > 0))
-        return s, out, pages
+        return s, out, pages, caches
 
-    state, out, pages = jax.lax.fori_loop(0, steps, step, (state, empty, pages))
+    caches = slot_caches(pages, state.page_table)  # once per call, not per token
+    state, out, pages, _ = jax.lax.fori_loop(0, steps, step, (state, empty, pages, caches))
     return state, out, pages

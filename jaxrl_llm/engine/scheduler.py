@@ -264,13 +264,17 @@ class Engine:
             tables = [pages]
         else:
             full, partial = pages[:len(context) // ps], pages[len(context) // ps:]
-            tables = []
+            tables, copies = [], []
             for _ in range(n):
                 alloc.share(full)
                 own = alloc.allocate(len(partial), reserved=True)
                 tables.append(full + own)
-                if partial:
-                    self.pages = copy_pages_program(self.pages, jnp.asarray(partial), jnp.asarray(own))
+                copies += [(src, dst) for src, dst in zip(partial, own, strict=True)]
+            if copies:  # one call for the group; padded with no-op copies of page 0 to a power-of-two length
+                width = _pow2(len(copies))
+                source, target = np.zeros((width,), np.int32), np.zeros((width,), np.int32)
+                source[:len(copies)], target[:len(copies)] = zip(*copies, strict=True)
+                self.pages = copy_pages_program(self.pages, jnp.asarray(source), jnp.asarray(target))
             self.stats.shared_pages += len(full) * (n - 1)
             alloc.release(pages)  # the prefill's own references: the samples hold theirs
         out = []
