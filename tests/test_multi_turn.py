@@ -102,10 +102,12 @@ def test_a_one_turn_environment_is_the_single_turn_step_bit_for_bit(tiny_task, t
     assert b.metrics["turns/mean"] == 1.0 and b.metrics["masked_tokens/frac"] == 0.0
 
 
+@pytest.mark.parametrize("engine", ["static", "paged"])
 def test_the_update_trains_on_the_sampled_tokens_and_the_loss_mask_is_the_models(tiny_chat_model, tmp_path,
-                                                                                  monkeypatch):
+                                                                                  monkeypatch, engine):
     """Each turn's tokens are the sampler's, unchanged, whatever the environment prints; the environment's are the
-    template's rendering; the mask is 1 exactly on the sampled ones; the update gets these arrays."""
+    template's rendering; the mask is 1 exactly on the sampled ones; the update gets these arrays. The same through
+    the rollout engine, whose conversations continue from their pages (no page is left held)."""
     turns: list[tuple[list[int], np.ndarray, np.ndarray]] = []  # (rows, tokens, mask) of each sampled turn
     take_turn = trajectories.TrajectoryCollector._take_turn
 
@@ -117,9 +119,16 @@ def test_the_update_trains_on_the_sampled_tokens_and_the_loss_mask_is_the_models
     config = tiny_run(None, tmp_path / "run", f"model.path={tiny_chat_model}", f"data.train={_chat_task(tmp_path)}",
                       "data.eval=", "data.chat_template=true", "sampling.max_new_tokens=6", "env.max_tokens=200",
                       "env.name=test_multi_turn:chatty", "rl.prompts_per_step=2", "rl.group_size=2",
-                      rewards=[{"name": "math_answer"}])
+                      f"sampling.engine={engine}", rewards=[{"name": "math_answer"}])
     trainer = make_trainer(config)
-    ro = trainer.algorithm.collect(trainer.state, DataState(), jax.random.key(0)).batch
+    for seed in range(20):  # the random model must end a turn on EOS for the episode to go on: the first key that does
+        turns.clear()
+        ro = trainer.algorithm.collect(trainer.state, DataState(), jax.random.key(seed)).batch
+        if len(turns) > 1:
+            break
+    if engine == "paged":
+        pool = trainer.algorithm.policy.engine.allocator
+        assert pool.in_use() == 0 and pool.reserved == 0
     tokenizer = load_tokenizer(tiny_chat_model)
     reply = encode_text(tokenizer, rendering.followup_text(tokenizer, [{"role": "user", "content": REPLY}],
                                                               chat=True), add_special_tokens=False)

@@ -74,6 +74,7 @@ def test_greedy_generation_matches_transformers(smollm2_dir: Path, torch_model) 
     import torch
 
     from jaxrl_llm.data import eos_token_ids, left_pad, load_tokenizer
+    from jaxrl_llm.engine import Engine, engine_sample
     from jaxrl_llm.models.hf import load_hf_model
     from jaxrl_llm.sampling import SamplingConfig, sample
 
@@ -83,8 +84,10 @@ def test_greedy_generation_matches_transformers(smollm2_dir: Path, torch_model) 
     rows = [_chat_ids(tokenizer, text) for text in LONG_CHATS]
     new = 48
     tokens, mask = left_pad(rows, max(map(len, rows)), tokenizer.pad_token_id)
-    out = sample(params, config, tokens, mask, jax.random.key(0),
-                 SamplingConfig(max_new_tokens=new, greedy=True, eos_ids=eos, pad_id=tokenizer.pad_token_id))
+    greedy = SamplingConfig(max_new_tokens=new, greedy=True, eos_ids=eos, pad_id=tokenizer.pad_token_id)
+    out = sample(params, config, tokens, mask, jax.random.key(0), greedy)
+    engine = Engine(config, num_pages=64, page_size=16, slots=2, steps_per_call=16)  # the rollout engine, too
+    paged = engine_sample(engine, params, config, tokens, mask, jax.random.key(0), greedy)
     for i, row in enumerate(rows):
         # The reference generates each prompt alone (no padding); ours ran them as one left-padded batch.
         with torch.no_grad():
@@ -94,3 +97,4 @@ def test_greedy_generation_matches_transformers(smollm2_dir: Path, torch_model) 
         ours = np.asarray(out.tokens[i])[np.asarray(out.mask[i]).astype(bool)].tolist()
         assert len(ref) >= 40, (LONG_CHATS[i], len(ref))
         assert ours == ref, (LONG_CHATS[i], tokenizer.decode(ours), tokenizer.decode(ref))
+        assert paged.tokens[i][paged.mask[i].astype(bool)].tolist() == ref, (LONG_CHATS[i], "engine")

@@ -51,6 +51,7 @@ LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", 
 # rl.loss.rollout_correction: where the old policy's log-probs come from (see PolicyLossOptions)
 ROLLOUT_CORRECTIONS = ("none", "recompute", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 PREFERENCE_LOSSES = ("sigmoid", "ipo", "hinge", "simpo")  # dpo.loss (jaxrl_llm.rl.preference)
+SAMPLERS = ("static", "paged")  # sampling.engine (jaxrl_llm.sampling, jaxrl_llm.engine)
 @dataclass
 class ModelSection:
     """The policy model: where it is, its dtypes and memory knobs."""
@@ -109,6 +110,16 @@ class SamplingSection:
     # lengths in one bucket reuse one compiled sampler / train step. Smaller = less padding, more compiles.
     prompt_bucket: int = at_least(16, 1)
     new_tokens_bucket: int = at_least(16, 1)  # completion lengths are rounded up to a multiple of this
+    # static = one batch: every prompt prefilled, then decoded to the longest row; paged = the rollout engine
+    # (continuous batching over a paged KV cache, a group's prompt prefilled once and shared, a multi-turn
+    # conversation's next turn prefilling only the new tokens; one device; docs/engine.md)
+    engine: str = one_of("static", SAMPLERS)
+    engine_page_size: int = at_least(16, 1)  # paged: tokens per page
+    engine_slots: int = at_least(0)  # paged: sequences decoding at once; 0 = every row of the call
+    engine_steps_per_call: int = at_least(16, 1)  # paged: decode steps per device call between scheduling points
+    # paged: pages in the pool; 0 = what the call's rows need at their token limit (prompts counted once per
+    # group); a smaller pool queues sequences until pages free
+    engine_pages: int = at_least(0)
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ def check_engine_model(config: ModelConfig) -> None:
     which a per-row engine cannot reproduce: such a model samples with the static sampler."""
     if longrope_original(config) is not None:
         raise ValueError("the rollout engine does not run longrope models (Phi-3.5 style); use "
-                         "rollout.engine=static")
+                         "sampling.engine=static")
 
 
 def paged_attention(config: ModelConfig, layer: PagedLayer, page_table: jax.Array, slots: jax.Array,

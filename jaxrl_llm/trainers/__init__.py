@@ -46,6 +46,9 @@ def check_devices(c: RunConfig) -> None:
     except ValueError as e:
         raise ConfigError(f"mesh.data={c.mesh.data}, mesh.fsdp={c.mesh.fsdp}, mesh.tensor={c.mesh.tensor}: "
                           f"{str(e).split(': ', 1)[-1]}") from e
+    if c.sampling.engine == "paged" and jax.device_count() > 1:
+        raise ConfigError(f"sampling.engine=paged samples on one device and JAX sees {jax.device_count()}: use "
+                          "sampling.engine=static on a mesh of several devices")
     micro = algorithm_class(c.algo).micro_batch(c)
     if micro is not None and micro[1] % (data * fsdp):
         raise ConfigError(f"{micro[0]} must be divisible by mesh.data * mesh.fsdp ({data * fsdp}) for the "

@@ -25,13 +25,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_llm.config import RunConfig
 from jaxrl_llm.data import PromptSet, bucket, build_prompt_set, eos_token_ids, left_pad, load_records, load_tokenizer
+from jaxrl_llm.engine import Engine, engine_sample
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params, init_params
 from jaxrl_llm.models.hf import config_from_hf, load_hf_model, resolve_model_dir
 from jaxrl_llm.models.hf_export import save_hf_model
 from jaxrl_llm.models.lora import LoraSpec, init_adapters, insert_adapters, merge_adapters, save_peft_adapters
 from jaxrl_llm.models.weights import cast_floating, inference_copy, master_weights
-from jaxrl_llm.sampling import SamplingConfig
+from jaxrl_llm.sampling import SampleOutput, SamplingConfig, sample
 from jaxrl_llm.sharding import MeshShape, make_mesh, param_shardings, to_host
 from jaxrl_llm.tasks.arithmetic import make_tokenizer
 
@@ -49,6 +50,7 @@ class Policy:
     eos_ids: tuple[int, ...]
     base: Params | None = None  # LoRA: the frozen base weights (model.param_dtype); None: params is the model
     lora: LoraSpec | None = None
+    engine: Engine | None = dataclasses.field(default=None, init=False)  # sampling.engine=paged: its rollout engine
 
     def __post_init__(self) -> None:
         self._merge = (jax.jit(functools.partial(merge_adapters, scale=self.lora.scale))
@@ -106,6 +108,27 @@ class Policy:
     @property
     def params_sharding(self) -> Any:
         return jax.tree.map(lambda x: x.sharding, self.initial_params)
+
+    def sample(self, params: Params, tokens: np.ndarray, mask: np.ndarray, key: jax.Array,
+               sampling: SamplingConfig) -> SampleOutput:
+        """`sampling.n` completions of each left-padded prompt, through the run's sampler (`sampling.engine`)."""
+        if self.config.sampling.engine == "paged":
+            n, limit = sampling.n, sampling.max_new_tokens
+            engine = self.rollout_engine([(int(m.sum()), limit) for m in np.asarray(mask)], n)
+            return engine_sample(engine, params, self.model_config, tokens, mask, key, sampling)
+        return sample(params, self.model_config, tokens, mask, key, sampling, mesh=self.mesh)
+
+    def rollout_engine(self, sequences: list[tuple[int, int]], n: int) -> Engine:
+        """The run's rollout engine with a pool for `sequences` (`(prompt length, tokens after it)` each, `n`
+        samples of each; `sampling.engine_pages` when set), made anew only when the current pool is smaller."""
+        s = self.config.sampling
+        size = s.engine_page_size
+        need = s.engine_pages or 1 + sum(-(-p // size) + n * -(-(p + t) // size) for p, t in sequences)
+        slots = s.engine_slots or n * len(sequences)
+        if self.engine is None or self.engine.allocator.num_pages < need or self.engine.slots < slots:
+            self.engine = Engine(self.model_config, num_pages=need, page_size=size, slots=slots,
+                                 steps_per_call=s.engine_steps_per_call)
+        return self.engine
 
     def prompt_set(self, source: str, split: str) -> PromptSet:
         records, label = load_records(source, split)

@@ -21,7 +21,7 @@ from jaxrl_llm.evaluation import decode_completions, reward_fields
 from jaxrl_llm.models.decoder import Params
 from jaxrl_llm.rewards import RewardFunction, compute_rewards, resolve_reward
 from jaxrl_llm.run.monitor import drift_kl, repeated_ngram_fraction
-from jaxrl_llm.sampling import SampleOutput, sample
+from jaxrl_llm.sampling import SampleOutput
 from jaxrl_llm.sharding import batch_divisor, global_array, process_rows, to_host
 from jaxrl_llm.trainers.policy import Policy
 
@@ -123,7 +123,7 @@ class RolloutCollector:
         """Sample G completions for each prompt and score them."""
         p, g = self.policy, self.group_size
         tokens, mask = p.prompt_arrays(self.prompts, indices)
-        out = to_host(sample(params, p.model_config, tokens, mask, key, p.sampling_config(n=g), mesh=p.mesh))
+        out = to_host(p.sample(params, tokens, mask, key, p.sampling_config(n=g)))
         completions = decode_completions(p.tokenizer, out)
         records = [self.prompts.records[i] for i in indices for _ in range(g)]
         texts = [self.prompts.texts[i] for i in indices for _ in range(g)]

@@ -25,6 +25,7 @@ import jax
 import numpy as np
 
 from jaxrl_llm.data import PromptSet, bucket, encode_text, left_pad, render_prompt
+from jaxrl_llm.engine import Request, sample_output
 from jaxrl_llm.envs.base import Environment, Message, StepResult, resolve_environment
 from jaxrl_llm.envs.deadlines import DeadlineWorkers
 from jaxrl_llm.envs.rendering import declare_tools, followup_text
@@ -95,17 +96,54 @@ class TrajectoryCollector(RolloutCollector):
                             done=env is None) for r, (env, opening, error) in enumerate(opened)]
         width = bucket(max(len(ids) for _, ids in rendered), c.sampling.prompt_bucket)
         tokens, mask = left_pad([ids for _, ids in rendered], width, p.pad_id)
-        self._take_turn(episodes, list(range(len(episodes))),
-                        to_host(sample(params, p.model_config, tokens, mask, key, sampling, mesh=p.mesh)))
-        for turn in range(2, self.env_config.max_turns + 1):
-            live = [r for r, ep in enumerate(episodes) if not ep.done]
-            if not live:
-                break
-            self._sample_turn(params, episodes, live, jax.random.fold_in(key, turn),
-                              dataclasses.replace(sampling, n=1))
+        if c.sampling.engine == "paged":
+            self._engine_turns(params, episodes, [ids for _, ids in rendered], key, sampling)
+        else:
+            self._take_turn(episodes, list(range(len(episodes))),
+                            to_host(sample(params, p.model_config, tokens, mask, key, sampling, mesh=p.mesh)))
+            for turn in range(2, self.env_config.max_turns + 1):
+                live = [r for r, ep in enumerate(episodes) if not ep.done]
+                if not live:
+                    break
+                self._sample_turn(params, episodes, live, jax.random.fold_in(key, turn),
+                                  dataclasses.replace(sampling, n=1))
         for ep in episodes:
             ep.done = True
         return episodes, [text for text, _ in rendered], tokens, mask
+
+    def _engine_turns(self, params: Params, episodes: list[Episode], prompts: list[list[int]], key: jax.Array,
+                      sampling: SamplingConfig) -> None:
+        """Every turn through the rollout engine (`sampling.engine=paged`): a group's prompt prefilled once, and
+        each conversation kept in the engine's pages between turns, so a turn prefills only the environment's
+        reply; each row's turn is cut at its own remaining token budget."""
+        p, e, g = self.policy, self.env_config, sampling.n
+        engine = p.rollout_engine([(len(ids), e.max_tokens) for ids in prompts], g)
+        requests = [Request(ids, jax.random.fold_in(key, i), n=g) for i, ids in enumerate(prompts)]
+        done = [c for group in engine.generate(params, requests, sampling, keep=True) for c in group]
+        kept = {r: c.conversation for r, c in enumerate(done)}
+        try:
+            self._take_turn(episodes, list(range(len(episodes))),
+                            sample_output(done, sampling.max_new_tokens, p.pad_id))
+            for turn in range(2, e.max_turns + 1):
+                for r, ep in enumerate(episodes):
+                    if ep.done and kept.get(r) is not None:
+                        engine.release(kept.pop(r))
+                live = [r for r, ep in enumerate(episodes) if not ep.done]
+                if not live:
+                    break
+                budgets = [max(1, min(sampling.max_new_tokens, e.max_tokens - len(episodes[r].tokens))) for r in live]
+                turn_key = jax.random.fold_in(key, turn)
+                requests = [Request((episodes[r].prompt_ids + episodes[r].tokens)[len(kept[r].tokens):],
+                                    jax.random.fold_in(turn_key, r), max_new_tokens=b, conversation=kept[r])
+                            for r, b in zip(live, budgets, strict=True)]
+                step = dataclasses.replace(sampling, n=1, max_new_tokens=max(budgets))
+                done = [group[0] for group in engine.generate(params, requests, step, keep=True)]
+                kept.update({r: c.conversation for r, c in zip(live, done, strict=True)})
+                self._take_turn(episodes, live, sample_output(done, step.max_new_tokens, p.pad_id))
+        finally:
+            for conversation in kept.values():
+                if conversation is not None and conversation.pages:
+                    engine.release(conversation)
 
     def _sample_turn(self, params: Params, episodes: list[Episode], live: list[int], key: jax.Array,
                      sampling: SamplingConfig) -> None:

@@ -1,0 +1,170 @@
+"""The rollout engine (jaxrl_llm/engine): greedy parity with transformers, log-probs against a fresh forward pass,
+prompt pages shared across a group, a conversation's next turn prefilling only its new tokens, the same tokens
+under any scheduling, no page leaked, queueing when the pool is small."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from conftest import left_padded_batch, make_hf_model
+from test_sampling import _fresh_logits, _gather, _hf_generate
+
+from jaxrl_llm.engine import Engine, Request, engine_sample
+from jaxrl_llm.engine.allocator import OutOfPages, PageAllocator
+from jaxrl_llm.models.hf import load_hf_model
+from jaxrl_llm.sampling import SamplingConfig, sample
+
+LENGTHS = [5, 12, 1, 9]
+
+
+def small_engine(config, **overrides) -> Engine:
+    """Small pages, fewer slots than rows and few steps per call, so admission, refills and page growth all run."""
+    settings = dict(num_pages=96, page_size=4, slots=3, steps_per_call=5, prefill_chunk=8, prefill_rows=2)
+    return Engine(config, **{**settings, **overrides})
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma2", "phi3"])
+def test_greedy_matches_transformers_generate(kind, hf_model_dir):
+    """Prompts of lengths 1..12 in one call give transformers' greedy tokens (Gemma 2: soft caps, sliding window
+    on alternate layers; Phi-3: a window on every layer, shorter than the context)."""
+    config, params = load_hf_model(hf_model_dir(kind))
+    tokens, mask = left_padded_batch(config.vocab_size, LENGTHS, seed=11)
+    expected = _hf_generate(make_hf_model(kind), tokens, mask, 24)
+    engine = small_engine(config)
+    out = engine_sample(engine, params, config, tokens, mask, jax.random.key(0),
+                        SamplingConfig(max_new_tokens=24, greedy=True))
+    np.testing.assert_array_equal(out.tokens, expected)
+    assert out.lengths.tolist() == [24] * 4 and not out.stopped_on_eos.any()
+    assert engine.allocator.in_use() == 0 and engine.allocator.reserved == 0  # every page back
+
+
+def test_logprobs_equal_fresh_forward_pass_and_eos_stops(hf_model_dir):
+    """Sampled tokens' log-probs (T = 0.7, top-k, EOS on) equal log_softmax(logits / T) of a fresh forward pass over
+    prompt + completion (<= 1e-4), so the trainer can use them as the old policy's; rows stop at an EOS id."""
+    config, params = load_hf_model(hf_model_dir("qwen3"))
+    tokens, mask = left_padded_batch(config.vocab_size, [4, 9, 6], seed=3)
+    sampling = SamplingConfig(max_new_tokens=24, temperature=0.7, n=2, eos_ids=(5, 7))
+    out = engine_sample(small_engine(config), params, config, tokens, mask, jax.random.key(1), sampling)
+    valid = out.mask.astype(bool)
+    assert valid.sum() > 40 and (~valid).sum() > 0  # some rows stopped early on an EOS id
+    for r in range(out.tokens.shape[0]):
+        n = int(out.lengths[r])
+        assert bool(out.stopped_on_eos[r]) == (int(out.tokens[r, n - 1]) in (5, 7)) and valid[r, :n].all()
+    scaled = _fresh_logits(params, config, tokens, mask, out, n=2) / 0.7
+    expected = _gather(np.asarray(jax.nn.log_softmax(scaled)), out.tokens)
+    assert np.abs(out.logprobs_untruncated - expected)[valid].max() <= 1e-4
+    assert np.abs(out.logprobs - expected)[valid].max() <= 1e-4  # no truncation: the two are one distribution
+
+
+def test_a_group_shares_its_prompt_pages(hf_model_dir):
+    """n samples of a prompt: the prompt is prefilled once, its full pages are read by all n (one copy of each), and
+    the pool's peak is below what n separate copies would take."""
+    config, params = load_hf_model(hf_model_dir("llama"))
+    prompt = list(range(1, 19))  # 18 tokens: 4 full pages of 4 and a partial one
+    engine = small_engine(config, slots=8)
+    engine.generate(params, [Request(prompt, jax.random.key(0), n=8)], SamplingConfig(max_new_tokens=6))
+    assert engine.stats.prefilled_tokens == 18
+    assert engine.stats.shared_pages == 4 * 7  # 4 full pages, 7 samples beside the first
+    own = -(-(18 + 6 - 1) // 4) - 4  # each sample's pages past the shared ones: its partial copy and growth
+    assert engine.stats.peak_pages <= 4 + 1 + 8 * own < 8 * -(-(18 + 6 - 1) // 4)
+    assert engine.allocator.in_use() == 0
+
+
+def test_a_conversation_continues_from_its_pages(hf_model_dir):
+    """A kept conversation's next turn prefills only the new tokens (and the last sampled one), and gives the
+    tokens a fresh call on the whole context gives; releasing it frees its pages."""
+    config, params = load_hf_model(hf_model_dir("mistral"))
+    greedy = SamplingConfig(max_new_tokens=7, greedy=True)
+    engine = small_engine(config)
+    first = engine.generate(params, [Request([3, 14, 15, 9, 2], jax.random.key(0))], greedy, keep=True)[0][0]
+    conversation = first.conversation
+    assert conversation.tokens == [3, 14, 15, 9, 2] + first.tokens and conversation.written == 11
+    assert engine.allocator.in_use() == len(conversation.pages) == 3
+    reply = [26, 5, 35]
+    second = engine.generate(params, [Request(reply, jax.random.key(1), conversation=conversation)], greedy,
+                             keep=True)[0][0]
+    assert engine.stats.prefilled_tokens == 1 + len(reply)  # the turn's last token, then the reply: no re-prefill
+    fresh = small_engine(config).generate(params, [Request(conversation.tokens + reply, jax.random.key(2))],
+                                          greedy)[0][0]
+    assert second.tokens == fresh.tokens
+    engine.release(second.conversation)
+    assert engine.allocator.in_use() == 0 and engine.allocator.reserved == 0
+
+
+def test_same_seed_same_tokens_under_any_scheduling(hf_model_dir):
+    """A row's tokens depend on its key and position only: two slot counts, page sizes, steps per call and pool
+    sizes (one small enough that requests queue for pages) give the same samples; another key gives others."""
+    config, params = load_hf_model(hf_model_dir("gemma3"))
+    tokens, mask = left_padded_batch(config.vocab_size, LENGTHS, seed=5)
+    sampling = SamplingConfig(max_new_tokens=16, temperature=1.0, n=3, eos_ids=(4,))
+
+    def run(key: int, **settings):
+        engine = small_engine(config, **settings)
+        out = engine_sample(engine, params, config, tokens, mask, jax.random.key(key), sampling)
+        assert engine.allocator.in_use() == 0 and engine.allocator.reserved == 0
+        return out.tokens
+
+    reference = run(0)
+    np.testing.assert_array_equal(run(0, slots=12, steps_per_call=16, page_size=8, prefill_rows=4), reference)
+    np.testing.assert_array_equal(run(0, num_pages=16, slots=2, steps_per_call=3), reference)  # queued for pages
+    assert (run(1) != reference).any()
+
+
+def test_bfloat16_engine_matches_the_static_sampler(hf_model_dir):
+    """Under bfloat16 (the pool stores the bits as uint16) greedy tokens equal the static sampler's."""
+    config, params = load_hf_model(hf_model_dir("qwen2"), dtype="bfloat16")
+    tokens, mask = left_padded_batch(config.vocab_size, LENGTHS, seed=2)
+    greedy = SamplingConfig(max_new_tokens=20, greedy=True)
+    expected = np.asarray(sample(params, config, tokens, mask, jax.random.key(0), greedy).tokens)
+    out = engine_sample(small_engine(config), params, config, tokens, mask, jax.random.key(0), greedy)
+    np.testing.assert_array_equal(out.tokens, expected)
+
+
+def test_a_pool_too_small_for_one_request_says_so(hf_model_dir):
+    config, params = load_hf_model(hf_model_dir("llama"))
+    engine = small_engine(config, num_pages=4)
+    with pytest.raises(RuntimeError, match="cannot hold one request"):
+        engine.generate(params, [Request(list(range(1, 30)), jax.random.key(0))], SamplingConfig(max_new_tokens=8))
+
+
+def test_page_allocator_counts_references():
+    alloc = PageAllocator(6)
+    pages = alloc.allocate(3)
+    assert 0 not in pages and alloc.available() == 2
+    alloc.share(pages[:2])
+    alloc.release(pages)
+    assert alloc.in_use() == 2  # the shared two are still read
+    alloc.release(pages[:2])
+    assert alloc.in_use() == 0
+    alloc.reserve(4)
+    with pytest.raises(OutOfPages):
+        alloc.allocate(2)
+    assert len(alloc.allocate(4, reserved=True)) == 4 and alloc.reserved == 0
+    with pytest.raises(ValueError, match="released more often"):
+        alloc.release([pages[2], pages[2]])
+
+
+def test_a_grpo_rollout_through_the_engine_is_the_engines_samples(tiny_task, tmp_path):
+    """`sampling.engine=paged`: the GRPO rollout's tokens and log-probs are the engine's for its prompts (row keys
+    `fold_in(key, prompt)`), the update trains on them, and the pool is empty after the step."""
+    from conftest import tiny_run
+
+    from jaxrl_llm.data import DataState
+    from jaxrl_llm.trainers import make_trainer
+
+    trainer = make_trainer(tiny_run("grpo_arithmetic", tmp_path / "run", "data.eval=", "sampling.engine=paged",
+                                    "sampling.max_new_tokens=8", "optim.warmup_steps=0", task=tiny_task,
+                                    rewards=[{"name": "test_grpo:completion_length"}]))  # varies within groups
+    policy, key = trainer.algorithm.policy, jax.random.key(3)
+    collected = trainer.algorithm.collect(trainer.state, DataState(), key)
+    ro = collected.batch
+    params = policy.inference_weights(trainer.state["params"])
+    direct = engine_sample(small_engine(policy.model_config), params, policy.model_config, ro.prompt_tokens[::4],
+                           ro.prompt_mask[::4], key, policy.sampling_config(n=4))
+    np.testing.assert_array_equal(np.asarray(ro.out.tokens), direct.tokens)
+    np.testing.assert_allclose(np.asarray(ro.out.logprobs), direct.logprobs, atol=1e-6)
+    assert policy.engine.allocator.in_use() == 0 and np.asarray(ro.rewards).std() > 0
+    before = [np.asarray(x) for x in jax.tree.leaves(trainer.state["params"])]
+    after = trainer.algorithm.update(trainer.state, ro, 1, jax.random.key(4)).state["params"]
+    assert any(not np.array_equal(a, np.asarray(b)) for a, b in zip(before, jax.tree.leaves(after), strict=True))
