@@ -9,6 +9,10 @@ far (prompt, the turns, `reply_tokens` of environment reply between them) re-pre
 cache is carried across turns. Both end with the same [rows, total] completion arrays, so the update that follows
 costs the same; the difference is the rollout's. Prints the best-of-`repeats` seconds of each (after a compile
 call) and their ratio.
+
+The same two rollouts through the rollout engine (`sampling.engine=paged`, `jaxrl_llm/engine`): one call of
+`total` tokens, and `turns` calls whose conversations stay in the engine's pages, so each later turn prefills only
+the reply (and the turn's last token); its ratio is printed as well.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import best_seconds  # noqa: E402
 from jaxrl_llm.data import left_pad, load_records, load_tokenizer  # noqa: E402
+from jaxrl_llm.engine import Engine, Request  # noqa: E402
 from jaxrl_llm.models.hf import load_hf_model  # noqa: E402
 from jaxrl_llm.sampling import SamplingConfig, sample  # noqa: E402
 
@@ -44,6 +49,19 @@ def multi_turn(params, config, prompts: list[list[int]], sampling: SamplingConfi
             contexts[r] += added
             completions[r] += added
     return np.asarray(completions)
+
+
+def engine_turns(engine: Engine, params, prompts: list[list[int]], sampling: SamplingConfig, turns: int,
+                 reply: list[int], key: jax.Array) -> int:
+    """`turns` engine calls, each conversation continued from its pages; returns the completion tokens made."""
+    requests = [Request(p, jax.random.fold_in(key, r)) for r, p in enumerate(prompts)]
+    made = 0
+    for turn in range(turns):
+        done = [group[0] for group in engine.generate(params, requests, sampling, keep=turn < turns - 1)]
+        made += sum(len(c.tokens) for c in done)
+        requests = [Request(reply, jax.random.fold_in(jax.random.fold_in(key, turn + 1), r),
+                            conversation=c.conversation) for r, c in enumerate(done)]
+    return made
 
 
 def main() -> None:
@@ -83,6 +101,21 @@ def main() -> None:
     print(f"| {args.turns} turns of {args.turn_tokens} tokens + {args.reply_tokens}-token replies, re-prefilled "
           f"| {multi_s:.3f} |")
     print(f"multi-turn / single-turn rollout: {multi_s / single_s:.2f}x")
+    pages = args.rows * -(-(width + total) // 16) + 8
+    engine = Engine(config, num_pages=pages, page_size=16, slots=args.rows, steps_per_call=16)
+
+    def engine_single() -> None:
+        engine.generate(params, [Request(p, jax.random.fold_in(key, r)) for r, p in enumerate(prompts)], base)
+
+    assert engine_turns(engine, params, prompts, turn, args.turns, reply, key) == args.rows * args.turns * \
+        args.turn_tokens
+    engine_single()  # compiles
+    engine_single_s = best_seconds(engine_single, repeats=args.repeats)
+    engine_multi_s = best_seconds(lambda: engine_turns(engine, params, prompts, turn, args.turns, reply, key),
+                                  repeats=args.repeats)
+    print(f"| engine, single turn | {engine_single_s:.3f} |")
+    print(f"| engine, {args.turns} turns, conversations kept in the pages | {engine_multi_s:.3f} |")
+    print(f"engine: multi-turn / single-turn rollout: {engine_multi_s / engine_single_s:.2f}x")
 
 
 if __name__ == "__main__":

