@@ -143,7 +143,7 @@ class Engine:
                 need = self._pages_needed(requests[queue[0]], sampling)
                 raise RuntimeError(f"the rollout engine's pool ({self.allocator.num_pages} pages of "
                                    f"{self.page_size}) cannot hold one request ({need} pages); raise "
-                                   "rollout.engine_pages")
+                                   "sampling.engine_pages")
         return results
 
     def release(self, conversation: Conversation) -> None:
