@@ -168,3 +168,28 @@ def test_a_grpo_rollout_through_the_engine_is_the_engines_samples(tiny_task, tmp
     before = [np.asarray(x) for x in jax.tree.leaves(trainer.state["params"])]
     after = trainer.algorithm.update(trainer.state, ro, 1, jax.random.key(4)).state["params"]
     assert any(not np.array_equal(a, np.asarray(b)) for a, b in zip(before, jax.tree.leaves(after), strict=True))
+
+
+def test_the_engine_programs_lower_for_cuda(hf_model_dir):
+    """The decode and prefill programs export for CUDA from this CPU machine (bfloat16, top-p, a soft-capped family),
+    so a GPU run does not find a CPU-only construct first."""
+    import jax.numpy as jnp
+
+    from jaxrl_llm.engine.pages import init_pages
+    from jaxrl_llm.engine.programs import SamplingFlags, SlotState, decode_program, prefill_program, prepare_weights
+    from jaxrl_llm.sampling.config import knobs_from_config
+
+    config, params = load_hf_model(hf_model_dir("gemma2"), dtype="bfloat16")
+    weights, pages, slots, width = prepare_weights(params, config), init_pages(config, 16, 4), 4, 4
+    state = SlotState(jnp.zeros(slots, jnp.int32), jnp.zeros(slots, jnp.int32), jnp.zeros((slots, width), jnp.int32),
+                      jnp.zeros((slots, 2), jnp.uint32), jnp.zeros(slots, jnp.int32), jnp.ones(slots, jnp.int32),
+                      jnp.ones(slots, bool))
+    knobs = knobs_from_config(SamplingConfig(max_new_tokens=4, top_p=0.9))
+    flags = SamplingFlags(greedy=False, top_k=False, top_p=True, min_p=False, eos_ids=(1,), pad_id=0)
+    decode = jax.export.export(decode_program, platforms=["cuda"])(params, weights, pages, state, knobs,
+                                                                   config=config, flags=flags, steps=4)
+    prefill = jax.export.export(prefill_program, platforms=["cuda"])(
+        params, weights, pages, jnp.zeros((2, 8), jnp.int32), jnp.zeros((2, 8), jnp.int32),
+        jnp.zeros((2, width), jnp.int32), jnp.zeros(2, jnp.int32), config=config)
+    assert decode.platforms == prefill.platforms == ("cuda",)
+    assert "stablehlo.while" in decode.mlir_module()  # the steps run on the device, not from the host
