@@ -374,7 +374,8 @@ def plan_memory(config: ModelConfig, mesh_sizes: tuple[int, int, int], *, batch:
                 new_tokens: int, group_size: int = 1, minibatch: int = 0, grad_accum: int = 1,
                 reference: bool = False, optimizer: optax.GradientTransformation | None = None,
                 prompt_bucket: int = 1, new_tokens_bucket: int = 1, logprob_block_mib: float = 256.0,
-                lora_rank: int = 0, lora_targets: str = "(q|k|v|o|gate|up|down)_proj") -> MemoryPlan:
+                lora_rank: int = 0, lora_targets: str = "(q|k|v|o|gate|up|down)_proj", engine_page_size: int = 0,
+                engine_pages: int = 0) -> MemoryPlan:
     """Per-device memory of an RL step of `config` (its `dtype`, `param_dtype` and `remat` are used) on a
     `(data, fsdp, tensor)` mesh of `mesh_sizes`, without devices or allocation.
 
@@ -383,6 +384,11 @@ def plan_memory(config: ModelConfig, mesh_sizes: tuple[int, int, int], *, batch:
     completions of `new_tokens` (the cache holds `round_up(new_tokens, new_tokens_bucket)` slots). The update
     runs minibatches of `minibatch` sequences (0: all `N`) in `grad_accum` micro-batches; activations are
     per micro-batch of `minibatch / grad_accum` sequences (split over `data * fsdp` when it divides).
+
+    `engine_page_size > 0` plans the rollout engine (`sampling.engine=paged`, one device) instead of the static
+    sampler's cache: its pool of `engine_pages` pages (0: `batch * (ceil(P / ps) + n * ceil((P + T) / ps)) + 1`,
+    the prompt once per group), plus the contiguous per-call caches its decode gathers for every slot (`N` rows of
+    the next power of two of `ceil((P + T) / ps)` pages; docs/engine.md).
     """
     sizes = axis_sizes_of(mesh_sizes)
     rollout_seqs = batch * group_size
@@ -394,6 +400,14 @@ def plan_memory(config: ModelConfig, mesh_sizes: tuple[int, int, int], *, batch:
     cache_len = padded_prompt + _round_up(new_tokens, new_tokens_bucket)
     cache_shape = (config.num_layers, rollout_seqs, cache_len, config.num_kv_heads, config.head_dim)
     cache_block = shard_shape(cache_shape, fit_spec_sizes(KV_CACHE_SPEC, cache_shape, sizes), sizes)
+    kv_cache = 2 * _nbytes(cache_block, config.jnp_dtype)
+    if engine_page_size:
+        ps, per_token = engine_page_size, 2 * _nbytes((config.num_layers, config.num_kv_heads, config.head_dim),
+                                                      config.jnp_dtype)
+        pages = -(-(padded_prompt + new_tokens) // ps)  # one sample's
+        pool = engine_pages or batch * (-(-padded_prompt // ps) + group_size * pages) + 1
+        slot_pages = 1 << max(2, (pages - 1).bit_length())
+        kv_cache = (pool * ps + rollout_seqs * slot_pages * ps) * per_token
 
     micro_rows = _divided(minibatch // grad_accum, batch_ways)
     seq_len = padded_prompt + new_tokens - 1
@@ -410,7 +424,7 @@ def plan_memory(config: ModelConfig, mesh_sizes: tuple[int, int, int], *, batch:
         trainable=weights["trainable"],
         optimizer=weights["optimizer"],
         gradients=weights["gradients"],
-        kv_cache=2 * _nbytes(cache_block, config.jnp_dtype),
+        kv_cache=kv_cache,
         sampler_weights=sampler_weight_bytes(config, sizes),
         activations_no_remat=acts[0],
         activations_remat=acts[1],

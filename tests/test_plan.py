@@ -288,3 +288,28 @@ def test_lora_plan_counts_adapters_against_live_arrays() -> None:
     assert lora.optimizer == 2 * adapter_bytes + scalars  # mu and nu of the adapters only
     assert lora.trainable == sum(x.size for x in jax.tree.leaves(adapters))
     assert lora.total < full.total
+
+
+def test_engine_plan_counts_the_engines_pool_and_slot_caches() -> None:
+    """With `engine_page_size`, the sampler's memory is the rollout engine's: the pool a run sizes for its step
+    (`Policy.rollout_engine`) and the contiguous caches one decode call gathers for every slot, as allocated."""
+    from jaxrl_llm.engine import Engine
+    from jaxrl_llm.engine.model import slot_caches
+
+    config = config_from_hf(dict(LIVE_CASES[0][1]), dtype="bfloat16")
+    prompts, group, prompt_len, new, size = 3, 4, 21, 30, 8
+    pages = 1 + sum(-(-prompt_len // size) + group * -(-(prompt_len + new) // size) for _ in range(prompts))
+    engine = Engine(config, num_pages=pages, page_size=size, slots=prompts * group)
+    pool = sum(a.nbytes for layer in engine.pages for a in layer.values())
+    width = 1 << max(2, (-(-(prompt_len + new) // size) - 1).bit_length())  # the decode call's page-table width
+    table = jax.ShapeDtypeStruct((prompts * group, width), jnp.int32)
+    caches = jax.eval_shape(slot_caches, engine.pages, table)
+    gathered = sum(a.size * a.dtype.itemsize for layer in caches for a in layer.values())
+    got = plan.plan_memory(config, (1, 1, 1), batch=prompts, group_size=group, prompt_len=prompt_len,
+                           new_tokens=new, engine_page_size=size)
+    assert got.kv_cache == pool + gathered
+    static = plan.plan_memory(config, (1, 1, 1), batch=prompts, group_size=group, prompt_len=prompt_len,
+                              new_tokens=new)
+    kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2  # keys and values, bfloat16
+    assert static.kv_cache == prompts * group * (prompt_len + new) * kv_per_token
+    assert got.kv_cache == (pages * size + prompts * group * width * size) * kv_per_token

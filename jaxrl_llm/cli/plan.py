@@ -128,6 +128,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-targets", help="lora.targets: regex of the adapted kernels' module names")
     p.add_argument("--logprob-block-mib", type=float,
                    help="model.logprob_block_mib: MiB of one float32 log-prob block (0: one block; default 256)")
+    p.add_argument("--engine-page-size", type=int,
+                   help="sampling.engine_page_size: plan the rollout engine's pool instead of the static sampler's "
+                   "cache (0: static; from a config: its page size when sampling.engine=paged)")
+    p.add_argument("--engine-pages", type=int, help="sampling.engine_pages: the engine's pool (0: what a step needs)")
     p.add_argument("--device-memory", default="80GiB", help="usable memory per device, e.g. 80GiB, 24GB")
     return p
 
@@ -149,6 +153,8 @@ _SETTINGS: tuple[tuple[str, Any, Any], ...] = (
     ("reference", False, lambda c: c.rl.beta > 0 or (c.algo == "ppo" and c.ppo.kl_coef_init > 0)),
     ("logprob_block_mib", 256.0, lambda c: c.model.logprob_block_mib),
     ("lora_rank", 0, lambda c: c.lora.rank),
+    ("engine_page_size", 0, lambda c: c.sampling.engine_page_size if c.sampling.engine == "paged" else 0),
+    ("engine_pages", 0, lambda c: c.sampling.engine_pages),
     ("lora_targets", "(q|k|v|o|gate|up|down)_proj", lambda c: c.lora.targets),
 )
 
@@ -247,6 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             grad_accum=run["grad_accum"], reference=run["reference"],
             prompt_bucket=run["prompt_bucket"], new_tokens_bucket=run["new_tokens_bucket"],
             logprob_block_mib=run["logprob_block_mib"], lora_rank=run["lora_rank"], lora_targets=run["lora_targets"],
+            engine_page_size=run["engine_page_size"], engine_pages=run["engine_pages"],
         )
     except (ValueError, OSError) as e:  # bad sizes, mesh or model: the user's input (ConversionError included)
         raise UsageError(str(e)) from e
