@@ -55,6 +55,7 @@ from jax.sharding import AbstractMesh, PartitionSpec
 
 from jaxrl_llm import sharding
 from jaxrl_llm.config import OptimSection
+from jaxrl_llm.engine.pages import table_width
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import param_shapes
 from jaxrl_llm.models.lora import LoraSpec, init_adapters
@@ -388,7 +389,7 @@ def plan_memory(config: ModelConfig, mesh_sizes: tuple[int, int, int], *, batch:
     `engine_page_size > 0` plans the rollout engine (`sampling.engine=paged`, one device) instead of the static
     sampler's cache: its pool of `engine_pages` pages (0: `batch * (ceil(P / ps) + n * ceil((P + T) / ps)) + 1`,
     the prompt once per group), plus the contiguous per-call caches its decode gathers for every slot (`N` rows of
-    the next power of two of `ceil((P + T) / ps)` pages; docs/engine.md).
+    `ceil((P + T) / ps)` pages rounded up to 128 tokens, `engine.pages.table_width`; docs/engine.md).
     """
     sizes = axis_sizes_of(mesh_sizes)
     rollout_seqs = batch * group_size
@@ -406,7 +407,7 @@ def plan_memory(config: ModelConfig, mesh_sizes: tuple[int, int, int], *, batch:
                                                       config.jnp_dtype)
         pages = -(-(padded_prompt + new_tokens) // ps)  # one sample's
         pool = engine_pages or batch * (-(-padded_prompt // ps) + group_size * pages) + 1
-        slot_pages = 1 << max(2, (pages - 1).bit_length())
+        slot_pages = table_width(pages, ps)
         kv_cache = (pool * ps + rollout_seqs * slot_pages * ps) * per_token
 
     micro_rows = _divided(minibatch // grad_accum, batch_ways)

@@ -295,13 +295,14 @@ def test_engine_plan_counts_the_engines_pool_and_slot_caches() -> None:
     (`Policy.rollout_engine`) and the contiguous caches one decode call gathers for every slot, as allocated."""
     from jaxrl_llm.engine import Engine
     from jaxrl_llm.engine.model import slot_caches
+    from jaxrl_llm.engine.pages import table_width
 
     config = config_from_hf(dict(LIVE_CASES[0][1]), dtype="bfloat16")
     prompts, group, prompt_len, new, size = 3, 4, 21, 30, 8
     pages = 1 + sum(-(-prompt_len // size) + group * -(-(prompt_len + new) // size) for _ in range(prompts))
     engine = Engine(config, num_pages=pages, page_size=size, slots=prompts * group)
     pool = sum(a.nbytes for layer in engine.pages for a in layer.values())
-    width = 1 << max(2, (-(-(prompt_len + new) // size) - 1).bit_length())  # the decode call's page-table width
+    width = table_width(-(-(prompt_len + new) // size), size)  # the widest decode call's page table
     table = jax.ShapeDtypeStruct((prompts * group, width), jnp.int32)
     caches = jax.eval_shape(slot_caches, engine.pages, table)
     gathered = sum(a.size * a.dtype.itemsize for layer in caches for a in layer.values())

@@ -42,6 +42,13 @@ def from_storage(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
     return jax.lax.bitcast_convert_type(x, dtype) if x.dtype == jnp.uint16 else x
 
 
+def table_width(pages: int, page_size: int) -> int:
+    """The page-table width of a decode call whose longest row holds `pages` pages: rounded up to 128 tokens' worth,
+    so attention reads about the context the rows have while few program shapes compile."""
+    granule = max(1, 128 // page_size)
+    return -(-pages // granule) * granule
+
+
 def init_pages(config: ModelConfig, num_pages: int, page_size: int) -> list[PagedLayer]:
     """Zero pools, one per layer. Bytes: `2 * L * num_pages * page_size * KVH * hd * itemsize(dtype)`."""
     shape = (num_pages, page_size, config.num_kv_heads, config.head_dim)

@@ -30,7 +30,7 @@ import numpy as np
 
 from jaxrl_llm.engine.allocator import PageAllocator
 from jaxrl_llm.engine.model import check_engine_model
-from jaxrl_llm.engine.pages import PagedLayer, init_pages
+from jaxrl_llm.engine.pages import PagedLayer, init_pages, table_width
 from jaxrl_llm.engine.programs import (
     SamplingFlags,
     SlotState,
@@ -306,19 +306,24 @@ class Engine:
                     seq.pages += alloc.allocate(grow, reserved=True)
                     seq.reserved -= grow
         self.stats.peak_pages = max(self.stats.peak_pages, alloc.in_use())
-        m = _pow2(max(len(seq.pages) for seq in slots if seq is not None))
-        count = len(slots)
+        # The call runs only the occupied slots, packed into the next power of two (at least an eighth of the
+        # slots): as rows finish the batch shrinks, and no finished row is computed on. Page tables are cut at a
+        # multiple of 128 tokens past the longest row, so attention reads the context the rows have, not the
+        # longest a row may reach.
+        occupied = [i for i, seq in enumerate(slots) if seq is not None]
+        count = min(self.slots, max(_pow2(len(occupied)), self.slots // 8))
+        m = table_width(max(len(slots[i].pages) for i in occupied), ps)  # type: ignore[union-attr]
         table = np.zeros((count, m), np.int32)
         token, position = np.zeros((count,), np.int32), np.zeros((count,), np.int32)
         key_data, index = np.zeros((count, 2), np.uint32), np.zeros((count,), np.int32)
         remaining, active = np.zeros((count,), np.int32), np.zeros((count,), bool)
-        for i, seq in enumerate(slots):
-            if seq is None:
-                continue
-            table[i, :len(seq.pages)] = seq.pages
-            token[i], position[i] = seq.context[-1], len(seq.context) - 1
-            key_data[i], index[i] = seq.key_data, len(seq.completion.tokens)
-            remaining[i], active[i] = seq.remaining, True
+        for row, i in enumerate(occupied):
+            seq = slots[i]
+            assert seq is not None
+            table[row, :len(seq.pages)] = seq.pages
+            token[row], position[row] = seq.context[-1], len(seq.context) - 1
+            key_data[row], index[row] = seq.key_data, len(seq.completion.tokens)
+            remaining[row], active[row] = seq.remaining, True
         state = SlotState(*(jnp.asarray(a) for a in (token, position, table, key_data, index, remaining, active)))
         state, out, self.pages = decode_program(params, weights, self.pages, state, knobs, config=self.config,
                                                 flags=flags, steps=steps)
@@ -326,17 +331,17 @@ class Engine:
         new_index, still = np.asarray(state.index), np.asarray(state.active)
         tokens, logprobs, untruncated = np.asarray(out.tokens), np.asarray(out.logprobs), np.asarray(out.untruncated)
         hit_eos = np.asarray(out.hit_eos)
-        for i, seq in enumerate(slots):
-            if seq is None:
-                continue
-            emitted = int(new_index[i] - index[i])
-            seq.context += tokens[i, :emitted].tolist()
-            seq.completion.tokens += tokens[i, :emitted].tolist()
-            seq.completion.logprobs += logprobs[i, :emitted].tolist()
-            seq.completion.untruncated += untruncated[i, :emitted].tolist()
+        for row, i in enumerate(occupied):
+            seq = slots[i]
+            assert seq is not None
+            emitted = int(new_index[row] - index[row])
+            seq.context += tokens[row, :emitted].tolist()
+            seq.completion.tokens += tokens[row, :emitted].tolist()
+            seq.completion.logprobs += logprobs[row, :emitted].tolist()
+            seq.completion.untruncated += untruncated[row, :emitted].tolist()
             seq.remaining -= emitted
-            if not still[i]:
-                seq.completion.stopped_on_eos = bool(hit_eos[i])
+            if not still[row]:
+                seq.completion.stopped_on_eos = bool(hit_eos[row])
                 self._finish(seq, keep)
                 slots[i] = None
 
@@ -352,5 +357,5 @@ class Engine:
 
 
 def _pow2(n: int) -> int:
-    """The page-table width for `n` pages: the next power of two (at least 4), so few programs compile."""
+    """`n` rounded up to a power of two (at least 4), so few program shapes compile."""
     return max(4, 1 << max(0, n - 1).bit_length())
