@@ -20,10 +20,21 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(tempfile.gettempdir(
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
+# One OpenMP thread for torch (the reference models of the parity tests, PEFT, the bench scripts' peers) and
+# OpenBLAS, here and in the subprocesses that inherit the environment: the suite runs 2 pytest-xdist workers on
+# 2 cores, and each torch process's default of one spinning OpenMP thread per core made them fight. On the
+# 2-core machine SmolLM2's 48-token `generate` took 45 s with 2 threads and 4 s with one (the same results).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+if "torch" in sys.modules:  # imported before this file (by a plugin): OMP_NUM_THREADS came too late for it
+    sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # Compilation dominates a cold run of the suite (tiny models, many distinct programs): LLVM's cheaper settings
 # cut it by about a quarter; matmuls still call the same library kernels. XLA reads XLA_FLAGS when the first
