@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm.engine.scheduler import Completion, Conversation, Engine, EngineStats, Request
@@ -27,8 +28,9 @@ def prompt_requests(prompt_tokens: Any, prompt_mask: Any, key: jax.Array, sampli
     """One request per row of a left-padded prompt batch `[B, P]` (its tokens under the mask), keyed
     `fold_in(key, row)`, with `sampling.n` samples."""
     tokens, mask = np.asarray(prompt_tokens), np.asarray(prompt_mask).astype(bool)
-    return [Request(tokens[b][mask[b]].tolist(), jax.random.fold_in(key, b), n=sampling.n)
-            for b in range(tokens.shape[0])]
+    rows = jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(tokens.shape[0]))
+    keys = np.asarray(jax.random.key_data(rows))  # one device call for every row's key
+    return [Request(tokens[b][mask[b]].tolist(), keys[b], n=sampling.n) for b in range(tokens.shape[0])]
 
 
 def sample_output(completions: list[Completion], columns: int, pad_id: int) -> SampleOutput:

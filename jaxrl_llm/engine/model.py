@@ -8,7 +8,8 @@
   token would copy the whole context per token (on XLA:CPU that copy costs more than the attention itself), so a
   call gathers each slot's context once into contiguous caches in the layout the static sampler's token step reads
   (keys `[S, KVH, hd, C]`, values `[S, KVH, C, hd]`, `models/decode.py: loop_caches`); each step writes its token
-  into both the call's caches and the pages (the pages stay the record: a kept conversation continues from them).
+  into the call's caches, and the call's tokens go to the pages at its end (`write_back`: the pages stay the
+  record a kept conversation continues from).
 """
 
 from __future__ import annotations
@@ -91,17 +92,16 @@ def slot_caches(pages: list[PagedLayer], page_table: jax.Array) -> list[dict[str
     return out
 
 
-def slot_attention(config: ModelConfig, layer: PagedLayer, cache: dict[str, jax.Array], slots: jax.Array,
-                   positions: jax.Array, allowed: jax.Array) -> Attend:
-    """One new token per slot: its key and value written into the pages (at flat `slots [S, 1]`) and into the call's
-    contiguous cache at each slot's own position `positions [S]`, then attention over that cache under
-    `allowed [S, 1, C]` (the static sampler's contraction layout)."""
+def slot_attention(config: ModelConfig, cache: dict[str, jax.Array], positions: jax.Array,
+                   allowed: jax.Array) -> Attend:
+    """One new token per slot, written into the call's contiguous cache at each slot's own position
+    `positions [S]`, then attention over that cache under `allowed [S, 1, C]` (the static sampler's contraction
+    layout). The pages get the call's tokens once, at its end (`write_back`)."""
     c = config
     h, kvh, hd, dtype = c.num_heads, c.num_kv_heads, c.head_dim, c.jnp_dtype
 
-    def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, tuple[PagedLayer, dict[str, jax.Array]]]:
+    def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         s = q.shape[0]
-        new_layer = write_pages(layer, slots, k, v, dtype)
         rows, at = jnp.arange(s), jnp.maximum(positions, 0)
         k_all = cache["k"].at[rows, :, :, at].set(to_storage(k[:, 0], dtype))
         v_all = cache["v"].at[rows, :, at].set(to_storage(v[:, 0], dtype))
@@ -109,35 +109,46 @@ def slot_attention(config: ModelConfig, layer: PagedLayer, cache: dict[str, jax.
                                   dtype, jnp.float32)
         probs = masked_softmax(scores, allowed[:, 0][:, None, None, :], c.attention_scale, c.attn_logit_softcap)
         out = precision.einsum("bkgs,bksd->bkgd", probs, from_storage(v_all, dtype), dtype)
-        return out.reshape(s, 1, h * hd), (new_layer, {"k": k_all, "v": v_all})
+        return out.reshape(s, 1, h * hd), {"k": k_all, "v": v_all}
 
     return attend
 
 
 def slot_decode_step(params: Params, weights: list[StepWeights], config: ModelConfig, tokens: jax.Array,
-                     positions: jax.Array, page_table: jax.Array, pages: list[PagedLayer],
-                     caches: list[dict[str, jax.Array]]) -> tuple[jax.Array, list[PagedLayer], list[dict]]:
-    """One decode step of every slot: `tokens [S]` at `positions [S]` (-1: an idle slot, which writes nothing).
-    Returns float32 logits `[S, V]`, the pages and the call's caches with the tokens written."""
+                     positions: jax.Array, caches: list[dict[str, jax.Array]]
+                     ) -> tuple[jax.Array, list[dict[str, jax.Array]]]:
+    """One decode step of every slot over the call's caches: `tokens [S]` at `positions [S]` (-1: an idle slot,
+    whose write lands on slot 0 of its own cache and is never read). Returns float32 logits `[S, V]` and the
+    caches with the tokens written."""
     c = config
-    num_pages, page_size = pages[0]["k"].shape[:2]
     context = caches[0]["k"].shape[-1]
-    slots = page_slots(page_table, positions[:, None], page_size, num_pages)
     clamped = jnp.maximum(positions, 0)[:, None]
     kinds = sorted({c.is_sliding(i) for i in range(c.num_layers)})
     inputs = {local: (*rope_cos_sin(c, clamped, local=local),
                       context_allowed(positions[:, None], context, c.sliding_window if local else None))
               for local in kinds}
     x = embed_tokens(params["embed"]["embedding"], tokens[:, None], c)
-    new_pages, new_caches = [], []
-    for i, (w, layer, cache) in enumerate(zip(weights, pages, caches, strict=True)):
+    new_caches = []
+    for i, (w, cache) in enumerate(zip(weights, caches, strict=True)):
         cos, sin, allowed = inputs[c.is_sliding(i)]
-        x, (layer, cache) = transformer_block(x, step_ops(w, c), slot_attention(c, layer, cache, slots, positions,
-                                                                                allowed), cos, sin, c)
-        new_pages.append(layer)
+        x, cache = transformer_block(x, step_ops(w, c), slot_attention(c, cache, positions, allowed), cos, sin, c)
         new_caches.append(cache)
     hidden = rms_norm(x[:, 0], params["final_norm"]["scale"], c.rms_norm_eps, unit_offset=c.norm_unit_offset)
-    return paged_logits(params, c, hidden), new_pages, new_caches
+    return paged_logits(params, c, hidden), new_caches
+
+
+def write_back(pages: list[PagedLayer], caches: list[dict[str, jax.Array]], page_table: jax.Array,
+               positions: jax.Array, dtype: jnp.dtype) -> list[PagedLayer]:
+    """The call's new tokens copied from its caches into the pages: `positions [S, steps]` (-1: none)."""
+    num_pages, page_size = pages[0]["k"].shape[:2]
+    slots = page_slots(page_table, positions, page_size, num_pages)
+    at = jnp.maximum(positions, 0)
+    out = []
+    for layer, cache in zip(pages, caches, strict=True):
+        k = jnp.take_along_axis(cache["k"], at[:, None, None, :], axis=3).transpose(0, 3, 1, 2)  # [S, steps, KVH, hd]
+        v = jnp.take_along_axis(cache["v"], at[:, None, :, None], axis=2).transpose(0, 2, 1, 3)
+        out.append(write_pages(layer, slots, from_storage(k, dtype), from_storage(v, dtype), dtype))
+    return out
 
 
 def paged_logits(params: Params, config: ModelConfig, hidden: jax.Array) -> jax.Array:

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm.engine.model import paged_forward, paged_logits, slot_caches, slot_decode_step
+from jaxrl_llm.engine.model import paged_forward, paged_logits, slot_caches, slot_decode_step, write_back
 from jaxrl_llm.engine.pages import PagedLayer, copy_pages
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decode import StepWeights, split_layers, step_weights
@@ -95,10 +95,15 @@ def prefill_program(params: Params, weights: list[StepWeights], pages: list[Page
 
 
 @functools.partial(jax.jit, static_argnames=("flags",))
-def first_tokens_program(logits: jax.Array, key_data: jax.Array, knobs: Knobs, *, flags: SamplingFlags
-                         ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Completion token 0 of each row from `logits [R, V]` (a group's rows repeat their prompt's logits)."""
-    return _sample(logits, row_uniforms(key_data, jnp.zeros(logits.shape[:1], jnp.int32)), knobs, flags)
+def first_tokens_program(logits: jax.Array, parent_key_data: jax.Array, sample: jax.Array, knobs: Knobs, *,
+                         flags: SamplingFlags) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
+    """Each sample's key data `fold_in(parent key, sample)` `[R, 2]` and its completion token 0 (token, log-prob,
+    untruncated log-prob) from `logits [R, V]` (a group's rows repeat their prompt's logits)."""
+    def derive(data: jax.Array, j: jax.Array) -> jax.Array:
+        return jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(data), j))
+
+    key_data = jax.vmap(derive)(parent_key_data, sample)
+    return key_data, _sample(logits, row_uniforms(key_data, jnp.zeros(logits.shape[:1], jnp.int32)), knobs, flags)
 
 
 @functools.partial(jax.jit, donate_argnames=("pages",))
@@ -119,10 +124,9 @@ def decode_program(params: Params, weights: list[StepWeights], pages: list[Paged
                         jnp.zeros((slots, steps), jnp.float32), jnp.zeros((slots,), bool))
 
     def step(j: int, carry: tuple) -> tuple:
-        s, out, pages, caches = carry
+        s, out, caches = carry
         position = jnp.where(s.active, s.position, -1)
-        logits, pages, caches = slot_decode_step(params, weights, config, s.token, position, s.page_table, pages,
-                                                 caches)
+        logits, caches = slot_decode_step(params, weights, config, s.token, position, caches)
         token, logprob, untruncated = _sample(logits, row_uniforms(s.key_data, s.index), knobs, flags)
         token = jnp.where(s.active, token, flags.pad_id)
         hit = s.active & (jnp.any(token[:, None] == eos, axis=-1) if flags.eos_ids else False)
@@ -133,8 +137,11 @@ def decode_program(params: Params, weights: list[StepWeights], pages: list[Paged
         remaining = s.remaining - step_
         s = SlotState(token, s.position + step_, s.page_table, s.key_data, s.index + step_, remaining,
                       s.active & ~hit & (remaining > 0))
-        return s, out, pages, caches
+        return s, out, caches
 
     caches = slot_caches(pages, state.page_table)  # once per call, not per token
-    state, out, pages, _ = jax.lax.fori_loop(0, steps, step, (state, empty, pages, caches))
-    return state, out, pages
+    start = state
+    state, out, caches = jax.lax.fori_loop(0, steps, step, (state, empty, caches))
+    j = jnp.arange(steps)[None, :]
+    written = jnp.where(j < (state.index - start.index)[:, None], start.position[:, None] + j, -1)  # fed positions
+    return state, out, write_back(pages, caches, start.page_table, written, config.jnp_dtype)

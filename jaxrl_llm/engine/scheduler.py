@@ -58,10 +58,11 @@ class Conversation:
 @dataclasses.dataclass
 class Request:
     """`n` samples of `tokens` (a prompt; or, with `conversation`, the tokens that follow it), keyed by `key`
-    (sample j draws with `fold_in(key, j)`), each up to `max_new_tokens`."""
+    (sample j draws with `fold_in(key, j)`), each up to `max_new_tokens`. `key`: a `jax.random.key`, or its key data
+    (`uint32 [2]`, numpy: what `prompt_requests` passes, so many requests cost no device call each)."""
 
     tokens: list[int]
-    key: jax.Array
+    key: jax.Array | np.ndarray
     n: int = 1
     max_new_tokens: int | None = None
     conversation: Conversation | None = None
@@ -105,7 +106,7 @@ class Engine:
     """Generates with continuous batching over a paged KV cache of `num_pages` pages of `page_size` tokens."""
 
     def __init__(self, config: ModelConfig, *, num_pages: int, page_size: int = 16, slots: int = 32,
-                 steps_per_call: int = 8, prefill_chunk: int = 128, prefill_rows: int = 8) -> None:
+                 steps_per_call: int = 8, prefill_chunk: int = 128, prefill_rows: int = 32) -> None:
         check_engine_model(config)
         self.config, self.page_size, self.slots = config, page_size, slots
         self.steps, self.chunk, self.prefill_rows = steps_per_call, prefill_chunk, prefill_rows
@@ -130,10 +131,15 @@ class Engine:
         ready: collections.deque[_Sequence] = collections.deque()
         slots: list[_Sequence | None] = [None] * self.slots
         while queue or ready or any(s is not None for s in slots):
-            admitted = self._admit(requests, queue, len(ready) + sum(s is not None for s in slots), sampling)
-            if admitted:
-                ready.extend(self._prefill(params, weights, requests, admitted, sampling, knobs, flags, results,
-                                           flat, keep))
+            admitted, waiting = [], len(ready) + sum(s is not None for s in slots)
+            while waiting < self.slots:  # prefill until the slots have work (or the pool or the queue runs out)
+                batch = self._admit(requests, queue, waiting, sampling)
+                if not batch:
+                    break
+                admitted += batch
+                ready.extend(self._prefill(params, weights, requests, batch, sampling, knobs, flags, results, flat,
+                                           keep))
+                waiting = len(ready) + sum(s is not None for s in slots)
             for i in range(self.slots):
                 if slots[i] is None and ready:
                     slots[i] = ready.popleft()
@@ -152,6 +158,15 @@ class Engine:
         conversation.pages = []
 
     # ------------------------------------------------------------------------------------------ admission
+
+    @staticmethod
+    def _key_data(keys: list[Any]) -> np.ndarray:
+        """Requests' keys as key data `[R, 2]` uint32: typed keys converted in one call, key data as it is."""
+        if all(isinstance(k, np.ndarray) for k in keys):
+            return np.stack(keys).astype(np.uint32)
+        typed = [jax.random.wrap_key_data(jnp.asarray(k, jnp.uint32)) if isinstance(k, np.ndarray) else k
+                 for k in keys]
+        return np.asarray(jax.random.key_data(jnp.stack(typed)))
 
     def _max_new(self, request: Request, sampling: SamplingConfig) -> int:
         return request.max_new_tokens or sampling.max_new_tokens
@@ -208,10 +223,28 @@ class Engine:
             pages += alloc.allocate(math.ceil((start + len(tokens)) / ps) - len(pages), reserved=True)
             rows.append((tokens, start, pages))
         logits = self._run_prefill(params, weights, rows)
-        out = []
-        for (tokens, start, pages), r, row_logits in zip(rows, admitted, logits, strict=True):
-            out += self._fork(requests[r], r, tokens, start, pages, row_logits, sampling, knobs, flags, results,
-                              flat, keep)
+        # Every sample's key (`fold_in(request key, j)`) and first token in one call, from its prompt's last logits.
+        counts = [requests[r].n for r in admitted]
+        total = sum(counts)
+        width = _pow2(total)
+        picks = jnp.concatenate([jnp.repeat(row[None], n, axis=0) for n, row in zip(counts, logits, strict=True)])
+        parents = np.repeat(self._key_data([requests[r].key for r in admitted]), counts, axis=0)
+        sample = np.concatenate([np.arange(n) for n in counts]).astype(np.int32)
+        keys, first = first_tokens_program(jnp.pad(picks, ((0, width - total), (0, 0))),
+                                           jnp.asarray(np.pad(parents, ((0, width - total), (0, 0)))),
+                                           jnp.asarray(np.pad(sample, (0, width - total))), knobs, flags=flags)
+        keys, first = np.asarray(keys)[:total], [np.asarray(a)[:total] for a in first]
+        out, copies, offset = [], [], 0
+        for (tokens, start, pages), r, n in zip(rows, admitted, counts, strict=True):
+            drawn = tuple(a[offset:offset + n] for a in first)
+            out += self._fork(requests[r], r, tokens, start, pages, keys[offset:offset + n], drawn, sampling, flags,
+                              results, flat, keep, copies)
+            offset += n
+        if copies:  # the partial pages the samples write after: one call, padded with no-op copies of page 0
+            width = _pow2(len(copies))
+            source, target = np.zeros((width,), np.int32), np.zeros((width,), np.int32)
+            source[:len(copies)], target[:len(copies)] = zip(*copies, strict=True)
+            self.pages = copy_pages_program(self.pages, jnp.asarray(source), jnp.asarray(target))
         self.stats.peak_pages = max(self.stats.peak_pages, alloc.in_use())
         return out
 
@@ -223,6 +256,7 @@ class Engine:
         logits: list[jax.Array] = []
         for g in range(0, len(rows), width):
             group = rows[g:g + width]
+            c = min(self.chunk, max(16, _pow2(max(len(tokens) for tokens, _, _ in group))))  # short prompts: short
             m = _pow2(max(len(pages) for _, _, pages in group))
             table = np.zeros((width, m), np.int32)
             for i, (_, _, pages) in enumerate(group):
@@ -247,45 +281,38 @@ class Engine:
             logits += last_logits
         return logits
 
-    def _fork(self, req: Request, r: int, tokens: list[int], start: int, pages: list[int], logits: jax.Array,
-              sampling: SamplingConfig, knobs: Any, flags: SamplingFlags, results: list[list[Completion]],
-              flat: list[Completion], keep: bool) -> list[_Sequence]:
-        """The request's `n` samples after its prefill: page tables (shared full pages, own copies of the partial
-        last one), first tokens, and the samples still to decode."""
+    def _fork(self, req: Request, r: int, tokens: list[int], start: int, pages: list[int], keys: np.ndarray,
+              first: tuple[np.ndarray, ...], sampling: SamplingConfig, flags: SamplingFlags,
+              results: list[list[Completion]], flat: list[Completion], keep: bool,
+              copies: list[tuple[int, int]]) -> list[_Sequence]:
+        """The request's `n` samples after its prefill, with their first tokens `first` (tokens, log-probs,
+        untruncated): page tables (shared full pages; own pages for the partial last one, whose copies are added to
+        `copies`), and the samples still to decode."""
         ps, alloc, n = self.page_size, self.allocator, req.n
         context = (req.conversation.tokens[:start] if req.conversation else []) + tokens
         m = self._max_new(req, sampling)
-        keys = np.stack([np.asarray(jax.random.key_data(jax.random.fold_in(req.key, j))) for j in range(n)])
-        first, logprob, untruncated = first_tokens_program(jnp.repeat(logits[None], n, axis=0), jnp.asarray(keys),
-                                                           knobs, flags=flags)
-        first, logprob, untruncated = np.asarray(first), np.asarray(logprob), np.asarray(untruncated)
         per_sample = math.ceil((len(context) + m - 1) / ps)
         if n == 1:
             tables = [pages]
         else:
             full, partial = pages[:len(context) // ps], pages[len(context) // ps:]
-            tables, copies = [], []
+            tables = []
             for _ in range(n):
                 alloc.share(full)
                 own = alloc.allocate(len(partial), reserved=True)
                 tables.append(full + own)
-                copies += [(src, dst) for src, dst in zip(partial, own, strict=True)]
-            if copies:  # one call for the group; padded with no-op copies of page 0 to a power-of-two length
-                width = _pow2(len(copies))
-                source, target = np.zeros((width,), np.int32), np.zeros((width,), np.int32)
-                source[:len(copies)], target[:len(copies)] = zip(*copies, strict=True)
-                self.pages = copy_pages_program(self.pages, jnp.asarray(source), jnp.asarray(target))
+                copies += list(zip(partial, own, strict=True))
             self.stats.shared_pages += len(full) * (n - 1)
             alloc.release(pages)  # the prefill's own references: the samples hold theirs
         out = []
         for j in range(n):
-            completion = Completion([int(first[j])], [float(logprob[j])], [float(untruncated[j])], False)
+            token = int(first[0][j])
+            completion = Completion([token], [float(first[1][j])], [float(first[2][j])], False)
             results[r].append(completion)
             flat.append(completion)
-            seq = _Sequence(r, keys[j], context + [int(first[j])], tables[j], per_sample - len(tables[j]), m - 1,
-                            completion)
-            if int(first[j]) in flags.eos_ids or m == 1:
-                completion.stopped_on_eos = int(first[j]) in flags.eos_ids
+            seq = _Sequence(r, keys[j], context + [token], tables[j], per_sample - len(tables[j]), m - 1, completion)
+            if token in flags.eos_ids or m == 1:
+                completion.stopped_on_eos = token in flags.eos_ids
                 self._finish(seq, keep)
             else:
                 out.append(seq)
