@@ -198,7 +198,6 @@ class Ours:
                  overrides: list[str], chat: bool = False) -> None:
         import jax
 
-        import jaxrl_llm.trainers.rollouts as rollouts_module
         from jaxrl_llm.config import load_run_config
         from jaxrl_llm.data import DataState
         from jaxrl_llm.trainers.grpo import GRPOFamily
@@ -218,7 +217,8 @@ class Ours:
         self.state, self.data_state, self.step_index = trainer.init(), DataState(), 0
         self.setup = time.perf_counter() - t_setup
         self.timer = Timer()
-        rollouts_module.sample = self.timer.wrap("sampling", rollouts_module.sample, jax.block_until_ready)
+        # The rollout's sampler call, whichever sampler `sampling.engine` picks.
+        trainer.policy.sample = self.timer.wrap("sampling", trainer.policy.sample, jax.block_until_ready)
         trainer.ref_logprob_fn = self.timer.wrap("ref_pass", trainer.ref_logprob_fn, jax.block_until_ready)
         # The whole jitted update (mu epochs x minibatches of train_step; one train step at mu = 1).
         trainer.update_fn = self.timer.wrap("train_step", trainer.update_fn, jax.block_until_ready)
