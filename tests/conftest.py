@@ -43,7 +43,7 @@ FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expe
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}".strip()
 
 # The quick tier for the inner loop, `python -m pytest -m quick -n 2`: the RL math, the precision policy, model
-# parity with transformers, the one-line input errors and the architecture rules (272 tests; the first 259 took
+# parity with transformers, the one-line input errors and the architecture rules (275 tests; the first 259 took
 # 1 min 48 s with a cold compile cache and 48 s warm on the 2-core machine). The full suite still runs everything.
 QUICK_FILES = ("test_rl_losses.py", "test_rl_advantages.py", "test_rl_estimators.py", "test_rl_kl_control.py",
                "test_rl_logprobs.py", "test_rl_objectives.py", "test_precision.py", "test_models.py",
