@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -23,6 +23,9 @@ from jaxrl_llm.models.decoder import Params
 from jaxrl_llm.rewards import RewardFunction, call_reward
 from jaxrl_llm.sampling import SampleOutput, SamplingConfig, sample
 from jaxrl_llm.sharding import to_host
+
+# `sampler(params, prompt_tokens, prompt_mask, key, sampling) -> SampleOutput`
+Sampler = Callable[[Params, np.ndarray, np.ndarray, jax.Array, SamplingConfig], SampleOutput]
 
 
 def decode_completions(tokenizer: Any, out: SampleOutput) -> list[str]:
@@ -64,12 +67,14 @@ class Scored:
 def generate_scored(
     params: Params, model_config: ModelConfig, tokenizer: Any, prompt_set: PromptSet,
     reward: tuple[str, RewardFunction], sampling: SamplingConfig, *, batch_size: int = 256, limit: int | None = None,
-    mesh: Mesh | None = None, key: jax.Array | None = None,
+    mesh: Mesh | None = None, key: jax.Array | None = None, sampler: Sampler | None = None,
 ) -> Scored:
     """Sample `sampling.n` completions for each of the first `limit` prompts and score them with `reward`.
 
     Every batch is padded to `batch_size` prompts so all calls reuse one compiled sampler; batch `b` samples
-    with `fold_in(key, b)` (`key` default `key(0)`; greedy decoding ignores it)."""
+    with `fold_in(key, b)` (`key` default `key(0)`; greedy decoding ignores it). `sampler(params, tokens, mask, key,
+    sampling)`: how to sample (a trainer's `Policy.sample`, which follows `sampling.engine`); default the static
+    sampler on `mesh`."""
     name, fn = reward
     key = jax.random.key(0) if key is None else key
     n = len(prompt_set) if not limit else min(limit, len(prompt_set))
@@ -87,7 +92,8 @@ def generate_scored(
         rows += [rows[0]] * (min(batch_size, n) - len(rows))
         tokens, mask = left_pad(rows, width, sampling.pad_id)
         batch_key = key if b == 0 else jax.random.fold_in(key, b)
-        out = to_host(sample(params, model_config, tokens, mask, batch_key, sampling, mesh=mesh))
+        out = to_host(sampler(params, tokens, mask, batch_key, sampling) if sampler is not None
+                      else sample(params, model_config, tokens, mask, batch_key, sampling, mesh=mesh))
         out = SampleOutput(*[x[: len(idx) * k] for x in out])
         records = [prompt_set.records[i] for i in idx for _ in range(k)]
         fields = reward_fields(records, out, sampling.max_new_tokens)
@@ -104,13 +110,13 @@ def generate_scored(
 def evaluate_greedy(
     params: Params, model_config: ModelConfig, tokenizer: Any, prompt_set: PromptSet,
     reward: tuple[str, RewardFunction], sampling: SamplingConfig, *, batch_size: int = 256, limit: int | None = None,
-    mesh: Mesh | None = None,
+    mesh: Mesh | None = None, sampler: Sampler | None = None,
 ) -> dict[str, float]:
     """`{"eval/accuracy", "eval/<reward>"}` over the first `limit` prompts, greedy decoding: the accuracy is
-    the share of answers the reward scores exactly 1, the other the mean reward."""
+    the share of answers the reward scores exactly 1, the other the mean reward (`sampler`: as `generate_scored`)."""
     sampling = dataclasses.replace(sampling, greedy=True, n=1)
     scored = generate_scored(params, model_config, tokenizer, prompt_set, reward, sampling, batch_size=batch_size,
-                             limit=limit, mesh=mesh)
+                             limit=limit, mesh=mesh, sampler=sampler)
     return {"eval/accuracy": float((scored.rewards == 1.0).mean()), f"eval/{reward[0]}": float(scored.rewards.mean())}
 
 

@@ -193,3 +193,22 @@ def test_the_engine_programs_lower_for_cuda(hf_model_dir):
         jnp.zeros((2, width), jnp.int32), jnp.zeros(2, jnp.int32), config=config)
     assert decode.platforms == prefill.platforms == ("cuda",)
     assert "stablehlo.while" in decode.mlir_module()  # the steps run on the device, not from the host
+
+
+def test_held_out_evaluation_follows_the_runs_sampler(tiny_task, tmp_path):
+    """With `sampling.engine=paged` the held-out greedy evaluation samples through the engine too (one sampler for
+    a run) and scores exactly what the static sampler's evaluation scores (greedy: the same tokens)."""
+    from conftest import tiny_run
+
+    from jaxrl_llm.trainers import make_trainer
+    from jaxrl_llm.trainers.evaluation import GreedyEvaluation
+
+    trainer = make_trainer(tiny_run("grpo_arithmetic", tmp_path / "run", "sampling.engine=paged",
+                                    "sampling.max_new_tokens=8", task=tiny_task))
+    policy = trainer.algorithm.policy
+    params = policy.inference_weights(trainer.state["params"])
+    evaluation = GreedyEvaluation(policy, batch_size=16)
+    paged = evaluation(params, 16)
+    assert policy.engine is not None and policy.engine.stats.prefilled_tokens > 0  # it went through the engine
+    policy.config.sampling.engine = "static"
+    assert evaluation(params, 16) == paged

@@ -40,7 +40,8 @@ class GreedyEvaluation:
             return {}
         p = self.policy
         return evaluate_greedy(params, p.model_config, p.tokenizer, self.prompts, self.reward,
-                               p.sampling_config(greedy=True), batch_size=self.batch_size, limit=limit, mesh=p.mesh)
+                               p.sampling_config(greedy=True), batch_size=self.batch_size, limit=limit, mesh=p.mesh,
+                               sampler=p.sample)
 
 
 class EpisodeEvaluation:
