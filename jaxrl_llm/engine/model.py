@@ -26,12 +26,11 @@ from jaxrl_llm.engine.pages import (
     to_storage,
     write_pages,
 )
-from jaxrl_llm.models import precision
 from jaxrl_llm.models.block import Attend, transformer_block
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.decode import StepWeights, longrope_original, step_ops
+from jaxrl_llm.models.decode import StepWeights, longrope_original, loop_layout_attention, step_ops
 from jaxrl_llm.models.decoder import Params, unembed
-from jaxrl_llm.models.layers import embed_tokens, grouped_query_attention, masked_softmax, rms_norm, rope_cos_sin
+from jaxrl_llm.models.layers import embed_tokens, grouped_query_attention, rms_norm, rope_cos_sin
 
 
 def check_engine_model(config: ModelConfig) -> None:
@@ -40,6 +39,16 @@ def check_engine_model(config: ModelConfig) -> None:
     if longrope_original(config) is not None:
         raise ValueError("the rollout engine does not run longrope models (Phi-3.5 style); use "
                          "sampling.engine=static")
+
+
+def layer_inputs(config: ModelConfig, positions: jax.Array, context: int
+                 ) -> dict[bool, tuple[jax.Array, jax.Array, jax.Array]]:
+    """Per layer kind (sliding or not): rotary tables `cos, sin [R, T, rot]` at `positions [R, T]` (padding at 0)
+    and the mask `[R, T, context]` of the keys each query may read."""
+    c, clamped = config, jnp.maximum(positions, 0)
+    return {local: (*rope_cos_sin(c, clamped, local=local),
+                    context_allowed(positions, context, c.sliding_window if local else None))
+            for local in sorted({c.is_sliding(i) for i in range(c.num_layers)})}
 
 
 def paged_attention(config: ModelConfig, layer: PagedLayer, page_table: jax.Array, slots: jax.Array,
@@ -67,11 +76,7 @@ def paged_forward(params: Params, weights: list[StepWeights], config: ModelConfi
     num_pages, page_size = pages[0]["k"].shape[:2]
     context = page_table.shape[1] * page_size
     slots = page_slots(page_table, positions, page_size, num_pages)
-    kinds = sorted({c.is_sliding(i) for i in range(c.num_layers)})
-    clamped = jnp.maximum(positions, 0)
-    inputs = {local: (*rope_cos_sin(c, clamped, local=local),
-                      context_allowed(positions, context, c.sliding_window if local else None))
-              for local in kinds}
+    inputs = layer_inputs(c, positions, context)
     x = embed_tokens(params["embed"]["embedding"], tokens, c)
     new_pages = []
     for i, (w, layer) in enumerate(zip(weights, pages, strict=True)):
@@ -97,19 +102,14 @@ def slot_attention(config: ModelConfig, cache: dict[str, jax.Array], positions: 
     """One new token per slot, written into the call's contiguous cache at each slot's own position
     `positions [S]`, then attention over that cache under `allowed [S, 1, C]` (the static sampler's contraction
     layout). The pages get the call's tokens once, at its end (`write_back`)."""
-    c = config
-    h, kvh, hd, dtype = c.num_heads, c.num_kv_heads, c.head_dim, c.jnp_dtype
+    dtype = config.jnp_dtype
 
     def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-        s = q.shape[0]
-        rows, at = jnp.arange(s), jnp.maximum(positions, 0)
+        rows, at = jnp.arange(q.shape[0]), jnp.maximum(positions, 0)
         k_all = cache["k"].at[rows, :, :, at].set(to_storage(k[:, 0], dtype))
         v_all = cache["v"].at[rows, :, at].set(to_storage(v[:, 0], dtype))
-        scores = precision.einsum("bkgd,bkds->bkgs", q.reshape(s, kvh, h // kvh, hd), from_storage(k_all, dtype),
-                                  dtype, jnp.float32)
-        probs = masked_softmax(scores, allowed[:, 0][:, None, None, :], c.attention_scale, c.attn_logit_softcap)
-        out = precision.einsum("bkgs,bksd->bkgd", probs, from_storage(v_all, dtype), dtype)
-        return out.reshape(s, 1, h * hd), {"k": k_all, "v": v_all}
+        out = loop_layout_attention(q, from_storage(k_all, dtype), from_storage(v_all, dtype), allowed, config)
+        return out, {"k": k_all, "v": v_all}
 
     return attend
 
@@ -122,11 +122,7 @@ def slot_decode_step(params: Params, weights: list[StepWeights], config: ModelCo
     caches with the tokens written."""
     c = config
     context = caches[0]["k"].shape[-1]
-    clamped = jnp.maximum(positions, 0)[:, None]
-    kinds = sorted({c.is_sliding(i) for i in range(c.num_layers)})
-    inputs = {local: (*rope_cos_sin(c, clamped, local=local),
-                      context_allowed(positions[:, None], context, c.sliding_window if local else None))
-              for local in kinds}
+    inputs = layer_inputs(c, positions[:, None], context)
     x = embed_tokens(params["embed"]["embedding"], tokens[:, None], c)
     new_caches = []
     for i, (w, cache) in enumerate(zip(weights, caches, strict=True)):

@@ -126,7 +126,6 @@ class Engine:
         flags = SamplingFlags(sampling.greedy, sampling.uses_top_k, sampling.uses_top_p, sampling.uses_min_p,
                               tuple(sampling.eos_ids), sampling.pad_id)
         results: list[list[Completion]] = [[] for _ in requests]
-        flat: list[Completion] = []
         queue = collections.deque(range(len(requests)))
         ready: collections.deque[_Sequence] = collections.deque()
         slots: list[_Sequence | None] = [None] * self.slots
@@ -137,8 +136,7 @@ class Engine:
                 if not batch:
                     break
                 admitted += batch
-                ready.extend(self._prefill(params, weights, requests, batch, sampling, knobs, flags, results, flat,
-                                           keep))
+                ready.extend(self._prefill(params, weights, requests, batch, sampling, knobs, flags, results, keep))
                 waiting = len(ready) + sum(s is not None for s in slots)
             for i in range(self.slots):
                 if slots[i] is None and ready:
@@ -204,7 +202,7 @@ class Engine:
 
     def _prefill(self, params: Params, weights: Any, requests: list[Request], admitted: list[int],
                  sampling: SamplingConfig, knobs: Any, flags: SamplingFlags, results: list[list[Completion]],
-                 flat: list[Completion], keep: bool) -> list[_Sequence]:
+                 keep: bool) -> list[_Sequence]:
         """Prefill the admitted requests' new tokens (chunked, `prefill_rows` rows per call), then fork each into
         its samples with their first token. Returns the samples that still decode."""
         ps, alloc = self.page_size, self.allocator
@@ -227,7 +225,7 @@ class Engine:
         counts = [requests[r].n for r in admitted]
         total = sum(counts)
         width = _pow2(total)
-        picks = jnp.concatenate([jnp.repeat(row[None], n, axis=0) for n, row in zip(counts, logits, strict=True)])
+        picks = logits[np.repeat(np.arange(len(counts)), counts)]  # each sample's row: its prompt's logits
         parents = np.repeat(self._key_data([requests[r].key for r in admitted]), counts, axis=0)
         sample = np.concatenate([np.arange(n) for n in counts]).astype(np.int32)
         keys, first = first_tokens_program(jnp.pad(picks, ((0, width - total), (0, 0))),
@@ -238,7 +236,7 @@ class Engine:
         for (tokens, start, pages), r, n in zip(rows, admitted, counts, strict=True):
             drawn = tuple(a[offset:offset + n] for a in first)
             out += self._fork(requests[r], r, tokens, start, pages, keys[offset:offset + n], drawn, sampling, flags,
-                              results, flat, keep, copies)
+                              results, keep, copies)
             offset += n
         if copies:  # the partial pages the samples write after: one call, padded with no-op copies of page 0
             width = _pow2(len(copies))
@@ -249,41 +247,38 @@ class Engine:
         return out
 
     def _run_prefill(self, params: Params, weights: Any, rows: list[tuple[list[int], int, list[int]]]
-                     ) -> list[jax.Array]:
-        """The prefill calls for `rows` (in groups of `prefill_rows`, chunks of `prefill_chunk` tokens): each
-        row's last logits `[V]`."""
-        c, width = self.chunk, self.prefill_rows
-        logits: list[jax.Array] = []
+                     ) -> jax.Array:
+        """The prefill calls for `rows` (in groups of `prefill_rows`, chunks of up to `prefill_chunk` tokens): each
+        row's last logits, `[len(rows), V]`."""
+        width = self.prefill_rows
+        groups: list[jax.Array] = []
         for g in range(0, len(rows), width):
             group = rows[g:g + width]
             c = min(self.chunk, max(16, _pow2(max(len(tokens) for tokens, _, _ in group))))  # short prompts: short
-            m = _pow2(max(len(pages) for _, _, pages in group))
-            table = np.zeros((width, m), np.int32)
+            table = np.zeros((width, _pow2(max(len(pages) for _, _, pages in group))), np.int32)
             for i, (_, _, pages) in enumerate(group):
                 table[i, :len(pages)] = pages
-            chunks = max(math.ceil(len(tokens) / c) for tokens, _, _ in group)
-            last_logits: list[Any] = [None] * len(group)
-            for k in range(chunks):
+            group_logits = None
+            for k in range(max(math.ceil(len(tokens) / c) for tokens, _, _ in group)):
                 tok = np.zeros((width, c), np.int32)
                 pos = np.full((width, c), -1, np.int32)
                 last = np.zeros((width,), np.int32)
+                ends = np.zeros((width,), bool)  # rows whose last token is in this chunk
                 for i, (tokens, start, _) in enumerate(group):
                     part = tokens[k * c:(k + 1) * c]
                     tok[i, :len(part)] = part
                     pos[i, :len(part)] = start + k * c + np.arange(len(part))
-                    last[i] = max(len(part) - 1, 0)
+                    last[i], ends[i] = max(len(part) - 1, 0), (k + 1) * c >= len(tokens) > k * c
                     self.stats.prefilled_tokens += len(part)
                 out, self.pages = prefill_program(params, weights, self.pages, jnp.asarray(tok), jnp.asarray(pos),
                                                   jnp.asarray(table), jnp.asarray(last), config=self.config)
-                for i, (tokens, _, _) in enumerate(group):
-                    if (k + 1) * c >= len(tokens) > k * c:
-                        last_logits[i] = out[i]
-            logits += last_logits
-        return logits
+                group_logits = out if group_logits is None else jnp.where(ends[:, None], out, group_logits)
+            groups.append(group_logits[:len(group)])
+        return jnp.concatenate(groups)
 
     def _fork(self, req: Request, r: int, tokens: list[int], start: int, pages: list[int], keys: np.ndarray,
               first: tuple[np.ndarray, ...], sampling: SamplingConfig, flags: SamplingFlags,
-              results: list[list[Completion]], flat: list[Completion], keep: bool,
+              results: list[list[Completion]], keep: bool,
               copies: list[tuple[int, int]]) -> list[_Sequence]:
         """The request's `n` samples after its prefill, with their first tokens `first` (tokens, log-probs,
         untruncated): page tables (shared full pages; own pages for the partial last one, whose copies are added to
@@ -309,7 +304,6 @@ class Engine:
             token = int(first[0][j])
             completion = Completion([token], [float(first[1][j])], [float(first[2][j])], False)
             results[r].append(completion)
-            flat.append(completion)
             seq = _Sequence(r, keys[j], context + [token], tables[j], per_sample - len(tables[j]), m - 1, completion)
             if token in flags.eos_ids or m == 1:
                 completion.stopped_on_eos = token in flags.eos_ids

@@ -248,22 +248,26 @@ def loop_cache_attention(config: ModelConfig, allowed: jax.Array, cache: dict[st
     (with `[B, S, KVH, hd]` it re-laid out every layer's whole K and V cache per token: about a quarter of the
     step's op time on the benchmark model; keys `[B, KVH, hd, S]` instead of `[B, KVH, S, hd]`: 1.1x per call,
     bench/HISTORY.md); the new token's keys and values are written in place. `allowed [B, 1, S]`."""
-    c = config
-    h, kvh, hd, dtype = c.num_heads, c.num_kv_heads, c.head_dim, c.jnp_dtype
-
     def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-        b = q.shape[0]  # q [B, 1, H, hd], k and v [B, 1, KVH, hd]
+        # q [B, 1, H, hd], k and v [B, 1, KVH, hd]
         k_all = jax.lax.dynamic_update_slice_in_dim(cache["k"], k[:, 0, :, :, None].astype(cache["k"].dtype),
                                                     cache_index, 3)
         v_all = jax.lax.dynamic_update_slice_in_dim(cache["v"], v[:, 0, :, None, :].astype(cache["v"].dtype),
                                                     cache_index, 2)
-        qg = q.reshape(b, kvh, h // kvh, hd)
-        scores = precision.einsum("bkgd,bkds->bkgs", qg, k_all, dtype, jnp.float32)
-        probs = masked_softmax(scores, allowed[:, 0][:, None, None, :], c.attention_scale, c.attn_logit_softcap)
-        out = precision.einsum("bkgs,bksd->bkgd", probs, v_all, dtype)
-        return out.reshape(b, 1, h * hd), {"k": k_all, "v": v_all}
+        return loop_layout_attention(q, k_all, v_all, allowed, config), {"k": k_all, "v": v_all}
 
     return attend
+
+
+def loop_layout_attention(q: jax.Array, keys: jax.Array, values: jax.Array, allowed: jax.Array,
+                          config: ModelConfig) -> jax.Array:
+    """`softmax(q . K * scale, allowed) . V` of one query per row: `q [B, 1, H, hd]` over keys `[B, KVH, hd, S]`
+    and values `[B, KVH, S, hd]` (the `loop_caches` layout), `allowed [B, 1, S]` -> `[B, 1, H * hd]`."""
+    c = config
+    b, h, kvh, hd, dtype = q.shape[0], c.num_heads, c.num_kv_heads, c.head_dim, c.jnp_dtype
+    scores = precision.einsum("bkgd,bkds->bkgs", q.reshape(b, kvh, h // kvh, hd), keys, dtype, jnp.float32)
+    probs = masked_softmax(scores, allowed[:, 0][:, None, None, :], c.attention_scale, c.attn_logit_softcap)
+    return precision.einsum("bkgs,bksd->bkgd", probs, values, dtype).reshape(b, 1, h * hd)
 
 
 def longrope_original(config: ModelConfig) -> int | None:
