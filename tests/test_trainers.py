@@ -53,8 +53,11 @@ def test_scanned_update_equals_the_host_loop_of_train_steps():
             rows = order[start : start + 4]
             p_host, o_host, m = jit_step(p_host, o_host, jax.tree.map(lambda x, r=rows: np.asarray(x)[r], batch))
             history.append(m)
+    # Four Adam steps amplify the float32 rounding of a differently fused program where a gradient entry is near
+    # zero (Adam's step is ~ lr * g / |g|): up to 5e-5 here, depending on XLA's fusion choices; a wrong minibatch or
+    # order moves the weights by about the learning rate (0.05), and the per-update losses below pin the order.
     for a, b in zip(jax.tree.leaves((p_scan, o_scan)), jax.tree.leaves((p_host, o_host)), strict=True):
-        np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-4)
     assert stacked["policy_loss"].shape == (4,)
     np.testing.assert_allclose(stacked["policy_loss"], [h["policy_loss"] for h in history], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(reduced["ratio/max"], max(float(h["ratio/max"]) for h in history), rtol=1e-6)

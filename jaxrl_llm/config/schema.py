@@ -169,6 +169,9 @@ class RLSection:
     mu: int = at_least(1, 1)  # optimisation passes over each rollout
     minibatch_size: int = at_least(0)  # sequences per optimizer step; 0 = the whole rollout (P * G)
     grad_accum: int = at_least(1, 1)  # micro-batches per optimizer step (divides minibatch_size)
+    # the update's forward pass on packed rows: each micro-batch's sequences laid end to end, no padding computed
+    # (block-diagonal attention; the losses are the padded layout's); false = padded to the longest sequence
+    packing: bool = False
     # rl.surrogates.POLICY_LOSSES: ppo_clip (token ratio) | gspo (sequence ratio) | cispo (clipped IS weight,
     # MiniMax-M1) | sapo (soft gate, SAPO) | module:function
     policy_loss: str = "ppo_clip"
@@ -274,6 +277,7 @@ class SFTSection:
 
     batch_size: int = at_least(64, 1)  # --algo sft / rm / dpo: examples (pairs) per optimizer step
     eval_batch_size: int = at_least(256, 1)  # --algo sft / rm / dpo: examples (pairs) per evaluation batch
+    packing: bool = False  # --algo sft: each batch's examples laid end to end in packed rows (as rl.packing)
 
 
 @dataclass

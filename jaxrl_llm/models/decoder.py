@@ -41,8 +41,10 @@ from jaxrl_llm.models.layers import (  # noqa: F401  (re-exported: the decoder's
     positions_from_mask,
     rms_norm,
     rope_cos_sin,
+    segment_attention_allowed,
     softcap,
 )
+from jaxrl_llm.models.packing import PackedLayout, gather_predictors, packed_inputs
 from jaxrl_llm.models.precision import matmul, matmul_transposed
 
 Params = dict[str, Any]
@@ -62,15 +64,19 @@ def attention_kind(config: ModelConfig, layer: int) -> int:
 
 
 def attention_inputs(
-    config: ModelConfig, positions: jax.Array, key_mask: jax.Array, num_queries: int, cache_index: jax.Array | int
+    config: ModelConfig, positions: jax.Array, key_mask: jax.Array, num_queries: int, cache_index: jax.Array | int,
+    segments: jax.Array | None = None,
 ) -> tuple[AttentionInputs, ...]:
     """The rotary tables and masks the layers need: one `AttentionInputs` when every layer is alike, else
-    `(global, local)` (index with `attention_kind`)."""
+    `(global, local)` (index with `attention_kind`). With `segments` (packed rows, no cache) the mask is
+    block-diagonal causal (`segment_attention_allowed`) and `key_mask` is unused."""
     out = []
     for local in _kinds(config):
         cos, sin = rope_cos_sin(config, positions, local=local)
-        out.append((cos, sin, attention_allowed(key_mask, num_queries, cache_index,
-                                                config.sliding_window if local else None)))
+        window = config.sliding_window if local else None
+        allowed = (attention_allowed(key_mask, num_queries, cache_index, window) if segments is None
+                   else segment_attention_allowed(segments, window))
+        out.append((cos, sin, allowed))
     return tuple(out)
 
 
@@ -257,9 +263,10 @@ class Decoder(nn.Module):
         cache: Cache | None = None,
         cache_index: jax.Array | int = 0,
         return_hidden: bool = False,
+        segments: jax.Array | None = None,
     ) -> tuple[jax.Array, Cache | None]:
         c = self.config
-        inputs = attention_inputs(c, positions, key_mask, tokens.shape[1], cache_index)
+        inputs = attention_inputs(c, positions, key_mask, tokens.shape[1], cache_index, segments)
         x = self.embed_tokens(tokens)
         x, cache = self.layers(x, cache, inputs, cache_index, layer_kinds(c))
         x = self.final_norm(x)
@@ -314,6 +321,33 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, attention_ma
         rngs=None if dropout_key is None else {"dropout": dropout_key},
     )
     return out
+
+
+def forward_packed(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
+                   segments: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
+    """Final hidden states `[R, S, D]` of packed rows (`tokens, positions, segments [R, S]`, see
+    `jaxrl_llm.models.packing`): attention never crosses a segment, positions restart per sequence."""
+    out, _ = Decoder(config).apply(
+        {"params": params}, tokens, positions, segments > 0, return_hidden=True, segments=segments,
+        rngs=None if dropout_key is None else {"dropout": dropout_key},
+    )
+    return out
+
+
+def completion_hidden(params: Params, config: ModelConfig, prompt_tokens: jax.Array, prompt_mask: jax.Array,
+                      completion_tokens: jax.Array, completion_mask: jax.Array, *, layout: PackedLayout | None = None,
+                      dropout_key: jax.Array | None = None) -> jax.Array:
+    """The final hidden states that predict each completion token, `[N, T, D]`: one forward pass over
+    `prompt + completion[:-1]` (left-padded prompts `[N, P]`, right-padded completions `[N, T]`), the state at
+    position `P - 1 + t` predicting `y_t`. With a packed `layout` (`jaxrl_llm.models.packing`) the pass runs on its
+    rows, no padding computed, and the same states are gathered back to `[N, T, D]`."""
+    p = prompt_tokens.shape[1]
+    tokens = jnp.concatenate([prompt_tokens, completion_tokens], axis=1)[:, :-1]
+    mask = jnp.concatenate([prompt_mask, completion_mask.astype(prompt_mask.dtype)], axis=1)[:, :-1]
+    if layout is None:
+        return forward(params, config, tokens, mask, return_hidden=True, dropout_key=dropout_key)[:, p - 1 :]
+    rows, positions, segments = packed_inputs(tokens, mask, layout)
+    return gather_predictors(forward_packed(params, config, rows, positions, segments, dropout_key=dropout_key), layout)
 
 
 def unembed(params: Params, config: ModelConfig, hidden: jax.Array) -> jax.Array:

@@ -19,8 +19,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.decoder import Params, forward
+from jaxrl_llm.models.decoder import Params, completion_hidden
 from jaxrl_llm.models.hf import is_classifier, load_hf_model, resolve_model_dir  # hf imports the decoder
+from jaxrl_llm.models.packing import PackedLayout
 from jaxrl_llm.models.precision import matmul
 from jaxrl_llm.models.reward_model import load_hf_reward_model
 
@@ -50,18 +51,17 @@ def critic_values(
     prompt_mask: jax.Array,
     completion_tokens: jax.Array,
     completion_mask: jax.Array,
+    layout: PackedLayout | None = None,
 ) -> jax.Array:
     """Per-token values `V_t = V(x, y_<t)` `[N, T]` float32: the value of the state *before* completion token t.
 
-    One forward pass over `prompt + completion[:-1]` (the same slicing as `train_step.completion_logprobs`):
-    the final hidden state at position `P - 1 + t` is the one that predicts `y_t`, and the head maps it to a
-    scalar. Shapes: `prompt_tokens/prompt_mask [N, P]` (left-padded), `completion_tokens/mask [N, T]`.
-    Values at padded completion positions are computed but meaningless; every consumer masks them.
+    The final hidden state that predicts `y_t` (`decoder.completion_hidden`, the same states as the policy's
+    log-probs; packed rows with a `layout`), mapped to a scalar by the head. Shapes: `prompt_tokens/prompt_mask
+    [N, P]` (left-padded), `completion_tokens/mask [N, T]`. Values at padded completion positions are computed
+    but meaningless; every consumer masks them.
     """
-    p = prompt_tokens.shape[1]
-    tokens = jnp.concatenate([prompt_tokens, completion_tokens], axis=1)[:, :-1]
-    mask = jnp.concatenate([prompt_mask, completion_mask.astype(prompt_mask.dtype)], axis=1)[:, :-1]
-    hidden = forward(critic["decoder"], config, tokens, mask, return_hidden=True)[:, p - 1 :]
+    hidden = completion_hidden(critic["decoder"], config, prompt_tokens, prompt_mask, completion_tokens,
+                               completion_mask, layout=layout)
     return apply_scalar_head(critic["value_head"], hidden, config.jnp_dtype)
 
 

@@ -195,6 +195,19 @@ def attention_allowed(
     return allowed[None] & key_mask.astype(bool)[:, None, :]
 
 
+def segment_attention_allowed(segments: jax.Array, sliding_window: int | None) -> jax.Array:
+    """Boolean `[B, T, T]` of packed rows (`segments [B, T]`: sequence `k > 0` or 0 on padding, each sequence's
+    tokens contiguous): block-diagonal causal, a query attends to earlier keys of its own sequence only (and,
+    with a sliding window `W`, fewer than `W` positions back: within a sequence, index distance is position
+    distance)."""
+    idx = jnp.arange(segments.shape[-1])
+    allowed = idx[None, :] <= idx[:, None]
+    if sliding_window is not None:
+        allowed &= idx[:, None] - idx[None, :] < sliding_window
+    same = (segments[:, :, None] == segments[:, None, :]) & (segments[:, None, :] > 0)
+    return allowed[None] & same
+
+
 def grouped_query_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, *, query_chunk: int = 0,
     scale: float | None = None, logit_softcap: float | None = None, compute_dtype: jnp.dtype | str = jnp.float32,

@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec
 
 from jaxrl_llm.config import RunConfig
 from jaxrl_llm.errors import ConfigError
+from jaxrl_llm.models.packing import PackedLayout
 from jaxrl_llm.models.weights import working_weights
 from jaxrl_llm.rl.advantages import turn_level_advantages
 from jaxrl_llm.rl.entropy_control import (
@@ -39,7 +40,7 @@ from jaxrl_llm.sharding import batch_sharding, global_array, init_optimizer_stat
 from jaxrl_llm.trainers.base import State, Updated, host_metrics
 from jaxrl_llm.trainers.objectives import PolicyBatch, PolicyObjective, policy_loss, policy_objective
 from jaxrl_llm.trainers.policy import Policy
-from jaxrl_llm.trainers.rl import RolloutAlgorithm, old_policy_logprobs, update_sizes, validate_rl
+from jaxrl_llm.trainers.rl import RolloutAlgorithm, old_policy_logprobs, update_plan, update_sizes, validate_rl
 from jaxrl_llm.trainers.rollouts import Rollout
 from jaxrl_llm.trainers.step import Metrics, jit_update, make_optimizer, scanned_updates, state_sharding, train_step
 
@@ -66,9 +67,10 @@ def validate_grpo(c: RunConfig) -> None:
 
 def make_grpo_update(c: RunConfig, policy: Policy, optimizer: optax.GradientTransformation,
                      objective: PolicyObjective, minibatch_size: int) -> Any:
-    """`update(state, batch [N, ...], key, frozen, entropy_coef) -> (state, metrics)` for `jit_update`: `rl.mu`
-    epochs x minibatches of `train_step` in one `lax.scan` (`frozen`: LoRA's base weights, or None;
-    `entropy_coef`: the adaptive controller's coefficient, a float32 scalar, or None for the config's fixed one).
+    """`update(state, batch [N, ...], key, frozen, entropy_coef, layouts) -> (state, metrics)` for `jit_update`:
+    `rl.mu` epochs x minibatches of `train_step` in one `lax.scan` (`frozen`: LoRA's base weights, or None;
+    `entropy_coef`: the adaptive controller's coefficient, a float32 scalar, or None for the config's fixed one;
+    `layouts`: with `rl.packing`, every micro-batch's packed layout `[U, ...]` (`packing.update_layouts`), else None).
     The rest of the state (the entropy controller) passes through unchanged."""
     rows = batch_sharding(policy.mesh)
     step = functools.partial(train_step, loss_fn=policy_loss, model_config=policy.model_config,
@@ -76,8 +78,8 @@ def make_grpo_update(c: RunConfig, policy: Policy, optimizer: optax.GradientTran
                              compose=policy.compose)
     dropout = policy.lora_dropout
 
-    def update(state: State, batch: PolicyBatch, key: jax.Array, frozen: Any,
-               entropy_coef: jax.Array | None) -> tuple[State, Metrics]:
+    def update(state: State, batch: PolicyBatch, key: jax.Array, frozen: Any, entropy_coef: jax.Array | None,
+               layouts: PackedLayout | None = None) -> tuple[State, Metrics]:
         dropout_key = jax.random.fold_in(key, 1 << 20)  # apart from the shuffle's fold_in(key, epoch)
         loss_inputs = None if entropy_coef is None else {"entropy_coef": entropy_coef}
 
@@ -90,7 +92,8 @@ def make_grpo_update(c: RunConfig, policy: Policy, optimizer: optax.GradientTran
 
         (params, opt_state, _), metrics, _ = scanned_updates(
             one, (state["params"], state["opt_state"], jnp.int32(0)), batch, key, epochs=c.rl.mu,
-            minibatch_size=minibatch_size, constrain=lambda b: jax.lax.with_sharding_constraint(b, rows))
+            minibatch_size=minibatch_size, constrain=lambda b: jax.lax.with_sharding_constraint(b, rows),
+            per_update=layouts, attach=lambda b, layout: b._replace(layout=layout))
         return {**state, "params": params, "opt_state": opt_state}, metrics
 
     return update
@@ -125,7 +128,7 @@ class GRPOFamily(RolloutAlgorithm):
         replicated = jax.sharding.NamedSharding(p.mesh, PartitionSpec())
         self.update_fn = jit_update(make_grpo_update(c, p, self.optimizer, self.objective, self.minibatch_size),
                                     p.mesh, state_sharding(self.init()), frozen_sharding=p.frozen_sharding,
-                                    extra_shardings=(replicated if self.adaptive_entropy else None,))
+                                    extra_shardings=(replicated if self.adaptive_entropy else None, replicated))
 
     def init(self) -> State:
         p = self.policy
@@ -170,9 +173,11 @@ class GRPOFamily(RolloutAlgorithm):
                if self.adaptive_entropy else None)
         entropy_coef = None if ctl is None else float(applied_entropy_coef(ctl))
         coef_input = None if ctl is None else put(np.float32(entropy_coef), spec=PartitionSpec())
-        state, metrics = self.update_fn(state, batch, key, p.frozen, coef_input)
+        plan = update_plan(self.config, ro, key, self.minibatch_size, self.mesh)
+        state, metrics = self.update_fn(state, batch, key, p.frozen, coef_input, plan.layouts)
         out, skipped = host_metrics(metrics)
         out |= mismatch
+        out["update/padding_frac"] = plan.padding_frac
         if ctl is not None:
             r = self.config.rl
             out["entropy_coef"] = entropy_coef  # the coefficient this step's loss used (0 while above target)

@@ -23,7 +23,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_llm.config import RunConfig
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.decoder import Params, forward, unembedding_matrix
+from jaxrl_llm.models.decoder import Params, completion_hidden, unembedding_matrix
+from jaxrl_llm.models.packing import PackedLayout
 from jaxrl_llm.rl.logprobs import token_logprobs_from_hidden
 from jaxrl_llm.rl.policy_loss import PolicyLossOptions, clipped_policy_loss
 from jaxrl_llm.sharding import batch_sharding
@@ -40,7 +41,8 @@ class PolicyBatch(NamedTuple):
     sampler_logp `[N, T]` float32, the sampler's own log-probs when `rl.loss.rollout_correction` weights the loss by
     `old / sampler` (then `old_logp` is the trainer's recomputation), else None; loss_mask `[N, T]`, in a
     multi-turn rollout 1 on the model's tokens and 0 on the environment's (which `completion_mask`, the attention
-    mask, covers too), else None (the loss covers `completion_mask`).
+    mask, covers too), else None (the loss covers `completion_mask`); layout, the packed rows the forward pass
+    runs on (`jaxrl_llm.models.packing`, `rl.packing`), else None (the padded layout).
     """
 
     prompt_tokens: jax.Array
@@ -52,6 +54,7 @@ class PolicyBatch(NamedTuple):
     advantages: jax.Array
     sampler_logp: jax.Array | None = None
     loss_mask: jax.Array | None = None
+    layout: PackedLayout | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,18 +107,18 @@ def completion_logprobs(
     with_entropy: bool = False,
     block_mib: float = 256.0,
     dropout_key: jax.Array | None = None,
+    layout: PackedLayout | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """log pi(y_t | x, y_<t) at `temperature` for every completion token, `[N, T]` float32 (and entropy).
 
     One forward pass over `prompt + completion[:-1]` to the final hidden states `[N, T, D]`; the log-probs come
     from `token_logprobs_from_hidden` (`hidden @ W_out` in the compute dtype with float32 accumulation, one
     `[N, chunk, V]` float32 block at a time, see `logprob_chunk_size`), so neither `[N, P + T, V]` nor
-    `[N, T, V]` logits are built for a large vocabulary.
+    `[N, T, V]` logits are built for a large vocabulary. With a packed `layout` the forward pass runs on its rows
+    (`decoder.completion_hidden`: no padding computed): the same function.
     """
-    p = prompt_tokens.shape[1]
-    tokens = jnp.concatenate([prompt_tokens, completion_tokens], axis=1)[:, :-1]
-    mask = jnp.concatenate([prompt_mask, completion_mask], axis=1)[:, :-1]
-    hidden = forward(params, config, tokens, mask, return_hidden=True, dropout_key=dropout_key)[:, p - 1 :]
+    hidden = completion_hidden(params, config, prompt_tokens, prompt_mask, completion_tokens, completion_mask,
+                               layout=layout, dropout_key=dropout_key)
     n, t = completion_tokens.shape
     chunk = logprob_chunk_size(n, t, config.vocab_size, block_mib)
     out = token_logprobs_from_hidden(hidden, unembedding_matrix(params, config), completion_tokens,
@@ -136,6 +139,7 @@ def policy_loss(
     logp, entropy = completion_logprobs(
         params, model_config, batch.prompt_tokens, batch.prompt_mask, batch.completion_tokens, batch.completion_mask,
         temperature=c.temperature, with_entropy=True, block_mib=c.logprob_block_mib, dropout_key=dropout_key,
+        layout=batch.layout,
     )
     return clipped_policy_loss(
         logp, batch.old_logp, batch.advantages, loss_mask(batch), c.options, surrogate=c.surrogate,
@@ -152,7 +156,7 @@ def sft_loss(
     """Cross-entropy of the completion tokens: `-sum_t m_t log pi(y_t) / num_tokens` (token-mean)."""
     logp, _ = completion_logprobs(
         params, model_config, batch.prompt_tokens, batch.prompt_mask, batch.completion_tokens, batch.completion_mask,
-        block_mib=loss_config.logprob_block_mib, dropout_key=dropout_key,
+        block_mib=loss_config.logprob_block_mib, dropout_key=dropout_key, layout=batch.layout,
     )
     mask = batch.completion_mask.astype(jnp.float32)
     loss = -(logp * mask).sum() / jnp.maximum(num_tokens, 1.0)

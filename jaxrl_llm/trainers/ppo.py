@@ -25,12 +25,13 @@ from typing import Any, ClassVar, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl_llm.config import RunConfig
 from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.heads import CriticParams, critic_from_policy, critic_values, load_critic
+from jaxrl_llm.models.packing import PackedLayout
 from jaxrl_llm.models.weights import master_weights, working_weights
 from jaxrl_llm.rl.estimators import ppo_targets, rollout_value_metrics
 from jaxrl_llm.rl.kl_control import KLControllerKind, KLControllerState, init_kl_controller, kl_controller_update
@@ -39,7 +40,7 @@ from jaxrl_llm.sharding import batch_sharding, global_array, init_optimizer_stat
 from jaxrl_llm.trainers.base import State, Updated, host_metrics
 from jaxrl_llm.trainers.objectives import PolicyBatch, PolicyObjective, policy_loss, policy_objective
 from jaxrl_llm.trainers.policy import Policy
-from jaxrl_llm.trainers.rl import RolloutAlgorithm, old_policy_logprobs, update_sizes, validate_rl
+from jaxrl_llm.trainers.rl import RolloutAlgorithm, old_policy_logprobs, update_plan, update_sizes, validate_rl
 from jaxrl_llm.trainers.rollouts import Rollout
 from jaxrl_llm.trainers.step import Metrics, jit_update, make_optimizer, scanned_updates, state_sharding, train_step
 
@@ -54,6 +55,7 @@ class CriticBatch(NamedTuple):
     completion_mask: jax.Array
     old_values: jax.Array
     returns: jax.Array
+    layout: PackedLayout | None = None  # the policy minibatch's packed rows (rl.packing), else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +72,7 @@ def critic_loss(critic: CriticParams, batch: CriticBatch, *, model_config: Model
     """`clipped_value_loss(V, V_old, R)` of one (micro-)batch, normalised by the whole minibatch's counts
     (the `train_step` contract); metrics `value_loss`, `value_clip_fraction`."""
     values = critic_values(critic, model_config, batch.prompt_tokens, batch.prompt_mask, batch.completion_tokens,
-                           batch.completion_mask)
+                           batch.completion_mask, batch.layout)
     loss, metrics = clipped_value_loss(values, batch.old_values, batch.returns, batch.completion_mask,
                                        clip_range=loss_config.clip_range,
                                        aggregation=loss_config.aggregation,  # type: ignore[arg-type]
@@ -125,9 +127,10 @@ def initial_critic(c: RunConfig, policy: Policy) -> tuple[ModelConfig, CriticPar
 
 def make_ppo_update(c: RunConfig, policy: Policy, critic_config: ModelConfig, optimizers: tuple[Any, Any],
                     objective: PolicyObjective, minibatch_size: int, *, train_policy: bool) -> Any:
-    """`update(state, PPOBatch, key, frozen) -> (state, metrics)` for `jit_update`: mu epochs x minibatches of
-    (policy, critic) updates in one `lax.scan`; with `train_policy=False` (critic warm-up) only the critic
-    moves. The state's `kl_coef` passes through (the controller moves it on the host)."""
+    """`update(state, PPOBatch, key, frozen, layouts) -> (state, metrics)` for `jit_update`: mu epochs x
+    minibatches of (policy, critic) updates in one `lax.scan`; with `train_policy=False` (critic warm-up) only the
+    critic moves. The state's `kl_coef` passes through (the controller moves it on the host). `layouts`: with
+    `rl.packing`, each micro-batch's packed rows (`packing.update_layouts`), shared by the policy and the critic."""
     rows = batch_sharding(policy.mesh)
     policy_step = functools.partial(train_step, loss_fn=policy_loss, model_config=policy.model_config,
                                     loss_config=objective, optimizer=optimizers[0],
@@ -152,7 +155,8 @@ def make_ppo_update(c: RunConfig, policy: Policy, critic_config: ModelConfig, op
         return {**state, "params": params, "opt_state": opt_state, "critic": critic,
                 "critic_opt_state": critic_opt_state}, metrics
 
-    def update(state: State, batch: PPOBatch, key: jax.Array, frozen: Any) -> tuple[State, Metrics]:
+    def update(state: State, batch: PPOBatch, key: jax.Array, frozen: Any,
+               layouts: PackedLayout | None = None) -> tuple[State, Metrics]:
         dropout_key = jax.random.fold_in(key, 1 << 20)  # apart from the shuffle's fold_in(key, epoch)
 
         def one(carry: tuple[State, jax.Array], batch: PPOBatch) -> tuple[tuple[State, Any], Metrics]:
@@ -163,7 +167,10 @@ def make_ppo_update(c: RunConfig, policy: Policy, critic_config: ModelConfig, op
 
         (state, _), metrics, _ = scanned_updates(one, (state, jnp.int32(0)), batch, key, epochs=c.rl.mu,
                                                  minibatch_size=minibatch_size,
-                                                 constrain=lambda b: jax.lax.with_sharding_constraint(b, rows))
+                                                 constrain=lambda b: jax.lax.with_sharding_constraint(b, rows),
+                                                 per_update=layouts, attach=lambda b, layout: PPOBatch(
+                                                     b.policy._replace(layout=layout),
+                                                     b.critic._replace(layout=layout)))
         return state, metrics
 
     return update
@@ -201,7 +208,9 @@ class PPO(RolloutAlgorithm):
         optimizers, sharding = (self.optimizer, self.critic_optimizer), state_sharding(self.init())
         self.update_fns = {train: jit_update(make_ppo_update(c, p, self.critic_config, optimizers, self.objective,
                                                              self.minibatch_size, train_policy=train), p.mesh,
-                                             sharding, frozen_sharding=p.frozen_sharding) for train in (True, False)}
+                                             sharding, frozen_sharding=p.frozen_sharding,
+                                             extra_shardings=(NamedSharding(p.mesh, PartitionSpec()),))
+                           for train in (True, False)}
 
     def init(self) -> State:
         p, critic = self.policy, self.initial_critic
@@ -232,9 +241,11 @@ class PPO(RolloutAlgorithm):
         batch = PPOBatch(PolicyBatch(pt, pm, ct, cm, old_logp, ref_logp, targets.advantages, sampler_logp),
                          CriticBatch(pt, pm, ct, cm, values, targets.returns))
         train_policy = step > pc.critic_warmup_steps
-        state, metrics = self.update_fns[train_policy](state, batch, key, p.frozen)
+        plan = update_plan(self.config, ro, key, self.minibatch_size, self.mesh)
+        state, metrics = self.update_fns[train_policy](state, batch, key, p.frozen, plan.layouts)
         out, skipped = host_metrics({**metrics, **rollout_metrics})
         out |= mismatch
+        out["update/padding_frac"] = plan.padding_frac
         critic_skipped = bool(out.pop("critic/last_update_skipped"))
         if not train_policy:  # critic warm-up: the policy is not updated (ratio 1, no drift)
             out["approx_kl"], skipped = 0.0, critic_skipped

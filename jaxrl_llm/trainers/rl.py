@@ -5,25 +5,50 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec
 
 from jaxrl_llm.config import RunConfig
 from jaxrl_llm.data import DataState
 from jaxrl_llm.envs.sandbox import describe_sandbox, use_sandbox
 from jaxrl_llm.errors import ConfigError
+from jaxrl_llm.models.packing import PackedLayout, update_layouts
 from jaxrl_llm.models.weights import frozen_copy
 from jaxrl_llm.rl.estimators import needs_values
 from jaxrl_llm.rl.plugins import resolve_estimator, resolve_policy_loss
 from jaxrl_llm.rl.rollout_correction import ROLLOUT_CORRECTION_MODES, logprob_mismatch
 from jaxrl_llm.rl.surrogates import NO_DUAL_CLIP, POLICY_LOSSES
+from jaxrl_llm.sharding import batch_divisor, global_array
 from jaxrl_llm.trainers.base import Algorithm, Collected, State
 from jaxrl_llm.trainers.evaluation import EpisodeEvaluation, GreedyEvaluation
 from jaxrl_llm.trainers.objectives import make_logprob_fn
 from jaxrl_llm.trainers.policy import load_policy
 from jaxrl_llm.trainers.rollouts import DriftMeter, Rollout, RolloutCollector, rollout_tokens
+from jaxrl_llm.trainers.step import minibatch_rows
 from jaxrl_llm.trainers.trajectories import TrajectoryCollector
+
+
+class UpdatePlan(NamedTuple):
+    """How a step's update lays out its sequences: the packed layouts of every micro-batch (`rl.packing`), placed
+    on the mesh, or None for the padded layout; and the share of the positions it computes that are padding."""
+
+    layouts: PackedLayout | None
+    padding_frac: float
+
+
+def update_plan(c: RunConfig, ro: Rollout, key: jax.Array, minibatch_size: int, mesh: Mesh) -> UpdatePlan:
+    """The update's layout for rollout `ro`: with `rl.packing`, every micro-batch of the `rl.mu` epochs x
+    minibatches the update's `minibatch_rows(key, ...)` draws, packed (`packing.update_layouts`)."""
+    valid = np.concatenate([ro.prompt_mask, ro.out.mask], axis=1)[:, :-1] > 0
+    if not c.rl.packing:
+        return UpdatePlan(None, 1.0 - float(valid.mean()))
+    rows = np.asarray(jax.device_get(minibatch_rows(key, len(valid), epochs=c.rl.mu, minibatch_size=minibatch_size)))
+    plan = update_layouts(valid, ro.prompt_mask.shape[1], rows, c.rl.grad_accum, multiple=batch_divisor(mesh))
+    layouts = jax.tree.map(lambda x: global_array(x, mesh, PartitionSpec()), plan.layouts)
+    return UpdatePlan(layouts, plan.padding_frac_packed)
 
 
 def update_sizes(c: RunConfig) -> tuple[int, int, int]:

@@ -19,7 +19,8 @@ import numpy as np
 from jaxrl_llm.config import RunConfig
 from jaxrl_llm.data import DataState, PromptSet, bucket, left_pad, next_batch_indices
 from jaxrl_llm.errors import ConfigError
-from jaxrl_llm.sharding import init_optimizer_state
+from jaxrl_llm.models.packing import batch_layout
+from jaxrl_llm.sharding import batch_divisor, init_optimizer_state
 from jaxrl_llm.trainers.base import Collected, State
 from jaxrl_llm.trainers.evaluation import GreedyEvaluation
 from jaxrl_llm.trainers.objectives import PolicyBatch, PolicyObjective, sft_loss
@@ -87,7 +88,12 @@ class SFT(ExampleAlgorithm):
         pt, pm, ct, cm = completion_arrays(self.examples, indices, p.tokenizer, c.data.answer_field, p.eos_ids[0],
                                            p.pad_id)
         zeros = np.zeros(ct.shape, np.float32)
-        return Collected(PolicyBatch(pt, pm, ct, cm, zeros, zeros, np.zeros(len(pt), np.float32)), data_state, {})
+        batch = PolicyBatch(pt, pm, ct, cm, zeros, zeros, np.zeros(len(pt), np.float32))
+        valid = np.concatenate([pm, cm], axis=1)[:, :-1] > 0
+        if not c.sft.packing:
+            return Collected(batch, data_state, {"update/padding_frac": 1.0 - float(valid.mean())})
+        layout, _, padding = batch_layout(valid, pm.shape[1], multiple=batch_divisor(self.mesh))
+        return Collected(batch._replace(layout=layout), data_state, {"update/padding_frac": padding})
 
     def evaluate(self, state: State, limit: int | None) -> dict[str, float]:
         return self.evaluation(self.policy.inference_weights(state["params"]), limit)

@@ -210,16 +210,22 @@ def minibatch_rows(key: jax.Array, num_rows: int, *, epochs: int, minibatch_size
 
 
 def scanned_updates(step: StepFn, carry: Carry, batch: Any, key: jax.Array, *, epochs: int, minibatch_size: int,
-                    constrain: Callable[[Any], Any] = lambda x: x) -> tuple[Carry, Metrics, Metrics]:
+                    constrain: Callable[[Any], Any] = lambda x: x, per_update: Any = None,
+                    attach: Callable[[Any, Any], Any] | None = None) -> tuple[Carry, Metrics, Metrics]:
     """Run `step(carry, minibatch) -> (carry, metrics)` over `epochs` shuffled passes of `batch` (a pytree of
     arrays with the row axis first). Returns `(carry, reduced metrics, stacked metrics [U])`; `constrain` puts
-    each gathered minibatch back in the batch sharding."""
+    each gathered minibatch back in the batch sharding. `per_update`, a pytree with the update axis `[U]` first
+    (the packed layouts the host planned for these same `minibatch_rows`), reaches each minibatch through
+    `attach(minibatch, its entry)`."""
     num_rows = jax.tree.leaves(batch)[0].shape[0]
     rows = minibatch_rows(key, num_rows, epochs=epochs, minibatch_size=minibatch_size)
 
-    def one_update(carry: Carry, idx: jax.Array) -> tuple[Carry, Metrics]:
-        minibatch = constrain(jax.tree.map(lambda x: jnp.take(x, idx, axis=0), batch))
-        return step(carry, minibatch)
+    def one_update(carry: Carry, xs: tuple[jax.Array, Any]) -> tuple[Carry, Metrics]:
+        idx, extra = xs
+        minibatch = jax.tree.map(lambda x: jnp.take(x, idx, axis=0), batch)
+        if attach is not None:
+            minibatch = attach(minibatch, extra)
+        return step(carry, constrain(minibatch))
 
-    carry, stacked = jax.lax.scan(one_update, carry, rows)
+    carry, stacked = jax.lax.scan(one_update, carry, (rows, per_update))
     return carry, reduce_metrics(stacked), stacked

@@ -1,0 +1,164 @@
+"""The padding-free update: a micro-batch's sequences laid end to end in packed rows.
+
+A policy micro-batch is `M` sequences in the padded layout: the model reads `inputs = concat(prompt,
+completion)[:, :-1]`, `[M, S]` with `S = P + T - 1`, left-padded prompts and right-padded completions. Packed,
+the valid input tokens of several sequences share a row of the same length `S`::
+
+    row r:  [ seq 3 ............ | seq 0 ....... | seq 5 .. | pad ]     segments 4 4 4 1 1 1 6 6 0
+                                                                        positions 0 1 2 0 1 2 0 1 0
+
+Attention stays inside a sequence (block-diagonal causal, `layers.segment_attention_allowed`), RoPE positions
+restart per sequence, so every packed position's hidden state is the padded one's. The losses do not change: the
+hidden states that predict the completion tokens are gathered back to `[M, T]` (`PackedLayout.predictor`) and
+everything after that (log-probs, KL, entropy, every aggregation mode, GSPO's sequence ratios, the rollout
+correction's weights, per-turn credit) runs on the padded `[M, T]` arrays as before.
+
+Host side (numpy, before the update's jit): `first_fit_decreasing` bins sequences by length, `micro_batch_layout`
+lays out one micro-batch, `update_layouts` every micro-batch of every update of a step, in the row order the
+update's strided micro-batch split reads. Rows per micro-batch are rounded up to a multiple of `M // 8`
+(`bucket_rows`), so a run compiles at most 8 update programs. Device side (pure, jittable): `packed_inputs`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_llm.models.layers import positions_from_mask
+
+
+class PackedLayout(NamedTuple):
+    """Where one micro-batch's sequences sit in its `R` packed rows of length `S`.
+
+    source `[R, S]` int32: for each packed position, the flat index `m * S + s` of the input token it holds in the
+    padded `[M, S]` inputs, -1 on padding. predictor `[M, T]` int32: for each completion token `t` of sequence `m`,
+    the flat packed index `r * S + j` of the position whose hidden state predicts it (0 where the completion mask
+    is 0: those log-probs are masked downstream). Stacked over micro-batches (and updates), the leading axes grow.
+    """
+
+    source: jax.Array
+    predictor: jax.Array
+
+
+def first_fit_decreasing(lengths: np.ndarray | list[int], capacity: int) -> list[list[int]]:
+    """Bins of sequence indices whose lengths sum to at most `capacity`: longest first, each into the first bin
+    it fits (at most 11/9 OPT + 1 bins). Zero-length sequences are left out; a longer one than `capacity` is an
+    error (a row holds the longest padded sequence, so it cannot happen for a rollout)."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i)):
+        n = int(lengths[i])
+        if n == 0:
+            continue
+        if n > capacity:
+            raise ValueError(f"first_fit_decreasing: a sequence of {n} tokens does not fit a row of {capacity}")
+        for b, free in enumerate(room):
+            if n <= free:
+                bins[b].append(i)
+                room[b] -= n
+                break
+        else:
+            bins.append([i])
+            room.append(capacity - n)
+    return bins
+
+
+def bucket_rows(needed: int, most: int) -> int:
+    """Rows to allocate for `needed` bins out of at most `most`: rounded up to a multiple of `most // 8`, so a run
+    compiles at most 8 shapes of its update, each at most 1/8 of the rows over what it needs."""
+    step = max(1, most // 8)
+    return min(most, -(-needed // step) * step)
+
+
+def micro_batch_layout(valid: np.ndarray, prompt_width: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """`(source [rows, S], predictor [M, T])` of one micro-batch from its input mask `valid [M, S]` (the padded
+    inputs' attention mask, `S = P + T - 1`) and the prompt width `P`. Sequences are binned by
+    `first_fit_decreasing` and laid out in bin order, each as its valid positions in order."""
+    m, s = valid.shape
+    t = s - prompt_width + 1
+    bins = first_fit_decreasing(valid.sum(axis=1), s)
+    if len(bins) > rows:
+        raise ValueError(f"micro_batch_layout: {len(bins)} bins do not fit {rows} rows")
+    source = np.full((rows, s), -1, np.int32)
+    where = np.zeros((m, s), np.int64)  # flat packed index of each valid input position
+    for r, members in enumerate(bins):
+        j = 0
+        for i in members:
+            cols = np.flatnonzero(valid[i])
+            source[r, j : j + len(cols)] = i * s + cols
+            where[i, cols] = r * s + np.arange(j, j + len(cols))
+            j += len(cols)
+    # completion token t is predicted at input column P - 1 + t
+    predictor = np.where(valid[:, prompt_width - 1 : prompt_width - 1 + t], where[:, prompt_width - 1:], 0)
+    return source, predictor.astype(np.int32)
+
+
+def batch_layout(valid: np.ndarray, prompt_width: int, multiple: int = 1) -> tuple[PackedLayout, float, float]:
+    """One batch packed whole (one update of one micro-batch: SFT's): `(layout, padding share padded, packed)`
+    from its input mask `valid [N, S]`; rows `bucket_rows` of what it needs, a multiple of `multiple`."""
+    n, s = valid.shape
+    needed = len(first_fit_decreasing(valid.sum(axis=1), s))
+    rows = min(n, -(-bucket_rows(needed, n) // multiple) * multiple)
+    source, predictor = micro_batch_layout(valid, prompt_width, rows)
+    real = float(valid.sum())
+    return PackedLayout(source, predictor), 1.0 - real / valid.size, 1.0 - real / (rows * s)
+
+
+class UpdateLayouts(NamedTuple):
+    """Every micro-batch layout of one step's updates: source `[U, A * R, S]`, predictor `[U, A * M, T]` (the
+    micro-batch `a`'s row `i` at index `i * A + a`, the order `train_step`'s strided split reads), and the share of
+    the positions the update computes that are padding, padded layout and packed."""
+
+    layouts: PackedLayout
+    padding_frac_padded: float
+    padding_frac_packed: float
+
+
+def update_layouts(valid: np.ndarray, prompt_width: int, rows: np.ndarray, grad_accum: int,
+                   multiple: int = 1) -> UpdateLayouts:
+    """The packed layouts of every micro-batch of a step's updates.
+
+    valid `[N, S]`: the rollout's input mask (`concat(prompt_mask, completion_mask)[:, :-1]`); rows `[U, MB]`: the
+    rollout rows of each update's minibatch (`step.minibatch_rows`); micro-batch `a` of update `u` holds rows
+    `rows[u, a::grad_accum]`. Each micro-batch gets the same number of packed rows `R` (`bucket_rows` of the
+    most any needs, and a multiple of `multiple`: the data-parallel devices the rows are split over), so the update
+    is one program."""
+    n_updates, mb = rows.shape
+    m = mb // grad_accum
+    micro = [[rows[u, a::grad_accum] for a in range(grad_accum)] for u in range(n_updates)]
+    needed = max(len(first_fit_decreasing(valid[idx].sum(axis=1), valid.shape[1])) for per in micro for idx in per)
+    r = min(m, -(-bucket_rows(needed, m) // multiple) * multiple)
+    s = valid.shape[1]
+    t = s - prompt_width + 1
+    source = np.zeros((n_updates, grad_accum * r, s), np.int32)
+    predictor = np.zeros((n_updates, grad_accum * m, t), np.int32)
+    for u, per in enumerate(micro):
+        for a, idx in enumerate(per):
+            src, pred = micro_batch_layout(valid[idx], prompt_width, r)
+            source[u, a::grad_accum] = src
+            predictor[u, a::grad_accum] = pred
+    real = float(valid[rows].sum())
+    return UpdateLayouts(PackedLayout(source, predictor), 1.0 - real / (rows.size * s),
+                         1.0 - real / (n_updates * grad_accum * r * s))
+
+
+def packed_inputs(tokens: jax.Array, mask: jax.Array, layout: PackedLayout) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The packed rows' `(tokens, positions, segments)`, each `[R, S]` int32, from the padded inputs `tokens,
+    mask [M, S]`: tokens and positions (`positions_from_mask`, restarting per sequence) gathered through
+    `layout.source`, segments `m + 1` for sequence `m` and 0 on padding."""
+    s = tokens.shape[1]
+    src = layout.source
+    pad = src < 0
+    flat = jnp.where(pad, 0, src)
+    gathered_tokens = jnp.where(pad, 0, tokens.reshape(-1)[flat])
+    positions = jnp.where(pad, 0, positions_from_mask(mask).reshape(-1)[flat])
+    segments = jnp.where(pad, 0, flat // s + 1)
+    return gathered_tokens.astype(jnp.int32), positions.astype(jnp.int32), segments.astype(jnp.int32)
+
+
+def gather_predictors(hidden: jax.Array, layout: PackedLayout) -> jax.Array:
+    """The hidden states that predict each completion token, `[M, T, D]`, from the packed rows' `[R, S, D]`."""
+    return hidden.reshape(-1, hidden.shape[-1])[layout.predictor]
