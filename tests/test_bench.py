@@ -36,6 +36,7 @@ SMOKE: dict[str, tuple[list[str], str]] = {
                         "--new-tokens", "8"], '"compiled_gib"'),
     "multi_turn.py": (["--rows", "2", "--turns", "2", "--turn-tokens", "2", "--reply-tokens", "2", "--repeats", "1"],
                       "multi-turn / single-turn rollout:"),
+    "packing.py": (["--tiny", "--rows", "4", "--max-new", "16", "--repeats", "1"], "packed / padded:"),
     "rollout_engine.py": (["--model", "{chat_model}", "--prompts", "2", "--n", "2", "--new-tokens", "4",
                            "--page-size", "4", "--repeats", "1"], "engine / static:"),
     "sampling.py": (["--batch", "2", "--prompt-len", "4", "--new-tokens", "4", "--repeats", "1", "--peer", "hf",
