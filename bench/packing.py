@@ -1,6 +1,7 @@
 """One optimizer update of a GRPO-shaped batch, padded against packed (`rl.packing`), on the same sequences.
 
-    python bench/packing.py [--model DIR] [--rows 16] [--max-new 128] [--grad-accum 2] [--repeats 2] [--tiny]
+    python bench/packing.py [--model DIR] [--rows 16] [--max-new 128] [--grad-accum 1] [--repeats 2]
+                            [--row-tokens 0] [--tiny]
 
 The batch is what a GRPO step with EOS on trains on: prompts of 40-120 tokens (left-padded to the longest, rounded
 to 16 as the sampler buckets them), completions whose lengths vary several-fold (half short answers of 8-40 tokens,
@@ -67,8 +68,9 @@ def main() -> None:
     ap.add_argument("--model", default=str(SMOLLM2))
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--max-new", type=int, default=128)
-    ap.add_argument("--grad-accum", type=int, default=2)
+    ap.add_argument("--grad-accum", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--row-tokens", type=int, default=0, help="packed rows' length if over S (default S)")
     ap.add_argument("--tiny", action="store_true", help="a random two-layer model (the smoke test)")
     args = ap.parse_args()
 
@@ -86,16 +88,20 @@ def main() -> None:
     batch = grpo_shaped_batch(args.rows, args.max_new, config.vocab_size)
     valid = np.concatenate([batch.prompt_mask, batch.completion_mask], 1)[:, :-1] > 0
     if args.grad_accum == 1:
-        layout, frac_padded, frac_packed = batch_layout(valid, batch.prompt_tokens.shape[1])
+        layout, frac_padded, frac_packed = batch_layout(valid, batch.prompt_tokens.shape[1],
+                                                        row_tokens=args.row_tokens)
     else:
-        plan = update_layouts(valid, batch.prompt_tokens.shape[1], np.arange(args.rows)[None], args.grad_accum)
+        plan = update_layouts(valid, batch.prompt_tokens.shape[1], np.arange(args.rows)[None], args.grad_accum,
+                              row_tokens=args.row_tokens)
         layout = jax.tree.map(lambda x: x[0], plan.layouts)
         frac_padded, frac_packed = plan.padding_frac_padded, plan.padding_frac_packed
     real = int(valid.sum())
     print(f"{name}, bf16 compute over float32 master weights, {args.rows} sequences: prompts "
           f"{int(batch.prompt_mask.sum(1).min())}-{int(batch.prompt_mask.sum(1).max())} tokens (padded to "
           f"{batch.prompt_tokens.shape[1]}), completions {int(batch.completion_mask.sum(1).min())}-"
-          f"{int(batch.completion_mask.sum(1).max())}, {args.grad_accum} micro-batches; {real} real positions")
+          f"{int(batch.completion_mask.sum(1).max())}, {args.grad_accum} micro-batches; {real} real positions; packed "
+          f"rows of {layout.source.shape[-1]} tokens ({layout.source.shape[0] // max(args.grad_accum, 1)} per "
+          f"micro-batch, padded: {args.rows // args.grad_accum} of {valid.shape[1]})")
     state = {"params": params, "opt_state": init_optimizer_state(optimizer, params, param_shardings(params, mesh),
                                                                  mesh)}
     update = jit_one_step_update(mesh, state, loss_fn=policy_loss, model_config=config,
@@ -114,10 +120,10 @@ def main() -> None:
         seconds[label] = best_seconds(call, args.repeats)
         print(f"  {label}: padding {frac:.1%} of the computed positions, {seconds[label]:.2f} s per update, "
               f"{real / seconds[label]:,.0f} real tokens/s")
-    ideal = (1.0 - frac_packed) / (1.0 - frac_padded)
+    ideal = (1.0 - frac_packed) / (1.0 - frac_padded)  # padded positions / packed positions
     speedup = seconds["padded"] / seconds["packed"]
-    print(f"packed / padded: {speedup:.2f}x faster; ideal (padded positions / packed positions) {1 / ideal:.2f}x; "
-          f"packed time over the ideal: {(seconds['packed'] / seconds['padded']) / ideal:.2f}x")
+    print(f"packed / padded: {speedup:.2f}x faster; ideal (padded positions / packed positions) {ideal:.2f}x; "
+          f"packed time over the ideal: {ideal / speedup:.2f}x")
 
 
 if __name__ == "__main__":

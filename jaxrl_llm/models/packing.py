@@ -73,38 +73,51 @@ def bucket_rows(needed: int, most: int) -> int:
     return min(most, -(-needed // step) * step)
 
 
-def micro_batch_layout(valid: np.ndarray, prompt_width: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """`(source [rows, S], predictor [M, T])` of one micro-batch from its input mask `valid [M, S]` (the padded
-    inputs' attention mask, `S = P + T - 1`) and the prompt width `P`. Sequences are binned by
-    `first_fit_decreasing` and laid out in bin order, each as its valid positions in order."""
+def micro_batch_layout(valid: np.ndarray, prompt_width: int, rows: int,
+                       row_len: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """`(source [rows, row_len], predictor [M, T])` of one micro-batch from its input mask `valid [M, S]` (the
+    padded inputs' attention mask, `S = P + T - 1`) and the prompt width `P`; rows of `row_len >= S` tokens
+    (default `S`). Sequences are binned by `first_fit_decreasing` and laid out in bin order, each as its valid
+    positions in order."""
     m, s = valid.shape
     t = s - prompt_width + 1
-    bins = first_fit_decreasing(valid.sum(axis=1), s)
+    row_len = s if row_len is None else row_len
+    bins = first_fit_decreasing(valid.sum(axis=1), row_len)
     if len(bins) > rows:
         raise ValueError(f"micro_batch_layout: {len(bins)} bins do not fit {rows} rows")
-    source = np.full((rows, s), -1, np.int32)
+    source = np.full((rows, row_len), -1, np.int32)
     where = np.zeros((m, s), np.int64)  # flat packed index of each valid input position
     for r, members in enumerate(bins):
         j = 0
         for i in members:
             cols = np.flatnonzero(valid[i])
             source[r, j : j + len(cols)] = i * s + cols
-            where[i, cols] = r * s + np.arange(j, j + len(cols))
+            where[i, cols] = r * row_len + np.arange(j, j + len(cols))
             j += len(cols)
     # completion token t is predicted at input column P - 1 + t
     predictor = np.where(valid[:, prompt_width - 1 : prompt_width - 1 + t], where[:, prompt_width - 1:], 0)
     return source, predictor.astype(np.int32)
 
 
-def batch_layout(valid: np.ndarray, prompt_width: int, multiple: int = 1) -> tuple[PackedLayout, float, float]:
+def row_length(valid: np.ndarray, row_tokens: int) -> int:
+    """The packed rows' length: the padded length `S` (the longest sequence fits a row), or `row_tokens` if longer.
+    Longer rows pack tighter but every position attends over the whole row: on the 2-core CPU, rows of `2 S` made
+    an update of SmolLM2 no faster than padded, rows of `S` 1.25x faster (`bench/packing.py`)."""
+    return max(valid.shape[1], row_tokens)
+
+
+def batch_layout(valid: np.ndarray, prompt_width: int, multiple: int = 1,
+                 row_tokens: int = 0) -> tuple[PackedLayout, float, float]:
     """One batch packed whole (one update of one micro-batch: SFT's): `(layout, padding share padded, packed)`
-    from its input mask `valid [N, S]`; rows `bucket_rows` of what it needs, a multiple of `multiple`."""
-    n, s = valid.shape
-    needed = len(first_fit_decreasing(valid.sum(axis=1), s))
+    from its input mask `valid [N, S]`; rows of `row_length(valid, row_tokens)`, as many as `bucket_rows` of what
+    it needs, a multiple of `multiple`."""
+    n, _ = valid.shape
+    row_len = row_length(valid, row_tokens)
+    needed = len(first_fit_decreasing(valid.sum(axis=1), row_len))
     rows = min(n, -(-bucket_rows(needed, n) // multiple) * multiple)
-    source, predictor = micro_batch_layout(valid, prompt_width, rows)
+    source, predictor = micro_batch_layout(valid, prompt_width, rows, row_len)
     real = float(valid.sum())
-    return PackedLayout(source, predictor), 1.0 - real / valid.size, 1.0 - real / (rows * s)
+    return PackedLayout(source, predictor), 1.0 - real / valid.size, 1.0 - real / (rows * row_len)
 
 
 class UpdateLayouts(NamedTuple):
@@ -118,31 +131,33 @@ class UpdateLayouts(NamedTuple):
 
 
 def update_layouts(valid: np.ndarray, prompt_width: int, rows: np.ndarray, grad_accum: int,
-                   multiple: int = 1) -> UpdateLayouts:
+                   multiple: int = 1, row_tokens: int = 0) -> UpdateLayouts:
     """The packed layouts of every micro-batch of a step's updates.
 
     valid `[N, S]`: the rollout's input mask (`concat(prompt_mask, completion_mask)[:, :-1]`); rows `[U, MB]`: the
     rollout rows of each update's minibatch (`step.minibatch_rows`); micro-batch `a` of update `u` holds rows
-    `rows[u, a::grad_accum]`. Each micro-batch gets the same number of packed rows `R` (`bucket_rows` of the
+    `rows[u, a::grad_accum]`. Rows are `row_length(valid, row_tokens)` long; each micro-batch gets the same
+    number of packed rows `R` (`bucket_rows` of the
     most any needs, and a multiple of `multiple`: the data-parallel devices the rows are split over), so the update
     is one program."""
     n_updates, mb = rows.shape
     m = mb // grad_accum
     micro = [[rows[u, a::grad_accum] for a in range(grad_accum)] for u in range(n_updates)]
-    needed = max(len(first_fit_decreasing(valid[idx].sum(axis=1), valid.shape[1])) for per in micro for idx in per)
+    row_len = row_length(valid, row_tokens)
+    needed = max(len(first_fit_decreasing(valid[idx].sum(axis=1), row_len)) for per in micro for idx in per)
     r = min(m, -(-bucket_rows(needed, m) // multiple) * multiple)
     s = valid.shape[1]
     t = s - prompt_width + 1
-    source = np.zeros((n_updates, grad_accum * r, s), np.int32)
+    source = np.zeros((n_updates, grad_accum * r, row_len), np.int32)
     predictor = np.zeros((n_updates, grad_accum * m, t), np.int32)
     for u, per in enumerate(micro):
         for a, idx in enumerate(per):
-            src, pred = micro_batch_layout(valid[idx], prompt_width, r)
+            src, pred = micro_batch_layout(valid[idx], prompt_width, r, row_len)
             source[u, a::grad_accum] = src
             predictor[u, a::grad_accum] = pred
     real = float(valid[rows].sum())
     return UpdateLayouts(PackedLayout(source, predictor), 1.0 - real / (rows.size * s),
-                         1.0 - real / (n_updates * grad_accum * r * s))
+                         1.0 - real / (n_updates * grad_accum * r * row_len))
 
 
 def packed_inputs(tokens: jax.Array, mask: jax.Array, layout: PackedLayout) -> tuple[jax.Array, jax.Array, jax.Array]:
