@@ -141,7 +141,9 @@ def test_reference_in_the_step_equals_precomputed_and_the_run_learns(tiny_task, 
         config = tiny_run("dpo_arithmetic", tmp_path / where, f"data.train={train}", f"data.eval={train}",
                           f"dpo.eval_prompts={tiny_task / 'test.jsonl'}", f"dpo.reference={where}", "steps=6",
                           "sft.batch_size=16", "sft.eval_batch_size=32", "optim.learning_rate=3e-3", "dpo.beta=1.0",
-                          "optim.warmup_steps=0", "checkpoint_every=0", task=tiny_task)
+                          "optim.warmup_steps=0", "checkpoint_every=0",
+                          # the run with the reference in the step packs its pairs (sft.packing): still the same run
+                          f"sft.packing={str(where == 'step').lower()}", task=tiny_task)
         trainer = make_trainer(config)
         assert (trainer.algorithm.frozen is None) == (where == "precompute")  # no reference weights kept
         summary = trainer.run()
@@ -154,6 +156,9 @@ def test_reference_in_the_step_equals_precomputed_and_the_run_learns(tiny_task, 
                 assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
     for a, b in zip(jax.tree.leaves(p_step), jax.tree.leaves(p_pre), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5)
+    fracs = [(a["update/padding_frac"], b["update/padding_frac"]) for a, b in zip(rows_step, rows_pre, strict=True)
+             if "update/padding_frac" in a]
+    assert fracs and all(packed < padded for packed, padded in fracs)
     trained = [r for r in rows_step if "rewards/margins" in r]
     assert set(rows_step[-1]) >= {"rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
                                   "logps/chosen", "logps/rejected"}

@@ -324,3 +324,30 @@ def test_sft_of_lora_adapters_packed_trains_as_padded(tiny_task, tmp_path):
         for key in ("loss", "sft_loss", "grad_norm"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
         assert b["update/padding_frac"] < a["update/padding_frac"]
+
+
+def test_a_reward_model_packed_trains_as_padded(tmp_path):
+    """`--algo rm` with sft.packing=true (both sides of each pair in one packed forward pass, the score read at each
+    sequence's last token): the padded run's losses, accuracies and gradient norms."""
+    import json
+
+    from jaxrl_llm.config import load_run_config
+    from jaxrl_llm.tasks.arithmetic import make_preferences, make_problems
+
+    base = Path(__file__).resolve().parents[1] / "models" / "arith-base"
+    pairs = make_preferences(make_problems(40, seed=1, max_digits=2), seed=2)
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pairs))
+
+    def run(name: str, *extra: str) -> list[dict]:
+        make_trainer(load_run_config(None, [f"model.path={base}", f"data.train={tmp_path / 'train.jsonl'}",
+                                            "data.eval=", f"out_dir={tmp_path / name}", "steps=2", "sft.batch_size=8",
+                                            "progress_bar=false", "tensorboard=false", "export=false",
+                                            "report=false", *extra], algo="rm")).run()
+        return read_rows(tmp_path / name, having="loss")
+
+    padded, packed = run("padded"), run("packed", "sft.packing=true")
+    assert len(padded) == 2
+    for a, b in zip(padded, packed, strict=True):
+        for key in ("loss", "grad_norm", "rewards/accuracies", "rewards/margins"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
+        assert b["update/padding_frac"] < a["update/padding_frac"]

@@ -277,7 +277,7 @@ class SFTSection:
 
     batch_size: int = at_least(64, 1)  # --algo sft / rm / dpo: examples (pairs) per optimizer step
     eval_batch_size: int = at_least(256, 1)  # --algo sft / rm / dpo: examples (pairs) per evaluation batch
-    packing: bool = False  # --algo sft: each batch's examples laid end to end in packed rows (as rl.packing)
+    packing: bool = False  # --algo sft / rm / dpo: each batch's sequences laid end to end in packed rows (rl.packing)
 
 
 @dataclass

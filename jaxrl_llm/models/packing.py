@@ -120,6 +120,14 @@ def batch_layout(valid: np.ndarray, prompt_width: int, multiple: int = 1,
     return PackedLayout(source, predictor), 1.0 - real / valid.size, 1.0 - real / (rows * row_len)
 
 
+def last_token_layout(mask: np.ndarray, multiple: int = 1) -> tuple[PackedLayout, float, float]:
+    """Whole left-padded sequences `mask [N, T]` packed (a reward model's: the inputs are the sequences themselves),
+    with the predictor `[N, 1]` pointing at each row's last token: `batch_layout` of the rows read as prompts of
+    width `T`, whose last column predicts the one "completion token" after them. `(layout, padding share padded,
+    packed)`."""
+    return batch_layout(mask > 0, mask.shape[1], multiple)
+
+
 class UpdateLayouts(NamedTuple):
     """Every micro-batch layout of one step's updates: source `[U, A * R, S]`, predictor `[U, A * M, T]` (the
     micro-batch `a`'s row `i` at index `i * A + a`, the order `train_step`'s strided split reads), and the share of

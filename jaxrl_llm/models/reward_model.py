@@ -24,10 +24,11 @@ import numpy as np
 from jaxrl_llm.data import load_tokenizer
 from jaxrl_llm.errors import ConversionError
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.decoder import Params, forward
+from jaxrl_llm.models.decoder import Params, forward, forward_packed
 from jaxrl_llm.models.families import FAMILIES
 from jaxrl_llm.models.hf import is_classifier, load_hf_model, read_tensor, resolve_model_dir
 from jaxrl_llm.models.hf_export import save_hf_model
+from jaxrl_llm.models.packing import PackedLayout, gather_predictors, packed_inputs
 from jaxrl_llm.models.precision import matmul
 
 
@@ -38,14 +39,21 @@ def last_token_index(mask: jax.Array) -> jax.Array:
 
 
 def sequence_scores(
-    params: Params, score_kernel: jax.Array, config: ModelConfig, tokens: jax.Array, mask: jax.Array
+    params: Params, score_kernel: jax.Array, config: ModelConfig, tokens: jax.Array, mask: jax.Array,
+    layout: PackedLayout | None = None,
 ) -> jax.Array:
     """Classifier scores `[B, num_labels]` (float32) at the last valid token of each (left- or right-padded) row.
 
-    `tokens, mask [B, T]`, `score_kernel [D, num_labels]` (the HF `score.weight` transposed).
+    `tokens, mask [B, T]`, `score_kernel [D, num_labels]` (the HF `score.weight` transposed). With a packed
+    `layout` of the left-padded rows (`packing.last_token_layout`: its predictor `[B, 1]` is each row's last
+    token) the forward pass runs on packed rows, no padding computed: the same scores.
     """
-    hidden = forward(params, config, tokens, mask, return_hidden=True)
-    last = jnp.take_along_axis(hidden, last_token_index(mask)[:, None, None], axis=1)[:, 0]
+    if layout is None:
+        hidden = forward(params, config, tokens, mask, return_hidden=True)
+        last = jnp.take_along_axis(hidden, last_token_index(mask)[:, None, None], axis=1)[:, 0]
+    else:
+        rows, positions, segments = packed_inputs(tokens, mask, layout)
+        last = gather_predictors(forward_packed(params, config, rows, positions, segments), layout)[:, 0]
     return matmul(last, score_kernel, config.jnp_dtype, jnp.float32)
 
 

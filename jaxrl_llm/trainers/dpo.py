@@ -36,9 +36,10 @@ from jaxrl_llm.data import (
 )
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params
+from jaxrl_llm.models.packing import PackedLayout, batch_layout
 from jaxrl_llm.models.weights import frozen_copy
 from jaxrl_llm.rl.preference import dpo_loss
-from jaxrl_llm.sharding import init_optimizer_state
+from jaxrl_llm.sharding import batch_divisor, init_optimizer_state
 from jaxrl_llm.trainers.base import Collected, State
 from jaxrl_llm.trainers.evaluation import GreedyEvaluation
 from jaxrl_llm.trainers.objectives import completion_logprobs
@@ -59,6 +60,7 @@ class PairBatch(NamedTuple):
     rejected_mask: jax.Array
     ref_chosen: jax.Array
     ref_rejected: jax.Array
+    layout: PackedLayout | None = None  # sft.packing: the `[2B]` chosen-then-rejected sequences' packed rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,13 +78,13 @@ class DPOLossConfig:
 def pair_logprobs(params: Params, config: ModelConfig, batch: PairBatch, *, block_mib: float = 256.0,
                   dropout_key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """`(sum_t log pi(chosen_t), sum_t log pi(rejected_t))`, each `[B]` float32: one forward over both sides
-    (the prompt rows repeated), `completion_logprobs` masked and summed."""
+    (the prompt rows repeated; packed rows with `batch.layout`), `completion_logprobs` masked and summed."""
     prompts = jnp.concatenate([batch.prompt_tokens, batch.prompt_tokens])
     prompt_mask = jnp.concatenate([batch.prompt_mask, batch.prompt_mask])
     responses = jnp.concatenate([batch.chosen_tokens, batch.rejected_tokens])
     mask = jnp.concatenate([batch.chosen_mask, batch.rejected_mask])
     logp, _ = completion_logprobs(params, config, prompts, prompt_mask, responses, mask, block_mib=block_mib,
-                                  dropout_key=dropout_key)
+                                  dropout_key=dropout_key, layout=batch.layout)
     sums = (logp * mask.astype(jnp.float32)).sum(axis=1)
     return sums[: batch.prompt_tokens.shape[0]], sums[batch.prompt_tokens.shape[0]:]
 
@@ -205,8 +207,13 @@ class DPO(ExampleAlgorithm):
     def collect(self, state: State, data_state: DataState, key: jax.Array) -> Collected:
         c = self.config
         idx, data_state = next_batch_indices(len(self.pairs), c.sft.batch_size, data_state, c.seed, c.data.shuffle)
-        return Collected(pair_batch(self.pairs, idx, self.policy.pad_id, c.sampling.prompt_bucket, self.train_ref),
-                         data_state, {})
+        batch = pair_batch(self.pairs, idx, self.policy.pad_id, c.sampling.prompt_bucket, self.train_ref)
+        valid = np.concatenate([np.concatenate([batch.prompt_mask] * 2),
+                                np.concatenate([batch.chosen_mask, batch.rejected_mask])], axis=1)[:, :-1] > 0
+        if not c.sft.packing:
+            return Collected(batch, data_state, {"update/padding_frac": 1.0 - float(valid.mean())})
+        layout, _, padding = batch_layout(valid, batch.prompt_mask.shape[1], multiple=batch_divisor(self.mesh))
+        return Collected(batch._replace(layout=layout), data_state, {"update/padding_frac": padding})
 
     def evaluate(self, state: State, limit: int | None) -> dict[str, float]:
         out: dict[str, float] = {}

@@ -35,11 +35,13 @@ from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params
 from jaxrl_llm.models.hf import is_classifier, load_hf_model, read_tensor, resolve_model_dir
+from jaxrl_llm.models.packing import PackedLayout, last_token_layout
 from jaxrl_llm.models.reward_model import save_hf_reward_model, sequence_scores
 from jaxrl_llm.models.weights import master_weights
 from jaxrl_llm.rl.preference import dpo_loss
 from jaxrl_llm.sharding import (
     MeshShape,
+    batch_divisor,
     init_optimizer_state,
     make_mesh,
     param_shardings,
@@ -57,6 +59,7 @@ class PreferenceBatch(NamedTuple):
     chosen_mask: jax.Array
     rejected_tokens: jax.Array
     rejected_mask: jax.Array
+    layout: PackedLayout | None = None  # sft.packing: the `[2B]` chosen-then-rejected rows packed, else None
 
 
 def bradley_terry_loss(params: dict[str, Any], batch: PreferenceBatch, *,
@@ -66,8 +69,13 @@ def bradley_terry_loss(params: dict[str, Any], batch: PreferenceBatch, *,
     This is `dpo_loss` with `beta = 1` and a zero reference: the "implicit rewards" are the scores themselves.
     """
     score = functools.partial(sequence_scores, params["decoder"], params["score"], model_config)
-    chosen = score(batch.chosen_tokens, batch.chosen_mask)[:, 0]
-    rejected = score(batch.rejected_tokens, batch.rejected_mask)[:, 0]
+    if batch.layout is None:
+        chosen = score(batch.chosen_tokens, batch.chosen_mask)[:, 0]
+        rejected = score(batch.rejected_tokens, batch.rejected_mask)[:, 0]
+    else:  # both sides in one packed forward pass
+        both = score(jnp.concatenate([batch.chosen_tokens, batch.rejected_tokens]),
+                     jnp.concatenate([batch.chosen_mask, batch.rejected_mask]), batch.layout)[:, 0]
+        chosen, rejected = both[: batch.chosen_tokens.shape[0]], both[batch.chosen_tokens.shape[0]:]
     zeros = jnp.zeros_like(chosen)
     return dpo_loss(chosen, rejected, zeros, zeros, beta=1.0, loss_type="sigmoid")
 
@@ -166,7 +174,12 @@ class RewardModelTraining(ExampleAlgorithm):
     def collect(self, state: State, data_state: DataState, key: jax.Array) -> Collected:
         c = self.config
         idx, data_state = next_batch_indices(len(self.pairs), c.sft.batch_size, data_state, c.seed, c.data.shuffle)
-        return Collected(make_batch(self.pairs, idx, self.pad_id), data_state, {})
+        batch = make_batch(self.pairs, idx, self.pad_id)
+        mask = np.concatenate([batch.chosen_mask, batch.rejected_mask])
+        if not c.sft.packing:
+            return Collected(batch, data_state, {"update/padding_frac": 1.0 - float(mask.mean())})
+        layout, _, padding = last_token_layout(mask, multiple=batch_divisor(self.mesh))
+        return Collected(batch._replace(layout=layout), data_state, {"update/padding_frac": padding})
 
     def evaluate(self, state: State, limit: int | None) -> dict[str, float]:
         if self.eval_pairs is None:
