@@ -26,6 +26,7 @@ from jaxrl_llm.models.packing import (
     first_fit_decreasing,
     micro_batch_layout,
     packed_inputs,
+    token_budget_micro_batches,
     update_layouts,
 )
 from jaxrl_llm.rl import PolicyLossOptions
@@ -293,7 +294,8 @@ def test_a_multi_turn_update_packed_is_the_padded_update(tiny_task, tmp_path):
 
 
 def test_ppo_packed_trains_as_padded(tiny_task, tmp_path):
-    """PPO's policy and critic (the same packed rows) over two steps: the padded run's losses and gradients."""
+    """PPO's policy and critic (the same packed rows, token-budget micro-batches) over two steps: the padded run's
+    losses and gradients."""
 
     def run(name: str, *extra: str) -> list[dict]:
         make_trainer(tiny_run("ppo_arithmetic", tmp_path / name, "steps=2", "rl.prompts_per_step=8", "rl.group_size=1",
@@ -301,8 +303,10 @@ def test_ppo_packed_trains_as_padded(tiny_task, tmp_path):
                               "eval_every=0", *extra, task=tiny_task)).run()
         return read_rows(tmp_path / name, having="loss")
 
-    padded, packed = run("padded"), run("packed", "rl.packing=true")
+    # packed, and split by tokens into several micro-batches (the padded run has one per minibatch)
+    padded, packed = run("padded"), run("packed", "rl.packing=true", "rl.max_tokens_per_microbatch=40")
     for a, b in zip(padded, packed, strict=True):
+        assert b["update/micro_batches"] > 1 == a["update/micro_batches"]
         for key in ("loss", "grad_norm", "value_loss", "critic/grad_norm", "values/mean", "kl"):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
         assert b["update/padding_frac"] < a["update/padding_frac"]
@@ -351,3 +355,27 @@ def test_a_reward_model_packed_trains_as_padded(tmp_path):
         for key in ("loss", "grad_norm", "rewards/accuracies", "rewards/margins"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
         assert b["update/padding_frac"] < a["update/padding_frac"]
+
+
+def test_token_budget_micro_batches_deal_sequences_by_length():
+    lengths = np.array([10, 1, 9, 2, 8, 3, 7, 4])
+    rows, accum = token_budget_micro_batches(lengths, np.arange(8)[None], budget=12)
+    assert accum == 4  # 44 tokens: 3 micro-batches would be 15 each; 4 (a divisor of 8) are 11
+    groups = [sorted(lengths[rows[0, a::4]].tolist()) for a in range(4)]
+    # longest first, snake order: [10, 1], [9, 2], [8, 3], [7, 4]
+    assert groups == [[1, 10], [2, 9], [3, 8], [4, 7]]
+    assert sorted(rows[0].tolist()) == list(range(8))  # the same minibatch, reordered
+    assert token_budget_micro_batches(lengths, np.arange(8)[None], budget=100)[1] == 1
+    assert token_budget_micro_batches(lengths, np.arange(8)[None], budget=1, multiple=2)[1] == 4  # the most
+
+
+def test_a_token_budget_run_trains_as_one_micro_batch(tiny_task, tmp_path):
+    """rl.max_tokens_per_microbatch splits each minibatch into token-balanced micro-batches: the run logs how many,
+    and the losses and gradient norms of the same run with every minibatch in one padded micro-batch."""
+    whole = _run(tmp_path, "whole", tiny_task, "rl.grad_accum=1", "rl.beta=0.05")
+    split = _run(tmp_path, "split", tiny_task, "rl.grad_accum=1", "rl.beta=0.05", "rl.packing=true",
+                 "rl.max_tokens_per_microbatch=100")
+    for a, b in zip(whole, split, strict=True):
+        assert b["update/micro_batches"] > 1 and a["update/micro_batches"] == 1
+        for key in ("loss", "grad_norm", "kl", "entropy"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key

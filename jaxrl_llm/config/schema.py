@@ -172,6 +172,10 @@ class RLSection:
     # the update's forward pass on packed rows: each micro-batch's sequences laid end to end, no padding computed
     # (block-diagonal attention; the losses are the padded layout's); false = padded to the longest sequence
     packing: bool = False
+    # > 0 (with rl.packing): micro-batches by tokens, not rl.grad_accum: each step splits its minibatches into the
+    # fewest micro-batches (a divisor of rl.minibatch_size) whose real tokens average at most this, the sequences
+    # dealt by length so every micro-batch holds about as many (verl's ppo_max_token_len_per_gpu)
+    max_tokens_per_microbatch: int = at_least(0)
     # rl.surrogates.POLICY_LOSSES: ppo_clip (token ratio) | gspo (sequence ratio) | cispo (clipped IS weight,
     # MiniMax-M1) | sapo (soft gate, SAPO) | module:function
     policy_loss: str = "ppo_clip"

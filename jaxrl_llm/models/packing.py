@@ -168,6 +168,30 @@ def update_layouts(valid: np.ndarray, prompt_width: int, rows: np.ndarray, grad_
                          1.0 - real / (n_updates * grad_accum * r * row_len))
 
 
+def token_budget_micro_batches(lengths: np.ndarray, rows: np.ndarray, budget: int, multiple: int = 1
+                               ) -> tuple[np.ndarray, int]:
+    """`(rows', A)`: the fewest micro-batches `A` (a divisor of the minibatch size `MB` leaving a multiple of
+    `multiple` sequences each) such that the largest minibatch's real tokens over `A` are at most `budget` (the
+    most micro-batches when none is), and each minibatch's rows reordered so that the strided split
+    (`rows'[u, a::A]`) deals its sequences by length, longest first, in snake order: every micro-batch gets about
+    the same number of tokens. `lengths [N]`: each sequence's real tokens; `rows [U, MB]`."""
+    n_updates, mb = rows.shape
+    most = max(mb // multiple, 1)
+    tokens = int(lengths[rows].sum(axis=1).max())
+    options = [a for a in range(1, most + 1) if mb % a == 0 and (mb // a) % multiple == 0]
+    accum = next((a for a in options if -(-tokens // a) <= budget), options[-1])
+    out = np.empty_like(rows)
+    for u in range(n_updates):
+        order = rows[u][np.argsort(-lengths[rows[u]], kind="stable")]
+        members: list[list[int]] = [[] for _ in range(accum)]
+        for i, r in enumerate(order):  # snake: 0..A-1, A-1..0, ...
+            lap, k = divmod(i, accum)
+            members[k if lap % 2 == 0 else accum - 1 - k].append(int(r))
+        for a, rs in enumerate(members):
+            out[u, a::accum] = rs
+    return out, accum
+
+
 def packed_inputs(tokens: jax.Array, mask: jax.Array, layout: PackedLayout) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The packed rows' `(tokens, positions, segments)`, each `[R, S]` int32, from the padded inputs `tokens,
     mask [M, S]`: tokens and positions (`positions_from_mask`, restarting per sequence) gathered through

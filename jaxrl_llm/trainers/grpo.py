@@ -66,20 +66,22 @@ def validate_grpo(c: RunConfig) -> None:
 
 
 def make_grpo_update(c: RunConfig, policy: Policy, optimizer: optax.GradientTransformation,
-                     objective: PolicyObjective, minibatch_size: int) -> Any:
+                     objective: PolicyObjective, minibatch_size: int, grad_accum: int | None = None) -> Any:
     """`update(state, batch [N, ...], key, frozen, entropy_coef, layouts) -> (state, metrics)` for `jit_update`:
     `rl.mu` epochs x minibatches of `train_step` in one `lax.scan` (`frozen`: LoRA's base weights, or None;
     `entropy_coef`: the adaptive controller's coefficient, a float32 scalar, or None for the config's fixed one;
-    `layouts`: with `rl.packing`, every micro-batch's packed layout `[U, ...]` (`packing.update_layouts`), else None).
+    `layouts`: with `rl.packing`, every micro-batch's packed layout `[U, ...]` (`packing.update_layouts`), else None;
+    `rows`: the updates' minibatch rows `[U, MB]` when the host ordered them into token-balanced micro-batches, else
+    None). `grad_accum`: micro-batches per update (default `rl.grad_accum`; a token budget picks it per step).
     The rest of the state (the entropy controller) passes through unchanged."""
-    rows = batch_sharding(policy.mesh)
+    row_sharding = batch_sharding(policy.mesh)
     step = functools.partial(train_step, loss_fn=policy_loss, model_config=policy.model_config,
-                             loss_config=objective, optimizer=optimizer, grad_accum=c.rl.grad_accum,
+                             loss_config=objective, optimizer=optimizer, grad_accum=grad_accum or c.rl.grad_accum,
                              compose=policy.compose)
     dropout = policy.lora_dropout
 
     def update(state: State, batch: PolicyBatch, key: jax.Array, frozen: Any, entropy_coef: jax.Array | None,
-               layouts: PackedLayout | None = None) -> tuple[State, Metrics]:
+               layouts: PackedLayout | None = None, rows: jax.Array | None = None) -> tuple[State, Metrics]:
         dropout_key = jax.random.fold_in(key, 1 << 20)  # apart from the shuffle's fold_in(key, epoch)
         loss_inputs = None if entropy_coef is None else {"entropy_coef": entropy_coef}
 
@@ -92,8 +94,8 @@ def make_grpo_update(c: RunConfig, policy: Policy, optimizer: optax.GradientTran
 
         (params, opt_state, _), metrics, _ = scanned_updates(
             one, (state["params"], state["opt_state"], jnp.int32(0)), batch, key, epochs=c.rl.mu,
-            minibatch_size=minibatch_size, constrain=lambda b: jax.lax.with_sharding_constraint(b, rows),
-            per_update=layouts, attach=lambda b, layout: b._replace(layout=layout))
+            minibatch_size=minibatch_size, constrain=lambda b: jax.lax.with_sharding_constraint(b, row_sharding),
+            per_update=layouts, attach=lambda b, layout: b._replace(layout=layout), rows=rows)
         return {**state, "params": params, "opt_state": opt_state}, metrics
 
     return update
@@ -112,7 +114,7 @@ class GRPOFamily(RolloutAlgorithm):
 
     def __init__(self, config: RunConfig) -> None:
         super().__init__(config, reference=config.rl.beta > 0)  # the reference only for a KL term
-        c, r, p = config, config.rl, self.policy
+        c, r = config, config.rl
         self.label = c.algo  # type: ignore[misc]
         self.rollout_size, self.minibatch_size, self.updates_per_step = update_sizes(c)
         self.optimizer, self.schedule = make_optimizer(c.optim, max(c.steps * self.updates_per_step, 1))
@@ -125,10 +127,19 @@ class GRPOFamily(RolloutAlgorithm):
         # Adaptive entropy control (rl.entropy_target > 0): the coefficient is a traced input of the update, moved
         # after each step from the entropy it measured, and part of the state; off = the config's fixed one.
         self.adaptive_entropy = r.entropy_target > 0
-        replicated = jax.sharding.NamedSharding(p.mesh, PartitionSpec())
-        self.update_fn = jit_update(make_grpo_update(c, p, self.optimizer, self.objective, self.minibatch_size),
-                                    p.mesh, state_sharding(self.init()), frozen_sharding=p.frozen_sharding,
-                                    extra_shardings=(replicated if self.adaptive_entropy else None, replicated))
+        self.update_fns: dict[int, Any] = {}  # by micro-batches per update (a token budget picks it per step)
+        self.update_fn = self.update_fn_for(r.grad_accum)
+
+    def update_fn_for(self, grad_accum: int) -> Any:
+        """The jitted update with `grad_accum` micro-batches per optimizer update (built once)."""
+        if grad_accum not in self.update_fns:
+            c, p = self.config, self.policy
+            replicated = jax.sharding.NamedSharding(p.mesh, PartitionSpec())
+            self.update_fns[grad_accum] = jit_update(
+                make_grpo_update(c, p, self.optimizer, self.objective, self.minibatch_size, grad_accum), p.mesh,
+                state_sharding(self.init()), frozen_sharding=p.frozen_sharding,
+                extra_shardings=(replicated if self.adaptive_entropy else None, replicated, replicated))
+        return self.update_fns[grad_accum]
 
     def init(self) -> State:
         p = self.policy
@@ -174,10 +185,13 @@ class GRPOFamily(RolloutAlgorithm):
         entropy_coef = None if ctl is None else float(applied_entropy_coef(ctl))
         coef_input = None if ctl is None else put(np.float32(entropy_coef), spec=PartitionSpec())
         plan = update_plan(self.config, ro, key, self.minibatch_size, self.mesh)
-        state, metrics = self.update_fn(state, batch, key, p.frozen, coef_input, plan.layouts)
+        update_fn = self.update_fn if plan.grad_accum == self.config.rl.grad_accum else self.update_fn_for(
+            plan.grad_accum)  # the attribute: what a test may wrap
+        state, metrics = update_fn(state, batch, key, p.frozen, coef_input, plan.layouts, plan.rows)
         out, skipped = host_metrics(metrics)
         out |= mismatch
         out["update/padding_frac"] = plan.padding_frac
+        out["update/micro_batches"] = float(plan.grad_accum)
         if ctl is not None:
             r = self.config.rl
             out["entropy_coef"] = entropy_coef  # the coefficient this step's loss used (0 while above target)

@@ -126,20 +126,23 @@ def initial_critic(c: RunConfig, policy: Policy) -> tuple[ModelConfig, CriticPar
 
 
 def make_ppo_update(c: RunConfig, policy: Policy, critic_config: ModelConfig, optimizers: tuple[Any, Any],
-                    objective: PolicyObjective, minibatch_size: int, *, train_policy: bool) -> Any:
+                    objective: PolicyObjective, minibatch_size: int, *, train_policy: bool,
+                    grad_accum: int | None = None) -> Any:
     """`update(state, PPOBatch, key, frozen, layouts) -> (state, metrics)` for `jit_update`: mu epochs x
     minibatches of (policy, critic) updates in one `lax.scan`; with `train_policy=False` (critic warm-up) only the
     critic moves. The state's `kl_coef` passes through (the controller moves it on the host). `layouts`: with
-    `rl.packing`, each micro-batch's packed rows (`packing.update_layouts`), shared by the policy and the critic."""
-    rows = batch_sharding(policy.mesh)
+    `rl.packing`, each micro-batch's packed rows (`packing.update_layouts`), shared by the policy and the critic;
+    `rows`, the host's token-balanced minibatch rows (`rl.max_tokens_per_microbatch`, with its `grad_accum`)."""
+    row_sharding = batch_sharding(policy.mesh)
+    grad_accum = grad_accum or c.rl.grad_accum
     policy_step = functools.partial(train_step, loss_fn=policy_loss, model_config=policy.model_config,
                                     loss_config=objective, optimizer=optimizers[0],
-                                    grad_accum=c.rl.grad_accum, compose=policy.compose)
+                                    grad_accum=grad_accum, compose=policy.compose)
     value_loss_config = ValueLossConfig(clip_range=c.ppo.value_clip or None, aggregation=c.rl.loss.aggregation,
                                         max_len=c.sampling.max_new_tokens)
     critic_step = functools.partial(train_step, loss_fn=critic_loss, model_config=critic_config,
                                     loss_config=value_loss_config,  # type: ignore[arg-type]
-                                    optimizer=optimizers[1], grad_accum=c.rl.grad_accum)
+                                    optimizer=optimizers[1], grad_accum=grad_accum)
     dropout = policy.lora_dropout
 
     def one_update(state: State, batch: PPOBatch, frozen: Any, step_key: tuple) -> tuple[State, Metrics]:
@@ -155,8 +158,8 @@ def make_ppo_update(c: RunConfig, policy: Policy, critic_config: ModelConfig, op
         return {**state, "params": params, "opt_state": opt_state, "critic": critic,
                 "critic_opt_state": critic_opt_state}, metrics
 
-    def update(state: State, batch: PPOBatch, key: jax.Array, frozen: Any,
-               layouts: PackedLayout | None = None) -> tuple[State, Metrics]:
+    def update(state: State, batch: PPOBatch, key: jax.Array, frozen: Any, layouts: PackedLayout | None = None,
+               rows: jax.Array | None = None) -> tuple[State, Metrics]:
         dropout_key = jax.random.fold_in(key, 1 << 20)  # apart from the shuffle's fold_in(key, epoch)
 
         def one(carry: tuple[State, jax.Array], batch: PPOBatch) -> tuple[tuple[State, Any], Metrics]:
@@ -167,7 +170,8 @@ def make_ppo_update(c: RunConfig, policy: Policy, critic_config: ModelConfig, op
 
         (state, _), metrics, _ = scanned_updates(one, (state, jnp.int32(0)), batch, key, epochs=c.rl.mu,
                                                  minibatch_size=minibatch_size,
-                                                 constrain=lambda b: jax.lax.with_sharding_constraint(b, rows),
+                                                 constrain=lambda b: jax.lax.with_sharding_constraint(
+                                                     b, row_sharding), rows=rows,
                                                  per_update=layouts, attach=lambda b, layout: PPOBatch(
                                                      b.policy._replace(layout=layout),
                                                      b.critic._replace(layout=layout)))
@@ -205,12 +209,20 @@ class PPO(RolloutAlgorithm):
         self.targets_fn = jax.jit(functools.partial(targets_and_metrics, pc.gamma, pc.lam, pc.kl_estimator,
                                                     pc.whiten_advantages))
         self.objective = policy_objective(c, beta=0.0)  # the KL to the reference is in the reward
-        optimizers, sharding = (self.optimizer, self.critic_optimizer), state_sharding(self.init())
-        self.update_fns = {train: jit_update(make_ppo_update(c, p, self.critic_config, optimizers, self.objective,
-                                                             self.minibatch_size, train_policy=train), p.mesh,
-                                             sharding, frozen_sharding=p.frozen_sharding,
-                                             extra_shardings=(NamedSharding(p.mesh, PartitionSpec()),))
-                           for train in (True, False)}
+        self.update_fns: dict[tuple[bool, int], Any] = {}  # by (policy trained, micro-batches per update)
+
+    def update_fn_for(self, train_policy: bool, grad_accum: int) -> Any:
+        """The jitted update (built once per kind): the policy trained or only the critic, `grad_accum`
+        micro-batches per optimizer update."""
+        if (train_policy, grad_accum) not in self.update_fns:
+            c, p = self.config, self.policy
+            replicated = NamedSharding(p.mesh, PartitionSpec())
+            self.update_fns[train_policy, grad_accum] = jit_update(
+                make_ppo_update(c, p, self.critic_config, (self.optimizer, self.critic_optimizer), self.objective,
+                                self.minibatch_size, train_policy=train_policy, grad_accum=grad_accum),
+                p.mesh, state_sharding(self.init()), frozen_sharding=p.frozen_sharding,
+                extra_shardings=(replicated, replicated))
+        return self.update_fns[train_policy, grad_accum]
 
     def init(self) -> State:
         p, critic = self.policy, self.initial_critic
@@ -242,10 +254,12 @@ class PPO(RolloutAlgorithm):
                          CriticBatch(pt, pm, ct, cm, values, targets.returns))
         train_policy = step > pc.critic_warmup_steps
         plan = update_plan(self.config, ro, key, self.minibatch_size, self.mesh)
-        state, metrics = self.update_fns[train_policy](state, batch, key, p.frozen, plan.layouts)
+        state, metrics = self.update_fn_for(train_policy, plan.grad_accum)(state, batch, key, p.frozen, plan.layouts,
+                                                                          plan.rows)
         out, skipped = host_metrics({**metrics, **rollout_metrics})
         out |= mismatch
         out["update/padding_frac"] = plan.padding_frac
+        out["update/micro_batches"] = float(plan.grad_accum)
         critic_skipped = bool(out.pop("critic/last_update_skipped"))
         if not train_policy:  # critic warm-up: the policy is not updated (ratio 1, no drift)
             out["approx_kl"], skipped = 0.0, critic_skipped

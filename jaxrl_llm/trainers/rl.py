@@ -15,7 +15,7 @@ from jaxrl_llm.config import RunConfig
 from jaxrl_llm.data import DataState
 from jaxrl_llm.envs.sandbox import describe_sandbox, use_sandbox
 from jaxrl_llm.errors import ConfigError
-from jaxrl_llm.models.packing import PackedLayout, update_layouts
+from jaxrl_llm.models.packing import PackedLayout, token_budget_micro_batches, update_layouts
 from jaxrl_llm.models.weights import frozen_copy
 from jaxrl_llm.rl.estimators import needs_values
 from jaxrl_llm.rl.plugins import resolve_estimator, resolve_policy_loss
@@ -33,22 +33,33 @@ from jaxrl_llm.trainers.trajectories import TrajectoryCollector
 
 class UpdatePlan(NamedTuple):
     """How a step's update lays out its sequences: the packed layouts of every micro-batch (`rl.packing`), placed
-    on the mesh, or None for the padded layout; and the share of the positions it computes that are padding."""
+    on the mesh, or None for the padded layout; the share of the positions it computes that are padding; the
+    micro-batches per update; and the minibatch rows `[U, MB]` when the host reordered them (token-balanced
+    micro-batches, `rl.max_tokens_per_microbatch`), else None (the update draws them itself)."""
 
     layouts: PackedLayout | None
     padding_frac: float
+    grad_accum: int
+    rows: jax.Array | None = None
 
 
 def update_plan(c: RunConfig, ro: Rollout, key: jax.Array, minibatch_size: int, mesh: Mesh) -> UpdatePlan:
     """The update's layout for rollout `ro`: with `rl.packing`, every micro-batch of the `rl.mu` epochs x
-    minibatches the update's `minibatch_rows(key, ...)` draws, packed (`packing.update_layouts`)."""
+    minibatches the update's `minibatch_rows(key, ...)` draws, packed (`packing.update_layouts`); with
+    `rl.max_tokens_per_microbatch`, those minibatches split by tokens (`packing.token_budget_micro_batches`)."""
     valid = np.concatenate([ro.prompt_mask, ro.out.mask], axis=1)[:, :-1] > 0
-    if not c.rl.packing:
-        return UpdatePlan(None, 1.0 - float(valid.mean()))
-    rows = np.asarray(jax.device_get(minibatch_rows(key, len(valid), epochs=c.rl.mu, minibatch_size=minibatch_size)))
-    plan = update_layouts(valid, ro.prompt_mask.shape[1], rows, c.rl.grad_accum, multiple=batch_divisor(mesh))
+    r = c.rl
+    if not r.packing:
+        return UpdatePlan(None, 1.0 - float(valid.mean()), r.grad_accum)
+    rows = np.asarray(jax.device_get(minibatch_rows(key, len(valid), epochs=r.mu, minibatch_size=minibatch_size)))
+    accum, explicit = r.grad_accum, None
+    if r.max_tokens_per_microbatch:
+        rows, accum = token_budget_micro_batches(valid.sum(axis=1), rows, r.max_tokens_per_microbatch,
+                                                 batch_divisor(mesh))
+        explicit = global_array(rows.astype(np.int32), mesh, PartitionSpec())
+    plan = update_layouts(valid, ro.prompt_mask.shape[1], rows, accum, multiple=batch_divisor(mesh))
     layouts = jax.tree.map(lambda x: global_array(x, mesh, PartitionSpec()), plan.layouts)
-    return UpdatePlan(layouts, plan.padding_frac_packed)
+    return UpdatePlan(layouts, plan.padding_frac_packed, accum, explicit)
 
 
 def update_sizes(c: RunConfig) -> tuple[int, int, int]:
@@ -101,6 +112,9 @@ def validate_rl(c: RunConfig) -> None:
                           f"rl.group_size = {g.prompts_per_step} * {g.group_size} = {rollout}")
     if minibatch % g.grad_accum:
         raise ConfigError(f"rl.grad_accum={g.grad_accum} must divide rl.minibatch_size={minibatch}")
+    if g.max_tokens_per_microbatch and not g.packing:
+        raise ConfigError(f"rl.max_tokens_per_microbatch={g.max_tokens_per_microbatch} splits packed micro-batches "
+                          f"by tokens; set rl.packing=true")
     if o.dual_clip_c and o.dual_clip_c <= 1:
         raise ConfigError(f"rl.loss.dual_clip_c={o.dual_clip_c} must be > 1 (or 0 to disable)")
     if o.dual_clip_c and g.policy_loss in NO_DUAL_CLIP:

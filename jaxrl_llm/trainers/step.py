@@ -211,14 +211,17 @@ def minibatch_rows(key: jax.Array, num_rows: int, *, epochs: int, minibatch_size
 
 def scanned_updates(step: StepFn, carry: Carry, batch: Any, key: jax.Array, *, epochs: int, minibatch_size: int,
                     constrain: Callable[[Any], Any] = lambda x: x, per_update: Any = None,
-                    attach: Callable[[Any, Any], Any] | None = None) -> tuple[Carry, Metrics, Metrics]:
+                    attach: Callable[[Any, Any], Any] | None = None,
+                    rows: jax.Array | None = None) -> tuple[Carry, Metrics, Metrics]:
     """Run `step(carry, minibatch) -> (carry, metrics)` over `epochs` shuffled passes of `batch` (a pytree of
     arrays with the row axis first). Returns `(carry, reduced metrics, stacked metrics [U])`; `constrain` puts
     each gathered minibatch back in the batch sharding. `per_update`, a pytree with the update axis `[U]` first
     (the packed layouts the host planned for these same `minibatch_rows`), reaches each minibatch through
-    `attach(minibatch, its entry)`."""
+    `attach(minibatch, its entry)`. `rows [U, MB]`, when given, are the updates' minibatch rows in place of
+    `minibatch_rows(key, ...)` (the host's reordering of those same rows into token-balanced micro-batches)."""
     num_rows = jax.tree.leaves(batch)[0].shape[0]
-    rows = minibatch_rows(key, num_rows, epochs=epochs, minibatch_size=minibatch_size)
+    if rows is None:
+        rows = minibatch_rows(key, num_rows, epochs=epochs, minibatch_size=minibatch_size)
 
     def one_update(carry: Carry, xs: tuple[jax.Array, Any]) -> tuple[Carry, Metrics]:
         idx, extra = xs
