@@ -459,6 +459,13 @@ def test_cli_prints_the_greedy_story(capsys):
     assert reference["greedy_text"].removeprefix("Once upon a time") + "\n" in printed
     assert "prompt 1, sample 0: 40 tokens, stopped on length" in printed
     assert "tokens/s" in printed and "compile" in printed
+    # The same story through the rollout engine (--engine paged).
+    assert main(["--model", str(STORIES260K), "--prompt", "Once upon a time", "--prompt", "Lily",
+                 "--max-new-tokens", "40", "--greedy", "--engine", "paged"]) == 0
+    paged = capsys.readouterr().out
+    assert reference["greedy_text"].removeprefix("Once upon a time") + "\n" in paged and "paged" in paged
+    assert [x for x in paged.splitlines() if not x.startswith("--- ") or "sample" in x] == \
+        [x for x in printed.splitlines() if not x.startswith("--- ") or "sample" in x]
 
 
 @requires_shared(STORIES260K)

@@ -36,7 +36,9 @@ import jax
 from jaxrl_llm.cli.errors import CommandParser
 from jaxrl_llm.cli.export import load_model
 from jaxrl_llm.config import DataSection, load_run_config
+from jaxrl_llm.config.schema import SAMPLERS
 from jaxrl_llm.data import build_prompt_set, load_records
+from jaxrl_llm.engine import PagedSampler
 from jaxrl_llm.envs.sandbox import use_sandbox
 from jaxrl_llm.errors import RunDirError, UsageError
 from jaxrl_llm.evaluation import default_ks, generate_scored, summarize
@@ -66,6 +68,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--limit", type=int, default=-1, help="first N prompts (default: a run's eval_size, else all)")
     parser.add_argument("--batch-size", type=int, default=0, help="prompts per batch (default: the run's, else 64)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--engine", choices=SAMPLERS, default=None,
+                        help="static batch or the paged rollout engine (docs/engine.md); default: a run's "
+                             "sampling.engine, else static")
     parser.add_argument("--out", default="", help="output folder for eval.json and completions.jsonl")
     parser.add_argument("--env", default=None, help="an environment (tool_use, module:function); a run: its own")
     parser.add_argument("--tools", default=None, help="comma-separated tools of the environment (calculator,python)")
@@ -121,13 +126,21 @@ def evaluate(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Path]:
     limit = args.limit if args.limit >= 0 else (c.eval_size if c is not None else 0)
     batch_size = args.batch_size or (c.eval_batch_size if c is not None else 64)
     mesh = run.algorithm.mesh if run is not None else None
+    engine = args.engine or (s.engine if s is not None else "static")
+    sampler = None
+    if engine == "paged":
+        sampler = PagedSampler(model.model_config, page_size=s.engine_page_size if s else 16,
+                               slots=s.engine_slots if s else 0,
+                               steps_per_call=s.engine_steps_per_call if s else 16,
+                               pages=s.engine_pages if s else 0)
     scored = generate_scored(model.params, model.model_config, model.tokenizer, prompts, reward, sampling,
-                             batch_size=batch_size, limit=limit or None, mesh=mesh, key=jax.random.key(args.seed))
+                             batch_size=batch_size, limit=limit or None, mesh=mesh, key=jax.random.key(args.seed),
+                             sampler=sampler)
     metrics = summarize(scored, args.ks or (default_ks(n) if args.n else []))
     metrics[f"reward/{reward[0]}/mean"] = metrics["reward/mean"]
     settings = {"model": args.model, "step": run.step if run else None, "data": args.data, "reward": reward[0],
                 "greedy": not args.n, "n": n, "temperature": sampling.temperature if args.n else 0.0,
-                "max_new_tokens": sampling.max_new_tokens, "limit": limit, "seed": args.seed,
+                "max_new_tokens": sampling.max_new_tokens, "limit": limit, "seed": args.seed, "engine": engine,
                 "dropped_prompts": prompts.num_dropped}
     return {"metrics": metrics, "settings": settings}, scored, output_folder(args, run)
 

@@ -29,7 +29,9 @@ import jax
 import numpy as np
 
 from jaxrl_llm.cli.errors import CommandParser
+from jaxrl_llm.config.schema import SAMPLERS
 from jaxrl_llm.data import check_tokenizer_files
+from jaxrl_llm.engine import PagedSampler
 from jaxrl_llm.errors import UsageError
 from jaxrl_llm.models.hf import load_hf_model, resolve_model_dir
 from jaxrl_llm.sampling import SamplingConfig, compile_sampler
@@ -104,6 +106,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="parameter and compute dtype")
+    parser.add_argument("--engine", choices=SAMPLERS, default="static",
+                        help="static batch, or the paged rollout engine (docs/engine.md; one device)")
     parser.add_argument("--cpu-devices", type=int, default=1,
                         help="split the batch over N XLA CPU devices (the number of prompts must divide by N)")
     args = parser.parse_args(argv)
@@ -112,6 +116,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
     if args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1 or not 0 <= args.min_p < 1:
         parser.error("--temperature and --top-k must be >= 0, --top-p in (0, 1], --min-p in [0, 1)")
+    if args.engine == "paged" and args.cpu_devices > 1:
+        parser.error("--engine paged runs on one device: drop --cpu-devices")
     if args.cpu_devices < 1 or len(args.prompt) % args.cpu_devices:
         parser.error(f"--cpu-devices {args.cpu_devices} must be >= 1 and divide the number of prompts "
                      f"({len(args.prompt)})")
@@ -150,7 +156,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     key = jax.random.key(args.seed)
 
     start = time.perf_counter()
-    run = compile_sampler(params, config, tokens, mask, key, sampling, mesh=mesh)
+    if args.engine == "paged":  # the engine's programs compile on their first call: a warm-up call is the compile
+        sampler = PagedSampler(config)
+        jax.block_until_ready(sampler(params, tokens, mask, key, sampling).tokens)
+
+        def run(params: Any, tokens: Any, mask: Any, key: jax.Array) -> Any:
+            return sampler(params, tokens, mask, key, sampling)
+    else:
+        run = compile_sampler(params, config, tokens, mask, key, sampling, mesh=mesh)
     compile_s = time.perf_counter() - start
     start = time.perf_counter()
     out = jax.device_get(run(params, tokens, mask, key))
@@ -165,7 +178,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     made = int(out.lengths.sum())
     print(
         f"--- {made} tokens in {generate_s:.2f} s: {made / generate_s:.1f} tokens/s "
-        f"(batch {out.tokens.shape[0]}; compile {compile_s:.2f} s, not included) ---"
+        f"(batch {out.tokens.shape[0]}, {args.engine}; {'compile' if args.engine == 'static' else 'a warm-up call'}"
+        f" {compile_s:.2f} s, not included) ---"
     )
     return 0
 

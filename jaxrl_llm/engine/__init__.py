@@ -4,7 +4,8 @@ conversations kept across turns (docs/engine.md).
 - `pages.py`: the paged KV cache as pure functions; `allocator.py`: free pages and reference counts (host);
 - `model.py`: the decoder's block over pages; `programs.py`: the jitted prefill and decode programs;
 - `scheduler.py`: `Engine`, admission, prefill, fork, decode slots (host);
-- `engine_sample`: the static sampler's interface (`SampleOutput`) on top of an `Engine`.
+- `engine_sample`: the static sampler's interface (`SampleOutput`) on top of an `Engine`; `PagedSampler`: that
+  interface with the engine sized per call (what a run and `python -m jaxrl_llm.eval/generate --engine paged` use).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params
 from jaxrl_llm.sampling.config import SampleOutput, SamplingConfig
 
-__all__ = ["Completion", "Conversation", "Engine", "EngineStats", "Request", "engine_sample", "sample_output"]
+__all__ = ["Completion", "Conversation", "Engine", "EngineStats", "PagedSampler", "Request", "engine_sample",
+           "sample_output"]
 
 
 def prompt_requests(prompt_tokens: Any, prompt_mask: Any, key: jax.Array, sampling: SamplingConfig
@@ -53,3 +55,31 @@ def engine_sample(engine: Engine, params: Params, config: ModelConfig, prompt_to
     del config  # the engine's
     results = engine.generate(params, prompt_requests(prompt_tokens, prompt_mask, key, sampling), sampling)
     return sample_output([c for group in results for c in group], sampling.max_new_tokens, sampling.pad_id)
+
+
+class PagedSampler:
+    """The static sampler's call, `(params, tokens, mask, key, sampling) -> SampleOutput`, through a rollout engine
+    whose pool fits each call: `page_size` tokens a page, `slots` decoding at once (0: every row of the call),
+    `steps_per_call` decode steps a device call, `pages` in the pool (0: what the call's rows need at their token
+    limit, each prompt counted once per group). The engine is made anew only when a call needs a bigger one."""
+
+    def __init__(self, config: ModelConfig, *, page_size: int = 16, slots: int = 0, steps_per_call: int = 16,
+                 pages: int = 0) -> None:
+        self.config, self.page_size, self.slots, self.steps_per_call, self.pages = (
+            config, page_size, slots, steps_per_call, pages)
+        self.engine: Engine | None = None
+
+    def engine_for(self, sequences: list[tuple[int, int]], n: int) -> Engine:
+        """An engine with a pool for `sequences` (`(prompt length, tokens after it)` each, `n` samples of each)."""
+        size = self.page_size
+        need = self.pages or 1 + sum(-(-p // size) + n * -(-(p + t) // size) for p, t in sequences)
+        slots = self.slots or n * len(sequences)
+        if self.engine is None or self.engine.allocator.num_pages < need or self.engine.slots < slots:
+            self.engine = Engine(self.config, num_pages=need, page_size=size, slots=slots,
+                                 steps_per_call=self.steps_per_call)
+        return self.engine
+
+    def __call__(self, params: Params, tokens: Any, mask: Any, key: jax.Array,
+                 sampling: SamplingConfig) -> SampleOutput:
+        engine = self.engine_for([(int(m.sum()), sampling.max_new_tokens) for m in np.asarray(mask)], sampling.n)
+        return engine_sample(engine, params, self.config, tokens, mask, key, sampling)

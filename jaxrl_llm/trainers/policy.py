@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_llm.config import RunConfig
 from jaxrl_llm.data import PromptSet, bucket, build_prompt_set, eos_token_ids, left_pad, load_records, load_tokenizer
-from jaxrl_llm.engine import Engine, engine_sample
+from jaxrl_llm.engine import Engine, PagedSampler
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params, init_params
 from jaxrl_llm.models.hf import config_from_hf, load_hf_model, resolve_model_dir
@@ -50,7 +50,7 @@ class Policy:
     eos_ids: tuple[int, ...]
     base: Params | None = None  # LoRA: the frozen base weights (model.param_dtype); None: params is the model
     lora: LoraSpec | None = None
-    engine: Engine | None = dataclasses.field(default=None, init=False)  # sampling.engine=paged: its rollout engine
+    paged: PagedSampler | None = dataclasses.field(default=None, init=False)  # sampling.engine=paged: its engine
 
     def __post_init__(self) -> None:
         self._merge = (jax.jit(functools.partial(merge_adapters, scale=self.lora.scale))
@@ -113,22 +113,26 @@ class Policy:
                sampling: SamplingConfig) -> SampleOutput:
         """`sampling.n` completions of each left-padded prompt, through the run's sampler (`sampling.engine`)."""
         if self.config.sampling.engine == "paged":
-            n, limit = sampling.n, sampling.max_new_tokens
-            engine = self.rollout_engine([(int(m.sum()), limit) for m in np.asarray(mask)], n)
-            return engine_sample(engine, params, self.model_config, tokens, mask, key, sampling)
+            return self.paged_sampler()(params, tokens, mask, key, sampling)
         return sample(params, self.model_config, tokens, mask, key, sampling, mesh=self.mesh)
+
+    @property
+    def engine(self) -> Engine | None:
+        """The rollout engine the run has sampled through (`sampling.engine=paged`), else None."""
+        return None if self.paged is None else self.paged.engine
+
+    def paged_sampler(self) -> PagedSampler:
+        """The run's rollout engine behind the static sampler's call (`sampling.engine_*` knobs), made once."""
+        if self.paged is None:
+            s = self.config.sampling
+            self.paged = PagedSampler(self.model_config, page_size=s.engine_page_size, slots=s.engine_slots,
+                                      steps_per_call=s.engine_steps_per_call, pages=s.engine_pages)
+        return self.paged
 
     def rollout_engine(self, sequences: list[tuple[int, int]], n: int) -> Engine:
         """The run's rollout engine with a pool for `sequences` (`(prompt length, tokens after it)` each, `n`
         samples of each; `sampling.engine_pages` when set), made anew only when the current pool is smaller."""
-        s = self.config.sampling
-        size = s.engine_page_size
-        need = s.engine_pages or 1 + sum(-(-p // size) + n * -(-(p + t) // size) for p, t in sequences)
-        slots = s.engine_slots or n * len(sequences)
-        if self.engine is None or self.engine.allocator.num_pages < need or self.engine.slots < slots:
-            self.engine = Engine(self.model_config, num_pages=need, page_size=size, slots=slots,
-                                 steps_per_call=s.engine_steps_per_call)
-        return self.engine
+        return self.paged_sampler().engine_for(sequences, n)
 
     def prompt_set(self, source: str, split: str) -> PromptSet:
         records, label = load_records(source, split)
