@@ -199,6 +199,19 @@ def test_cli_on_committed_model_fits_and_does_not_fit() -> None:
             assert row in proc.stdout, (row, proc.stdout)
 
 
+def test_cli_plans_a_packed_update_as_its_padded_upper_bound(capsys: pytest.CaptureFixture[str]) -> None:
+    from jaxrl_llm.cli.plan import main
+
+    args = ["--model", str(REPO / "models" / "arith-base"), "--batch", "8", "--new-tokens", "32"]
+    assert main(args) == 0
+    padded = capsys.readouterr().out
+    assert main([*args, "--packing"]) == 0
+    packed = capsys.readouterr().out
+    note, table = packed.split("\n", 1)
+    assert note.startswith("rl.packing: the update's micro-batch is planned padded, an upper bound")
+    assert table == padded and "rl.packing" not in padded
+
+
 def test_cli_rejects_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
     from jaxrl_llm.cli.errors import run_command
 

@@ -115,6 +115,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--new-tokens", type=int, help="sampling.max_new_tokens (default 64)")
     p.add_argument("--minibatch", type=int, help="rl.minibatch_size: sequences per update (0: all; default 0)")
     p.add_argument("--grad-accum", type=int, help="rl.grad_accum: micro-batches per update (default 1)")
+    p.add_argument("--packing", action="store_true", default=None,
+                   help="rl.packing: the update on packed rows (planned as padded: an upper bound)")
     p.add_argument("--bucket", type=int,
                    help="round prompt and completion lengths up to a multiple (default: the sampler's 16)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), help="model.dtype: compute dtype")
@@ -145,6 +147,7 @@ _SETTINGS: tuple[tuple[str, Any, Any], ...] = (
     ("new_tokens", 64, lambda c: c.sampling.max_new_tokens),
     ("minibatch", 0, lambda c: c.rl.minibatch_size),
     ("grad_accum", 1, lambda c: c.rl.grad_accum),
+    ("packing", False, lambda c: c.rl.packing),
     ("bucket", TRAINER_BUCKET, lambda c: None),  # from a config: its own two buckets (below)
     ("dtype", "float32", lambda c: c.model.dtype),
     ("param_dtype", "float32", lambda c: c.model.param_dtype),
@@ -261,6 +264,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"planning {args.config}: rl.prompts_per_step={run['prompts_per_step']} x rl.group_size="
               f"{run['group_size']}, data.max_prompt_tokens={run['prompt_len']}, sampling.max_new_tokens="
               f"{run['new_tokens']}, rl.minibatch_size={run['minibatch']}, rl.grad_accum={run['grad_accum']}")
+    if run["packing"]:  # packed rows hold the micro-batch's sequences in at most as many rows of the same length
+        print("rl.packing: the update's micro-batch is planned padded, an upper bound of its packed rows (the same "
+              "sequences in at most as many rows of the same length; docs/packing.md)")
     print(render(plan, config, device_memory, model=run["model"]))
     return 0
 
