@@ -127,12 +127,9 @@ def evaluate(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Path]:
     batch_size = args.batch_size or (c.eval_batch_size if c is not None else 64)
     mesh = run.algorithm.mesh if run is not None else None
     engine = args.engine or (s.engine if s is not None else "static")
-    sampler = None
-    if engine == "paged":
-        sampler = PagedSampler(model.model_config, page_size=s.engine_page_size if s else 16,
-                               slots=s.engine_slots if s else 0,
-                               steps_per_call=s.engine_steps_per_call if s else 16,
-                               pages=s.engine_pages if s else 0)
+    knobs = {} if s is None else dict(page_size=s.engine_page_size, slots=s.engine_slots,
+                                      steps_per_call=s.engine_steps_per_call, pages=s.engine_pages)
+    sampler = PagedSampler(model.model_config, **knobs) if engine == "paged" else None
     scored = generate_scored(model.params, model.model_config, model.tokenizer, prompts, reward, sampling,
                              batch_size=batch_size, limit=limit or None, mesh=mesh, key=jax.random.key(args.seed),
                              sampler=sampler)

@@ -66,23 +66,24 @@ def first_fit_decreasing(lengths: np.ndarray | list[int], capacity: int) -> list
     return bins
 
 
-def bucket_rows(needed: int, most: int) -> int:
+def bucket_rows(needed: int, most: int, multiple: int = 1) -> int:
     """Rows to allocate for `needed` bins out of at most `most`: rounded up to a multiple of `most // 8`, so a run
-    compiles at most 8 shapes of its update, each at most 1/8 of the rows over what it needs."""
+    compiles at most 8 shapes of its update, each at most 1/8 of the rows over what it needs; then to a multiple of
+    `multiple` (the data-parallel devices the rows are split over, which divide `most`)."""
     step = max(1, most // 8)
-    return min(most, -(-needed // step) * step)
+    return min(most, -(-(-(-needed // step) * step) // multiple) * multiple)
 
 
-def micro_batch_layout(valid: np.ndarray, prompt_width: int, rows: int,
-                       row_len: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def micro_batch_layout(valid: np.ndarray, prompt_width: int, rows: int, row_len: int | None = None,
+                       bins: list[list[int]] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """`(source [rows, row_len], predictor [M, T])` of one micro-batch from its input mask `valid [M, S]` (the
     padded inputs' attention mask, `S = P + T - 1`) and the prompt width `P`; rows of `row_len >= S` tokens
-    (default `S`). Sequences are binned by `first_fit_decreasing` and laid out in bin order, each as its valid
-    positions in order."""
+    (default `S`). Sequences are binned by `first_fit_decreasing` (unless its `bins` are given) and laid out in bin
+    order, each as its valid positions in order."""
     m, s = valid.shape
     t = s - prompt_width + 1
     row_len = s if row_len is None else row_len
-    bins = first_fit_decreasing(valid.sum(axis=1), row_len)
+    bins = first_fit_decreasing(valid.sum(axis=1), row_len) if bins is None else bins
     if len(bins) > rows:
         raise ValueError(f"micro_batch_layout: {len(bins)} bins do not fit {rows} rows")
     source = np.full((rows, row_len), -1, np.int32)
@@ -111,21 +112,12 @@ def batch_layout(valid: np.ndarray, prompt_width: int, multiple: int = 1,
     """One batch packed whole (one update of one micro-batch: SFT's): `(layout, padding share padded, packed)`
     from its input mask `valid [N, S]`; rows of `row_length(valid, row_tokens)`, as many as `bucket_rows` of what
     it needs, a multiple of `multiple`."""
-    n, _ = valid.shape
     row_len = row_length(valid, row_tokens)
-    needed = len(first_fit_decreasing(valid.sum(axis=1), row_len))
-    rows = min(n, -(-bucket_rows(needed, n) // multiple) * multiple)
-    source, predictor = micro_batch_layout(valid, prompt_width, rows, row_len)
+    bins = first_fit_decreasing(valid.sum(axis=1), row_len)
+    rows = bucket_rows(len(bins), len(valid), multiple)
+    source, predictor = micro_batch_layout(valid, prompt_width, rows, row_len, bins)
     real = float(valid.sum())
     return PackedLayout(source, predictor), 1.0 - real / valid.size, 1.0 - real / (rows * row_len)
-
-
-def last_token_layout(mask: np.ndarray, multiple: int = 1) -> tuple[PackedLayout, float, float]:
-    """Whole left-padded sequences `mask [N, T]` packed (a reward model's: the inputs are the sequences themselves),
-    with the predictor `[N, 1]` pointing at each row's last token: `batch_layout` of the rows read as prompts of
-    width `T`, whose last column predicts the one "completion token" after them. `(layout, padding share padded,
-    packed)`."""
-    return batch_layout(mask > 0, mask.shape[1], multiple)
 
 
 class UpdateLayouts(NamedTuple):
@@ -145,22 +137,21 @@ def update_layouts(valid: np.ndarray, prompt_width: int, rows: np.ndarray, grad_
     valid `[N, S]`: the rollout's input mask (`concat(prompt_mask, completion_mask)[:, :-1]`); rows `[U, MB]`: the
     rollout rows of each update's minibatch (`step.minibatch_rows`); micro-batch `a` of update `u` holds rows
     `rows[u, a::grad_accum]`. Rows are `row_length(valid, row_tokens)` long; each micro-batch gets the same
-    number of packed rows `R` (`bucket_rows` of the
-    most any needs, and a multiple of `multiple`: the data-parallel devices the rows are split over), so the update
-    is one program."""
+    number of packed rows `R` (`bucket_rows` of the most any needs, a multiple of `multiple`: the data-parallel
+    devices the rows are split over), so the update is one program."""
     n_updates, mb = rows.shape
     m = mb // grad_accum
-    micro = [[rows[u, a::grad_accum] for a in range(grad_accum)] for u in range(n_updates)]
     row_len = row_length(valid, row_tokens)
-    needed = max(len(first_fit_decreasing(valid[idx].sum(axis=1), row_len)) for per in micro for idx in per)
-    r = min(m, -(-bucket_rows(needed, m) // multiple) * multiple)
+    micro = [[rows[u, a::grad_accum] for a in range(grad_accum)] for u in range(n_updates)]
+    bins = [[first_fit_decreasing(valid[idx].sum(axis=1), row_len) for idx in per] for per in micro]
+    r = bucket_rows(max(len(b) for per in bins for b in per), m, multiple)
     s = valid.shape[1]
     t = s - prompt_width + 1
     source = np.zeros((n_updates, grad_accum * r, row_len), np.int32)
     predictor = np.zeros((n_updates, grad_accum * m, t), np.int32)
     for u, per in enumerate(micro):
         for a, idx in enumerate(per):
-            src, pred = micro_batch_layout(valid[idx], prompt_width, r, row_len)
+            src, pred = micro_batch_layout(valid[idx], prompt_width, r, row_len, bins[u][a])
             source[u, a::grad_accum] = src
             predictor[u, a::grad_accum] = pred
     real = float(valid[rows].sum())

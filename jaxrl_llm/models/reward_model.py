@@ -45,8 +45,8 @@ def sequence_scores(
     """Classifier scores `[B, num_labels]` (float32) at the last valid token of each (left- or right-padded) row.
 
     `tokens, mask [B, T]`, `score_kernel [D, num_labels]` (the HF `score.weight` transposed). With a packed
-    `layout` of the left-padded rows (`packing.last_token_layout`: its predictor `[B, 1]` is each row's last
-    token) the forward pass runs on packed rows, no padding computed: the same scores.
+    `layout` of the left-padded rows (its predictor `[B, 1]` each row's last token: `packing.batch_layout` with
+    the full width as the prompt width) the forward pass runs on packed rows, no padding computed: the same scores.
     """
     if layout is None:
         hidden = forward(params, config, tokens, mask, return_hidden=True)

@@ -36,16 +36,16 @@ from jaxrl_llm.data import (
 )
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params
-from jaxrl_llm.models.packing import PackedLayout, batch_layout
+from jaxrl_llm.models.packing import PackedLayout
 from jaxrl_llm.models.weights import frozen_copy
 from jaxrl_llm.rl.preference import dpo_loss
-from jaxrl_llm.sharding import batch_divisor, init_optimizer_state
+from jaxrl_llm.sharding import init_optimizer_state
 from jaxrl_llm.trainers.base import Collected, State
 from jaxrl_llm.trainers.evaluation import GreedyEvaluation
 from jaxrl_llm.trainers.objectives import completion_logprobs
 from jaxrl_llm.trainers.policy import load_policy
 from jaxrl_llm.trainers.step import Metrics, jit_one_step_update, make_optimizer, state_sharding
-from jaxrl_llm.trainers.supervised import ExampleAlgorithm
+from jaxrl_llm.trainers.supervised import ExampleAlgorithm, packed_example_batch
 
 
 class PairBatch(NamedTuple):
@@ -210,10 +210,9 @@ class DPO(ExampleAlgorithm):
         batch = pair_batch(self.pairs, idx, self.policy.pad_id, c.sampling.prompt_bucket, self.train_ref)
         valid = np.concatenate([np.concatenate([batch.prompt_mask] * 2),
                                 np.concatenate([batch.chosen_mask, batch.rejected_mask])], axis=1)[:, :-1] > 0
-        if not c.sft.packing:
-            return Collected(batch, data_state, {"update/padding_frac": 1.0 - float(valid.mean())})
-        layout, _, padding = batch_layout(valid, batch.prompt_mask.shape[1], multiple=batch_divisor(self.mesh))
-        return Collected(batch._replace(layout=layout), data_state, {"update/padding_frac": padding})
+        packed, metrics = packed_example_batch(batch, valid, batch.prompt_mask.shape[1], packing=c.sft.packing,
+                                               mesh=self.mesh)
+        return Collected(packed, data_state, metrics)
 
     def evaluate(self, state: State, limit: int | None) -> dict[str, float]:
         out: dict[str, float] = {}

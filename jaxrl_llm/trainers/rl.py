@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from pathlib import Path
@@ -34,8 +35,9 @@ from jaxrl_llm.trainers.trajectories import TrajectoryCollector
 class UpdatePlan(NamedTuple):
     """How a step's update lays out its sequences: the packed layouts of every micro-batch (`rl.packing`), placed
     on the mesh, or None for the padded layout; the share of the positions it computes that are padding; the
-    micro-batches per update; and the minibatch rows `[U, MB]` when the host reordered them (token-balanced
-    micro-batches, `rl.max_tokens_per_microbatch`), else None (the update draws them itself)."""
+    micro-batches per update; and with packing the minibatch rows `[U, MB]` the layouts were planned for
+    (reordered into token-balanced micro-batches under `rl.max_tokens_per_microbatch`), else None (the update
+    draws its own)."""
 
     layouts: PackedLayout | None
     padding_frac: float
@@ -52,14 +54,14 @@ def update_plan(c: RunConfig, ro: Rollout, key: jax.Array, minibatch_size: int, 
     if not r.packing:
         return UpdatePlan(None, 1.0 - float(valid.mean()), r.grad_accum)
     rows = np.asarray(jax.device_get(minibatch_rows(key, len(valid), epochs=r.mu, minibatch_size=minibatch_size)))
-    accum, explicit = r.grad_accum, None
+    accum = r.grad_accum
     if r.max_tokens_per_microbatch:
         rows, accum = token_budget_micro_batches(valid.sum(axis=1), rows, r.max_tokens_per_microbatch,
                                                  batch_divisor(mesh))
-        explicit = global_array(rows.astype(np.int32), mesh, PartitionSpec())
     plan = update_layouts(valid, ro.prompt_mask.shape[1], rows, accum, multiple=batch_divisor(mesh))
-    layouts = jax.tree.map(lambda x: global_array(x, mesh, PartitionSpec()), plan.layouts)
-    return UpdatePlan(layouts, plan.padding_frac_packed, accum, explicit)
+    # The rows go with their layouts: the update takes them rather than drawing its own.
+    put = functools.partial(global_array, mesh=mesh, spec=PartitionSpec())
+    return UpdatePlan(jax.tree.map(put, plan.layouts), plan.padding_frac_packed, accum, put(rows.astype(np.int32)))
 
 
 def update_sizes(c: RunConfig) -> tuple[int, int, int]:

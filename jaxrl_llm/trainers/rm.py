@@ -35,13 +35,12 @@ from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params
 from jaxrl_llm.models.hf import is_classifier, load_hf_model, read_tensor, resolve_model_dir
-from jaxrl_llm.models.packing import PackedLayout, last_token_layout
+from jaxrl_llm.models.packing import PackedLayout
 from jaxrl_llm.models.reward_model import save_hf_reward_model, sequence_scores
 from jaxrl_llm.models.weights import master_weights
 from jaxrl_llm.rl.preference import dpo_loss
 from jaxrl_llm.sharding import (
     MeshShape,
-    batch_divisor,
     init_optimizer_state,
     make_mesh,
     param_shardings,
@@ -49,7 +48,7 @@ from jaxrl_llm.sharding import (
 )
 from jaxrl_llm.trainers.base import Collected, State
 from jaxrl_llm.trainers.step import Metrics, jit_one_step_update, make_optimizer, state_sharding
-from jaxrl_llm.trainers.supervised import ExampleAlgorithm
+from jaxrl_llm.trainers.supervised import ExampleAlgorithm, packed_example_batch
 
 
 class PreferenceBatch(NamedTuple):
@@ -175,11 +174,11 @@ class RewardModelTraining(ExampleAlgorithm):
         c = self.config
         idx, data_state = next_batch_indices(len(self.pairs), c.sft.batch_size, data_state, c.seed, c.data.shuffle)
         batch = make_batch(self.pairs, idx, self.pad_id)
-        mask = np.concatenate([batch.chosen_mask, batch.rejected_mask])
-        if not c.sft.packing:
-            return Collected(batch, data_state, {"update/padding_frac": 1.0 - float(mask.mean())})
-        layout, _, padding = last_token_layout(mask, multiple=batch_divisor(self.mesh))
-        return Collected(batch._replace(layout=layout), data_state, {"update/padding_frac": padding})
+        mask = np.concatenate([batch.chosen_mask, batch.rejected_mask]) > 0
+        # The inputs are the whole left-padded sequences, read as prompts of their full width: the layout's one
+        # "completion token" per row is predicted at the last column, each sequence's last token, where it is scored.
+        packed, metrics = packed_example_batch(batch, mask, mask.shape[1], packing=c.sft.packing, mesh=self.mesh)
+        return Collected(packed, data_state, metrics)
 
     def evaluate(self, state: State, limit: int | None) -> dict[str, float]:
         if self.eval_pairs is None:

@@ -19,14 +19,13 @@ import numpy as np
 from jaxrl_llm.config import RunConfig
 from jaxrl_llm.data import DataState, PromptSet, bucket, left_pad, next_batch_indices
 from jaxrl_llm.errors import ConfigError
-from jaxrl_llm.models.packing import batch_layout
-from jaxrl_llm.sharding import batch_divisor, init_optimizer_state
+from jaxrl_llm.sharding import init_optimizer_state
 from jaxrl_llm.trainers.base import Collected, State
 from jaxrl_llm.trainers.evaluation import GreedyEvaluation
 from jaxrl_llm.trainers.objectives import PolicyBatch, PolicyObjective, sft_loss
 from jaxrl_llm.trainers.policy import load_policy
 from jaxrl_llm.trainers.step import jit_one_step_update, make_optimizer
-from jaxrl_llm.trainers.supervised import ExampleAlgorithm
+from jaxrl_llm.trainers.supervised import ExampleAlgorithm, packed_example_batch
 
 
 def completion_arrays(prompt_set: PromptSet, indices: np.ndarray, tokenizer: Any, answer_field: str,
@@ -90,10 +89,8 @@ class SFT(ExampleAlgorithm):
         zeros = np.zeros(ct.shape, np.float32)
         batch = PolicyBatch(pt, pm, ct, cm, zeros, zeros, np.zeros(len(pt), np.float32))
         valid = np.concatenate([pm, cm], axis=1)[:, :-1] > 0
-        if not c.sft.packing:
-            return Collected(batch, data_state, {"update/padding_frac": 1.0 - float(valid.mean())})
-        layout, _, padding = batch_layout(valid, pm.shape[1], multiple=batch_divisor(self.mesh))
-        return Collected(batch._replace(layout=layout), data_state, {"update/padding_frac": padding})
+        packed, metrics = packed_example_batch(batch, valid, pm.shape[1], packing=c.sft.packing, mesh=self.mesh)
+        return Collected(packed, data_state, metrics)
 
     def evaluate(self, state: State, limit: int | None) -> dict[str, float]:
         return self.evaluation(self.policy.inference_weights(state["params"]), limit)

@@ -6,11 +6,24 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import jax
+import numpy as np
 import optax
 
 from jaxrl_llm.config import RunConfig
-from jaxrl_llm.sharding import global_array
+from jaxrl_llm.models.packing import batch_layout
+from jaxrl_llm.sharding import batch_divisor, global_array
 from jaxrl_llm.trainers.base import Algorithm, State, Updated, host_metrics
+
+
+def packed_example_batch(batch: Any, valid: np.ndarray, prompt_width: int, *, packing: bool,
+                         mesh: Any) -> tuple[Any, dict[str, float]]:
+    """`(batch, metrics)` of an example batch (`sft.packing`): with packing, `batch` with the packed `layout` of
+    its sequences (`packing.batch_layout` of their input mask `valid [N, S]`, rows a multiple of the data-parallel
+    devices); the share of the positions the update computes that are padding either way."""
+    if not packing:
+        return batch, {"update/padding_frac": 1.0 - float(valid.mean())}
+    layout, _, padding = batch_layout(valid, prompt_width, multiple=batch_divisor(mesh))
+    return batch._replace(layout=layout), {"update/padding_frac": padding}
 
 
 def example_update(update_fn: Any, mesh: Any, schedule: optax.Schedule, state: State, batch: Any, step: int,
