@@ -32,6 +32,7 @@ DEFAULT_CONFIGS = {
     "reinforce_pp": ROOT / "configs" / "reinforce_pp_arithmetic.yaml",
     "ppo": ROOT / "configs" / "ppo_arithmetic.yaml",
     "dpo": ROOT / "configs" / "dpo_arithmetic.yaml",
+    "distill": ROOT / "configs" / "distill_arithmetic.yaml",
 }
 
 

@@ -2,7 +2,7 @@
 
     pip install trl        # benchmark-only dependency (not a runtime dependency of jaxrl_llm)
     python bench/grpo_vs_trl.py [--steps 5] [--warmup 2] [--prompt-tokens 20] [--threads 2] [--wait-quiet 120]
-                                [--bf16] [--remat] [--override KEY=VALUE] [--skip-trl] [--model DIR]
+                                [--bf16] [--remat] [--override KEY=VALUE] [--skip-trl] [--model DIR] [--varied]
 
 The model is a ~10M-parameter Qwen2-shaped decoder (q/k/v biases, GQA, tied embeddings: hidden 256, 10 layers,
 4 heads, 2 KV heads, MLP 1024; 9.97M parameters) with random weights and the 512-token stories260K tokenizer,
@@ -21,6 +21,14 @@ num_iterations = 1 (so it takes the old log-probs as the detached current ones, 
 AdamW (torch's fused), and no gradient checkpointing on either side unless `--remat` (TRL's default is on).
 Every prompt has exactly `--prompt-tokens` tokens (BOS included), so neither side pads within a batch; ours
 still rounds the prompt width up to a multiple of 16 (the trainer's compile bucket), which counts as its cost.
+
+`--varied` (with `--model`, a chat model): the step of the packing issue, lengths that vary. 8 prompts x G = 8
+samples, up to 128 new tokens, **EOS on** on both sides, prompts of two kinds (a question answered in a word or a
+number, and a request for a story or an explanation), so completion lengths range from a few tokens to the limit.
+Ours runs with `rl.packing=true`; after each rollout it also runs the **padded update on the same rollout** from
+a copy of the same state (timed apart, discarded), and reports both updates' padding fractions
+(`update/padding_frac`), their times, their rate of real (non-pad) positions per second, and the packed update's
+time against its ideal (the padded time x packed positions / padded positions).
 
 Both sides run in this process, never at the same time: our warm-up (`--warmup` steps; the first compiles), TRL's
 warm-up, then `--steps` timed steps of each in turn (TRL, ours, TRL, ours, ...; torch with
@@ -74,6 +82,33 @@ from common import (
 
 STORIES260K = Path(os.environ.get("STORIES260K", "/work/shared/models/stories260K"))
 PROMPTS_PER_STEP, GROUP, NEW_TOKENS, BETA, LR = 4, 8, 32, 0.04, 1e-5
+VARIED = False  # --varied: 8 x 8, up to 128 new tokens, EOS on, prompts that ask for short and long answers
+
+
+def use_varied_shape() -> None:
+    """`--varied`: the shape of the packing issue's comparison (module docstring)."""
+    global PROMPTS_PER_STEP, GROUP, NEW_TOKENS, VARIED
+    PROMPTS_PER_STEP, GROUP, NEW_TOKENS, VARIED = 8, 8, 128, True
+
+
+SHORT_QUESTIONS = ["What is {a} + {b}? Reply with the number only.", "Name one {kind}. One word only.",
+                   "Is {a} larger than {b}? Answer yes or no."]
+LONG_REQUESTS = ["Write a story about a {kind} that finds a {thing}.", "Explain in detail how a {thing} works.",
+                 "Describe a day in the life of a {kind}, hour by hour."]
+
+
+def varied_prompts() -> list[list[dict]]:
+    """Chat prompts, half asking for a word or a number and half for a long text, interleaved so every step has
+    both kinds (256 of them)."""
+    kinds, things = ["animal", "color", "fruit", "bird", "tree"], ["clock", "bicycle", "kite", "lamp", "boat"]
+    rng = np.random.default_rng(0)
+    out = []
+    for i in range(256):
+        template = (SHORT_QUESTIONS if i % 2 == 0 else LONG_REQUESTS)[(i // 2) % 3]
+        text = template.format(a=int(rng.integers(2, 99)), b=int(rng.integers(2, 99)),
+                               kind=kinds[int(rng.integers(5))], thing=things[int(rng.integers(5))])
+        out.append([{"role": "user", "content": text}])
+    return out
 
 
 def vowel_reward(prompts, completions, **fields) -> list[float]:
@@ -91,6 +126,11 @@ def build_task(root: Path, prompt_tokens: int | None, model: str = "") -> tuple[
     `prompt_tokens` tokens (chat messages for `model`); returns `(model_dir, data, prompts, prompt_tokens)`."""
     from transformers import AutoTokenizer
 
+    if VARIED:  # prompts of their own lengths (left-padded on our side, as any batch of real prompts)
+        prompts = varied_prompts()
+        data = root / "prompts.jsonl"
+        data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+        return Path(model), data, prompts, 0
     if model:
         model_dir = Path(model)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -210,10 +250,11 @@ class Ours:
             f"optim.learning_rate={LR}", f"rewards=[{{name: '{__name__}:vowel_reward'}}]", "progress_bar=false",
             "tensorboard=false", "checkpoint_every=0", "export=false",
             f"model.dtype={'bfloat16' if bf16 else 'float32'}", f"data.chat_template={str(chat).lower()}",
-            *overrides,
+            *(["rl.packing=true"] if VARIED else []), *overrides,
         ])
         self.trainer = trainer = GRPOFamily(config)
-        trainer.policy.eos_ids = ()  # never stop early: exactly NEW_TOKENS tokens per row, like TRL's min_new_tokens
+        if not VARIED:  # never stop early: exactly NEW_TOKENS tokens per row, like TRL's min_new_tokens
+            trainer.policy.eos_ids = ()
         self.state, self.data_state, self.step_index = trainer.init(), DataState(), 0
         self.setup = time.perf_counter() - t_setup
         self.timer = Timer()
@@ -240,19 +281,52 @@ class Ours:
         self.step_index += 1
         collected = trainer.collect(self.state, self.data_state, sample_key)
         ro, self.data_state = collected.batch, collected.data_state
+        rollout = time.perf_counter() - t0
+        collect_parts = self.timer.take()
+        padded = self.padded_update(ro, update_key) if VARIED else {}
+        self.timer.take()  # the padded update's parts are not the step's
         t1 = time.perf_counter()
         updated = trainer.update(self.state, ro, self.step_index, update_key)
         self.state, metrics = updated.state, {**collected.metrics, **updated.metrics}
         t2 = time.perf_counter()
-        parts = self.timer.take()
+        parts = {**collect_parts, **self.timer.take()}
         self.prompt_width = int(ro.prompt_tokens.shape[1])
-        self.records.append(dict(step=t2 - t0, rollout=t1 - t0, update=t2 - t1, **parts, train=parts["train_step"],
+        real = int((np.concatenate([ro.prompt_mask, ro.out.mask], axis=1)[:, :-1] > 0).sum())
+        self.records.append(dict(step=rollout + t2 - t1, rollout=rollout, update=t2 - t1,
+                                 **parts, train=parts["train_step"],
                                  completion_length=metrics["completion_length/mean"], reward=metrics["reward/mean"],
-                                 others=meter.others(), warmup=warmup))
-        print(f"  ours step {len(self.records)}{' (warm-up)' if warmup else ''}: {t2 - t0:.3f} s "
-              f"(rollout {t1 - t0:.3f}, update {t2 - t1:.3f}), completion length "
+                                 others=meter.others(), warmup=warmup, real_positions=real,
+                                 prompt_length=float(ro.prompt_mask.sum() / len(ro.prompt_mask)),
+                                 padding_frac=metrics["update/padding_frac"], **padded))
+        if VARIED:
+            r = self.records[-1]
+            print(f"    update packed {r['update']:.3f} s (padding {r['padding_frac']:.3f}), padded "
+                  f"{r['update_padded']:.3f} s (padding {r['padding_frac_padded']:.3f}) on the same rollout; "
+                  f"{real} real positions", flush=True)
+        print(f"  ours step {len(self.records)}{' (warm-up)' if warmup else ''}: {rollout + t2 - t1:.3f} s "
+              f"(rollout {rollout:.3f}, update {t2 - t1:.3f}), completion length "
               f"{metrics['completion_length/mean']:.1f}, reward {metrics['reward/mean']:.3f}; "
               f"others' CPU {self.records[-1]['others']:.2f} (waited {waited:.0f} s)", flush=True)
+
+
+    def padded_update(self, ro: Any, key: Any) -> dict[str, float]:
+        """The padded update (`rl.packing=false`) of rollout `ro` from a copy of the current state, timed and
+        discarded (the state is donated to the update, hence the copy)."""
+        import jax
+        import jax.numpy as jnp
+
+        trainer = self.trainer
+        state = jax.tree.map(jnp.copy, self.state)
+        jax.block_until_ready(state)
+        trainer.config.rl.packing = False
+        try:
+            t0 = time.perf_counter()
+            updated = trainer.update(state, ro, self.step_index, key)
+            jax.block_until_ready(updated.state)
+            seconds = time.perf_counter() - t0
+        finally:
+            trainer.config.rl.packing = True
+        return {"update_padded": seconds, "padding_frac_padded": updated.metrics["update/padding_frac"]}
 
 
 # ------------------------------------------------------------------------------------------------ TRL
@@ -327,7 +401,7 @@ def trl_config(out_dir: Path, max_steps: int, bf16: bool, remat: bool) -> Any:
         output_dir=str(out_dir), use_cpu=True, bf16=bf16, fp16=False, seed=0,
         per_device_train_batch_size=PROMPTS_PER_STEP * GROUP, num_generations=GROUP, steps_per_generation=1,
         gradient_accumulation_steps=1, num_iterations=1, beta=BETA, max_completion_length=NEW_TOKENS,
-        temperature=1.0, top_p=1.0, top_k=0, generation_kwargs={"min_new_tokens": NEW_TOKENS},
+        temperature=1.0, top_p=1.0, top_k=0, generation_kwargs={} if VARIED else {"min_new_tokens": NEW_TOKENS},
         loss_type="dapo", scale_rewards="group", epsilon=0.2, learning_rate=LR, lr_scheduler_type="constant",
         adam_beta2=0.99, weight_decay=0.0, max_grad_norm=1.0, max_steps=max_steps, logging_steps=1,
         report_to="none", save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
@@ -383,6 +457,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", default="", help="a HF model directory (default: a random 10M Qwen2)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch.set_num_threads")
     parser.add_argument("--skip-trl", action="store_true", help="run our side only")
+    parser.add_argument("--new-tokens", type=int, default=0,
+                        help="the completion length limit (default 32, or 128 with --varied)")
+    parser.add_argument("--varied", action="store_true",
+                        help="8 prompts x 8, up to 128 new tokens, EOS on, lengths that vary; ours packed, and the "
+                             "padded update on the same rollouts beside it (needs --model)")
     parser.add_argument("--bf16", action="store_true",
                         help="bfloat16 compute on both sides (ours: model.dtype=bfloat16, float32 params; TRL: "
                              "bf16=True autocast); the matmul baseline is then a bfloat16 one")
@@ -507,6 +586,22 @@ def print_step_table(o: list[dict], t: list[dict] | None) -> None:
     line("    policy fwd+bwd+AdamW", "train")
     line("mean completion length (tokens)", "completion_length", ".1f")
     print()
+    if VARIED:
+        print_packing(o)
+
+
+def print_packing(o: list[dict]) -> None:
+    """`--varied`: the packed update against the padded one on the same rollouts (medians over the timed steps)."""
+    med = lambda field: stat(o, field, "median")  # noqa: E731
+    packed, padded = med("update"), med("update_padded")
+    frac, frac_padded, real = med("padding_frac"), med("padding_frac_padded"), med("real_positions")
+    ideal = (1.0 - frac_padded) / (1.0 - frac)  # padded positions computed / packed positions computed
+    print(f"update on the same rollouts (medians): padded {padded:.3f} s (padding_frac {frac_padded:.3f}), packed "
+          f"{packed:.3f} s (padding_frac {frac:.3f}): {padded / packed:.2f}x faster, ideal {ideal:.2f}x "
+          f"(packed at {packed / (padded / ideal):.2f}x its ideal time; target <= 1.1x)")
+    print(f"real (non-pad) positions per second in the update: packed {real / packed:,.0f}, padded "
+          f"{real / padded:,.0f} ({real:,.0f} real positions a step)")
+    print()
 
 
 def print_flop_rates(args: argparse.Namespace, dtype: str, o: list[dict], t: list[dict] | None, flops: float,
@@ -539,12 +634,21 @@ def print_flop_rates(args: argparse.Namespace, dtype: str, o: list[dict], t: lis
 
 def main() -> None:
     args = parse_args()
+    if args.varied:
+        if not args.model:
+            raise SystemExit("--varied needs --model DIR (a chat model, e.g. SmolLM2-135M-Instruct)")
+        use_varied_shape()
+    if args.new_tokens:
+        global NEW_TOKENS
+        NEW_TOKENS = args.new_tokens
     dtype = "bfloat16" if args.bf16 else "float32"
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's jaxrl_llm, installed or not
     print_versions(args)
     ours, trl_res, dims, jax_mm, torch_mm = run_sides(args, dtype)
     o, t = ours["records"], (trl_res["records"] if trl_res else None)
     o_len = stat(o, "completion_length", "median")
+    if VARIED:  # prompts of their own lengths: the mean
+        args.prompt_tokens = round(stat(o, "prompt_length", "median"))
     flops = update_flops(dims, PROMPTS_PER_STEP * GROUP, args.prompt_tokens, o_len)
     print_overview(args, ours, trl_res)
     print_step_table(o, t)

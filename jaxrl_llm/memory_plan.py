@@ -279,6 +279,8 @@ class MemoryPlan:
     gradient_buffers: int = 2  # float32 gradient-sized buffers of the train step (see `update`)
     merged: int = 0  # LoRA: the merged weights (base + adapters) the sampler and the update each build
     trainable: int = 0  # parameters the optimizer updates (all, or the LoRA adapters)
+    teacher: int = 0  # --algo distill: the frozen teacher's weights (param_dtype, sharded like the reference)
+    teacher_hidden: int = 0  # distill.loss=jsd: the teacher's final hidden states of one micro-batch (in the update)
 
     @property
     def activations(self) -> int:
@@ -287,8 +289,8 @@ class MemoryPlan:
 
     @property
     def persistent(self) -> int:
-        """Bytes that live across the whole step: `params + reference + optimizer`."""
-        return self.params + self.reference + self.optimizer
+        """Bytes that live across the whole step: `params + reference + teacher + optimizer`."""
+        return self.params + self.reference + self.teacher + self.optimizer
 
     @property
     def rollout(self) -> int:
@@ -299,8 +301,8 @@ class MemoryPlan:
     def update(self) -> int:
         """The train step's own buffers: `gradient_buffers * gradients + activations` (the float32 accumulator,
         the optimizer's update tree, and one micro-batch's gradients when `grad_accum > 1`; LoRA's merged
-        weights)."""
-        return self.gradient_buffers * self.gradients + self.activations + self.merged
+        weights; a JSD teacher's hidden states)."""
+        return self.gradient_buffers * self.gradients + self.activations + self.merged + self.teacher_hidden
 
     @property
     def train_step(self) -> int:
@@ -376,7 +378,8 @@ def plan_memory(config: ModelConfig, mesh_sizes: tuple[int, int, int], *, batch:
                 reference: bool = False, optimizer: optax.GradientTransformation | None = None,
                 prompt_bucket: int = 1, new_tokens_bucket: int = 1, logprob_block_mib: float = 256.0,
                 lora_rank: int = 0, lora_targets: str = "(q|k|v|o|gate|up|down)_proj", engine_page_size: int = 0,
-                engine_pages: int = 0) -> MemoryPlan:
+                engine_pages: int = 0, teacher: ModelConfig | None = None, teacher_in_update: bool = False,
+                ) -> MemoryPlan:
     """Per-device memory of an RL step of `config` (its `dtype`, `param_dtype` and `remat` are used) on a
     `(data, fsdp, tensor)` mesh of `mesh_sizes`, without devices or allocation.
 
@@ -390,6 +393,10 @@ def plan_memory(config: ModelConfig, mesh_sizes: tuple[int, int, int], *, batch:
     sampler's cache: its pool of `engine_pages` pages (0: `batch * (ceil(P / ps) + n * ceil((P + T) / ps)) + 1`,
     the prompt once per group), plus the contiguous per-call caches its decode gathers for every slot (`N` rows of
     `ceil((P + T) / ps)` pages rounded up to 128 tokens, `engine.pages.table_width`; docs/engine.md).
+
+    `teacher` (`--algo distill`): the frozen teacher's weights in its `param_dtype`, sharded by the same rules,
+    live through the step; with `teacher_in_update` (`distill.loss=jsd`) its final hidden states of a micro-batch
+    `[rows, T, D_teacher]` float32 are part of the update (its forward runs there, without gradients).
     """
     sizes = axis_sizes_of(mesh_sizes)
     rollout_seqs = batch * group_size
@@ -416,7 +423,15 @@ def plan_memory(config: ModelConfig, mesh_sizes: tuple[int, int, int], *, batch:
                              logprob_block_mib=logprob_block_mib) for remat in (False, True)]
     # int32 prompt/completion tokens and masks, float32 old and reference log-probs, float32 advantages.
     batch_bytes = _divided(minibatch, batch_ways) * (4 * 2 * padded_prompt + 4 * 4 * new_tokens + 4)
+    teacher_bytes = teacher_hidden = 0
+    if teacher is not None:
+        shapes = param_shapes(teacher)
+        teacher_bytes = tree_shard_bytes(shapes, param_partition_specs(shapes, sizes), sizes)
+        if teacher_in_update:
+            teacher_hidden = micro_rows * seq_len * teacher.hidden_size * 4
     return MemoryPlan(
+        teacher=teacher_bytes,
+        teacher_hidden=teacher_hidden,
         mesh_sizes=(sizes["data"], sizes["fsdp"], sizes["tensor"]),
         num_params=weights["num_params"],
         params=weights["params"],

@@ -22,6 +22,7 @@ from jaxrl_llm.envs.tools import resolve_tools
 from jaxrl_llm.errors import one_line
 from jaxrl_llm.rewards import resolve_reward
 from jaxrl_llm.rl.plugins import resolve_estimator, resolve_policy_loss
+from jaxrl_llm.tasks import reasoning_gym
 from jaxrl_llm.trainers import algorithm_class, check_devices, validate
 from jaxrl_llm.trainers.rl import sandbox_users
 
@@ -93,13 +94,17 @@ def check_inputs(c: RunConfig) -> None:
     """The data files exist, and the model (and a critic's model) is a directory or a reachable hub id."""
     for key in ("data.train", "data.eval", "dpo.eval_prompts"):
         source = get_field(c, key)
-        if source and not source.startswith(("hf:", "python:")) and not Path(source).is_file():
+        if source and not source.startswith(("hf:", "python:", reasoning_gym.PREFIX)) and not Path(source).is_file():
             kind = "a directory, not a JSONL file" if Path(source).is_dir() else "missing"
             raise ConfigError(f"{key}={source}: the data file is {kind} (a JSONL path, or hf:NAME for a hub dataset)")
+    # generated tasks: installed, known, with options they accept, and a held-out set on other seeds
+    reasoning_gym.check_sources(c.data.train, c.data.eval)
     if not (algorithm_class(c.algo).from_scratch and c.model.init):
         check_model_source("model.path", c.model.path)
     if c.algo == "ppo" and c.ppo.critic_init != "policy":
         check_model_source("ppo.critic_init", c.ppo.critic_init)
+    if c.algo == "distill":
+        check_model_source("distill.teacher", c.distill.teacher)
 
 
 def check_optional_packages(c: RunConfig) -> None:

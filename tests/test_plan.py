@@ -327,3 +327,22 @@ def test_engine_plan_counts_the_engines_pool_and_slot_caches() -> None:
     kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2  # keys and values, bfloat16
     assert static.kv_cache == prompts * group * (prompt_len + new) * kv_per_token
     assert got.kv_cache == (pages * size + prompts * group * width * size) * kv_per_token
+
+
+def test_a_distillation_teacher_is_counted(capsys):
+    """`--algo distill`: the teacher's frozen weights (its own architecture, param_dtype) live through the step, and
+    under the JSD loss its hidden states of a micro-batch are part of the update."""
+    student = config_from_hf(dict(model_type="llama", vocab_size=101, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+    teacher = config_from_hf(dict(model_type="llama", vocab_size=101, hidden_size=96, intermediate_size=256,
+                                  num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4))
+    kwargs = dict(batch=4, group_size=2, prompt_len=10, new_tokens=7)
+    alone = plan.plan_memory(student, (1, 1, 1), **kwargs)
+    with_teacher = plan.plan_memory(student, (1, 1, 1), teacher=teacher, **kwargs)
+    jsd = plan.plan_memory(student, (1, 1, 1), teacher=teacher, teacher_in_update=True, **kwargs)
+    assert with_teacher.teacher == 4 * teacher.num_params()  # float32 weights
+    assert with_teacher.persistent - alone.persistent == with_teacher.teacher
+    assert jsd.update - with_teacher.update == 8 * (10 + 7 - 1) * 96 * 4  # [rows, T, D_teacher] float32
+    root = Path(__file__).resolve().parents[1]
+    assert plan_cli.main(["--config", str(root / "configs" / "distill_arithmetic.yaml")]) == 0
+    assert "teacher params (distill)" in capsys.readouterr().out

@@ -134,6 +134,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="sampling.engine_page_size: plan the rollout engine's pool instead of the static sampler's "
                    "cache (0: static; from a config: its page size when sampling.engine=paged)")
     p.add_argument("--engine-pages", type=int, help="sampling.engine_pages: the engine's pool (0: what a step needs)")
+    p.add_argument("--teacher", help="distill.teacher: count a distillation teacher's frozen weights (a model "
+                   "directory or hub id)")
+    p.add_argument("--jsd", action="store_const", const=True,
+                   help="distill.loss=jsd: the teacher runs inside the update (its hidden states counted there)")
     p.add_argument("--device-memory", default="80GiB", help="usable memory per device, e.g. 80GiB, 24GB")
     return p
 
@@ -159,6 +163,8 @@ _SETTINGS: tuple[tuple[str, Any, Any], ...] = (
     ("engine_page_size", 0, lambda c: c.sampling.engine_page_size if c.sampling.engine == "paged" else 0),
     ("engine_pages", 0, lambda c: c.sampling.engine_pages),
     ("lora_targets", "(q|k|v|o|gate|up|down)_proj", lambda c: c.lora.targets),
+    ("teacher", "", lambda c: c.distill.teacher if c.algo == "distill" else ""),
+    ("jsd", False, lambda c: c.algo == "distill" and c.distill.loss == "jsd"),
 )
 
 
@@ -214,6 +220,8 @@ def render(plan: MemoryPlan, config: ModelConfig, device_memory: int, *, model: 
         f"  {'per device':<36}{'bytes':>12}",
         row("params (policy)" if not plan.merged else "params (frozen base + LoRA adapters)", plan.params,
             f"{plan.trainable / 1e6:,.2f}M trainable" if plan.merged else ""),
+        *([row("teacher params (distill)", plan.teacher)] if plan.teacher else []),
+        *([row("teacher hidden states (jsd, update)", plan.teacher_hidden)] if plan.teacher_hidden else []),
         row("reference params", plan.reference if plan.reference else None,
             "(the frozen base: adapters off)" if plan.merged else "" if plan.reference else "(no --reference)"),
         row("optimizer state (AdamW)", plan.optimizer),
@@ -223,7 +231,8 @@ def render(plan: MemoryPlan, config: ModelConfig, device_memory: int, *, model: 
         *([row("LoRA merged weights (rollout, update)", plan.merged)] if plan.merged else []),
         row(f"activations (train step{', remat' if plan.remat else ''})", plan.activations, act_note),
         "  " + "-" * 48,
-        row("persistent: params+ref+optimizer", plan.persistent),
+        row("persistent: params+ref+teacher+opt" if plan.teacher else "persistent: params+ref+optimizer",
+            plan.persistent),
         row("rollout: KV cache+sampler copy", plan.rollout),
         row("update: gradients+activations", plan.update),
         row("train step program alone", plan.train_step,
@@ -257,6 +266,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             prompt_bucket=run["prompt_bucket"], new_tokens_bucket=run["new_tokens_bucket"],
             logprob_block_mib=run["logprob_block_mib"], lora_rank=run["lora_rank"], lora_targets=run["lora_targets"],
             engine_page_size=run["engine_page_size"], engine_pages=run["engine_pages"],
+            teacher=config_from_hf(load_hf_config_dict(run["teacher"]), param_dtype=run["param_dtype"])
+            if run["teacher"] else None, teacher_in_update=run["jsd"],
         )
     except (ValueError, OSError) as e:  # bad sizes, mesh or model: the user's input (ConversionError included)
         raise UsageError(str(e)) from e

@@ -158,8 +158,8 @@ def _check_top_level(path: str | Path) -> None:
 # Fields holding paths: relative values in a YAML file are relative to the file's folder, on the command line to
 # the current folder. The ones that may also be a hub id keep a value that only looks like one ("org/name").
 PATH_FIELDS = ("out_dir", "export_dir", "model.path", "model.tokenizer", "data.train", "data.eval",
-               "ppo.critic_init", "dpo.eval_prompts")
-HUB_ID_FIELDS = ("model.path", "model.tokenizer", "ppo.critic_init", "rewards[].kwargs.path")
+               "ppo.critic_init", "dpo.eval_prompts", "distill.teacher")
+HUB_ID_FIELDS = ("model.path", "model.tokenizer", "ppo.critic_init", "distill.teacher", "rewards[].kwargs.path")
 NOT_A_PATH = {"model.tokenizer": "arithmetic", "ppo.critic_init": "policy"}
 
 
@@ -179,7 +179,8 @@ def shown_path(path: Path) -> str:
 
 def resolve_path(key: str, value: Any, base: Path) -> Any:
     """`value` of the path field `key`, read from a YAML file in `base`, made relative to the current folder."""
-    if not isinstance(value, str) or not value or value.startswith("hf:") or NOT_A_PATH.get(key) == value:
+    if (not isinstance(value, str) or not value or value.startswith(("hf:", "reasoning_gym:"))
+            or NOT_A_PATH.get(key) == value):
         return value
     if Path(value).expanduser().is_absolute():
         return value

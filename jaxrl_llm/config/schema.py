@@ -47,10 +47,13 @@ DTYPES = ("float32", "bfloat16")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 # Where the python tool and the code_tests reward run model code (jaxrl_llm.envs.sandbox, docs/sandbox.md).
 SANDBOX_MODES = ("bwrap", "subprocess")
+# How a model writes tool calls, and its results come back (jaxrl_llm.envs.tool_formats, docs/environments.md).
+TOOL_FORMAT_NAMES = ("auto", "hermes", "llama3_json", "mistral", "qwen3_xml")
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 # rl.loss.rollout_correction: where the old policy's log-probs come from (see PolicyLossOptions)
 ROLLOUT_CORRECTIONS = ("none", "recompute", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 PREFERENCE_LOSSES = ("sigmoid", "ipo", "hinge", "simpo")  # dpo.loss (jaxrl_llm.rl.preference)
+DISTILL_LOSSES = ("reverse_kl", "jsd")  # distill.loss (jaxrl_llm.rl.distillation)
 SAMPLERS = ("static", "paged")  # sampling.engine (jaxrl_llm.sampling, jaxrl_llm.engine)
 @dataclass
 class ModelSection:
@@ -235,6 +238,25 @@ class DPOSection:
 
 
 @dataclass
+class DistillSection:
+    """--algo distill: on-policy distillation from a frozen teacher that shares the student's tokenizer. The student
+    samples as the GRPO family does (rl.prompts_per_step x rl.group_size, single- or multi-turn) and `rl` sizes its
+    update; the run's rewards are logged and evaluated, and trained on only with `reward_weight`."""
+
+    teacher: str = ""  # required: the teacher's Hugging Face directory or hub id (any family, the same tokenizer)
+    # reverse_kl: each sampled token's advantage is kl_coef * (log pi_teacher - log pi_student) (on-policy
+    # distillation); jsd: GKD's generalised Jensen-Shannon divergence over the full vocabulary at every position
+    loss: str = one_of("reverse_kl", DISTILL_LOSSES)
+    kl_coef: float = positive(1.0)  # reverse_kl: the teacher's per-token signal's scale
+    # reverse_kl: + reward_weight x the GRPO advantage of the run's rewards (0 = the teacher's signal alone)
+    reward_weight: float = at_least(0.0)
+    beta: float = within(0.5, 0.0, 1.0)  # jsd: 0 = forward KL(teacher || student), 1 = reverse KL, between: JSD
+    # jsd: the share of steps the student samples its completions (GKD's lambda); the other steps train on the
+    # data's answers (data.answer_field + EOS; single-turn only)
+    lmbda: float = fraction(0.5)
+
+
+@dataclass
 class LoraSection:
     """LoRA adapters (jaxrl_llm.models.lora) for the GRPO family, PPO's policy, SFT and DPO: the base weights are frozen
     (no gradients, no optimizer state) and double as the reference model (adapters off)."""
@@ -355,6 +377,9 @@ class EnvSection:
     name: str = ""  # "" (single-turn) | tool_use | a registered name | module:function (factory(record, **kwargs))
     kwargs: dict[str, Any] = field(default_factory=dict)  # keywords bound to the environment's factory
     tools: list[str] = field(default_factory=list)  # tools the model may call: calculator | python | module:attr
+    # how calls are parsed from the model's text and results rendered: auto (from the chat template; hermes when it
+    # has no tool support) | hermes | llama3_json | mistral | qwen3_xml
+    tool_format: str = one_of("auto", TOOL_FORMAT_NAMES)
     max_turns: int = at_least(4, 1)  # the model's turns per episode at most
     # completion tokens per episode at most (the model's and the environment's); sampling.max_new_tokens per turn
     max_tokens: int = at_least(512, 1)
@@ -379,7 +404,7 @@ class LoggingSection:
 class RunConfig:
     """A whole run."""
 
-    algo: str = "grpo"  # grpo | rloo | reinforce_pp | ppo | sft | rm | dpo (jaxrl_llm.trainers.ALGORITHMS)
+    algo: str = "grpo"  # grpo | rloo | reinforce_pp | ppo | sft | rm | dpo | distill (jaxrl_llm.trainers.ALGORITHMS)
     seed: int = at_least(0)  # the run's root random key (sampling, data order, dropout-free init)
     steps: int = at_least(100)  # training steps (one rollout + update each, for the RL algorithms)
     out_dir: str = "runs/default"  # metrics, samples, checkpoints and the export go here
@@ -390,6 +415,7 @@ class RunConfig:
     sft: SFTSection = field(default_factory=SFTSection)
     ppo: PPOSection = field(default_factory=PPOSection)
     dpo: DPOSection = field(default_factory=DPOSection)
+    distill: DistillSection = field(default_factory=DistillSection)
     lora: LoraSection = field(default_factory=LoraSection)
     rewards: list[RewardSpec] = field(default_factory=list)  # required for RL: [{name: ..., weight: ...}, ...]
     optim: OptimSection = field(default_factory=OptimSection)

@@ -2,13 +2,13 @@
 
     <tool_call>{"name": "calculator", "arguments": {"expression": "123 * 456"}}</tool_call>
 
-is the call format (Hermes / Qwen2.5's, which most chat templates with tool support render and most instruct
-models were trained on). A template that supports tools gets the schemas through
-`apply_chat_template(..., tools=[...])`; one that does not (SmolLM2's, or no template) gets the documented
-plain-text convention: `tool_instructions(tools)` is a system message that lists the schemas and asks for the same
-format. Either way the model's text is parsed the same way and a result comes back as a `{"role": "tool"}`
-message. A bad call (not JSON, an unknown tool, wrong arguments, a tool that raises or times out) is answered with
-an error observation the model can read; it never stops the run.
+is the default call format (Hermes / Qwen2.5's); `tool_formats.py` has the other families' (`env.tool_format`).
+A template that supports tools gets the schemas through `apply_chat_template(..., tools=[...])`; one that does not
+(SmolLM2's, or no template) gets the documented plain-text convention: `tool_instructions(tools)` is a system
+message that lists the schemas and asks for the format's calls. Either way the model's text is parsed by the
+format and a result comes back as a `{"role": "tool"}` message. A bad call (not JSON, an unknown tool, wrong
+arguments, a tool that raises or times out) is answered with an error observation the model can read; it never
+stops the run.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import dataclasses
 import functools
 import importlib
 import json
-import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -25,9 +24,9 @@ from typing import Any
 from jaxrl_llm.envs.calculator import CalculatorError, calculate
 from jaxrl_llm.envs.deadlines import DeadlineExceeded, DeadlineWorkers, HungCalls
 from jaxrl_llm.envs.sandbox import run_python
+from jaxrl_llm.envs.tool_formats import HERMES, ToolCall, ToolFormat, parse_hermes
 from jaxrl_llm.errors import ConfigError
 
-TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 MAX_RESULT_CHARS = 2000  # a tool's answer is cut to this many characters before the model reads it
 # Every tool call of the process runs here: as many at once as a run's environment steps usually make (each waits
 # on its tool), and at most 64 abandoned calls alive before a tool answers "unavailable".
@@ -56,33 +55,10 @@ class Tool:
                                                  "parameters": self.parameters}}
 
 
-@dataclasses.dataclass(frozen=True)
-class ToolCall:
-    name: str
-    arguments: dict[str, Any]
-
-
 def parse_tool_calls(text: str) -> tuple[list[ToolCall], list[str]]:
-    """The well-formed calls in `text`, and one error message for each `<tool_call>` block that is not one."""
-    calls, errors = [], []
-    for block in TOOL_CALL.findall(text):
-        try:
-            data = json.loads(block)
-        except json.JSONDecodeError as e:
-            errors.append(f"the tool call is not valid JSON ({e.msg}); write "
-                          f'<tool_call>{{"name": ..., "arguments": {{...}}}}</tool_call>')
-            continue
-        name, arguments = (data.get("name"), data.get("arguments", {})) if isinstance(data, dict) else (None, None)
-        if isinstance(arguments, str):  # some models write the arguments as a JSON string
-            try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
-                arguments = None
-        if not isinstance(name, str) or not isinstance(arguments, dict):
-            errors.append('a tool call needs "name" (a string) and "arguments" (an object)')
-            continue
-        calls.append(ToolCall(name, arguments))
-    return calls, errors
+    """The well-formed `<tool_call>` calls in `text` (the hermes format), and an error message for each malformed
+    one."""
+    return parse_hermes(text)
 
 
 def call_tool(tools: dict[str, Tool], call: ToolCall) -> tuple[str, bool]:
@@ -108,16 +84,16 @@ def call_tool(tools: dict[str, Tool], call: ToolCall) -> tuple[str, bool]:
         return f"error: {' '.join(str(e).split())[:300] or type(e).__name__}", False
 
 
-def tool_instructions(tools: list[Tool]) -> str:
+def tool_instructions(tools: list[Tool], tool_format: ToolFormat = HERMES) -> str:
     """The plain-text convention for a chat template without tool support: a system message that declares the
-    tools (one line each: `name(argument: type, ...): description`) and the call format."""
+    tools (one line each: `name(argument: type, ...): description`) and the format's calls."""
     lines = []
     for t in tools:
         arguments = ", ".join(f"{name}: {spec.get('type', 'any')}"
                               for name, spec in t.parameters.get("properties", {}).items())
         lines.append(f"- {t.name}({arguments}): {t.description}")
     return ("You can use tools. To call one, reply with only\n"
-            '<tool_call>{"name": "TOOL", "arguments": {...}}</tool_call>\n'
+            + tool_format.example + "\n"
             "Its result comes back in the next message. To answer, reply without a tool call.\nTools:\n"
             + "\n".join(lines))
 

@@ -23,6 +23,7 @@ ALGORITHMS: dict[str, str] = {
     "sft": "jaxrl_llm.trainers.sft:SFT",
     "rm": "jaxrl_llm.trainers.rm:RewardModelTraining",
     "dpo": "jaxrl_llm.trainers.dpo:DPO",
+    "distill": "jaxrl_llm.trainers.distill:Distillation",
 }
 
 

@@ -38,7 +38,7 @@ from jaxrl_llm.rl.estimators import kl_in_reward, rollout_advantages
 from jaxrl_llm.rl.plugins import advantage_estimator
 from jaxrl_llm.sharding import batch_sharding, global_array, init_optimizer_state, to_host
 from jaxrl_llm.trainers.base import State, Updated, host_metrics
-from jaxrl_llm.trainers.objectives import PolicyBatch, PolicyObjective, policy_loss, policy_objective
+from jaxrl_llm.trainers.objectives import LossFn, PolicyBatch, policy_loss, policy_objective
 from jaxrl_llm.trainers.policy import Policy
 from jaxrl_llm.trainers.rl import RolloutAlgorithm, old_policy_logprobs, update_plan, update_sizes, validate_rl
 from jaxrl_llm.trainers.rollouts import Rollout
@@ -66,16 +66,18 @@ def validate_grpo(c: RunConfig) -> None:
 
 
 def make_grpo_update(c: RunConfig, policy: Policy, optimizer: optax.GradientTransformation,
-                     objective: PolicyObjective, minibatch_size: int, grad_accum: int | None = None) -> Any:
+                     objective: Any, minibatch_size: int, grad_accum: int | None = None,
+                     loss_fn: LossFn = policy_loss) -> Any:
     """`update(state, batch [N, ...], key, frozen, entropy_coef, layouts) -> (state, metrics)` for `jit_update`:
     `rl.mu` epochs x minibatches of `train_step` in one `lax.scan` (`frozen`: LoRA's base weights, or None;
     `entropy_coef`: the adaptive controller's coefficient, a float32 scalar, or None for the config's fixed one;
     `layouts`: with `rl.packing`, every micro-batch's packed layout `[U, ...]` (`packing.update_layouts`), else None;
     `rows`: the updates' minibatch rows `[U, MB]` when the host ordered them into token-balanced micro-batches, else
     None). `grad_accum`: micro-batches per update (default `rl.grad_accum`; a token budget picks it per step).
+    `loss_fn` and its `objective`: the policy loss, or another loss of a `PolicyBatch` (distillation's JSD).
     The rest of the state (the entropy controller) passes through unchanged."""
     row_sharding = batch_sharding(policy.mesh)
-    step = functools.partial(train_step, loss_fn=policy_loss, model_config=policy.model_config,
+    step = functools.partial(train_step, loss_fn=loss_fn, model_config=policy.model_config,
                              loss_config=objective, optimizer=optimizer, grad_accum=grad_accum or c.rl.grad_accum,
                              compose=policy.compose)
     dropout = policy.lora_dropout
@@ -128,6 +130,9 @@ class GRPOFamily(RolloutAlgorithm):
         # after each step from the entropy it measured, and part of the state; off = the config's fixed one.
         self.adaptive_entropy = r.entropy_target > 0
         self.update_fns: dict[int, Any] = {}  # by micro-batches per update (a token budget picks it per step)
+        self.loss_fn: LossFn = policy_loss
+        self.frozen_input = self.policy.frozen  # the update's frozen input: LoRA's base (and a teacher), or None
+        self.frozen_sharding = self.policy.frozen_sharding
         self.update_fn = self.update_fn_for(r.grad_accum)
 
     def update_fn_for(self, grad_accum: int) -> Any:
@@ -136,8 +141,9 @@ class GRPOFamily(RolloutAlgorithm):
             c, p = self.config, self.policy
             replicated = jax.sharding.NamedSharding(p.mesh, PartitionSpec())
             self.update_fns[grad_accum] = jit_update(
-                make_grpo_update(c, p, self.optimizer, self.objective, self.minibatch_size, grad_accum), p.mesh,
-                state_sharding(self.init()), frozen_sharding=p.frozen_sharding,
+                make_grpo_update(c, p, self.optimizer, self.objective, self.minibatch_size, grad_accum,
+                                 self.loss_fn), p.mesh,
+                state_sharding(self.init()), frozen_sharding=self.frozen_sharding,
                 extra_shardings=(replicated if self.adaptive_entropy else None, replicated, replicated))
         return self.update_fns[grad_accum]
 
@@ -153,8 +159,21 @@ class GRPOFamily(RolloutAlgorithm):
         return {name: global_array(np.asarray(value), self.mesh, PartitionSpec())
                 for name, value in ctl._asdict().items()}
 
-    # ------------------------------------------------------------------------------------------ the shell's API
+    def token_advantages(self, ro: Rollout, arrays: tuple[jax.Array, ...], loss_mask: jax.Array,
+                         old_logp: jax.Array, ref_logp: jax.Array) -> tuple[jax.Array, dict[str, float]]:
+        """`(advantages [N, T], metrics)` of a rollout on the mesh: the estimator's over the rewards (per turn
+        when the environment rewards turns). `arrays`: the rollout's prompt and completion tokens and masks."""
+        put = functools.partial(global_array, mesh=self.mesh)
+        rewards = put(ro.rewards.astype(np.float32))
+        advantages = self.advantage_fn(rewards, loss_mask, old_logp, ref_logp)
+        if ro.turn_credit is not None:  # an environment that rewards turns: each turn's return still to come
+            r = self.config.rl
+            scale = r.scale_rewards if self.estimator == "grpo" else "none"  # RLOO, REINFORCE++: their own scales
+            advantages = turn_level_advantages(advantages, put(ro.turn_credit), rewards, group_size=r.group_size,
+                                               scale=scale)
+        return advantages, {}
 
+    # ------------------------------------------------------------------------------------------ the shell's API
 
     def update(self, state: State, ro: Rollout, step: int, key: jax.Array) -> Updated:
         """Reference log-probs, advantages, then `mu` epochs of minibatch updates in one jit; the rollout goes
@@ -171,12 +190,7 @@ class GRPOFamily(RolloutAlgorithm):
         # log pi_ref of the rollout's tokens, zeros when no KL term needs them.
         ref_logp = (self.ref_logprob_fn(self.ref_params, pt, pm, ct, cm) if self.ref_params is not None
                     else put(np.zeros(ro.out.tokens.shape, np.float32)))
-        advantages = self.advantage_fn(put(ro.rewards.astype(np.float32)), lm, old_logp, ref_logp)
-        if ro.turn_credit is not None:  # an environment that rewards turns: each turn's return still to come
-            r = self.config.rl
-            scale = r.scale_rewards if self.estimator == "grpo" else "none"  # RLOO, REINFORCE++: their own scales
-            advantages = turn_level_advantages(advantages, put(ro.turn_credit), put(ro.rewards.astype(np.float32)),
-                                               group_size=r.group_size, scale=scale)
+        advantages, extra = self.token_advantages(ro, (pt, pm, ct, cm), lm, old_logp, ref_logp)
         batch = PolicyBatch(pt, pm, ct, cm, old_logp, ref_logp, advantages, sampler_logp,
                             None if ro.loss_mask is None else lm)
         ctl = (EntropyControllerState(**{k: jnp.asarray(v, jnp.float32) for k, v in
@@ -187,9 +201,9 @@ class GRPOFamily(RolloutAlgorithm):
         plan = update_plan(self.config, ro, key, self.minibatch_size, self.mesh)
         update_fn = self.update_fn if plan.grad_accum == self.config.rl.grad_accum else self.update_fn_for(
             plan.grad_accum)  # the attribute: what a test may wrap
-        state, metrics = update_fn(state, batch, key, p.frozen, coef_input, plan.layouts, plan.rows)
+        state, metrics = update_fn(state, batch, key, self.frozen_input, coef_input, plan.layouts, plan.rows)
         out, skipped = host_metrics(metrics)
-        out |= mismatch
+        out |= mismatch | extra
         out["update/padding_frac"] = plan.padding_frac
         out["update/micro_batches"] = float(plan.grad_accum)
         if ctl is not None:

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxrl_llm.data import DataState, PromptSet, next_batch_indices
+from jaxrl_llm.data import DataState, PromptSet, bucket, next_batch_indices
 from jaxrl_llm.evaluation import decode_completions, reward_fields
 from jaxrl_llm.models.decoder import Params
 from jaxrl_llm.rewards import RewardFunction, compute_rewards, resolve_reward
@@ -130,6 +130,30 @@ class RolloutCollector:
         rewards, each = self._rewards(records, texts, completions, out)
         return Rollout(np.repeat(tokens, g, axis=0), np.repeat(mask, g, axis=0), out, rewards, each,
                        completions, indices)
+
+    def answer_rollout(self, state: DataState) -> tuple[Rollout, DataState]:
+        """The next P prompts with the data's answers as their completions (`data.answer_field` + EOS, each row
+        of a group the same; cut at `sampling.max_new_tokens`), scored like samples; log-probs zero. What GKD
+        trains on in its off-policy steps (`distill.lmbda`)."""
+        p, g, c = self.policy, self.group_size, self.policy.config
+        indices, state = self._next_indices(state)
+        tokens, mask = p.prompt_arrays(self.prompts, indices)
+        answers = [(p.tokenizer(str(self.prompts.records[i][c.data.answer_field]), add_special_tokens=False)
+                    ["input_ids"] + [p.eos_ids[0]])[: c.sampling.max_new_tokens] for i in indices for _ in range(g)]
+        width = bucket(max(map(len, answers)), c.sampling.new_tokens_bucket)
+        ct, cm = np.full((len(answers), width), p.pad_id, np.int32), np.zeros((len(answers), width), np.int32)
+        for row, ids in enumerate(answers):
+            ct[row, : len(ids)], cm[row, : len(ids)] = ids, 1
+        lengths = cm.sum(axis=1).astype(np.int32)
+        stopped = np.asarray([ids[-1] in p.eos_ids for ids in answers])
+        zeros = np.zeros(ct.shape, np.float32)
+        out = SampleOutput(ct, cm, zeros, zeros, lengths, stopped)
+        completions = decode_completions(p.tokenizer, out)
+        records = [self.prompts.records[i] for i in indices for _ in range(g)]
+        texts = [self.prompts.texts[i] for i in indices for _ in range(g)]
+        rewards, each = self._rewards(records, texts, completions, out)
+        return Rollout(np.repeat(tokens, g, axis=0), np.repeat(mask, g, axis=0), out, rewards, each, completions,
+                       indices), state
 
     def _rewards(self, records: list[dict[str, Any]], prompts: list[str], completions: list[str],
                  out: SampleOutput) -> tuple[np.ndarray, dict[str, np.ndarray]]:

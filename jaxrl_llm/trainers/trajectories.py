@@ -28,7 +28,7 @@ from jaxrl_llm.data import PromptSet, bucket, encode_text, left_pad, render_prom
 from jaxrl_llm.engine import Request, sample_output
 from jaxrl_llm.envs.base import Environment, Message, StepResult, resolve_environment
 from jaxrl_llm.envs.deadlines import DeadlineWorkers
-from jaxrl_llm.envs.rendering import declare_tools, followup_text
+from jaxrl_llm.envs.rendering import declare_tools, followup_text, resolve_tool_format, turn_text
 from jaxrl_llm.envs.tools import resolve_tools
 from jaxrl_llm.models.decoder import Params
 from jaxrl_llm.sampling import SampleOutput, SamplingConfig, sample
@@ -57,13 +57,18 @@ class TrajectoryCollector(RolloutCollector):
         e = c.env
         self.env_config, self.factory = e, resolve_environment(e.name)
         self.tools = resolve_tools(e.tools)
-        self.env_kwargs = {**dict(e.kwargs), **({"tools": self.tools} if self.tools else {})}
-        self.tool_schemas, self.data_config = declare_tools(self.tools, c.data, policy.tokenizer)
+        self.tool_format, self.tool_format_why = resolve_tool_format(e.tool_format, policy.tokenizer,
+                                                                     chat=c.data.chat_template)
+        self.markers = self.tool_format.markers if self.tools else ()  # special tokens a turn's text keeps
+        self.env_kwargs = {**dict(e.kwargs),
+                           **({"tools": self.tools, "tool_format": self.tool_format.name} if self.tools else {})}
+        self.tool_schemas, self.data_config = declare_tools(self.tools, c.data, policy.tokenizer, self.tool_format)
         self.workers = DeadlineWorkers(e.workers, "jaxrl_llm-env")
         self.env_seconds = 0.0
 
     def describe(self) -> str:
-        tools = f" with tools {', '.join(t.name for t in self.tools)}" if self.tools else ""
+        tools = (f" with tools {', '.join(t.name for t in self.tools)} ({self.tool_format.name} calls, "
+                 f"{self.tool_format_why})" if self.tools else "")
         return f"{super().describe()}, environment {self.env_config.name}{tools}, {self.env_config.max_turns} turns"
 
     def _open(self, record: dict[str, Any]) -> tuple[Environment | None, list[Message] | str, str]:
@@ -163,7 +168,7 @@ class TrajectoryCollector(RolloutCollector):
         for i, r in enumerate(rows):
             m = np.asarray(out.mask[i], bool)
             ids = np.asarray(out.tokens[i])[m].tolist()
-            texts.append(tokenizer.decode(ids, skip_special_tokens=True))
+            texts.append(turn_text(tokenizer, ids, self.markers))
             episodes[r].add_model_turn(ids, np.asarray(out.logprobs[i])[m].tolist(),
                                        np.asarray(out.logprobs_untruncated[i])[m].tolist(),
                                        bool(out.stopped_on_eos[i]), texts[-1])
