@@ -379,7 +379,7 @@ def plan_memory(config: ModelConfig, mesh_sizes: tuple[int, int, int], *, batch:
                 prompt_bucket: int = 1, new_tokens_bucket: int = 1, logprob_block_mib: float = 256.0,
                 lora_rank: int = 0, lora_targets: str = "(q|k|v|o|gate|up|down)_proj", engine_page_size: int = 0,
                 engine_pages: int = 0, teacher: ModelConfig | None = None, teacher_in_update: bool = False,
-                ) -> MemoryPlan:
+                max_tokens_per_microbatch: int = 0) -> MemoryPlan:
     """Per-device memory of an RL step of `config` (its `dtype`, `param_dtype` and `remat` are used) on a
     `(data, fsdp, tensor)` mesh of `mesh_sizes`, without devices or allocation.
 
@@ -393,6 +393,11 @@ def plan_memory(config: ModelConfig, mesh_sizes: tuple[int, int, int], *, batch:
     sampler's cache: its pool of `engine_pages` pages (0: `batch * (ceil(P / ps) + n * ceil((P + T) / ps)) + 1`,
     the prompt once per group), plus the contiguous per-call caches its decode gathers for every slot (`N` rows of
     `ceil((P + T) / ps)` pages rounded up to 128 tokens, `engine.pages.table_width`; docs/engine.md).
+
+    `max_tokens_per_microbatch` (`rl.max_tokens_per_microbatch`, packed): a micro-batch is packed rows of the
+    padded length `S` holding at most that many real tokens, so its activations are those of
+    `min(minibatch, ceil(11/9 * ceil(budget / S)) + 1)` rows (first-fit decreasing's bound on its rows); without
+    it the padded micro-batch is planned, an upper bound of its packed rows.
 
     `teacher` (`--algo distill`): the frozen teacher's weights in its `param_dtype`, sharded by the same rules,
     live through the step; with `teacher_in_update` (`distill.loss=jsd`) its final hidden states of a micro-batch
@@ -418,6 +423,10 @@ def plan_memory(config: ModelConfig, mesh_sizes: tuple[int, int, int], *, batch:
         kv_cache = (pool * ps + rollout_seqs * slot_pages * ps) * per_token
 
     micro_rows = _divided(minibatch // grad_accum, batch_ways)
+    if max_tokens_per_microbatch:
+        packed_len = padded_prompt + new_tokens - 1
+        rows = min(minibatch, -(-11 * -(-max_tokens_per_microbatch // packed_len) // 9) + 1)
+        micro_rows = _divided(rows, batch_ways)
     seq_len = padded_prompt + new_tokens - 1
     acts = [activation_bytes(config, micro_rows, seq_len, new_tokens, sizes, remat=remat,
                              logprob_block_mib=logprob_block_mib) for remat in (False, True)]

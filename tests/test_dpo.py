@@ -143,7 +143,8 @@ def test_reference_in_the_step_equals_precomputed_and_the_run_learns(tiny_task, 
                           "sft.batch_size=16", "sft.eval_batch_size=32", "optim.learning_rate=3e-3", "dpo.beta=1.0",
                           "optim.warmup_steps=0", "checkpoint_every=0",
                           # the run with the reference in the step packs its pairs (sft.packing): still the same run
-                          f"sft.packing={str(where == 'step').lower()}", task=tiny_task)
+                          f"sft.packing={str(where == 'step').lower()}", "sft.packing_min_gflops=0",
+                          task=tiny_task)
         trainer = make_trainer(config)
         assert (trainer.algorithm.frozen is None) == (where == "precompute")  # no reference weights kept
         summary = trainer.run()

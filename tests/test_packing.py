@@ -26,6 +26,7 @@ from jaxrl_llm.models.packing import (
     first_fit_decreasing,
     micro_batch_layout,
     packed_inputs,
+    packing_pays,
     token_budget_micro_batches,
     update_layouts,
 )
@@ -263,7 +264,7 @@ def test_a_grpo_run_packed_trains_as_padded(tiny_task, tmp_path):
     prompts padded to 32 tokens) with rl.packing=true log the padded run's losses, gradient norms and KL, and a
     smaller share of padding computed."""
     padded = _run(tmp_path, "padded", tiny_task, "rl.beta=0.05")
-    packed = _run(tmp_path, "packed", tiny_task, "rl.beta=0.05", "rl.packing=true")
+    packed = _run(tmp_path, "packed", tiny_task, "rl.beta=0.05", "rl.packing=true", "rl.packing_min_gflops=0")
     for a, b in zip(padded, packed, strict=True):
         for key in ("loss", "grad_norm", "kl", "entropy", "reward/mean"):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
@@ -279,7 +280,8 @@ def test_a_multi_turn_update_packed_is_the_padded_update(tiny_task, tmp_path):
         return make_trainer(tiny_run("grpo_arithmetic", tmp_path / f"run{packing}", "data.eval=",
                                      "env.name=test_multi_turn:rewarding", "env.max_tokens=64", "rl.beta=0.04",
                                      "optim.warmup_steps=0", "rl.minibatch_size=8", "rl.grad_accum=2",
-                                     f"rl.packing={str(packing).lower()}", task=tiny_task))
+                                     f"rl.packing={str(packing).lower()}", "rl.packing_min_gflops=0",
+                                     task=tiny_task))
 
     padded, packed = trainer(False), trainer(True)
     ro = padded.algorithm.collect(padded.state, DataState(), jax.random.key(0)).batch
@@ -323,7 +325,7 @@ def test_sft_of_lora_adapters_packed_trains_as_padded(tiny_task, tmp_path):
                               task=tiny_task)).run()
         return read_rows(tmp_path / name, having="loss")
 
-    padded, packed = run("padded"), run("packed", "sft.packing=true")
+    padded, packed = run("padded"), run("packed", "sft.packing=true", "sft.packing_min_gflops=0")
     for a, b in zip(padded, packed, strict=True):
         for key in ("loss", "sft_loss", "grad_norm"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
@@ -349,7 +351,7 @@ def test_a_reward_model_packed_trains_as_padded(tmp_path):
                                             "report=false", *extra], algo="rm")).run()
         return read_rows(tmp_path / name, having="loss")
 
-    padded, packed = run("padded"), run("packed", "sft.packing=true")
+    padded, packed = run("padded"), run("packed", "sft.packing=true", "sft.packing_min_gflops=0")
     assert len(padded) == 2
     for a, b in zip(padded, packed, strict=True):
         for key in ("loss", "grad_norm", "rewards/accuracies", "rewards/margins"):
@@ -379,3 +381,22 @@ def test_a_token_budget_run_trains_as_one_micro_batch(tiny_task, tmp_path):
         assert b["update/micro_batches"] > 1 and a["update/micro_batches"] == 1
         for key in ("loss", "grad_norm", "kl", "entropy"):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+
+
+def test_packing_is_on_where_it_pays():
+    """The default (`rl.packing=true`): a micro-batch is packed only when its padded forward's work reaches
+    `rl.packing_min_gflops` (2 x parameters x positions), so the default task's 0.59M model stays padded and a
+    135M model's GSM8K micro-batch packs."""
+    assert not packing_pays(128 * 21, 590_000, 50.0)  # the default job: 3.2 GFLOP
+    assert packing_pays(16 * 383, 135_000_000, 50.0)  # SmolLM2 on GSM8K: 1,654 GFLOP
+    assert packing_pays(1, 1, 0.0)  # 0: whenever rows are saved
+    assert packing_pays(10, 10**9, 20.0) and not packing_pays(10, 10**9, 20.001)  # 2 * 1e9 * 10 = 20 GFLOP
+
+
+def test_the_default_run_of_a_tiny_model_updates_padded(tiny_task, tmp_path):
+    """rl.packing defaults to true; on a tiny model the update stays padded (its padding share is the padded
+    layout's), and with the threshold at 0 it packs and computes less padding."""
+    default = _run(tmp_path, "default", tiny_task, "steps=1")
+    forced = _run(tmp_path, "forced", tiny_task, "steps=1", "rl.packing_min_gflops=0")
+    assert forced[0]["update/padding_frac"] < default[0]["update/padding_frac"]
+    assert forced[0]["loss"] == pytest.approx(default[0]["loss"], rel=1e-4, abs=1e-6)

@@ -346,3 +346,15 @@ def test_a_distillation_teacher_is_counted(capsys):
     root = Path(__file__).resolve().parents[1]
     assert plan_cli.main(["--config", str(root / "configs" / "distill_arithmetic.yaml")]) == 0
     assert "teacher params (distill)" in capsys.readouterr().out
+
+
+def test_a_token_budget_is_planned_as_the_packed_rows_it_fills():
+    """rl.max_tokens_per_microbatch: the micro-batch is the packed rows of the padded length S that the budget's
+    tokens fill, at first-fit decreasing's bound: ceil(11/9 * ceil(B / S)) + 1 rows, never more than the minibatch."""
+    config = config_from_hf(dict(model_type="llama", vocab_size=101, hidden_size=64, intermediate_size=128,
+                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+    kwargs = dict(batch=16, group_size=8, prompt_len=64, new_tokens=256)
+    budget = plan.plan_memory(config, (1, 1, 1), max_tokens_per_microbatch=4096, **kwargs)
+    assert budget.micro_rows == 17  # S = 319: ceil(4096 / 319) = 13 rows, x 11/9 -> 16, + 1
+    assert budget.activations < plan.plan_memory(config, (1, 1, 1), **kwargs).activations
+    assert plan.plan_memory(config, (1, 1, 1), max_tokens_per_microbatch=10**6, **kwargs).micro_rows == 128

@@ -134,6 +134,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="sampling.engine_page_size: plan the rollout engine's pool instead of the static sampler's "
                    "cache (0: static; from a config: its page size when sampling.engine=paged)")
     p.add_argument("--engine-pages", type=int, help="sampling.engine_pages: the engine's pool (0: what a step needs)")
+    p.add_argument("--max-tokens-per-microbatch", type=int,
+                   help="rl.max_tokens_per_microbatch: plan a packed micro-batch of this many tokens")
     p.add_argument("--teacher", help="distill.teacher: count a distillation teacher's frozen weights (a model "
                    "directory or hub id)")
     p.add_argument("--jsd", action="store_const", const=True,
@@ -152,6 +154,7 @@ _SETTINGS: tuple[tuple[str, Any, Any], ...] = (
     ("minibatch", 0, lambda c: c.rl.minibatch_size),
     ("grad_accum", 1, lambda c: c.rl.grad_accum),
     ("packing", False, lambda c: c.rl.packing),
+    ("max_tokens_per_microbatch", 0, lambda c: c.rl.max_tokens_per_microbatch),
     ("bucket", TRAINER_BUCKET, lambda c: None),  # from a config: its own two buckets (below)
     ("dtype", "float32", lambda c: c.model.dtype),
     ("param_dtype", "float32", lambda c: c.model.param_dtype),
@@ -268,6 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             engine_page_size=run["engine_page_size"], engine_pages=run["engine_pages"],
             teacher=config_from_hf(load_hf_config_dict(run["teacher"]), param_dtype=run["param_dtype"])
             if run["teacher"] else None, teacher_in_update=run["jsd"],
+            max_tokens_per_microbatch=run["max_tokens_per_microbatch"],
         )
     except (ValueError, OSError) as e:  # bad sizes, mesh or model: the user's input (ConversionError included)
         raise UsageError(str(e)) from e
@@ -275,7 +279,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"planning {args.config}: rl.prompts_per_step={run['prompts_per_step']} x rl.group_size="
               f"{run['group_size']}, data.max_prompt_tokens={run['prompt_len']}, sampling.max_new_tokens="
               f"{run['new_tokens']}, rl.minibatch_size={run['minibatch']}, rl.grad_accum={run['grad_accum']}")
-    if run["packing"]:  # packed rows hold the micro-batch's sequences in at most as many rows of the same length
+    if run["max_tokens_per_microbatch"]:
+        print(f"rl.max_tokens_per_microbatch={run['max_tokens_per_microbatch']}: a micro-batch is planned as the "
+              f"packed rows that many tokens fill (first-fit decreasing's bound), {plan.micro_rows} per device")
+    elif run["packing"]:  # packed rows hold the micro-batch's sequences in at most as many rows of the same length
         print("rl.packing: the update's micro-batch is planned padded, an upper bound of its packed rows (the same "
               "sequences in at most as many rows of the same length; docs/packing.md)")
     print(render(plan, config, device_memory, model=run["model"]))

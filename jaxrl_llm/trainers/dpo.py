@@ -211,7 +211,8 @@ class DPO(ExampleAlgorithm):
         valid = np.concatenate([np.concatenate([batch.prompt_mask] * 2),
                                 np.concatenate([batch.chosen_mask, batch.rejected_mask])], axis=1)[:, :-1] > 0
         packed, metrics = packed_example_batch(batch, valid, batch.prompt_mask.shape[1], packing=c.sft.packing,
-                                               mesh=self.mesh)
+                                               mesh=self.mesh, num_params=self.policy.model_config.num_params(),
+                                               min_gflops=c.sft.packing_min_gflops)
         return Collected(packed, data_state, metrics)
 
     def evaluate(self, state: State, limit: int | None) -> dict[str, float]:

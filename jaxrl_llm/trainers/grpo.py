@@ -198,7 +198,7 @@ class GRPOFamily(RolloutAlgorithm):
                if self.adaptive_entropy else None)
         entropy_coef = None if ctl is None else float(applied_entropy_coef(ctl))
         coef_input = None if ctl is None else put(np.float32(entropy_coef), spec=PartitionSpec())
-        plan = update_plan(self.config, ro, key, self.minibatch_size, self.mesh)
+        plan = update_plan(self.config, ro, key, self.minibatch_size, self.mesh, p.model_config.num_params())
         update_fn = self.update_fn if plan.grad_accum == self.config.rl.grad_accum else self.update_fn_for(
             plan.grad_accum)  # the attribute: what a test may wrap
         state, metrics = update_fn(state, batch, key, self.frozen_input, coef_input, plan.layouts, plan.rows)

@@ -253,7 +253,8 @@ class PPO(RolloutAlgorithm):
         batch = PPOBatch(PolicyBatch(pt, pm, ct, cm, old_logp, ref_logp, targets.advantages, sampler_logp),
                          CriticBatch(pt, pm, ct, cm, values, targets.returns))
         train_policy = step > pc.critic_warmup_steps
-        plan = update_plan(self.config, ro, key, self.minibatch_size, self.mesh)
+        plan = update_plan(self.config, ro, key, self.minibatch_size, self.mesh,
+                           self.policy.model_config.num_params())
         state, metrics = self.update_fn_for(train_policy, plan.grad_accum)(state, batch, key, p.frozen, plan.layouts,
                                                                           plan.rows)
         out, skipped = host_metrics({**metrics, **rollout_metrics})

@@ -16,7 +16,7 @@ from jaxrl_llm.config import RunConfig
 from jaxrl_llm.data import DataState
 from jaxrl_llm.envs.sandbox import describe_sandbox, use_sandbox
 from jaxrl_llm.errors import ConfigError
-from jaxrl_llm.models.packing import PackedLayout, token_budget_micro_batches, update_layouts
+from jaxrl_llm.models.packing import PackedLayout, packing_pays, token_budget_micro_batches, update_layouts
 from jaxrl_llm.models.weights import frozen_copy
 from jaxrl_llm.rl.estimators import needs_values
 from jaxrl_llm.rl.plugins import resolve_estimator, resolve_policy_loss
@@ -45,20 +45,28 @@ class UpdatePlan(NamedTuple):
     rows: jax.Array | None = None
 
 
-def update_plan(c: RunConfig, ro: Rollout, key: jax.Array, minibatch_size: int, mesh: Mesh) -> UpdatePlan:
+def update_plan(c: RunConfig, ro: Rollout, key: jax.Array, minibatch_size: int, mesh: Mesh,
+                num_params: int) -> UpdatePlan:
     """The update's layout for rollout `ro`: with `rl.packing`, every micro-batch of the `rl.mu` epochs x
-    minibatches the update's `minibatch_rows(key, ...)` draws, packed (`packing.update_layouts`); with
-    `rl.max_tokens_per_microbatch`, those minibatches split by tokens (`packing.token_budget_micro_batches`)."""
+    minibatches the update's `minibatch_rows(key, ...)` draws, packed (`packing.update_layouts`) when that saves
+    rows and the micro-batch is large enough to gain (`packing.packing_pays` of the model's `num_params`), else
+    padded; with `rl.max_tokens_per_microbatch`, those minibatches split by tokens and always packed
+    (`packing.token_budget_micro_batches`)."""
     valid = np.concatenate([ro.prompt_mask, ro.out.mask], axis=1)[:, :-1] > 0
     r = c.rl
-    if not r.packing:
-        return UpdatePlan(None, 1.0 - float(valid.mean()), r.grad_accum)
+    padded = UpdatePlan(None, 1.0 - float(valid.mean()), r.grad_accum)
+    micro_rows = minibatch_size // r.grad_accum
+    if not r.packing or not (r.max_tokens_per_microbatch or packing_pays(micro_rows * valid.shape[1], num_params,
+                                                                         r.packing_min_gflops)):
+        return padded
     rows = np.asarray(jax.device_get(minibatch_rows(key, len(valid), epochs=r.mu, minibatch_size=minibatch_size)))
     accum = r.grad_accum
     if r.max_tokens_per_microbatch:
         rows, accum = token_budget_micro_batches(valid.sum(axis=1), rows, r.max_tokens_per_microbatch,
                                                  batch_divisor(mesh))
     plan = update_layouts(valid, ro.prompt_mask.shape[1], rows, accum, multiple=batch_divisor(mesh))
+    if not r.max_tokens_per_microbatch and plan.layouts.source.shape[1] // accum >= micro_rows:
+        return padded  # first-fit found nothing to share a row: the padded program is the cheaper one
     # The rows go with their layouts: the update takes them rather than drawing its own.
     put = functools.partial(global_array, mesh=mesh, spec=PartitionSpec())
     return UpdatePlan(jax.tree.map(put, plan.layouts), plan.padding_frac_packed, accum, put(rows.astype(np.int32)))

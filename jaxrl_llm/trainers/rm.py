@@ -177,7 +177,9 @@ class RewardModelTraining(ExampleAlgorithm):
         mask = np.concatenate([batch.chosen_mask, batch.rejected_mask]) > 0
         # The inputs are the whole left-padded sequences, read as prompts of their full width: the layout's one
         # "completion token" per row is predicted at the last column, each sequence's last token, where it is scored.
-        packed, metrics = packed_example_batch(batch, mask, mask.shape[1], packing=c.sft.packing, mesh=self.mesh)
+        packed, metrics = packed_example_batch(batch, mask, mask.shape[1], packing=c.sft.packing,
+                                               mesh=self.mesh, num_params=self.model_config.num_params(),
+                                               min_gflops=c.sft.packing_min_gflops)
         return Collected(packed, data_state, metrics)
 
     def evaluate(self, state: State, limit: int | None) -> dict[str, float]:

@@ -89,7 +89,9 @@ class SFT(ExampleAlgorithm):
         zeros = np.zeros(ct.shape, np.float32)
         batch = PolicyBatch(pt, pm, ct, cm, zeros, zeros, np.zeros(len(pt), np.float32))
         valid = np.concatenate([pm, cm], axis=1)[:, :-1] > 0
-        packed, metrics = packed_example_batch(batch, valid, pm.shape[1], packing=c.sft.packing, mesh=self.mesh)
+        packed, metrics = packed_example_batch(batch, valid, pm.shape[1], packing=c.sft.packing,
+                                               mesh=self.mesh, num_params=self.policy.model_config.num_params(),
+                                               min_gflops=c.sft.packing_min_gflops)
         return Collected(packed, data_state, metrics)
 
     def evaluate(self, state: State, limit: int | None) -> dict[str, float]:

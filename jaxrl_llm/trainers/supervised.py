@@ -10,19 +10,23 @@ import numpy as np
 import optax
 
 from jaxrl_llm.config import RunConfig
-from jaxrl_llm.models.packing import batch_layout
+from jaxrl_llm.models.packing import batch_layout, packing_pays
 from jaxrl_llm.sharding import batch_divisor, global_array
 from jaxrl_llm.trainers.base import Algorithm, State, Updated, host_metrics
 
 
 def packed_example_batch(batch: Any, valid: np.ndarray, prompt_width: int, *, packing: bool,
-                         mesh: Any) -> tuple[Any, dict[str, float]]:
+                         mesh: Any, num_params: int = 0, min_gflops: float = 0.0) -> tuple[Any, dict[str, float]]:
     """`(batch, metrics)` of an example batch (`sft.packing`): with packing, `batch` with the packed `layout` of
     its sequences (`packing.batch_layout` of their input mask `valid [N, S]`, rows a multiple of the data-parallel
-    devices); the share of the positions the update computes that are padding either way."""
-    if not packing:
-        return batch, {"update/padding_frac": 1.0 - float(valid.mean())}
+    devices) when that takes fewer rows and the batch's padded forward is at least `min_gflops` GFLOP for a model of
+    `num_params` (`packing.packing_pays`); the share of the positions the update computes that are padding."""
+    padded = batch, {"update/padding_frac": 1.0 - float(valid.mean())}
+    if not packing or not packing_pays(valid.size, num_params, min_gflops):
+        return padded
     layout, _, padding = batch_layout(valid, prompt_width, multiple=batch_divisor(mesh))
+    if layout.source.shape[0] >= valid.shape[0]:
+        return padded  # nothing shares a row
     return batch._replace(layout=layout), {"update/padding_frac": padding}
 
 
