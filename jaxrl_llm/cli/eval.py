@@ -113,7 +113,9 @@ def evaluate(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Path]:
     data = dataclasses.replace(c.data) if c is not None else DataSection(max_prompt_tokens=1 << 30)
     if args.chat:
         data.chat_template = True
-    records, label = load_records(args.data)
+    # the run's own held-out set is loaded as the run loaded it (reasoning_gym: without the training problems)
+    records, label = load_records(args.data, held_out_from=c.data.train if c is not None and args.data == c.data.eval
+                                  else "")
     prompts = build_prompt_set(records, label, data, model.tokenizer)
     s = c.sampling if c is not None else None
     n = args.n or 1

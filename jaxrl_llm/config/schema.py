@@ -314,7 +314,7 @@ class SFTSection:
     # --algo sft / rm / dpo: each batch's sequences laid end to end in packed rows when that takes fewer rows and
     # the batch's padded forward is at least sft.packing_min_gflops GFLOP (as rl.packing); false = always padded
     packing: bool = True
-    packing_min_gflops: float = at_least(50.0)
+    packing_min_gflops: float = at_least(50.0)  # --algo sft / rm / dpo: as rl.packing_min_gflops, for a whole batch
 
 
 @dataclass

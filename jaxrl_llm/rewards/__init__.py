@@ -24,6 +24,7 @@ from jaxrl_llm.models.reward_model import reward_model_reward
 from jaxrl_llm.rewards.code_execution import code_tests_reward
 from jaxrl_llm.rewards.math_answers import math_answer_reward, math_verify_reward
 from jaxrl_llm.rewards.shaping import format_reward, overlong_reward
+from jaxrl_llm.tasks.reasoning_gym import reasoning_gym_reward
 
 
 def _reward_model_reward(prompts: Sequence[str], completions: Sequence[str], **fields: Any) -> list[float]:
@@ -40,6 +41,8 @@ REWARD_FUNCTIONS: dict[str, RewardFunction] = {
     "overlong": overlong_reward,
     "reward_model": _reward_model_reward,  # kwargs: {path: DIR_OR_HUB_ID of a ...ForSequenceClassification}
     "code_tests": code_tests_reward,  # the record's unit tests run against the completion's code, sandboxed
+    # reasoning-gym's own scorer of the task a reasoning_gym:NAME record came from (jaxrl_llm/tasks/reasoning_gym.py)
+    "reasoning_gym": reasoning_gym_reward,
 }
 
 # Functions handed over in Python (`jaxrl_llm.train(reward_funcs=[fn])`), by the name their config entry uses.

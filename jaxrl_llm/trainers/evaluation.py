@@ -32,7 +32,7 @@ class GreedyEvaluation:
         c = policy.config
         source = c.data.eval if source is None else source
         self.policy, self.batch_size = policy, batch_size
-        self.prompts = policy.prompt_set(source, c.data.eval_split) if source else None
+        self.prompts = policy.prompt_set(source, c.data.eval_split, c.data.train) if source else None
         self.reward = eval_reward(c) if source else None
 
     def __call__(self, params: Params, limit: int | None) -> dict[str, float]:
@@ -53,7 +53,7 @@ class EpisodeEvaluation:
     def __init__(self, collector: TrajectoryCollector, batch_size: int) -> None:
         p, c = collector.policy, collector.policy.config
         self.collector, self.batch_size = collector, batch_size
-        self.prompts = p.prompt_set(c.data.eval, c.data.eval_split) if c.data.eval else None
+        self.prompts = p.prompt_set(c.data.eval, c.data.eval_split, c.data.train) if c.data.eval else None
         self.reward = eval_reward(c) if c.data.eval and (c.eval_reward or c.rewards) else None
 
     def __call__(self, params: Params, limit: int | None) -> dict[str, float]:

@@ -134,8 +134,9 @@ class Policy:
         samples of each; `sampling.engine_pages` when set), made anew only when the current pool is smaller."""
         return self.paged_sampler().engine_for(sequences, n)
 
-    def prompt_set(self, source: str, split: str) -> PromptSet:
-        records, label = load_records(source, split)
+    def prompt_set(self, source: str, split: str, held_out_from: str = "") -> PromptSet:
+        """`source`'s prompts (`held_out_from`: the training source of a held-out set, see `load_records`)."""
+        records, label = load_records(source, split, held_out_from)
         return build_prompt_set(records, label, self.config.data, self.tokenizer)
 
     def sampling_config(self, *, greedy: bool = False, n: int = 1) -> SamplingConfig:
