@@ -250,7 +250,7 @@ class Ours:
             f"optim.learning_rate={LR}", f"rewards=[{{name: '{__name__}:vowel_reward'}}]", "progress_bar=false",
             "tensorboard=false", "checkpoint_every=0", "export=false",
             f"model.dtype={'bfloat16' if bf16 else 'float32'}", f"data.chat_template={str(chat).lower()}",
-            *(["rl.packing=true"] if VARIED else []), *overrides,
+            *(["rl.packing=true", "rl.packing_min_gflops=0"] if VARIED else []), *overrides,
         ])
         self.trainer = trainer = GRPOFamily(config)
         if not VARIED:  # never stop early: exactly NEW_TOKENS tokens per row, like TRL's min_new_tokens
@@ -602,7 +602,8 @@ def print_packing(o: list[dict]) -> None:
     """`--varied`: the packed update against the padded one on the same rollouts, step by step (each pair on one
     rollout), over the steps where neither update compiled (else all), then the medians of the per-step figures."""
     steps = [r for r in o if not r["warmup"]]
-    clean = [r for r in steps if not r["compiled"] and not r["padded_compiled"]] or steps
+    quiet = [r for r in steps if not r["compiled"] and not r["padded_compiled"]]
+    clean = quiet or steps
     speedups, ideals, of_ideal = [], [], []
     for r in clean:
         ideal = (1.0 - r["padding_frac_padded"]) / (1.0 - r["padding_frac"])  # padded / packed positions computed
@@ -613,7 +614,8 @@ def print_packing(o: list[dict]) -> None:
               f"packed {r['update']:.3f} s (padding_frac {r['padding_frac']:.3f}): {speedups[-1]:.2f}x, ideal "
               f"{ideal:.2f}x; real positions/s packed {r['real_positions'] / r['update']:,.0f}, padded "
               f"{r['real_positions'] / r['update_padded']:,.0f}")
-    print(f"update on the same rollouts ({len(clean)} of {len(steps)} steps compiled nothing; medians): packed "
+    print(f"update on the same rollouts ({len(quiet)} of {len(steps)} steps compiled nothing"
+          f"{'' if quiet else ': all used'}; medians): packed "
           f"{statistics.median(speedups):.2f}x faster than padded (median), ideal {statistics.median(ideals):.2f}x; "
           f"packed at {statistics.median(of_ideal):.2f}x its ideal time (target <= 1.1x)")
     print()
