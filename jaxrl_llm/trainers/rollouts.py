@@ -124,7 +124,13 @@ class RolloutCollector:
         p, g = self.policy, self.group_size
         tokens, mask = p.prompt_arrays(self.prompts, indices)
         out = to_host(p.sample(params, tokens, mask, key, p.sampling_config(n=g)))
-        completions = decode_completions(p.tokenizer, out)
+        return self.scored(indices, tokens, mask, out)
+
+    def scored(self, indices: np.ndarray, tokens: np.ndarray, mask: np.ndarray, out: SampleOutput) -> Rollout:
+        """The rollout of prompts `indices` (left-padded `tokens`, `mask` `[P, width]`) and their completions
+        `out` (G per prompt, group-major): decoded and scored."""
+        g = self.group_size
+        completions = decode_completions(self.policy.tokenizer, out)
         records = [self.prompts.records[i] for i in indices for _ in range(g)]
         texts = [self.prompts.texts[i] for i in indices for _ in range(g)]
         rewards, each = self._rewards(records, texts, completions, out)
@@ -147,13 +153,7 @@ class RolloutCollector:
         lengths = cm.sum(axis=1).astype(np.int32)
         stopped = np.asarray([ids[-1] in p.eos_ids for ids in answers])
         zeros = np.zeros(ct.shape, np.float32)
-        out = SampleOutput(ct, cm, zeros, zeros, lengths, stopped)
-        completions = decode_completions(p.tokenizer, out)
-        records = [self.prompts.records[i] for i in indices for _ in range(g)]
-        texts = [self.prompts.texts[i] for i in indices for _ in range(g)]
-        rewards, each = self._rewards(records, texts, completions, out)
-        return Rollout(np.repeat(tokens, g, axis=0), np.repeat(mask, g, axis=0), out, rewards, each, completions,
-                       indices), state
+        return self.scored(indices, tokens, mask, SampleOutput(ct, cm, zeros, zeros, lengths, stopped)), state
 
     def _rewards(self, records: list[dict[str, Any]], prompts: list[str], completions: list[str],
                  out: SampleOutput) -> tuple[np.ndarray, dict[str, np.ndarray]]:
