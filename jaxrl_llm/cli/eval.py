@@ -130,7 +130,8 @@ def evaluate(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Path]:
     mesh = run.algorithm.mesh if run is not None else None
     engine = args.engine or (s.engine if s is not None else "static")
     knobs = {} if s is None else dict(page_size=s.engine_page_size, slots=s.engine_slots,
-                                      steps_per_call=s.engine_steps_per_call, pages=s.engine_pages)
+                                      steps_per_call=s.engine_steps_per_call, pages=s.engine_pages,
+                                      attention=s.engine_attention)
     sampler = PagedSampler(model.model_config, **knobs) if engine == "paged" else None
     scored = generate_scored(model.params, model.model_config, model.tokenizer, prompts, reward, sampling,
                              batch_size=batch_size, limit=limit or None, mesh=mesh, key=jax.random.key(args.seed),

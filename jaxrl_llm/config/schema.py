@@ -127,6 +127,10 @@ class SamplingSection:
     # paged: pages in the pool; 0 = what the call's rows need at their token limit (prompts counted once per
     # group); a smaller pool queues sequences until pages free
     engine_pages: int = at_least(0)
+    # paged: the decode step's attention. auto = a Pallas paged-attention kernel over the pages on GPU (Triton) and
+    # TPU (head sizes that are multiples of 128), XLA elsewhere; xla; pallas = the kernel (on the CPU the GPU kernel
+    # in Pallas' interpreter: slow, for checking). Models with sliding-window layers use xla (docs/engine.md).
+    engine_attention: str = one_of("auto", ("auto", "xla", "pallas"))
 
 
 @dataclass(frozen=True)

@@ -61,12 +61,14 @@ class PagedSampler:
     """The static sampler's call, `(params, tokens, mask, key, sampling) -> SampleOutput`, through a rollout engine
     whose pool fits each call: `page_size` tokens a page, `slots` decoding at once (0: every row of the call),
     `steps_per_call` decode steps a device call, `pages` in the pool (0: what the call's rows need at their token
-    limit, each prompt counted once per group). The engine is made anew only when a call needs a bigger one."""
+    limit, each prompt counted once per group), `attention` the decode step's (`auto | xla | pallas`). The engine is
+    made anew only when a call needs a bigger one."""
 
     def __init__(self, config: ModelConfig, *, page_size: int = 16, slots: int = 0, steps_per_call: int = 16,
-                 pages: int = 0) -> None:
+                 pages: int = 0, attention: str = "auto") -> None:
         self.config, self.page_size, self.slots, self.steps_per_call, self.pages = (
             config, page_size, slots, steps_per_call, pages)
+        self.attention = attention
         self.engine: Engine | None = None
 
     def engine_for(self, sequences: list[tuple[int, int]], n: int) -> Engine:
@@ -76,7 +78,7 @@ class PagedSampler:
         slots = self.slots or n * len(sequences)
         if self.engine is None or self.engine.allocator.num_pages < need or self.engine.slots < slots:
             self.engine = Engine(self.config, num_pages=need, page_size=size, slots=slots,
-                                 steps_per_call=self.steps_per_call)
+                                 steps_per_call=self.steps_per_call, attention=self.attention)
         return self.engine
 
     def __call__(self, params: Params, tokens: Any, mask: Any, key: jax.Array,

@@ -4,12 +4,14 @@
 - `paged_forward` runs `T` tokens per row at explicit positions (`-1` = padding: neither written nor attended
   from), writes their keys and values into the rows' pages and attends over each row's gathered pages: a prefill
   chunk (the gather is shared by the chunk's `T` queries).
-- `slot_caches` + `slot_decode_step`: the decode steps of one engine call. Gathering every row's pages on every
-  token would copy the whole context per token (on XLA:CPU that copy costs more than the attention itself), so a
-  call gathers each slot's context once into contiguous caches in the layout the static sampler's token step reads
-  (keys `[S, KVH, hd, C]`, values `[S, KVH, C, hd]`, `models/decode.py: loop_caches`); each step writes its token
-  into the call's caches, and the call's tokens go to the pages at its end (`write_back`: the pages stay the
-  record a kept conversation continues from).
+- `kernel_decode_step` (GPU, TPU): a decode step straight over the pages with a Pallas paged-attention kernel
+  (`kernels.py`).
+- `slot_caches` + `slot_decode_step` (the XLA path, for the CPU): the decode steps of one engine call. Gathering
+  every row's pages on every token would copy the whole context per token (on XLA:CPU that copy costs more than the
+  attention itself), so a call gathers each slot's context once into contiguous caches in the layout the static
+  sampler's token step reads (keys `[S, KVH, hd, C]`, values `[S, KVH, C, hd]`, `models/decode.py: loop_caches`);
+  each step writes its token into the call's caches, and the call's tokens go to the pages at its end (`write_back`:
+  the pages stay the record a kept conversation continues from).
 """
 
 from __future__ import annotations
@@ -17,12 +19,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxrl_llm.engine.kernels import paged_decode_attention
 from jaxrl_llm.engine.pages import (
     PagedLayer,
     context_allowed,
     from_storage,
     gather_pages,
     page_slots,
+    pool_geometry,
     to_storage,
     write_pages,
 )
@@ -59,7 +63,8 @@ def paged_attention(config: ModelConfig, layer: PagedLayer, page_table: jax.Arra
 
     def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, PagedLayer]:
         new = write_pages(layer, slots, k, v, c.jnp_dtype)
-        keys, values = (from_storage(x, c.jnp_dtype) for x in gather_pages(new, page_table))
+        keys, values = (jnp.transpose(from_storage(x, c.jnp_dtype), (1, 2, 0, 3))  # [R, C, KVH, hd]
+                        for x in gather_pages(new, page_table))
         out = grouped_query_attention(q, keys, values, allowed, scale=c.attention_scale,
                                       logit_softcap=c.attn_logit_softcap, compute_dtype=c.jnp_dtype)
         return out, new
@@ -73,7 +78,7 @@ def paged_forward(params: Params, weights: list[StepWeights], config: ModelConfi
     """`tokens, positions [R, T]` through the decoder over `pages` with page tables `[R, M]`: returns the final
     hidden states `[R, T, D]` (after the final norm) and the pages with the tokens' keys and values written."""
     c = config
-    num_pages, page_size = pages[0]["k"].shape[:2]
+    num_pages, page_size = pool_geometry(pages)
     context = page_table.shape[1] * page_size
     slots = page_slots(page_table, positions, page_size, num_pages)
     inputs = layer_inputs(c, positions, context)
@@ -92,8 +97,8 @@ def slot_caches(pages: list[PagedLayer], page_table: jax.Array) -> list[dict[str
     values `[S, KVH, M * ps, hd]` (the decode loop's layout), as stored (`pages.storage_dtype`)."""
     out = []
     for layer in pages:
-        k, v = gather_pages(layer, page_table)  # [S, C, KVH, hd]
-        out.append({"k": jnp.transpose(k, (0, 2, 3, 1)), "v": jnp.swapaxes(v, 1, 2)})
+        k, v = gather_pages(layer, page_table)  # [KVH, S, C, hd]
+        out.append({"k": jnp.transpose(k, (1, 0, 3, 2)), "v": jnp.swapaxes(v, 0, 1)})
     return out
 
 
@@ -136,7 +141,7 @@ def slot_decode_step(params: Params, weights: list[StepWeights], config: ModelCo
 def write_back(pages: list[PagedLayer], caches: list[dict[str, jax.Array]], page_table: jax.Array,
                positions: jax.Array, dtype: jnp.dtype) -> list[PagedLayer]:
     """The call's new tokens copied from its caches into the pages: `positions [S, steps]` (-1: none)."""
-    num_pages, page_size = pages[0]["k"].shape[:2]
+    num_pages, page_size = pool_geometry(pages)
     slots = page_slots(page_table, positions, page_size, num_pages)
     at = jnp.maximum(positions, 0)
     out = []
@@ -145,6 +150,43 @@ def write_back(pages: list[PagedLayer], caches: list[dict[str, jax.Array]], page
         v = jnp.take_along_axis(cache["v"], at[:, None, :, None], axis=2).transpose(0, 2, 1, 3)
         out.append(write_pages(layer, slots, from_storage(k, dtype), from_storage(v, dtype), dtype))
     return out
+
+
+def kernel_attention(config: ModelConfig, layer: PagedLayer, page_table: jax.Array, slots: jax.Array,
+                     lengths: jax.Array, backend: str) -> Attend:
+    """One new token per slot written into its pages at `slots [S, 1]`, then a Pallas paged-attention kernel over
+    the pool (`kernels.py`): the first `lengths [S]` positions through `page_table [S, M]`."""
+    c = config
+
+    def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, PagedLayer]:
+        new = write_pages(layer, slots, k, v, c.jnp_dtype)
+        keys, values = (from_storage(new[name], c.jnp_dtype) for name in ("k", "v"))
+        out = paged_decode_attention(q[:, 0], keys, values, page_table, lengths, c, backend)
+        return out.reshape(q.shape[0], 1, -1), new
+
+    return attend
+
+
+def kernel_decode_step(params: Params, weights: list[StepWeights], config: ModelConfig, tokens: jax.Array,
+                       positions: jax.Array, page_table: jax.Array, pages: list[PagedLayer], backend: str
+                       ) -> tuple[jax.Array, list[PagedLayer]]:
+    """One decode step of every slot straight over the pages (GPU, TPU): `tokens [S]` at `positions [S]` (-1: an
+    idle slot, which writes nothing and reads nothing) with page tables `[S, M]`. Returns float32 logits `[S, V]`
+    and the pages with the tokens written."""
+    c = config
+    num_pages, page_size = pool_geometry(pages)
+    slots = page_slots(page_table, positions[:, None], page_size, num_pages)
+    lengths = jnp.where(positions >= 0, positions + 1, 0)
+    inputs = layer_inputs(c, positions[:, None], 1)  # the rotary tables (the kernels mask by length)
+    x = embed_tokens(params["embed"]["embedding"], tokens[:, None], c)
+    new_pages = []
+    for i, (w, layer) in enumerate(zip(weights, pages, strict=True)):
+        cos, sin, _ = inputs[c.is_sliding(i)]
+        x, layer = transformer_block(x, step_ops(w, c), kernel_attention(c, layer, page_table, slots, lengths,
+                                                                         backend), cos, sin, c)
+        new_pages.append(layer)
+    hidden = rms_norm(x[:, 0], params["final_norm"]["scale"], c.rms_norm_eps, unit_offset=c.norm_unit_offset)
+    return paged_logits(params, c, hidden), new_pages
 
 
 def paged_logits(params: Params, config: ModelConfig, hidden: jax.Array) -> jax.Array:

@@ -1,6 +1,6 @@
 """A paged KV cache as pure functions: a pool of fixed-size pages per layer, read and written through page tables.
 
-    pool (one per layer)   k, v  [num_pages, page_size, KVH, hd]       in the model's compute dtype
+    pool (one per layer)   k, v  [KVH, num_pages, page_size, hd]       in the model's compute dtype
     page table (per row)   [max_pages] int32: the pages holding positions 0 .. max_pages * page_size - 1,
                            position p lives in page table[p // page_size] at offset p % page_size
 
@@ -8,7 +8,8 @@ A sequence's keys and values are as long as the sequence, not as the longest row
 `pages in use * page_size * KVH * hd * 2 * L * itemsize`. Rows may share pages (the G samples of a GRPO group read
 their prompt's pages; `allocator.py` counts the references), and a page is written only by the one row that owns
 it. Positions are contiguous from 0 in every sequence (no left padding), so a key's slot in the gathered context
-is its position. Allocation is on the host (`allocator.py`); everything here is jittable.
+is its position. Allocation is on the host (`allocator.py`); everything here is jittable. The pool's layout is the one
+JAX's Pallas paged-attention kernels read (`kernels.py`), so a GPU or TPU decode step attends over the pool as it is.
 
 A bfloat16 pool is stored as its bits (`uint16`, `storage_dtype`): XLA:CPU runs a scatter into a bfloat16 buffer
 by converting the whole buffer to float32 and back (a one-page copy cost 300 ms on SmolLM2's pool, a one-token
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 
 from jaxrl_llm.models.config import ModelConfig
 
-PagedLayer = dict[str, jax.Array]  # {"k", "v": [num_pages, page_size, KVH, hd]}, in `storage_dtype`
+PagedLayer = dict[str, jax.Array]  # {"k", "v": [KVH, num_pages, page_size, hd]}, in `storage_dtype`
 
 
 def storage_dtype(dtype: jnp.dtype) -> jnp.dtype:
@@ -51,9 +52,15 @@ def table_width(pages: int, page_size: int) -> int:
 
 def init_pages(config: ModelConfig, num_pages: int, page_size: int) -> list[PagedLayer]:
     """Zero pools, one per layer. Bytes: `2 * L * num_pages * page_size * KVH * hd * itemsize(dtype)`."""
-    shape = (num_pages, page_size, config.num_kv_heads, config.head_dim)
+    shape = (config.num_kv_heads, num_pages, page_size, config.head_dim)
     stored = storage_dtype(config.jnp_dtype)
     return [{"k": jnp.zeros(shape, stored), "v": jnp.zeros(shape, stored)} for _ in range(config.num_layers)]
+
+
+def pool_geometry(pages: list[PagedLayer]) -> tuple[int, int]:
+    """`(num_pages, page_size)` of a pool."""
+    _, num_pages, page_size, _ = pages[0]["k"].shape
+    return num_pages, page_size
 
 
 def page_slots(page_table: jax.Array, positions: jax.Array, page_size: int, num_pages: int) -> jax.Array:
@@ -65,34 +72,36 @@ def page_slots(page_table: jax.Array, positions: jax.Array, page_size: int, num_
 
 def write_pages(layer: PagedLayer, slots: jax.Array, k: jax.Array, v: jax.Array, dtype: jnp.dtype) -> PagedLayer:
     """`k, v [R, T, KVH, hd]` written (as compute `dtype`) at flat `slots [R, T]` (out-of-pool slots dropped)."""
-    n, size, kvh, hd = layer["k"].shape
+    kvh, n, size, hd = layer["k"].shape
 
     def write(pool: jax.Array, new: jax.Array) -> jax.Array:
-        flat = pool.reshape(n * size, kvh, hd)
-        flat = flat.at[slots.reshape(-1)].set(to_storage(new.reshape(-1, kvh, hd), dtype), mode="drop")
-        return flat.reshape(n, size, kvh, hd)
+        flat = pool.reshape(kvh, n * size, hd)
+        rows = jnp.swapaxes(new.reshape(-1, kvh, hd), 0, 1)  # [KVH, R * T, hd]
+        flat = flat.at[:, slots.reshape(-1)].set(to_storage(rows, dtype), mode="drop")
+        return flat.reshape(kvh, n, size, hd)
 
     return {"k": write(layer["k"], k), "v": write(layer["v"], v)}
 
 
 def gather_pages(layer: PagedLayer, page_table: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Each row's context `k, v [R, M * page_size, KVH, hd]` (as stored) from its page table `[R, M]` (slot s =
+    """Each row's context `k, v [KVH, R, M * page_size, hd]` (as stored) from its page table `[R, M]` (slot s =
     position s).
 
-    Whole pages are taken as rows of the pool viewed `[num_pages, page_size * KVH * hd]`: XLA:CPU copies such
-    rows about 2x faster than it gathers `pool[page_table]` (bench/README.md, the engine's section)."""
+    Whole pages are taken as rows of the pool viewed `[KVH, num_pages, page_size * hd]`: XLA:CPU copies such
+    rows about 2x faster than it gathers `pool[:, page_table]` element by element (bench/README.md, the engine's
+    section)."""
     r, m = page_table.shape
-    n, size, kvh, hd = layer["k"].shape
+    kvh, n, size, hd = layer["k"].shape
 
     def gather(pool: jax.Array) -> jax.Array:
-        return jnp.take(pool.reshape(n, -1), page_table.reshape(-1), axis=0).reshape(r, m * size, kvh, hd)
+        return jnp.take(pool.reshape(kvh, n, -1), page_table.reshape(-1), axis=1).reshape(kvh, r, m * size, hd)
 
     return gather(layer["k"]), gather(layer["v"])
 
 
 def copy_pages(pages: list[PagedLayer], source: jax.Array, target: jax.Array) -> list[PagedLayer]:
     """Every layer's pages `source [n]` copied onto pages `target [n]` (copy on write of a shared partial page)."""
-    return [{name: pool.at[target].set(pool[source]) for name, pool in layer.items()} for layer in pages]
+    return [{name: pool.at[:, target].set(pool[:, source]) for name, pool in layer.items()} for layer in pages]
 
 
 def context_allowed(positions: jax.Array, context: int, sliding_window: int | None) -> jax.Array:

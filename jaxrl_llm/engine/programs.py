@@ -19,7 +19,14 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm.engine.model import paged_forward, paged_logits, slot_caches, slot_decode_step, write_back
+from jaxrl_llm.engine.model import (
+    kernel_decode_step,
+    paged_forward,
+    paged_logits,
+    slot_caches,
+    slot_decode_step,
+    write_back,
+)
 from jaxrl_llm.engine.pages import PagedLayer, copy_pages
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decode import StepWeights, split_layers, step_weights
@@ -111,13 +118,14 @@ def copy_pages_program(pages: list[PagedLayer], source: jax.Array, target: jax.A
     return copy_pages(pages, source, target)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "flags", "steps"), donate_argnames=("pages",))
+@functools.partial(jax.jit, static_argnames=("config", "flags", "steps", "attention"), donate_argnames=("pages",))
 def decode_program(params: Params, weights: list[StepWeights], pages: list[PagedLayer], state: SlotState,
-                   knobs: Knobs, *, config: ModelConfig, flags: SamplingFlags, steps: int
+                   knobs: Knobs, *, config: ModelConfig, flags: SamplingFlags, steps: int, attention: str = "xla"
                    ) -> tuple[SlotState, StepOutputs, list[PagedLayer]]:
     """`steps` decode steps of every slot: feed `state.token` at `state.position`, sample the next token at
     completion index `state.index`; a slot stops at EOS or when `remaining` reaches 0. Returns the new state, the
-    tokens emitted `[S, steps]` and the pages."""
+    tokens emitted `[S, steps]` and the pages. `attention` (`kernels.attention_backend`): `xla` decodes over
+    contiguous per-call slot caches gathered once; a Pallas backend attends over the pages on every step."""
     slots = state.token.shape[0]
     eos = jnp.asarray(flags.eos_ids, jnp.int32)
     empty = StepOutputs(jnp.full((slots, steps), flags.pad_id, jnp.int32), jnp.zeros((slots, steps), jnp.float32),
@@ -126,7 +134,11 @@ def decode_program(params: Params, weights: list[StepWeights], pages: list[Paged
     def step(j: int, carry: tuple) -> tuple:
         s, out, caches = carry
         position = jnp.where(s.active, s.position, -1)
-        logits, caches = slot_decode_step(params, weights, config, s.token, position, caches)
+        if attention == "xla":
+            logits, caches = slot_decode_step(params, weights, config, s.token, position, caches)
+        else:  # `caches` are the pages themselves
+            logits, caches = kernel_decode_step(params, weights, config, s.token, position, s.page_table, caches,
+                                                attention)
         token, logprob, untruncated = _sample(logits, row_uniforms(s.key_data, s.index), knobs, flags)
         token = jnp.where(s.active, token, flags.pad_id)
         hit = s.active & (jnp.any(token[:, None] == eos, axis=-1) if flags.eos_ids else False)
@@ -139,6 +151,9 @@ def decode_program(params: Params, weights: list[StepWeights], pages: list[Paged
                       s.active & ~hit & (remaining > 0))
         return s, out, caches
 
+    if attention != "xla":
+        state, out, pages = jax.lax.fori_loop(0, steps, step, (state, empty, pages))
+        return state, out, pages
     caches = slot_caches(pages, state.page_table)  # once per call, not per token
     start = state
     state, out, caches = jax.lax.fori_loop(0, steps, step, (state, empty, caches))

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm.engine.allocator import PageAllocator
+from jaxrl_llm.engine.kernels import attention_backend
 from jaxrl_llm.engine.model import check_engine_model
 from jaxrl_llm.engine.pages import PagedLayer, init_pages, table_width
 from jaxrl_llm.engine.programs import (
@@ -103,11 +104,14 @@ class EngineStats:
 
 
 class Engine:
-    """Generates with continuous batching over a paged KV cache of `num_pages` pages of `page_size` tokens."""
+    """Generates with continuous batching over a paged KV cache of `num_pages` pages of `page_size` tokens.
+    `attention`: the decode step's attention, `auto | xla | pallas` (`kernels.attention_backend`)."""
 
     def __init__(self, config: ModelConfig, *, num_pages: int, page_size: int = 16, slots: int = 32,
-                 steps_per_call: int = 8, prefill_chunk: int = 128, prefill_rows: int = 32) -> None:
+                 steps_per_call: int = 8, prefill_chunk: int = 128, prefill_rows: int = 32,
+                 attention: str = "auto") -> None:
         check_engine_model(config)
+        self.attention = attention_backend(config, attention)
         self.config, self.page_size, self.slots = config, page_size, slots
         self.steps, self.chunk, self.prefill_rows = steps_per_call, prefill_chunk, prefill_rows
         self.allocator = PageAllocator(num_pages)
@@ -347,7 +351,7 @@ class Engine:
             remaining[row], active[row] = seq.remaining, True
         state = SlotState(*(jnp.asarray(a) for a in (token, position, table, key_data, index, remaining, active)))
         state, out, self.pages = decode_program(params, weights, self.pages, state, knobs, config=self.config,
-                                                flags=flags, steps=steps)
+                                                flags=flags, steps=steps, attention=self.attention)
         self.stats.decode_calls += 1
         new_index, still = np.asarray(state.index), np.asarray(state.active)
         tokens, logprobs, untruncated = np.asarray(out.tokens), np.asarray(out.logprobs), np.asarray(out.untruncated)

@@ -126,7 +126,8 @@ class Policy:
         if self.paged is None:
             s = self.config.sampling
             self.paged = PagedSampler(self.model_config, page_size=s.engine_page_size, slots=s.engine_slots,
-                                      steps_per_call=s.engine_steps_per_call, pages=s.engine_pages)
+                                      steps_per_call=s.engine_steps_per_call, pages=s.engine_pages,
+                                      attention=s.engine_attention)
         return self.paged
 
     def rollout_engine(self, sequences: list[tuple[int, int]], n: int) -> Engine:

@@ -1,0 +1,93 @@
+"""Decode attention straight over the page pool with JAX's Pallas paged-attention kernels (GPU: Triton, TPU: Mosaic).
+
+One new query per slot attends to the first `length` positions of its sequence through its page table:
+
+    out[r, h] = softmax(scale * q[r, h] . K[r, :length[r]]^T) . V[r, :length[r]]      (soft-capped where the model is)
+
+with `K, V` read from `pages [KVH, num_pages, page_size, hd]` (`pages.py`'s layout is these kernels' layout) at
+`page_table [R, M]`. The kernels take no scale: `q` is scaled first. A slot with `length 0` reads nothing.
+
+Where each runs (`attention_backend`):
+- `pallas_gpu`: `jax.experimental.pallas.ops.gpu.paged_attention`, any head size;
+- `pallas_tpu`: `jax.experimental.pallas.ops.tpu.paged_attention`, head sizes that are multiples of 128 (Mosaic's
+  tiling); other heads use the XLA path;
+- `pallas_interpret`: the GPU kernel in Pallas' interpreter, on any device (slow; what the tests check the kernel's
+  use against);
+- `xla`: no kernel. On the CPU the decode call gathers each slot's context once into contiguous caches
+  (`model.slot_caches`): XLA:CPU has no paged-attention kernel.
+
+Neither kernel has a sliding window: a model with sliding-window layers decodes on the XLA path.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_llm.errors import ConfigError
+from jaxrl_llm.models.config import ModelConfig
+
+BACKENDS = ("xla", "pallas_gpu", "pallas_tpu", "pallas_interpret")
+
+
+def kernel_unsupported(config: ModelConfig, platform: str) -> str | None:
+    """Why the Pallas kernel of `platform` ("gpu", "tpu" or "cpu" for the interpreter) cannot decode `config`, or
+    None when it can."""
+    if any(config.is_sliding(i) for i in range(config.num_layers)):
+        return "the model has sliding-window layers, which the Pallas paged-attention kernels do not mask"
+    if platform == "tpu" and config.head_dim % 128:
+        return f"the TPU kernel needs a head size that is a multiple of 128 (this model's is {config.head_dim})"
+    return None
+
+
+def attention_backend(config: ModelConfig, requested: str, platform: str | None = None) -> str:
+    """The decode attention a run uses: `requested` is `auto` (the platform's kernel where it can run the model,
+    else `xla`), `xla`, or `pallas` (the platform's kernel; on the CPU the GPU kernel in the interpreter; an error
+    when the kernel cannot run the model)."""
+    platform = platform or jax.default_backend()
+    kernel = {"gpu": "pallas_gpu", "cuda": "pallas_gpu", "rocm": "pallas_gpu", "tpu": "pallas_tpu"}.get(platform)
+    if requested == "xla" or (requested == "auto" and (kernel is None or kernel_unsupported(config, platform))):
+        return "xla"
+    if requested == "auto":
+        return kernel  # type: ignore[return-value]
+    if requested != "pallas":
+        raise ConfigError(f"sampling.engine_attention must be auto, xla or pallas, not {requested!r}")
+    why = kernel_unsupported(config, "tpu" if kernel == "pallas_tpu" else "gpu")
+    if why:
+        raise ConfigError(f"sampling.engine_attention=pallas: {why}; use auto or xla")
+    return kernel or "pallas_interpret"
+
+
+def _gpu_blocking(pages_per_sequence: int) -> tuple[int, int]:
+    """`(k_splits, pages_per_compute_block)` the GPU kernel accepts for page tables `pages_per_sequence` wide: the
+    table splits evenly into `k_splits` partitions (up to 16, the kernel's default, for parallelism over the context)
+    and each partition into compute blocks of up to 8 pages."""
+    k_splits = math.gcd(pages_per_sequence, 16)
+    return k_splits, math.gcd(pages_per_sequence // k_splits, 8)
+
+
+def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
+                           lengths: jax.Array, config: ModelConfig, backend: str) -> jax.Array:
+    """`q [R, H, hd]` (unscaled) over the pool's `k_pages, v_pages [KVH, N, page_size, hd]` (compute dtype) at
+    `page_table [R, M]`, the first `lengths [R]` positions of each row -> `[R, H, hd]` in `q`'s dtype. The kernels
+    take `q` in the pages' dtype (their dots need one operand type)."""
+    scaled = (q.astype(jnp.float32) * config.attention_scale).astype(k_pages.dtype)
+    cap = config.attn_logit_softcap
+    lengths = lengths.astype(jnp.int32)
+    if backend == "pallas_tpu":
+        from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_paged_attention
+
+        out = tpu_paged_attention(scaled, k_pages, v_pages, lengths, page_table, attn_logits_soft_cap=cap,
+                                  pages_per_compute_block=math.gcd(page_table.shape[1], 8))
+        return out.astype(q.dtype)
+    if backend in ("pallas_gpu", "pallas_interpret"):
+        from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as gpu_paged_attention
+
+        k_splits, block = _gpu_blocking(page_table.shape[1])
+        out = gpu_paged_attention(scaled, k_pages, v_pages, page_table, lengths, k_splits=k_splits,
+                                  pages_per_compute_block=block, attn_logits_soft_cap=cap,
+                                  interpret=backend == "pallas_interpret")
+        return out.astype(q.dtype)
+    raise ValueError(f"no paged-attention kernel for backend {backend!r}")
