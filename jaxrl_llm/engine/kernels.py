@@ -25,6 +25,8 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as gpu_paged_attention
+from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_paged_attention
 
 from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.models.config import ModelConfig
@@ -77,14 +79,10 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     cap = config.attn_logit_softcap
     lengths = lengths.astype(jnp.int32)
     if backend == "pallas_tpu":
-        from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_paged_attention
-
         out = tpu_paged_attention(scaled, k_pages, v_pages, lengths, page_table, attn_logits_soft_cap=cap,
                                   pages_per_compute_block=math.gcd(page_table.shape[1], 8))
         return out.astype(q.dtype)
     if backend in ("pallas_gpu", "pallas_interpret"):
-        from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as gpu_paged_attention
-
         k_splits, block = _gpu_blocking(page_table.shape[1])
         out = gpu_paged_attention(scaled, k_pages, v_pages, page_table, lengths, k_splits=k_splits,
                                   pages_per_compute_block=block, attn_logits_soft_cap=cap,
