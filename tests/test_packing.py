@@ -400,3 +400,30 @@ def test_the_default_run_of_a_tiny_model_updates_padded(tiny_task, tmp_path):
     forced = _run(tmp_path, "forced", tiny_task, "steps=1", "rl.packing_min_gflops=0")
     assert forced[0]["update/padding_frac"] < default[0]["update/padding_frac"]
     assert forced[0]["loss"] == pytest.approx(default[0]["loss"], rel=1e-4, abs=1e-6)
+
+
+def test_the_reference_and_old_policy_passes_run_packed(tiny_task, tmp_path):
+    """With rl.packing the whole-rollout log-prob passes (the reference model's, the old policy's) run on packed rows
+    (fewer than the rollout's) and return the padded pass's log-probs (float32, <= 1e-5); too small a pass to gain
+    (rl.packing_min_gflops) or rl.packing=false stays padded."""
+    from jaxrl_llm.data import DataState
+    from jaxrl_llm.trainers.rl import logprob_pass_layout
+
+    trainer = make_trainer(tiny_run("grpo_arithmetic", tmp_path / "run", "rl.beta=0.04", "rl.packing=true",
+                                    "rl.packing_min_gflops=0", "sampling.max_new_tokens=24",
+                                    "sampling.prompt_bucket=32", task=tiny_task))
+    algorithm = trainer.algorithm
+    ro = algorithm.collect(trainer.state, DataState(), jax.random.key(0)).batch
+    num_params = algorithm.policy.model_config.num_params()
+    layout = logprob_pass_layout(algorithm.config, ro, algorithm.mesh, num_params)
+    assert layout is not None and layout.source.shape[0] < len(ro.prompt_tokens)
+    arrays = [jnp.asarray(a) for a in (ro.prompt_tokens, ro.prompt_mask, ro.out.tokens, ro.out.mask)]
+    padded = np.asarray(algorithm.ref_logprob_fn(algorithm.ref_params, *arrays))
+    packed = np.asarray(algorithm.ref_logprob_fn(algorithm.ref_params, *arrays, layout))
+    mask = ro.out.mask.astype(bool)
+    assert mask.sum() > 100 and (~mask).sum() > 0  # completions of several lengths
+    np.testing.assert_allclose(packed[mask], padded[mask], rtol=1e-5, atol=1e-5)
+    algorithm.config.rl.packing_min_gflops = 1e6
+    assert logprob_pass_layout(algorithm.config, ro, algorithm.mesh, num_params) is None
+    algorithm.config.rl.packing_min_gflops, algorithm.config.rl.packing = 0, False
+    assert logprob_pass_layout(algorithm.config, ro, algorithm.mesh, num_params) is None

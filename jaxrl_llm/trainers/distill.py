@@ -34,6 +34,7 @@ from jaxrl_llm.trainers.base import Collected, State
 from jaxrl_llm.trainers.grpo import GRPOFamily, validate_grpo
 from jaxrl_llm.trainers.objectives import Metrics, PolicyBatch, logprob_chunk_size, loss_mask, make_logprob_fn
 from jaxrl_llm.trainers.policy import Policy
+from jaxrl_llm.trainers.rl import logprob_pass_layout
 from jaxrl_llm.trainers.rollouts import Rollout, rollout_tokens
 
 
@@ -166,7 +167,8 @@ class Distillation(GRPOFamily):
         d = self.config.distill
         if d.loss == "jsd":
             return jnp.zeros_like(old_logp), {}
-        teacher_logp = self.teacher_logprob_fn(self.teacher, *arrays)
+        layout = logprob_pass_layout(self.config, ro, self.mesh, self.teacher_config.num_params())
+        teacher_logp = self.teacher_logprob_fn(self.teacher, *arrays, layout)
         advantages = reverse_kl_advantages(old_logp, teacher_logp, loss_mask, coef=d.kl_coef)
         if d.reward_weight:
             task, _ = super().token_advantages(ro, arrays, loss_mask, old_logp, ref_logp)

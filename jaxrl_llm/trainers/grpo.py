@@ -40,7 +40,14 @@ from jaxrl_llm.sharding import batch_sharding, global_array, init_optimizer_stat
 from jaxrl_llm.trainers.base import State, Updated, host_metrics
 from jaxrl_llm.trainers.objectives import LossFn, PolicyBatch, policy_loss, policy_objective
 from jaxrl_llm.trainers.policy import Policy
-from jaxrl_llm.trainers.rl import RolloutAlgorithm, old_policy_logprobs, update_plan, update_sizes, validate_rl
+from jaxrl_llm.trainers.rl import (
+    RolloutAlgorithm,
+    logprob_pass_layout,
+    old_policy_logprobs,
+    update_plan,
+    update_sizes,
+    validate_rl,
+)
 from jaxrl_llm.trainers.rollouts import Rollout
 from jaxrl_llm.trainers.step import Metrics, jit_update, make_optimizer, scanned_updates, state_sharding, train_step
 
@@ -183,12 +190,14 @@ class GRPOFamily(RolloutAlgorithm):
         # Multi-turn: the loss, the advantages and the mismatch cover the model's tokens; attention covers all.
         lm = cm if ro.loss_mask is None else put(ro.loss_mask)
         p = self.policy
+        packed = functools.cache(lambda: logprob_pass_layout(self.config, ro, self.mesh,
+                                                             p.model_config.num_params()))  # only if a pass runs
         old_logp, sampler_logp, mismatch = old_policy_logprobs(
             self.config.rl.loss.rollout_correction, put(np.asarray(ro.out.logprobs_untruncated, np.float32)), lm,
             lambda: self.ref_logprob_fn(working_weights(p.model_weights(state["params"]), p.model_config),
-                                        pt, pm, ct, cm))
+                                        pt, pm, ct, cm, packed()))
         # log pi_ref of the rollout's tokens, zeros when no KL term needs them.
-        ref_logp = (self.ref_logprob_fn(self.ref_params, pt, pm, ct, cm) if self.ref_params is not None
+        ref_logp = (self.ref_logprob_fn(self.ref_params, pt, pm, ct, cm, packed()) if self.ref_params is not None
                     else put(np.zeros(ro.out.tokens.shape, np.float32)))
         advantages, extra = self.token_advantages(ro, (pt, pm, ct, cm), lm, old_logp, ref_logp)
         batch = PolicyBatch(pt, pm, ct, cm, old_logp, ref_logp, advantages, sampler_logp,

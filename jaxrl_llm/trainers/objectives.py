@@ -182,13 +182,23 @@ def batch_counts(batch: Any) -> tuple[jax.Array, jax.Array]:
 def make_logprob_fn(
     mesh: Mesh, model_config: ModelConfig, temperature: float, params_sharding: Any = None, block_mib: float = 256.0
 ) -> Callable[..., jax.Array]:
-    """Jitted `(params, prompt_tokens, prompt_mask, completion_tokens, completion_mask) -> logp [N, T]`
-    (the reference model's pass), batch split over `("data", "fsdp")`."""
+    """Jitted `(params, prompt_tokens, prompt_mask, completion_tokens, completion_mask, layout=None) -> logp [N, T]`
+    (the reference model's pass, and the old policy's), batch split over `("data", "fsdp")`; with a packed `layout`
+    of the whole batch (`packing.batch_layout`, replicated) the forward pass runs on its rows: no padding computed,
+    the same log-probs."""
     params_sharding = NamedSharding(mesh, PartitionSpec()) if params_sharding is None else params_sharding
-    rows = batch_sharding(mesh)
+    rows, whole = batch_sharding(mesh), NamedSharding(mesh, PartitionSpec())
 
-    def fn(params: Params, pt: jax.Array, pm: jax.Array, ct: jax.Array, cm: jax.Array) -> jax.Array:
+    def fn(params: Params, pt: jax.Array, pm: jax.Array, ct: jax.Array, cm: jax.Array,
+           layout: PackedLayout | None = None) -> jax.Array:
         return completion_logprobs(params, model_config, pt, pm, ct, cm, temperature=temperature,
-                                   block_mib=block_mib)[0]
+                                   block_mib=block_mib, layout=layout)[0]
 
-    return jax.jit(fn, in_shardings=(params_sharding, *[rows] * 4), out_shardings=rows)
+    padded = jax.jit(fn, in_shardings=(params_sharding, *[rows] * 4), out_shardings=rows)
+    packed = jax.jit(fn, in_shardings=(params_sharding, *[rows] * 4, whole), out_shardings=rows)
+
+    def call(params: Params, pt: jax.Array, pm: jax.Array, ct: jax.Array, cm: jax.Array,
+             layout: PackedLayout | None = None) -> jax.Array:
+        return padded(params, pt, pm, ct, cm) if layout is None else packed(params, pt, pm, ct, cm, layout)
+
+    return call

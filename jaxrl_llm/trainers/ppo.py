@@ -40,7 +40,14 @@ from jaxrl_llm.sharding import batch_sharding, global_array, init_optimizer_stat
 from jaxrl_llm.trainers.base import State, Updated, host_metrics
 from jaxrl_llm.trainers.objectives import PolicyBatch, PolicyObjective, policy_loss, policy_objective
 from jaxrl_llm.trainers.policy import Policy
-from jaxrl_llm.trainers.rl import RolloutAlgorithm, old_policy_logprobs, update_plan, update_sizes, validate_rl
+from jaxrl_llm.trainers.rl import (
+    RolloutAlgorithm,
+    logprob_pass_layout,
+    old_policy_logprobs,
+    update_plan,
+    update_sizes,
+    validate_rl,
+)
 from jaxrl_llm.trainers.rollouts import Rollout
 from jaxrl_llm.trainers.step import Metrics, jit_update, make_optimizer, scanned_updates, state_sharding, train_step
 
@@ -241,11 +248,14 @@ class PPO(RolloutAlgorithm):
         pc, p = self.config.ppo, self.policy
         put = functools.partial(global_array, mesh=self.mesh)
         pt, pm, ct, cm = put(ro.prompt_tokens), put(ro.prompt_mask), put(ro.out.tokens), put(ro.out.mask)
+        packed = functools.cache(lambda: logprob_pass_layout(self.config, ro, self.mesh,
+                                                             p.model_config.num_params()))  # only if a pass runs
         old_logp, sampler_logp, mismatch = old_policy_logprobs(
             self.config.rl.loss.rollout_correction, put(np.asarray(ro.out.logprobs_untruncated, np.float32)), cm,
             lambda: self.ref_logprob_fn(working_weights(p.model_weights(state["params"]), p.model_config),
-                                        pt, pm, ct, cm))
-        ref_logp = self.ref_logprob_fn(self.ref_params, pt, pm, ct, cm) if self.ref_params is not None else old_logp
+                                        pt, pm, ct, cm, packed()))
+        ref_logp = (self.ref_logprob_fn(self.ref_params, pt, pm, ct, cm, packed()) if self.ref_params is not None
+                    else old_logp)
         values = self.value_fn(state["critic"], pt, pm, ct, cm)
         controller = KLControllerState(coef=jnp.asarray(jax.device_get(state["kl_coef"]), jnp.float32))
         targets, rollout_metrics = self.targets_fn(put(ro.rewards.astype(np.float32)), old_logp, ref_logp, values,

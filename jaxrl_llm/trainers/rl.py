@@ -16,7 +16,13 @@ from jaxrl_llm.config import RunConfig
 from jaxrl_llm.data import DataState
 from jaxrl_llm.envs.sandbox import describe_sandbox, use_sandbox
 from jaxrl_llm.errors import ConfigError
-from jaxrl_llm.models.packing import PackedLayout, packing_pays, token_budget_micro_batches, update_layouts
+from jaxrl_llm.models.packing import (
+    PackedLayout,
+    batch_layout,
+    packing_pays,
+    token_budget_micro_batches,
+    update_layouts,
+)
 from jaxrl_llm.models.weights import frozen_copy
 from jaxrl_llm.rl.estimators import needs_values
 from jaxrl_llm.rl.plugins import resolve_estimator, resolve_policy_loss
@@ -70,6 +76,20 @@ def update_plan(c: RunConfig, ro: Rollout, key: jax.Array, minibatch_size: int, 
     # The rows go with their layouts: the update takes them rather than drawing its own.
     put = functools.partial(global_array, mesh=mesh, spec=PartitionSpec())
     return UpdatePlan(jax.tree.map(put, plan.layouts), plan.padding_frac_packed, accum, put(rows.astype(np.int32)))
+
+
+def logprob_pass_layout(c: RunConfig, ro: Rollout, mesh: Mesh, num_params: int) -> PackedLayout | None:
+    """The packed layout of a rollout's whole-batch log-prob passes (the reference model's, the old policy's), placed
+    on the mesh: with `rl.packing`, when the padded pass is large enough to gain (`packing.packing_pays`) and
+    first-fit saves rows; else None (padded)."""
+    valid = np.concatenate([ro.prompt_mask, ro.out.mask], axis=1)[:, :-1] > 0
+    r = c.rl
+    if not r.packing or not packing_pays(valid.size, num_params, r.packing_min_gflops):
+        return None
+    layout, _, _ = batch_layout(valid, ro.prompt_mask.shape[1], multiple=batch_divisor(mesh))
+    if layout.source.shape[0] >= len(valid):
+        return None
+    return jax.tree.map(functools.partial(global_array, mesh=mesh, spec=PartitionSpec()), layout)
 
 
 def update_sizes(c: RunConfig) -> tuple[int, int, int]:
