@@ -1,0 +1,143 @@
+"""Where a decode step of the rollout engine's CPU path goes: the whole step beside its phases, at one shape.
+
+    python bench/decode_phases.py [--model DIR] [--slots 128] [--context 384] [--steps 16] [--repeats 3]
+                                  [--dtype bfloat16]
+
+The step is `engine/model.py: slot_decode_step` and the sampling of `engine/programs.py` (temperature 1.0, each
+row's own uniform), `--steps` steps in one jitted loop (as a decode call runs them), every one of `--slots` slots
+active, each holding a context of `--context` positions in the call's contiguous caches (the XLA path's layout).
+The phases, each timed alone in a loop of the same steps:
+
+- `step without attention`: the same step with attention replaced by the identity on the queries (the matmuls,
+  norms, RoPE, the MLP's activation and the unembedding);
+- `attention`: each layer's cache write and `loop_layout_attention` over the context;
+- `sampling`: each row's uniform and `sample_with_uniform` over the logits `[slots, vocab]`.
+
+Printed: ms per step of each, its share of the whole step, tokens/s at this shape, and the matmuls' FLOP/s
+(2 x parameters x slots per step, attention excluded). Defaults: the RL shape of `rollout_engine.py` at its
+busiest (128 rows, about 140 prompt + 244 sampled positions) on SmolLM2-135M-Instruct (`../shared`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.common import best_seconds  # noqa: E402
+from jaxrl_llm.engine.model import layer_inputs, paged_logits, slot_attention, slot_decode_step  # noqa: E402  # noqa: E402
+from jaxrl_llm.engine.pages import storage_dtype  # noqa: E402
+from jaxrl_llm.engine.programs import prepare_weights, row_uniforms  # noqa: E402
+from jaxrl_llm.models.block import transformer_block  # noqa: E402
+from jaxrl_llm.models.decode import step_ops  # noqa: E402
+from jaxrl_llm.models.hf import load_hf_model  # noqa: E402
+from jaxrl_llm.models.layers import embed_tokens, rms_norm  # noqa: E402
+from jaxrl_llm.sampling.config import Knobs  # noqa: E402
+from jaxrl_llm.sampling.logits import sample_with_uniform  # noqa: E402
+
+SMOLLM2 = ROOT.parent / "shared" / "models" / "smollm2-135m-instruct" / "hf"
+KNOBS = Knobs(np.float32(1.0), np.int32(0), np.float32(1.0), np.float32(0.0), np.int32(0))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=str(SMOLLM2))
+    parser.add_argument("--slots", type=int, default=128)
+    parser.add_argument("--context", type=int, default=384)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    args = parser.parse_args()
+
+    config, params = load_hf_model(args.model, dtype=args.dtype)
+    c, s, ctx = config, args.slots, args.context
+    weights = prepare_weights(params, config)
+    rng = np.random.default_rng(0)
+    stored = storage_dtype(c.jnp_dtype)
+
+    def cache(shape: tuple[int, ...]) -> jax.Array:
+        values = jnp.asarray(rng.standard_normal(shape) * 0.5, c.jnp_dtype)
+        return jax.lax.bitcast_convert_type(values, stored) if stored == jnp.uint16 else values
+
+    kvh, hd = c.num_kv_heads, c.head_dim
+    caches = [{"k": cache((s, kvh, hd, ctx)), "v": cache((s, kvh, ctx, hd))} for _ in range(c.num_layers)]
+    start = jnp.asarray(rng.integers(ctx // 2, ctx - args.steps, s), jnp.int32)  # each slot's position
+    tokens = jnp.asarray(rng.integers(0, c.vocab_size, s), jnp.int32)
+    key_data = jax.random.key_data(jax.random.split(jax.random.key(0), s))
+
+    def sample(logits: jax.Array, j: jax.Array) -> jax.Array:
+        return sample_with_uniform(logits, row_uniforms(key_data, jnp.full((s,), j)), KNOBS, greedy=False)[0]
+
+    def whole(caches: list, tokens: jax.Array) -> jax.Array:
+        def body(j: jax.Array, carry: tuple) -> tuple:
+            token, caches = carry
+            logits, caches = slot_decode_step(params, weights, c, token, start + j, caches)
+            return sample(logits, j), caches
+        return jax.lax.fori_loop(0, args.steps, body, (tokens, caches))[0]
+
+    def no_attention(tokens: jax.Array) -> jax.Array:
+        def body(j: jax.Array, token: jax.Array) -> jax.Array:
+            inputs = layer_inputs(c, (start + j)[:, None], 1)
+            x = embed_tokens(params["embed"]["embedding"], token[:, None], c)
+            for i, w in enumerate(weights):
+                cos, sin, _ = inputs[c.is_sliding(i)]
+                x, _ = transformer_block(x, step_ops(w, c), lambda q, k, v: (q.reshape(s, 1, -1), None), cos, sin, c)
+            hidden = rms_norm(x[:, 0], params["final_norm"]["scale"], c.rms_norm_eps, unit_offset=c.norm_unit_offset)
+            return jnp.argmax(paged_logits(params, c, hidden), axis=-1).astype(jnp.int32)
+        return jax.lax.fori_loop(0, args.steps, body, tokens)
+
+    q_shape, kv_shape = (s, 1, c.num_heads, hd), (s, 1, kvh, hd)
+    q0, k0 = (jnp.asarray(rng.standard_normal(x), c.jnp_dtype) for x in (q_shape, kv_shape))
+
+    def attention(caches: list, q: jax.Array) -> jax.Array:
+        def body(j: jax.Array, carry: tuple) -> tuple:
+            q, caches = carry
+            position = start + j
+            allowed = layer_inputs(c, position[:, None], ctx)[False][2]
+            new = []
+            for cache_ in caches:
+                out, cache_ = slot_attention(c, cache_, position, allowed)(q, k0, k0)
+                q = out.reshape(q_shape).astype(c.jnp_dtype)
+                new.append(cache_)
+            return q, new
+        return jax.lax.fori_loop(0, args.steps, body, (q, caches))[0]
+
+    logits0 = jnp.asarray(rng.standard_normal((s, c.vocab_size)), jnp.float32)
+
+    def sampling(logits: jax.Array) -> jax.Array:
+        def body(j: jax.Array, carry: tuple) -> tuple:
+            logits, acc = carry
+            token = sample(logits, j)
+            return logits + token[:, None].astype(jnp.float32) * 1e-9, acc + token
+        return jax.lax.fori_loop(0, args.steps, body, (logits, jnp.zeros((s,), jnp.int32)))[1]
+
+    phases = {"whole step": (jax.jit(whole), (caches, tokens)),
+              "step without attention": (jax.jit(no_attention), (tokens,)),
+              "attention": (jax.jit(attention), (caches, q0)),
+              "sampling": (jax.jit(sampling), (logits0,))}
+    print(f"{Path(args.model).name} {args.dtype}: {s} slots, context {ctx}, {args.steps} steps per call, "
+          f"jax {jax.__version__}")
+    print("| phase | ms / step | share of the step |")
+    print("| --- | ---: | ---: |")
+    ms = {}
+    for name, (fn, inputs) in phases.items():
+        jax.block_until_ready(fn(*inputs))  # compiles
+        ms[name] = best_seconds(lambda fn=fn, inputs=inputs: jax.block_until_ready(fn(*inputs)),
+                                args.repeats) / args.steps * 1e3
+        print(f"| {name} | {ms[name]:.2f} | {ms[name] / ms['whole step']:.0%} |", flush=True)
+    rest = ms["whole step"] - ms["step without attention"] - ms["attention"] - ms["sampling"]
+    print(f"| the rest (whole minus the three) | {rest:.2f} | {rest / ms['whole step']:.0%} |")
+    flops = 2 * c.num_params() * s
+    print(f"tokens/s at this shape: {s / ms['whole step'] * 1e3:.0f}; the step without attention alone: "
+          f"{s / ms['step without attention'] * 1e3:.0f} ({flops / ms['step without attention'] / 1e6:.0f} GFLOP/s)")
+
+
+if __name__ == "__main__":
+    main()
