@@ -91,6 +91,26 @@ def make_mesh(shape: MeshShape | Sequence[int] = MeshShape(), devices: Sequence[
     return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
 
 
+def split_devices(sampler_devices: int) -> tuple[list[Any], list[Any]]:
+    """`(trainer's devices, sampler's devices)`: the last `sampler_devices` of `jax.devices()` sample (`rollout.
+    sampler_devices`; 0: the trainer's are all, the sampler has none of its own)."""
+    devices = list(jax.devices())
+    cut = len(devices) - sampler_devices
+    return devices[:cut], devices[cut:]
+
+
+def sampler_mesh(devices: Sequence[Any]) -> Mesh:
+    """The sampler's own mesh: its devices on the data axis (weights replicated, rows split)."""
+    return make_mesh(MeshShape(len(devices), 1, 1), devices)
+
+
+def mesh_of(tree: Any, default: Mesh) -> Mesh:
+    """The mesh `tree`'s first array is placed on (a `NamedSharding`'s), else `default`."""
+    leaves = jax.tree.leaves(tree)
+    sharding = getattr(leaves[0], "sharding", None) if leaves else None
+    return sharding.mesh if isinstance(sharding, NamedSharding) else default
+
+
 def _axis_size(mesh: Mesh, axes: str | tuple[str, ...] | None) -> int:
     if axes is None:
         return 1

@@ -33,6 +33,7 @@ from jaxrl_llm.config.schema import (
     PPOSection,
     RewardSpec,
     RLSection,
+    RolloutSection,
     RunConfig,
     SamplingSection,
     SFTSection,
@@ -44,7 +45,8 @@ from jaxrl_llm.errors import ConfigError
 __all__ = [
     "API_WHERE", "KL_ESTIMATORS", "RENAMED", "ROLLOUT_CORRECTIONS", "ConfigError", "DPOSection", "EnvSection",
     "DataSection", "DistributedSection", "LoggingSection", "LoraSection", "MeshSection", "ModelSection",
-    "MonitorSection", "OptimSection", "PPOSection", "RLSection", "Range", "RewardSpec", "RunConfig", "SFTSection",
+    "MonitorSection", "OptimSection", "PPOSection", "RLSection", "Range", "RewardSpec", "RolloutSection", "RunConfig",
+    "SFTSection",
     "SamplingSection", "add_import_path", "check_fields", "config_source", "get_field", "load_run_config",
     "looks_local", "resolve_path", "resolve_yaml_paths", "shown_path", "to_dict", "to_yaml",
 ]

@@ -21,7 +21,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from jaxrl_llm.config.schema import RENAMED, RunConfig, check_fields
+from jaxrl_llm.config.schema import RENAMED, STALE_ROLLOUT_CORRECTION, RunConfig, check_fields
 from jaxrl_llm.errors import ConfigError, one_line
 
 
@@ -48,7 +48,17 @@ def load_run_config(path: str | Path | None, overrides: list[str] | None = None,
         check_fields(config)
     except ConfigError as e:
         raise ConfigError(f"{e} ({config_source(str(e), path, overrides, fields)})") from e
+    if config.rollout.max_staleness and not _given("rl.loss.rollout_correction", path, overrides, fields):
+        # Stale rollouts are importance-corrected unless the config says otherwise (docs/overlap.md).
+        config.rl.loss = dataclasses.replace(config.rl.loss, rollout_correction=STALE_ROLLOUT_CORRECTION)
     return config
+
+
+def _given(key: str, path: str | Path | None, overrides: list[str], fields: dict[str, Any] | None) -> bool:
+    """Whether the dotted `key` is set by the YAML file, the Python API's `fields` or a command-line override."""
+    if any(o.split("=", 1)[0].strip() == key for o in overrides) or (fields and _has_key(fields, key)):
+        return True
+    return path is not None and _has_key(OmegaConf.to_container(OmegaConf.load(path)), key)
 
 
 def _merge(merged: Any, tree: Any, where: str) -> Any:

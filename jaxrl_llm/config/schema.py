@@ -407,6 +407,28 @@ class EnvSection:
 
 
 @dataclass
+class RolloutSection:
+    """Sampling beside training (the GRPO family and distillation; docs/overlap.md): the sampler's own devices,
+    and how many policy versions its rollouts may lag the update that consumes them."""
+
+    # devices of the sampler's own mesh (the last N that JAX sees; weights replicated, rows split); the trainer's
+    # mesh (mesh.*) is the rest, and the weights go to the sampler in memory after each update; 0 = one mesh for both
+    sampler_devices: int = at_least(0)
+    # K: the rollout of step s is sampled by the policy of step s-1-K (or the first), on a thread beside the
+    # update, so sampling runs up to K steps ahead; 0 = synchronous: sample, then update (today's run, bit for bit).
+    # With K > 0, rl.loss.rollout_correction is token_truncate unless set
+    max_staleness: int = at_least(0)
+    # with max_staleness > 0: allow rl.loss.rollout_correction=none (the stale sampler's log-probs as the old
+    # policy's, no importance weight between the policy that sampled and the one the update starts from)
+    allow_uncorrected: bool = False
+
+
+# rl.loss.rollout_correction when rollout.max_staleness > 0 and the config does not set it: truncated importance
+# sampling per token (the trainer's recomputed log-probs over the stale sampler's, capped)
+STALE_ROLLOUT_CORRECTION = "token_truncate"
+
+
+@dataclass
 class LoggingSection:
     """Where metrics go besides metrics.jsonl and TensorBoard."""
 
@@ -438,6 +460,7 @@ class RunConfig:
     distributed: DistributedSection = field(default_factory=DistributedSection)
     monitor: MonitorSection = field(default_factory=MonitorSection)
     env: EnvSection = field(default_factory=EnvSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
     log_every: int = at_least(1, 1)  # a metrics row (and a plain log line when not on a terminal) every N steps
     sample_every: int = at_least(10)  # write sample completions with rewards at step 1 and every N steps (0 = never)

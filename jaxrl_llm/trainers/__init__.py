@@ -36,20 +36,42 @@ def algorithm_class(name: str) -> Any:
 
 
 def validate(config: RunConfig) -> None:
-    """The algorithm's own checks of `config` (`Algorithm.validate`): one-line `ConfigError`s."""
-    algorithm_class(config.algo).validate(config)
+    """The algorithm's own checks of `config` (`Algorithm.validate`), and whether it can sample beside training
+    (`rollout.*`): one-line `ConfigError`s."""
+    cls = algorithm_class(config.algo)
+    r = config.rollout
+    if (r.max_staleness or r.sampler_devices) and cls.no_overlap:
+        raise ConfigError(f"rollout.max_staleness={r.max_staleness}, rollout.sampler_devices={r.sampler_devices} "
+                          f"with algo={config.algo}: {cls.no_overlap}; set both to 0")
+    if r.max_staleness and config.rl.loss.rollout_correction == "none" and not r.allow_uncorrected:
+        raise ConfigError(f"rollout.max_staleness={r.max_staleness} with rl.loss.rollout_correction=none: rollouts "
+                          f"up to {r.max_staleness} policy versions old need an importance correction (token_truncate,"
+                          f" the default with rollout.max_staleness > 0); or set rollout.allow_uncorrected=true")
+    cls.validate(config)
 
 
 def check_devices(c: RunConfig) -> None:
     """The mesh fits the devices JAX sees, and the algorithm's micro-batch splits over its data axes."""
+    n = c.rollout.sampler_devices
+    if n and jax.process_count() > 1:
+        raise ConfigError(f"rollout.sampler_devices={n} with {jax.process_count()} processes: a sampler mesh of its "
+                          f"own runs in one process; set rollout.sampler_devices=0 (one mesh)")
+    if n >= jax.device_count():
+        raise ConfigError(f"rollout.sampler_devices={n}: JAX sees {jax.device_count()} device(s) and the trainer "
+                          f"needs at least one; set it to at most {jax.device_count() - 1}")
+    trainer_devices = jax.device_count() - n
     try:
-        data, fsdp, _ = MeshShape(c.mesh.data, c.mesh.fsdp, c.mesh.tensor).resolve(jax.device_count())
+        data, fsdp, _ = MeshShape(c.mesh.data, c.mesh.fsdp, c.mesh.tensor).resolve(trainer_devices)
     except ValueError as e:
         raise ConfigError(f"mesh.data={c.mesh.data}, mesh.fsdp={c.mesh.fsdp}, mesh.tensor={c.mesh.tensor}: "
-                          f"{str(e).split(': ', 1)[-1]}") from e
-    if c.sampling.engine == "paged" and jax.device_count() > 1:
-        raise ConfigError(f"sampling.engine=paged samples on one device and JAX sees {jax.device_count()}: use "
-                          "sampling.engine=static on a mesh of several devices")
+                          f"{str(e).split(': ', 1)[-1]}" + (f" (the trainer's {trainer_devices} of "
+                          f"{jax.device_count()}, rollout.sampler_devices={n})" if n else "")) from e
+    samplers = {"the trainer": trainer_devices} if not n else {"the trainer": trainer_devices, "the sampler": n}
+    for who, count in samplers.items():
+        if c.sampling.engine == "paged" and count > 1:
+            raise ConfigError(f"sampling.engine=paged samples on one device and {who} has {count}: use "
+                              "sampling.engine=static on a mesh of several devices"
+                              + (" (or rollout.sampler_devices=1 and mesh devices 1)" if n else ""))
     micro = algorithm_class(c.algo).micro_batch(c)
     if micro is not None and micro[1] % (data * fsdp):
         raise ConfigError(f"{micro[0]} must be divisible by mesh.data * mesh.fsdp ({data * fsdp}) for the "

@@ -5,6 +5,7 @@ static) and then works on a state pytree that the shell owns, passes in and chec
 
     init()                                  -> state                        the starting weights, optimizer state, ...
     collect(state, data_state, key)         -> Collected(batch, data_state, metrics, tokens)
+      = collect_with(sampler_weights(state), data_state, key) where the algorithm samples beside training
     update(state, batch, step, key)         -> Updated(state, metrics, skipped)
     evaluate(state, limit) / drift(state, batch) / export(state, directory)
 
@@ -62,6 +63,9 @@ class Algorithm:
     from_scratch: ClassVar[bool] = False  # True: model.init trains a new model, model.path is not read
     needs_rewards: ClassVar[bool] = True  # the run needs `rewards` (RL); False: trained on examples or pairs
     group_relative: ClassVar[bool] = True  # advantages compare a group's samples: all alike = no signal
+    # Why this algorithm cannot sample beside training (rollout.max_staleness, rollout.sampler_devices); "" = it can
+    # (then `sampler_weights` and `collect_with` are its collect's two halves)
+    no_overlap: ClassVar[str] = "it samples no rollouts (it trains on examples or pairs)"
     mesh: Any
     vocab_size: int
 
@@ -81,6 +85,16 @@ class Algorithm:
         raise NotImplementedError
 
     def collect(self, state: State, data_state: DataState, key: jax.Array) -> Collected:
+        raise NotImplementedError
+
+    def sampler_weights(self, state: State) -> Any:
+        """The weights `collect` samples with, placed where the sampler runs (its own mesh, or a copy on the
+        trainer's that the update's donated buffers cannot take away): what the shell pushes after each update."""
+        raise NotImplementedError
+
+    def collect_with(self, weights: Any, data_state: DataState, key: jax.Array) -> Collected:
+        """`collect` with the weights `sampler_weights` gave (maybe an older policy's): what the sampler thread
+        runs when rollouts are sampled beside training."""
         raise NotImplementedError
 
     def update(self, state: State, batch: Any, step: int, key: jax.Array) -> Updated:

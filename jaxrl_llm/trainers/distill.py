@@ -30,7 +30,7 @@ from jaxrl_llm.models.hf import load_hf_model, resolve_model_dir
 from jaxrl_llm.models.weights import frozen_copy
 from jaxrl_llm.rl.distillation import generalized_jsd_from_hidden, reverse_kl_advantages
 from jaxrl_llm.rl.reductions import masked_mean
-from jaxrl_llm.trainers.base import Collected, State
+from jaxrl_llm.trainers.base import Collected
 from jaxrl_llm.trainers.grpo import GRPOFamily, validate_grpo
 from jaxrl_llm.trainers.objectives import Metrics, PolicyBatch, logprob_chunk_size, loss_mask, make_logprob_fn
 from jaxrl_llm.trainers.policy import Policy
@@ -147,13 +147,13 @@ class Distillation(GRPOFamily):
         return (f"{super().describe()}; teacher {d.teacher} ({self.teacher_config.num_params() / 1e6:.2f}M "
                 f"params), {how}")
 
-    def collect(self, state: State, data_state: Any, key: jax.Array) -> Collected:
+    def collect_with(self, weights: Any, data_state: Any, key: jax.Array) -> Collected:
         """The student's samples, or (GKD, with probability `1 - distill.lmbda`, drawn from the step's key) the
         data's answers."""
         d = self.config.distill
         on_policy = d.loss != "jsd" or d.lmbda >= 1 or float(jax.random.uniform(jax.random.fold_in(key, 7))) < d.lmbda
         if on_policy:
-            collected = super().collect(state, data_state, key)
+            collected = super().collect_with(weights, data_state, key)
         else:
             ro, data_state = self.collector.answer_rollout(data_state)
             collected = Collected(ro, data_state, self.collector.metrics(ro, 0), rollout_tokens(ro))

@@ -3,6 +3,7 @@
     open out_dir (lock, refuse/overwrite, resume checks) -> build the algorithm -> state = init() or the checkpoint
     -> evaluate before -> for each step:
          collect -> update -> monitor -> record (evaluation, drift, logs, samples) -> checkpoint
+    (rollout.max_staleness > 0: a thread samples ahead and `collect` is taking its rollout; trainers/overlap.py)
     -> summary, export
     (Ctrl-C / SIGTERM: the step in flight finishes, is checkpointed, and `RunInterrupted` ends the run.)
 
@@ -14,6 +15,7 @@ under `monitor.on_divergence=stop`, and updates skipped `monitor.max_skipped_upd
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import signal
 import sys
@@ -35,6 +37,7 @@ from jaxrl_llm.run.monitor import DivergenceState, Monitor
 from jaxrl_llm.run.run_dir import open_run_dir
 from jaxrl_llm.sharding import global_array
 from jaxrl_llm.trainers.base import Algorithm, State
+from jaxrl_llm.trainers.overlap import RolloutPipeline, Sampled, decode_sampled, encode_sampled, host_key
 
 # The plain log line (not on a terminal): these metrics, when the step has them, after the algorithm's own.
 PLAIN_LINE_FIELDS = (("reward/mean", "reward"), ("kl", "kl"), ("drift_kl", "drift"), ("entropy", "entropy"),
@@ -64,6 +67,9 @@ class Trainer:
                 DataState()
             self.monitor = Monitor(c.monitor, self.algorithm.vocab_size)
             self.last_drift: float | None = None
+            # rollout.max_staleness > 0: the sampling thread (started by `run`); rollouts a checkpoint held
+            self.pipeline: RolloutPipeline | None = None
+            self.in_flight: list[Sampled] = []
             self.checkpointer = Checkpointer(self.out_dir / "checkpoints", keep=c.keep_checkpoints,
                                              claim=self.run_dir.claim)
             if resume:
@@ -90,6 +96,7 @@ class Trainer:
         self.state, self.step = state, int(meta["step"])
         self.data_state = DataState(**meta["data_state"])
         self.monitor.divergence = DivergenceState.from_json(meta.get("divergence"))
+        self.in_flight = decode_sampled(meta.get("in_flight", []))
 
     def _meta(self) -> dict[str, Any]:
         """The checkpoint's metadata: the step, the data position and the divergence streaks."""
@@ -97,24 +104,54 @@ class Trainer:
                 "divergence": self.monitor.divergence.to_json()}
 
     def save_checkpoint(self) -> None:
-        self.checkpointer.save(self.step, self._checkpointed(), self._meta())
+        meta = self._meta()
+        if self.pipeline is not None:  # the rollouts sampled ahead, and the data position after them
+            queued, data_state = self.pipeline.in_flight(self.step)
+            meta |= {"data_state": dataclasses.asdict(data_state), "in_flight": encode_sampled(queued)}
+        self.checkpointer.save(self.step, self._checkpointed(), meta)
 
     # ------------------------------------------------------------------------------------------ the loop
 
+    def step_keys(self, step: int) -> tuple[jax.Array, jax.Array]:
+        """`(collect key, update key)` of `step`."""
+        collect_key, update_key = jax.random.split(jax.random.fold_in(self.key, step))
+        return collect_key, update_key
+
     def run_step(self) -> tuple[Any, dict[str, float], bool]:
-        """Collect and update once (`self.step` already advanced): the batch, the metrics, whether skipped."""
-        algo = self.algorithm
-        collect_key, update_key = jax.random.split(jax.random.fold_in(self.key, self.step))
+        """Collect (or take what the sampler made) and update once (`self.step` already advanced): the batch, the
+        metrics, whether skipped."""
+        algo, c = self.algorithm, self.config
+        collect_key, update_key = self.step_keys(self.step)
         t0 = time.perf_counter()
-        collected = algo.collect(self.state, self.data_state, collect_key)
+        sync_seconds: float | None = None
+        sampled = (self.pipeline.take(self.step) if self.pipeline is not None else
+                   self.in_flight.pop(0) if self.in_flight and self.in_flight[0].step == self.step else None)
+        if sampled is not None:
+            collected, version, collect_seconds = sampled.collected, sampled.version, sampled.seconds
+        elif c.rollout.sampler_devices:  # synchronous, on the sampler's own mesh: the weights go there first
+            weights = jax.block_until_ready(algo.sampler_weights(self.state))
+            sync_seconds = time.perf_counter() - t0
+            collected, version = algo.collect_with(weights, self.data_state, host_key(collect_key)), self.step - 1
+            collect_seconds = time.perf_counter() - t0 - sync_seconds
+        else:
+            collected, version = algo.collect(self.state, self.data_state, collect_key), self.step - 1
+            collect_seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
         self.state, metrics, skipped = algo.update(self.state, collected.batch, self.step, update_key)
         t2 = time.perf_counter()
+        if self.pipeline is not None:
+            sync_seconds = self.pipeline.push(self.step, lambda: algo.sampler_weights(self.state))
+        t3 = time.perf_counter()
         self.data_state = collected.data_state
-        metrics = {**metrics, **collected.metrics, f"time/{algo.collect_phase}": t1 - t0, "time/update": t2 - t1,
-                   "time/step": t2 - t0}
+        metrics = {**metrics, **collected.metrics, f"time/{algo.collect_phase}": collect_seconds,
+                   "time/update": t2 - t1, "time/step": t3 - t0}
+        if self.pipeline is not None or sampled is not None:
+            staleness = float(self.step - 1 - version)
+            metrics |= {"time/rollout_wait": t1 - t0, "staleness/mean": staleness, "staleness/max": staleness}
+        if sync_seconds is not None:
+            metrics["time/weight_sync"] = sync_seconds
         if collected.tokens is not None:
-            metrics["tokens_per_second"] = collected.tokens / max(t1 - t0, 1e-9)
+            metrics["tokens_per_second"] = collected.tokens / max(collect_seconds, 1e-9)
         return collected.batch, metrics, skipped
 
     def run(self) -> dict[str, Any]:
@@ -131,6 +168,12 @@ class Trainer:
             summary["before"] = evaluate(self, logger, "before")
         diverged: dict[str, str] = {}
         try:
+            if c.rollout.max_staleness and self.step < c.steps:
+                self.pipeline = RolloutPipeline(
+                    algo, max_staleness=c.rollout.max_staleness, steps=c.steps,
+                    key_of_step=lambda s: self.step_keys(s)[0], start=self.step,
+                    weights=algo.sampler_weights(self.state), data_state=self.data_state, queued=self.in_flight)
+                self.in_flight = []
             while self.step < c.steps and not (diverged and c.monitor.on_divergence == "stop"):
                 stop_if_requested(self, logger)
                 self.step += 1
@@ -153,6 +196,9 @@ class Trainer:
                                         f"(latest: {self.checkpointer.latest_step()}).")
             finish_steps(self, logger, stopped=bool(diverged) and c.monitor.on_divergence == "stop")
         finally:
+            if self.pipeline is not None:
+                self.pipeline.close()
+                self.pipeline = None
             self.checkpointer.close()
             logger.close()
         return finish(self, summary, diverged)
@@ -193,7 +239,8 @@ def open_logger(t: Trainer) -> RunLogger:
 
 def evaluate(t: Trainer, logger: RunLogger, when: str) -> dict[str, float]:
     """The held-out evaluation of the current state, logged (`when`: "before" is step 0's row)."""
-    evaluation = t.algorithm.evaluate(t.state, t.config.eval_size or None)
+    with t.pipeline.lock if t.pipeline is not None else contextlib.nullcontext():  # not beside a rollout in flight
+        evaluation = t.algorithm.evaluate(t.state, t.config.eval_size or None)
     if evaluation and when == "before":
         logger.log(0, evaluation)
     if evaluation:

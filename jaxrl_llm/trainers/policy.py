@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ from jaxrl_llm.models.hf_export import save_hf_model
 from jaxrl_llm.models.lora import LoraSpec, init_adapters, insert_adapters, merge_adapters, save_peft_adapters
 from jaxrl_llm.models.weights import cast_floating, inference_copy, master_weights
 from jaxrl_llm.sampling import SampleOutput, SamplingConfig, sample
-from jaxrl_llm.sharding import MeshShape, make_mesh, param_shardings, to_host
+from jaxrl_llm.sharding import MeshShape, make_mesh, mesh_of, param_shardings, sampler_mesh, split_devices, to_host
 from jaxrl_llm.tasks.arithmetic import make_tokenizer
 
 
@@ -50,12 +51,18 @@ class Policy:
     eos_ids: tuple[int, ...]
     base: Params | None = None  # LoRA: the frozen base weights (model.param_dtype); None: params is the model
     lora: LoraSpec | None = None
-    paged: PagedSampler | None = dataclasses.field(default=None, init=False)  # sampling.engine=paged: its engine
+    # rollout.sampler_devices > 0: the sampler's own mesh (the rollouts are sampled there, the weights pushed to
+    # it after each update by `sampler_weights`); None: the trainer's mesh samples too
+    sampler_mesh: Mesh | None = None
+    # sampling.engine=paged: the rollout engine of each thread that samples (the shell's, and the sampling thread
+    # beside training), so the held-out evaluation never shares one with rollouts in flight
+    paged: dict[int, PagedSampler] = dataclasses.field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         self._merge = (jax.jit(functools.partial(merge_adapters, scale=self.lora.scale))
                        if self.lora is not None else None)
         self._cast = jax.jit(functools.partial(inference_copy, config=self.model_config))
+        self._copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))  # a jit's outputs never alias its inputs
 
     def model_weights(self, params: Params) -> Params:
         """The weights the model runs with: the trained `params`, merged into the base under LoRA."""
@@ -111,29 +118,43 @@ class Policy:
 
     def sample(self, params: Params, tokens: np.ndarray, mask: np.ndarray, key: jax.Array,
                sampling: SamplingConfig) -> SampleOutput:
-        """`sampling.n` completions of each left-padded prompt, through the run's sampler (`sampling.engine`)."""
+        """`sampling.n` completions of each left-padded prompt, through the run's sampler (`sampling.engine`), on
+        the mesh `params` are placed on (the trainer's, or the sampler's own)."""
+        mesh = mesh_of(params, self.mesh)
         if self.config.sampling.engine == "paged":
-            return self.paged_sampler()(params, tokens, mask, key, sampling)
-        return sample(params, self.model_config, tokens, mask, key, sampling, mesh=self.mesh)
+            with jax.default_device(mesh.devices.flat[0]):
+                return self.paged_sampler()(params, tokens, mask, key, sampling)
+        return sample(params, self.model_config, tokens, mask, key, sampling, mesh=mesh)
 
     @property
     def engine(self) -> Engine | None:
-        """The rollout engine the run has sampled through (`sampling.engine=paged`), else None."""
-        return None if self.paged is None else self.paged.engine
+        """The rollout engine the run has sampled through last (`sampling.engine=paged`), else None."""
+        made = [paged.engine for paged in self.paged.values() if paged.engine is not None]
+        return made[-1] if made else None
 
     def paged_sampler(self) -> PagedSampler:
-        """The run's rollout engine behind the static sampler's call (`sampling.engine_*` knobs), made once."""
-        if self.paged is None:
+        """This thread's rollout engine behind the static sampler's call (`sampling.engine_*` knobs), made once."""
+        thread = threading.get_ident()
+        if thread not in self.paged:
             s = self.config.sampling
-            self.paged = PagedSampler(self.model_config, page_size=s.engine_page_size, slots=s.engine_slots,
-                                      steps_per_call=s.engine_steps_per_call, pages=s.engine_pages,
-                                      attention=s.engine_attention)
-        return self.paged
+            self.paged[thread] = PagedSampler(self.model_config, page_size=s.engine_page_size, slots=s.engine_slots,
+                                              steps_per_call=s.engine_steps_per_call, pages=s.engine_pages,
+                                              attention=s.engine_attention)
+        return self.paged[thread]
 
     def rollout_engine(self, sequences: list[tuple[int, int]], n: int) -> Engine:
-        """The run's rollout engine with a pool for `sequences` (`(prompt length, tokens after it)` each, `n`
+        """This thread's rollout engine with a pool for `sequences` (`(prompt length, tokens after it)` each, `n`
         samples of each; `sampling.engine_pages` when set), made anew only when the current pool is smaller."""
         return self.paged_sampler().engine_for(sequences, n)
+
+    def sampler_weights(self, params: Params) -> Params:
+        """`inference_weights(params)` where the sampler runs: `jax.device_put` onto the sampler's own mesh in its
+        shardings (new buffers on its devices, no trip through the host), or on one mesh a copy that the update,
+        which donates the state's buffers, cannot take away from the sampling thread."""
+        weights = self.inference_weights(params)
+        if self.sampler_mesh is not None:
+            return jax.device_put(weights, param_shardings(weights, self.sampler_mesh))
+        return self._copy(weights)
 
     def prompt_set(self, source: str, split: str, held_out_from: str = "") -> PromptSet:
         """`source`'s prompts (`held_out_from`: the training source of a held-out set, see `load_records`)."""
@@ -187,7 +208,9 @@ def _scratch_tokenizer(spec: str, out_dir: Path) -> tuple[Any, Path]:
 def load_policy(c: RunConfig, *, from_scratch: bool = False) -> Policy:
     """The policy of a run: `model.path` loaded onto the mesh, or (`from_scratch` with `model.init`, SFT) a
     randomly initialised model of that architecture with `model.tokenizer`."""
-    mesh = make_mesh(MeshShape(c.mesh.data, c.mesh.fsdp, c.mesh.tensor))
+    trainer_devices, sampler_devices = split_devices(c.rollout.sampler_devices)
+    mesh = make_mesh(MeshShape(c.mesh.data, c.mesh.fsdp, c.mesh.tensor), trainer_devices)
+    sampler = sampler_mesh(sampler_devices) if sampler_devices else None
     overrides = dict(dtype=c.model.dtype, param_dtype=c.model.param_dtype, remat=c.model.remat,
                      scan_unroll=c.model.scan_unroll, attention_query_chunk=c.model.attention_query_chunk)
     if from_scratch and c.model.init:
@@ -209,6 +232,7 @@ def load_policy(c: RunConfig, *, from_scratch: bool = False) -> Policy:
             if c.lora.dropout:  # the update runs unmerged: the decoder's dense layers apply scale and dropout
                 model_config = dataclasses.replace(model_config, lora_scale=spec.scale, lora_dropout=c.lora.dropout)
             return Policy(c, mesh, model_config, adapters, tokenizer, Path(tok_dir), eos_token_ids(tok_dir, tokenizer),
-                          base=base, lora=spec)
+                          base=base, lora=spec, sampler_mesh=sampler)
         params = master_weights(params)
-    return Policy(c, mesh, model_config, params, tokenizer, Path(tok_dir), eos_token_ids(tok_dir, tokenizer))
+    return Policy(c, mesh, model_config, params, tokenizer, Path(tok_dir), eos_token_ids(tok_dir, tokenizer),
+                  sampler_mesh=sampler)

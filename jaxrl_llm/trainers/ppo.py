@@ -194,6 +194,9 @@ class PPO(RolloutAlgorithm):
 
     label: ClassVar[str] = "ppo"
     group_relative: ClassVar[bool] = False  # the critic makes advantages without reward variance
+    no_overlap: ClassVar[str] = ("PPO's advantages are GAE over its critic's values at the rollout's own policy, and "
+                                 "its adaptive KL coefficient steps per rollout: not supported off-policy; use the "
+                                 "GRPO family")
 
     @classmethod
     def validate(cls, c: RunConfig) -> None:

@@ -6,7 +6,7 @@ import functools
 import inspect
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import numpy as np
@@ -182,6 +182,8 @@ class RolloutAlgorithm(Algorithm):
     collector, the held-out evaluation and the drift meter, and the shell's calls that only read them. `reference`:
     keep the starting policy as the reference (a frozen copy; under LoRA the base itself)."""
 
+    no_overlap: ClassVar[str] = ""  # the GRPO family and distillation sample beside training (docs/overlap.md)
+
     @classmethod
     def micro_batch(cls, c: RunConfig) -> tuple[str, int]:
         return rl_micro_batch(c)
@@ -210,8 +212,13 @@ class RolloutAlgorithm(Algorithm):
                 f"{self.collector.describe()}, {jax.device_count()} device(s){sandbox}")
 
     def collect(self, state: State, data_state: DataState, key: jax.Array) -> Collected:
-        ro, data_state, refills = self.collector.collect(self.policy.inference_weights(state["params"]), data_state,
-                                                         key)
+        return self.collect_with(self.policy.inference_weights(state["params"]), data_state, key)
+
+    def sampler_weights(self, state: State) -> Any:
+        return self.policy.sampler_weights(state["params"])
+
+    def collect_with(self, weights: Any, data_state: DataState, key: jax.Array) -> Collected:
+        ro, data_state, refills = self.collector.collect(weights, data_state, key)
         return Collected(ro, data_state, self.collector.metrics(ro, refills), rollout_tokens(ro))
 
     def evaluate(self, state: State, limit: int | None) -> dict[str, float]:
