@@ -30,7 +30,8 @@ def _stable(rows: list[dict]) -> list[dict]:
 
 
 def _args(task: Path | None, out: Path, *extra: str) -> list[str]:
-    # The default job's model and task (rewards that differ within a group); lr without warm-up, so every update moves the policy and a stale rollout's log-probs differ
+    # The default job's model and task (rewards that differ within a group); lr without warm-up, so every update
+    # moves the policy and a stale rollout's log-probs differ
     return [*tiny_run_args(out), "steps=5", "optim.warmup_steps=0", "optim.learning_rate=3e-3",
             "eval_every=0", *extra]
 
@@ -143,11 +144,12 @@ _SPLIT = textwrap.dedent("""
     algo, p = trainer.algorithm, trainer.algorithm.policy
     pushed = algo.sampler_weights(trainer.state)
     own = p.inference_weights(trainer.state["params"])
-    same = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(jax.tree.leaves(pushed), jax.tree.leaves(own)))
+    pairs = list(zip(jax.tree.leaves(pushed), jax.tree.leaves(own)))
+    same = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in pairs)
     devices = sorted({d.id for x in jax.tree.leaves(pushed) for d in x.sharding.device_set})
     trainer_devices = sorted({d.id for x in jax.tree.leaves(own) for d in x.sharding.device_set})
-    shared = any(a.addressable_shards[0].data.unsafe_buffer_pointer() == b.addressable_shards[0].data.unsafe_buffer_pointer()
-                 for a, b in zip(jax.tree.leaves(pushed), jax.tree.leaves(own)))
+    pointer = lambda x: x.addressable_shards[0].data.unsafe_buffer_pointer()
+    shared = any(pointer(a) == pointer(b) for a, b in pairs)
     trainer.run()
     print(json.dumps({"same": same, "sampler": devices, "trainer": trainer_devices, "shared": shared}))
 """)
