@@ -606,7 +606,8 @@ def print_packing(o: list[dict]) -> None:
     clean = quiet or steps
     speedups, ideals, of_ideal = [], [], []
     for r in clean:
-        ideal = (1.0 - r["padding_frac_padded"]) / (1.0 - r["padding_frac"])  # padded / packed positions computed
+        # positions computed, padded over packed: real = padded x (1 - its padding) = packed x (1 - its padding)
+        ideal = (1.0 - r["padding_frac"]) / (1.0 - r["padding_frac_padded"])
         speedups.append(r["update_padded"] / r["update"])
         ideals.append(ideal)
         of_ideal.append(r["update"] / (r["update_padded"] / ideal))

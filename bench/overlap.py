@@ -3,8 +3,9 @@ on 2 virtual CPU devices split 1/1 (`rollout.sampler_devices=1`) or on one mesh.
 
 Each configuration is a `train.py` run in its own process (the device count is fixed when JAX starts); the table is
 the medians over the steps after the first (which compiles): the sampler's time on a rollout (`time/rollout`),
-the update, the weight push (`time/weight_sync`), the trainer's wait for a rollout (`time/rollout_wait`, K=1) and
-the step. The measured overlap is `(rollout + update + sync) / step`: 1.0 when nothing overlaps.
+of it the reward functions and environments (`time/reward/*`, `time/env`: host work, off the trainer's thread at
+K=1), the update, the weight push (`time/weight_sync`), the trainer's wait for a rollout (`time/rollout_wait`, K=1)
+and the step. The measured overlap is `(rollout + update + sync) / step`: 1.0 when nothing overlaps.
 
     python bench/overlap.py                 # 30 steps of the default job per configuration
     python bench/overlap.py --steps 3       # the smallest shape (the test suite's smoke run)
@@ -28,7 +29,7 @@ CONFIGS = {  # name -> (virtual devices, overrides)
     "K=1, one mesh": (1, ["rollout.max_staleness=1"]),
     "K=1, split 1/1": (2, ["rollout.max_staleness=1", "rollout.sampler_devices=1"]),
 }
-FIELDS = ("time/rollout", "time/update", "time/weight_sync", "time/rollout_wait", "time/step")
+FIELDS = ("time/rollout", "reward+env", "time/update", "time/weight_sync", "time/rollout_wait", "time/step")
 
 
 def run(name: str, devices: int, overrides: list[str], steps: int, out: Path) -> list[dict]:
@@ -55,6 +56,8 @@ def main() -> None:
         for name, (devices, overrides) in CONFIGS.items():
             rows = run(name, devices, overrides, args.steps, Path(tmp) / name.replace(" ", "_").replace("/", "-"))
             timed = rows[1:] or rows
+            for r in timed:
+                r["reward+env"] = sum(v for k, v in r.items() if k.startswith("time/reward/") or k == "time/env")
             med = {f: statistics.median(r.get(f, 0.0) for r in timed) for f in FIELDS}
             busy = med["time/rollout"] + med["time/update"] + med["time/weight_sync"]
             accuracy = rows[-1].get("eval/accuracy", float("nan"))

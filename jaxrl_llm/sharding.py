@@ -99,9 +99,12 @@ def split_devices(sampler_devices: int) -> tuple[list[Any], list[Any]]:
     return devices[:cut], devices[cut:]
 
 
-def sampler_mesh(devices: Sequence[Any]) -> Mesh:
-    """The sampler's own mesh: its devices on the data axis (weights replicated, rows split)."""
-    return make_mesh(MeshShape(len(devices), 1, 1), devices)
+def sampler_mesh(devices: Sequence[Any], tensor: int = 1) -> Mesh:
+    """The sampler's own mesh: `tensor` of its devices split each weight matrix (the tensor axis, as the trainer's
+    rules place it), the rest split the rows (the data axis); `tensor=1` replicates the weights."""
+    if len(devices) % tensor:
+        raise ValueError(f"the sampler's {len(devices)} device(s) do not split into tensor groups of {tensor}")
+    return make_mesh(MeshShape(len(devices) // tensor, 1, tensor), devices)
 
 
 def mesh_of(tree: Any, default: Mesh) -> Mesh:

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -103,6 +104,51 @@ def test_kill_and_resume_with_a_rollout_in_flight_continues_exactly(stale_run, t
     assert _stable(rows) == _stable(read_rows(stale_run))
 
 
+_EVENTS: list[tuple[str, str]] = []  # (what, thread): the sampler's calls and the reward function's, in order
+_SAMPLED = threading.Condition()
+
+
+def slow_first_reward(prompts, completions, **fields):
+    """A reward whose first call waits (up to a minute) for the next rollout to be sampled: it only returns early if
+    the sampler samples while this rollout is scored."""
+    _EVENTS.append(("score", threading.current_thread().name))
+    if sum(e[0] == "score" for e in _EVENTS) == 1:
+        with _SAMPLED:
+            _SAMPLED.wait_for(lambda: sum(e[0] == "sample" for e in _EVENTS) >= 2, timeout=60.0)
+    _EVENTS.append(("scored", threading.current_thread().name))
+    return [float(len(c) % 2) for c in completions]
+
+
+def test_rewards_run_while_the_next_rollout_is_sampled(tiny_task, tmp_path, monkeypatch):
+    """K=1: the reward functions of step 1's rollout run in neither the sampler's thread nor the shell's, and step
+    2's rollout is sampled before they return (the reward waits for it: were scoring in the sampler's way, it would
+    wait its minute)."""
+    from jaxrl_llm.trainers.policy import Policy
+
+    sample = Policy.sample
+
+    def recorded(self, *args, **kwargs):
+        out = sample(self, *args, **kwargs)
+        with _SAMPLED:
+            _EVENTS.append(("sample", threading.current_thread().name))
+            _SAMPLED.notify_all()
+        return out
+
+    monkeypatch.setattr(Policy, "sample", recorded)
+    _EVENTS.clear()
+    config = tiny_run(None, tmp_path / "run", *_args(None, tmp_path / "run")[len(tiny_run_args(tmp_path / "run")):],
+                      "steps=3", "rollout.max_staleness=1", "data.eval=", task=tiny_task,
+                      rewards=[{"name": "test_overlap:slow_first_reward"}])
+    from jaxrl_llm.trainers import make_trainer
+
+    make_trainer(config).run()
+    order = [what for what, _ in _EVENTS]
+    assert order[:4] == ["sample", "score", "sample", "scored"]
+    assert {who for what, who in _EVENTS if what == "sample"} == {"jaxrl_llm-sampler"}
+    assert not {who for what, who in _EVENTS if what == "score"} & {"jaxrl_llm-sampler", "MainThread"}
+    assert order.count("scored") == 3
+
+
 def test_rollouts_in_flight_round_trip_through_a_checkpoints_json():
     from jaxrl_llm.data import DataState
     from jaxrl_llm.sampling import SampleOutput
@@ -150,8 +196,10 @@ _SPLIT = textwrap.dedent("""
     trainer_devices = sorted({d.id for x in jax.tree.leaves(own) for d in x.sharding.device_set})
     pointer = lambda x: x.addressable_shards[0].data.unsafe_buffer_pointer()
     shared = any(pointer(a) == pointer(b) for a, b in pairs)
+    split = any(x.addressable_shards[0].data.shape != x.shape for x in jax.tree.leaves(pushed))
     trainer.run()
-    print(json.dumps({"same": same, "sampler": devices, "trainer": trainer_devices, "shared": shared}))
+    print(json.dumps({"same": same, "sampler": devices, "trainer": trainer_devices, "shared": shared,
+                      "split": split}))
 """)
 
 
@@ -169,12 +217,29 @@ def test_the_sampler_mesh_gets_the_trainers_weights_and_k0_is_the_one_mesh_run(t
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-2000:]
         facts = json.loads(proc.stdout.strip().splitlines()[-1])
-        assert facts == {"same": True, "sampler": [1], "trainer": [0], "shared": False}
+        assert facts == {"same": True, "sampler": [1], "trainer": [0], "shared": False, "split": False}
         rows = read_rows(split, having="reward/mean")
         assert all(r["time/weight_sync"] >= 0 for r in rows[:-1 - k])
         one = tmp_path / f"one{k}"
         assert train.cli(_args(tiny_task, one, f"rollout.max_staleness={k}")) == 0
         assert _stable(read_rows(split)) == _stable(read_rows(one))
+
+
+def test_a_tensor_parallel_sampler_mesh_gets_split_weights_and_samples(tiny_task, tmp_path):
+    """Three virtual devices, the sampler's two tensor-parallel (`rollout.sampler_tensor=2`): the pushed weights
+    equal the trainer's and are split over devices 1 and 2; the K=1 run samples on them within its staleness."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count=3 {FAST_COMPILE_FLAGS}"}
+    out = tmp_path / "tp"
+    proc = subprocess.run([sys.executable, "-c", _SPLIT, str(tiny_task), str(out), "steps=4", "eval_every=0",
+                           "rollout.sampler_devices=2", "rollout.sampler_tensor=2", "rollout.max_staleness=1"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    facts = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert facts == {"same": True, "sampler": [1, 2], "trainer": [0], "shared": False, "split": True}
+    rows = read_rows(out, having="reward/mean")
+    assert [r["staleness/max"] for r in rows] == [0, 1, 1, 1]
+    assert all(np.isfinite(r["loss"]) and 0.0 <= r["reward/mean"] <= 1.0 for r in rows)
 
 
 def test_settings_that_cannot_work_are_one_line_errors(tiny_task, tmp_path):
@@ -198,3 +263,6 @@ def test_settings_that_cannot_work_are_one_line_errors(tiny_task, tmp_path):
     with pytest.raises(ConfigError, match=r"rollout.sampler_devices=1: JAX sees 1 device\(s\) and the trainer "
                                           r"needs at least one"):
         check_devices(config("rollout.sampler_devices=1"))
+    with pytest.raises(ConfigError, match=r"rollout.sampler_tensor=2 with rollout.sampler_devices=0: the sampler's "
+                                          r"own devices must split into groups of 2"):
+        check_devices(config("rollout.sampler_tensor=2"))

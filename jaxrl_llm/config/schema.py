@@ -414,6 +414,9 @@ class RolloutSection:
     # devices of the sampler's own mesh (the last N that JAX sees; weights replicated, rows split); the trainer's
     # mesh (mesh.*) is the rest, and the weights go to the sampler in memory after each update; 0 = one mesh for both
     sampler_devices: int = at_least(0)
+    # the sampler mesh's tensor-parallel degree: each weight matrix split over this many of its devices (as
+    # mesh.tensor splits the trainer's), rows over the rest; 1 = weights replicated on each sampler device
+    sampler_tensor: int = at_least(1)
     # K: the rollout of step s is sampled by the policy of step s-1-K (or the first), on a thread beside the
     # update, so sampling runs up to K steps ahead; 0 = synchronous: sample, then update (today's run, bit for bit).
     # With K > 0, rl.loss.rollout_correction is token_truncate unless set

@@ -59,6 +59,10 @@ def check_devices(c: RunConfig) -> None:
     if n >= jax.device_count():
         raise ConfigError(f"rollout.sampler_devices={n}: JAX sees {jax.device_count()} device(s) and the trainer "
                           f"needs at least one; set it to at most {jax.device_count() - 1}")
+    t = c.rollout.sampler_tensor
+    if t > 1 and (not n or n % t):
+        raise ConfigError(f"rollout.sampler_tensor={t} with rollout.sampler_devices={n}: the sampler's own devices "
+                          f"must split into groups of {t} (sampler_devices a multiple of it, not 0)")
     trainer_devices = jax.device_count() - n
     try:
         data, fsdp, _ = MeshShape(c.mesh.data, c.mesh.fsdp, c.mesh.tensor).resolve(trainer_devices)

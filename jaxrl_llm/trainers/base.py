@@ -16,6 +16,7 @@ multi-turn trajectories: the shell only passes it from `collect` to `update`, `d
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
 
@@ -96,6 +97,15 @@ class Algorithm:
         """`collect` with the weights `sampler_weights` gave (maybe an older policy's): what the sampler thread
         runs when rollouts are sampled beside training."""
         raise NotImplementedError
+
+    def sample_with(self, weights: Any, data_state: DataState, key: jax.Array
+                    ) -> tuple[DataState, Callable[[], Collected]]:
+        """`collect_with` in two stages: the sampling (here) and what follows it on the host (decoding, reward
+        functions: the returned call), so the sampler thread samples the next rollout while this one is scored.
+        Returns the data position after the rollout and the call that finishes it. By default all of
+        `collect_with` runs here (rollouts whose sampling needs their rewards: dynamic sampling, episodes)."""
+        collected = self.collect_with(weights, data_state, key)
+        return collected.data_state, lambda: collected
 
     def update(self, state: State, batch: Any, step: int, key: jax.Array) -> Updated:
         raise NotImplementedError

@@ -239,7 +239,7 @@ def open_logger(t: Trainer) -> RunLogger:
 
 def evaluate(t: Trainer, logger: RunLogger, when: str) -> dict[str, float]:
     """The held-out evaluation of the current state, logged (`when`: "before" is step 0's row)."""
-    with t.pipeline.lock if t.pipeline is not None else contextlib.nullcontext():  # not beside a rollout in flight
+    with t.pipeline.paused() if t.pipeline is not None else contextlib.nullcontext():  # not beside rollouts
         evaluation = t.algorithm.evaluate(t.state, t.config.eval_size or None)
     if evaluation and when == "before":
         logger.log(0, evaluation)

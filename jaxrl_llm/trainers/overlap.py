@@ -4,7 +4,12 @@ the next steps while the shell updates on the current one.
     policy version v = the updates applied so far (the starting weights are version 0)
     step s's rollout is sampled by version v(s) = max(s - 1 - K, r)      (r: the step a resumed run started from)
     shell:   take rollout s -> update -> push version s (`Algorithm.sampler_weights`) when a later step needs it
-    sampler: for s = next, next + 1, ...: wait for version v(s) -> `collect_with(its weights, data, key(s))` -> queue
+    sampler: for s = next, next + 1, ...: wait for version v(s) -> `sample_with(its weights, data, key(s))`
+    scorer:  decode and score each sampled rollout (reward functions), in order -> queue
+
+The scorer is a second thread, so a rollout's reward functions run while the sampler samples the next one (and
+both run while the shell updates): host work off the critical path. Rollouts whose sampling needs their rewards
+(multi-turn episodes, dynamic sampling) are scored in the sampler's thread.
 
 A rollout's version is fixed by its step, not by which side ran faster, so a run is reproducible at a seed and each
 update consumes a rollout exactly min(K, s - 1) versions old (never more than K). A whole rollout is sampled by one
@@ -19,11 +24,13 @@ killed run would have: it continues as if nothing had happened.
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import io
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -64,7 +71,12 @@ class RolloutPipeline:
         self.algorithm, self.k, self.steps, self.key_of_step = algorithm, max_staleness, steps, key_of_step
         self.start = start
         self._weights: dict[int, Any] = {start: weights}
-        self._queue: dict[int, Sampled] = {q.step: q for q in queued}
+        self._queue: dict[int, Future[Sampled]] = {}
+        for q in queued:
+            self._queue[q.step] = Future()
+            self._queue[q.step].set_result(q)
+        # one worker: rollouts are scored in order, and a scorer's metrics (reward seconds) are its rollout's own
+        self._scorer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxrl_llm-scorer")
         self._next = start + 1 + len(queued)
         self.data_state = data_state  # the sampler's position: after the last rollout it made
         self._cond = threading.Condition()
@@ -73,6 +85,8 @@ class RolloutPipeline:
         # Held while one rollout is sampled: the shell's held-out evaluation takes it too, so the two never share
         # the collector's environments or the engine's pages.
         self.lock = threading.Lock()
+        # Held while one rollout is scored: the evaluation takes it too (the tokenizer and the reward functions)
+        self.score_lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name="jaxrl_llm-sampler", daemon=True)
         self.thread.start()
 
@@ -93,11 +107,14 @@ class RolloutPipeline:
                     weights = self._weights[version]
                 t0 = time.perf_counter()
                 with self.lock:
-                    collected = self.algorithm.collect_with(weights, self.data_state, host_key(self.key_of_step(step)))
-                seconds = time.perf_counter() - t0
+                    data_state, finish = self.algorithm.sample_with(weights, self.data_state,
+                                                                    host_key(self.key_of_step(step)))
+                sampling = time.perf_counter() - t0
+                scored = self._scorer.submit(self._score, step, version, finish, sampling)
+                scored.add_done_callback(self._notify)
                 with self._cond:
-                    self.data_state = collected.data_state
-                    self._queue[step] = Sampled(step, version, collected, seconds)
+                    self.data_state = data_state
+                    self._queue[step] = scored
                     self._next = step + 1
                     self._cond.notify_all()
         except BaseException as e:  # raised again in the shell's thread, where the run reports it
@@ -105,17 +122,31 @@ class RolloutPipeline:
                 self._error = e
                 self._cond.notify_all()
 
+    def _score(self, step: int, version: int, finish: Callable[[], Collected], sampling: float) -> Sampled:
+        t0 = time.perf_counter()
+        with self.score_lock:
+            collected = finish()
+        return Sampled(step, version, collected, sampling + time.perf_counter() - t0)
+
+    def _notify(self, _: Future) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
     def _wait(self, ready: Callable[[], bool]) -> None:
         with self._cond:
             self._cond.wait_for(lambda: ready() or self._error is not None)
             if self._error is not None:
                 raise self._error
 
+    def _ready(self, step: int) -> bool:
+        return step in self._queue and self._queue[step].done()
+
     def take(self, step: int) -> Sampled:
-        """Step `step`'s rollout, waiting for the sampler if it is not there yet."""
-        self._wait(lambda: step in self._queue)
+        """Step `step`'s rollout, waiting for the sampler and the scorer if it is not there yet (a scorer's
+        error is raised here)."""
+        self._wait(lambda: self._ready(step))
         with self._cond:
-            return self._queue.pop(step)
+            return self._queue.pop(step).result()
 
     def needs(self, version: int) -> bool:
         """Whether a step still to be sampled samples with policy `version`."""
@@ -138,11 +169,17 @@ class RolloutPipeline:
         """After the update of `step`: the rollouts of steps step+1 .. step+K (at most `steps`), waited for, and
         the data position after the last of them; what a checkpoint of `step` stores."""
         last = min(step + self.k, self.steps)
-        self._wait(lambda: all(s in self._queue for s in range(step + 1, last + 1)))
+        self._wait(lambda: all(self._ready(s) for s in range(step + 1, last + 1)))
         with self._cond:
-            queued = [self._queue[s] for s in range(step + 1, last + 1)]
+            queued = [self._queue[s].result() for s in range(step + 1, last + 1)]
             # none queued: `step` is the run's last, and the sampler's position is the one after it
             return queued, queued[-1].collected.data_state if queued else self.data_state
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Neither a rollout sampled nor one scored meanwhile: what the held-out evaluation runs under."""
+        with self.lock, self.score_lock:
+            yield
 
     def close(self) -> None:
         """Stop the sampler after the rollout in flight (the thread is a daemon: a run that fails does not wait
@@ -151,6 +188,7 @@ class RolloutPipeline:
             self._stop = True
             self._cond.notify_all()
         self.thread.join(timeout=60.0)
+        self._scorer.shutdown(wait=False, cancel_futures=True)
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints

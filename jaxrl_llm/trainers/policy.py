@@ -210,7 +210,7 @@ def load_policy(c: RunConfig, *, from_scratch: bool = False) -> Policy:
     randomly initialised model of that architecture with `model.tokenizer`."""
     trainer_devices, sampler_devices = split_devices(c.rollout.sampler_devices)
     mesh = make_mesh(MeshShape(c.mesh.data, c.mesh.fsdp, c.mesh.tensor), trainer_devices)
-    sampler = sampler_mesh(sampler_devices) if sampler_devices else None
+    sampler = sampler_mesh(sampler_devices, c.rollout.sampler_tensor) if sampler_devices else None
     overrides = dict(dtype=c.model.dtype, param_dtype=c.model.param_dtype, remat=c.model.remat,
                      scan_unroll=c.model.scan_unroll, attention_query_chunk=c.model.attention_query_chunk)
     if from_scratch and c.model.init:

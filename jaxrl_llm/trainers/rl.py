@@ -221,6 +221,19 @@ class RolloutAlgorithm(Algorithm):
         ro, data_state, refills = self.collector.collect(weights, data_state, key)
         return Collected(ro, data_state, self.collector.metrics(ro, refills), rollout_tokens(ro))
 
+    def sample_with(self, weights: Any, data_state: DataState, key: jax.Array
+                    ) -> tuple[DataState, Callable[[], Collected]]:
+        collector = self.collector
+        if not isinstance(collector, RolloutCollector) or collector.dynamic_sampling:
+            return super().sample_with(weights, data_state, key)  # episodes and refills need rewards to sample
+        after, finish = collector.collect_in_stages(weights, data_state, key)
+
+        def collected() -> Collected:
+            ro, metrics = finish()
+            return Collected(ro, after, metrics, rollout_tokens(ro))
+
+        return after, collected
+
     def evaluate(self, state: State, limit: int | None) -> dict[str, float]:
         return self.evaluation(self.policy.inference_weights(state["params"]), limit)
 

@@ -10,6 +10,7 @@ freshly sampled ones, up to `max_refill_rounds` extra rounds.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -121,10 +122,30 @@ class RolloutCollector:
 
     def rollout(self, params: Params, indices: np.ndarray, key: jax.Array) -> Rollout:
         """Sample G completions for each prompt and score them."""
+        return self.sampled(params, indices, key)()
+
+    def sampled(self, params: Params, indices: np.ndarray, key: jax.Array) -> Callable[[], Rollout]:
+        """Sample G completions for each prompt; the returned call scores them (`scored`)."""
         p, g = self.policy, self.group_size
         tokens, mask = p.prompt_arrays(self.prompts, indices)
         out = to_host(p.sample(params, tokens, mask, key, p.sampling_config(n=g)))
-        return self.scored(indices, tokens, mask, out)
+        return lambda: self.scored(indices, tokens, mask, out)
+
+    def collect_in_stages(self, params: Params, state: DataState, key: jax.Array
+                          ) -> tuple[DataState, Callable[[], tuple[Rollout, dict[str, float]]]]:
+        """`collect` without dynamic sampling in two stages: sample here; the returned call scores the rollout and
+        gives it with its metrics (`metrics`), so a sampler thread can sample the next one meanwhile."""
+        if self.dynamic_sampling:
+            raise ValueError("RolloutCollector.collect_in_stages: dynamic sampling needs the rewards to sample")
+        indices, state = self._next_indices(state)
+        score = self.sampled(params, indices, key)
+
+        def finish() -> tuple[Rollout, dict[str, float]]:
+            self.reward_seconds = {}
+            ro = score()
+            return ro, self.metrics(ro, 0)
+
+        return state, finish
 
     def scored(self, indices: np.ndarray, tokens: np.ndarray, mask: np.ndarray, out: SampleOutput) -> Rollout:
         """The rollout of prompts `indices` (left-padded `tokens`, `mask` `[P, width]`) and their completions
