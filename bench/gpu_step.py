@@ -24,13 +24,17 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from common import QWEN25_05B, QWEN25_05B_TINY, model_dims, train_flops
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's jaxrl_llm, installed or not
 
 
 def parse_args() -> argparse.Namespace:

@@ -8,7 +8,7 @@ K=1), the update, the weight push (`time/weight_sync`), the trainer's wait for a
 and the step. The measured overlap is `(rollout + update + sync) / step`: 1.0 when nothing overlaps.
 
     python bench/overlap.py                 # 30 steps of the default job per configuration
-    python bench/overlap.py --steps 3       # the smallest shape (the test suite's smoke run)
+    python bench/overlap.py --steps 2 --only "K=1, split 1/1"    # the smallest shape (the test suite's smoke run)
 """
 
 from __future__ import annotations
@@ -48,12 +48,16 @@ def run(name: str, devices: int, overrides: list[str], steps: int, out: Path) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=30, help="steps per configuration (the first is not timed)")
+    parser.add_argument("--only", action="append", choices=list(CONFIGS), help="run only this configuration "
+                        "(repeatable; default: all four)")
     args = parser.parse_args()
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; default job, {args.steps} steps")
     print(f"{'configuration':<18}" + "".join(f"{f.removeprefix('time/'):>14}" for f in FIELDS)
           + f"{'overlap':>9}{'accuracy':>10}")
     with tempfile.TemporaryDirectory() as tmp:
         for name, (devices, overrides) in CONFIGS.items():
+            if args.only and name not in args.only:
+                continue
             rows = run(name, devices, overrides, args.steps, Path(tmp) / name.replace(" ", "_").replace("/", "-"))
             timed = rows[1:] or rows
             for r in timed:

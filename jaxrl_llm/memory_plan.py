@@ -31,6 +31,15 @@ The sampler and the train step are separate XLA programs, so their buffers are n
 
     peak = params + reference + optimizer + max(KV cache + sampler copy, gradients + activations)
 
+Sampling beside training (`rollout.max_staleness` K > 0, docs/overlap.md) runs both at once and keeps up to K + 1
+copies of the inference weights (`param_dtype`, placed like the reference) for the sampler. On one mesh:
+
+    peak = params + reference + optimizer + (K + 1) weight copies + KV cache + sampler copy + gradients + activations
+
+With the sampler on devices of its own (`rollout.sampler_devices`), the trainer's devices hold no rollout
+(`persistent + update`) and each sampler device holds `(K + 1)` weight copies + its KV cache + its sampler copy,
+under the sampler mesh's `(data, 1, tensor)` placement; both must fit.
+
 Not counted: the runtime's own reservation (CUDA context, and on GPUs JAX preallocates 75% of the memory
 unless `XLA_PYTHON_CLIENT_MEM_FRACTION` / `XLA_PYTHON_CLIENT_PREALLOCATE` say otherwise: pass the usable
 amount as `--device-memory`), the reference model's log-prob pass (a forward only, smaller than the train
@@ -281,6 +290,11 @@ class MemoryPlan:
     trainable: int = 0  # parameters the optimizer updates (all, or the LoRA adapters)
     teacher: int = 0  # --algo distill: the frozen teacher's weights (param_dtype, sharded like the reference)
     teacher_hidden: int = 0  # distill.loss=jsd: the teacher's final hidden states of one micro-batch (in the update)
+    max_staleness: int = 0  # rollout.max_staleness: K > 0 samples beside the update
+    weight_copies: int = 0  # the sampler's K + 1 inference-weight copies, on a device where it samples
+    sampler_mesh_sizes: tuple[int, int, int] | None = None  # rollout.sampler_devices: the sampler's own mesh
+    sampler_kv_cache: int = 0  # on a sampler device (its own mesh)
+    sampler_step_weights: int = 0  # on a sampler device (its own mesh)
 
     @property
     def activations(self) -> int:
@@ -312,16 +326,31 @@ class MemoryPlan:
 
     @property
     def total(self) -> int:
-        """Peak per device: `persistent + max(rollout, update)` (the two programs never run together)."""
+        """Peak per (trainer) device: `persistent + max(rollout, update)` (the two programs never run together);
+        sampling beside the update on one mesh, `persistent + weight_copies + rollout + update`; on a sampler mesh
+        of its own, `persistent + update` (`sampler_total` is the sampler's)."""
+        if self.sampler_mesh_sizes is not None:
+            return self.persistent + self.update
+        if self.max_staleness:
+            return self.persistent + self.weight_copies + self.rollout + self.update
         return self.persistent + max(self.rollout, self.update)
 
+    @property
+    def sampler_total(self) -> int:
+        """Peak per device of a sampler mesh of its own: `weight_copies + sampler_kv_cache + sampler_step_weights`
+        (0 without one)."""
+        if self.sampler_mesh_sizes is None:
+            return 0
+        return self.weight_copies + self.sampler_kv_cache + self.sampler_step_weights
+
     def margin(self, device_memory: int) -> int:
-        """`device_memory - total` (negative: does not fit)."""
-        return device_memory - self.total
+        """`device_memory - total`, or the smaller margin of the trainer's and the sampler's devices (negative:
+        does not fit)."""
+        return device_memory - max(self.total, self.sampler_total)
 
     def fits(self, device_memory: int) -> bool:
-        """Whether `total <= device_memory`."""
-        return self.total <= device_memory
+        """Whether `total` (and `sampler_total`) <= `device_memory`."""
+        return self.margin(device_memory) >= 0
 
 
 def _weight_bytes(config: ModelConfig, sizes: dict[str, int],
@@ -379,7 +408,8 @@ def plan_memory(config: ModelConfig, mesh_sizes: tuple[int, int, int], *, batch:
                 prompt_bucket: int = 1, new_tokens_bucket: int = 1, logprob_block_mib: float = 256.0,
                 lora_rank: int = 0, lora_targets: str = "(q|k|v|o|gate|up|down)_proj", engine_page_size: int = 0,
                 engine_pages: int = 0, teacher: ModelConfig | None = None, teacher_in_update: bool = False,
-                max_tokens_per_microbatch: int = 0) -> MemoryPlan:
+                max_tokens_per_microbatch: int = 0, max_staleness: int = 0,
+                sampler_mesh_sizes: tuple[int, int, int] | None = None) -> MemoryPlan:
     """Per-device memory of an RL step of `config` (its `dtype`, `param_dtype` and `remat` are used) on a
     `(data, fsdp, tensor)` mesh of `mesh_sizes`, without devices or allocation.
 
@@ -402,6 +432,10 @@ def plan_memory(config: ModelConfig, mesh_sizes: tuple[int, int, int], *, batch:
     `teacher` (`--algo distill`): the frozen teacher's weights in its `param_dtype`, sharded by the same rules,
     live through the step; with `teacher_in_update` (`distill.loss=jsd`) its final hidden states of a micro-batch
     `[rows, T, D_teacher]` float32 are part of the update (its forward runs there, without gradients).
+
+    `max_staleness` K > 0: the sampler's `K + 1` copies of the inference weights (`param_dtype`) beside both
+    programs; `sampler_mesh_sizes` (`rollout.sampler_devices`): the sampler's own `(data, 1, tensor)` mesh, where
+    those copies, its KV cache and its sampler copy live instead (`mesh_sizes` is then the trainer's).
     """
     sizes = axis_sizes_of(mesh_sizes)
     rollout_seqs = batch * group_size
@@ -438,7 +472,21 @@ def plan_memory(config: ModelConfig, mesh_sizes: tuple[int, int, int], *, batch:
         teacher_bytes = tree_shard_bytes(shapes, param_partition_specs(shapes, sizes), sizes)
         if teacher_in_update:
             teacher_hidden = micro_rows * seq_len * teacher.hidden_size * 4
+    where = axis_sizes_of(sampler_mesh_sizes) if sampler_mesh_sizes is not None else sizes
+    shapes = param_shapes(config)
+    copy = tree_shard_bytes(shapes, param_partition_specs(shapes, where), where)
+    copies = (max_staleness + 1) * copy if (max_staleness or sampler_mesh_sizes is not None) else 0
+    sampler_kv = sampler_step = 0
+    if sampler_mesh_sizes is not None:
+        sampler_block = shard_shape(cache_shape, fit_spec_sizes(KV_CACHE_SPEC, cache_shape, where), where)
+        sampler_kv = kv_cache if engine_page_size else 2 * _nbytes(sampler_block, config.jnp_dtype)
+        sampler_step = sampler_weight_bytes(config, where)
     return MemoryPlan(
+        max_staleness=max_staleness,
+        weight_copies=copies,
+        sampler_mesh_sizes=None if sampler_mesh_sizes is None else (where["data"], where["fsdp"], where["tensor"]),
+        sampler_kv_cache=sampler_kv,
+        sampler_step_weights=sampler_step,
         teacher=teacher_bytes,
         teacher_hidden=teacher_hidden,
         mesh_sizes=(sizes["data"], sizes["fsdp"], sizes["tensor"]),

@@ -23,7 +23,7 @@ SMOKE: dict[str, tuple[list[str], str]] = {
     "algorithms.py": (["--only", "grpo", "--steps", "1", "--out", "{tmp}/runs", "--results", "{tmp}/algorithms.md"],
                       "| GRPO (`grpo_arithmetic.yaml`) |"),
     "code_shape.py": ([], "module-level import cycles:"),
-    "overlap.py": (["--steps", "2"], "K=1, split 1/1"),
+    "overlap.py": (["--steps", "2", "--only", "K=1, split 1/1"], "K=1, split 1/1"),
     "decode_phases.py": (["--model", "{chat_model}", "--slots", "2", "--context", "16", "--steps", "2", "--repeats",
                           "1"], "tokens/s at this shape:"),
     "entropy_objectives.py": (["--model", "{chat_model}", "--only", "grpo", "--steps", "1", "--prompts", "1",

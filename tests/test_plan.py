@@ -358,3 +358,32 @@ def test_a_token_budget_is_planned_as_the_packed_rows_it_fills():
     assert budget.micro_rows == 17  # S = 319: ceil(4096 / 319) = 13 rows, x 11/9 -> 16, + 1
     assert budget.activations < plan.plan_memory(config, (1, 1, 1), **kwargs).activations
     assert plan.plan_memory(config, (1, 1, 1), max_tokens_per_microbatch=10**6, **kwargs).micro_rows == 128
+
+
+def test_sampling_beside_training_counts_the_weight_copies_and_the_sampler_mesh(capsys):
+    """`rollout.max_staleness` K: K + 1 inference-weight copies (as many bytes as the live bf16 weights) beside both
+    programs on one mesh; with `rollout.sampler_devices`, the trainer's devices hold no rollout and the sampler's hold
+    the copies, their share of the KV cache and the decode copy."""
+    from jaxrl_llm.models.decoder import init_params
+
+    config = _hand_config(param_dtype="bfloat16")
+    kw = dict(batch=2, group_size=4, prompt_len=5, new_tokens=7, reference=True)
+    copy = sum(x.nbytes for x in jax.tree.leaves(init_params(config, jax.random.key(0))))
+    sync = plan.plan_memory(config, (1, 1, 1), **kw)
+    assert sync.weight_copies == 0 and sync.total == sync.persistent + max(sync.rollout, sync.update)
+    beside = plan.plan_memory(config, (1, 1, 1), max_staleness=2, **kw)
+    assert beside.weight_copies == 3 * copy
+    assert beside.total == sync.persistent + 3 * copy + sync.rollout + sync.update
+    split = plan.plan_memory(config, (1, 1, 1), max_staleness=1, sampler_mesh_sizes=(2, 1, 1), **kw)
+    assert split.total == sync.persistent + sync.update and split.weight_copies == 2 * copy
+    assert split.sampler_kv_cache == sync.kv_cache // 2  # 8 rows over the sampler's 2 data devices
+    assert split.sampler_total == 2 * copy + sync.kv_cache // 2 + sync.sampler_weights
+    assert split.margin(10 ** 9) == 10 ** 9 - max(split.total, split.sampler_total)
+    tensor = plan.plan_memory(config, (1, 1, 1), max_staleness=1, sampler_mesh_sizes=(1, 1, 2), **kw)
+    assert copy < tensor.weight_copies < 2 * copy  # the matrices split over 2, the norms replicated
+    root = Path(__file__).resolve().parents[1]
+    assert plan_cli.main(["--config", str(root / "configs" / "grpo_arithmetic.yaml"), "--devices", "2",
+                          "rollout.max_staleness=1", "rollout.sampler_devices=1"]) == 0
+    out = capsys.readouterr().out
+    assert "mesh data=1 fsdp=1 tensor=1 (1 devices)" in out and "total, sampler" in out
+    assert "inference weight copies (K+1 = 2)" in out

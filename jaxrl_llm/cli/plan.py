@@ -140,6 +140,11 @@ def _parser() -> argparse.ArgumentParser:
                    "directory or hub id)")
     p.add_argument("--jsd", action="store_const", const=True,
                    help="distill.loss=jsd: the teacher runs inside the update (its hidden states counted there)")
+    p.add_argument("--max-staleness", type=int,
+                   help="rollout.max_staleness: K > 0 samples beside the update (K + 1 weight copies; docs/overlap.md)")
+    p.add_argument("--sampler-devices", type=int,
+                   help="rollout.sampler_devices: the sampler's own devices (--mesh is then the trainer's)")
+    p.add_argument("--sampler-tensor", type=int, help="rollout.sampler_tensor: the sampler mesh's tensor degree")
     p.add_argument("--device-memory", default="80GiB", help="usable memory per device, e.g. 80GiB, 24GB")
     return p
 
@@ -168,6 +173,9 @@ _SETTINGS: tuple[tuple[str, Any, Any], ...] = (
     ("lora_targets", "(q|k|v|o|gate|up|down)_proj", lambda c: c.lora.targets),
     ("teacher", "", lambda c: c.distill.teacher if c.algo == "distill" else ""),
     ("jsd", False, lambda c: c.algo == "distill" and c.distill.loss == "jsd"),
+    ("max_staleness", 0, lambda c: c.rollout.max_staleness),
+    ("sampler_devices", 0, lambda c: c.rollout.sampler_devices),
+    ("sampler_tensor", 1, lambda c: c.rollout.sampler_tensor),
 )
 
 
@@ -190,13 +198,35 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
         out["mesh"] = parse_mesh(args.mesh)
     elif config is not None:
 
-        devices = args.devices or jax.device_count()
+        devices = (args.devices or jax.device_count()) - out["sampler_devices"]
         out["mesh"] = MeshShape(config.mesh.data, config.mesh.fsdp, config.mesh.tensor).resolve(devices)
     else:
         out["mesh"] = (1, 1, 1)
+    n, t = out["sampler_devices"], out["sampler_tensor"]
+    if n and n % t:
+        raise UsageError(f"rollout.sampler_tensor={t} must divide rollout.sampler_devices={n}")
+    out["sampler_mesh"] = (n // t, 1, t) if n else None
     if not out["model"]:
         raise UsageError("no model to plan: give --model DIR_OR_HUB_ID, or --config FILE of a run")
     return out
+
+
+def _overlap_rows(plan: MemoryPlan, row: Any) -> list[str]:
+    """The total's rows: synchronous, sampling beside the update on one mesh, or on a sampler mesh of its own."""
+    k = plan.max_staleness
+    if plan.sampler_mesh_sizes is not None:
+        d, _, t = plan.sampler_mesh_sizes
+        return [row("total, trainer (persistent + update)", plan.total),
+                f"  sampler mesh data={d} tensor={t} ({d * t} devices, rollout.sampler_devices), per device:",
+                row(f"  inference weight copies (K+1 = {k + 1})", plan.weight_copies),
+                row("  KV cache (sampler)", plan.sampler_kv_cache),
+                row("  sampler weight copy", plan.sampler_step_weights),
+                row("total, sampler", plan.sampler_total)]
+    if k:
+        return [row(f"inference weight copies (K+1 = {k + 1})", plan.weight_copies,
+                    "rollout.max_staleness: the sampler's, beside the update"),
+                row("total (persistent + copies + both phases)", plan.total)]
+    return [row("total (persistent + max of phases)", plan.total)]
 
 
 def render(plan: MemoryPlan, config: ModelConfig, device_memory: int, *, model: str = "",
@@ -240,7 +270,7 @@ def render(plan: MemoryPlan, config: ModelConfig, device_memory: int, *, model: 
         row("update: gradients+activations", plan.update),
         row("train step program alone", plan.train_step,
             "params+optimizer+batch+update: what XLA's memory_analysis() reports"),
-        row("total (persistent + max of phases)", plan.total),
+        *_overlap_rows(plan, row),
         row("device memory", device_memory),
         "",
     ]
@@ -271,7 +301,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             engine_page_size=run["engine_page_size"], engine_pages=run["engine_pages"],
             teacher=config_from_hf(load_hf_config_dict(run["teacher"]), param_dtype=run["param_dtype"])
             if run["teacher"] else None, teacher_in_update=run["jsd"],
-            max_tokens_per_microbatch=run["max_tokens_per_microbatch"],
+            max_tokens_per_microbatch=run["max_tokens_per_microbatch"], max_staleness=run["max_staleness"],
+            sampler_mesh_sizes=run["sampler_mesh"],
         )
     except (ValueError, OSError) as e:  # bad sizes, mesh or model: the user's input (ConversionError included)
         raise UsageError(str(e)) from e
