@@ -256,6 +256,8 @@ def test_settings_that_cannot_work_are_one_line_errors(tiny_task, tmp_path):
                                           r"rollout.allow_uncorrected=true"):
         validate(config("rollout.max_staleness=1", "rl.loss.rollout_correction=none"))
     validate(config("rollout.max_staleness=1", "rl.loss.rollout_correction=none", "rollout.allow_uncorrected=true"))
+    with pytest.raises(ConfigError, match=r"rollout.max_staleness=2 with rl.loss.rollout_correction=recompute: "):
+        validate(config("rollout.max_staleness=2", "rl.loss.rollout_correction=recompute"))
     with pytest.raises(ConfigError, match=r"with algo=ppo: PPO's advantages are GAE"):
         validate(config("rollout.max_staleness=1", algo="ppo"))
     with pytest.raises(ConfigError, match=r"with algo=sft: it samples no rollouts"):

@@ -421,8 +421,8 @@ class RolloutSection:
     # update, so sampling runs up to K steps ahead; 0 = synchronous: sample, then update (today's run, bit for bit).
     # With K > 0, rl.loss.rollout_correction is token_truncate unless set
     max_staleness: int = at_least(0)
-    # with max_staleness > 0: allow rl.loss.rollout_correction=none (the stale sampler's log-probs as the old
-    # policy's, no importance weight between the policy that sampled and the one the update starts from)
+    # with max_staleness > 0: allow rl.loss.rollout_correction=none or recompute (no importance weight between
+    # the policy that sampled and the one the update starts from)
     allow_uncorrected: bool = False
 
 

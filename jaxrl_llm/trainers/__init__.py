@@ -43,8 +43,11 @@ def validate(config: RunConfig) -> None:
     if (r.max_staleness or r.sampler_devices) and cls.no_overlap:
         raise ConfigError(f"rollout.max_staleness={r.max_staleness}, rollout.sampler_devices={r.sampler_devices} "
                           f"with algo={config.algo}: {cls.no_overlap}; set both to 0")
-    if r.max_staleness and config.rl.loss.rollout_correction == "none" and not r.allow_uncorrected:
-        raise ConfigError(f"rollout.max_staleness={r.max_staleness} with rl.loss.rollout_correction=none: rollouts "
+    mode = config.rl.loss.rollout_correction
+    if r.max_staleness and mode in ("none", "recompute") and not r.allow_uncorrected:
+        # recompute alone makes the update's ratio start from the current policy, with nothing for the older one
+        # that sampled: as uncorrected as none
+        raise ConfigError(f"rollout.max_staleness={r.max_staleness} with rl.loss.rollout_correction={mode}: rollouts "
                           f"up to {r.max_staleness} policy versions old need an importance correction (token_truncate,"
                           f" the default with rollout.max_staleness > 0); or set rollout.allow_uncorrected=true")
     cls.validate(config)
