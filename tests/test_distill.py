@@ -126,6 +126,16 @@ def test_jsd_with_lora_takes_off_policy_steps(tmp_path):
     assert all(r["reward/mean"] == 1.0 for r in off)  # the data's answers are right
 
 
+def test_gkd_beside_training_still_draws_the_datas_answers(tmp_path):
+    """`rollout.max_staleness=1` with GKD at lmbda = 0: the sampling thread runs distillation's own collection, so
+    every step trains on the data's answers, as the synchronous run does."""
+    make_trainer(distill_run(tmp_path / "gkd", "distill.loss=jsd", "distill.lmbda=0", "steps=3",
+                             "rollout.max_staleness=1")).run()
+    rows = read_rows(tmp_path / "gkd", "distill/on_policy")
+    assert [r["distill/on_policy"] for r in rows] == [0.0, 0.0, 0.0]
+    assert [r["staleness/max"] for r in rows] == [0.0, 1.0, 1.0]
+
+
 def test_multi_turn_distillation_runs(tmp_path):
     """Episodes through the multi-turn collector (one-turn environment): the teacher's pass covers them."""
     make_trainer(distill_run(tmp_path / "mt", "env.name=single_turn", "steps=1")).run()

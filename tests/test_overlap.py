@@ -143,7 +143,9 @@ def test_rewards_run_while_the_next_rollout_is_sampled(tiny_task, tmp_path, monk
 
     make_trainer(config).run()
     order = [what for what, _ in _EVENTS]
-    assert order[:4] == ["sample", "score", "sample", "scored"]
+    samples = [i for i, what in enumerate(order) if what == "sample"]
+    # step 2 sampled before step 1's reward returned (whether the scorer started before or after that sampling)
+    assert order[0] == "sample" and samples[1] < order.index("scored")
     assert {who for what, who in _EVENTS if what == "sample"} == {"jaxrl_llm-sampler"}
     assert not {who for what, who in _EVENTS if what == "score"} & {"jaxrl_llm-sampler", "MainThread"}
     assert order.count("scored") == 3

@@ -16,6 +16,7 @@ same vocabulary, token for token); any supported family and size.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import jax
@@ -30,7 +31,7 @@ from jaxrl_llm.models.hf import load_hf_model, resolve_model_dir
 from jaxrl_llm.models.weights import frozen_copy
 from jaxrl_llm.rl.distillation import generalized_jsd_from_hidden, reverse_kl_advantages
 from jaxrl_llm.rl.reductions import masked_mean
-from jaxrl_llm.trainers.base import Collected
+from jaxrl_llm.trainers.base import Algorithm, Collected
 from jaxrl_llm.trainers.grpo import GRPOFamily, validate_grpo
 from jaxrl_llm.trainers.objectives import Metrics, PolicyBatch, logprob_chunk_size, loss_mask, make_logprob_fn
 from jaxrl_llm.trainers.policy import Policy
@@ -146,6 +147,10 @@ class Distillation(GRPOFamily):
                else f"GKD JSD (beta {d.beta}, lmbda {d.lmbda})")
         return (f"{super().describe()}; teacher {d.teacher} ({self.teacher_config.num_params() / 1e6:.2f}M "
                 f"params), {how}")
+
+    def sample_with(self, weights: Any, data_state: Any, key: jax.Array) -> tuple[Any, Callable[[], Collected]]:
+        # GKD draws samples or the data's answers inside `collect_with`: all of it in the sampler's thread
+        return Algorithm.sample_with(self, weights, data_state, key)
 
     def collect_with(self, weights: Any, data_state: Any, key: jax.Array) -> Collected:
         """The student's samples, or (GKD, with probability `1 - distill.lmbda`, drawn from the step's key) the

@@ -149,12 +149,13 @@ class Policy:
 
     def sampler_weights(self, params: Params) -> Params:
         """`inference_weights(params)` where the sampler runs: `jax.device_put` onto the sampler's own mesh in its
-        shardings (new buffers on its devices, no trip through the host), or on one mesh a copy that the update,
-        which donates the state's buffers, cannot take away from the sampling thread."""
+        shardings (new buffers on its devices, no trip through the host), or on one mesh buffers that the update,
+        which donates the state's, cannot take away from the sampling thread (copied only if they are the state's)."""
         weights = self.inference_weights(params)
         if self.sampler_mesh is not None:
             return jax.device_put(weights, param_shardings(weights, self.sampler_mesh))
-        return self._copy(weights)
+        own = {id(x) for x in jax.tree.leaves(params)}  # the cast and the LoRA merge already made new buffers
+        return self._copy(weights) if any(id(x) in own for x in jax.tree.leaves(weights)) else weights
 
     def prompt_set(self, source: str, split: str, held_out_from: str = "") -> PromptSet:
         """`source`'s prompts (`held_out_from`: the training source of a held-out set, see `load_records`)."""
