@@ -44,9 +44,12 @@ def from_storage(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
 
 
 def table_width(pages: int, page_size: int) -> int:
-    """The page-table width of a decode call whose longest row holds `pages` pages: rounded up to 128 tokens' worth,
-    so attention reads about the context the rows have while few program shapes compile."""
+    """The page-table width of a decode call whose longest row holds `pages` pages: the next power of two up to
+    128 tokens' worth, then a multiple of 128 tokens, so attention reads about the context the rows have (a short
+    task's 30 tokens are not attended as 128) while few program shapes compile."""
     granule = max(1, 128 // page_size)
+    if pages <= granule:
+        return 1 << max(0, pages - 1).bit_length()
     return -(-pages // granule) * granule
 
 

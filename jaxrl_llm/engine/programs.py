@@ -131,7 +131,7 @@ def decode_program(params: Params, weights: list[StepWeights], pages: list[Paged
     empty = StepOutputs(jnp.full((slots, steps), flags.pad_id, jnp.int32), jnp.zeros((slots, steps), jnp.float32),
                         jnp.zeros((slots, steps), jnp.float32), jnp.zeros((slots,), bool))
 
-    def step(j: int, carry: tuple) -> tuple:
+    def step(j: jax.Array, carry: tuple) -> tuple:
         s, out, caches = carry
         position = jnp.where(s.active, s.position, -1)
         if attention == "xla":
@@ -151,12 +151,24 @@ def decode_program(params: Params, weights: list[StepWeights], pages: list[Paged
                       s.active & ~hit & (remaining > 0))
         return s, out, caches
 
+    def run(caches: object) -> tuple:
+        # A while loop, not `steps` fixed iterations: the call ends as soon as every slot has finished, so a
+        # short completion limit (or a batch that all hit EOS) costs its own steps, not `steps`.
+        def going(carry: tuple) -> jax.Array:
+            return (carry[0] < steps) & jnp.any(carry[1].active)
+
+        def body(carry: tuple) -> tuple:
+            j, s, out, caches = carry
+            return (j + 1, *step(j, (s, out, caches)))
+
+        _, s, out, caches = jax.lax.while_loop(going, body, (jnp.int32(0), state, empty, caches))
+        return s, out, caches
+
     if attention != "xla":
-        state, out, pages = jax.lax.fori_loop(0, steps, step, (state, empty, pages))
-        return state, out, pages
+        return run(pages)
     caches = slot_caches(pages, state.page_table)  # once per call, not per token
     start = state
-    state, out, caches = jax.lax.fori_loop(0, steps, step, (state, empty, caches))
+    state, out, caches = run(caches)
     j = jnp.arange(steps)[None, :]
     written = jnp.where(j < (state.index - start.index)[:, None], start.position[:, None] + j, -1)  # fed positions
     return state, out, write_back(pages, caches, start.page_table, written, config.jnp_dtype)

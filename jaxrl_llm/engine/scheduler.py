@@ -254,10 +254,10 @@ class Engine:
                      ) -> jax.Array:
         """The prefill calls for `rows` (in groups of `prefill_rows`, chunks of up to `prefill_chunk` tokens): each
         row's last logits, `[len(rows), V]`."""
-        width = self.prefill_rows
         groups: list[jax.Array] = []
-        for g in range(0, len(rows), width):
-            group = rows[g:g + width]
+        for g in range(0, len(rows), self.prefill_rows):
+            group = rows[g:g + self.prefill_rows]
+            width = min(self.prefill_rows, _pow2(len(group)))  # a few prompts: a small call
             c = min(self.chunk, max(16, _pow2(max(len(tokens) for tokens, _, _ in group))))  # short prompts: short
             table = np.zeros((width, _pow2(max(len(pages) for _, _, pages in group))), np.int32)
             for i, (_, _, pages) in enumerate(group):
