@@ -18,6 +18,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxrl_llm.data import PromptSet, bucket, left_pad
+from jaxrl_llm.engine import PagedSampler
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params
 from jaxrl_llm.rewards import RewardFunction, call_reward
@@ -73,9 +74,11 @@ def generate_scored(
 
     Every batch is padded to `batch_size` prompts so all calls reuse one compiled sampler; batch `b` samples
     with `fold_in(key, b)` (`key` default `key(0)`; greedy decoding ignores it). `sampler(params, tokens, mask, key,
-    sampling)`: how to sample (a trainer's `Policy.sample`, which follows `sampling.engine`); default the static
-    sampler on `mesh`."""
+    sampling)`: how to sample (a trainer's `Policy.sample`, which follows `sampling.engine`); default the rollout
+    engine (`engine.PagedSampler`) on the mesh `params` are placed on. `mesh`: the static sampler's, when
+    `sampler` is `jaxrl_llm.sampling.sample`."""
     name, fn = reward
+    sampler = sampler if sampler is not None else PagedSampler(model_config)
     key = jax.random.key(0) if key is None else key
     n = len(prompt_set) if not limit else min(limit, len(prompt_set))
     if n == 0:
@@ -92,7 +95,7 @@ def generate_scored(
         rows += [rows[0]] * (min(batch_size, n) - len(rows))
         tokens, mask = left_pad(rows, width, sampling.pad_id)
         batch_key = key if b == 0 else jax.random.fold_in(key, b)
-        out = to_host(sampler(params, tokens, mask, batch_key, sampling) if sampler is not None
+        out = to_host(sampler(params, tokens, mask, batch_key, sampling) if sampler is not sample
                       else sample(params, model_config, tokens, mask, batch_key, sampling, mesh=mesh))
         out = SampleOutput(*[x[: len(idx) * k] for x in out])
         records = [prompt_set.records[i] for i in idx for _ in range(k)]

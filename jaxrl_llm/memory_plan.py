@@ -419,10 +419,11 @@ def plan_memory(config: ModelConfig, mesh_sizes: tuple[int, int, int], *, batch:
     runs minibatches of `minibatch` sequences (0: all `N`) in `grad_accum` micro-batches; activations are
     per micro-batch of `minibatch / grad_accum` sequences (split over `data * fsdp` when it divides).
 
-    `engine_page_size > 0` plans the rollout engine (`sampling.engine=paged`, one device) instead of the static
+    `engine_page_size > 0` plans the rollout engine (`sampling.engine=paged`, the default) instead of the static
     sampler's cache: its pool of `engine_pages` pages (0: `batch * (ceil(P / ps) + n * ceil((P + T) / ps)) + 1`,
-    the prompt once per group), plus the contiguous per-call caches its decode gathers for every slot (`N` rows of
-    `ceil((P + T) / ps)` pages rounded up to 128 tokens, `engine.pages.table_width`; docs/engine.md).
+    the prompt once per group), whole on every device with its KV heads split over `tensor`, plus the contiguous
+    per-call caches its decode gathers for every slot (`N` rows, split over `data * fsdp`, of `ceil((P + T) / ps)`
+    pages as `engine.pages.table_width` rounds them; docs/engine.md).
 
     `max_tokens_per_microbatch` (`rl.max_tokens_per_microbatch`, packed): a micro-batch is packed rows of the
     padded length `S` holding at most that many real tokens, so its activations are those of
@@ -448,13 +449,19 @@ def plan_memory(config: ModelConfig, mesh_sizes: tuple[int, int, int], *, batch:
     cache_shape = (config.num_layers, rollout_seqs, cache_len, config.num_kv_heads, config.head_dim)
     cache_block = shard_shape(cache_shape, fit_spec_sizes(KV_CACHE_SPEC, cache_shape, sizes), sizes)
     kv_cache = 2 * _nbytes(cache_block, config.jnp_dtype)
-    if engine_page_size:
-        ps, per_token = engine_page_size, 2 * _nbytes((config.num_layers, config.num_kv_heads, config.head_dim),
-                                                      config.jnp_dtype)
+
+    def engine_kv(on: dict[str, int]) -> int:
+        """The engine's pool and one decode call's slot caches on a device of the mesh `on`: every page on every
+        device, KV heads split over `tensor` where they divide; the slots split over `data * fsdp`."""
+        kv_heads = _divided(config.num_kv_heads, on["tensor"])
+        ps, per_token = engine_page_size, 2 * _nbytes((config.num_layers, kv_heads, config.head_dim), config.jnp_dtype)
         pages = -(-(padded_prompt + new_tokens) // ps)  # one sample's
         pool = engine_pages or batch * (-(-padded_prompt // ps) + group_size * pages) + 1
-        slot_pages = table_width(pages, ps)
-        kv_cache = (pool * ps + rollout_seqs * slot_pages * ps) * per_token
+        slot_rows = _divided(rollout_seqs, on["data"] * on["fsdp"])
+        return (pool * ps + slot_rows * table_width(pages, ps) * ps) * per_token
+
+    if engine_page_size:
+        kv_cache = engine_kv(sizes)
 
     micro_rows = _divided(minibatch // grad_accum, batch_ways)
     if max_tokens_per_microbatch:
@@ -479,7 +486,7 @@ def plan_memory(config: ModelConfig, mesh_sizes: tuple[int, int, int], *, batch:
     sampler_kv = sampler_step = 0
     if sampler_mesh_sizes is not None:
         sampler_block = shard_shape(cache_shape, fit_spec_sizes(KV_CACHE_SPEC, cache_shape, where), where)
-        sampler_kv = kv_cache if engine_page_size else 2 * _nbytes(sampler_block, config.jnp_dtype)
+        sampler_kv = engine_kv(where) if engine_page_size else 2 * _nbytes(sampler_block, config.jnp_dtype)
         sampler_step = sampler_weight_bytes(config, where)
     return MemoryPlan(
         max_staleness=max_staleness,

@@ -107,7 +107,7 @@ def sampler_mesh(devices: Sequence[Any], tensor: int = 1) -> Mesh:
     return make_mesh(MeshShape(len(devices) // tensor, 1, tensor), devices)
 
 
-def mesh_of(tree: Any, default: Mesh) -> Mesh:
+def mesh_of(tree: Any, default: Mesh | None) -> Mesh | None:
     """The mesh `tree`'s first array is placed on (a `NamedSharding`'s), else `default`."""
     leaves = jax.tree.leaves(tree)
     sharding = getattr(leaves[0], "sharding", None) if leaves else None

@@ -130,7 +130,7 @@ def test_a_reward_that_is_always_zero_is_named_and_wandb_gets_the_same_rows(tiny
 def test_a_huge_learning_rate_names_the_blow_up_and_the_collapse(tiny_task, tmp_path, capsys):
     out = tmp_path / "huge"
     summary = make_trainer(_tiny(tiny_task, out, "test_diagnostics:parity", "steps=4", "eval_every=1",
-                                 "optim.learning_rate=1.0", "optim.warmup_steps=0",
+                                 "optim.learning_rate=3.0", "optim.warmup_steps=0",
                                  "monitor.baseline_steps=1", "model.dtype=float32")).run()
     rows = read_rows(out, "reward/mean")
     assert all(r["drift_kl"] > 1.0 for r in rows)  # beta = 0, yet the drift from the initial policy is logged

@@ -297,7 +297,8 @@ def test_planner_plans_the_run_a_config_describes(capsys, monkeypatch):
         (8, 1, 1), batch=c.rl.prompts_per_step, group_size=4, prompt_len=c.data.max_prompt_tokens,
         new_tokens=c.sampling.max_new_tokens, minibatch=c.rl.minibatch_size, grad_accum=c.rl.grad_accum,
         reference=c.rl.beta > 0, prompt_bucket=c.sampling.prompt_bucket,
-        new_tokens_bucket=c.sampling.new_tokens_bucket, logprob_block_mib=c.model.logprob_block_mib)
+        new_tokens_bucket=c.sampling.new_tokens_bucket, logprob_block_mib=c.model.logprob_block_mib,
+        engine_page_size=c.sampling.engine_page_size)  # the rollout engine, the default sampler
     assert plan.format_bytes(expected.total) in printed and "mesh data=8 fsdp=1 tensor=1" in printed
 
 

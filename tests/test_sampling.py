@@ -458,13 +458,13 @@ def test_cli_prints_the_greedy_story(capsys):
     printed = capsys.readouterr().out
     assert reference["greedy_text"].removeprefix("Once upon a time") + "\n" in printed
     assert "prompt 1, sample 0: 40 tokens, stopped on length" in printed
-    assert "tokens/s" in printed and "compile" in printed
-    # The same story through the rollout engine (--engine paged).
+    assert "tokens/s" in printed and "compile" in printed and "paged" in printed  # the rollout engine by default
+    # The same story through the static sampler (--engine static).
     assert main(["--model", str(STORIES260K), "--prompt", "Once upon a time", "--prompt", "Lily",
-                 "--max-new-tokens", "40", "--greedy", "--engine", "paged"]) == 0
-    paged = capsys.readouterr().out
-    assert reference["greedy_text"].removeprefix("Once upon a time") + "\n" in paged and "paged" in paged
-    assert [x for x in paged.splitlines() if not x.startswith("--- ") or "sample" in x] == \
+                 "--max-new-tokens", "40", "--greedy", "--engine", "static"]) == 0
+    static = capsys.readouterr().out
+    assert reference["greedy_text"].removeprefix("Once upon a time") + "\n" in static and "static" in static
+    assert [x for x in static.splitlines() if not x.startswith("--- ") or "sample" in x] == \
         [x for x in printed.splitlines() if not x.startswith("--- ") or "sample" in x]
 
 

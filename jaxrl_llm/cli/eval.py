@@ -44,7 +44,7 @@ from jaxrl_llm.errors import RunDirError, UsageError
 from jaxrl_llm.evaluation import default_ks, generate_scored, summarize
 from jaxrl_llm.rewards import resolve_reward
 from jaxrl_llm.run.manifest import claim, unowned_existing
-from jaxrl_llm.sampling import SamplingConfig
+from jaxrl_llm.sampling import SamplingConfig, sample
 from jaxrl_llm.trainers.evaluation import EpisodeEvaluation, episode_metrics, eval_reward
 from jaxrl_llm.trainers.policy import load_policy
 from jaxrl_llm.trainers.trajectories import TrajectoryCollector
@@ -69,8 +69,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=0, help="prompts per batch (default: the run's, else 64)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--engine", choices=SAMPLERS, default=None,
-                        help="static batch or the paged rollout engine (docs/engine.md); default: a run's "
-                             "sampling.engine, else static")
+                        help="the paged rollout engine or a static batch (docs/engine.md); default: a run's "
+                             "sampling.engine, else paged")
     parser.add_argument("--out", default="", help="output folder for eval.json and completions.jsonl")
     parser.add_argument("--env", default=None, help="an environment (tool_use, module:function); a run: its own")
     parser.add_argument("--tools", default=None, help="comma-separated tools of the environment (calculator,python)")
@@ -128,11 +128,11 @@ def evaluate(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Path]:
     limit = args.limit if args.limit >= 0 else (c.eval_size if c is not None else 0)
     batch_size = args.batch_size or (c.eval_batch_size if c is not None else 64)
     mesh = run.algorithm.mesh if run is not None else None
-    engine = args.engine or (s.engine if s is not None else "static")
+    engine = args.engine or (s.engine if s is not None else "paged")
     knobs = {} if s is None else dict(page_size=s.engine_page_size, slots=s.engine_slots,
                                       steps_per_call=s.engine_steps_per_call, pages=s.engine_pages,
                                       attention=s.engine_attention)
-    sampler = PagedSampler(model.model_config, **knobs) if engine == "paged" else None
+    sampler = PagedSampler(model.model_config, **knobs) if engine == "paged" else sample
     scored = generate_scored(model.params, model.model_config, model.tokenizer, prompts, reward, sampling,
                              batch_size=batch_size, limit=limit or None, mesh=mesh, key=jax.random.key(args.seed),
                              sampler=sampler)

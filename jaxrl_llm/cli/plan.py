@@ -131,8 +131,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--logprob-block-mib", type=float,
                    help="model.logprob_block_mib: MiB of one float32 log-prob block (0: one block; default 256)")
     p.add_argument("--engine-page-size", type=int,
-                   help="sampling.engine_page_size: plan the rollout engine's pool instead of the static sampler's "
-                   "cache (0: static; from a config: its page size when sampling.engine=paged)")
+                   help="sampling.engine_page_size: the rollout engine's page size (default 16; 0: plan the static "
+                   "sampler's cache instead; from a config: its page size, 0 when sampling.engine=static)")
     p.add_argument("--engine-pages", type=int, help="sampling.engine_pages: the engine's pool (0: what a step needs)")
     p.add_argument("--max-tokens-per-microbatch", type=int,
                    help="rl.max_tokens_per_microbatch: plan a packed micro-batch of this many tokens")
@@ -168,7 +168,7 @@ _SETTINGS: tuple[tuple[str, Any, Any], ...] = (
     ("reference", False, lambda c: c.rl.beta > 0 or (c.algo == "ppo" and c.ppo.kl_coef_init > 0)),
     ("logprob_block_mib", 256.0, lambda c: c.model.logprob_block_mib),
     ("lora_rank", 0, lambda c: c.lora.rank),
-    ("engine_page_size", 0, lambda c: c.sampling.engine_page_size if c.sampling.engine == "paged" else 0),
+    ("engine_page_size", 16, lambda c: c.sampling.engine_page_size if c.sampling.engine == "paged" else 0),
     ("engine_pages", 0, lambda c: c.sampling.engine_pages),
     ("lora_targets", "(q|k|v|o|gate|up|down)_proj", lambda c: c.lora.targets),
     ("teacher", "", lambda c: c.distill.teacher if c.algo == "distill" else ""),

@@ -117,10 +117,10 @@ class SamplingSection:
     # lengths in one bucket reuse one compiled sampler / train step. Smaller = less padding, more compiles.
     prompt_bucket: int = at_least(16, 1)
     new_tokens_bucket: int = at_least(16, 1)  # completion lengths are rounded up to a multiple of this
-    # static = one batch: every prompt prefilled, then decoded to the longest row; paged = the rollout engine
-    # (continuous batching over a paged KV cache, a group's prompt prefilled once and shared, a multi-turn
-    # conversation's next turn prefilling only the new tokens; one device; docs/engine.md)
-    engine: str = one_of("static", SAMPLERS)
+    # paged = the rollout engine (continuous batching over a paged KV cache, a group's prompt prefilled once and
+    # shared, a multi-turn conversation's next turn prefilling only the new tokens; docs/engine.md); static = one
+    # batch, every prompt prefilled, then decoded to the longest row (a longrope model past its original context)
+    engine: str = one_of("paged", SAMPLERS)
     engine_page_size: int = at_least(16, 1)  # paged: tokens per page
     engine_slots: int = at_least(0)  # paged: sequences decoding at once; 0 = every row of the call
     engine_steps_per_call: int = at_least(16, 1)  # paged: decode steps per device call between scheduling points

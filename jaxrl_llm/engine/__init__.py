@@ -15,11 +15,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
-from jaxrl_llm.engine.scheduler import Completion, Conversation, Engine, EngineStats, Request
+from jaxrl_llm.engine.scheduler import Completion, Conversation, Engine, EngineStats, Request, host_array
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params
 from jaxrl_llm.sampling.config import SampleOutput, SamplingConfig
+from jaxrl_llm.sharding import mesh_of
 
 __all__ = ["Completion", "Conversation", "Engine", "EngineStats", "PagedSampler", "Request", "engine_sample",
            "sample_output"]
@@ -30,6 +32,7 @@ def prompt_requests(prompt_tokens: Any, prompt_mask: Any, key: jax.Array, sampli
     """One request per row of a left-padded prompt batch `[B, P]` (its tokens under the mask), keyed
     `fold_in(key, row)`, with `sampling.n` samples."""
     tokens, mask = np.asarray(prompt_tokens), np.asarray(prompt_mask).astype(bool)
+    key = jax.random.wrap_key_data(host_array(jax.random.key_data(key)))  # this process's copy (a run's is global)
     rows = jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(tokens.shape[0]))
     keys = np.asarray(jax.random.key_data(rows))  # one device call for every row's key
     return [Request(tokens[b][mask[b]].tolist(), keys[b], n=sampling.n) for b in range(tokens.shape[0])]
@@ -62,7 +65,8 @@ class PagedSampler:
     whose pool fits each call: `page_size` tokens a page, `slots` decoding at once (0: every row of the call),
     `steps_per_call` decode steps a device call, `pages` in the pool (0: what the call's rows need at their token
     limit, each prompt counted once per group), `attention` the decode step's (`auto | xla | pallas`). The engine is
-    made anew only when a call needs a bigger one."""
+    made anew only when a call needs a bigger one, or runs on another mesh (`mesh`: where the weights are placed;
+    None: one device)."""
 
     def __init__(self, config: ModelConfig, *, page_size: int = 16, slots: int = 0, steps_per_call: int = 16,
                  pages: int = 0, attention: str = "auto") -> None:
@@ -71,17 +75,22 @@ class PagedSampler:
         self.attention = attention
         self.engine: Engine | None = None
 
-    def engine_for(self, sequences: list[tuple[int, int]], n: int) -> Engine:
-        """An engine with a pool for `sequences` (`(prompt length, tokens after it)` each, `n` samples of each)."""
+    def engine_for(self, sequences: list[tuple[int, int]], n: int, mesh: Mesh | None = None) -> Engine:
+        """An engine with a pool for `sequences` (`(prompt length, tokens after it)` each, `n` samples of each) on
+        `mesh`."""
         size = self.page_size
         need = self.pages or 1 + sum(-(-p // size) + n * -(-(p + t) // size) for p, t in sequences)
         slots = self.slots or n * len(sequences)
-        if self.engine is None or self.engine.allocator.num_pages < need or self.engine.slots < slots:
+        if (self.engine is None or self.engine.allocator.num_pages < need or self.engine.slots < slots
+                or self.engine.mesh != mesh):
+            self.engine = None  # the old pool goes before the new one is made
             self.engine = Engine(self.config, num_pages=need, page_size=size, slots=slots,
-                                 steps_per_call=self.steps_per_call, attention=self.attention)
+                                 steps_per_call=self.steps_per_call, attention=self.attention, mesh=mesh)
         return self.engine
 
     def __call__(self, params: Params, tokens: Any, mask: Any, key: jax.Array,
-                 sampling: SamplingConfig) -> SampleOutput:
-        engine = self.engine_for([(int(m.sum()), sampling.max_new_tokens) for m in np.asarray(mask)], sampling.n)
+                 sampling: SamplingConfig, mesh: Mesh | None = None) -> SampleOutput:
+        mesh = mesh if mesh is not None else mesh_of(params, None)
+        engine = self.engine_for([(int(m.sum()), sampling.max_new_tokens) for m in np.asarray(mask)], sampling.n,
+                                 mesh)
         return engine_sample(engine, params, self.config, tokens, mask, key, sampling)

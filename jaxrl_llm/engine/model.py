@@ -37,12 +37,16 @@ from jaxrl_llm.models.decoder import Params, unembed
 from jaxrl_llm.models.layers import embed_tokens, grouped_query_attention, rms_norm, rope_cos_sin
 
 
-def check_engine_model(config: ModelConfig) -> None:
-    """The engine computes RoPE per row; longrope switches its factors per batch (transformers' dynamic update),
-    which a per-row engine cannot reproduce: such a model samples with the static sampler."""
-    if longrope_original(config) is not None:
-        raise ValueError("the rollout engine does not run longrope models (Phi-3.5 style); use "
-                         "sampling.engine=static")
+def check_engine_context(config: ModelConfig, longest: int) -> None:
+    """A longrope model (Phi-3.5 style) switches to its long factors for a whole batch once the batch reaches past
+    its original context (transformers' dynamic update), which a per-row engine cannot reproduce; within that
+    context the short factors hold for every row, exactly. `longest`: the longest context a call may reach (its
+    prompt plus its token limit)."""
+    original = longrope_original(config)
+    if original is not None and longest > original:
+        raise ValueError(f"the rollout engine runs a longrope model (Phi-3.5 style) within its original context of "
+                         f"{original} tokens, and this call may reach {longest}: use sampling.engine=static, or "
+                         f"a shorter sampling.max_new_tokens or data.max_prompt_tokens")
 
 
 def layer_inputs(config: ModelConfig, positions: jax.Array, context: int
@@ -73,7 +77,7 @@ def paged_attention(config: ModelConfig, layer: PagedLayer, page_table: jax.Arra
 
 
 def paged_forward(params: Params, weights: list[StepWeights], config: ModelConfig, tokens: jax.Array,
-                  positions: jax.Array, page_table: jax.Array, pages: list[PagedLayer]
+                  positions: jax.Array, page_table: jax.Array, pages: list[PagedLayer], shards: int = 1
                   ) -> tuple[jax.Array, list[PagedLayer]]:
     """`tokens, positions [R, T]` through the decoder over `pages` with page tables `[R, M]`: returns the final
     hidden states `[R, T, D]` (after the final norm) and the pages with the tokens' keys and values written."""
@@ -86,7 +90,7 @@ def paged_forward(params: Params, weights: list[StepWeights], config: ModelConfi
     new_pages = []
     for i, (w, layer) in enumerate(zip(weights, pages, strict=True)):
         cos, sin, allowed = inputs[c.is_sliding(i)]
-        x, layer = transformer_block(x, step_ops(w, c), paged_attention(c, layer, page_table, slots, allowed),
+        x, layer = transformer_block(x, step_ops(w, c, shards), paged_attention(c, layer, page_table, slots, allowed),
                                      cos, sin, c)
         new_pages.append(layer)
     return rms_norm(x, params["final_norm"]["scale"], c.rms_norm_eps, unit_offset=c.norm_unit_offset), new_pages
@@ -120,7 +124,7 @@ def slot_attention(config: ModelConfig, cache: dict[str, jax.Array], positions: 
 
 
 def slot_decode_step(params: Params, weights: list[StepWeights], config: ModelConfig, tokens: jax.Array,
-                     positions: jax.Array, caches: list[dict[str, jax.Array]]
+                     positions: jax.Array, caches: list[dict[str, jax.Array]], shards: int = 1
                      ) -> tuple[jax.Array, list[dict[str, jax.Array]]]:
     """One decode step of every slot over the call's caches: `tokens [S]` at `positions [S]` (-1: an idle slot,
     whose write lands on slot 0 of its own cache and is never read). Returns float32 logits `[S, V]` and the
@@ -132,7 +136,8 @@ def slot_decode_step(params: Params, weights: list[StepWeights], config: ModelCo
     new_caches = []
     for i, (w, cache) in enumerate(zip(weights, caches, strict=True)):
         cos, sin, allowed = inputs[c.is_sliding(i)]
-        x, cache = transformer_block(x, step_ops(w, c), slot_attention(c, cache, positions, allowed), cos, sin, c)
+        x, cache = transformer_block(x, step_ops(w, c, shards), slot_attention(c, cache, positions, allowed), cos,
+                                     sin, c)
         new_caches.append(cache)
     hidden = rms_norm(x[:, 0], params["final_norm"]["scale"], c.rms_norm_eps, unit_offset=c.norm_unit_offset)
     return paged_logits(params, c, hidden), new_caches
@@ -168,8 +173,8 @@ def kernel_attention(config: ModelConfig, layer: PagedLayer, page_table: jax.Arr
 
 
 def kernel_decode_step(params: Params, weights: list[StepWeights], config: ModelConfig, tokens: jax.Array,
-                       positions: jax.Array, page_table: jax.Array, pages: list[PagedLayer], backend: str
-                       ) -> tuple[jax.Array, list[PagedLayer]]:
+                       positions: jax.Array, page_table: jax.Array, pages: list[PagedLayer], backend: str,
+                       shards: int = 1) -> tuple[jax.Array, list[PagedLayer]]:
     """One decode step of every slot straight over the pages (GPU, TPU): `tokens [S]` at `positions [S]` (-1: an
     idle slot, which writes nothing and reads nothing) with page tables `[S, M]`. Returns float32 logits `[S, V]`
     and the pages with the tokens written."""
@@ -182,8 +187,8 @@ def kernel_decode_step(params: Params, weights: list[StepWeights], config: Model
     new_pages = []
     for i, (w, layer) in enumerate(zip(weights, pages, strict=True)):
         cos, sin, _ = inputs[c.is_sliding(i)]
-        x, layer = transformer_block(x, step_ops(w, c), kernel_attention(c, layer, page_table, slots, lengths,
-                                                                         backend), cos, sin, c)
+        x, layer = transformer_block(x, step_ops(w, c, shards), kernel_attention(c, layer, page_table, slots,
+                                                                                 lengths, backend), cos, sin, c)
         new_pages.append(layer)
     hidden = rms_norm(x[:, 0], params["final_norm"]["scale"], c.rms_norm_eps, unit_offset=c.norm_unit_offset)
     return paged_logits(params, c, hidden), new_pages

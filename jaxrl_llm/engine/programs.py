@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
 
 from jaxrl_llm.engine.model import (
     kernel_decode_step,
@@ -29,10 +30,11 @@ from jaxrl_llm.engine.model import (
 )
 from jaxrl_llm.engine.pages import PagedLayer, copy_pages
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.decode import StepWeights, split_layers, step_weights
+from jaxrl_llm.models.decode import StepWeights, constrain_step_weights, fusable_shards, split_layers, step_weights
 from jaxrl_llm.models.decoder import Params
 from jaxrl_llm.sampling.config import Knobs
 from jaxrl_llm.sampling.logits import sample_with_uniform
+from jaxrl_llm.sharding import BATCH_AXES, constrain
 
 
 class SamplingFlags(NamedTuple):
@@ -70,10 +72,28 @@ class StepOutputs(NamedTuple):
     hit_eos: jax.Array
 
 
-@functools.partial(jax.jit, static_argnames=("config",))
-def prepare_weights(params: Params, config: ModelConfig) -> list[StepWeights]:
-    """The block's fused per-layer weights (`models/decode.py: step_weights`), made once per generate call."""
-    return step_weights(split_layers(params, config), config)
+def weight_shards(config: ModelConfig, mesh: Mesh | None) -> int:
+    """The tensor-parallel shards the fused step weights are laid out for on `mesh` (`fusable_shards`)."""
+    return fusable_shards(config, mesh.shape["tensor"]) if mesh is not None else 1
+
+
+def constrain_pages(pages: list[PagedLayer], mesh: Mesh | None) -> list[PagedLayer]:
+    """The pool's placement on a mesh: KV heads over `tensor` (where they divide), every page on every device of
+    the other axes (a page table may point anywhere in the pool)."""
+    return [{name: constrain(pool, mesh, PartitionSpec("tensor")) for name, pool in layer.items()} for layer in pages]
+
+
+def replicated(tree: object, mesh: Mesh | None) -> object:
+    """`tree`'s arrays whole on every device of `mesh`: what the host reads back after a call."""
+    return jax.tree.map(lambda x: constrain(x, mesh, PartitionSpec()), tree)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "mesh"))
+def prepare_weights(params: Params, config: ModelConfig, mesh: Mesh | None = None) -> list[StepWeights]:
+    """The block's fused per-layer weights (`models/decode.py: step_weights`), made once per generate call; on a
+    mesh gathered over `fsdp` and split over `tensor` (`constrain_step_weights`), as the static sampler's."""
+    weights = step_weights(split_layers(params, config), config, weight_shards(config, mesh))
+    return [constrain_step_weights(w, mesh) for w in weights]
 
 
 def row_uniforms(key_data: jax.Array, index: jax.Array) -> jax.Array:
@@ -90,15 +110,16 @@ def _sample(logits: jax.Array, uniform: jax.Array, knobs: Knobs, flags: Sampling
                                use_top_p=flags.top_p, use_min_p=flags.min_p)
 
 
-@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("pages",))
+@functools.partial(jax.jit, static_argnames=("config", "mesh"), donate_argnames=("pages",))
 def prefill_program(params: Params, weights: list[StepWeights], pages: list[PagedLayer], tokens: jax.Array,
-                    positions: jax.Array, page_table: jax.Array, last: jax.Array, *, config: ModelConfig
-                    ) -> tuple[jax.Array, list[PagedLayer]]:
+                    positions: jax.Array, page_table: jax.Array, last: jax.Array, *, config: ModelConfig,
+                    mesh: Mesh | None = None) -> tuple[jax.Array, list[PagedLayer]]:
     """`tokens, positions [R, C]` (position -1: padding) written into pages; returns the float32 logits `[R, V]`
     at column `last [R]` of each row, and the pages."""
-    hidden, pages = paged_forward(params, weights, config, tokens, positions, page_table, pages)
+    hidden, pages = paged_forward(params, weights, config, tokens, positions, page_table, pages,
+                                  weight_shards(config, mesh))
     picked = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
-    return paged_logits(params, config, picked), pages
+    return replicated(paged_logits(params, config, picked), mesh), constrain_pages(pages, mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("flags",))
@@ -118,15 +139,18 @@ def copy_pages_program(pages: list[PagedLayer], source: jax.Array, target: jax.A
     return copy_pages(pages, source, target)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "flags", "steps", "attention"), donate_argnames=("pages",))
+@functools.partial(jax.jit, static_argnames=("config", "flags", "steps", "attention", "mesh"),
+                   donate_argnames=("pages",))
 def decode_program(params: Params, weights: list[StepWeights], pages: list[PagedLayer], state: SlotState,
-                   knobs: Knobs, *, config: ModelConfig, flags: SamplingFlags, steps: int, attention: str = "xla"
-                   ) -> tuple[SlotState, StepOutputs, list[PagedLayer]]:
+                   knobs: Knobs, *, config: ModelConfig, flags: SamplingFlags, steps: int, attention: str = "xla",
+                   mesh: Mesh | None = None) -> tuple[SlotState, StepOutputs, list[PagedLayer]]:
     """`steps` decode steps of every slot: feed `state.token` at `state.position`, sample the next token at
     completion index `state.index`; a slot stops at EOS or when `remaining` reaches 0. Returns the new state, the
     tokens emitted `[S, steps]` and the pages. `attention` (`kernels.attention_backend`): `xla` decodes over
-    contiguous per-call slot caches gathered once; a Pallas backend attends over the pages on every step."""
-    slots = state.token.shape[0]
+    contiguous per-call slot caches gathered once; a Pallas backend attends over the pages on every step. On a
+    `mesh` the slots are split over `("data", "fsdp")` and the KV heads over `tensor`; the results come back whole
+    on every device."""
+    slots, shards = state.token.shape[0], weight_shards(config, mesh)
     eos = jnp.asarray(flags.eos_ids, jnp.int32)
     empty = StepOutputs(jnp.full((slots, steps), flags.pad_id, jnp.int32), jnp.zeros((slots, steps), jnp.float32),
                         jnp.zeros((slots, steps), jnp.float32), jnp.zeros((slots,), bool))
@@ -135,10 +159,10 @@ def decode_program(params: Params, weights: list[StepWeights], pages: list[Paged
         s, out, caches = carry
         position = jnp.where(s.active, s.position, -1)
         if attention == "xla":
-            logits, caches = slot_decode_step(params, weights, config, s.token, position, caches)
+            logits, caches = slot_decode_step(params, weights, config, s.token, position, caches, shards)
         else:  # `caches` are the pages themselves
             logits, caches = kernel_decode_step(params, weights, config, s.token, position, s.page_table, caches,
-                                                attention)
+                                                attention, shards)
         token, logprob, untruncated = _sample(logits, row_uniforms(s.key_data, s.index), knobs, flags)
         token = jnp.where(s.active, token, flags.pad_id)
         hit = s.active & (jnp.any(token[:, None] == eos, axis=-1) if flags.eos_ids else False)
@@ -165,10 +189,13 @@ def decode_program(params: Params, weights: list[StepWeights], pages: list[Paged
         return s, out, caches
 
     if attention != "xla":
-        return run(pages)
-    caches = slot_caches(pages, state.page_table)  # once per call, not per token
+        state, out, pages = run(pages)
+        return replicated(state, mesh), replicated(out, mesh), constrain_pages(pages, mesh)
+    caches = [{name: constrain(x, mesh, PartitionSpec(BATCH_AXES, "tensor")) for name, x in cache.items()}
+              for cache in slot_caches(pages, state.page_table)]  # once per call, not per token
     start = state
     state, out, caches = run(caches)
     j = jnp.arange(steps)[None, :]
     written = jnp.where(j < (state.index - start.index)[:, None], start.position[:, None] + j, -1)  # fed positions
-    return state, out, write_back(pages, caches, start.page_table, written, config.jnp_dtype)
+    pages = write_back(pages, caches, start.page_table, written, config.jnp_dtype)
+    return replicated(state, mesh), replicated(out, mesh), constrain_pages(pages, mesh)

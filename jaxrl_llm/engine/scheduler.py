@@ -27,10 +27,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_llm.engine.allocator import PageAllocator
 from jaxrl_llm.engine.kernels import attention_backend
-from jaxrl_llm.engine.model import check_engine_model
+from jaxrl_llm.engine.model import check_engine_context
 from jaxrl_llm.engine.pages import PagedLayer, init_pages, table_width
 from jaxrl_llm.engine.programs import (
     SamplingFlags,
@@ -41,9 +42,11 @@ from jaxrl_llm.engine.programs import (
     prefill_program,
     prepare_weights,
 )
+from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params
 from jaxrl_llm.sampling.config import SamplingConfig, knobs_from_config
+from jaxrl_llm.sharding import fit_spec, global_array
 
 
 @dataclasses.dataclass
@@ -105,18 +108,38 @@ class EngineStats:
 
 class Engine:
     """Generates with continuous batching over a paged KV cache of `num_pages` pages of `page_size` tokens.
-    `attention`: the decode step's attention, `auto | xla | pallas` (`kernels.attention_backend`)."""
+    `attention`: the decode step's attention, `auto | xla | pallas` (`kernels.attention_backend`). On a `mesh`
+    (the weights placed on it by `jaxrl_llm.sharding`) the pool's KV heads are split over `tensor` and every
+    device holds every page; a decode call's slots are split over `("data", "fsdp")`; the host schedules alike in
+    every process, so the tokens do not depend on the mesh. A mesh of several devices decodes on the XLA path."""
 
     def __init__(self, config: ModelConfig, *, num_pages: int, page_size: int = 16, slots: int = 32,
                  steps_per_call: int = 8, prefill_chunk: int = 128, prefill_rows: int = 32,
-                 attention: str = "auto") -> None:
-        check_engine_model(config)
-        self.attention = attention_backend(config, attention)
+                 attention: str = "auto", mesh: Mesh | None = None) -> None:
+        self.mesh = mesh
+        several = mesh is not None and mesh.size > 1
+        if several and attention == "pallas":
+            raise ConfigError(f"sampling.engine_attention=pallas runs on one device; this sampler's mesh has "
+                              f"{mesh.size}: use auto or xla")  # type: ignore[union-attr]
+        self.attention = "xla" if several else attention_backend(config, attention)
         self.config, self.page_size, self.slots = config, page_size, slots
         self.steps, self.chunk, self.prefill_rows = steps_per_call, prefill_chunk, prefill_rows
         self.allocator = PageAllocator(num_pages)
-        self.pages: list[PagedLayer] = init_pages(config, num_pages, page_size)
+        self.pages: list[PagedLayer] = self._placed(lambda: init_pages(config, num_pages, page_size))
         self.stats = EngineStats()
+
+    def _placed(self, make: Any) -> Any:
+        """`make()`'s arrays created in place on the mesh (the pool's placement), or as they are without one."""
+        if self.mesh is None:
+            return make()
+        shapes = jax.eval_shape(make)
+        shardings = jax.tree.map(lambda x: NamedSharding(self.mesh, fit_spec(PartitionSpec("tensor"), x.shape,
+                                                                            self.mesh)), shapes)
+        return jax.jit(make, out_shardings=shardings)()
+
+    def _put(self, x: np.ndarray) -> jax.Array:
+        """A host array as a program input: whole on every device of the mesh (every process holds it), or as is."""
+        return jnp.asarray(x) if self.mesh is None else global_array(x, self.mesh, PartitionSpec())
 
     # ------------------------------------------------------------------------------------------- public
 
@@ -125,7 +148,9 @@ class Engine:
         """Every request's `n` completions, in request order. With `keep`, each completion holds its
         `Conversation` (its pages stay in the pool until `release`)."""
         self.stats = EngineStats()
-        weights = prepare_weights(params, self.config)
+        check_engine_context(self.config, max((len(r.conversation.tokens) if r.conversation else 0) + len(r.tokens)
+                                              + self._max_new(r, sampling) for r in requests) if requests else 0)
+        weights = prepare_weights(params, self.config, self.mesh)
         knobs = knobs_from_config(sampling)
         flags = SamplingFlags(sampling.greedy, sampling.uses_top_k, sampling.uses_top_p, sampling.uses_min_p,
                               tuple(sampling.eos_ids), sampling.pad_id)
@@ -168,7 +193,7 @@ class Engine:
             return np.stack(keys).astype(np.uint32)
         typed = [jax.random.wrap_key_data(jnp.asarray(k, jnp.uint32)) if isinstance(k, np.ndarray) else k
                  for k in keys]
-        return np.asarray(jax.random.key_data(jnp.stack(typed)))
+        return host_array(jax.random.key_data(jnp.stack(typed)))
 
     def _max_new(self, request: Request, sampling: SamplingConfig) -> int:
         return request.max_new_tokens or sampling.max_new_tokens
@@ -232,9 +257,9 @@ class Engine:
         picks = logits[np.repeat(np.arange(len(counts)), counts)]  # each sample's row: its prompt's logits
         parents = np.repeat(self._key_data([requests[r].key for r in admitted]), counts, axis=0)
         sample = np.concatenate([np.arange(n) for n in counts]).astype(np.int32)
-        keys, first = first_tokens_program(jnp.pad(picks, ((0, width - total), (0, 0))),
-                                           jnp.asarray(np.pad(parents, ((0, width - total), (0, 0)))),
-                                           jnp.asarray(np.pad(sample, (0, width - total))), knobs, flags=flags)
+        keys, first = first_tokens_program(np.pad(picks, ((0, width - total), (0, 0))),
+                                           np.pad(parents, ((0, width - total), (0, 0))),
+                                           np.pad(sample, (0, width - total)), knobs, flags=flags)
         keys, first = np.asarray(keys)[:total], [np.asarray(a)[:total] for a in first]
         out, copies, offset = [], [], 0
         for (tokens, start, pages), r, n in zip(rows, admitted, counts, strict=True):
@@ -246,15 +271,15 @@ class Engine:
             width = _pow2(len(copies))
             source, target = np.zeros((width,), np.int32), np.zeros((width,), np.int32)
             source[:len(copies)], target[:len(copies)] = zip(*copies, strict=True)
-            self.pages = copy_pages_program(self.pages, jnp.asarray(source), jnp.asarray(target))
+            self.pages = copy_pages_program(self.pages, self._put(source), self._put(target))
         self.stats.peak_pages = max(self.stats.peak_pages, alloc.in_use())
         return out
 
     def _run_prefill(self, params: Params, weights: Any, rows: list[tuple[list[int], int, list[int]]]
-                     ) -> jax.Array:
+                     ) -> np.ndarray:
         """The prefill calls for `rows` (in groups of `prefill_rows`, chunks of up to `prefill_chunk` tokens): each
-        row's last logits, `[len(rows), V]`."""
-        groups: list[jax.Array] = []
+        row's last logits, `[len(rows), V]` (on the host: the samples' first tokens are drawn from them)."""
+        groups: list[np.ndarray] = []
         for g in range(0, len(rows), self.prefill_rows):
             group = rows[g:g + self.prefill_rows]
             width = min(self.prefill_rows, _pow2(len(group)))  # a few prompts: a small call
@@ -274,11 +299,12 @@ class Engine:
                     pos[i, :len(part)] = start + k * c + np.arange(len(part))
                     last[i], ends[i] = max(len(part) - 1, 0), (k + 1) * c >= len(tokens) > k * c
                     self.stats.prefilled_tokens += len(part)
-                out, self.pages = prefill_program(params, weights, self.pages, jnp.asarray(tok), jnp.asarray(pos),
-                                                  jnp.asarray(table), jnp.asarray(last), config=self.config)
-                group_logits = out if group_logits is None else jnp.where(ends[:, None], out, group_logits)
-            groups.append(group_logits[:len(group)])
-        return jnp.concatenate(groups)
+                out, self.pages = prefill_program(params, weights, self.pages, *map(self._put, (tok, pos, table, last)),
+                                                  config=self.config, mesh=self.mesh)
+                out = host_array(out)
+                group_logits = out if group_logits is None else np.where(ends[:, None], out, group_logits)
+            groups.append(group_logits[:len(group)])  # type: ignore[index]
+        return np.concatenate(groups)
 
     def _fork(self, req: Request, r: int, tokens: list[int], start: int, pages: list[int], keys: np.ndarray,
               first: tuple[np.ndarray, ...], sampling: SamplingConfig, flags: SamplingFlags,
@@ -349,13 +375,12 @@ class Engine:
             token[row], position[row] = seq.context[-1], len(seq.context) - 1
             key_data[row], index[row] = seq.key_data, len(seq.completion.tokens)
             remaining[row], active[row] = seq.remaining, True
-        state = SlotState(*(jnp.asarray(a) for a in (token, position, table, key_data, index, remaining, active)))
+        state = SlotState(*map(self._put, (token, position, table, key_data, index, remaining, active)))
         state, out, self.pages = decode_program(params, weights, self.pages, state, knobs, config=self.config,
-                                                flags=flags, steps=steps, attention=self.attention)
+                                                flags=flags, steps=steps, attention=self.attention, mesh=self.mesh)
         self.stats.decode_calls += 1
-        new_index, still = np.asarray(state.index), np.asarray(state.active)
-        tokens, logprobs, untruncated = np.asarray(out.tokens), np.asarray(out.logprobs), np.asarray(out.untruncated)
-        hit_eos = np.asarray(out.hit_eos)
+        new_index, still = host_array(state.index), host_array(state.active)
+        tokens, logprobs, untruncated, hit_eos = (host_array(x) for x in out)
         for row, i in enumerate(occupied):
             seq = slots[i]
             assert seq is not None
@@ -379,6 +404,12 @@ class Engine:
         else:
             self.allocator.release(seq.pages)
         seq.pages = []
+
+
+def host_array(x: jax.Array) -> np.ndarray:
+    """An array that is whole on every device (a program's output; a run's key) on the host: one addressable copy
+    is all of it, also when other processes hold the rest of the mesh."""
+    return np.asarray(x) if x.is_fully_addressable else np.asarray(x.addressable_data(0))
 
 
 def _pow2(n: int) -> int:

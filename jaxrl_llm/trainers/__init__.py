@@ -73,12 +73,6 @@ def check_devices(c: RunConfig) -> None:
         raise ConfigError(f"mesh.data={c.mesh.data}, mesh.fsdp={c.mesh.fsdp}, mesh.tensor={c.mesh.tensor}: "
                           f"{str(e).split(': ', 1)[-1]}" + (f" (the trainer's {trainer_devices} of "
                           f"{jax.device_count()}, rollout.sampler_devices={n})" if n else "")) from e
-    samplers = {"the trainer": trainer_devices} if not n else {"the trainer": trainer_devices, "the sampler": n}
-    for who, count in samplers.items():
-        if c.sampling.engine == "paged" and count > 1:
-            raise ConfigError(f"sampling.engine=paged samples on one device and {who} has {count}: use "
-                              "sampling.engine=static on a mesh of several devices"
-                              + (" (or rollout.sampler_devices=1 and mesh devices 1)" if n else ""))
     micro = algorithm_class(c.algo).micro_batch(c)
     if micro is not None and micro[1] % (data * fsdp):
         raise ConfigError(f"{micro[0]} must be divisible by mesh.data * mesh.fsdp ({data * fsdp}) for the "

@@ -122,8 +122,7 @@ class Policy:
         the mesh `params` are placed on (the trainer's, or the sampler's own)."""
         mesh = mesh_of(params, self.mesh)
         if self.config.sampling.engine == "paged":
-            with jax.default_device(mesh.devices.flat[0]):
-                return self.paged_sampler()(params, tokens, mask, key, sampling)
+            return self.paged_sampler()(params, tokens, mask, key, sampling, mesh)
         return sample(params, self.model_config, tokens, mask, key, sampling, mesh=mesh)
 
     @property
@@ -142,10 +141,11 @@ class Policy:
                                               attention=s.engine_attention)
         return self.paged[thread]
 
-    def rollout_engine(self, sequences: list[tuple[int, int]], n: int) -> Engine:
+    def rollout_engine(self, sequences: list[tuple[int, int]], n: int, params: Params) -> Engine:
         """This thread's rollout engine with a pool for `sequences` (`(prompt length, tokens after it)` each, `n`
-        samples of each; `sampling.engine_pages` when set), made anew only when the current pool is smaller."""
-        return self.paged_sampler().engine_for(sequences, n)
+        samples of each; `sampling.engine_pages` when set) on the mesh `params` are placed on, made anew only when
+        the current pool is smaller or elsewhere."""
+        return self.paged_sampler().engine_for(sequences, n, mesh_of(params, self.mesh))
 
     def sampler_weights(self, params: Params) -> Params:
         """`inference_weights(params)` where the sampler runs: `jax.device_put` onto the sampler's own mesh in its

@@ -123,7 +123,7 @@ class TrajectoryCollector(RolloutCollector):
         each conversation kept in the engine's pages between turns, so a turn prefills only the environment's
         reply; each row's turn is cut at its own remaining token budget."""
         p, e, g = self.policy, self.env_config, sampling.n
-        engine = p.rollout_engine([(len(ids), e.max_tokens) for ids in prompts], g)
+        engine = p.rollout_engine([(len(ids), e.max_tokens) for ids in prompts], g, params)
         requests = [Request(ids, jax.random.fold_in(key, i), n=g) for i, ids in enumerate(prompts)]
         done = [c for group in engine.generate(params, requests, sampling, keep=True) for c in group]
         kept = {r: c.conversation for r, c in enumerate(done)}
