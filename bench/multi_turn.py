@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import best_seconds  # noqa: E402
 from jaxrl_llm.data import left_pad, load_records, load_tokenizer  # noqa: E402
-from jaxrl_llm.engine import Engine, Request  # noqa: E402
+from jaxrl_llm.engine import Engine, Request, row_keys  # noqa: E402
 from jaxrl_llm.models.hf import load_hf_model  # noqa: E402
 from jaxrl_llm.sampling import SamplingConfig, sample  # noqa: E402
 
@@ -54,13 +54,14 @@ def multi_turn(params, config, prompts: list[list[int]], sampling: SamplingConfi
 def engine_turns(engine: Engine, params, prompts: list[list[int]], sampling: SamplingConfig, turns: int,
                  reply: list[int], key: jax.Array) -> int:
     """`turns` engine calls, each conversation continued from its pages; returns the completion tokens made."""
-    requests = [Request(p, jax.random.fold_in(key, r)) for r, p in enumerate(prompts)]
+    keys = row_keys(key, len(prompts))  # as a run's episodes key their rows (trainers/trajectories.py)
+    requests = [Request(p, keys[r]) for r, p in enumerate(prompts)]
     made = 0
     for turn in range(turns):
         done = [group[0] for group in engine.generate(params, requests, sampling, keep=turn < turns - 1)]
         made += sum(len(c.tokens) for c in done)
-        requests = [Request(reply, jax.random.fold_in(jax.random.fold_in(key, turn + 1), r),
-                            conversation=c.conversation) for r, c in enumerate(done)]
+        keys = row_keys(jax.random.fold_in(key, turn + 1), len(done))
+        requests = [Request(reply, keys[r], conversation=c.conversation) for r, c in enumerate(done)]
     return made
 
 
@@ -105,7 +106,8 @@ def main() -> None:
     engine = Engine(config, num_pages=pages, page_size=16, slots=args.rows, steps_per_call=16)
 
     def engine_single() -> None:
-        engine.generate(params, [Request(p, jax.random.fold_in(key, r)) for r, p in enumerate(prompts)], base)
+        keys = row_keys(key, len(prompts))
+        engine.generate(params, [Request(p, keys[r]) for r, p in enumerate(prompts)], base)
 
     assert engine_turns(engine, params, prompts, turn, args.turns, reply, key) == args.rows * args.turns * \
         args.turn_tokens

@@ -168,6 +168,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--cpu-devices", type=int, default=1, help="XLA CPU devices to split the batch over")
     parser.add_argument("--model", default="", help="a HF model directory (default: a random 10M Qwen2)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--engine", default="paged", choices=("paged", "static"),
+                        help="our sampler: the rollout engine (the default sampler) or the static batch")
     parser.add_argument("--peer", default="hf", choices=("hf", "vllm", "both"),
                         help="what to time beside ours: transformers' generate, vLLM (CPU build), or both")
     parser.add_argument("--vllm-python", default="/work/venvs/vllm/bin/python",
@@ -234,22 +236,32 @@ def print_setup(args: argparse.Namespace, model: BenchModel) -> None:
 
 def our_sampler(args: argparse.Namespace, model: BenchModel) -> tuple[Callable[[], None], float, Any, Any]:
     """`(one timed call of ours, compile seconds, sampling config, mesh or None)`; with `--cpu-devices` > 1 the
-    model's params are sharded over a `data` mesh (and the tokens checked against the one-device sampler's)."""
+    model's params are sharded over a `data` mesh (and the tokens checked against the one-device sampler's).
+    `--engine paged` (the default): the rollout engine, every row in a slot, 16 decode steps a call, pages of 16;
+    its programs compile on a first call, timed as the compile."""
+    from jaxrl_llm.engine import PagedSampler
     from jaxrl_llm.sampling import SamplingConfig, compile_sampler
     from jaxrl_llm.sharding import MeshShape, make_mesh, shard_params
 
     config, prompts, mask = model.config, model.prompts, model.mask
     sampling = SamplingConfig(max_new_tokens=args.new_tokens, temperature=1.0, prompt_bucket=args.prompt_len,
                               new_tokens_bucket=args.new_tokens)
+
+    def compiled(params: Any, mesh: Any = None) -> Callable[..., Any]:
+        if args.engine == "static":
+            return compile_sampler(params, config, prompts, mask, jax.random.key(0), sampling, mesh=mesh)
+        paged = PagedSampler(config)
+        paged(params, prompts, mask, jax.random.key(0), sampling)  # the compile (its outputs are on the host)
+        return lambda params, prompts, mask, key: paged(params, prompts, mask, key, sampling)
+
     mesh = None
     if args.cpu_devices > 1:
         mesh = make_mesh(MeshShape(data=args.cpu_devices, fsdp=1, tensor=1))
-        whole = compile_sampler(model.params, config, prompts, mask, jax.random.key(0), sampling)(
-            model.params, prompts, mask, jax.random.key(3))
+        whole = compiled(model.params)(model.params, prompts, mask, jax.random.key(3))
         model.params = shard_params(model.params, mesh)
         print(f"sampling on a data={args.cpu_devices} mesh of CPU devices: {mesh.devices.ravel().tolist()}")
     start = time.perf_counter()
-    run = compile_sampler(model.params, config, prompts, mask, jax.random.key(0), sampling, mesh=mesh)
+    run = compiled(model.params, mesh)
     compile_s = time.perf_counter() - start
     if mesh is not None:
         split = run(model.params, prompts, mask, jax.random.key(3))
@@ -258,7 +270,7 @@ def our_sampler(args: argparse.Namespace, model: BenchModel) -> tuple[Callable[[
 
     def ours() -> None:
         out = run(model.params, prompts, mask, jax.random.key(next(calls)))
-        out.tokens.block_until_ready()
+        jax.block_until_ready(out.tokens)
         assert int(out.lengths.sum()) == args.batch * args.new_tokens
 
     return ours, compile_s, sampling, mesh
@@ -345,7 +357,7 @@ def main() -> None:
     ours_tok_s = tokens_made / ours_s
     limit = jax_matmul_flops(dtype=args.dtype, repeats=20)
     achieved = sampling_flops(model_dims(model.config), args.batch, args.prompt_len, args.new_tokens) / ours_s
-    print(f"jaxrl_llm sample     : {ours_tok_s:9.0f} tokens/s  ({ours_s * 1e3:7.1f} ms per call, "
+    print(f"jaxrl_llm {args.engine:11}: {ours_tok_s:9.0f} tokens/s  ({ours_s * 1e3:7.1f} ms per call, "
           f"{ours_cpu * 1e3:7.1f} ms CPU; compile {compile_s:.2f} s, apart)")
     if run_hf:
         print(f"transformers generate: {tokens_made / hf_s:9.0f} tokens/s  ({hf_s * 1e3:7.1f} ms per call, "

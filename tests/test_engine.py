@@ -121,6 +121,22 @@ def test_bfloat16_engine_matches_the_static_sampler(hf_model_dir):
     np.testing.assert_array_equal(out.tokens, expected)
 
 
+def test_a_longrope_model_runs_within_its_original_context_and_is_refused_past_it(hf_model_dir):
+    """Phi-3.5-style longrope (original context 16): calls that stay within it give the static sampler's greedy
+    tokens (the short factors hold for every row); a call that may reach past it is refused, naming the static
+    sampler, before anything is computed."""
+    config, params = load_hf_model(hf_model_dir("phi3_longrope"))
+    tokens, mask = left_padded_batch(config.vocab_size, [5, 3, 1], seed=4)
+    within = SamplingConfig(max_new_tokens=11, greedy=True)  # 5 + 11 = 16 positions
+    expected = np.asarray(sample(params, config, tokens, mask, jax.random.key(0), within).tokens)
+    engine = small_engine(config)
+    np.testing.assert_array_equal(engine_sample(engine, params, config, tokens, mask, jax.random.key(0), within).tokens,
+                                  expected)
+    with pytest.raises(ValueError, match="original context of 16 tokens, and this call may reach 17.*engine=static"):
+        engine_sample(engine, params, config, tokens, mask, jax.random.key(0), SamplingConfig(max_new_tokens=12))
+    assert engine.allocator.in_use() == 0 and engine.allocator.reserved == 0
+
+
 def test_a_pool_too_small_for_one_request_says_so(hf_model_dir):
     config, params = load_hf_model(hf_model_dir("llama"))
     engine = small_engine(config, num_pages=4)

@@ -327,6 +327,11 @@ def test_engine_plan_counts_the_engines_pool_and_slot_caches() -> None:
     kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2  # keys and values, bfloat16
     assert static.kv_cache == prompts * group * (prompt_len + new) * kv_per_token
     assert got.kv_cache == (pages * size + prompts * group * width * size) * kv_per_token
+    # On a (2, 2, 2) mesh: every page on every device with its KV heads halved over tensor; the 12 slots split 4 ways.
+    assert config.num_kv_heads % 2 == 0 and (prompts * group) % 4 == 0
+    on_mesh = plan.plan_memory(config, (2, 2, 2), batch=prompts, group_size=group, prompt_len=prompt_len,
+                               new_tokens=new, engine_page_size=size)
+    assert on_mesh.kv_cache == (pages * size + prompts * group // 4 * width * size) * kv_per_token // 2
 
 
 def test_a_distillation_teacher_is_counted(capsys):

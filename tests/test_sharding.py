@@ -25,6 +25,7 @@ _SCRIPT = r"""
 import json, sys, tempfile
 import jax, jax.numpy as jnp, numpy as np
 from jaxrl_llm.config import OptimSection
+from jaxrl_llm.engine import PagedSampler
 from jaxrl_llm.models.decoder import init_params
 from jaxrl_llm.models.hf import config_from_hf, load_hf_model
 from jaxrl_llm.models.hf_export import save_hf_model
@@ -81,6 +82,11 @@ def run(shape, grad_accum=1, packed=False):
                                  grad_accum=grad_accum)
     greedy = to_host(sample(placed, config, prompts_t, prompts_m, jax.random.key(0), sampling, mesh=mesh))
     sampled = to_host(sample(placed, config, prompts_t, prompts_m, jax.random.key(4), drawn, mesh=mesh))
+    # The rollout engine on the same mesh: fewer slots than rows and small pages, so slots refill and pages grow.
+    paged = PagedSampler(config, page_size=4, slots=8, steps_per_call=8)
+    engine_greedy = to_host(paged(placed, prompts_t, prompts_m, jax.random.key(0), sampling))
+    engine_sampled = to_host(paged(placed, prompts_t, prompts_m, jax.random.key(4), drawn))
+    pool = paged.engine.pages[0]["k"]
     specs = {path_string(k): str(tuple(v.sharding.spec)) for k, v in jax.tree_util.tree_flatten_with_path(placed)[0]}
     mu_specs = {path_string(k): str(tuple(v.sharding.spec))
                 for k, v in jax.tree_util.tree_flatten_with_path(opt_state.inner_state[1][0].mu)[0]}
@@ -91,12 +97,18 @@ def run(shape, grad_accum=1, packed=False):
     return {"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]), "kl": float(m.get("kl", 0.0)),
             "params": to_host(new), "tokens": np.asarray(greedy.tokens).tolist(), "specs": specs,
             "mu_specs": mu_specs, "sampled": np.asarray(sampled.tokens).tolist(),
-            "sampled_logprobs": np.asarray(sampled.logprobs).tolist()}
+            "sampled_logprobs": np.asarray(sampled.logprobs).tolist(),
+            "engine_tokens": np.asarray(engine_greedy.tokens).tolist(),
+            "engine_sampled": np.asarray(engine_sampled.tokens).tolist(),
+            "engine_logprobs": np.asarray(engine_sampled.logprobs).tolist(),
+            "engine_pool": {"spec": str(tuple(pool.sharding.spec)), "devices": len(pool.sharding.device_set),
+                            "in_use": paged.engine.allocator.in_use()}}
 
 
 PART = int(sys.argv[1])  # the script runs in two halves, one per pytest-xdist worker
 reference = run(None)
-out = {"one": {k: reference[k] for k in ("loss", "grad_norm", "kl", "tokens", "sampled", "sampled_logprobs")}}
+ENGINE = ("engine_tokens", "engine_sampled", "engine_logprobs", "engine_pool")
+out = {"one": {k: reference[k] for k in ("loss", "grad_norm", "kl", "tokens", "sampled", "sampled_logprobs", *ENGINE)}}
 halves = ([((8, 1, 1), 1, False), ((2, 4, 1), 1, False), ((2, 2, 2), 1, False)],
           [((1, 2, 4), 1, False), ((2, 2, 2), 2, False), ((2, 2, 2), 2, True)])
 for shape, accum, packed in halves[PART]:
@@ -108,7 +120,7 @@ for shape, accum, packed in halves[PART]:
                                "loss": r["loss"], "grad_norm": r["grad_norm"], "kl": r["kl"],
                                "tokens": r["tokens"], "param_rel_diff": rel, "specs": r["specs"],
                                "mu_specs": r["mu_specs"], "sampled": r["sampled"],
-                               "sampled_logprobs": r["sampled_logprobs"]}
+                               "sampled_logprobs": r["sampled_logprobs"], **{k: r[k] for k in ENGINE}}
 
 if PART == 0:
     print(json.dumps(out))
@@ -238,6 +250,23 @@ def test_sampled_tokens_match_one_device(mesh_results: dict, mesh: str) -> None:
     np.testing.assert_array_equal(tokens, np.asarray(one["sampled"]))
     assert len({tuple(row) for row in tokens}) == len(tokens)  # sampled rows differ (n=2 share a prompt)
     np.testing.assert_allclose(r["sampled_logprobs"], one["sampled_logprobs"], atol=1e-5)
+
+
+@pytest.mark.parametrize("mesh", [f"{m}/1" for m in MESHES])
+def test_the_rollout_engine_on_a_mesh_gives_one_devices_tokens(mesh_results: dict, mesh: str) -> None:
+    """The rollout engine on every mesh: greedy tokens equal the static sampler's on one device, sampled tokens
+    (temperature + top-p) and their log-probs the engine's on one device; the pool's KV heads (2) split over
+    `tensor` where it divides them, every page on every device, and every page back after the call."""
+    one, r = mesh_results["one"], mesh_results[mesh]
+    np.testing.assert_array_equal(np.asarray(r["engine_tokens"]), np.asarray(one["tokens"]))
+    tokens = np.asarray(r["engine_sampled"])
+    np.testing.assert_array_equal(tokens, np.asarray(one["engine_sampled"]))
+    assert len({tuple(row) for row in tokens}) == len(tokens)
+    np.testing.assert_allclose(r["engine_logprobs"], one["engine_logprobs"], atol=1e-5)
+    tensor = int(mesh.split("/")[0].strip("()").split(",")[2])
+    assert r["engine_pool"]["spec"].startswith("('tensor'" if tensor == 2 else "(None"), r["engine_pool"]
+    assert r["engine_pool"]["devices"] == 8 and r["engine_pool"]["in_use"] == 0
+    assert one["engine_pool"]["devices"] == 1
 
 
 # What the rules say for this model on the (2, 2, 2) mesh (kernels are [in, out], layers stacked first).

@@ -24,7 +24,14 @@ from jaxrl_llm.sampling.config import SampleOutput, SamplingConfig
 from jaxrl_llm.sharding import mesh_of
 
 __all__ = ["Completion", "Conversation", "Engine", "EngineStats", "PagedSampler", "Request", "engine_sample",
-           "sample_output"]
+           "row_keys", "sample_output"]
+
+
+def row_keys(key: jax.Array, rows: int) -> np.ndarray:
+    """`fold_in(key, r)` for `r < rows` as key data `[rows, 2]` (uint32, numpy: what a `Request` takes), in one
+    device call rather than one per row; `key` may be a run's key placed on a mesh of several processes."""
+    key = jax.random.wrap_key_data(host_array(jax.random.key_data(key)))  # this process's copy
+    return np.asarray(jax.random.key_data(jax.vmap(lambda r: jax.random.fold_in(key, r))(jnp.arange(rows))))
 
 
 def prompt_requests(prompt_tokens: Any, prompt_mask: Any, key: jax.Array, sampling: SamplingConfig
@@ -32,9 +39,7 @@ def prompt_requests(prompt_tokens: Any, prompt_mask: Any, key: jax.Array, sampli
     """One request per row of a left-padded prompt batch `[B, P]` (its tokens under the mask), keyed
     `fold_in(key, row)`, with `sampling.n` samples."""
     tokens, mask = np.asarray(prompt_tokens), np.asarray(prompt_mask).astype(bool)
-    key = jax.random.wrap_key_data(host_array(jax.random.key_data(key)))  # this process's copy (a run's is global)
-    rows = jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(tokens.shape[0]))
-    keys = np.asarray(jax.random.key_data(rows))  # one device call for every row's key
+    keys = row_keys(key, tokens.shape[0])
     return [Request(tokens[b][mask[b]].tolist(), keys[b], n=sampling.n) for b in range(tokens.shape[0])]
 
 

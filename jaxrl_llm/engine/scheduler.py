@@ -215,16 +215,21 @@ class Engine:
 
     def _admit(self, requests: list[Request], queue: collections.deque, waiting: int,
                sampling: SamplingConfig) -> list[int]:
-        """Requests taken from the queue for prefill: while the pool can hold them, up to `prefill_rows`, and
-        only while fewer than two slot-fulls of samples wait for a slot."""
+        """Requests taken from the queue for prefill: while the pool can hold them, up to a prefill call's token
+        budget (`prefill_rows * prefill_chunk`; short requests such as an environment's reply fill it with more rows),
+        and only while fewer than two slot-fulls of samples wait for a slot."""
         admitted: list[int] = []
-        while queue and len(admitted) < self.prefill_rows and waiting < 2 * self.slots:
+        budget, tokens = self.prefill_rows * self.chunk, 0
+        while queue and waiting < 2 * self.slots:
+            new = len(requests[queue[0]].tokens) + 1  # a conversation's turn also writes its last sampled token
+            if admitted and (tokens + new > budget or len(admitted) >= budget // min(self.chunk, 16)):
+                break
             need = self._pages_needed(requests[queue[0]], sampling)
             if need > self.allocator.available():
                 break
             self.allocator.reserve(need)
             admitted.append(queue.popleft())
-            waiting += requests[admitted[-1]].n
+            tokens, waiting = tokens + new, waiting + requests[admitted[-1]].n
         return admitted
 
     # -------------------------------------------------------------------------------------------- prefill
@@ -277,13 +282,15 @@ class Engine:
 
     def _run_prefill(self, params: Params, weights: Any, rows: list[tuple[list[int], int, list[int]]]
                      ) -> np.ndarray:
-        """The prefill calls for `rows` (in groups of `prefill_rows`, chunks of up to `prefill_chunk` tokens): each
-        row's last logits, `[len(rows), V]` (on the host: the samples' first tokens are drawn from them)."""
+        """The prefill calls for `rows` (chunks of up to `prefill_chunk` tokens, as many rows a call as fill
+        `prefill_rows` full chunks: short rows, many at once): each row's last logits, `[len(rows), V]` (on the host:
+        the samples' first tokens are drawn from them)."""
         groups: list[np.ndarray] = []
-        for g in range(0, len(rows), self.prefill_rows):
-            group = rows[g:g + self.prefill_rows]
-            width = min(self.prefill_rows, _pow2(len(group)))  # a few prompts: a small call
-            c = min(self.chunk, max(16, _pow2(max(len(tokens) for tokens, _, _ in group))))  # short prompts: short
+        c = min(self.chunk, max(16, _pow2(max(len(tokens) for tokens, _, _ in rows))))  # short prompts: short chunks
+        per_call = max(1, self.prefill_rows * self.chunk // c)
+        for g in range(0, len(rows), per_call):
+            group = rows[g:g + per_call]
+            width = min(per_call, _pow2(len(group)))  # a few prompts: a small call
             table = np.zeros((width, _pow2(max(len(pages) for _, _, pages in group))), np.int32)
             for i, (_, _, pages) in enumerate(group):
                 table[i, :len(pages)] = pages

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from jaxrl_llm.data import PromptSet, bucket, encode_text, left_pad, render_prompt
-from jaxrl_llm.engine import Request, sample_output
+from jaxrl_llm.engine import Request, row_keys, sample_output
 from jaxrl_llm.envs.base import Environment, Message, StepResult, resolve_environment
 from jaxrl_llm.envs.deadlines import DeadlineWorkers
 from jaxrl_llm.envs.rendering import declare_tools, followup_text, resolve_tool_format, turn_text
@@ -124,7 +124,8 @@ class TrajectoryCollector(RolloutCollector):
         reply; each row's turn is cut at its own remaining token budget."""
         p, e, g = self.policy, self.env_config, sampling.n
         engine = p.rollout_engine([(len(ids), e.max_tokens) for ids in prompts], g, params)
-        requests = [Request(ids, jax.random.fold_in(key, i), n=g) for i, ids in enumerate(prompts)]
+        keys = row_keys(key, len(prompts))
+        requests = [Request(ids, keys[i], n=g) for i, ids in enumerate(prompts)]
         done = [c for group in engine.generate(params, requests, sampling, keep=True) for c in group]
         kept = {r: c.conversation for r, c in enumerate(done)}
         try:
@@ -138,9 +139,9 @@ class TrajectoryCollector(RolloutCollector):
                 if not live:
                     break
                 budgets = [max(1, min(sampling.max_new_tokens, e.max_tokens - len(episodes[r].tokens))) for r in live]
-                turn_key = jax.random.fold_in(key, turn)
+                turn_keys = row_keys(jax.random.fold_in(key, turn), len(episodes))
                 requests = [Request((episodes[r].prompt_ids + episodes[r].tokens)[len(kept[r].tokens):],
-                                    jax.random.fold_in(turn_key, r), max_new_tokens=b, conversation=kept[r])
+                                    turn_keys[r], max_new_tokens=b, conversation=kept[r])
                             for r, b in zip(live, budgets, strict=True)]
                 step = dataclasses.replace(sampling, n=1, max_new_tokens=max(budgets))
                 done = [group[0] for group in engine.generate(params, requests, step, keep=True)]
