@@ -82,8 +82,9 @@ def run(shape, grad_accum=1, packed=False):
                                  grad_accum=grad_accum)
     greedy = to_host(sample(placed, config, prompts_t, prompts_m, jax.random.key(0), sampling, mesh=mesh))
     sampled = to_host(sample(placed, config, prompts_t, prompts_m, jax.random.key(4), drawn, mesh=mesh))
-    # The rollout engine on the same mesh: fewer slots than rows and small pages, so slots refill and pages grow.
-    paged = PagedSampler(config, page_size=4, slots=8, steps_per_call=8)
+    # The rollout engine on the same mesh (one decode call a generate: few programs to compile; refills and page
+    # growth are tested on one device, tests/test_engine.py).
+    paged = PagedSampler(config, page_size=8, steps_per_call=32)
     engine_greedy = to_host(paged(placed, prompts_t, prompts_m, jax.random.key(0), sampling))
     engine_sampled = to_host(paged(placed, prompts_t, prompts_m, jax.random.key(4), drawn))
     pool = paged.engine.pages[0]["k"]
@@ -264,7 +265,7 @@ def test_the_rollout_engine_on_a_mesh_gives_one_devices_tokens(mesh_results: dic
     assert len({tuple(row) for row in tokens}) == len(tokens)
     np.testing.assert_allclose(r["engine_logprobs"], one["engine_logprobs"], atol=1e-5)
     tensor = int(mesh.split("/")[0].strip("()").split(",")[2])
-    assert r["engine_pool"]["spec"].startswith("('tensor'" if tensor == 2 else "(None"), r["engine_pool"]
+    assert ("tensor" in r["engine_pool"]["spec"]) == (tensor == 2), r["engine_pool"]  # 4 does not divide 2 heads
     assert r["engine_pool"]["devices"] == 8 and r["engine_pool"]["in_use"] == 0
     assert one["engine_pool"]["devices"] == 1
 
