@@ -30,6 +30,7 @@ from jaxrl_llm.engine.pages import (
     to_storage,
     write_pages,
 )
+from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.models.block import Attend, transformer_block
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decode import StepWeights, longrope_original, loop_layout_attention, step_ops
@@ -44,7 +45,7 @@ def check_engine_context(config: ModelConfig, longest: int) -> None:
     prompt plus its token limit)."""
     original = longrope_original(config)
     if original is not None and longest > original:
-        raise ValueError(f"the rollout engine runs a longrope model (Phi-3.5 style) within its original context of "
+        raise ConfigError(f"the rollout engine runs a longrope model (Phi-3.5 style) within its original context of "
                          f"{original} tokens, and this call may reach {longest}: use sampling.engine=static, or "
                          f"a shorter sampling.max_new_tokens or data.max_prompt_tokens")
 
