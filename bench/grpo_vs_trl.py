@@ -85,7 +85,7 @@ from common import (
 STORIES260K = Path(os.environ.get("STORIES260K", "/work/shared/models/stories260K"))
 PROMPTS_PER_STEP, GROUP, NEW_TOKENS, BETA, LR = 4, 8, 32, 0.04, 1e-5
 VARIED = False  # --varied: 8 x 8, up to 128 new tokens, EOS on, prompts that ask for short and long answers
-PADDED = True  # with --varied: the padded update on each rollout beside the packed one (--no-padded: skipped)
+PADDED = False  # --varied without --no-padded: the padded update on each rollout beside the packed one
 
 
 def use_varied_shape() -> None:
@@ -288,7 +288,7 @@ class Ours:
         ro, self.data_state = collected.batch, collected.data_state
         rollout = time.perf_counter() - t0
         collect_parts = self.timer.take()
-        padded = self.padded_update(ro, update_key) if VARIED and PADDED else {}
+        padded = self.padded_update(ro, update_key) if PADDED else {}
         self.timer.take()  # the padded update's parts are not the step's
         t1 = time.perf_counter()
         programs = self.jitted_update._cache_size()
@@ -305,7 +305,7 @@ class Ours:
                                  prompt_length=float(ro.prompt_mask.sum() / len(ro.prompt_mask)),
                                  padding_frac=metrics["update/padding_frac"], **padded,
                                  compiled=self.jitted_update._cache_size() > programs))
-        if VARIED and PADDED:
+        if PADDED:
             r = self.records[-1]
             print(f"    update packed {r['update']:.3f} s (padding {r['padding_frac']:.3f}"
                   f"{', compiled' if r['compiled'] else ''}), padded {r['update_padded']:.3f} s (padding "
@@ -600,7 +600,7 @@ def print_step_table(o: list[dict], t: list[dict] | None) -> None:
     line("    policy fwd+bwd+AdamW", "train")
     line("mean completion length (tokens)", "completion_length", ".1f")
     print()
-    if VARIED and PADDED:
+    if PADDED:
         print_packing(o)
 
 
@@ -662,9 +662,8 @@ def main() -> None:
         if not args.model:
             raise SystemExit("--varied needs --model DIR (a chat model, e.g. SmolLM2-135M-Instruct)")
         use_varied_shape()
-    if args.no_padded:
-        global PADDED
-        PADDED = False
+    global PADDED
+    PADDED = args.varied and not args.no_padded
     if args.new_tokens:
         global NEW_TOKENS
         NEW_TOKENS = args.new_tokens

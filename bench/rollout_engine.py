@@ -61,7 +61,7 @@ def main() -> None:
                         help="which of ours to run, comma-separated (the static sampler takes the longest)")
     args = parser.parse_args()
     chosen = args.samplers.split(",")
-    if not set(chosen) <= {"static", "engine"} or not chosen:
+    if not set(chosen) <= {"static", "engine"}:
         parser.error(f"--samplers takes static and/or engine, not {args.samplers!r}")
 
     config, params = load_hf_model(args.model, dtype=args.dtype)
@@ -100,8 +100,8 @@ def main() -> None:
         seconds = best_seconds(fn, repeats=args.repeats)
         results[name] = made[name] / seconds
         print(f"| {name} | {seconds:.2f} | {made[name]} | {results[name]:.0f} |")
-    s = engine.stats
     if "engine" in results:
+        s = engine.stats
         print(f"engine: {s.prefilled_tokens} prompt tokens prefilled, {s.decode_calls} decode calls, {s.shared_pages} "
               f"page reads shared, peak {s.peak_pages} of {pages} pages of {args.page_size}")
     if args.vllm_python:

@@ -46,8 +46,8 @@ def check_engine_context(config: ModelConfig, longest: int) -> None:
     original = longrope_original(config)
     if original is not None and longest > original:
         raise ConfigError(f"the rollout engine runs a longrope model (Phi-3.5 style) within its original context of "
-                         f"{original} tokens, and this call may reach {longest}: use sampling.engine=static, or "
-                         f"a shorter sampling.max_new_tokens or data.max_prompt_tokens")
+                          f"{original} tokens, and this call may reach {longest}: use sampling.engine=static, or "
+                          f"a shorter sampling.max_new_tokens or data.max_prompt_tokens")
 
 
 def layer_inputs(config: ModelConfig, positions: jax.Array, context: int
