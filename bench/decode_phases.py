@@ -1,7 +1,7 @@
 """Where a decode step of the rollout engine's CPU path goes: the whole step beside its phases, at one shape.
 
     python bench/decode_phases.py [--model DIR] [--slots 128] [--context 384] [--steps 16] [--repeats 3]
-                                  [--dtype bfloat16]
+                                  [--dtype bfloat16] [--attention auto|xla|cpu]
 
 The step is `engine/model.py: slot_decode_step` and the sampling of `engine/programs.py` (temperature 1.0, each
 row's own uniform), `--steps` steps in one jitted loop (as a decode call runs them), every one of `--slots` slots
@@ -10,7 +10,9 @@ The phases, each timed alone in a loop of the same steps:
 
 - `step without attention`: the same step with attention replaced by the identity on the queries (the matmuls,
   norms, RoPE, the MLP's activation and the unembedding);
-- `attention`: each layer's cache write and `loop_layout_attention` over the context;
+- `attention`: each layer's cache write and the attention over the context: `--attention` `xla` (XLA's dots,
+  `loop_layout_attention`), `cpu` (the C++ kernel, `engine/cpu_kernel.py`) or `auto` (the engine's choice here);
+  the whole step uses the same;
 - `sampling`: each row's uniform and `sample_with_uniform` over the logits `[slots, vocab]`.
 
 Printed: ms per step of each, its share of the whole step, tokens/s at this shape, and the matmuls' FLOP/s
@@ -32,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import best_seconds  # noqa: E402
+from jaxrl_llm.engine.kernels import attention_backend  # noqa: E402
 from jaxrl_llm.engine.model import layer_inputs, paged_logits, slot_attention, slot_decode_step  # noqa: E402  # noqa: E402
 from jaxrl_llm.engine.pages import storage_dtype  # noqa: E402
 from jaxrl_llm.engine.programs import prepare_weights, row_uniforms  # noqa: E402
@@ -54,9 +57,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    parser.add_argument("--attention", default="auto", choices=("auto", "xla", "cpu"))
     args = parser.parse_args()
 
     config, params = load_hf_model(args.model, dtype=args.dtype)
+    backend = attention_backend(config, args.attention, "cpu")
     c, s, ctx = config, args.slots, args.context
     weights = prepare_weights(params, config)
     rng = np.random.default_rng(0)
@@ -78,7 +83,7 @@ def main() -> None:
     def whole(caches: list, tokens: jax.Array) -> jax.Array:
         def body(j: jax.Array, carry: tuple) -> tuple:
             token, caches = carry
-            logits, caches = slot_decode_step(params, weights, c, token, start + j, caches)
+            logits, caches = slot_decode_step(params, weights, c, token, start + j, caches, attention=backend)
             return sample(logits, j), caches
         return jax.lax.fori_loop(0, args.steps, body, (tokens, caches))[0]
 
@@ -103,7 +108,7 @@ def main() -> None:
             allowed = layer_inputs(c, position[:, None], ctx)[False][2]
             new = []
             for cache_ in caches:
-                out, cache_ = slot_attention(c, cache_, position, allowed)(q, k0, k0)
+                out, cache_ = slot_attention(c, cache_, position, allowed, backend)(q, k0, k0)
                 q = out.reshape(q_shape).astype(c.jnp_dtype)
                 new.append(cache_)
             return q, new
@@ -123,7 +128,7 @@ def main() -> None:
               "attention": (jax.jit(attention), (caches, q0)),
               "sampling": (jax.jit(sampling), (logits0,))}
     print(f"{Path(args.model).name} {args.dtype}: {s} slots, context {ctx}, {args.steps} steps per call, "
-          f"jax {jax.__version__}")
+          f"attention {backend}, jax {jax.__version__}")
     print("| phase | ms / step | share of the step |")
     print("| --- | ---: | ---: |")
     ms = {}

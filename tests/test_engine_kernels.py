@@ -12,7 +12,7 @@ import pytest
 from conftest import left_padded_batch
 from test_engine import small_engine
 
-from jaxrl_llm.engine import engine_sample
+from jaxrl_llm.engine import cpu_kernel, engine_sample
 from jaxrl_llm.engine.kernels import attention_backend, paged_decode_attention
 from jaxrl_llm.engine.pages import init_pages, page_slots, write_pages
 from jaxrl_llm.models.config import ModelConfig
@@ -85,10 +85,13 @@ def test_the_engine_samples_the_same_with_the_kernel(kind, hf_model_dir):
 
 
 def test_each_platform_gets_its_kernel_where_it_can_run_the_model():
-    """auto: the GPU kernel on GPU, the TPU kernel on TPU only for heads of 128, XLA on the CPU and for sliding
-    windows; pallas where the kernel cannot run the model is a one-line error naming the setting."""
+    """auto: the GPU kernel on GPU, the TPU kernel on TPU only for heads of 128, the C++ kernel on the CPU (sliding
+    windows too) where it builds, XLA for sliding windows elsewhere; pallas where the kernel cannot run the model is
+    a one-line error naming the setting."""
     plain, wide, windowed = _config(), _config(head_dim=128, num_heads=4), _config(sliding_window=8)
-    assert [attention_backend(plain, "auto", p) for p in ("cpu", "gpu", "tpu")] == ["xla", "pallas_gpu", "xla"]
+    on_cpu = "cpu" if cpu_kernel.available() else "xla"
+    assert [attention_backend(plain, "auto", p) for p in ("cpu", "gpu", "tpu")] == [on_cpu, "pallas_gpu", "xla"]
+    assert attention_backend(windowed, "auto", "cpu") == on_cpu
     assert attention_backend(wide, "auto", "tpu") == "pallas_tpu"
     assert attention_backend(windowed, "auto", "gpu") == "xla"
     assert attention_backend(plain, "pallas", "cpu") == "pallas_interpret"

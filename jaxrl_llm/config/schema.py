@@ -128,9 +128,10 @@ class SamplingSection:
     # group); a smaller pool queues sequences until pages free
     engine_pages: int = at_least(0)
     # paged: the decode step's attention. auto = a Pallas paged-attention kernel over the pages on GPU (Triton) and
-    # TPU (head sizes that are multiples of 128), XLA elsewhere; xla; pallas = the kernel (on the CPU the GPU kernel
-    # in Pallas' interpreter: slow, for checking). Models with sliding-window layers use xla (docs/engine.md).
-    engine_attention: str = one_of("auto", ("auto", "xla", "pallas"))
+    # TPU (head sizes that are multiples of 128), on the CPU the project's C++ kernel (built on first use; xla where
+    # no C++ compiler is found); xla; cpu = the C++ kernel; pallas = the Pallas kernel (on the CPU the GPU kernel in
+    # Pallas' interpreter: slow, for checking). Sliding-window models use xla on GPU and TPU (docs/engine.md).
+    engine_attention: str = one_of("auto", ("auto", "xla", "cpu", "pallas"))
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Decode attention straight over the page pool with JAX's Pallas paged-attention kernels (GPU: Triton, TPU: Mosaic).
+"""The decode step's attention per backend: JAX's Pallas paged-attention kernels straight over the page pool (GPU:
+Triton, TPU: Mosaic); on the CPU a C++ kernel over contiguous per-call caches.
 
 One new query per slot attends to the first `length` positions of its sequence through its page table:
 
@@ -13,10 +14,13 @@ Where each runs (`attention_backend`):
   tiling); other heads use the XLA path;
 - `pallas_interpret`: the GPU kernel in Pallas' interpreter, on any device (slow; what the tests check the kernel's
   use against);
-- `xla`: no kernel. On the CPU the decode call gathers each slot's context once into contiguous caches
-  (`model.slot_caches`): XLA:CPU has no paged-attention kernel.
+- `cpu`: XLA:CPU has no paged-attention kernel, so on the CPU a decode call gathers each slot's context once into
+  contiguous caches (`model.slot_caches`) and attends over them with this project's C++ kernel
+  (`cpu_kernel.py`, built on first use; any mask, so sliding windows too);
+- `xla`: no kernel: the contiguous caches of `cpu` with XLA's own dots (where the C++ kernel cannot be built, or to
+  check it).
 
-Neither kernel has a sliding window: a model with sliding-window layers decodes on the XLA path.
+Neither Pallas kernel has a sliding window: a model with sliding-window layers decodes on the XLA path there.
 """
 
 from __future__ import annotations
@@ -28,10 +32,12 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as gpu_paged_attention
 from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_paged_attention
 
+from jaxrl_llm.engine import cpu_kernel
 from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.models.config import ModelConfig
 
-BACKENDS = ("xla", "pallas_gpu", "pallas_tpu", "pallas_interpret")
+BACKENDS = ("xla", "cpu", "pallas_gpu", "pallas_tpu", "pallas_interpret")
+CONTIGUOUS = ("xla", "cpu")  # the backends that decode over per-call contiguous caches
 
 
 def kernel_unsupported(config: ModelConfig, platform: str) -> str | None:
@@ -45,17 +51,25 @@ def kernel_unsupported(config: ModelConfig, platform: str) -> str | None:
 
 
 def attention_backend(config: ModelConfig, requested: str, platform: str | None = None) -> str:
-    """The decode attention a run uses: `requested` is `auto` (the platform's kernel where it can run the model,
-    else `xla`), `xla`, or `pallas` (the platform's kernel; on the CPU the GPU kernel in the interpreter; an error
-    when the kernel cannot run the model)."""
+    """The decode attention a run uses: `requested` is `auto` (the platform's kernel where it can run the model:
+    Pallas on GPU and TPU, the C++ kernel on the CPU where it builds; else `xla`), `xla`, `cpu` (the C++ kernel; an
+    error where it cannot be built), or `pallas` (the platform's kernel; on the CPU the GPU kernel in the
+    interpreter; an error when the kernel cannot run the model)."""
     platform = platform or jax.default_backend()
     kernel = {"gpu": "pallas_gpu", "cuda": "pallas_gpu", "rocm": "pallas_gpu", "tpu": "pallas_tpu"}.get(platform)
+    if requested == "cpu" or (requested == "auto" and platform == "cpu"):
+        why = cpu_kernel.unavailable_reason()
+        if why is None:
+            return "cpu"
+        if requested == "cpu":
+            raise ConfigError(f"sampling.engine_attention=cpu: {why}; use auto or xla")
+        return "xla"
     if requested == "xla" or (requested == "auto" and (kernel is None or kernel_unsupported(config, platform))):
         return "xla"
     if requested == "auto":
         return kernel  # type: ignore[return-value]
     if requested != "pallas":
-        raise ConfigError(f"sampling.engine_attention must be auto, xla or pallas, not {requested!r}")
+        raise ConfigError(f"sampling.engine_attention must be auto, xla, cpu or pallas, not {requested!r}")
     why = kernel_unsupported(config, "tpu" if kernel == "pallas_tpu" else "gpu")
     if why:
         raise ConfigError(f"sampling.engine_attention=pallas: {why}; use auto or xla")

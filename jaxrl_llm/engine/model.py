@@ -19,6 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxrl_llm.engine import cpu_kernel
 from jaxrl_llm.engine.kernels import paged_decode_attention
 from jaxrl_llm.engine.pages import (
     PagedLayer,
@@ -108,13 +109,19 @@ def slot_caches(pages: list[PagedLayer], page_table: jax.Array) -> list[dict[str
 
 
 def slot_attention(config: ModelConfig, cache: dict[str, jax.Array], positions: jax.Array,
-                   allowed: jax.Array) -> Attend:
+                   allowed: jax.Array, attention: str = "xla") -> Attend:
     """One new token per slot, written into the call's contiguous cache at each slot's own position
-    `positions [S]`, then attention over that cache under `allowed [S, 1, C]` (the static sampler's contraction
-    layout). The pages get the call's tokens once, at its end (`write_back`)."""
+    `positions [S]` (an idle slot's -1: at 0 on the XLA path, nowhere in the kernel; never read), then attention
+    over that cache under `allowed [S, 1, C]` (the static sampler's contraction layout): XLA's scatter and dots
+    (`attention="xla"`) or the C++ kernel (`"cpu"`, `cpu_kernel.py`). The pages get the call's tokens once, at its
+    end (`write_back`)."""
     dtype = config.jnp_dtype
 
     def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        if attention == "cpu":  # the write and the attention in one kernel call, the caches updated in place
+            out, k_all, v_all = cpu_kernel.decode_attention(q, to_storage(k[:, 0], dtype), to_storage(v[:, 0], dtype),
+                                                            positions, cache["k"], cache["v"], allowed, config)
+            return out.astype(config.jnp_activation_dtype), {"k": k_all, "v": v_all}
         rows, at = jnp.arange(q.shape[0]), jnp.maximum(positions, 0)
         k_all = cache["k"].at[rows, :, :, at].set(to_storage(k[:, 0], dtype))
         v_all = cache["v"].at[rows, :, at].set(to_storage(v[:, 0], dtype))
@@ -125,11 +132,11 @@ def slot_attention(config: ModelConfig, cache: dict[str, jax.Array], positions: 
 
 
 def slot_decode_step(params: Params, weights: list[StepWeights], config: ModelConfig, tokens: jax.Array,
-                     positions: jax.Array, caches: list[dict[str, jax.Array]], shards: int = 1
-                     ) -> tuple[jax.Array, list[dict[str, jax.Array]]]:
+                     positions: jax.Array, caches: list[dict[str, jax.Array]], shards: int = 1,
+                     attention: str = "xla") -> tuple[jax.Array, list[dict[str, jax.Array]]]:
     """One decode step of every slot over the call's caches: `tokens [S]` at `positions [S]` (-1: an idle slot,
-    whose write lands on slot 0 of its own cache and is never read). Returns float32 logits `[S, V]` and the
-    caches with the tokens written."""
+    whose write lands on slot 0 of its own cache and is never read), attention by `attention` (`xla` or `cpu`,
+    `slot_attention`). Returns float32 logits `[S, V]` and the caches with the tokens written."""
     c = config
     context = caches[0]["k"].shape[-1]
     inputs = layer_inputs(c, positions[:, None], context)
@@ -137,8 +144,8 @@ def slot_decode_step(params: Params, weights: list[StepWeights], config: ModelCo
     new_caches = []
     for i, (w, cache) in enumerate(zip(weights, caches, strict=True)):
         cos, sin, allowed = inputs[c.is_sliding(i)]
-        x, cache = transformer_block(x, step_ops(w, c, shards), slot_attention(c, cache, positions, allowed), cos,
-                                     sin, c)
+        attend = slot_attention(c, cache, positions, allowed, attention)
+        x, cache = transformer_block(x, step_ops(w, c, shards), attend, cos, sin, c)
         new_caches.append(cache)
     hidden = rms_norm(x[:, 0], params["final_norm"]["scale"], c.rms_norm_eps, unit_offset=c.norm_unit_offset)
     return paged_logits(params, c, hidden), new_caches
