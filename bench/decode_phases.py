@@ -3,16 +3,18 @@
     python bench/decode_phases.py [--model DIR] [--slots 128] [--context 384] [--steps 16] [--repeats 3]
                                   [--dtype bfloat16] [--attention auto|xla|cpu]
 
-The step is `engine/model.py: slot_decode_step` and the sampling of `engine/programs.py` (temperature 1.0, each
-row's own uniform), `--steps` steps in one jitted loop (as a decode call runs them), every one of `--slots` slots
-active, each holding a context of `--context` positions in the call's contiguous caches (the XLA path's layout).
+The step is `engine/model.py: kernel_decode_step` (the C++ kernel over the pages) or `slot_decode_step` (the XLA
+path) and the sampling of `engine/programs.py` (temperature 1.0, each row's own uniform), `--steps` steps in one
+jitted loop (as a decode call runs them), every one of `--slots` slots active, each holding a context of `--context`
+positions (no pages shared between slots).
 The phases, each timed alone in a loop of the same steps:
 
 - `step without attention`: the same step with attention replaced by the identity on the queries (the matmuls,
   norms, RoPE, the MLP's activation and the unembedding);
-- `attention`: each layer's cache write and the attention over the context: `--attention` `xla` (XLA's dots,
-  `loop_layout_attention`), `cpu` (the C++ kernel, `engine/cpu_kernel.py`) or `auto` (the engine's choice here);
-  the whole step uses the same;
+- `attention`: each layer's write of the new token and the attention over the context: `--attention xla` (the
+  engine's XLA path: contiguous per-call caches, `loop_layout_attention`), `cpu` (the C++ kernel straight over the
+  pages, `engine/cpu_kernel.py`; each slot's context in its own pages) or `auto` (the engine's choice here); the
+  whole step uses the same;
 - `sampling`: each row's uniform and `sample_with_uniform` over the logits `[slots, vocab]`.
 
 Printed: ms per step of each, its share of the whole step, tokens/s at this shape, and the matmuls' FLOP/s
@@ -35,8 +37,15 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import best_seconds  # noqa: E402
 from jaxrl_llm.engine.kernels import attention_backend  # noqa: E402
-from jaxrl_llm.engine.model import layer_inputs, paged_logits, slot_attention, slot_decode_step  # noqa: E402  # noqa: E402
-from jaxrl_llm.engine.pages import storage_dtype  # noqa: E402
+from jaxrl_llm.engine.model import (  # noqa: E402
+    kernel_attention,
+    kernel_decode_step,
+    layer_inputs,
+    paged_logits,
+    slot_attention,
+    slot_decode_step,
+)
+from jaxrl_llm.engine.pages import page_slots, storage_dtype  # noqa: E402
 from jaxrl_llm.engine.programs import prepare_weights, row_uniforms  # noqa: E402
 from jaxrl_llm.models.block import transformer_block  # noqa: E402
 from jaxrl_llm.models.decode import step_ops  # noqa: E402
@@ -71,8 +80,14 @@ def main() -> None:
         values = jnp.asarray(rng.standard_normal(shape) * 0.5, c.jnp_dtype)
         return jax.lax.bitcast_convert_type(values, stored) if stored == jnp.uint16 else values
 
-    kvh, hd = c.num_kv_heads, c.head_dim
-    caches = [{"k": cache((s, kvh, hd, ctx)), "v": cache((s, kvh, ctx, hd))} for _ in range(c.num_layers)]
+    kvh, hd, ps = c.num_kv_heads, c.head_dim, 16
+    if backend == "xla":  # the call's contiguous caches
+        caches = [{"k": cache((s, kvh, hd, ctx)), "v": cache((s, kvh, ctx, hd))} for _ in range(c.num_layers)]
+    else:  # the pool: each slot's context in its own pages, scattered
+        width = -(-ctx // ps)
+        caches = [{"k": cache((kvh, s * width + 1, ps, hd)), "v": cache((kvh, s * width + 1, ps, hd))}
+                  for _ in range(c.num_layers)]
+        table = jnp.asarray(rng.permutation(s * width).reshape(s, width), jnp.int32)
     start = jnp.asarray(rng.integers(ctx // 2, ctx - args.steps, s), jnp.int32)  # each slot's position
     tokens = jnp.asarray(rng.integers(0, c.vocab_size, s), jnp.int32)
     key_data = jax.random.key_data(jax.random.split(jax.random.key(0), s))
@@ -83,7 +98,10 @@ def main() -> None:
     def whole(caches: list, tokens: jax.Array) -> jax.Array:
         def body(j: jax.Array, carry: tuple) -> tuple:
             token, caches = carry
-            logits, caches = slot_decode_step(params, weights, c, token, start + j, caches, attention=backend)
+            if backend == "xla":
+                logits, caches = slot_decode_step(params, weights, c, token, start + j, caches)
+            else:
+                logits, caches = kernel_decode_step(params, weights, c, token, start + j, table, caches, backend)
             return sample(logits, j), caches
         return jax.lax.fori_loop(0, args.steps, body, (tokens, caches))[0]
 
@@ -106,9 +124,13 @@ def main() -> None:
             q, caches = carry
             position = start + j
             allowed = layer_inputs(c, position[:, None], ctx)[False][2]
+            slots = page_slots(table, position[:, None], ps, s * width + 1) if backend != "xla" else None
             new = []
             for cache_ in caches:
-                out, cache_ = slot_attention(c, cache_, position, allowed, backend)(q, k0, k0)
+                if backend == "xla":
+                    out, cache_ = slot_attention(c, cache_, position, allowed)(q, k0, k0)
+                else:
+                    out, cache_ = kernel_attention(c, cache_, table, slots, position + 1, backend)(q, k0, k0)
                 q = out.reshape(q_shape).astype(c.jnp_dtype)
                 new.append(cache_)
             return q, new

@@ -409,7 +409,8 @@ def plan_memory(config: ModelConfig, mesh_sizes: tuple[int, int, int], *, batch:
                 lora_rank: int = 0, lora_targets: str = "(q|k|v|o|gate|up|down)_proj", engine_page_size: int = 0,
                 engine_pages: int = 0, teacher: ModelConfig | None = None, teacher_in_update: bool = False,
                 max_tokens_per_microbatch: int = 0, max_staleness: int = 0,
-                sampler_mesh_sizes: tuple[int, int, int] | None = None) -> MemoryPlan:
+                sampler_mesh_sizes: tuple[int, int, int] | None = None, engine_slot_caches: bool = True
+                ) -> MemoryPlan:
     """Per-device memory of an RL step of `config` (its `dtype`, `param_dtype` and `remat` are used) on a
     `(data, fsdp, tensor)` mesh of `mesh_sizes`, without devices or allocation.
 
@@ -421,9 +422,11 @@ def plan_memory(config: ModelConfig, mesh_sizes: tuple[int, int, int], *, batch:
 
     `engine_page_size > 0` plans the rollout engine (`sampling.engine=paged`, the default) instead of the static
     sampler's cache: its pool of `engine_pages` pages (0: `batch * (ceil(P / ps) + n * ceil((P + T) / ps)) + 1`,
-    the prompt once per group), whole on every device with its KV heads split over `tensor`, plus the contiguous
-    per-call caches its decode gathers for every slot (`N` rows, split over `data * fsdp`, of `ceil((P + T) / ps)`
-    pages as `engine.pages.table_width` rounds them; docs/engine.md).
+    the prompt once per group), whole on every device with its KV heads split over `tensor`, plus, with
+    `engine_slot_caches` (the XLA path: a mesh of several devices, or `sampling.engine_attention=xla`), the
+    contiguous per-call caches its decode gathers for every slot (`N` rows, split over `data * fsdp`, of
+    `ceil((P + T) / ps)` pages as `engine.pages.table_width` rounds them; a kernel reads the pages instead;
+    docs/engine.md).
 
     `max_tokens_per_microbatch` (`rl.max_tokens_per_microbatch`, packed): a micro-batch is packed rows of the
     padded length `S` holding at most that many real tokens, so its activations are those of
@@ -457,7 +460,7 @@ def plan_memory(config: ModelConfig, mesh_sizes: tuple[int, int, int], *, batch:
         ps, per_token = engine_page_size, 2 * _nbytes((config.num_layers, kv_heads, config.head_dim), config.jnp_dtype)
         pages = -(-(padded_prompt + new_tokens) // ps)  # one sample's
         pool = engine_pages or batch * (-(-padded_prompt // ps) + group_size * pages) + 1
-        slot_rows = _divided(rollout_seqs, on["data"] * on["fsdp"])
+        slot_rows = _divided(rollout_seqs, on["data"] * on["fsdp"]) if engine_slot_caches else 0
         return (pool * ps + slot_rows * table_width(pages, ps) * ps) * per_token
 
     if engine_page_size:

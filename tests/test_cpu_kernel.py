@@ -1,7 +1,8 @@
-"""The CPU decode-attention kernel (jaxrl_llm/engine/cpu_kernel.py, decode_attention.cc): its output against a
-float64 reference (float32 caches) and the XLA path's roundings (bfloat16 caches), over group sizes and head sizes
-that take its vectorised and its generic code, soft caps, sliding-window bands and rows that read nothing; the engine's
-tokens and log-probs with it equal to the XLA path's; where no compiler is found, a reason and the XLA path."""
+"""The CPU paged decode-attention kernel (jaxrl_llm/engine/cpu_kernel.py, decode_attention.cc): its output through
+shuffled page tables against a float64 reference (float32 pool) and the XLA path's roundings (bfloat16 pool), over
+group sizes and head sizes that take its vectorised and its generic code, page sizes, soft caps, sliding windows and
+rows that read nothing; the engine's tokens and log-probs with it equal to the XLA path's; where no compiler is found,
+a reason and the XLA path."""
 
 from __future__ import annotations
 
@@ -30,70 +31,65 @@ def _config(heads: int, kv_heads: int, head_dim: int, cap: float | None = None, 
                        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, attn_logit_softcap=cap, dtype=dtype)
 
 
-def _masks(rows: int, context: int, rng: np.random.Generator) -> np.ndarray:
-    """`[rows, context]`: a row that reads nothing, prefixes of assorted lengths (under and over 16), one full row
-    and sliding-window bands (what `context_allowed` gives local layers)."""
-    masks = np.zeros((rows, context), bool)
-    for r in range(1, rows):
-        kind = r % 3
-        if kind == 0:
-            masks[r] = True
-        elif kind == 1:
-            masks[r, : rng.integers(1, context)] = True
-        else:
-            end = rng.integers(2, context)
-            masks[r, max(0, end - rng.integers(1, 12)) : end] = True
-    return masks
+def _pool(rows: int, lengths: np.ndarray, kv_heads: int, head_dim: int, page_size: int, dtype, rng):
+    """A pool `[KVH, N, page_size, hd]` of random keys and values and page tables `[rows, M]` of shuffled pages
+    (a row's pages scattered through the pool; rows 2 and 3 share their first page, as a group's samples share
+    their prompt's); also each row's keys and values in position order `[rows, KVH, M * page_size, hd]`."""
+    width = max(1, -(-int(lengths.max()) // page_size))
+    pages = rows * width + 1
+    table = rng.permutation(pages)[: rows * width].reshape(rows, width).astype(np.int32)
+    table[3, 0] = table[2, 0]
+    k, v = (jnp.asarray(rng.normal(size=(kv_heads, pages, page_size, head_dim)), dtype) for _ in range(2))
+    ordered = [np.asarray(x.astype(jnp.float32))[:, table].transpose(1, 0, 2, 3, 4).reshape(rows, kv_heads, -1,
+                                                                                          head_dim) for x in (k, v)]
+    return k, v, table, *ordered
 
 
-def _reference(q: np.ndarray, keys: np.ndarray, values: np.ndarray, masks: np.ndarray, scale: float,
-               cap: float | None) -> np.ndarray:
-    """float64: `q [B, H, hd]` over keys `[B, KVH, hd, C]`, values `[B, KVH, C, hd]`, `masks [B, C]` -> `[B, H, hd]`
-    (zeros for a row that reads nothing)."""
+def _stored(x: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype == jnp.bfloat16 else x
+
+
+def _reference(q: np.ndarray, keys: np.ndarray, values: np.ndarray, lengths: np.ndarray, window: int | None,
+               scale: float, cap: float | None) -> np.ndarray:
+    """float64: `q [S, H, hd]` over each row's keys and values `[S, KVH, C, hd]` in position order, positions
+    `max(0, length - window) .. length - 1` -> `[S, H, hd]` (zeros for a row of length 0)."""
     rows, heads, hd = q.shape
     group = heads // keys.shape[1]
     out = np.zeros(q.shape)
     for r in range(rows):
-        if not masks[r].any():
+        n = int(lengths[r])
+        lo = max(0, n - window) if window else 0
+        if n == 0:
             continue
         for h in range(heads):
-            s = q[r, h].astype(np.float64) @ keys[r, h // group].astype(np.float64) * scale
+            s = keys[r, h // group, lo:n].astype(np.float64) @ q[r, h].astype(np.float64) * scale
             if cap:
                 s = cap * np.tanh(s / cap)
-            s = np.where(masks[r], s, -np.inf)
             p = np.exp(s - s.max())
-            out[r, h] = (p / p.sum()) @ values[r, h // group].astype(np.float64)
+            out[r, h] = (p / p.sum()) @ values[r, h // group, lo:n].astype(np.float64)
     return out
 
 
-def _attend(q, keys, values, masks, config: ModelConfig) -> jax.Array:
-    """The kernel's attention alone: every row's position is -1 (no write)."""
-    rows, kv_heads, head_dim = keys.shape[0], keys.shape[1], keys.shape[2]
-    new = jnp.zeros((rows, kv_heads, head_dim), jnp.asarray(keys).dtype)
-    out, k, v = cpu_kernel.decode_attention(jnp.asarray(q), new, new, jnp.full((rows,), -1), jnp.asarray(keys),
-                                            jnp.asarray(values), jnp.asarray(masks), config)
-    np.testing.assert_array_equal(np.asarray(k), np.asarray(keys))  # nothing written
-    return out
+LENGTHS = np.asarray([0, 1, 15, 16, 17, 37, 64])  # empty, within a page, page edges, a tail past 16-key blocks
 
 
 @needs_kernel
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 32), (8, 2, 128), (6, 2, 16),
                                                             (10, 1, 64)])
-@pytest.mark.parametrize("cap", [None, 2.0])
-def test_the_kernel_equals_a_float64_reference(heads, kv_heads, head_dim, cap):
-    """float32 caches of 37 positions (two 16-key blocks and a tail): every row's heads equal the reference (<= 2e-5)
-    whatever its mask (prefix, band, full, empty), for the vectorised group sizes and head sizes (1..8 x 32/64/128)
-    and the generic path (head size 16, 10 query heads per KV head)."""
+@pytest.mark.parametrize(("cap", "window", "page_size"), [(None, None, 16), (2.0, None, 8), (None, 5, 4)])
+def test_the_kernel_equals_a_float64_reference(heads, kv_heads, head_dim, cap, window, page_size):
+    """A float32 pool read through shuffled page tables: every row's heads equal the reference (<= 2e-5) over its
+    own positions (lengths 0..64, the last `window` under a sliding window), for the vectorised group and head sizes
+    (1..8 x 32/64/128) and the generic path (head size 16, 10 query heads per KV head), with a soft cap, and for
+    pages of 16, 8 and 4."""
     rng = np.random.default_rng(heads * 100 + head_dim)
     config = _config(heads, kv_heads, head_dim, cap)
-    rows, context = 7, 37
-    q = rng.normal(size=(rows, heads, head_dim)).astype(np.float32)
-    keys = rng.normal(size=(rows, kv_heads, head_dim, context)).astype(np.float32)
-    values = rng.normal(size=(rows, kv_heads, context, head_dim)).astype(np.float32)
-    masks = _masks(rows, context, rng)
-    out = _attend(q, keys, values, masks, config)
-    expected = _reference(q, keys, values, masks, config.attention_scale, cap)
-    np.testing.assert_allclose(np.asarray(out).reshape(q.shape), expected, atol=2e-5)
+    k, v, table, keys, values = _pool(len(LENGTHS), LENGTHS, kv_heads, head_dim, page_size, jnp.float32, rng)
+    q = rng.normal(size=(len(LENGTHS), heads, head_dim)).astype(np.float32)
+    out = cpu_kernel.paged_decode_attention(jnp.asarray(q), k, v, jnp.asarray(table), jnp.asarray(LENGTHS), window,
+                                            config)
+    expected = _reference(q, keys, values, LENGTHS, window, config.attention_scale, cap)
+    np.testing.assert_allclose(np.asarray(out), expected, atol=2e-5)
     assert np.abs(expected[1:]).max(axis=-1).min() > 0.01  # every compared row and head attends to something
     assert not np.asarray(out)[0].any()  # the row that reads nothing gets zeros
 
@@ -101,58 +97,23 @@ def test_the_kernel_equals_a_float64_reference(heads, kv_heads, head_dim, cap):
 @needs_kernel
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (6, 2, 16)])
 def test_under_bfloat16_the_kernel_rounds_as_the_xla_path(heads, kv_heads, head_dim):
-    """bfloat16 caches stored as their bits: the kernel's output equals `loop_layout_attention` (bfloat16 operands,
-    float32 sums, probabilities rounded to bfloat16) to within a bfloat16 rounding of a probability, and is further
-    from the float64 reference of the unrounded query than the XLA path is close to the kernel (the roundings are
-    really applied)."""
+    """A bfloat16 pool stored as its bits: the kernel's output equals the engine's XLA path over the same rows
+    (`loop_layout_attention` on contiguous caches: bfloat16 operands, float32 sums, probabilities rounded to
+    bfloat16) to within a bfloat16 rounding of a probability, and is further from the float64 reference of the
+    unrounded query than that (the roundings are really applied)."""
     rng = np.random.default_rng(1)
     config = _config(heads, kv_heads, head_dim, dtype="bfloat16")
-    rows, context = 6, 53
-    q = jnp.asarray(rng.normal(size=(rows, 1, heads, head_dim)), jnp.float32)
-    keys = jnp.asarray(rng.normal(size=(rows, kv_heads, head_dim, context)), jnp.bfloat16)
-    values = jnp.asarray(rng.normal(size=(rows, kv_heads, context, head_dim)), jnp.bfloat16)
-    masks = _masks(rows, context, rng)
-    masks[0] = True  # the XLA path softmaxes an empty row over everything; compare rows that read something
-    bits = [jax.lax.bitcast_convert_type(x, jnp.uint16) for x in (keys, values)]
-    out = np.asarray(_attend(q, *bits, jnp.asarray(masks)[:, None], config))
-    xla = np.asarray(loop_layout_attention(q, keys, values, jnp.asarray(masks)[:, None], config))
-    exact = _reference(np.asarray(q)[:, 0], np.asarray(keys, np.float32), np.asarray(values, np.float32), masks,
-                       config.attention_scale, None).reshape(out.shape)
+    lengths = LENGTHS[1:]  # the XLA path softmaxes an empty row over everything; compare rows that read something
+    k, v, table, keys, values = _pool(len(lengths), lengths, kv_heads, head_dim, 16, jnp.bfloat16, rng)
+    q = jnp.asarray(rng.normal(size=(len(lengths), heads, head_dim)), jnp.float32)
+    out = np.asarray(cpu_kernel.paged_decode_attention(q, _stored(k), _stored(v), jnp.asarray(table),
+                                                       jnp.asarray(lengths), None, config))
+    allowed = jnp.asarray(np.arange(keys.shape[2])[None, None, :] < lengths[:, None, None])
+    xla = np.asarray(loop_layout_attention(q[:, None], jnp.asarray(keys, jnp.bfloat16).swapaxes(2, 3),
+                                           jnp.asarray(values, jnp.bfloat16), allowed, config)).reshape(out.shape)
+    exact = _reference(np.asarray(q), keys, values, lengths, None, config.attention_scale, None)
     assert np.abs(out - xla).max() <= 8e-3
     assert np.abs(out - exact).max() > 4 * np.abs(out - xla).mean()
-
-
-@needs_kernel
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_step_writes_the_token_where_the_xla_path_does(dtype):
-    """`slot_attention` with the kernel: each active row's new key and value land in its cache at its position
-    exactly as the XLA path's scatter puts them (bit for bit; an idle row's cache is left as it was), and the
-    attention over the updated cache agrees with the XLA path's (float32: <= 2e-5)."""
-    from jaxrl_llm.engine.model import layer_inputs, slot_attention
-    from jaxrl_llm.engine.pages import storage_dtype
-
-    rng = np.random.default_rng(2)
-    config = _config(6, 2, 32, dtype=dtype)
-    rows, context, stored = 5, 40, storage_dtype(config.jnp_dtype)
-
-    def cache(shape):
-        x = jnp.asarray(rng.normal(size=shape), config.jnp_dtype)
-        return jax.lax.bitcast_convert_type(x, stored) if stored == jnp.uint16 else x
-
-    caches = {"k": cache((rows, 2, 32, context)), "v": cache((rows, 2, context, 32))}
-    positions = jnp.asarray([0, 17, -1, 39, 5], jnp.int32)
-    allowed = layer_inputs(config, positions[:, None], context)[False][2]
-    q = jnp.asarray(rng.normal(size=(rows, 1, 6, 32)), jnp.float32)
-    k, v = (jnp.asarray(rng.normal(size=(rows, 1, 2, 32)), jnp.float32) for _ in range(2))
-    out_x, cache_x = slot_attention(config, dict(caches), positions, allowed, "xla")(q, k, v)
-    out_k, cache_k = slot_attention(config, dict(caches), positions, allowed, "cpu")(q, k, v)
-    active = np.asarray(positions) >= 0
-    for name in ("k", "v"):
-        np.testing.assert_array_equal(np.asarray(cache_k[name])[active], np.asarray(cache_x[name])[active])
-        np.testing.assert_array_equal(np.asarray(cache_k[name])[~active], np.asarray(caches[name])[~active])
-        assert not np.array_equal(np.asarray(cache_k[name])[active], np.asarray(caches[name])[active])
-    atol = 2e-5 if dtype == "float32" else 8e-3
-    np.testing.assert_allclose(np.asarray(out_k)[active], np.asarray(out_x)[active], atol=atol)
 
 
 @needs_kernel

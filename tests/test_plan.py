@@ -4,6 +4,7 @@ XLA's compiled train step."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -327,11 +328,33 @@ def test_engine_plan_counts_the_engines_pool_and_slot_caches() -> None:
     kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2  # keys and values, bfloat16
     assert static.kv_cache == prompts * group * (prompt_len + new) * kv_per_token
     assert got.kv_cache == (pages * size + prompts * group * width * size) * kv_per_token
+    # A kernel reading the pages (GPU, TPU, the CPU's C++ one): the pool alone.
+    kernel = plan.plan_memory(config, (1, 1, 1), batch=prompts, group_size=group, prompt_len=prompt_len,
+                              new_tokens=new, engine_page_size=size, engine_slot_caches=False)
+    assert kernel.kv_cache == pool
     # On a (2, 2, 2) mesh: every page on every device with its KV heads halved over tensor; the 12 slots split 4 ways.
     assert config.num_kv_heads % 2 == 0 and (prompts * group) % 4 == 0
     on_mesh = plan.plan_memory(config, (2, 2, 2), batch=prompts, group_size=group, prompt_len=prompt_len,
                                new_tokens=new, engine_page_size=size)
     assert on_mesh.kv_cache == (pages * size + prompts * group // 4 * width * size) * kv_per_token // 2
+
+
+def test_the_plan_counts_slot_caches_only_where_the_engine_decodes_on_the_xla_path() -> None:
+    """`plan`: the slot caches are planned for `sampling.engine_attention=xla`, a mesh (or sampler mesh) of several
+    devices, and a sliding-window model unless the attention is the CPU kernel (the Pallas kernels have no window);
+    not for a kernel on one device."""
+    from jaxrl_llm.cli.plan import slot_caches_planned
+
+    plain = config_from_hf(dict(LIVE_CASES[0][1]))
+    windowed = dataclasses.replace(plain, sliding_window=8)
+    one, eight = dict(mesh=(1, 1, 1), sampler_mesh=None), dict(mesh=(8, 1, 1), sampler_mesh=None)
+    assert not slot_caches_planned(plain, {**one, "engine_attention": "auto"})
+    assert not slot_caches_planned(plain, {**one, "engine_attention": "cpu"})
+    assert slot_caches_planned(plain, {**one, "engine_attention": "xla"})
+    assert slot_caches_planned(plain, {**eight, "engine_attention": "auto"})
+    assert not slot_caches_planned(plain, {**eight, "sampler_mesh": (1, 1, 1), "engine_attention": "auto"})
+    assert slot_caches_planned(windowed, {**one, "engine_attention": "auto"})
+    assert not slot_caches_planned(windowed, {**one, "engine_attention": "cpu"})
 
 
 def test_a_distillation_teacher_is_counted(capsys):

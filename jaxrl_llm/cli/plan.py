@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -134,6 +135,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="sampling.engine_page_size: the rollout engine's page size (default 16; 0: plan the static "
                    "sampler's cache instead; from a config: its page size, 0 when sampling.engine=static)")
     p.add_argument("--engine-pages", type=int, help="sampling.engine_pages: the engine's pool (0: what a step needs)")
+    p.add_argument("--engine-attention", choices=("auto", "xla", "cpu", "pallas"),
+                   help="sampling.engine_attention: xla (or a sampler mesh of several devices, or a sliding-window "
+                   "model off the CPU kernel) adds the decode call's contiguous slot caches; a kernel reads the pages")
     p.add_argument("--max-tokens-per-microbatch", type=int,
                    help="rl.max_tokens_per_microbatch: plan a packed micro-batch of this many tokens")
     p.add_argument("--teacher", help="distill.teacher: count a distillation teacher's frozen weights (a model "
@@ -170,6 +174,7 @@ _SETTINGS: tuple[tuple[str, Any, Any], ...] = (
     ("lora_rank", 0, lambda c: c.lora.rank),
     ("engine_page_size", 16, lambda c: c.sampling.engine_page_size if c.sampling.engine == "paged" else 0),
     ("engine_pages", 0, lambda c: c.sampling.engine_pages),
+    ("engine_attention", "auto", lambda c: c.sampling.engine_attention),
     ("lora_targets", "(q|k|v|o|gate|up|down)_proj", lambda c: c.lora.targets),
     ("teacher", "", lambda c: c.distill.teacher if c.algo == "distill" else ""),
     ("jsd", False, lambda c: c.algo == "distill" and c.distill.loss == "jsd"),
@@ -209,6 +214,15 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
     if not out["model"]:
         raise UsageError("no model to plan: give --model DIR_OR_HUB_ID, or --config FILE of a run")
     return out
+
+
+def slot_caches_planned(config: ModelConfig, run: dict[str, Any]) -> bool:
+    """Whether the engine's decode runs on the XLA path, which gathers contiguous slot caches (docs/engine.md):
+    `sampling.engine_attention=xla`, a sampler mesh of several devices, or a sliding-window model where the
+    attention is not the CPU kernel (the Pallas kernels have no window)."""
+    devices = math.prod(run["sampler_mesh"] or run["mesh"])
+    sliding = any(config.is_sliding(i) for i in range(config.num_layers))
+    return run["engine_attention"] == "xla" or devices > 1 or (sliding and run["engine_attention"] != "cpu")
 
 
 def _overlap_rows(plan: MemoryPlan, row: Any) -> list[str]:
@@ -302,7 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             teacher=config_from_hf(load_hf_config_dict(run["teacher"]), param_dtype=run["param_dtype"])
             if run["teacher"] else None, teacher_in_update=run["jsd"],
             max_tokens_per_microbatch=run["max_tokens_per_microbatch"], max_staleness=run["max_staleness"],
-            sampler_mesh_sizes=run["sampler_mesh"],
+            sampler_mesh_sizes=run["sampler_mesh"], engine_slot_caches=slot_caches_planned(config, run),
         )
     except (ValueError, OSError) as e:  # bad sizes, mesh or model: the user's input (ConversionError included)
         raise UsageError(str(e)) from e

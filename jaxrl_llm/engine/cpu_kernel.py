@@ -1,13 +1,15 @@
-"""The CPU decode-attention kernel: `decode_attention.cc`, built on first use and called through XLA's FFI.
+"""The CPU paged decode-attention kernel: `decode_attention.cc`, built on first use and called through XLA's FFI.
 
-    decode_attention(q, k_new, v_new, positions, k, v, allowed, config) -> (out [B, 1, H * hd], k, v)
+    paged_decode_attention(q [S, H, hd], k_pages, v_pages [KVH, N, page_size, hd], page_table [S, M],
+                           lengths [S], window, config) -> [S, H, hd]
 
-each row's new key and value written into the decode loop's contiguous caches (in place), then the same result as
-`models.decode.loop_layout_attention` over them (keys and values as stored: bfloat16 bits or float32; `q` float32),
-with the precision policy's roundings (bfloat16 operands, float32 sums). XLA:CPU has no paged or decode attention
-kernel of its own: it runs the contraction as many tiny batched dots far below its memory speed and the one-token
-write as a slow scatter; the kernel writes in place and streams each row's cache once (bench/README.md,
-`decode_phases.py`).
+one query per slot over its first `lengths` positions (the last `window` of them under a sliding window) straight
+through its page table, the pool as stored (bfloat16 bits or float32), with the precision policy's roundings
+(bfloat16 operands, float32 sums): what the engine's XLA path computes over gathered contiguous caches
+(`model.slot_caches`, `models.decode.loop_layout_attention`). XLA:CPU has no paged or decode attention of its own;
+its path copies every slot's context once per decode call and runs the contraction as many tiny batched dots far
+below its memory speed (bench/README.md, `decode_phases.py`). The kernel reads the pages where they are, so the G
+samples of a group read their prompt's shared pages (from cache) and a decode call holds no contiguous caches.
 
 Building: the source is compiled once per machine with the system's C++ compiler (`$CXX`, else `c++`/`g++`) against
 jaxlib's FFI headers, `-O3 -march=native`, into `$JAXRL_LLM_KERNEL_CACHE` (default `~/.cache/jaxrl_llm/kernels`),
@@ -36,7 +38,7 @@ import numpy as np
 from jaxrl_llm.models.config import ModelConfig
 
 SOURCE = Path(__file__).with_name("decode_attention.cc")
-TARGET = "jaxrl_llm_decode_attention"
+TARGET = "jaxrl_llm_paged_decode_attention"
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-mprefer-vector-width=512")
 
 
@@ -94,7 +96,7 @@ def _load() -> str | None:
         return "no C++ compiler found ($CXX, c++, g++ or clang++)"
     try:
         library = ctypes.cdll.LoadLibrary(str(_build(compiler)))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.DecodeAttention), platform="cpu")
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.PagedDecodeAttention), platform="cpu")
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
         return str(error)
     return None
@@ -110,24 +112,15 @@ def unavailable_reason() -> str | None:
     return _load()
 
 
-def decode_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, positions: jax.Array, k: jax.Array,
-                     v: jax.Array, allowed: jax.Array, config: ModelConfig
-                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Each row's new key and value written into its cache, then `softmax(softcap(scale * q . K), allowed) . V` of
-    its one query, as `models.decode.loop_layout_attention` (with `engine.model.slot_attention`'s write):
-
-    `q [B, 1, H, hd]` or `[B, H, hd]` (float32), the new `k_new, v_new [B, KVH, hd]` written at `positions [B]`
-    (negative: no write) into keys `[B, KVH, hd, C]` and values `[B, KVH, C, hd]` (as stored: bfloat16 bits as
-    `uint16`, or float32; updated in place where XLA can donate them), `allowed [B, 1, C]` or `[B, C]`
-    -> (`[B, 1, H * hd]` float32, keys, values)."""
+def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
+                           lengths: jax.Array, window: int | None, config: ModelConfig) -> jax.Array:
+    """`q [S, H, hd]` (float32, unscaled) over the pool's `k_pages, v_pages [KVH, N, page_size, hd]` (as stored)
+    at `page_table [S, M]`: each row reads its positions `max(0, length - window) .. length - 1` (`lengths [S]`;
+    0 reads nothing and gives zeros) -> `[S, H, hd]` float32."""
     why = _load()
     if why is not None:
         raise RuntimeError(f"the CPU decode-attention kernel is unavailable: {why}")
-    b, h, hd = q.shape[0], config.num_heads, config.head_dim
-    shapes = (jax.ShapeDtypeStruct((b, h, hd), jnp.float32), jax.ShapeDtypeStruct(k.shape, k.dtype),
-              jax.ShapeDtypeStruct(v.shape, v.dtype))
-    call = jax.ffi.ffi_call(TARGET, shapes, input_output_aliases={4: 1, 5: 2}, vmap_method="sequential")
-    out, k, v = call(q.reshape(b, h, hd).astype(jnp.float32), k_new.astype(k.dtype), v_new.astype(v.dtype),
-                     positions.astype(jnp.int32), k, v, allowed.reshape(b, -1).astype(bool),
-                     scale=np.float32(config.attention_scale), softcap=np.float32(config.attn_logit_softcap or 0.0))
-    return out.reshape(b, 1, h * hd), k, v
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential")
+    return call(q.astype(jnp.float32), k_pages, v_pages, page_table.astype(jnp.int32), lengths.astype(jnp.int32),
+                window=np.int64(window or 0), scale=np.float32(config.attention_scale),
+                softcap=np.float32(config.attn_logit_softcap or 0.0))

@@ -1,25 +1,24 @@
-// Decode attention for XLA:CPU: one new token per row written into that row's contiguous key and value cache, then
-// its query over the cache, as an XLA FFI custom call (built on first use by jaxrl_llm/engine/cpu_kernel.py).
+// Paged decode attention for XLA:CPU: one query per row over that row's keys and values in the engine's page pool,
+// as an XLA FFI custom call (built on first use by jaxrl_llm/engine/cpu_kernel.py).
 //
-//   q         [B, H, hd]      float32 (the activations), rounded to bfloat16 first when the cache is bfloat16
-//   k_new     [B, KVH, hd]    the token's key, as the cache stores it; written at k[b, :, :, position[b]]
-//   v_new     [B, KVH, hd]    its value; written at v[b, :, position[b], :]
-//   position  [B]             int32; a negative position writes nothing (an idle slot)
-//   k         [B, KVH, hd, C] bfloat16 bits (uint16) or float32: the decode loop's key layout (updated in place)
-//   v         [B, KVH, C, hd] the same dtype as k (updated in place)
-//   allowed   [B, C]          bool: the keys each row's query may read (the new one included)
-//   out       [B, H, hd]      float32; the k and v outputs alias the k and v inputs
+//   q           [S, H, hd]            float32 (the activations), rounded to bfloat16 first under a bfloat16 pool
+//   k, v        [KVH, N, page_size, hd] the pool as stored: bfloat16 bits (uint16) or float32
+//   page_table  [S, M]                int32: position p of row r lives in page page_table[r, p / page_size]
+//   lengths     [S]                   int32: row r reads positions max(0, length - window) .. length - 1
+//   out         [S, H, hd]            float32 (zeros for a row of length 0)
+//   attributes  window (0: none), scale, softcap (0: none)
 //
-//   out[b, h] = sum_s p[b, h, s] v[b, h / G, s],   p = softmax_s(softcap(scale * q[b, h] . k[b, h / G, :, s]))
+//   out[r, h] = sum_p softmax_p(softcap(scale * q[r, h] . k[h / G, p])) v[h / G, p]
 //
-// over the allowed `s` only (G = H / KVH query heads share a KV head). Under a bfloat16 cache the probabilities are
-// rounded to bfloat16 before the second contraction, as `jaxrl_llm.models.precision` does for the XLA path's dots;
-// both contractions accumulate in float32. A row with no allowed key gets zeros.
+// (G = H / KVH query heads share a KV head). Under a bfloat16 pool the probabilities are rounded to bfloat16 before
+// the second contraction, as `jaxrl_llm.models.precision` rounds the XLA path's dot operands; both contractions
+// accumulate in float32.
 //
-// Why a kernel: XLA:CPU runs this as one [G x hd] x [hd x C] dot per row and KV head at ~13 GFLOP/s, 7.6x the time
-// it takes to read the cache once, and its one-token scatter into the cache at ~36 ns an element (bench/README.md,
-// decode_phases.py). Here each (row, KV head) is one task that writes its token and streams its keys and values once, vectorised along the cache (keys) and along hd (values); the tasks are spread
-// over XLA's intra-op thread pool.
+// Why a kernel: XLA:CPU has no paged attention. Its path gathers every slot's pages into contiguous caches once per
+// decode call and runs the contraction as one [G x hd] x [hd x C] dot per row and KV head at ~13 GFLOP/s, 7.6x the
+// time it takes to read the cache once (bench/README.md, decode_phases.py). Here each (row, KV head) is one task
+// that streams its pages once; the G samples of a GRPO group read their prompt's shared pages, which the tasks of
+// neighbouring rows find in cache. Tasks are spread over XLA's intra-op thread pool.
 
 #include <algorithm>
 #include <atomic>
@@ -36,13 +35,6 @@
 namespace ffi = xla::ffi;
 
 namespace {
-
-inline float Bf16ToF32(uint16_t bits) {
-  uint32_t u = static_cast<uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
 
 // Round to the nearest bfloat16, ties to even (what XLA's convert does); NaN stays NaN.
 inline float RoundToBf16(float x) {
@@ -67,34 +59,11 @@ inline void ToFloat(const T* src, float* dst, int64_t n) {
   }
 }
 
-// exp(x) for x <= 0 in plain arithmetic (so the loop vectorises): x = n ln2 + r, |r| <= ln2 / 2, a degree-6
-// polynomial for exp(r) (relative error ~2e-7), 2^n from the exponent bits. Below -87 it returns 0.
-inline float ExpNonPositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
-  float p = 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t e = static_cast<int32_t>(n) + 127;
-  uint32_t bits = static_cast<uint32_t>(e) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
-struct Shape {
-  int64_t rows, heads, kv_heads, head_dim, context;
-};
-
 // 16 float32 lanes (GCC/Clang vector extensions: one AVX-512 register, two AVX2 ones).
 typedef float F32x16 __attribute__((vector_size(64)));
 typedef uint16_t U16x16 __attribute__((vector_size(32)));
 typedef uint32_t U32x16 __attribute__((vector_size(64)));
+typedef int32_t I32x16 __attribute__((vector_size(64)));
 constexpr int kLanes = 16;
 
 template <typename T>
@@ -113,29 +82,11 @@ inline F32x16 Load16(const T* src) {
   }
 }
 
-// The first `lanes` (< 16) values, zeros after.
-template <typename T>
-inline F32x16 LoadPartial(const T* src, int64_t lanes) {
-  T tmp[kLanes] = {};
-  std::memcpy(tmp, src, lanes * sizeof(T));
-  return Load16(tmp);
-}
-
 // `x` as the policy rounds an operand next to a `T` cache: to bfloat16 beside bfloat16 bits, else as it is.
 template <typename T>
 inline float Rounded(float x) {
   return std::is_same_v<T, float> ? x : RoundToBf16(x);
 }
-
-// The mask's span [first, last] for a row, or first > last when it allows nothing.
-inline void Span(const bool* mask, int64_t c, int64_t* first, int64_t* last) {
-  *first = 0, *last = c - 1;
-  while (*first < c && !mask[*first]) ++*first;
-  while (*last >= *first && !mask[*last]) --*last;
-}
-
-typedef int32_t I32x16 __attribute__((vector_size(64)));
-typedef uint8_t U8x16 __attribute__((vector_size(16)));
 
 inline F32x16 Splat(float x) { return F32x16{} + x; }
 
@@ -154,7 +105,9 @@ inline float HorizontalSum(F32x16 x) {
   return total;
 }
 
-// ExpNonPositive on 16 lanes (n rounded to nearest by the 1.5 * 2^23 trick, exact for |n| < 2^22).
+// exp(x) for x <= 0 on 16 lanes in plain arithmetic: x = n ln2 + r, |r| <= ln2 / 2 (n rounded to nearest by the
+// 1.5 * 2^23 trick), a degree-6 polynomial for exp(r) (relative error ~2e-7), 2^n from the exponent bits; below -87
+// it is clamped (~1.6e-38).
 inline F32x16 Exp16(F32x16 x) {
   x = Max16(x, Splat(-87.0f));
   const F32x16 magic = Splat(12582912.0f);
@@ -182,21 +135,13 @@ inline F32x16 RoundToBf16x16(F32x16 x) {
   return x;
 }
 
-// Lanes i0 .. i0 + 15 of the mask (false past n) as all-ones / zero lanes.
-inline I32x16 MaskLanes(const bool* mask, int64_t i0, int64_t n) {
-  uint8_t bytes[kLanes] = {};
-  std::memcpy(bytes, mask + i0, std::min<int64_t>(kLanes, n - i0));
-  U8x16 packed;
-  std::memcpy(&packed, bytes, sizeof(packed));
-  return __builtin_convertvector(packed, I32x16) != 0;
-}
-
 // scores [G, n16] (n16 = n rounded up to 16; lanes past n are ignored) -> probabilities in place: scale, soft cap,
-// the mask, softmax, rounded as `T`'s policy asks; disallowed and padding lanes get 0.
+// softmax over the first n, rounded as `T`'s policy asks; padding lanes get 0.
 template <typename T>
-void Softmax(float* scores, const bool* mask, int64_t g_count, int64_t n, float scale, float softcap) {
+void Softmax(float* scores, int64_t g_count, int64_t n, float scale, float softcap) {
   const int64_t n16 = (n + kLanes - 1) / kLanes * kLanes;
   const F32x16 neg_inf = Splat(-INFINITY);
+  const I32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   for (int64_t g = 0; g < g_count; ++g) {
     float* sg = scores + g * n16;
     if (softcap > 0.0f) {
@@ -207,7 +152,7 @@ void Softmax(float* scores, const bool* mask, int64_t g_count, int64_t n, float 
     for (int64_t i0 = 0; i0 < n16; i0 += kLanes) {
       F32x16 x;
       std::memcpy(&x, sg + i0, sizeof(x));
-      x = MaskLanes(mask, i0, n) ? x * pre : neg_inf;
+      x = lane + static_cast<int32_t>(i0) < static_cast<int32_t>(n) ? x * pre : neg_inf;
       std::memcpy(sg + i0, &x, sizeof(x));
       peak = Max16(peak, x);
     }
@@ -216,7 +161,7 @@ void Softmax(float* scores, const bool* mask, int64_t g_count, int64_t n, float 
     for (int64_t i0 = 0; i0 < n16; i0 += kLanes) {
       F32x16 x;
       std::memcpy(&x, sg + i0, sizeof(x));
-      const F32x16 e = MaskLanes(mask, i0, n) ? Exp16(x - top) : F32x16{};
+      const F32x16 e = lane + static_cast<int32_t>(i0) < static_cast<int32_t>(n) ? Exp16(x - top) : F32x16{};
       std::memcpy(sg + i0, &e, sizeof(e));
       total += e;
     }
@@ -231,34 +176,84 @@ void Softmax(float* scores, const bool* mask, int64_t g_count, int64_t n, float 
   }
 }
 
-// One (row, KV head) with G query heads and hd = 16 * HC, the accumulators in registers: scores 16 keys at a
-// time (G vectors), the output's G x HC vectors over every key.
+inline F32x16 Fold(F32x16 x, F32x16 y, I32x16 a, I32x16 b) {
+  return __builtin_shuffle(x, y, a) + __builtin_shuffle(x, y, b);
+}
+
+// v[16] -> one vector whose lane j is the sum of v[bitrev4(j)]'s lanes: a transpose-and-add tree (4 levels of two
+// shuffles and an add), so 16 dot products cost one reduction. Callers store dot product l at v[bitrev4(l)].
+inline F32x16 Reduce16(const F32x16* v) {
+  const I32x16 a1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const I32x16 b1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+  const I32x16 a2 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+  const I32x16 b2 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
+  const I32x16 a3 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+  const I32x16 b3 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+  const I32x16 a4 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+  const I32x16 b4 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
+  F32x16 l1[8], l2[4], l3[2];
+  for (int k = 0; k < 8; ++k) l1[k] = Fold(v[2 * k], v[2 * k + 1], a1, b1);
+  for (int k = 0; k < 4; ++k) l2[k] = Fold(l1[2 * k], l1[2 * k + 1], a2, b2);
+  for (int k = 0; k < 2; ++k) l3[k] = Fold(l2[2 * k], l2[2 * k + 1], a3, b3);
+  return Fold(l3[0], l3[1], a4, b4);
+}
+
+constexpr int kBitReverse4[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+
+struct PagedShape {
+  int64_t rows, heads, kv_heads, head_dim, num_pages, page_size, table_width;
+};
+
+// One (row, KV head) over its pages: positions start .. start + n - 1 through `table`; the pool of this KV head is
+// `k_pool, v_pool [num_pages, page_size, hd]`. Keys are position-major here, so each score is a dot product over
+// hd (HC vectors), 16 of them reduced at once.
 template <typename T, int G, int HC>
-void AttendBlocked(const float* q_rows, const T* keys, const T* values, const bool* mask, float* out_rows,
-                   int64_t c, int64_t first, int64_t n, float scale, float softcap, std::vector<float>& scratch) {
+void PagedBlocked(const float* q_rows, const T* k_pool, const T* v_pool, const int32_t* table, int64_t page_size,
+                  int64_t start, int64_t n, float* out_rows, float scale, float softcap,
+                  std::vector<float>& scratch) {
   constexpr int64_t hd = HC * kLanes;
   const int64_t n16 = (n + kLanes - 1) / kLanes * kLanes;
-  scratch.resize(G * hd + G * n16);
-  float* qs = scratch.data();
-  float* scores = qs + G * hd;
-  for (int64_t i = 0; i < G * hd; ++i) qs[i] = Rounded<T>(q_rows[i]);
-  const T* k0 = keys + first;
-  for (int64_t i0 = 0; i0 < n; i0 += kLanes) {
-    const int64_t lanes = std::min<int64_t>(kLanes, n - i0);
-    F32x16 acc[G] = {};
-    for (int64_t d = 0; d < hd; ++d) {
-      const F32x16 kv = lanes == kLanes ? Load16(k0 + d * c + i0) : LoadPartial(k0 + d * c + i0, lanes);
-      for (int g = 0; g < G; ++g) acc[g] += qs[g * hd + d] * kv;
+  scratch.resize(G * n16);
+  float* scores = scratch.data();
+  F32x16 qv[G][HC];
+  for (int g = 0; g < G; ++g) {
+    for (int h = 0; h < HC; ++h) {
+      float lanes[kLanes];
+      for (int l = 0; l < kLanes; ++l) lanes[l] = Rounded<T>(q_rows[g * hd + h * kLanes + l]);
+      std::memcpy(&qv[g][h], lanes, sizeof(lanes));
     }
-    for (int g = 0; g < G; ++g) std::memcpy(scores + g * n16 + i0, &acc[g], sizeof(acc[g]));
   }
-  Softmax<T>(scores, mask + first, G, n, scale, softcap);
+  auto row_of = [&](const T* pool, int64_t position) {
+    return pool + (static_cast<int64_t>(table[position / page_size]) * page_size + position % page_size) * hd;
+  };
+  for (int64_t i0 = 0; i0 < n16; i0 += kLanes) {
+    F32x16 dots[G][kLanes];
+    for (int l = 0; l < kLanes; ++l) {
+      const int slot = kBitReverse4[l];
+      if (i0 + l >= n) {
+        for (int g = 0; g < G; ++g) dots[g][slot] = F32x16{};
+        continue;
+      }
+      const T* key = row_of(k_pool, start + i0 + l);
+      F32x16 kr[HC];
+      for (int h = 0; h < HC; ++h) kr[h] = Load16(key + h * kLanes);
+      for (int g = 0; g < G; ++g) {
+        F32x16 acc = qv[g][0] * kr[0];
+        for (int h = 1; h < HC; ++h) acc += qv[g][h] * kr[h];
+        dots[g][slot] = acc;
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      const F32x16 sums = Reduce16(dots[g]);
+      std::memcpy(scores + g * n16 + i0, &sums, sizeof(sums));
+    }
+  }
+  Softmax<T>(scores, G, n, scale, softcap);
   F32x16 out[G][HC] = {};
-  const T* v0 = values + first * hd;
   for (int64_t i = 0; i < n; ++i) {
-    if (!mask[first + i]) continue;
+    const T* value = row_of(v_pool, start + i);
     F32x16 row[HC];
-    for (int h = 0; h < HC; ++h) row[h] = Load16(v0 + i * hd + h * kLanes);
+    for (int h = 0; h < HC; ++h) row[h] = Load16(value + h * kLanes);
     for (int g = 0; g < G; ++g) {
       const float p = scores[g * n16 + i];
       for (int h = 0; h < HC; ++h) out[g][h] += p * row[h];
@@ -269,77 +264,76 @@ void AttendBlocked(const float* q_rows, const T* keys, const T* values, const bo
 
 // Any G and hd: the same arithmetic in plain loops.
 template <typename T>
-void AttendGeneric(const float* q_rows, const T* keys, const T* values, const bool* mask, float* out_rows,
-                   int64_t g_count, int64_t hd, int64_t c, int64_t first, int64_t n, float scale, float softcap,
-                   std::vector<float>& scratch) {
+void PagedGeneric(const float* q_rows, const T* k_pool, const T* v_pool, const int32_t* table, int64_t page_size,
+                  int64_t g_count, int64_t hd, int64_t start, int64_t n, float* out_rows, float scale,
+                  float softcap, std::vector<float>& scratch) {
   const int64_t n16 = (n + kLanes - 1) / kLanes * kLanes;
-  scratch.resize(g_count * hd + g_count * n16 + std::max(n, hd));
+  scratch.resize(g_count * hd + g_count * n16 + hd);
   float* qs = scratch.data();
   float* scores = qs + g_count * hd;
-  float* row_buf = scores + g_count * n16;
+  float* row = scores + g_count * n16;
   for (int64_t i = 0; i < g_count * hd; ++i) qs[i] = Rounded<T>(q_rows[i]);
-  std::fill(scores, scores + g_count * n16, 0.0f);
-  for (int64_t d = 0; d < hd; ++d) {
-    ToFloat(keys + d * c + first, row_buf, n);
+  auto row_of = [&](const T* pool, int64_t position) {
+    return pool + (static_cast<int64_t>(table[position / page_size]) * page_size + position % page_size) * hd;
+  };
+  for (int64_t i = 0; i < n; ++i) {
+    ToFloat(row_of(k_pool, start + i), row, hd);
     for (int64_t g = 0; g < g_count; ++g) {
-      const float qd = qs[g * hd + d];
-      float* sg = scores + g * n16;
-      for (int64_t i = 0; i < n; ++i) sg[i] += qd * row_buf[i];
+      float dot = 0.0f;
+      for (int64_t d = 0; d < hd; ++d) dot += qs[g * hd + d] * row[d];
+      scores[g * n16 + i] = dot;
     }
   }
-  Softmax<T>(scores, mask + first, g_count, n, scale, softcap);
+  Softmax<T>(scores, g_count, n, scale, softcap);
   std::fill(out_rows, out_rows + g_count * hd, 0.0f);
   for (int64_t i = 0; i < n; ++i) {
-    if (!mask[first + i]) continue;
-    ToFloat(values + (first + i) * hd, row_buf, hd);
+    ToFloat(row_of(v_pool, start + i), row, hd);
     for (int64_t g = 0; g < g_count; ++g) {
       const float p = scores[g * n16 + i];
-      float* o = out_rows + g * hd;
-      for (int64_t d = 0; d < hd; ++d) o[d] += p * row_buf[d];
+      for (int64_t d = 0; d < hd; ++d) out_rows[g * hd + d] += p * row[d];
     }
   }
 }
 
-template <typename T, int G>
-bool DispatchHeadDim(const float* q_rows, const T* keys, const T* values, const bool* mask, float* out_rows,
-                     int64_t hd, int64_t c, int64_t first, int64_t n, float scale, float softcap,
-                     std::vector<float>& scratch) {
-  switch (hd) {
-    case 32: AttendBlocked<T, G, 2>(q_rows, keys, values, mask, out_rows, c, first, n, scale, softcap, scratch); return true;
-    case 64: AttendBlocked<T, G, 4>(q_rows, keys, values, mask, out_rows, c, first, n, scale, softcap, scratch); return true;
-    case 128: AttendBlocked<T, G, 8>(q_rows, keys, values, mask, out_rows, c, first, n, scale, softcap, scratch); return true;
-    default: return false;
-  }
-}
-
-// One (row, KV head): its G query heads against the row's keys and values.
 template <typename T>
-void AttendOne(const float* q, const T* k, const T* v, const bool* allowed, float* out, const Shape& s,
-               float scale, float softcap, int64_t row, int64_t kv_head, std::vector<float>& scratch) {
-  const int64_t g_count = s.heads / s.kv_heads, hd = s.head_dim, c = s.context;
-  const bool* mask = allowed + row * c;
+void PagedOne(const float* q, const T* k, const T* v, const int32_t* tables, const int32_t* lengths, float* out,
+              const PagedShape& s, int64_t window, float scale, float softcap, int64_t row, int64_t kv_head,
+              std::vector<float>& scratch) {
+  const int64_t g_count = s.heads / s.kv_heads, hd = s.head_dim;
   float* out_rows = out + (row * s.heads + kv_head * g_count) * hd;
-  int64_t first, last;
-  Span(mask, c, &first, &last);
-  if (first > last) {
+  const int64_t length = std::min<int64_t>(lengths[row], s.table_width * s.page_size);
+  if (length <= 0) {
     std::fill(out_rows, out_rows + g_count * hd, 0.0f);
     return;
   }
-  const int64_t n = last - first + 1;
+  const int64_t start = window > 0 ? std::max<int64_t>(0, length - window) : 0;
+  const int64_t n = length - start;
   const float* q_rows = q + (row * s.heads + kv_head * g_count) * hd;
-  const T* keys = k + (row * s.kv_heads + kv_head) * hd * c;
-  const T* values = v + (row * s.kv_heads + kv_head) * c * hd;
-  bool done = false;
+  const int64_t pool = s.num_pages * s.page_size * hd;
+  const T* k_pool = k + kv_head * pool;
+  const T* v_pool = v + kv_head * pool;
+  const int32_t* table = tables + row * s.table_width;
+#define JAXRL_PAGED(G, HC)                                                                                \
+  PagedBlocked<T, G, HC>(q_rows, k_pool, v_pool, table, s.page_size, start, n, out_rows, scale, softcap, \
+                         scratch);                                                                       \
+  return;
+#define JAXRL_PAGED_G(G)              \
+  case G:                             \
+    switch (hd) {                     \
+      case 32: JAXRL_PAGED(G, 2)      \
+      case 64: JAXRL_PAGED(G, 4)      \
+      case 128: JAXRL_PAGED(G, 8)     \
+      default: break;                 \
+    }                                 \
+    break;
   switch (g_count) {
-#define JAXRL_G(G) \
-    case G: done = DispatchHeadDim<T, G>(q_rows, keys, values, mask, out_rows, hd, c, first, n, scale, softcap, scratch); break;
-    JAXRL_G(1) JAXRL_G(2) JAXRL_G(3) JAXRL_G(4) JAXRL_G(5) JAXRL_G(6) JAXRL_G(7) JAXRL_G(8)
-#undef JAXRL_G
+    JAXRL_PAGED_G(1) JAXRL_PAGED_G(2) JAXRL_PAGED_G(3) JAXRL_PAGED_G(4) JAXRL_PAGED_G(5) JAXRL_PAGED_G(6)
+    JAXRL_PAGED_G(7) JAXRL_PAGED_G(8)
     default: break;
   }
-  if (!done) {
-    AttendGeneric(q_rows, keys, values, mask, out_rows, g_count, hd, c, first, n, scale, softcap, scratch);
-  }
+#undef JAXRL_PAGED_G
+#undef JAXRL_PAGED
+  PagedGeneric(q_rows, k_pool, v_pool, table, s.page_size, g_count, hd, start, n, out_rows, scale, softcap, scratch);
 }
 
 // The (row, KV head) tasks handed out one at a time from a shared counter: the calling thread and up to
@@ -349,14 +343,13 @@ void AttendOne(const float* q, const T* k, const T* v, const bool* allowed, floa
 template <typename T>
 struct Work {
   const float* q;
-  const T* k_new;
-  const T* v_new;
-  const int32_t* position;
-  T* k;
-  T* v;
-  const bool* allowed;
+  const T* k;
+  const T* v;
+  const int32_t* tables;
+  const int32_t* lengths;
   float* out;
-  Shape shape;
+  PagedShape shape;
+  int64_t window;
   float scale, softcap;
   int64_t tasks;
   std::atomic<int64_t> next{0};
@@ -365,14 +358,9 @@ struct Work {
   void Drain() {
     std::vector<float> scratch;
     int64_t finished = 0;
-    const int64_t hd = shape.head_dim, c = shape.context;
     for (int64_t t = next.fetch_add(1); t < tasks; t = next.fetch_add(1)) {
-      const int64_t row = t / shape.kv_heads, at = position[row];
-      if (at >= 0 && at < c) {  // t = row * KVH + kv_head indexes the [B, KVH] caches and new tokens alike
-        for (int64_t d = 0; d < hd; ++d) k[(t * hd + d) * c + at] = k_new[t * hd + d];
-        std::memcpy(v + (t * c + at) * hd, v_new + t * hd, hd * sizeof(T));
-      }
-      AttendOne<T>(q, k, v, allowed, out, shape, scale, softcap, row, t % shape.kv_heads, scratch);
+      PagedOne<T>(q, k, v, tables, lengths, out, shape, window, scale, softcap, t / shape.kv_heads,
+                  t % shape.kv_heads, scratch);
       ++finished;
     }
     done.fetch_add(finished);
@@ -380,13 +368,13 @@ struct Work {
 };
 
 template <typename T>
-void Run(ffi::ThreadPool pool, const float* q, const void* k_new, const void* v_new, const int32_t* position,
-         void* k, void* v, const bool* allowed, float* out, const Shape& shape, float scale, float softcap) {
+void Run(ffi::ThreadPool pool, const float* q, const void* k, const void* v, const int32_t* tables,
+              const int32_t* lengths, float* out, const PagedShape& shape, int64_t window, float scale,
+              float softcap) {
   auto work = std::make_shared<Work<T>>();
-  work->q = q, work->allowed = allowed, work->out = out, work->position = position;
-  work->k_new = static_cast<const T*>(k_new), work->v_new = static_cast<const T*>(v_new);
-  work->k = static_cast<T*>(k), work->v = static_cast<T*>(v);
-  work->shape = shape, work->scale = scale, work->softcap = softcap;
+  work->q = q, work->k = static_cast<const T*>(k), work->v = static_cast<const T*>(v);
+  work->tables = tables, work->lengths = lengths, work->out = out;
+  work->shape = shape, work->window = window, work->scale = scale, work->softcap = softcap;
   work->tasks = shape.rows * shape.kv_heads;
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->tasks) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Drain(); });
@@ -394,61 +382,50 @@ void Run(ffi::ThreadPool pool, const float* q, const void* k_new, const void* v_
   while (work->done.load() < work->tasks) std::this_thread::yield();
 }
 
-ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_new,
-                               ffi::AnyBuffer v_new, ffi::Buffer<ffi::S32> position, ffi::AnyBuffer k_in,
-                               ffi::AnyBuffer v_in, ffi::Buffer<ffi::PRED> allowed,
-                               ffi::Result<ffi::Buffer<ffi::F32>> out, ffi::Result<ffi::AnyBuffer> k,
-                               ffi::Result<ffi::AnyBuffer> v, float scale, float softcap) {
-  const auto qd = q.dimensions(), kd = k->dimensions(), vd = v->dimensions(), ad = allowed.dimensions();
-  const auto knd = k_new.dimensions(), vnd = v_new.dimensions();
-  if (qd.size() != 3 || kd.size() != 4 || vd.size() != 4 || ad.size() != 2 || knd.size() != 3 ||
-      vnd.size() != 3 || position.dimensions().size() != 1) {
-    return ffi::Error::InvalidArgument("decode_attention: q [B, H, hd], k_new and v_new [B, KVH, hd], position "
-                                       "[B], k [B, KVH, hd, C], v [B, KVH, C, hd], allowed [B, C]");
+ffi::Error PagedDecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
+                                    ffi::AnyBuffer v, ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lengths,
+                                    ffi::Result<ffi::Buffer<ffi::F32>> out, int64_t window, float scale,
+                                    float softcap) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), td = tables.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || vd.size() != 4 || td.size() != 2 || lengths.dimensions().size() != 1) {
+    return ffi::Error::InvalidArgument("paged_decode_attention: q [S, H, hd], k and v [KVH, N, page_size, hd], "
+                                       "page_table [S, M], lengths [S]");
   }
-  const Shape shape{qd[0], qd[1], kd[1], qd[2], kd[3]};
-  const bool shapes_agree =
-      kd[0] == shape.rows && kd[2] == shape.head_dim && vd[0] == shape.rows && vd[1] == shape.kv_heads &&
-      vd[2] == shape.context && vd[3] == shape.head_dim && ad[0] == shape.rows && ad[1] == shape.context &&
-      position.dimensions()[0] == shape.rows && shape.heads % shape.kv_heads == 0;
-  for (const auto& nd : {knd, vnd}) {
-    if (!shapes_agree || nd[0] != shape.rows || nd[1] != shape.kv_heads || nd[2] != shape.head_dim) {
-      return ffi::Error::InvalidArgument("decode_attention: mismatched shapes of q, k_new, v_new, position, k, v "
-                                         "and allowed");
-    }
+  const PagedShape shape{qd[0], qd[1], kd[0], qd[2], kd[1], kd[2], td[1]};
+  for (int i = 0; i < 4; ++i) {
+    if (vd[i] != kd[i]) return ffi::Error::InvalidArgument("paged_decode_attention: k and v differ in shape");
   }
-  const auto type = k->element_type();
-  if (v->element_type() != type || k_new.element_type() != type || v_new.element_type() != type) {
-    return ffi::Error::InvalidArgument("decode_attention: k, v, k_new and v_new must share a dtype");
+  if (kd[3] != shape.head_dim || td[0] != shape.rows || lengths.dimensions()[0] != shape.rows ||
+      shape.heads % shape.kv_heads != 0) {
+    return ffi::Error::InvalidArgument("paged_decode_attention: mismatched shapes of q, k, v, page_table, lengths");
   }
-  // k and v alias k_in and v_in (input_output_aliases), so the caches are updated where they lie.
-  const bool* mask = allowed.typed_data();
+  const auto type = k.element_type();
+  if (v.element_type() != type) {
+    return ffi::Error::InvalidArgument("paged_decode_attention: k and v must share a dtype");
+  }
   if (type == ffi::U16 || type == ffi::BF16) {
-    Run<uint16_t>(pool, q.typed_data(), k_new.untyped_data(), v_new.untyped_data(), position.typed_data(),
-                  k->untyped_data(), v->untyped_data(), mask, out->typed_data(), shape, scale, softcap);
+    Run<uint16_t>(pool, q.typed_data(), k.untyped_data(), v.untyped_data(), tables.typed_data(),
+                       lengths.typed_data(), out->typed_data(), shape, window, scale, softcap);
   } else if (type == ffi::F32) {
-    Run<float>(pool, q.typed_data(), k_new.untyped_data(), v_new.untyped_data(), position.typed_data(),
-               k->untyped_data(), v->untyped_data(), mask, out->typed_data(), shape, scale, softcap);
+    Run<float>(pool, q.typed_data(), k.untyped_data(), v.untyped_data(), tables.typed_data(),
+                    lengths.typed_data(), out->typed_data(), shape, window, scale, softcap);
   } else {
-    return ffi::Error::InvalidArgument("decode_attention: the caches must be bfloat16 bits (uint16) or float32");
+    return ffi::Error::InvalidArgument("paged_decode_attention: the pool must be bfloat16 bits (uint16) or float32");
   }
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttention, DecodeAttentionImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedDecodeAttention, PagedDecodeAttentionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("window")
                                   .Attr<float>("scale")
                                   .Attr<float>("softcap"));

@@ -14,13 +14,13 @@ Where each runs (`attention_backend`):
   tiling); other heads use the XLA path;
 - `pallas_interpret`: the GPU kernel in Pallas' interpreter, on any device (slow; what the tests check the kernel's
   use against);
-- `cpu`: XLA:CPU has no paged-attention kernel, so on the CPU a decode call gathers each slot's context once into
-  contiguous caches (`model.slot_caches`) and attends over them with this project's C++ kernel
-  (`cpu_kernel.py`, built on first use; any mask, so sliding windows too);
-- `xla`: no kernel: the contiguous caches of `cpu` with XLA's own dots (where the C++ kernel cannot be built, or to
-  check it).
+- `cpu`: XLA:CPU has no paged-attention kernel; this project's C++ one (`cpu_kernel.py`, built on first use, sliding
+  windows included) attends over the pool as stored;
+- `xla`: no kernel: the decode call gathers each slot's context once into contiguous caches (`model.slot_caches`)
+  and attends with XLA's dots (a mesh of several devices; a CPU without a C++ compiler; checking the kernels).
 
-Neither Pallas kernel has a sliding window: a model with sliding-window layers decodes on the XLA path there.
+Neither Pallas kernel has a sliding window: a model with sliding-window layers decodes on the XLA path on GPU and
+TPU.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.models.config import ModelConfig
 
 BACKENDS = ("xla", "cpu", "pallas_gpu", "pallas_tpu", "pallas_interpret")
-CONTIGUOUS = ("xla", "cpu")  # the backends that decode over per-call contiguous caches
 
 
 def kernel_unsupported(config: ModelConfig, platform: str) -> str | None:

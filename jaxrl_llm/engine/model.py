@@ -109,19 +109,13 @@ def slot_caches(pages: list[PagedLayer], page_table: jax.Array) -> list[dict[str
 
 
 def slot_attention(config: ModelConfig, cache: dict[str, jax.Array], positions: jax.Array,
-                   allowed: jax.Array, attention: str = "xla") -> Attend:
+                   allowed: jax.Array) -> Attend:
     """One new token per slot, written into the call's contiguous cache at each slot's own position
-    `positions [S]` (an idle slot's -1: at 0 on the XLA path, nowhere in the kernel; never read), then attention
-    over that cache under `allowed [S, 1, C]` (the static sampler's contraction layout): XLA's scatter and dots
-    (`attention="xla"`) or the C++ kernel (`"cpu"`, `cpu_kernel.py`). The pages get the call's tokens once, at its
-    end (`write_back`)."""
+    `positions [S]`, then attention over that cache under `allowed [S, 1, C]` (the static sampler's contraction
+    layout). The pages get the call's tokens once, at its end (`write_back`)."""
     dtype = config.jnp_dtype
 
     def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-        if attention == "cpu":  # the write and the attention in one kernel call, the caches updated in place
-            out, k_all, v_all = cpu_kernel.decode_attention(q, to_storage(k[:, 0], dtype), to_storage(v[:, 0], dtype),
-                                                            positions, cache["k"], cache["v"], allowed, config)
-            return out.astype(config.jnp_activation_dtype), {"k": k_all, "v": v_all}
         rows, at = jnp.arange(q.shape[0]), jnp.maximum(positions, 0)
         k_all = cache["k"].at[rows, :, :, at].set(to_storage(k[:, 0], dtype))
         v_all = cache["v"].at[rows, :, at].set(to_storage(v[:, 0], dtype))
@@ -132,11 +126,11 @@ def slot_attention(config: ModelConfig, cache: dict[str, jax.Array], positions: 
 
 
 def slot_decode_step(params: Params, weights: list[StepWeights], config: ModelConfig, tokens: jax.Array,
-                     positions: jax.Array, caches: list[dict[str, jax.Array]], shards: int = 1,
-                     attention: str = "xla") -> tuple[jax.Array, list[dict[str, jax.Array]]]:
+                     positions: jax.Array, caches: list[dict[str, jax.Array]], shards: int = 1
+                     ) -> tuple[jax.Array, list[dict[str, jax.Array]]]:
     """One decode step of every slot over the call's caches: `tokens [S]` at `positions [S]` (-1: an idle slot,
-    whose write lands on slot 0 of its own cache and is never read), attention by `attention` (`xla` or `cpu`,
-    `slot_attention`). Returns float32 logits `[S, V]` and the caches with the tokens written."""
+    whose write lands on slot 0 of its own cache and is never read). Returns float32 logits `[S, V]` and the
+    caches with the tokens written."""
     c = config
     context = caches[0]["k"].shape[-1]
     inputs = layer_inputs(c, positions[:, None], context)
@@ -144,8 +138,8 @@ def slot_decode_step(params: Params, weights: list[StepWeights], config: ModelCo
     new_caches = []
     for i, (w, cache) in enumerate(zip(weights, caches, strict=True)):
         cos, sin, allowed = inputs[c.is_sliding(i)]
-        attend = slot_attention(c, cache, positions, allowed, attention)
-        x, cache = transformer_block(x, step_ops(w, c, shards), attend, cos, sin, c)
+        x, cache = transformer_block(x, step_ops(w, c, shards), slot_attention(c, cache, positions, allowed), cos,
+                                     sin, c)
         new_caches.append(cache)
     hidden = rms_norm(x[:, 0], params["final_norm"]["scale"], c.rms_norm_eps, unit_offset=c.norm_unit_offset)
     return paged_logits(params, c, hidden), new_caches
@@ -166,13 +160,17 @@ def write_back(pages: list[PagedLayer], caches: list[dict[str, jax.Array]], page
 
 
 def kernel_attention(config: ModelConfig, layer: PagedLayer, page_table: jax.Array, slots: jax.Array,
-                     lengths: jax.Array, backend: str) -> Attend:
-    """One new token per slot written into its pages at `slots [S, 1]`, then a Pallas paged-attention kernel over
-    the pool (`kernels.py`): the first `lengths [S]` positions through `page_table [S, M]`."""
+                     lengths: jax.Array, backend: str, window: int | None = None) -> Attend:
+    """One new token per slot written into its pages at `slots [S, 1]`, then a paged-attention kernel over the pool
+    (`kernels.py`: Pallas on GPU and TPU, C++ on the CPU): the first `lengths [S]` positions through
+    `page_table [S, M]` (the last `window` of them on a sliding-window layer; the Pallas kernels have none)."""
     c = config
 
     def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, PagedLayer]:
         new = write_pages(layer, slots, k, v, c.jnp_dtype)
+        if backend == "cpu":  # the pool as stored (bfloat16 bits), q in the activation dtype
+            out = cpu_kernel.paged_decode_attention(q[:, 0], new["k"], new["v"], page_table, lengths, window, c)
+            return out.reshape(q.shape[0], 1, -1).astype(c.jnp_activation_dtype), new
         keys, values = (from_storage(new[name], c.jnp_dtype) for name in ("k", "v"))
         out = paged_decode_attention(q[:, 0], keys, values, page_table, lengths, c, backend)
         return out.reshape(q.shape[0], 1, -1), new
@@ -183,9 +181,9 @@ def kernel_attention(config: ModelConfig, layer: PagedLayer, page_table: jax.Arr
 def kernel_decode_step(params: Params, weights: list[StepWeights], config: ModelConfig, tokens: jax.Array,
                        positions: jax.Array, page_table: jax.Array, pages: list[PagedLayer], backend: str,
                        shards: int = 1) -> tuple[jax.Array, list[PagedLayer]]:
-    """One decode step of every slot straight over the pages (GPU, TPU): `tokens [S]` at `positions [S]` (-1: an
-    idle slot, which writes nothing and reads nothing) with page tables `[S, M]`. Returns float32 logits `[S, V]`
-    and the pages with the tokens written."""
+    """One decode step of every slot straight over the pages (the kernels: GPU, TPU, CPU): `tokens [S]` at
+    `positions [S]` (-1: an idle slot, which writes nothing and reads nothing) with page tables `[S, M]`. Returns
+    float32 logits `[S, V]` and the pages with the tokens written."""
     c = config
     num_pages, page_size = pool_geometry(pages)
     slots = page_slots(page_table, positions[:, None], page_size, num_pages)
@@ -195,8 +193,9 @@ def kernel_decode_step(params: Params, weights: list[StepWeights], config: Model
     new_pages = []
     for i, (w, layer) in enumerate(zip(weights, pages, strict=True)):
         cos, sin, _ = inputs[c.is_sliding(i)]
-        x, layer = transformer_block(x, step_ops(w, c, shards), kernel_attention(c, layer, page_table, slots,
-                                                                                 lengths, backend), cos, sin, c)
+        window = c.sliding_window if c.is_sliding(i) else None
+        attend = kernel_attention(c, layer, page_table, slots, lengths, backend, window)
+        x, layer = transformer_block(x, step_ops(w, c, shards), attend, cos, sin, c)
         new_pages.append(layer)
     hidden = rms_norm(x[:, 0], params["final_norm"]["scale"], c.rms_norm_eps, unit_offset=c.norm_unit_offset)
     return paged_logits(params, c, hidden), new_pages

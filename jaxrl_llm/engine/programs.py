@@ -20,7 +20,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxrl_llm.engine.kernels import CONTIGUOUS
 from jaxrl_llm.engine.model import (
     kernel_decode_step,
     paged_forward,
@@ -147,9 +146,9 @@ def decode_program(params: Params, weights: list[StepWeights], pages: list[Paged
                    mesh: Mesh | None = None) -> tuple[SlotState, StepOutputs, list[PagedLayer]]:
     """`steps` decode steps of every slot: feed `state.token` at `state.position`, sample the next token at
     completion index `state.index`; a slot stops at EOS or when `remaining` reaches 0. Returns the new state, the
-    tokens emitted `[S, steps]` and the pages. `attention` (`kernels.attention_backend`): `xla` and `cpu` decode
-    over contiguous per-call slot caches gathered once (`cpu` attends with the C++ kernel); a Pallas backend attends
-    over the pages on every step. On a `mesh` the slots are split over `("data", "fsdp")` and the KV heads over
+    tokens emitted `[S, steps]` and the pages. `attention` (`kernels.attention_backend`): `xla` decodes over
+    contiguous per-call slot caches gathered once; a kernel (Pallas, or the CPU's C++ one) attends over the pages on
+    every step. On a `mesh` the slots are split over `("data", "fsdp")` and the KV heads over
     `tensor`; the results come back whole on every device."""
     slots, shards = state.token.shape[0], weight_shards(config, mesh)
     eos = jnp.asarray(flags.eos_ids, jnp.int32)
@@ -159,8 +158,8 @@ def decode_program(params: Params, weights: list[StepWeights], pages: list[Paged
     def step(j: jax.Array, carry: tuple) -> tuple:
         s, out, caches = carry
         position = jnp.where(s.active, s.position, -1)
-        if attention in CONTIGUOUS:
-            logits, caches = slot_decode_step(params, weights, config, s.token, position, caches, shards, attention)
+        if attention == "xla":
+            logits, caches = slot_decode_step(params, weights, config, s.token, position, caches, shards)
         else:  # `caches` are the pages themselves
             logits, caches = kernel_decode_step(params, weights, config, s.token, position, s.page_table, caches,
                                                 attention, shards)
@@ -189,7 +188,7 @@ def decode_program(params: Params, weights: list[StepWeights], pages: list[Paged
         _, s, out, caches = jax.lax.while_loop(going, body, (jnp.int32(0), state, empty, caches))
         return s, out, caches
 
-    if attention not in CONTIGUOUS:
+    if attention != "xla":
         state, out, pages = run(pages)
         return replicated(state, mesh), replicated(out, mesh), constrain_pages(pages, mesh)
     caches = [{name: constrain(x, mesh, PartitionSpec(BATCH_AXES, "tensor")) for name, x in cache.items()}
