@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as gpu_paged_attention
 from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_paged_attention
 
-from jaxrl_llm.engine import cpu_kernel
+import jaxrl_llm.engine.cpu_kernel as cpu_kernel
 from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.models.config import ModelConfig
 

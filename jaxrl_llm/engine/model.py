@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm.engine import cpu_kernel
+import jaxrl_llm.engine.cpu_kernel as cpu_kernel
 from jaxrl_llm.engine.kernels import paged_decode_attention
 from jaxrl_llm.engine.pages import (
     PagedLayer,
