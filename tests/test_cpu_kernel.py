@@ -1,8 +1,8 @@
 """The CPU paged decode-attention kernel (jaxrl_llm/engine/cpu_kernel.py, decode_attention.cc): its output through
 shuffled page tables against a float64 reference (float32 pool) and the XLA path's roundings (bfloat16 pool), over
 group sizes and head sizes that take its vectorised and its generic code, page sizes, soft caps, sliding windows and
-rows that read nothing; the engine's tokens and log-probs with it equal to the XLA path's; where no compiler is found,
-a reason and the XLA path."""
+rows that read nothing; where no compiler is found, a reason and the XLA path (the engine's tokens through it:
+tests/test_engine_kernels.py)."""
 
 from __future__ import annotations
 
@@ -10,16 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import left_padded_batch
-from test_engine import small_engine
 
-from jaxrl_llm.engine import cpu_kernel, engine_sample
+from jaxrl_llm.engine import cpu_kernel
 from jaxrl_llm.engine.kernels import attention_backend
 from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decode import loop_layout_attention
-from jaxrl_llm.models.hf import load_hf_model
-from jaxrl_llm.sampling import SamplingConfig
 
 needs_kernel = pytest.mark.skipif(not cpu_kernel.available(),
                                   reason=f"the CPU kernel cannot be built here: {cpu_kernel.unavailable_reason()}")
@@ -114,26 +110,6 @@ def test_under_bfloat16_the_kernel_rounds_as_the_xla_path(heads, kv_heads, head_
     exact = _reference(np.asarray(q), keys, values, lengths, None, config.attention_scale, None)
     assert np.abs(out - xla).max() <= 8e-3
     assert np.abs(out - exact).max() > 4 * np.abs(out - xla).mean()
-
-
-@needs_kernel
-@pytest.mark.parametrize("kind", ["llama", "gemma2", "phi3"])
-def test_the_engine_samples_the_same_with_the_cpu_kernel(kind, hf_model_dir):
-    """The engine decoding through the C++ kernel gives the XLA path's greedy tokens and, sampling at T = 0.8 with
-    EOS on, the same tokens and log-probs (<= 1e-5), page growth and slot refills included (Gemma 2: soft caps and
-    a sliding window on alternate layers; Phi-3: a window on every layer)."""
-    config, params = load_hf_model(hf_model_dir(kind))
-    tokens, mask = left_padded_batch(config.vocab_size, [5, 12, 1, 9], seed=4)
-    for sampling in (SamplingConfig(max_new_tokens=12, greedy=True),
-                     SamplingConfig(max_new_tokens=12, temperature=0.8, n=2, eos_ids=(3,))):
-        xla = engine_sample(small_engine(config, attention="xla"), params, config, tokens, mask, jax.random.key(2),
-                            sampling)
-        engine = small_engine(config, attention="cpu")
-        assert engine.attention == "cpu"
-        kernel = engine_sample(engine, params, config, tokens, mask, jax.random.key(2), sampling)
-        np.testing.assert_array_equal(kernel.tokens, xla.tokens)
-        np.testing.assert_allclose(kernel.logprobs, xla.logprobs, atol=1e-5)
-        assert engine.allocator.in_use() == 0 and engine.stats.decode_calls > 2
 
 
 def test_without_a_compiler_auto_falls_back_and_cpu_names_why(monkeypatch):

@@ -1,7 +1,7 @@
-"""The engine's decode attention through JAX's Pallas paged-attention kernels (jaxrl_llm/engine/kernels.py): the GPU
-kernel, run in Pallas' interpreter on this CPU, against the XLA path and a float64 reference; the engine's tokens and
-log-probs with it equal to the XLA path's; the decode program lowering for CUDA (Triton) and TPU (Mosaic) from this
-machine; the backend each platform and model gets."""
+"""The engine's decode attention through its kernels (jaxrl_llm/engine/kernels.py): the Pallas GPU kernel, run in
+Pallas' interpreter on this CPU, against the XLA path and a float64 reference; the engine's tokens and log-probs with
+it, and with the CPU's C++ kernel, equal to the XLA path's; the decode program lowering for CUDA (Triton) and TPU
+(Mosaic) from this machine; the backend each platform and model gets."""
 
 from __future__ import annotations
 
@@ -66,18 +66,24 @@ def test_the_gpu_kernel_attends_over_the_pages_as_the_reference(cap):
     assert np.abs(expected[1:]).min() > 0  # the compared rows attend to something
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_the_engine_samples_the_same_with_the_kernel(kind, hf_model_dir):
-    """The engine decoding through the Pallas kernel (interpreted) gives the XLA path's greedy tokens and, sampling
-    at T = 0.8 with EOS on, the same tokens and log-probs (<= 1e-5), page growth and slot refills included."""
+@pytest.mark.parametrize(("kind", "requested", "backend"), [
+    ("llama", "pallas", "pallas_interpret"), ("qwen3", "pallas", "pallas_interpret"),
+    ("llama", "cpu", "cpu"), ("gemma2", "cpu", "cpu"), ("phi3", "cpu", "cpu")])
+def test_the_engine_samples_the_same_with_the_kernel(kind, requested, backend, hf_model_dir):
+    """The engine decoding through a kernel (the Pallas GPU kernel interpreted; the CPU's C++ one, with Gemma 2's
+    soft caps and alternating sliding windows and Phi-3's window on every layer) gives the XLA path's greedy tokens
+    and, sampling at T = 0.8 with EOS on, the same tokens and log-probs (<= 1e-5), page growth and slot refills
+    included."""
+    if backend == "cpu" and not cpu_kernel.available():
+        pytest.skip(f"the CPU kernel cannot be built here: {cpu_kernel.unavailable_reason()}")
     config, params = load_hf_model(hf_model_dir(kind))
     tokens, mask = left_padded_batch(config.vocab_size, [5, 12, 1, 9], seed=4)
     for sampling in (SamplingConfig(max_new_tokens=12, greedy=True),
                      SamplingConfig(max_new_tokens=12, temperature=0.8, n=2, eos_ids=(3,))):
         xla = engine_sample(small_engine(config, attention="xla"), params, config, tokens, mask, jax.random.key(2),
                             sampling)
-        engine = small_engine(config, attention="pallas")
-        assert engine.attention == "pallas_interpret"
+        engine = small_engine(config, attention=requested)
+        assert engine.attention == backend
         kernel = engine_sample(engine, params, config, tokens, mask, jax.random.key(2), sampling)
         np.testing.assert_array_equal(kernel.tokens, xla.tokens)
         np.testing.assert_allclose(kernel.logprobs, xla.logprobs, atol=1e-5)

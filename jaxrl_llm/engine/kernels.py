@@ -1,5 +1,5 @@
-"""The decode step's attention per backend: JAX's Pallas paged-attention kernels straight over the page pool (GPU:
-Triton, TPU: Mosaic); on the CPU a C++ kernel over contiguous per-call caches.
+"""The decode step's attention per backend, straight over the page pool: JAX's Pallas paged-attention kernels (GPU:
+Triton, TPU: Mosaic) and, on the CPU, this project's C++ kernel.
 
 One new query per slot attends to the first `length` positions of its sequence through its page table:
 
@@ -33,6 +33,7 @@ from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as g
 from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_paged_attention
 
 import jaxrl_llm.engine.cpu_kernel as cpu_kernel
+from jaxrl_llm.engine.pages import from_storage
 from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.models.config import ModelConfig
 
@@ -84,10 +85,16 @@ def _gpu_blocking(pages_per_sequence: int) -> tuple[int, int]:
 
 
 def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
-                           lengths: jax.Array, config: ModelConfig, backend: str) -> jax.Array:
-    """`q [R, H, hd]` (unscaled) over the pool's `k_pages, v_pages [KVH, N, page_size, hd]` (compute dtype) at
-    `page_table [R, M]`, the first `lengths [R]` positions of each row -> `[R, H, hd]` in `q`'s dtype. The kernels
-    take `q` in the pages' dtype (their dots need one operand type)."""
+                           lengths: jax.Array, config: ModelConfig, backend: str, window: int | None = None
+                           ) -> jax.Array:
+    """`q [R, H, hd]` (unscaled) over the pool's `k_pages, v_pages [KVH, N, page_size, hd]` as stored
+    (`pages.storage_dtype`) at `page_table [R, M]`, the first `lengths [R]` positions of each row (the last `window`
+    of them on a sliding-window layer: the C++ kernel only) -> `[R, H, hd]` in `q`'s dtype. The Pallas kernels take
+    `q` in the pages' compute dtype (their dots need one operand type); the C++ kernel reads bfloat16 bits itself."""
+    if backend == "cpu":
+        return cpu_kernel.paged_decode_attention(q, k_pages, v_pages, page_table, lengths, window,
+                                                 config).astype(q.dtype)
+    k_pages, v_pages = (from_storage(x, config.jnp_dtype) for x in (k_pages, v_pages))
     scaled = (q.astype(jnp.float32) * config.attention_scale).astype(k_pages.dtype)
     cap = config.attn_logit_softcap
     lengths = lengths.astype(jnp.int32)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-import jaxrl_llm.engine.cpu_kernel as cpu_kernel
 from jaxrl_llm.engine.kernels import paged_decode_attention
 from jaxrl_llm.engine.pages import (
     PagedLayer,
@@ -168,11 +167,7 @@ def kernel_attention(config: ModelConfig, layer: PagedLayer, page_table: jax.Arr
 
     def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, PagedLayer]:
         new = write_pages(layer, slots, k, v, c.jnp_dtype)
-        if backend == "cpu":  # the pool as stored (bfloat16 bits), q in the activation dtype
-            out = cpu_kernel.paged_decode_attention(q[:, 0], new["k"], new["v"], page_table, lengths, window, c)
-            return out.reshape(q.shape[0], 1, -1).astype(c.jnp_activation_dtype), new
-        keys, values = (from_storage(new[name], c.jnp_dtype) for name in ("k", "v"))
-        out = paged_decode_attention(q[:, 0], keys, values, page_table, lengths, c, backend)
+        out = paged_decode_attention(q[:, 0], new["k"], new["v"], page_table, lengths, c, backend, window)
         return out.reshape(q.shape[0], 1, -1), new
 
     return attend

@@ -148,8 +148,8 @@ def decode_program(params: Params, weights: list[StepWeights], pages: list[Paged
     completion index `state.index`; a slot stops at EOS or when `remaining` reaches 0. Returns the new state, the
     tokens emitted `[S, steps]` and the pages. `attention` (`kernels.attention_backend`): `xla` decodes over
     contiguous per-call slot caches gathered once; a kernel (Pallas, or the CPU's C++ one) attends over the pages on
-    every step. On a `mesh` the slots are split over `("data", "fsdp")` and the KV heads over
-    `tensor`; the results come back whole on every device."""
+    every step. On a `mesh` the slots are split over `("data", "fsdp")` and the KV heads over `tensor`; the results
+    come back whole on every device."""
     slots, shards = state.token.shape[0], weight_shards(config, mesh)
     eos = jnp.asarray(flags.eos_ids, jnp.int32)
     empty = StepOutputs(jnp.full((slots, steps), flags.pad_id, jnp.int32), jnp.zeros((slots, steps), jnp.float32),
