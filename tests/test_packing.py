@@ -291,8 +291,11 @@ def test_a_multi_turn_update_packed_is_the_padded_update(tiny_task, tmp_path):
     for key in ("loss", "policy_loss", "grad_norm", "kl", "entropy"):
         assert b.metrics[key] == pytest.approx(a.metrics[key], rel=1e-5, abs=1e-7), key
     assert b.metrics["update/padding_frac"] < a.metrics["update/padding_frac"]
+    # bf16 dots contract over the layouts' different position counts, so float32 sums associate differently, and
+    # Adam's first step (lr * g / |g|, lr 1e-4) turns that rounding on a near-zero gradient into up to ~1e-6:
+    # a tenth of one step still catches any gradient that differs.
     for x, y in zip(jax.tree.leaves(a.state["params"]), jax.tree.leaves(b.state["params"]), strict=True):
-        np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-5, atol=1e-5)
 
 
 def test_ppo_packed_trains_as_padded(tiny_task, tmp_path):

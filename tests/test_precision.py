@@ -165,3 +165,39 @@ def test_bf16_activation_path_of_other_backends(monkeypatch, gemma):
 
     grads = jax.grad(loss)(params)
     assert all(g.dtype == jnp.float32 and np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+
+
+_DEFINITION = re.compile(r"%([\w.\-]+) = (\w+)\[")
+_COMPILED_DOT = re.compile(r"= \w+\[[^\]]*\]\S* dot\(%([\w.\-]+), %([\w.\-]+)\)")
+
+
+def compiled_dot_operand_types(compiled_text: str) -> list[tuple[str, str]]:
+    """Element types of both operands of every dot in a compiled XLA module (fusion bodies included): what the
+    backend runs, after its passes, which the lowered program does not show."""
+    types = dict(_DEFINITION.findall(compiled_text))
+    return [(types[a], types[b]) for a, b in _COMPILED_DOT.findall(compiled_text)]
+
+
+@pytest.mark.parametrize("rows", [256, 251])
+def test_weight_gradients_run_as_bf16_dots_on_the_cpu(rows):
+    """XLA:CPU runs a bf16 dot contracting both operands' leading axis (a weight gradient `x^T g`) as a float32 dot
+    of upcast operands, 2-4x slower; `precision` gives it the form the bf16 kernel takes. Read from the compiled
+    program: every dot of a bf16 matmul's forward and backward, the tied unembedding's included, has bf16
+    operands; and the gradients are the float32 reference's."""
+    assert jax.default_backend() == "cpu"
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(rows, 128)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(128, 192)), jnp.float32)
+    for fn, weight in ((precision.matmul, w), (precision.matmul_transposed, w.T)):
+        def loss(x, w, fn=fn):
+            return (fn(x, w, jnp.bfloat16) ** 2).sum()
+
+        grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+        types = compiled_dot_operand_types(grad.lower(x, weight).compile().as_text())
+        assert len(types) >= 3 and all(t == ("bf16", "bf16") for t in types), types
+        rounded = lambda a: a.astype(jnp.bfloat16).astype(jnp.float32)  # noqa: E731
+        g = rounded(2 * (rounded(x) @ rounded(w)))
+        want = (g @ rounded(w).T, rounded(x).T @ g)
+        for got, ref in zip(grad(x, weight), want, strict=True):
+            ref = ref if got.shape == ref.shape else ref.T
+            np.testing.assert_allclose(got, ref, rtol=2e-2, atol=2e-2)

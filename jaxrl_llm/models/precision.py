@@ -30,6 +30,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.layout import Layout, with_layout_constraint
 
 Array = jax.Array
 
@@ -56,9 +57,35 @@ def _gradient_specs(spec: str) -> tuple[str, str]:
     return f"{out},{b}->{a}", f"{a},{out}->{b}"
 
 
+def float32_dot(spec: str, a: Array, b: Array, compute_dtype: jnp.dtype) -> Array:
+    """`einsum(spec, a, b)` of `compute_dtype` operands accumulated and returned in float32.
+
+    On XLA:CPU a weight gradient `x^T g` ("ik,in->kn": two matrices contracted over their leading axis) is a dot
+    of a column-major operand, which the fast (YNNPACK) dot does not take: XLA runs it as a float32 dot of upcast
+    operands instead, 2-4x slower than the bf16 one (SmolLM2's `3060 x 576 x 1536` weight gradient: 300 against
+    826 GFLOP/s here, `bench/matmul_kernels.py`). So the operand whose free axis leads the output is transposed
+    into a row-major copy and the dot is a plain row-major GEMM with the output in its own order: the same sum.
+    Both layouts are pinned (`with_layout_constraint`): XLA otherwise folds the transpose, or a caller's transpose
+    of the result, back into the dot's dimensions, and such a bf16 dot can land on a path that does not run bf16
+    at all ("Unsupported element type for DotThunk").
+    """
+    inputs, out = spec.replace(" ", "").split("->")
+    sa, sb = inputs.split(",")
+    a, b = a.astype(compute_dtype), b.astype(compute_dtype)
+    if a.ndim == b.ndim == 2 and sa[0] == sb[0] and jax.default_backend() == "cpu":
+        if out == sb[1] + sa[1]:
+            sa, sb, a, b = sb, sa, b, a
+        if out == sa[1] + sb[1]:  # the transposed operand is the one whose free axis leads the output
+            row_major = Layout((0, 1))
+            a_t = with_layout_constraint(a.T, row_major)
+            y = jnp.einsum(f"{sa[::-1]},{sb}->{out}", a_t, b, preferred_element_type=jnp.float32)
+            return with_layout_constraint(y, row_major)
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
 def _low_precision_einsum(spec: str, a: Array, b: Array, compute_dtype: jnp.dtype) -> Array:
-    return jnp.einsum(spec, a.astype(compute_dtype), b.astype(compute_dtype), preferred_element_type=jnp.float32)
+    return float32_dot(spec, a, b, compute_dtype)
 
 
 def _low_precision_einsum_fwd(spec: str, a: Array, b: Array, compute_dtype: jnp.dtype) -> tuple[Array, tuple]:
@@ -72,8 +99,8 @@ def _low_precision_einsum_bwd(spec: str, compute_dtype: jnp.dtype, residuals: tu
     a, b = residuals
     spec_a, spec_b = _gradient_specs(spec)
     g_c = g.astype(compute_dtype)
-    d_a = jnp.einsum(spec_a, g_c, b.astype(compute_dtype), preferred_element_type=jnp.float32)
-    d_b = jnp.einsum(spec_b, a.astype(compute_dtype), g_c, preferred_element_type=jnp.float32)
+    d_a = float32_dot(spec_a, g_c, b, compute_dtype)
+    d_b = float32_dot(spec_b, a, g_c, compute_dtype)
     return d_a.astype(a.dtype), d_b.astype(b.dtype)
 
 
