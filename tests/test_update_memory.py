@@ -199,7 +199,45 @@ def test_query_chunked_attention_is_the_same_function() -> None:
 
     (l0, logits0), g0 = jax.jit(jax.value_and_grad(lambda p: loss(p, config), has_aux=True))(params)
     (l1, logits1), g1 = jax.jit(jax.value_and_grad(lambda p: loss(p, chunked), has_aux=True))(params)
-    np.testing.assert_allclose(logits1, logits0, rtol=1e-5, atol=1e-5)
+    # (a left-padding query attends to no key: its output, never read, depends on how many keys its chunk spans)
+    valid = np.asarray(mask, bool)
+    np.testing.assert_allclose(np.asarray(logits1)[valid], np.asarray(logits0)[valid], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(l1, l0, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_causal_chunks_skip_the_keys_after_them() -> None:
+    """`grouped_query_attention(causal=True)` (queries that are their own keys) takes chunk `[a, b)` over keys
+    `[0, b)` only: the same output and gradients as the chunked attention over every key, for packed rows
+    (block-diagonal causal), a sliding window and a soft cap, at every query that attends to a key (a padding
+    query's output is never read); fewer FLOPs; and keys that are not the queries are a one-line error."""
+    from jaxrl_llm.models.layers import grouped_query_attention, segment_attention_allowed
+
+    rng = np.random.default_rng(5)
+    b, t, h, kvh, hd = 2, 23, 4, 2, 8
+    q, k, v = (jnp.asarray(rng.normal(size=(b, t, n, hd)), jnp.float32) for n in (h, kvh, kvh))
+    segments = jnp.asarray(np.repeat([[1, 2, 3, 0], [1, 1, 2, 0]], [9, 6, 5, 3], axis=1), jnp.int32)
+    for window, cap in ((None, None), (4, 30.0)):
+        allowed = segment_attention_allowed(segments, window)
+
+        def attend(q, k, v, causal, allowed=allowed, cap=cap):
+            return grouped_query_attention(q, k, v, allowed, query_chunk=5, logit_softcap=cap, causal=causal)
+
+        real = np.asarray(segments > 0)
+
+        def loss(q, k, v, causal):
+            return (jnp.where(real[..., None], attend(q, k, v, causal), 0.0) ** 2).sum()
+
+        np.testing.assert_allclose(np.asarray(attend(q, k, v, True))[real], np.asarray(attend(q, k, v, False))[real],
+                                   rtol=1e-6, atol=1e-6)
+        grads = [jax.grad(loss, argnums=(0, 1, 2))(q, k, v, c) for c in (True, False)]
+        for got, want in zip(*grads, strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    flops = [jax.jit(lambda q, k, v, chunk=chunk: grouped_query_attention(q, k, v, allowed, query_chunk=chunk,
+                                                                         causal=True)).lower(q, k, v).cost_analysis()
+             ["flops"] for chunk in (5, 0)]
+    # chunks of 5 against one block over every key: (25 + 50 + 75 + 100 + 3 x 23) / 23^2 = 0.60 of the scores
+    assert flops[0] < 0.75 * flops[1], flops
+    with pytest.raises(ValueError, match="causal needs as many keys as queries"):
+        grouped_query_attention(q, k[:, :20], v[:, :20], allowed[:, :, :20], query_chunk=5, causal=True)

@@ -84,7 +84,7 @@ def cached_attention(config: ModelConfig, allowed: jax.Array, cache: dict[str, j
             new = {"k": k, "v": v}  # the cache's dtype: attention's dots cast their operands to the compute dtype
         out = grouped_query_attention(q, k, v, allowed, query_chunk=c.attention_query_chunk,
                                       scale=c.attention_scale, logit_softcap=c.attn_logit_softcap,
-                                      compute_dtype=c.jnp_dtype)
+                                      compute_dtype=c.jnp_dtype, causal=cache is None)
         return out, new
 
     return attend

@@ -5,6 +5,7 @@ attention mask, grouped-query attention, SwiGLU. A model family is written here 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -211,6 +212,7 @@ def segment_attention_allowed(segments: jax.Array, sliding_window: int | None) -
 def grouped_query_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, *, query_chunk: int = 0,
     scale: float | None = None, logit_softcap: float | None = None, compute_dtype: jnp.dtype | str = jnp.float32,
+    causal: bool = False,
 ) -> jax.Array:
     """softmax(softcap(q k^T * scale)) v with GQA (`scale` defaults to 1/sqrt(hd)).
 
@@ -221,11 +223,28 @@ def grouped_query_attention(
     `query_chunk > 0` and `T > query_chunk`: the queries are taken `query_chunk` at a time (`lax.map`, each chunk
     under `jax.checkpoint`), so the float32 scores live as `[B, H, query_chunk, S]` blocks, forward and backward,
     not `[B, H, T, S]`. Each query's softmax still runs over all its keys: the result is the same function.
+
+    `causal`: the keys are the queries' own positions (`S = T`, `allowed` never lets query `t` see a key after
+    `t`), so the chunk of queries `[a, b)` reads keys `[0, b)` only: the chunks are unrolled with those static
+    extents, and the scores above the diagonal that the mask would zero are never computed (at `T = 255` in
+    chunks of 128, a quarter of the scores; the same function at every query that attends to a key, as the
+    skipped keys have probability 0; a padding query, which attends to none, gets the mean of its chunk's values
+    instead of every value's, and no real query reads it).
     """
     t = q.shape[1]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if not query_chunk or t <= query_chunk:
         return _attention_block(q, k, v, allowed, scale, logit_softcap, compute_dtype)
+    if causal:
+        if k.shape[1] != t:
+            raise ValueError(f"grouped_query_attention: causal needs as many keys as queries, got {k.shape[1]} and {t}")
+
+        def block(a: int, b: int) -> jax.Array:
+            return _attention_block(q[:, a:b], k[:, :b], v[:, :b], allowed[:, a:b, :b], scale, logit_softcap,
+                                    compute_dtype)
+
+        return jnp.concatenate([jax.checkpoint(functools.partial(block, a, min(a + query_chunk, t)))()
+                                for a in range(0, t, query_chunk)], axis=1)
     n_full, rem = divmod(t, query_chunk)
 
     def chunk(start: jax.Array | int, size: int) -> jax.Array:
