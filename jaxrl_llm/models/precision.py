@@ -68,9 +68,7 @@ def float32_dot(spec: str, a: Array, b: Array, compute_dtype: jnp.dtype) -> Arra
     Both layouts are pinned (`with_layout_constraint`): XLA otherwise folds the transpose, or a caller's transpose
     of the result, back into the dot's dimensions, and such a bf16 dot can land on a path that does not run bf16
     at all ("Unsupported element type for DotThunk"). Chosen by the default backend: a CPU machine exporting a
-    program for CUDA gives it these layout constraints too (a transposing copy there, the same values), while
-    `jax.lax.platform_dependent` would put the dot in a conditional, which sends XLA:CPU's bf16 dots to that same
-    unsupported path.
+    program for CUDA gives it these layout constraints too (a transposing copy there, the same values).
     """
     inputs, out = spec.replace(" ", "").split("->")
     sa, sb = inputs.split(",")
