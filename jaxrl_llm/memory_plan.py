@@ -194,13 +194,13 @@ def activation_bytes(config: ModelConfig, rows: int, seq_len: int, completion_le
             q/k/v/attention output, gate/up/silu/product; float32 softmax probabilities and their
             compute-dtype copy over `q = min(T, attention_query_chunk)` queries at a time; the coefficients
             5, 6 and 4*4 were measured on XLA:CPU, see below)
-        head      = HEAD_BLOCKS*4*b*c*v + D*v*4 [tied] + b*T*D*4 + b*T^2
+        head      = HEAD_BLOCKS*4*b*c*v + b*T*D*4 + b*T^2
             (the log-probs come from the final hidden states `c` positions at a time, `c` =
             `train_step.logprob_chunk_size(b, C, V, logprob_block_mib)`: HEAD_BLOCKS float32 `[b, c, v]`
             blocks live at once (logits, probabilities, their cotangent); no compute-dtype copy of the output
             matrix lives across the step (the precision policy's dots keep their operands as given and cast
-            them again in the backward); with tied embeddings, the head's float32 gradient before it joins the
-            embedding's; final norm; the attention mask)
+            them again in the backward); a tied embedding is multiplied as stored, so its gradient is the
+            embedding's own, no separate `[D, v]` one; final norm; the attention mask)
         gathered  = 2 * (per-layer weights with heads and intermediate divided by t) * s   when fsdp > 1
             (all-gathered weights of the layer in use and the next one)
 
@@ -227,7 +227,6 @@ def activation_bytes(config: ModelConfig, rows: int, seq_len: int, completion_le
 
     chunk = logprob_chunk_size(b, cc, config.vocab_size, logprob_block_mib)
     head = HEAD_BLOCKS * 4 * b * chunk * v + b * tt * d * 4 + b * tt * tt
-    head += d * v * 4 * config.tie_word_embeddings
     gathered = 0
     if axis_sizes["fsdp"] > 1:
         layer_weights = d * (h + 2 * k) * hd + h * hd * d + 3 * d * i

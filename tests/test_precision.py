@@ -201,3 +201,24 @@ def test_weight_gradients_run_as_bf16_dots_on_the_cpu(rows):
         for got, ref in zip(grad(x, weight), want, strict=True):
             ref = ref if got.shape == ref.shape else ref.T
             np.testing.assert_allclose(got, ref, rtol=2e-2, atol=2e-2)
+
+
+def test_the_update_compiles_to_bf16_dots_only_with_tied_embeddings():
+    """The log-prob loss's gradient (the update's dots, the chunked tied unembedding included) read from the
+    compiled program: no dot runs on upcast float32 operands. (The tied embedding passed as `embedding.T` gave
+    XLA a transpose to fold into the dot, and the LM head and its gradients ran in float32.)"""
+    assert jax.default_backend() == "cpu"
+    config = _config("bfloat16", tie_word_embeddings=True, vocab_size=512, hidden_size=64, intermediate_size=128,
+                     head_dim=16)
+    params = init_params(config, jax.random.key(0))
+    rng = np.random.default_rng(0)
+    pt = jnp.asarray(rng.integers(0, 512, (8, 24)), jnp.int32)
+    ct = jnp.asarray(rng.integers(0, 512, (8, 40)), jnp.int32)
+    pm, cm = jnp.ones_like(pt), jnp.ones_like(ct)
+
+    def loss(p):
+        logp, ent = completion_logprobs(p, config, pt, pm, ct, cm, with_entropy=True, block_mib=0.5)
+        return -(logp * cm).sum() - ent.sum()
+
+    types = compiled_dot_operand_types(jax.jit(jax.grad(loss)).lower(params).compile().as_text())
+    assert len(types) >= 10 and all(t == ("bf16", "bf16") for t in types), [t for t in types if t != ("bf16", "bf16")]

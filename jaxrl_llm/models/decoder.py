@@ -364,6 +364,14 @@ def unembedding_matrix(params: Params, config: ModelConfig) -> jax.Array:
     return params["lm_head"]["kernel"]
 
 
+def unembedding_as_stored(params: Params, config: ModelConfig) -> tuple[jax.Array, bool]:
+    """`(W, transposed)`: the LM head's kernel `[D, V]` (False), or the tied embedding `[V, D]` itself (True), for
+    `logits = hidden @ W` or `hidden @ W^T` without a transposed view for XLA to fold into the dot."""
+    if config.tie_word_embeddings:
+        return params["embed"]["embedding"], True
+    return params["lm_head"]["kernel"], False
+
+
 def decode_step(
     params: Params,
     config: ModelConfig,

@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_llm.config import RunConfig
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.decoder import Params, completion_hidden, unembedding_matrix
+from jaxrl_llm.models.decoder import Params, completion_hidden, unembedding_as_stored
 from jaxrl_llm.models.packing import PackedLayout
 from jaxrl_llm.rl.logprobs import token_logprobs_from_hidden
 from jaxrl_llm.rl.policy_loss import PolicyLossOptions, clipped_policy_loss
@@ -121,9 +121,11 @@ def completion_logprobs(
                                layout=layout, dropout_key=dropout_key)
     n, t = completion_tokens.shape
     chunk = logprob_chunk_size(n, t, config.vocab_size, block_mib)
-    out = token_logprobs_from_hidden(hidden, unembedding_matrix(params, config), completion_tokens,
+    unembed, transposed = unembedding_as_stored(params, config)
+    out = token_logprobs_from_hidden(hidden, unembed, completion_tokens,
                                      temperature=temperature, chunk_size=chunk, with_entropy=with_entropy,
-                                     logit_softcap=config.final_logit_softcap, compute_dtype=config.jnp_dtype)
+                                     logit_softcap=config.final_logit_softcap, compute_dtype=config.jnp_dtype,
+                                     unembed_transposed=transposed)
     return out if with_entropy else (out, None)
 
 
