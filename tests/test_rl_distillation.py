@@ -135,3 +135,29 @@ def test_reverse_kl_policy_gradient_is_the_reverse_kl_gradient_in_expectation():
     np.testing.assert_allclose(np.asarray(jax.grad(expected_surrogate)(theta)), np.asarray(jax.grad(reverse_kl)(theta)),
                                rtol=1e-4, atol=1e-6)
     assert float(jnp.abs(jax.grad(reverse_kl)(theta)).max()) > 1e-2
+
+
+def test_jsd_of_tied_embeddings_as_stored_equals_the_transposed_view_and_runs_bf16_dots():
+    """`generalized_jsd_from_hidden(..., student_transposed=True, teacher_transposed=True)` with `[V, D]` embeddings
+    equals the same with `embedding.T`, values and gradients; and in bf16 the compiled gradient has no dot of
+    float32 operands (a transposed view is folded into the dot and upcast on XLA:CPU)."""
+    from test_precision import compiled_dot_operand_types
+
+    rng = np.random.default_rng(7)
+    hs, ht = (jnp.asarray(rng.normal(size=(4, 24, d)), jnp.float32) for d in (32, 48))
+    es, et = (jnp.asarray(rng.normal(size=(256, d)) / np.sqrt(d), jnp.float32) for d in (32, 48))
+
+    def total(h, e, transposed, dtype, teacher=et):
+        ws, wt = (e, teacher) if transposed else (e.T, teacher.T)
+        return generalized_jsd_from_hidden(h, ws, ht, wt, beta=0.3, chunk_size=8, compute_dtype=dtype,
+                                           student_transposed=transposed, teacher_transposed=transposed).sum()
+
+    for dtype in (jnp.float32, jnp.bfloat16):
+        want = jax.value_and_grad(total, argnums=(0, 1))(hs, es, False, dtype)
+        got = jax.value_and_grad(total, argnums=(0, 1))(hs, es, True, dtype)
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-6)
+    # the teacher's dot runs in its weights' dtype: bf16, as a bf16 run's teacher copy is stored
+    grad = jax.jit(jax.grad(lambda h, e: total(h, e, True, jnp.bfloat16, et.astype(jnp.bfloat16)), argnums=(0, 1)))
+    types = compiled_dot_operand_types(grad.lower(hs, es).compile().as_text())
+    assert types and all(t == ("bf16", "bf16") for t in types), types

@@ -355,15 +355,6 @@ def unembed(params: Params, config: ModelConfig, hidden: jax.Array) -> jax.Array
     return Decoder(config).apply({"params": params}, hidden, method=Decoder.unembed)
 
 
-def unembedding_matrix(params: Params, config: ModelConfig) -> jax.Array:
-    """The output matrix `W_out [D, V]` as stored, so `logits = hidden @ W_out` (a `precision.matmul` in the
-    compute dtype): the LM head's kernel, or the transposed embedding when the embeddings are tied (what
-    `Decoder.unembed` multiplies by). Uncast, so its gradient reaches float32 master weights in float32."""
-    if config.tie_word_embeddings:
-        return params["embed"]["embedding"].T
-    return params["lm_head"]["kernel"]
-
-
 def unembedding_as_stored(params: Params, config: ModelConfig) -> tuple[jax.Array, bool]:
     """`(W, transposed)`: the LM head's kernel `[D, V]` (False), or the tied embedding `[V, D]` itself (True), for
     `logits = hidden @ W` or `hidden @ W^T` without a transposed view for XLA to fold into the dot."""

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax import Array, lax
 
 from jaxrl_llm.models.layers import softcap
-from jaxrl_llm.models.precision import matmul
+from jaxrl_llm.models.precision import matmul, matmul_transposed
 from jaxrl_llm.rl.logprobs import _map_over_time_chunks
 
 
@@ -66,13 +66,16 @@ def generalized_jsd_from_hidden(
     student_hidden: Array, student_unembed: Array, teacher_hidden: Array, teacher_unembed: Array, *, beta: float,
     temperature: float = 1.0, chunk_size: int = 128, student_softcap: float | None = None,
     teacher_softcap: float | None = None, compute_dtype: jnp.dtype | str | None = None,
+    student_transposed: bool = False, teacher_transposed: bool = False,
 ) -> Array:
     """`generalized_jsd` of the logits `hidden @ unembed` of a student and a teacher, `chunk_size` positions at a
     time (only `[N, chunk, V]` float32 logits of each live at once, recomputed in the backward pass), as
     `token_logprobs_from_hidden` does for log-probs.
 
     Shapes: `student_hidden [N, T, D_S]`, `student_unembed [D_S, V]`, `teacher_hidden [N, T, D_T]`,
-    `teacher_unembed [D_T, V]` -> `[N, T]` float32.
+    `teacher_unembed [D_T, V]` -> `[N, T]` float32. `student_transposed` / `teacher_transposed`: that unembedding
+    is `[V, D]` (a tied embedding as stored) and multiplied transposed, as `token_logprobs_from_hidden`'s
+    `unembed_transposed` (XLA:CPU runs a dot by a transposed view in float32).
     """
     time_axis = student_hidden.ndim - 2
     s_dtype = student_unembed.dtype if compute_dtype is None else compute_dtype
@@ -80,8 +83,10 @@ def generalized_jsd_from_hidden(
     def block(start: Array | int, size: int) -> tuple[Array]:
         hs = lax.dynamic_slice_in_dim(student_hidden, start, size, axis=time_axis)
         ht = lax.dynamic_slice_in_dim(teacher_hidden, start, size, axis=time_axis)
-        zs = softcap(matmul(hs, student_unembed, s_dtype, jnp.float32), student_softcap)
-        zt = softcap(matmul(ht, teacher_unembed, teacher_unembed.dtype, jnp.float32), teacher_softcap)
+        zs = (matmul_transposed if student_transposed else matmul)(hs, student_unembed, s_dtype, jnp.float32)
+        zt = (matmul_transposed if teacher_transposed else matmul)(ht, teacher_unembed, teacher_unembed.dtype,
+                                                                   jnp.float32)
+        zs, zt = softcap(zs, student_softcap), softcap(zt, teacher_softcap)
         return (generalized_jsd(zs, zt, beta=beta, temperature=temperature),)
 
     return _map_over_time_chunks(block, student_hidden.shape[time_axis], chunk_size, 1)[0]

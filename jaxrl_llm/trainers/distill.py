@@ -26,7 +26,7 @@ from jaxrl_llm.config import RunConfig
 from jaxrl_llm.data import load_tokenizer
 from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.decoder import Params, completion_hidden, unembedding_matrix
+from jaxrl_llm.models.decoder import Params, completion_hidden, unembedding_as_stored
 from jaxrl_llm.models.hf import load_hf_model, resolve_model_dir
 from jaxrl_llm.models.weights import frozen_copy
 from jaxrl_llm.rl.distillation import generalized_jsd_from_hidden, reverse_kl_advantages
@@ -103,9 +103,11 @@ def jsd_loss(params: Params, batch: PolicyBatch, *, model_config: ModelConfig, l
     hidden = completion_hidden(params, model_config, *args, layout=batch.layout, dropout_key=dropout_key)
     teacher_hidden = jax.lax.stop_gradient(completion_hidden(t, c.teacher, *args, layout=batch.layout))
     n, length = batch.completion_tokens.shape
+    (student_w, student_transposed), (teacher_w, teacher_transposed) = (unembedding_as_stored(params, model_config),
+                                                                          unembedding_as_stored(t, c.teacher))
     jsd = generalized_jsd_from_hidden(
-        hidden, unembedding_matrix(params, model_config), teacher_hidden, unembedding_matrix(t, c.teacher),
-        beta=c.beta, temperature=c.temperature,
+        hidden, student_w, teacher_hidden, teacher_w, beta=c.beta, temperature=c.temperature,
+        student_transposed=student_transposed, teacher_transposed=teacher_transposed,
         chunk_size=logprob_chunk_size(n, length, model_config.vocab_size, c.logprob_block_mib / 2),
         student_softcap=model_config.final_logit_softcap, teacher_softcap=c.teacher.final_logit_softcap,
         compute_dtype=model_config.jnp_dtype)
