@@ -123,3 +123,97 @@ def test_without_a_compiler_auto_falls_back_and_cpu_names_why(monkeypatch):
     with pytest.raises(RuntimeError, match="could not build decode_attention.cc") as error:
         cpu_kernel._build("false")  # `false` exits 1 whatever it is given
     assert "\n" not in str(error.value)
+
+
+NO_AMX = cpu_kernel.packed_matmul_unavailable_reason()
+needs_amx = pytest.mark.skipif(NO_AMX is not None, reason=f"the AMX matmul cannot run here: {NO_AMX}")
+
+
+def test_packing_is_a_permutation_into_amx_tiles():
+    """`pack_weight`: tile (nb, kb), row p, column 2n + e holds w[32 kb + 2 p + e, 16 nb + n]; K padded with zeros."""
+    w = jnp.arange(40 * 32, dtype=jnp.float32).reshape(40, 32) % 251  # exact in bfloat16
+    packed = np.asarray(cpu_kernel.pack_weight(w).astype(jnp.float32))
+    assert packed.shape == (2, 2, 16, 32)
+    for nb, kb, p, n, e in [(0, 0, 0, 0, 0), (1, 0, 3, 5, 1), (0, 1, 3, 15, 1), (1, 1, 0, 7, 0)]:
+        assert packed[nb, kb, p, 2 * n + e] == float(w[32 * kb + 2 * p + e, 16 * nb + n])
+    assert not packed[:, 1, 4:].any()  # rows 40.. of K are padding
+    assert sorted(packed[packed != 0]) == sorted(np.asarray(w)[np.asarray(w) != 0])  # every weight, once
+    assert cpu_kernel.packable(w) and not cpu_kernel.packable(w[:, :24])
+    assert cpu_kernel.pack_weight(w[:, :24]).shape == (2, 2, 16, 32)  # N padded to whole tiles
+
+
+@needs_amx
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 64, 16), (5, 40, 48), (16, 576, 960), (33, 96, 80), (128, 64, 32),
+                                           (3, 64, 37)])
+def test_the_packed_matmul_equals_the_bfloat16_dot(m, k, n):
+    """`packed_matmul(x, pack_weight(w))` is `x @ w` over bfloat16 operands with float32 sums: against float64
+    over the rounded operands (<= 1e-6 relative to the terms' size) and XLA's dot (<= 1e-5), for rows that are not a
+    multiple of 16, K that is not a multiple of 32, an odd number of column tiles and N padded to whole tiles."""
+    rng = np.random.default_rng(m + k + n)
+    x = jnp.asarray(rng.normal(size=(m, k)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(k, n)), jnp.float32)
+    got = np.asarray(jax.jit(lambda x, w: cpu_kernel.packed_matmul(x, cpu_kernel.pack_weight(w), n))(x, w))
+    xb, wb = (np.asarray(a.astype(jnp.bfloat16), np.float64) for a in (x, w))
+    assert got.shape == (m, n) and got.dtype == np.float32
+    size = np.max(np.abs(xb) @ np.abs(wb))
+    np.testing.assert_allclose(got, xb @ wb, rtol=0, atol=1e-6 * size)
+    xla = np.asarray(jnp.dot(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), preferred_element_type=jnp.float32))
+    np.testing.assert_allclose(got, xla, rtol=0, atol=1e-5 * size)
+    assert np.abs(got - np.asarray(x) @ np.asarray(w)).max() > 1e-4  # the operands were rounded to bfloat16
+
+
+def test_without_amx_the_engine_keeps_xla_matmuls(monkeypatch):
+    """No AMX (another CPU, or Linux refusing the tiles): a one-line reason, and the engine decodes with XLA's
+    matmuls; a float32 model or the XLA path never packs."""
+    from test_engine import small_engine
+
+    monkeypatch.setattr(cpu_kernel, "_has_amx", lambda: False)
+    assert cpu_kernel._load.__wrapped__(cpu_kernel.MATMUL) == "this CPU has no AMX (amx_bf16)"
+    monkeypatch.setattr(cpu_kernel, "packed_matmul_unavailable_reason", lambda: "this CPU has no AMX (amx_bf16)")
+    bf16 = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=1, num_heads=4,
+                       num_kv_heads=2, head_dim=16, dtype="bfloat16")
+    assert not small_engine(bf16).packed_matmul
+    monkeypatch.undo()
+    assert not small_engine(bf16, attention="xla").packed_matmul
+    assert not small_engine(_config(4, 2, 16)).packed_matmul
+
+
+@needs_amx
+@needs_kernel
+@pytest.mark.parametrize("kind", ["llama", "gemma2"])
+def test_the_engine_samples_the_same_with_the_packed_matmul(kind, hf_model_dir):
+    """A bfloat16 model decoding on the AMX matmul (Gemma 2: its final logits soft-capped after the packed head)
+    gives the tokens and log-probs of the same engine on XLA's matmuls, greedy and sampled; the decode program
+    calls the kernel."""
+    from conftest import left_padded_batch
+    from test_engine import small_engine
+
+    from jaxrl_llm.engine import engine_sample
+    from jaxrl_llm.engine.model import kernel_decode_step
+    from jaxrl_llm.engine.pages import init_pages
+    from jaxrl_llm.engine.programs import pack_weights, prepare_weights
+    from jaxrl_llm.models.hf import load_hf_model
+    from jaxrl_llm.sampling import SamplingConfig
+
+    config, params = load_hf_model(hf_model_dir(kind), dtype="bfloat16")
+    tokens, mask = left_padded_batch(config.vocab_size, [5, 12, 1, 9], seed=4)
+    for sampling in (SamplingConfig(max_new_tokens=12, greedy=True),
+                     SamplingConfig(max_new_tokens=12, temperature=0.8, n=2, eos_ids=(3,))):
+        plain = small_engine(config)
+        plain.packed_matmul = False
+        expected = engine_sample(plain, params, config, tokens, mask, jax.random.key(2), sampling)
+        engine = small_engine(config)
+        assert engine.packed_matmul
+        got = engine_sample(engine, params, config, tokens, mask, jax.random.key(2), sampling)
+        np.testing.assert_array_equal(got.tokens, expected.tokens)
+        np.testing.assert_allclose(got.logprobs, expected.logprobs, atol=1e-4)
+        assert engine.allocator.in_use() == 0 and engine.stats.decode_calls > 2
+    weights = prepare_weights(params, config)
+    packed = pack_weights(params, weights, config=config)
+    assert all(m.ndim == 4 for w in packed.layers for m in (w.qkv, w.o, w.gate_up, w.down))
+    assert packed.head.shape[0] * 16 >= config.vocab_size
+    lowered = jax.jit(kernel_decode_step, static_argnames=("config", "backend")).lower(
+        params, packed, config=config, tokens=jnp.zeros(4, jnp.int32), positions=jnp.zeros(4, jnp.int32),
+        page_table=jnp.zeros((4, 2), jnp.int32), pages=init_pages(config, 8, 4), backend="cpu")
+    text, logits = lowered.as_text(), lowered.out_info[0]
+    assert text.count(cpu_kernel.MATMUL.target) == 4 * config.num_layers + 1 and logits.shape == (4, config.vocab_size)

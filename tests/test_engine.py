@@ -57,6 +57,35 @@ def test_logprobs_equal_fresh_forward_pass_and_eos_stops(hf_model_dir):
     assert np.abs(out.logprobs - expected)[valid].max() <= 1e-4  # no truncation: the two are one distribution
 
 
+def test_prefill_chunks_are_as_wide_as_their_tokens(hf_model_dir, monkeypatch):
+    """Prefill calls compute whole 16-token columns, not powers of two: prompts of 43 tokens run one 48-wide chunk; a
+    140-token prompt with chunks of 128 runs 128 columns, then 16 for its last 12 tokens; the tokens are those of
+    one chunk as wide as the prompt."""
+    import jaxrl_llm.engine.scheduler as scheduler
+
+    config, params = load_hf_model(hf_model_dir("llama"))
+    widths: list[int] = []
+    run = scheduler.prefill_program
+
+    def recorded(params, weights, pages, tokens, *args, **kwargs):
+        widths.append(int(tokens.shape[1]))
+        return run(params, weights, pages, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(scheduler, "prefill_program", recorded)
+    sampling = SamplingConfig(max_new_tokens=3, greedy=True)
+    rows = [[1 + (7 * i + j) % (config.vocab_size - 1) for j in range(n)] for i, n in enumerate((43, 40))]
+    engine = small_engine(config, num_pages=256, prefill_chunk=128, prefill_rows=4)
+    out = engine.generate(params, [Request(r, jax.random.key(0)) for r in rows], sampling)
+    assert widths == [48]
+    long = [1 + (3 * j) % (config.vocab_size - 1) for j in range(140)]
+    widths.clear()
+    chunked = engine.generate(params, [Request(long, jax.random.key(0))], sampling)
+    assert widths == [128, 16] and engine.stats.prefilled_tokens == 140
+    whole = small_engine(config, num_pages=256, prefill_chunk=256, prefill_rows=4)
+    assert chunked[0][0].tokens == whole.generate(params, [Request(long, jax.random.key(0))], sampling)[0][0].tokens
+    assert len(out) == 2 and engine.allocator.in_use() == 0
+
+
 def test_a_group_shares_its_prompt_pages(hf_model_dir):
     """n samples of a prompt: the prompt is prefilled once, its full pages are read by all n (one copy of each), and
     the pool's peak is below what n separate copies would take."""

@@ -1,26 +1,33 @@
-"""The CPU paged decode-attention kernel: `decode_attention.cc`, built on first use and called through XLA's FFI.
+"""The engine's CPU kernels: C++ sources built on first use and called through XLA's FFI.
 
     paged_decode_attention(q [S, H, hd], k_pages, v_pages [KVH, N, page_size, hd], page_table [S, M],
-                           lengths [S], window, config) -> [S, H, hd]
+                           lengths [S], window, config) -> [S, H, hd]          (decode_attention.cc)
+    packed_matmul(x [..., K], pack_weight(w [K, N])) -> [..., N] float32         (packed_matmul.cc, AMX)
 
-one query per slot over its first `lengths` positions (the last `window` of them under a sliding window) straight
-through its page table, the pool as stored (bfloat16 bits or float32), with the precision policy's roundings
-(bfloat16 operands, float32 sums): what the engine's XLA path computes over gathered contiguous caches
+The attention: one query per slot over its first `lengths` positions (the last `window` of them under a sliding
+window) straight through its page table, the pool as stored (bfloat16 bits or float32), with the precision policy's
+roundings (bfloat16 operands, float32 sums): what the engine's XLA path computes over gathered contiguous caches
 (`model.slot_caches`, `models.decode.loop_layout_attention`). XLA:CPU has no paged or decode attention of its own;
 its path copies every slot's context once per decode call and runs the contraction as many tiny batched dots far
 below its memory speed (bench/README.md, `decode_phases.py`). The kernel reads the pages where they are, so the G
 samples of a group read their prompt's shared pages (from cache) and a decode call holds no contiguous caches.
 
-Building: the source is compiled once per machine with the system's C++ compiler (`$CXX`, else `c++`/`g++`) against
-jaxlib's FFI headers, `-O3 -march=native`, into `$JAXRL_LLM_KERNEL_CACHE` (default `~/.cache/jaxrl_llm/kernels`),
-named by a hash of the source, the flags, jaxlib's version and the CPU, then registered as an FFI target.
-`available()` says whether that worked; where it did not (no compiler) the engine decodes on the XLA path and
-`unavailable_reason()` says why.
+The matmul: a decode step's few rows times a bfloat16 weight packed once per generate call into AMX's tile layout
+(`pack_weight`), float32 out, equal to XLA's `x @ w` with a float32 result. XLA:CPU re-packs a weight on every call,
+which at a decode step's 32 rows is half of the matmuls' time (bench/README.md). Only on x86 CPUs with AMX
+(`amx_bf16`, Sapphire Rapids and later), for bfloat16 models; elsewhere the engine keeps XLA's matmuls.
+
+Building: each source is compiled once per machine with the system's C++ compiler (`$CXX`, else
+`c++`/`g++`) against jaxlib's FFI headers, `-O3 -march=native`, into `$JAXRL_LLM_KERNEL_CACHE` (default
+`~/.cache/jaxrl_llm/kernels`), named by a hash of the source, the flags, jaxlib's version and the CPU, then
+registered as an FFI target. `unavailable_reason()` / `packed_matmul_unavailable_reason()` say why a kernel cannot
+run here (no compiler, no AMX), or None; where the attention cannot, the engine decodes on the XLA path.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import os
@@ -37,11 +44,24 @@ import numpy as np
 
 from jaxrl_llm.models.config import ModelConfig
 
-SOURCE = Path(__file__).with_name("decode_attention.cc")
-TARGET = "jaxrl_llm_paged_decode_attention"
+HERE = Path(__file__).parent
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno",
          # x86: let the 16-lane vectors be one AVX-512 register where the CPU has them (GCC prefers 256 bits)
          *(("-mprefer-vector-width=512",) if platform.machine().lower() in ("x86_64", "amd64") else ()))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Kernel:
+    """A C++ source, the extra compiler flags it needs, and its FFI handler symbol and target name."""
+
+    source: Path
+    symbol: str
+    target: str
+    flags: tuple[str, ...] = ()
+
+
+ATTENTION = _Kernel(HERE / "decode_attention.cc", "PagedDecodeAttention", "jaxrl_llm_paged_decode_attention")
+MATMUL = _Kernel(HERE / "packed_matmul.cc", "PackedMatmul", "jaxrl_llm_packed_matmul", ("-mamx-tile", "-mamx-bf16"))
 
 
 def _compiler() -> str | None:
@@ -65,52 +85,100 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("JAXRL_LLM_KERNEL_CACHE", Path.home() / ".cache" / "jaxrl_llm" / "kernels"))
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: str, kernel: _Kernel = ATTENTION) -> Path:
     """The compiled library, from the cache when this source, these flags, this jaxlib and this CPU built it
     before. Written to a temporary name and renamed, so concurrent processes never load a half-written file."""
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(FLAGS), compiler, jaxlib.__version__,
+    flags = (*FLAGS, *kernel.flags)
+    key = hashlib.sha256("\n".join([kernel.source.read_text(), " ".join(flags), compiler, jaxlib.__version__,
                                     _cpu_signature()]).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"decode_attention-{key}.so"
+    out = _cache_dir() / f"{kernel.source.stem}-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=out.parent, suffix=".so", delete=False) as tmp:
         partial = Path(tmp.name)
     try:
-        command = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(partial)]
+        command = [compiler, *flags, f"-I{jax.ffi.include_dir()}", str(kernel.source), "-o", str(partial)]
         result = subprocess.run(command, capture_output=True, text=True, timeout=300)
         if result.returncode != 0:
             lines = result.stderr.strip().splitlines() or ["no output"]
             first_error = next((line for line in lines if "error" in line), lines[-1])
-            raise RuntimeError(f"{compiler} could not build {SOURCE.name}: {first_error.strip()}")
+            raise RuntimeError(f"{compiler} could not build {kernel.source.name}: {first_error.strip()}")
         os.replace(partial, out)
     finally:
         partial.unlink(missing_ok=True)
     return out
 
 
+def _has_amx() -> bool:
+    """Whether the CPU reports AMX's bfloat16 tiles (Linux's `amx_bf16` flag)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    return "amx_bf16" in _cpu_signature().split()
+
+
 @functools.cache
-def _load() -> str | None:
-    """Builds and registers the kernel once per process: None when it is ready, else why it is not."""
+def _load(kernel: _Kernel = ATTENTION) -> str | None:
+    """Builds and registers `kernel` once per process: None when it is ready, else why it is not."""
+    if kernel == MATMUL and not _has_amx():
+        return "this CPU has no AMX (amx_bf16)"
     compiler = _compiler()
     if compiler is None:
         return "no C++ compiler found ($CXX, c++, g++ or clang++)"
     try:
-        library = ctypes.cdll.LoadLibrary(str(_build(compiler)))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.PagedDecodeAttention), platform="cpu")
+        library = ctypes.cdll.LoadLibrary(str(_build(compiler, kernel)))
+        if kernel == MATMUL and not library.JaxrlAmxPermitted():
+            return "Linux did not grant this process AMX's tiles (arch_prctl ARCH_REQ_XCOMP_PERM)"
+        jax.ffi.register_ffi_target(kernel.target, jax.ffi.pycapsule(getattr(library, kernel.symbol)),
+                                    platform="cpu")
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
         return str(error)
     return None
 
 
 def available() -> bool:
-    """Whether the CPU kernel is built and registered (building it on the first call)."""
+    """Whether the CPU attention kernel is built and registered (building it on the first call)."""
     return _load() is None
 
 
 def unavailable_reason() -> str | None:
-    """Why the CPU kernel cannot run here, or None when it can."""
+    """Why the CPU attention kernel cannot run here, or None when it can."""
     return _load()
+
+
+def packed_matmul_unavailable_reason() -> str | None:
+    """Why the AMX matmul cannot run here (no AMX, no compiler), or None when it can."""
+    return _load(MATMUL)
+
+
+def packable(w: jax.Array) -> bool:
+    """Whether `w [K, N]` packs with no padded columns (N a multiple of 16): `packed_matmul`'s output is then
+    exactly `[..., N]` and the matrix can stand in for `w` anywhere."""
+    return w.ndim == 2 and w.shape[1] % 16 == 0
+
+
+def pack_weight(w: jax.Array) -> jax.Array:
+    """`w [K, N]` as bfloat16 in AMX's tile layout `[ceil(N / 16), ceil(K / 32), 16, 32]`: tile `(nb, kb)` holds
+    `w[32 kb + 2 p + e, 16 nb + n]` at row `p`, column `2 n + e` (K and N padded with zeros): the layout
+    `packed_matmul.cc` streams. A pure permutation, made once per generate call."""
+    k, n = w.shape
+    kp, np_ = -(-k // 32) * 32, -(-n // 16) * 16
+    w = jnp.pad(w.astype(jnp.bfloat16), ((0, kp - k), (0, np_ - n)))
+    return w.reshape(kp // 32, 16, 2, np_ // 16, 16).transpose(3, 0, 1, 4, 2).reshape(np_ // 16, kp // 32, 16, 32)
+
+
+def packed_matmul(x: jax.Array, packed: jax.Array, n: int | None = None) -> jax.Array:
+    """`x [..., K] @ w -> [..., N]` float32 for `packed = pack_weight(w)`: `x` rounded to bfloat16 (the precision
+    policy's operand), products summed in float32 by AMX. `n`: w's columns where `pack_weight` padded them."""
+    why = _load(MATMUL)
+    if why is not None:
+        raise RuntimeError(f"the AMX matmul kernel is unavailable: {why}")
+    padded = packed.shape[0] * 16
+    flat = x.reshape(-1, x.shape[-1]).astype(jnp.bfloat16)
+    call = jax.ffi.ffi_call(MATMUL.target, jax.ShapeDtypeStruct((flat.shape[0], padded), jnp.float32),
+                            vmap_method="sequential")
+    out = call(flat, packed)
+    return (out if n is None or n == padded else out[:, :n]).reshape(*x.shape[:-1], n or padded)
 
 
 def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
@@ -121,7 +189,7 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     why = _load()
     if why is not None:
         raise RuntimeError(f"the CPU decode-attention kernel is unavailable: {why}")
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential")
+    call = jax.ffi.ffi_call(ATTENTION.target, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential")
     return call(q.astype(jnp.float32), k_pages, v_pages, page_table.astype(jnp.int32), lengths.astype(jnp.int32),
                 window=np.int64(window or 0), scale=np.float32(config.attention_scale),
                 softcap=np.float32(config.attn_logit_softcap or 0.0))

@@ -4,9 +4,11 @@
 - `paged_forward` runs `T` tokens per row at explicit positions (`-1` = padding: neither written nor attended
   from), writes their keys and values into the rows' pages and attends over each row's gathered pages: a prefill
   chunk (the gather is shared by the chunk's `T` queries).
-- `kernel_decode_step` (GPU, TPU): a decode step straight over the pages with a Pallas paged-attention kernel
-  (`kernels.py`).
-- `slot_caches` + `slot_decode_step` (the XLA path, for the CPU): the decode steps of one engine call. Gathering
+- `kernel_decode_step`: a decode step straight over the pages with a paged-attention kernel (`kernels.py`: Pallas
+  on GPU and TPU, the C++ one on the CPU). On a CPU with AMX and a bfloat16 model its matmuls run on weights packed
+  once per generate call (`pack_step_weights`, `cpu_kernel.packed_matmul`).
+- `slot_caches` + `slot_decode_step` (the XLA path: a CPU without a C++ compiler, a mesh of several devices): the
+  decode steps of one engine call. Gathering
   every row's pages on every token would copy the whole context per token (on XLA:CPU that copy costs more than the
   attention itself), so a call gathers each slot's context once into contiguous caches in the layout the static
   sampler's token step reads (keys `[S, KVH, hd, C]`, values `[S, KVH, C, hd]`, `models/decode.py: loop_caches`);
@@ -16,9 +18,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
+import jaxrl_llm.engine.cpu_kernel as cpu_kernel
 from jaxrl_llm.engine.kernels import paged_decode_attention
 from jaxrl_llm.engine.pages import (
     PagedLayer,
@@ -34,8 +40,9 @@ from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.models.block import Attend, transformer_block
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decode import StepWeights, longrope_original, loop_layout_attention, step_ops
-from jaxrl_llm.models.decoder import Params, unembed
-from jaxrl_llm.models.layers import embed_tokens, grouped_query_attention, rms_norm, rope_cos_sin
+from jaxrl_llm.models.decoder import Params, unembed, unembedding_as_stored
+from jaxrl_llm.models.layers import embed_tokens, grouped_query_attention, rms_norm, rope_cos_sin, softcap
+from jaxrl_llm.models.precision import matmul
 
 
 def check_engine_context(config: ModelConfig, longest: int) -> None:
@@ -173,12 +180,44 @@ def kernel_attention(config: ModelConfig, layer: PagedLayer, page_table: jax.Arr
     return attend
 
 
-def kernel_decode_step(params: Params, weights: list[StepWeights], config: ModelConfig, tokens: jax.Array,
-                       positions: jax.Array, page_table: jax.Array, pages: list[PagedLayer], backend: str,
-                       shards: int = 1) -> tuple[jax.Array, list[PagedLayer]]:
+class PackedWeights(NamedTuple):
+    """The decode step's weights for the CPU's AMX matmul (`cpu_kernel.packed_matmul`): the layers' matrices packed
+    where they can be (`cpu_kernel.packable`; others stay as they are) and the LM head `[D, V]` packed (its columns
+    padded to whole tiles where V needs it)."""
+
+    layers: list[StepWeights]
+    head: jax.Array
+
+
+def pack_step_weights(params: Params, weights: list[StepWeights], config: ModelConfig) -> PackedWeights:
+    """`weights`' matrices and the LM head (the tied embedding transposed) in the AMX kernel's tile layout."""
+    def pack(w: jax.Array | None) -> jax.Array | None:
+        return cpu_kernel.pack_weight(w) if w is not None and cpu_kernel.packable(w) else w
+
+    head, transposed = unembedding_as_stored(params, config)
+    head = head.T if transposed else head
+    return PackedWeights([w._replace(qkv=pack(w.qkv), o=pack(w.o), gate_up=pack(w.gate_up), down=pack(w.down))
+                          for w in weights], cpu_kernel.pack_weight(head))
+
+
+def packed_or_plain(config: ModelConfig) -> Callable[[jax.Array, jax.Array], jax.Array]:
+    """`step_ops`' `dense_matmul` over `PackedWeights`: a packed matrix (4-D) through the AMX kernel, any other
+    under the precision policy."""
+    def apply(x: jax.Array, kernel: jax.Array) -> jax.Array:
+        return cpu_kernel.packed_matmul(x, kernel) if kernel.ndim == 4 else matmul(x, kernel, config.jnp_dtype)
+    return apply
+
+
+def kernel_decode_step(params: Params, weights: list[StepWeights] | PackedWeights, config: ModelConfig,
+                       tokens: jax.Array, positions: jax.Array, page_table: jax.Array, pages: list[PagedLayer],
+                       backend: str, shards: int = 1) -> tuple[jax.Array, list[PagedLayer]]:
     """One decode step of every slot straight over the pages (the kernels: GPU, TPU, CPU): `tokens [S]` at
     `positions [S]` (-1: an idle slot, which writes nothing and reads nothing) with page tables `[S, M]`. Returns
-    float32 logits `[S, V]` and the pages with the tokens written."""
+    float32 logits `[S, V]` and the pages with the tokens written. With `PackedWeights` (the CPU, AMX) the matmuls
+    run on the packed kernel."""
+    packed = weights if isinstance(weights, PackedWeights) else None
+    layers = packed.layers if packed is not None else weights
+    dense = packed_or_plain(config) if packed is not None else None
     c = config
     num_pages, page_size = pool_geometry(pages)
     slots = page_slots(page_table, positions[:, None], page_size, num_pages)
@@ -186,13 +225,16 @@ def kernel_decode_step(params: Params, weights: list[StepWeights], config: Model
     inputs = layer_inputs(c, positions[:, None], 1)  # the rotary tables (the kernels mask by length)
     x = embed_tokens(params["embed"]["embedding"], tokens[:, None], c)
     new_pages = []
-    for i, (w, layer) in enumerate(zip(weights, pages, strict=True)):
+    for i, (w, layer) in enumerate(zip(layers, pages, strict=True)):
         cos, sin, _ = inputs[c.is_sliding(i)]
         window = c.sliding_window if c.is_sliding(i) else None
         attend = kernel_attention(c, layer, page_table, slots, lengths, backend, window)
-        x, layer = transformer_block(x, step_ops(w, c, shards), attend, cos, sin, c)
+        x, layer = transformer_block(x, step_ops(w, c, shards, dense), attend, cos, sin, c)
         new_pages.append(layer)
     hidden = rms_norm(x[:, 0], params["final_norm"]["scale"], c.rms_norm_eps, unit_offset=c.norm_unit_offset)
+    if packed is not None:
+        logits = cpu_kernel.packed_matmul(hidden, packed.head, c.vocab_size)
+        return softcap(logits, c.final_logit_softcap), new_pages
     return paged_logits(params, c, hidden), new_pages
 
 

@@ -21,7 +21,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxrl_llm.engine.model import (
+    PackedWeights,
     kernel_decode_step,
+    pack_step_weights,
     paged_forward,
     paged_logits,
     slot_caches,
@@ -96,6 +98,13 @@ def prepare_weights(params: Params, config: ModelConfig, mesh: Mesh | None = Non
     return [constrain_step_weights(w, mesh) for w in weights]
 
 
+@functools.partial(jax.jit, static_argnames=("config",))
+def pack_weights(params: Params, weights: list[StepWeights], *, config: ModelConfig) -> PackedWeights:
+    """The decode step's weights for the CPU's AMX matmul (`model.pack_step_weights`), made once per generate call
+    beside `prepare_weights`' (the prefill keeps XLA's matmuls, faster at its many rows)."""
+    return pack_step_weights(params, weights, config)
+
+
 def row_uniforms(key_data: jax.Array, index: jax.Array) -> jax.Array:
     """`[R]` uniforms in [0, 1): row r's draw for its completion index `index[r]`."""
     def one(data: jax.Array, i: jax.Array) -> jax.Array:
@@ -141,15 +150,15 @@ def copy_pages_program(pages: list[PagedLayer], source: jax.Array, target: jax.A
 
 @functools.partial(jax.jit, static_argnames=("config", "flags", "steps", "attention", "mesh"),
                    donate_argnames=("pages",))
-def decode_program(params: Params, weights: list[StepWeights], pages: list[PagedLayer], state: SlotState,
-                   knobs: Knobs, *, config: ModelConfig, flags: SamplingFlags, steps: int, attention: str = "xla",
-                   mesh: Mesh | None = None) -> tuple[SlotState, StepOutputs, list[PagedLayer]]:
+def decode_program(params: Params, weights: list[StepWeights] | PackedWeights, pages: list[PagedLayer],
+                   state: SlotState, knobs: Knobs, *, config: ModelConfig, flags: SamplingFlags, steps: int,
+                   attention: str = "xla", mesh: Mesh | None = None) -> tuple[SlotState, StepOutputs, list[PagedLayer]]:
     """`steps` decode steps of every slot: feed `state.token` at `state.position`, sample the next token at
     completion index `state.index`; a slot stops at EOS or when `remaining` reaches 0. Returns the new state, the
     tokens emitted `[S, steps]` and the pages. `attention` (`kernels.attention_backend`): `xla` decodes over
     contiguous per-call slot caches gathered once; a kernel (Pallas, or the CPU's C++ one) attends over the pages on
-    every step. On a `mesh` the slots are split over `("data", "fsdp")` and the KV heads over `tensor`; the results
-    come back whole on every device."""
+    every step (with `PackedWeights`, `pack_weights`, on the CPU's AMX matmul). On a `mesh` the slots are split over
+    `("data", "fsdp")` and the KV heads over `tensor`; the results come back whole on every device."""
     slots, shards = state.token.shape[0], weight_shards(config, mesh)
     eos = jnp.asarray(flags.eos_ids, jnp.int32)
     empty = StepOutputs(jnp.full((slots, steps), flags.pad_id, jnp.int32), jnp.zeros((slots, steps), jnp.float32),

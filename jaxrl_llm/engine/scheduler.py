@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+import jaxrl_llm.engine.cpu_kernel as cpu_kernel
 from jaxrl_llm.engine.allocator import PageAllocator
 from jaxrl_llm.engine.kernels import attention_backend
 from jaxrl_llm.engine.model import check_engine_context
@@ -39,6 +40,7 @@ from jaxrl_llm.engine.programs import (
     copy_pages_program,
     decode_program,
     first_tokens_program,
+    pack_weights,
     prefill_program,
     prepare_weights,
 )
@@ -108,7 +110,9 @@ class EngineStats:
 
 class Engine:
     """Generates with continuous batching over a paged KV cache of `num_pages` pages of `page_size` tokens.
-    `attention`: the decode step's attention, `auto | xla | pallas` (`kernels.attention_backend`). On a `mesh`
+    `attention`: the decode step's attention, `auto | xla | cpu | pallas` (`kernels.attention_backend`); with the
+    CPU's kernel, a bfloat16 model on a CPU with AMX also decodes its matmuls on packed weights (`packed_matmul`,
+    `cpu_kernel.packed_matmul`; set it False to keep XLA's). On a `mesh`
     (the weights placed on it by `jaxrl_llm.sharding`) the pool's KV heads are split over `tensor` and every
     device holds every page; a decode call's slots are split over `("data", "fsdp")`; the host schedules alike in
     every process, so the tokens do not depend on the mesh. A mesh of several devices decodes on the XLA path."""
@@ -122,6 +126,9 @@ class Engine:
             raise ConfigError(f"sampling.engine_attention=pallas runs on one device; this sampler's mesh has "
                               f"{mesh.size}: use auto or xla")  # type: ignore[union-attr]
         self.attention = "xla" if several else attention_backend(config, attention)
+        # The AMX matmul goes with the CPU kernels (`engine_attention=xla` turns both off), for bfloat16 models.
+        self.packed_matmul = (self.attention == "cpu" and config.jnp_dtype == jnp.bfloat16
+                              and cpu_kernel.packed_matmul_unavailable_reason() is None)
         self.config, self.page_size, self.slots = config, page_size, slots
         self.steps, self.chunk, self.prefill_rows = steps_per_call, prefill_chunk, prefill_rows
         self.allocator = PageAllocator(num_pages)
@@ -151,6 +158,7 @@ class Engine:
         check_engine_context(self.config, max((len(r.conversation.tokens) if r.conversation else 0) + len(r.tokens)
                                               + self._max_new(r, sampling) for r in requests) if requests else 0)
         weights = prepare_weights(params, self.config, self.mesh)
+        decode_weights = pack_weights(params, weights, config=self.config) if self.packed_matmul else weights
         knobs = knobs_from_config(sampling)
         flags = SamplingFlags(sampling.greedy, sampling.uses_top_k, sampling.uses_top_p, sampling.uses_min_p,
                               tuple(sampling.eos_ids), sampling.pad_id)
@@ -171,7 +179,7 @@ class Engine:
                 if slots[i] is None and ready:
                     slots[i] = ready.popleft()
             if any(s is not None for s in slots):
-                self._decode(params, weights, slots, knobs, flags, keep)
+                self._decode(params, decode_weights, slots, knobs, flags, keep)
             elif not admitted and queue:
                 need = self._pages_needed(requests[queue[0]], sampling)
                 raise RuntimeError(f"the rollout engine's pool ({self.allocator.num_pages} pages of "
@@ -286,7 +294,7 @@ class Engine:
         `prefill_rows` full chunks: short rows, many at once): each row's last logits, `[len(rows), V]` (on the host:
         the samples' first tokens are drawn from them)."""
         groups: list[np.ndarray] = []
-        c = min(self.chunk, max(16, _pow2(max(len(tokens) for tokens, _, _ in rows))))  # short prompts: short chunks
+        c = min(self.chunk, _round16(max(len(tokens) for tokens, _, _ in rows)))  # short prompts: short chunks
         per_call = max(1, self.prefill_rows * self.chunk // c)
         for g in range(0, len(rows), per_call):
             group = rows[g:g + per_call]
@@ -296,8 +304,10 @@ class Engine:
                 table[i, :len(pages)] = pages
             group_logits = None
             for k in range(max(math.ceil(len(tokens) / c) for tokens, _, _ in group)):
-                tok = np.zeros((width, c), np.int32)
-                pos = np.full((width, c), -1, np.int32)
+                # The last chunk only as wide as the longest remainder (a 140-token prompt: 128 + 16 columns).
+                cols = min(c, _round16(max(len(tokens) - k * c for tokens, _, _ in group)))
+                tok = np.zeros((width, cols), np.int32)
+                pos = np.full((width, cols), -1, np.int32)
                 last = np.zeros((width,), np.int32)
                 ends = np.zeros((width,), bool)  # rows whose last token is in this chunk
                 for i, (tokens, start, _) in enumerate(group):
@@ -417,6 +427,12 @@ def host_array(x: jax.Array) -> np.ndarray:
     """An array that is whole on every device (a program's output; a run's key) on the host: one addressable copy
     is all of it, also when other processes hold the rest of the mesh."""
     return np.asarray(x) if x.is_fully_addressable else np.asarray(x.addressable_data(0))
+
+
+def _round16(n: int) -> int:
+    """`n` rounded up to a multiple of 16 (at least 16): a prefill chunk's width, so few program shapes compile
+    while a 43-token prompt computes 48 columns, not 64."""
+    return max(16, -(-n // 16) * 16)
 
 
 def _pow2(n: int) -> int:

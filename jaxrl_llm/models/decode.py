@@ -204,15 +204,17 @@ def decode_token(
     return unembed(params, c, x).astype(jnp.float32), new_caches
 
 
-def step_ops(w: StepWeights, config: ModelConfig, shards: int = 1) -> LayerOps:
+def step_ops(w: StepWeights, config: ModelConfig, shards: int = 1,
+             dense_matmul: Callable[[jax.Array, jax.Array], jax.Array] | None = None) -> LayerOps:
     """`StepWeights` as the block's `LayerOps`: each matmul's operands in the compute dtype, biases added in
-    the activation dtype, the fused q|k|v and gate|up outputs split back per shard (`_unfuse`)."""
+    the activation dtype, the fused q|k|v and gate|up outputs split back per shard (`_unfuse`). `dense_matmul(x,
+    kernel)`: how a matrix is applied (default `precision.matmul`; the engine's packed CPU kernel)."""
     c = config
     h, kvh, hd, dtype = c.num_heads, c.num_kv_heads, c.head_dim, c.jnp_dtype
 
     def dense(kernel: jax.Array, bias: jax.Array | None) -> Callable[[jax.Array], jax.Array]:
         def apply(x: jax.Array) -> jax.Array:
-            y = matmul(x, kernel, dtype)
+            y = matmul(x, kernel, dtype) if dense_matmul is None else dense_matmul(x, kernel)
             return y if bias is None else y + bias
         return apply
 

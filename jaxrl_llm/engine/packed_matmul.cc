@@ -1,0 +1,174 @@
+// A bfloat16 matmul on Intel AMX for the rollout engine's decode step on the CPU, as an XLA FFI custom call (built
+// on first use by jaxrl_llm/engine/cpu_kernel.py where the CPU has AMX).
+//
+//   x       [M, K]                  bfloat16 (as uint16 bits or bf16): the step's activations, one row per slot
+//   w       [N / 16, Kp / 32, 16, 32] bfloat16: the weight [K, N] packed once per generate call
+//                                   (`cpu_kernel.pack_weight`): tile (nb, kb) holds, in row p and column 2n + e,
+//                                   w[32 kb + 2p + e, 16 nb + n] (zero where 32 kb + 2p + e >= K); AMX's pair layout
+//   out     [M, N]                  float32: out = x @ w, products of bfloat16 summed in float32 (TDPBF16PS)
+//
+// Why a kernel: at a decode step's few rows the matmuls stream the weights and XLA:CPU's bfloat16 GEMM re-packs each
+// weight on every call, so the step reads every weight about twice and the 32-row decode step of SmolLM2 ran its
+// matmuls at ~11 GB/s of weights (bench/README.md, the engine's section). Packing once per generate call and
+// streaming the packed tiles halves the time of a 32-row step's matmuls. The output equals XLA's (the same
+// bfloat16 products and float32 sums; tests/test_cpu_kernel.py).
+//
+// Work: each task is a pair of 16-column blocks of N; for every 32 rows of x it keeps 2 x 2 accumulator tiles
+// (rows x columns) over the K blocks. Tasks are spread over XLA's intra-op thread pool.
+
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr long kArchReqXcompPerm = 0x1023;  // arch_prctl: ask Linux for an extended state component
+constexpr long kXfeatureXtiledata = 18;     // AMX's tile data
+
+struct TileConfig {
+  uint8_t palette;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Every tile 16 rows of 64 bytes: 16 x 32 bfloat16 (x, packed w) or 16 x 16 float32 (accumulators).
+void ConfigureTiles() {
+  TileConfig config{};
+  config.palette = 1;
+  for (int i = 0; i < 8; ++i) {
+    config.rows[i] = 16;
+    config.colsb[i] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+struct Work {
+  const uint16_t* x;  // [mp, kp], zero padded
+  const uint16_t* w;
+  float* out;
+  int64_t m, n, mp, kp, n_blocks, k_blocks, tasks;
+  std::vector<uint16_t> padded;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void Block(int64_t nb, float* scratch) const {
+    const bool two = nb + 1 < n_blocks;
+    const uint16_t* b0 = w + nb * k_blocks * 512;
+    const uint16_t* b1 = two ? b0 + k_blocks * 512 : b0;
+    const int64_t x_stride = kp * 2, cols = two ? 32 : 16;
+    for (int64_t m0 = 0; m0 < mp; m0 += 32) {
+      const uint16_t* a0 = x + m0 * kp;
+      const uint16_t* a1 = m0 + 16 < mp ? a0 + 16 * kp : a0;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t kb = 0; kb < k_blocks; ++kb) {
+        _tile_loadd(4, a0 + kb * 32, x_stride);
+        _tile_loadd(5, a1 + kb * 32, x_stride);
+        _tile_loadd(6, b0 + kb * 512, 64);
+        _tile_loadd(7, b1 + kb * 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      const int64_t rows = std::min<int64_t>(32, m - m0);
+      if (rows == 32 && cols == 32) {  // straight into the output
+        float* o = out + m0 * n + nb * 16;
+        _tile_stored(0, o, n * 4);
+        _tile_stored(1, o + 16, n * 4);
+        _tile_stored(2, o + 16 * n, n * 4);
+        _tile_stored(3, o + 16 * n + 16, n * 4);
+      } else {  // the last rows, or a last single column block: through scratch
+        _tile_stored(0, scratch, 128);
+        _tile_stored(1, scratch + 16, 128);
+        _tile_stored(2, scratch + 512, 128);
+        _tile_stored(3, scratch + 528, 128);
+        for (int64_t r = 0; r < rows; ++r) std::memcpy(out + (m0 + r) * n + nb * 16, scratch + r * 32, cols * 4);
+      }
+    }
+  }
+
+  void Drain() {
+    ConfigureTiles();
+    alignas(64) float scratch[32 * 32];
+    int64_t finished = 0;
+    for (int64_t t = next.fetch_add(1); t < tasks; t = next.fetch_add(1)) {
+      Block(2 * t, scratch);
+      ++finished;
+    }
+    _tile_release();
+    done.fetch_add(finished);
+  }
+};
+
+bool AmxPermitted() {
+  static const bool permitted = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  return permitted;
+}
+
+ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                            ffi::Result<ffi::Buffer<ffi::F32>> out) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
+  if (xd.size() != 2 || wd.size() != 4 || od.size() != 2 || wd[2] != 16 || wd[3] != 32) {
+    return ffi::Error::InvalidArgument("packed_matmul: x [M, K], w [N / 16, Kp / 32, 16, 32], out [M, N]");
+  }
+  if (x.element_type() != ffi::U16 && x.element_type() != ffi::BF16) {
+    return ffi::Error::InvalidArgument("packed_matmul: x must be bfloat16 (or its uint16 bits)");
+  }
+  if (w.element_type() != ffi::U16 && w.element_type() != ffi::BF16) {
+    return ffi::Error::InvalidArgument("packed_matmul: w must be bfloat16 (or its uint16 bits)");
+  }
+  const int64_t m = xd[0], k = xd[1];
+  if (od[0] != m || od[1] != wd[0] * 16 || k > wd[1] * 32) {
+    return ffi::Error::InvalidArgument("packed_matmul: mismatched shapes of x, w and out");
+  }
+  if (!AmxPermitted()) return ffi::Error::Internal("packed_matmul: Linux did not grant this process AMX's tiles");
+  if (m == 0) return ffi::Error::Success();
+  auto work = std::make_shared<Work>();
+  work->m = m, work->n = od[1], work->n_blocks = wd[0], work->k_blocks = wd[1];
+  work->kp = wd[1] * 32, work->mp = (m + 15) / 16 * 16;
+  const auto* xs = static_cast<const uint16_t*>(x.untyped_data());
+  if (work->mp == m && work->kp == k) {
+    work->x = xs;
+  } else {  // rows to a multiple of 16 and K to the packed blocks, with zeros
+    work->padded.assign(work->mp * work->kp, 0);
+    for (int64_t r = 0; r < m; ++r) std::memcpy(work->padded.data() + r * work->kp, xs + r * k, k * 2);
+    work->x = work->padded.data();
+  }
+  work->w = static_cast<const uint16_t*>(w.untyped_data());
+  work->out = out->typed_data();
+  work->tasks = (work->n_blocks + 1) / 2;
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->tasks) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Drain(); });
+  work->Drain();
+  while (work->done.load() < work->tasks) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+// 1 when this process may use AMX's tiles (Linux grants them on request), else 0: checked once before registering.
+extern "C" int JaxrlAmxPermitted() { return AmxPermitted() ? 1 : 0; }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PackedMatmul, PackedMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
