@@ -1,12 +1,14 @@
 """Where a decode step of the rollout engine's CPU path goes: the whole step beside its phases, at one shape.
 
     python bench/decode_phases.py [--model DIR] [--slots 128] [--context 384] [--steps 16] [--repeats 3]
-                                  [--dtype bfloat16] [--attention auto|xla|cpu]
+                                  [--dtype bfloat16] [--attention auto|xla|cpu] [--matmul auto|xla]
 
 The step is `engine/model.py: kernel_decode_step` (the C++ kernel over the pages) or `slot_decode_step` (the XLA
 path) and the sampling of `engine/programs.py` (temperature 1.0, each row's own uniform), `--steps` steps in one
 jitted loop (as a decode call runs them), every one of `--slots` slots active, each holding a context of `--context`
-positions (no pages shared between slots).
+positions (no pages shared between slots). `--matmul auto`: the matmuls as the engine runs them (on the CPU kernel
+with a bfloat16 model and AMX, on weights packed once: `cpu_kernel.packed_matmul`); `xla`: XLA's dots. The pool is
+donated to each call, as the engine's decode program donates it (no copy of it per call).
 The phases, each timed alone in a loop of the same steps:
 
 - `step without attention`: the same step with attention replaced by the identity on the queries (the matmuls,
@@ -36,17 +38,20 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import best_seconds  # noqa: E402
+from jaxrl_llm.engine import cpu_kernel  # noqa: E402
 from jaxrl_llm.engine.kernels import attention_backend  # noqa: E402
 from jaxrl_llm.engine.model import (  # noqa: E402
+    PackedWeights,
     kernel_attention,
     kernel_decode_step,
     layer_inputs,
+    packed_or_plain,
     paged_logits,
     slot_attention,
     slot_decode_step,
 )
 from jaxrl_llm.engine.pages import page_slots, storage_dtype  # noqa: E402
-from jaxrl_llm.engine.programs import prepare_weights, row_uniforms  # noqa: E402
+from jaxrl_llm.engine.programs import pack_weights, prepare_weights, row_uniforms  # noqa: E402
 from jaxrl_llm.models.block import transformer_block  # noqa: E402
 from jaxrl_llm.models.decode import step_ops  # noqa: E402
 from jaxrl_llm.models.hf import load_hf_model  # noqa: E402
@@ -67,12 +72,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     parser.add_argument("--attention", default="auto", choices=("auto", "xla", "cpu"))
+    parser.add_argument("--matmul", default="auto", choices=("auto", "xla"))
     args = parser.parse_args()
 
     config, params = load_hf_model(args.model, dtype=args.dtype)
     backend = attention_backend(config, args.attention, "cpu")
     c, s, ctx = config, args.slots, args.context
     weights = prepare_weights(params, config)
+    packed = (args.matmul == "auto" and backend == "cpu" and config.jnp_dtype == jnp.bfloat16
+              and cpu_kernel.packed_matmul_unavailable_reason() is None)
+    step_weights: list | PackedWeights = pack_weights(params, weights, config=config) if packed else weights
+    layers = step_weights.layers if packed else weights
+    dense = packed_or_plain(config) if packed else None
     rng = np.random.default_rng(0)
     stored = storage_dtype(c.jnp_dtype)
 
@@ -101,19 +112,23 @@ def main() -> None:
             if backend == "xla":
                 logits, caches = slot_decode_step(params, weights, c, token, start + j, caches)
             else:
-                logits, caches = kernel_decode_step(params, weights, c, token, start + j, table, caches, backend)
+                logits, caches = kernel_decode_step(params, step_weights, c, token, start + j, table, caches,
+                                                    backend)
             return sample(logits, j), caches
-        return jax.lax.fori_loop(0, args.steps, body, (tokens, caches))[0]
+        return jax.lax.fori_loop(0, args.steps, body, (tokens, caches))
 
     def no_attention(tokens: jax.Array) -> jax.Array:
         def body(j: jax.Array, token: jax.Array) -> jax.Array:
             inputs = layer_inputs(c, (start + j)[:, None], 1)
             x = embed_tokens(params["embed"]["embedding"], token[:, None], c)
-            for i, w in enumerate(weights):
+            for i, w in enumerate(layers):
                 cos, sin, _ = inputs[c.is_sliding(i)]
-                x, _ = transformer_block(x, step_ops(w, c), lambda q, k, v: (q.reshape(s, 1, -1), None), cos, sin, c)
+                x, _ = transformer_block(x, step_ops(w, c, 1, dense), lambda q, k, v: (q.reshape(s, 1, -1), None),
+                                         cos, sin, c)
             hidden = rms_norm(x[:, 0], params["final_norm"]["scale"], c.rms_norm_eps, unit_offset=c.norm_unit_offset)
-            return jnp.argmax(paged_logits(params, c, hidden), axis=-1).astype(jnp.int32)
+            logits = (cpu_kernel.packed_matmul(hidden, step_weights.head, c.vocab_size) if packed
+                      else paged_logits(params, c, hidden))
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32)
         return jax.lax.fori_loop(0, args.steps, body, tokens)
 
     q_shape, kv_shape = (s, 1, c.num_heads, hd), (s, 1, kvh, hd)
@@ -134,7 +149,7 @@ def main() -> None:
                 q = out.reshape(q_shape).astype(c.jnp_dtype)
                 new.append(cache_)
             return q, new
-        return jax.lax.fori_loop(0, args.steps, body, (q, caches))[0]
+        return jax.lax.fori_loop(0, args.steps, body, (q, caches))
 
     logits0 = jnp.asarray(rng.standard_normal((s, c.vocab_size)), jnp.float32)
 
@@ -145,12 +160,22 @@ def main() -> None:
             return logits + token[:, None].astype(jnp.float32) * 1e-9, acc + token
         return jax.lax.fori_loop(0, args.steps, body, (logits, jnp.zeros((s,), jnp.int32)))[1]
 
-    phases = {"whole step": (jax.jit(whole), (caches, tokens)),
+    pool = [caches]  # donated to each call and taken back from its result, as the engine does
+
+    def with_pool(fn: object) -> object:
+        jitted = jax.jit(fn, donate_argnums=0)
+
+        def call(x: jax.Array) -> jax.Array:
+            out, pool[0] = jitted(pool[0], x)
+            return out
+        return call
+
+    phases = {"whole step": (with_pool(whole), (tokens,)),
               "step without attention": (jax.jit(no_attention), (tokens,)),
-              "attention": (jax.jit(attention), (caches, q0)),
+              "attention": (with_pool(attention), (q0,)),
               "sampling": (jax.jit(sampling), (logits0,))}
     print(f"{Path(args.model).name} {args.dtype}: {s} slots, context {ctx}, {args.steps} steps per call, "
-          f"attention {backend}, jax {jax.__version__}")
+          f"attention {backend}, matmuls {'AMX, packed' if packed else 'XLA'}, jax {jax.__version__}")
     print("| phase | ms / step | share of the step |")
     print("| --- | ---: | ---: |")
     ms = {}
