@@ -103,7 +103,8 @@ def main() -> None:
         fn()  # compiles
         seconds = best_seconds(fn, repeats=args.repeats)
         results[name] = made[name] / seconds
-        label = f"{name} (attention: {engines[name].attention})" if name in engines else name
+        label = (f"{name} (attention: {engines[name].attention}, matmuls: "
+                 f"{'AMX, packed' if engines[name].packed_matmul else 'XLA'})" if name in engines else name)
         print(f"| {label} | {seconds:.2f} | {made[name]} | {results[name]:.0f} |")
     for name, engine in engines.items():
         s = engine.stats
