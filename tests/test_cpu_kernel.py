@@ -217,3 +217,35 @@ def test_the_engine_samples_the_same_with_the_packed_matmul(kind, hf_model_dir):
         page_table=jnp.zeros((4, 2), jnp.int32), pages=init_pages(config, 8, 4), backend="cpu")
     text, logits = lowered.as_text(), lowered.out_info[0]
     assert text.count(cpu_kernel.MATMUL.target) == 4 * config.num_layers + 1 and logits.shape == (4, config.vocab_size)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["llama", "phi3"])
+def test_a_prefill_chunk_attends_through_the_kernel_as_through_xla(kind, hf_model_dir):
+    """`prefill_program(attention="cpu")`: each query of the chunk a kernel row over its own sequence's pages (the
+    earlier chunk's included; Phi-3's sliding window) gives XLA's logits (float32, <= 1e-5) and writes the same
+    keys into the pages (<= 1e-5); padding queries write nothing (pages outside the tables stay zero)."""
+    from jaxrl_llm.engine.pages import init_pages
+    from jaxrl_llm.engine.programs import prefill_program, prepare_weights
+    from jaxrl_llm.models.hf import load_hf_model
+
+    config, params = load_hf_model(hf_model_dir(kind))
+    weights, rng = prepare_weights(params, config), np.random.default_rng(3)
+    table = jnp.asarray(rng.permutation(24)[:16].reshape(4, 4), jnp.int32)  # 4 rows of 4 pages of 4
+    tokens = jnp.asarray(rng.integers(1, config.vocab_size, (4, 8)), jnp.int32)
+    results = {}
+    for attention in ("xla", "cpu"):
+        pages = init_pages(config, 24, 4)
+        first = jnp.asarray(np.where(np.arange(8)[None] < np.array([[8], [5], [8], [1]]), np.arange(8)[None], -1),
+                            jnp.int32)
+        _, pages = prefill_program(params, weights, pages, tokens, first, table, jnp.zeros(4, jnp.int32),
+                                   config=config, attention=attention)
+        second = jnp.where(first >= 0, first + 8, -1)  # the next chunk reads the first one's pages
+        logits, pages = prefill_program(params, weights, pages, tokens[:, ::-1], second, table,
+                                        jnp.asarray([7, 4, 7, 0], jnp.int32), config=config, attention=attention)
+        results[attention] = (np.asarray(logits), [np.asarray(layer["k"]) for layer in pages])
+    np.testing.assert_allclose(results["cpu"][0], results["xla"][0], atol=1e-5)
+    unused = np.setdiff1d(np.arange(24), np.asarray(table))
+    for got, expected in zip(results["cpu"][1], results["xla"][1], strict=True):
+        np.testing.assert_allclose(got, expected, atol=1e-5)  # later layers' keys: earlier layers' attention
+        assert not got[:, unused].any() and np.abs(got).max() > 0

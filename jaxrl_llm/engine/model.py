@@ -67,6 +67,26 @@ def layer_inputs(config: ModelConfig, positions: jax.Array, context: int
             for local in sorted({c.is_sliding(i) for i in range(c.num_layers)})}
 
 
+def kernel_prefill_attention(config: ModelConfig, layer: PagedLayer, page_table: jax.Array, slots: jax.Array,
+                             positions: jax.Array, window: int | None) -> Attend:
+    """A prefill chunk's attention through the CPU decode kernel: the chunk's keys and values written at
+    `slots [R, T]`, then each of its `R x T` queries is one kernel row that reads its own sequence's first
+    `position + 1` positions through the row's page table (a padding query, position -1, reads nothing). XLA's
+    batched form of the same attention spends most of its time transposing q, the scores and the output
+    (bench/README.md); the kernel reads the pages where they are."""
+    c = config
+    r, t = positions.shape
+
+    def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, PagedLayer]:
+        new = write_pages(layer, slots, k, v, c.jnp_dtype)
+        out = paged_decode_attention(q.reshape(r * t, *q.shape[2:]), new["k"], new["v"],
+                                     jnp.repeat(page_table, t, axis=0), (positions + 1).reshape(-1), c, "cpu",
+                                     window)
+        return out.reshape(r, t, -1), new
+
+    return attend
+
+
 def paged_attention(config: ModelConfig, layer: PagedLayer, page_table: jax.Array, slots: jax.Array,
                     allowed: jax.Array) -> Attend:
     """Grouped-query attention over pages: the new keys and values written at `slots [R, T]`, then each row's
@@ -85,21 +105,27 @@ def paged_attention(config: ModelConfig, layer: PagedLayer, page_table: jax.Arra
 
 
 def paged_forward(params: Params, weights: list[StepWeights], config: ModelConfig, tokens: jax.Array,
-                  positions: jax.Array, page_table: jax.Array, pages: list[PagedLayer], shards: int = 1
-                  ) -> tuple[jax.Array, list[PagedLayer]]:
+                  positions: jax.Array, page_table: jax.Array, pages: list[PagedLayer], shards: int = 1,
+                  attention: str = "xla") -> tuple[jax.Array, list[PagedLayer]]:
     """`tokens, positions [R, T]` through the decoder over `pages` with page tables `[R, M]`: returns the final
-    hidden states `[R, T, D]` (after the final norm) and the pages with the tokens' keys and values written."""
+    hidden states `[R, T, D]` (after the final norm) and the pages with the tokens' keys and values written.
+    `attention`: `cpu` attends through the CPU kernel (`kernel_prefill_attention`), else XLA's dots over the
+    gathered pages."""
     c = config
     num_pages, page_size = pool_geometry(pages)
     context = page_table.shape[1] * page_size
     slots = page_slots(page_table, positions, page_size, num_pages)
-    inputs = layer_inputs(c, positions, context)
+    inputs = layer_inputs(c, positions, 1 if attention == "cpu" else context)
     x = embed_tokens(params["embed"]["embedding"], tokens, c)
     new_pages = []
     for i, (w, layer) in enumerate(zip(weights, pages, strict=True)):
         cos, sin, allowed = inputs[c.is_sliding(i)]
-        x, layer = transformer_block(x, step_ops(w, c, shards), paged_attention(c, layer, page_table, slots, allowed),
-                                     cos, sin, c)
+        if attention == "cpu":
+            window = c.sliding_window if c.is_sliding(i) else None
+            attend = kernel_prefill_attention(c, layer, page_table, slots, positions, window)
+        else:
+            attend = paged_attention(c, layer, page_table, slots, allowed)
+        x, layer = transformer_block(x, step_ops(w, c, shards), attend, cos, sin, c)
         new_pages.append(layer)
     return rms_norm(x, params["final_norm"]["scale"], c.rms_norm_eps, unit_offset=c.norm_unit_offset), new_pages
 

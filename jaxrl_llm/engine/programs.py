@@ -119,14 +119,15 @@ def _sample(logits: jax.Array, uniform: jax.Array, knobs: Knobs, flags: Sampling
                                use_top_p=flags.top_p, use_min_p=flags.min_p)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "mesh"), donate_argnames=("pages",))
+@functools.partial(jax.jit, static_argnames=("config", "attention", "mesh"), donate_argnames=("pages",))
 def prefill_program(params: Params, weights: list[StepWeights], pages: list[PagedLayer], tokens: jax.Array,
                     positions: jax.Array, page_table: jax.Array, last: jax.Array, *, config: ModelConfig,
-                    mesh: Mesh | None = None) -> tuple[jax.Array, list[PagedLayer]]:
+                    attention: str = "xla", mesh: Mesh | None = None) -> tuple[jax.Array, list[PagedLayer]]:
     """`tokens, positions [R, C]` (position -1: padding) written into pages; returns the float32 logits `[R, V]`
-    at column `last [R]` of each row, and the pages."""
+    at column `last [R]` of each row, and the pages. `attention`: `cpu` attends through the CPU kernel, any other
+    backend with XLA's dots over the gathered pages (the Pallas kernels take one query per row)."""
     hidden, pages = paged_forward(params, weights, config, tokens, positions, page_table, pages,
-                                  weight_shards(config, mesh))
+                                  weight_shards(config, mesh), "cpu" if attention == "cpu" else "xla")
     picked = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
     return replicated(paged_logits(params, config, picked), mesh), constrain_pages(pages, mesh)
 

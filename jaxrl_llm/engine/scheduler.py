@@ -317,7 +317,7 @@ class Engine:
                     last[i], ends[i] = max(len(part) - 1, 0), (k + 1) * c >= len(tokens) > k * c
                     self.stats.prefilled_tokens += len(part)
                 out, self.pages = prefill_program(params, weights, self.pages, *map(self._put, (tok, pos, table, last)),
-                                                  config=self.config, mesh=self.mesh)
+                                                  config=self.config, attention=self.attention, mesh=self.mesh)
                 out = host_array(out)
                 group_logits = out if group_logits is None else np.where(ends[:, None], out, group_logits)
             groups.append(group_logits[:len(group)])  # type: ignore[index]
