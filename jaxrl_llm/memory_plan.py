@@ -257,6 +257,17 @@ def sampler_weight_bytes(config: ModelConfig, axis_sizes: Mapping[str, int]) -> 
     return config.num_layers * per_layer * s
 
 
+def packed_weight_bytes(config: ModelConfig) -> int:
+    """Bytes of the engine's AMX-packed decode weights (`engine.model.pack_step_weights`, one CPU device): every
+    layer's q|k|v, o, gate|up and down and the LM head `[D, V]` in bfloat16, K rounded up to 32 rows and the head's
+    columns to 16 (`cpu_kernel.pack_weight`; the layers' widths are whole tiles where they pack)."""
+    d, hd, i = config.hidden_size, config.head_dim, config.intermediate_size
+    up32 = lambda k: -(-k // 32) * 32  # noqa: E731
+    per_layer = (up32(d) * (config.num_heads + 2 * config.num_kv_heads) * hd + up32(config.num_heads * hd) * d
+                 + up32(d) * 2 * i + up32(i) * d)
+    return 2 * (config.num_layers * per_layer + up32(d) * -(-config.vocab_size // 16) * 16)
+
+
 # ------------------------------------------------------------------------------------------------- plan
 
 
@@ -408,8 +419,8 @@ def plan_memory(config: ModelConfig, mesh_sizes: tuple[int, int, int], *, batch:
                 lora_rank: int = 0, lora_targets: str = "(q|k|v|o|gate|up|down)_proj", engine_page_size: int = 0,
                 engine_pages: int = 0, teacher: ModelConfig | None = None, teacher_in_update: bool = False,
                 max_tokens_per_microbatch: int = 0, max_staleness: int = 0,
-                sampler_mesh_sizes: tuple[int, int, int] | None = None, engine_slot_caches: bool = True
-                ) -> MemoryPlan:
+                sampler_mesh_sizes: tuple[int, int, int] | None = None, engine_slot_caches: bool = True,
+                engine_packed_weights: bool = False) -> MemoryPlan:
     """Per-device memory of an RL step of `config` (its `dtype`, `param_dtype` and `remat` are used) on a
     `(data, fsdp, tensor)` mesh of `mesh_sizes`, without devices or allocation.
 
@@ -425,7 +436,9 @@ def plan_memory(config: ModelConfig, mesh_sizes: tuple[int, int, int], *, batch:
     `engine_slot_caches` (the XLA path: a mesh of several devices, or `sampling.engine_attention=xla`), the
     contiguous per-call caches its decode gathers for every slot (`N` rows, split over `data * fsdp`, of
     `ceil((P + T) / ps)` pages as `engine.pages.table_width` rounds them; a kernel reads the pages instead;
-    docs/engine.md).
+    docs/engine.md). `engine_packed_weights` (the engine's AMX matmul: one CPU device with AMX, a bfloat16
+    model, the CPU attention kernel): the decode step's matrices and LM head packed once more per generate call,
+    `packed_weight_bytes`, in the sampler weight copy.
 
     `max_tokens_per_microbatch` (`rl.max_tokens_per_microbatch`, packed): a micro-batch is packed rows of the
     padded length `S` holding at most that many real tokens, so its activations are those of
@@ -507,7 +520,8 @@ def plan_memory(config: ModelConfig, mesh_sizes: tuple[int, int, int], *, batch:
         optimizer=weights["optimizer"],
         gradients=weights["gradients"],
         kv_cache=kv_cache,
-        sampler_weights=sampler_weight_bytes(config, sizes),
+        sampler_weights=sampler_weight_bytes(config, sizes) + (packed_weight_bytes(config)
+                                                               if engine_packed_weights else 0),
         activations_no_remat=acts[0],
         activations_remat=acts[1],
         remat=config.remat,

@@ -415,3 +415,31 @@ def test_sampling_beside_training_counts_the_weight_copies_and_the_sampler_mesh(
     out = capsys.readouterr().out
     assert "mesh data=1 fsdp=1 tensor=1 (1 devices)" in out and "total, sampler" in out
     assert "inference weight copies (K+1 = 2)" in out
+
+
+def test_the_packed_decode_weights_are_planned_where_the_engine_packs(monkeypatch):
+    """`packed_weight_bytes` is the bytes `pack_weights` makes (K not a multiple of 32, a vocabulary not a multiple
+    of 16), added to the sampler weight copy with `engine_packed_weights`; planned only for a bfloat16 model on one
+    CPU device with AMX and the CPU attention kernel."""
+    from jaxrl_llm.cli.plan import packed_weights_planned
+    from jaxrl_llm.engine import cpu_kernel
+    from jaxrl_llm.engine.programs import pack_weights, prepare_weights
+    from jaxrl_llm.models.decoder import init_params
+
+    config = config_from_hf(dict(model_type="llama", vocab_size=101, hidden_size=48, intermediate_size=80,
+                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+                            dtype="bfloat16")
+    params = init_params(config, jax.random.key(0))
+    packed = pack_weights(params, prepare_weights(params, config), config=config)
+    assert plan.packed_weight_bytes(config) == sum(x.nbytes for x in jax.tree.leaves(packed) if x.ndim == 4)
+    kwargs = dict(batch=4, group_size=2, prompt_len=10, new_tokens=7, engine_page_size=16)
+    assert (plan.plan_memory(config, (1, 1, 1), engine_packed_weights=True, **kwargs).sampler_weights
+            - plan.plan_memory(config, (1, 1, 1), **kwargs).sampler_weights) == plan.packed_weight_bytes(config)
+    one = dict(mesh=(1, 1, 1), sampler_mesh=None, engine_attention="auto")
+    monkeypatch.setattr(cpu_kernel, "_has_amx", lambda: True)
+    assert packed_weights_planned(config, one)
+    assert not packed_weights_planned(config, {**one, "engine_attention": "xla"})
+    assert not packed_weights_planned(config, {**one, "mesh": (2, 1, 1)})
+    assert not packed_weights_planned(dataclasses.replace(config, dtype="float32"), one)
+    monkeypatch.setattr(cpu_kernel, "_has_amx", lambda: False)
+    assert not packed_weights_planned(config, one)

@@ -23,6 +23,7 @@ import jax
 from jaxrl_llm import sharding
 from jaxrl_llm.cli.errors import CommandParser
 from jaxrl_llm.config import load_run_config
+from jaxrl_llm.engine import cpu_kernel
 from jaxrl_llm.errors import UsageError
 from jaxrl_llm.memory_plan import DEFAULT_MODEL, TRAINER_BUCKET, MemoryPlan, axis_sizes_of, plan_memory
 from jaxrl_llm.models.config import ModelConfig
@@ -225,6 +226,14 @@ def slot_caches_planned(config: ModelConfig, run: dict[str, Any]) -> bool:
     return run["engine_attention"] == "xla" or devices > 1 or (sliding and run["engine_attention"] != "cpu")
 
 
+def packed_weights_planned(config: ModelConfig, run: dict[str, Any]) -> bool:
+    """Whether the engine packs its decode weights for the AMX matmul (docs/engine.md): planned on a CPU whose
+    kernel runs here (`amx_bf16`), for a bfloat16 model on one device with the CPU attention kernel."""
+    devices = math.prod(run["sampler_mesh"] or run["mesh"])
+    return (run["engine_attention"] in ("auto", "cpu") and devices == 1 and config.dtype == "bfloat16"
+            and jax.default_backend() == "cpu" and cpu_kernel._has_amx())
+
+
 def _overlap_rows(plan: MemoryPlan, row: Any) -> list[str]:
     """The total's rows: synchronous, sampling beside the update on one mesh, or on a sampler mesh of its own."""
     k = plan.max_staleness
@@ -317,6 +326,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if run["teacher"] else None, teacher_in_update=run["jsd"],
             max_tokens_per_microbatch=run["max_tokens_per_microbatch"], max_staleness=run["max_staleness"],
             sampler_mesh_sizes=run["sampler_mesh"], engine_slot_caches=slot_caches_planned(config, run),
+            engine_packed_weights=bool(run["engine_page_size"]) and packed_weights_planned(config, run),
         )
     except (ValueError, OSError) as e:  # bad sizes, mesh or model: the user's input (ConversionError included)
         raise UsageError(str(e)) from e
