@@ -52,8 +52,9 @@ different cores. The tokens equal the one-device sampler's for the same key (che
 
 The decode-loop floor: the decode loop's matmuls alone (per layer `x @ qkv`, `x @ o`, `x @ gate_up`,
 `x @ down`, then the unembedding; the sampler's own `StepWeights`, same shapes and batch, `new - 1` steps in
-a jitted `fori_loop`; no attention, norms, cache writes or sampling), plus a prefill-only call (the sampler
-with one new token). `HF time / (floor + prefill)` is the ratio the sampler would reach if everything in its
+a jitted `fori_loop`; no attention, norms, cache writes or sampling; on the engine's AMX kernel over packed
+weights where the engine packs them), plus a prefill-only call (the sampler, engine or static, with one new
+token). `HF time / (floor + prefill)` is the ratio the sampler would reach if everything in its
 loop but the matmuls cost nothing: an upper bound for this machine and XLA:CPU.
 """
 
@@ -61,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -109,24 +111,33 @@ def chat_prompts(model_dir: str, batch: int) -> tuple[np.ndarray, np.ndarray, in
     return tokens, mask, int(pad), int(tokenizer.eos_token_id)
 
 
-def decode_matmul_floor(params, config, batch: int, steps: int, repeats: int = 5) -> float:
+def decode_matmul_floor(params, config, batch: int, steps: int, repeats: int = 5, packed: bool = False) -> float:
     """Best wall time of `steps` token steps that run only the decode loop's matmuls (the sampler's own
-    `StepWeights` and output matrix, `batch` rows): see the module docstring."""
-    from jaxrl_llm.models.decode import split_layers, step_weights
+    `StepWeights` and output matrix, `batch` rows; `packed`: the engine's AMX kernel over its packed weights): see
+    the module docstring."""
+    from jaxrl_llm.engine import cpu_kernel
+    from jaxrl_llm.engine.model import packed_or_plain
+    from jaxrl_llm.engine.programs import pack_weights, prepare_weights
     from jaxrl_llm.models.precision import matmul, matmul_transposed
 
-    weights = step_weights(split_layers(params, config), config)
+    weights = prepare_weights(params, config)
     output = params["embed"]["embedding"] if config.tie_word_embeddings else params["lm_head"]["kernel"].T
     output = output.astype(config.jnp_dtype)
     d, q, dt = config.hidden_size, config.num_heads * config.head_dim, config.jnp_dtype
+    if packed:
+        weights, head = pack_weights(params, weights, config=config)
+        dense = packed_or_plain(config)
+    else:
+        dense = functools.partial(matmul, compute_dtype=dt)
 
     def token_step(_, x):  # the sampler's matmuls under the precision policy (models/precision.py)
         for w in weights:
-            qkv = matmul(x, w.qkv, dt)
-            x = x + matmul(qkv[:, :q], w.o, dt)
-            gate_up = matmul(x, w.gate_up, dt)
-            x = x + matmul(gate_up[:, : config.intermediate_size], w.down, dt)
-        logits = matmul_transposed(x, output, dt)
+            qkv = dense(x, w.qkv)
+            x = x + dense(qkv[:, :q], w.o)
+            gate_up = dense(x, w.gate_up)
+            x = x + dense(gate_up[:, : config.intermediate_size], w.down)
+        logits = (cpu_kernel.packed_matmul(x, head, config.vocab_size) if packed
+                  else matmul_transposed(x, output, dt))
         return x + 1e-3 * logits[:, :d]  # keeps every product live and the steps dependent
 
     loop = jax.jit(lambda x: jax.lax.fori_loop(0, steps, token_step, x))
@@ -310,16 +321,25 @@ def alternate_timings(sides: dict[str, Callable[[], None]], repeats: int) -> dic
 
 def print_floor(args: argparse.Namespace, model: BenchModel, sampling: Any, peers: dict[str, float]) -> None:
     """The decode-loop floor and the prefill-only call, and the ratio to each peer they would allow."""
+    from jaxrl_llm.engine import PagedSampler
     from jaxrl_llm.sampling import compile_sampler
 
     params, config, prompts, mask = model.params, model.config, model.prompts, model.mask
-    floor_s = decode_matmul_floor(params, config, args.batch, args.new_tokens - 1)
     one_token = dataclasses.replace(sampling, max_new_tokens=1, new_tokens_bucket=1)
-    prefill = compile_sampler(params, config, prompts, mask, jax.random.key(0), one_token)
-    prefill_s = best_seconds(lambda: prefill(params, prompts, mask, jax.random.key(0)).tokens.block_until_ready(),
-                             args.repeats)
+    if args.engine == "paged":
+        paged = PagedSampler(config)
+        paged(params, prompts, mask, jax.random.key(0), one_token)  # compiles; its engine says whether it packs
+        packed = paged.engine is not None and paged.engine.packed_matmul
+        prefill_s = best_seconds(lambda: paged(params, prompts, mask, jax.random.key(0), one_token), args.repeats)
+    else:
+        packed = False
+        prefill = compile_sampler(params, config, prompts, mask, jax.random.key(0), one_token)
+        prefill_s = best_seconds(lambda: prefill(params, prompts, mask, jax.random.key(0)).tokens.block_until_ready(),
+                                 args.repeats)
+    floor_s = decode_matmul_floor(params, config, args.batch, args.new_tokens - 1, packed=packed)
     ceilings = ", ".join(f"{peer_s / (floor_s + prefill_s):.2f} vs {peer}" for peer, peer_s in peers.items())
-    print(f"decode-loop floor (its matmuls alone): {floor_s * 1e3:.1f} ms; prefill-only call: "
+    print(f"decode-loop floor (its matmuls alone{', AMX over packed weights' if packed else ''}): "
+          f"{floor_s * 1e3:.1f} ms; prefill-only call ({args.engine}): "
           f"{prefill_s * 1e3:.1f} ms; ceiling ratio with the rest of the loop free: {ceilings}")
 
 
