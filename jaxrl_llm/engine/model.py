@@ -259,9 +259,14 @@ def kernel_decode_step(params: Params, weights: list[StepWeights] | PackedWeight
         new_pages.append(layer)
     hidden = rms_norm(x[:, 0], params["final_norm"]["scale"], c.rms_norm_eps, unit_offset=c.norm_unit_offset)
     if packed is not None:
-        logits = cpu_kernel.packed_matmul(hidden, packed.head, c.vocab_size)
-        return softcap(logits, c.final_logit_softcap), new_pages
+        return packed_logits(packed.head, c, hidden), new_pages
     return paged_logits(params, c, hidden), new_pages
+
+
+def packed_logits(head: jax.Array, config: ModelConfig, hidden: jax.Array) -> jax.Array:
+    """float32 logits `[R, V]` of hidden states `[R, D]` through the AMX-packed LM head (`PackedWeights.head`),
+    soft-capped where the model is."""
+    return softcap(cpu_kernel.packed_matmul(hidden, head, config.vocab_size), config.final_logit_softcap)
 
 
 def paged_logits(params: Params, config: ModelConfig, hidden: jax.Array) -> jax.Array:

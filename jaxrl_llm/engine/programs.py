@@ -24,6 +24,7 @@ from jaxrl_llm.engine.model import (
     PackedWeights,
     kernel_decode_step,
     pack_step_weights,
+    packed_logits,
     paged_forward,
     paged_logits,
     slot_caches,
@@ -122,14 +123,17 @@ def _sample(logits: jax.Array, uniform: jax.Array, knobs: Knobs, flags: Sampling
 @functools.partial(jax.jit, static_argnames=("config", "attention", "mesh"), donate_argnames=("pages",))
 def prefill_program(params: Params, weights: list[StepWeights], pages: list[PagedLayer], tokens: jax.Array,
                     positions: jax.Array, page_table: jax.Array, last: jax.Array, *, config: ModelConfig,
-                    attention: str = "xla", mesh: Mesh | None = None) -> tuple[jax.Array, list[PagedLayer]]:
+                    attention: str = "xla", mesh: Mesh | None = None, head: jax.Array | None = None
+                    ) -> tuple[jax.Array, list[PagedLayer]]:
     """`tokens, positions [R, C]` (position -1: padding) written into pages; returns the float32 logits `[R, V]`
     at column `last [R]` of each row, and the pages. `attention`: `cpu` attends through the CPU kernel, any other
-    backend with XLA's dots over the gathered pages (the Pallas kernels take one query per row)."""
+    backend with XLA's dots over the gathered pages (the Pallas kernels take one query per row). `head`: the decode
+    step's AMX-packed LM head (`PackedWeights.head`), for the logits (no cast of the whole embedding per call)."""
     hidden, pages = paged_forward(params, weights, config, tokens, positions, page_table, pages,
                                   weight_shards(config, mesh), "cpu" if attention == "cpu" else "xla")
     picked = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
-    return replicated(paged_logits(params, config, picked), mesh), constrain_pages(pages, mesh)
+    logits = paged_logits(params, config, picked) if head is None else packed_logits(head, config, picked)
+    return replicated(logits, mesh), constrain_pages(pages, mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("flags",))

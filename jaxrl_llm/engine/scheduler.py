@@ -159,6 +159,7 @@ class Engine:
                                               + self._max_new(r, sampling) for r in requests) if requests else 0)
         weights = prepare_weights(params, self.config, self.mesh)
         decode_weights = pack_weights(params, weights, config=self.config) if self.packed_matmul else weights
+        head = decode_weights.head if self.packed_matmul else None  # the packed LM head serves the prefill too
         knobs = knobs_from_config(sampling)
         flags = SamplingFlags(sampling.greedy, sampling.uses_top_k, sampling.uses_top_p, sampling.uses_min_p,
                               tuple(sampling.eos_ids), sampling.pad_id)
@@ -173,7 +174,8 @@ class Engine:
                 if not batch:
                     break
                 admitted += batch
-                ready.extend(self._prefill(params, weights, requests, batch, sampling, knobs, flags, results, keep))
+                ready.extend(self._prefill(params, weights, head, requests, batch, sampling, knobs, flags, results,
+                                           keep))
                 waiting = len(ready) + sum(s is not None for s in slots)
             for i in range(self.slots):
                 if slots[i] is None and ready:
@@ -242,9 +244,9 @@ class Engine:
 
     # -------------------------------------------------------------------------------------------- prefill
 
-    def _prefill(self, params: Params, weights: Any, requests: list[Request], admitted: list[int],
-                 sampling: SamplingConfig, knobs: Any, flags: SamplingFlags, results: list[list[Completion]],
-                 keep: bool) -> list[_Sequence]:
+    def _prefill(self, params: Params, weights: Any, head: jax.Array | None, requests: list[Request],
+                 admitted: list[int], sampling: SamplingConfig, knobs: Any, flags: SamplingFlags,
+                 results: list[list[Completion]], keep: bool) -> list[_Sequence]:
         """Prefill the admitted requests' new tokens (chunked, `prefill_rows` rows per call), then fork each into
         its samples with their first token. Returns the samples that still decode."""
         ps, alloc = self.page_size, self.allocator
@@ -262,7 +264,7 @@ class Engine:
                 tokens, start, pages = list(req.tokens), 0, []
             pages += alloc.allocate(math.ceil((start + len(tokens)) / ps) - len(pages), reserved=True)
             rows.append((tokens, start, pages))
-        logits = self._run_prefill(params, weights, rows)
+        logits = self._run_prefill(params, weights, head, rows)
         # Every sample's key (`fold_in(request key, j)`) and first token in one call, from its prompt's last logits.
         counts = [requests[r].n for r in admitted]
         total = sum(counts)
@@ -288,8 +290,8 @@ class Engine:
         self.stats.peak_pages = max(self.stats.peak_pages, alloc.in_use())
         return out
 
-    def _run_prefill(self, params: Params, weights: Any, rows: list[tuple[list[int], int, list[int]]]
-                     ) -> np.ndarray:
+    def _run_prefill(self, params: Params, weights: Any, head: jax.Array | None,
+                     rows: list[tuple[list[int], int, list[int]]]) -> np.ndarray:
         """The prefill calls for `rows` (chunks of up to `prefill_chunk` tokens, as many rows a call as fill
         `prefill_rows` full chunks: short rows, many at once): each row's last logits, `[len(rows), V]` (on the host:
         the samples' first tokens are drawn from them)."""
@@ -317,7 +319,8 @@ class Engine:
                     last[i], ends[i] = max(len(part) - 1, 0), (k + 1) * c >= len(tokens) > k * c
                     self.stats.prefilled_tokens += len(part)
                 out, self.pages = prefill_program(params, weights, self.pages, *map(self._put, (tok, pos, table, last)),
-                                                  config=self.config, attention=self.attention, mesh=self.mesh)
+                                                  config=self.config, attention=self.attention, mesh=self.mesh,
+                                                  head=head)
                 out = host_array(out)
                 group_logits = out if group_logits is None else np.where(ends[:, None], out, group_logits)
             groups.append(group_logits[:len(group)])  # type: ignore[index]
