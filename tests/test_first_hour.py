@@ -280,6 +280,7 @@ def test_planner_plans_the_run_a_config_describes(capsys, monkeypatch):
     from jaxrl_llm import memory_plan
     from jaxrl_llm.cli import plan
     from jaxrl_llm.config import load_run_config
+    from jaxrl_llm.engine.pages import default_page_size
     from jaxrl_llm.models.hf import config_from_hf
 
     monkeypatch.chdir(ROOT)
@@ -298,7 +299,7 @@ def test_planner_plans_the_run_a_config_describes(capsys, monkeypatch):
         new_tokens=c.sampling.max_new_tokens, minibatch=c.rl.minibatch_size, grad_accum=c.rl.grad_accum,
         reference=c.rl.beta > 0, prompt_bucket=c.sampling.prompt_bucket,
         new_tokens_bucket=c.sampling.new_tokens_bucket, logprob_block_mib=c.model.logprob_block_mib,
-        engine_page_size=c.sampling.engine_page_size)  # the rollout engine, the default sampler
+        engine_page_size=c.sampling.engine_page_size or default_page_size())  # the rollout engine, the default sampler
     assert plan.format_bytes(expected.total) in printed and "mesh data=8 fsdp=1 tensor=1" in printed
 
 

@@ -24,6 +24,7 @@ from jaxrl_llm import sharding
 from jaxrl_llm.cli.errors import CommandParser
 from jaxrl_llm.config import load_run_config
 from jaxrl_llm.engine import cpu_kernel
+from jaxrl_llm.engine.pages import default_page_size
 from jaxrl_llm.errors import UsageError
 from jaxrl_llm.memory_plan import DEFAULT_MODEL, TRAINER_BUCKET, MemoryPlan, axis_sizes_of, plan_memory
 from jaxrl_llm.models.config import ModelConfig
@@ -133,7 +134,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--logprob-block-mib", type=float,
                    help="model.logprob_block_mib: MiB of one float32 log-prob block (0: one block; default 256)")
     p.add_argument("--engine-page-size", type=int,
-                   help="sampling.engine_page_size: the rollout engine's page size (default 16; 0: plan the static "
+                   help="sampling.engine_page_size: the rollout engine's page size (default the platform's: 64 on "
+                   "the CPU, 16 on GPU and TPU; 0: plan the static "
                    "sampler's cache instead; from a config: its page size, 0 when sampling.engine=static)")
     p.add_argument("--engine-pages", type=int, help="sampling.engine_pages: the engine's pool (0: what a step needs)")
     p.add_argument("--engine-attention", choices=("auto", "xla", "cpu", "pallas"),
@@ -173,7 +175,8 @@ _SETTINGS: tuple[tuple[str, Any, Any], ...] = (
     ("reference", False, lambda c: c.rl.beta > 0 or (c.algo == "ppo" and c.ppo.kl_coef_init > 0)),
     ("logprob_block_mib", 256.0, lambda c: c.model.logprob_block_mib),
     ("lora_rank", 0, lambda c: c.lora.rank),
-    ("engine_page_size", 16, lambda c: c.sampling.engine_page_size if c.sampling.engine == "paged" else 0),
+    ("engine_page_size", default_page_size(),
+     lambda c: (c.sampling.engine_page_size or default_page_size()) if c.sampling.engine == "paged" else 0),
     ("engine_pages", 0, lambda c: c.sampling.engine_pages),
     ("engine_attention", "auto", lambda c: c.sampling.engine_attention),
     ("lora_targets", "(q|k|v|o|gate|up|down)_proj", lambda c: c.lora.targets),

@@ -121,7 +121,8 @@ class SamplingSection:
     # shared, a multi-turn conversation's next turn prefilling only the new tokens; docs/engine.md); static = one
     # batch, every prompt prefilled, then decoded to the longest row (a longrope model past its original context)
     engine: str = one_of("paged", SAMPLERS)
-    engine_page_size: int = at_least(16, 1)  # paged: tokens per page
+    # paged: tokens per page; 0 = the platform's (`engine.pages.default_page_size`: 64 on the CPU, 16 on GPU and TPU)
+    engine_page_size: int = at_least(0)
     engine_slots: int = at_least(0)  # paged: sequences decoding at once; 0 = every row of the call
     engine_steps_per_call: int = at_least(16, 1)  # paged: decode steps per device call between scheduling points
     # paged: pages in the pool; 0 = what the call's rows need at their token limit (prompts counted once per

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxrl_llm.engine.pages import default_page_size
 from jaxrl_llm.engine.scheduler import Completion, Conversation, Engine, EngineStats, Request, host_array
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params
@@ -73,10 +74,10 @@ class PagedSampler:
     made anew only when a call needs a bigger one, or runs on another mesh (`mesh`: where the weights are placed;
     None: one device)."""
 
-    def __init__(self, config: ModelConfig, *, page_size: int = 16, slots: int = 0, steps_per_call: int = 16,
+    def __init__(self, config: ModelConfig, *, page_size: int = 0, slots: int = 0, steps_per_call: int = 16,
                  pages: int = 0, attention: str = "auto") -> None:
         self.config, self.page_size, self.slots, self.steps_per_call, self.pages = (
-            config, page_size, slots, steps_per_call, pages)
+            config, page_size or default_page_size(), slots, steps_per_call, pages)
         self.attention = attention
         self.engine: Engine | None = None
 
