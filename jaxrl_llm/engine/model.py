@@ -67,26 +67,6 @@ def layer_inputs(config: ModelConfig, positions: jax.Array, context: int
             for local in sorted({c.is_sliding(i) for i in range(c.num_layers)})}
 
 
-def kernel_prefill_attention(config: ModelConfig, layer: PagedLayer, page_table: jax.Array, slots: jax.Array,
-                             positions: jax.Array, window: int | None) -> Attend:
-    """A prefill chunk's attention through the CPU decode kernel: the chunk's keys and values written at
-    `slots [R, T]`, then each of its `R x T` queries is one kernel row that reads its own sequence's first
-    `position + 1` positions through the row's page table (a padding query, position -1, reads nothing). XLA's
-    batched form of the same attention spends most of its time transposing q, the scores and the output
-    (bench/README.md); the kernel reads the pages where they are."""
-    c = config
-    r, t = positions.shape
-
-    def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, PagedLayer]:
-        new = write_pages(layer, slots, k, v, c.jnp_dtype)
-        out = paged_decode_attention(q.reshape(r * t, *q.shape[2:]), new["k"], new["v"],
-                                     jnp.repeat(page_table, t, axis=0), (positions + 1).reshape(-1), c, "cpu",
-                                     window)
-        return out.reshape(r, t, -1), new
-
-    return attend
-
-
 def paged_attention(config: ModelConfig, layer: PagedLayer, page_table: jax.Array, slots: jax.Array,
                     allowed: jax.Array) -> Attend:
     """Grouped-query attention over pages: the new keys and values written at `slots [R, T]`, then each row's
@@ -109,20 +89,22 @@ def paged_forward(params: Params, weights: list[StepWeights], config: ModelConfi
                   attention: str = "xla") -> tuple[jax.Array, list[PagedLayer]]:
     """`tokens, positions [R, T]` through the decoder over `pages` with page tables `[R, M]`: returns the final
     hidden states `[R, T, D]` (after the final norm) and the pages with the tokens' keys and values written.
-    `attention`: `cpu` attends through the CPU kernel (`kernel_prefill_attention`), else XLA's dots over the
-    gathered pages."""
+    `attention`: `cpu` attends through the CPU kernel (`kernel_attention`, each query a kernel row over its own
+    sequence's pages), else XLA's dots over the gathered pages."""
     c = config
     num_pages, page_size = pool_geometry(pages)
     context = page_table.shape[1] * page_size
     slots = page_slots(page_table, positions, page_size, num_pages)
     inputs = layer_inputs(c, positions, 1 if attention == "cpu" else context)
+    if attention == "cpu":  # the kernel's rows, one per query; a padding query (position -1) reads nothing
+        query_tables, query_lengths = jnp.repeat(page_table, positions.shape[1], axis=0), (positions + 1).reshape(-1)
     x = embed_tokens(params["embed"]["embedding"], tokens, c)
     new_pages = []
     for i, (w, layer) in enumerate(zip(weights, pages, strict=True)):
         cos, sin, allowed = inputs[c.is_sliding(i)]
         if attention == "cpu":
             window = c.sliding_window if c.is_sliding(i) else None
-            attend = kernel_prefill_attention(c, layer, page_table, slots, positions, window)
+            attend = kernel_attention(c, layer, query_tables, slots, query_lengths, "cpu", window)
         else:
             attend = paged_attention(c, layer, page_table, slots, allowed)
         x, layer = transformer_block(x, step_ops(w, c, shards), attend, cos, sin, c)
@@ -193,15 +175,20 @@ def write_back(pages: list[PagedLayer], caches: list[dict[str, jax.Array]], page
 
 def kernel_attention(config: ModelConfig, layer: PagedLayer, page_table: jax.Array, slots: jax.Array,
                      lengths: jax.Array, backend: str, window: int | None = None) -> Attend:
-    """One new token per slot written into its pages at `slots [S, 1]`, then a paged-attention kernel over the pool
-    (`kernels.py`: Pallas on GPU and TPU, C++ on the CPU): the first `lengths [S]` positions through
-    `page_table [S, M]` (the last `window` of them on a sliding-window layer; the Pallas kernels have none)."""
+    """`T` new tokens per row written into its pages at `slots [R, T]`, then a paged-attention kernel over the pool
+    (`kernels.py`: Pallas on GPU and TPU, C++ on the CPU) with each of the `R x T` queries one kernel row: the first
+    `lengths [R * T]` positions through `page_table [R * T, M]` (the last `window` of them on a sliding-window
+    layer; the Pallas kernels have none). A decode step has `T = 1`; a prefill chunk on the CPU `T > 1`
+    (`paged_forward`: XLA's batched form of that attention spends most of its time transposing q, the scores and
+    the output, bench/README.md)."""
     c = config
 
     def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, PagedLayer]:
         new = write_pages(layer, slots, k, v, c.jnp_dtype)
-        out = paged_decode_attention(q[:, 0], new["k"], new["v"], page_table, lengths, c, backend, window)
-        return out.reshape(q.shape[0], 1, -1), new
+        r, t = q.shape[:2]
+        out = paged_decode_attention(q.reshape(r * t, *q.shape[2:]), new["k"], new["v"], page_table, lengths, c,
+                                     backend, window)
+        return out.reshape(r, t, -1), new
 
     return attend
 
@@ -217,8 +204,8 @@ class PackedWeights(NamedTuple):
 
 def pack_step_weights(params: Params, weights: list[StepWeights], config: ModelConfig) -> PackedWeights:
     """`weights`' matrices and the LM head (the tied embedding transposed) in the AMX kernel's tile layout."""
-    def pack(w: jax.Array | None) -> jax.Array | None:
-        return cpu_kernel.pack_weight(w) if w is not None and cpu_kernel.packable(w) else w
+    def pack(w: jax.Array) -> jax.Array:
+        return cpu_kernel.pack_weight(w) if cpu_kernel.packable(w) else w
 
     head, transposed = unembedding_as_stored(params, config)
     head = head.T if transposed else head
