@@ -90,24 +90,43 @@ def test_the_kernel_equals_a_float64_reference(heads, kv_heads, head_dim, cap, w
     assert not np.asarray(out)[0].any()  # the row that reads nothing gets zeros
 
 
+# On a CPU with AVX512-BF16 the bfloat16 pool goes through VDPBF16PS; the portable build is what other CPUs run.
+BUILDS = [pytest.param(cpu_kernel.ATTENTION, id="native"),
+          pytest.param(cpu_kernel.PORTABLE_ATTENTION, id="portable", marks=pytest.mark.skipif(
+              not cpu_kernel.has_avx512_bf16(), reason="the native build is the portable one on this CPU"))]
+
+
 @needs_kernel
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (6, 2, 16)])
-def test_under_bfloat16_the_kernel_rounds_as_the_xla_path(heads, kv_heads, head_dim):
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "cap", "window", "page_size"),
+                         [(9, 3, 64, None, None, 16), (4, 4, 32, None, 5, 4), (8, 2, 128, 2.0, None, 8),
+                          (16, 2, 64, None, 17, 64), (6, 2, 16, None, None, 16)])
+def test_under_bfloat16_the_kernel_rounds_as_the_xla_path(build, heads, kv_heads, head_dim, cap, window, page_size):
     """A bfloat16 pool stored as its bits: the kernel's output equals the engine's XLA path over the same rows
     (`loop_layout_attention` on contiguous caches: bfloat16 operands, float32 sums, probabilities rounded to
     bfloat16) to within a bfloat16 rounding of a probability, and is further from the float64 reference of the
-    unrounded query than that (the roundings are really applied)."""
-    rng = np.random.default_rng(1)
-    config = _config(heads, kv_heads, head_dim, dtype="bfloat16")
-    lengths = LENGTHS[1:]  # the XLA path softmaxes an empty row over everything; compare rows that read something
-    k, v, table, keys, values = _pool(len(lengths), lengths, kv_heads, head_dim, 16, jnp.bfloat16, rng)
+    unrounded query than that (the roundings are really applied): head sizes 32/64/128 and the generic 16, odd
+    and even numbers of positions from unaligned starts (windows of 5 and 17), a soft cap, pages of 4 to 64 (every
+    pool position no row reads is NaN, so a read past a row's positions shows), in the build this CPU runs and,
+    where that one uses AVX512-BF16, the portable build too."""
+    rng = np.random.default_rng(heads + head_dim)
+    config = _config(heads, kv_heads, head_dim, cap, dtype="bfloat16")
+    lengths = np.asarray([1, 15, 16, 17, 37, 64, 90])  # the XLA path softmaxes an empty row over everything
+    k, v, table, keys, values = _pool(len(lengths), lengths, kv_heads, head_dim, page_size, jnp.bfloat16, rng)
+    read = np.zeros(k.shape[1:3], bool)  # [N, page_size]: the pool positions some row reads
+    for row, length in enumerate(lengths):
+        p = np.arange(max(0, length - window) if window else 0, length)
+        read[table[row, p // page_size], p % page_size] = True
+    k, v = (jnp.where(read[None, :, :, None], x, jnp.nan) for x in (k, v))  # a read past a row's positions is NaN
     q = jnp.asarray(rng.normal(size=(len(lengths), heads, head_dim)), jnp.float32)
     out = np.asarray(cpu_kernel.paged_decode_attention(q, _stored(k), _stored(v), jnp.asarray(table),
-                                                       jnp.asarray(lengths), None, config))
-    allowed = jnp.asarray(np.arange(keys.shape[2])[None, None, :] < lengths[:, None, None])
+                                                       jnp.asarray(lengths), window, config, kernel=build))
+    positions = np.arange(keys.shape[2])[None, None, :]
+    allowed = (positions < lengths[:, None, None]) & (positions >= lengths[:, None, None] - (window or 10**9))
     xla = np.asarray(loop_layout_attention(q[:, None], jnp.asarray(keys, jnp.bfloat16).swapaxes(2, 3),
-                                           jnp.asarray(values, jnp.bfloat16), allowed, config)).reshape(out.shape)
-    exact = _reference(np.asarray(q), keys, values, lengths, None, config.attention_scale, None)
+                                           jnp.asarray(values, jnp.bfloat16), jnp.asarray(allowed), config)
+                     ).reshape(out.shape)
+    exact = _reference(np.asarray(q), keys, values, lengths, window, config.attention_scale, cap)
     assert np.abs(out - xla).max() <= 8e-3
     assert np.abs(out - exact).max() > 4 * np.abs(out - xla).mean()
 

@@ -61,6 +61,9 @@ class _Kernel:
 
 
 ATTENTION = _Kernel(HERE / "decode_attention.cc", "PagedDecodeAttention", "jaxrl_llm_paged_decode_attention")
+# The attention built without AVX512-BF16 (the code CPUs without it run), so the tests check both on one that has it.
+PORTABLE_ATTENTION = dataclasses.replace(ATTENTION, target="jaxrl_llm_paged_decode_attention_portable",
+                                         flags=("-mno-avx512bf16",))
 MATMUL = _Kernel(HERE / "packed_matmul.cc", "PackedMatmul", "jaxrl_llm_packed_matmul", ("-mamx-tile", "-mamx-bf16"))
 
 
@@ -108,6 +111,11 @@ def _build(compiler: str, kernel: _Kernel = ATTENTION) -> Path:
     finally:
         partial.unlink(missing_ok=True)
     return out
+
+
+def has_avx512_bf16() -> bool:
+    """Whether the CPU reports AVX512-BF16 (Linux's `avx512_bf16` flag): the attention's bfloat16 code then uses it."""
+    return platform.machine().lower() in ("x86_64", "amd64") and "avx512_bf16" in _cpu_signature().split()
 
 
 def _has_amx() -> bool:
@@ -182,14 +190,16 @@ def packed_matmul(x: jax.Array, packed: jax.Array, n: int | None = None) -> jax.
 
 
 def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
-                           lengths: jax.Array, window: int | None, config: ModelConfig) -> jax.Array:
+                           lengths: jax.Array, window: int | None, config: ModelConfig,
+                           kernel: _Kernel = ATTENTION) -> jax.Array:
     """`q [S, H, hd]` (float32, unscaled) over the pool's `k_pages, v_pages [KVH, N, page_size, hd]` (as stored)
     at `page_table [S, M]`: each row reads its positions `max(0, length - window) .. length - 1` (`lengths [S]`;
-    0 reads nothing and gives zeros) -> `[S, H, hd]` float32."""
-    why = _load()
+    0 reads nothing and gives zeros) -> `[S, H, hd]` float32. `kernel`: another build of the source (the tests'
+    `PORTABLE_ATTENTION`)."""
+    why = _load(kernel)
     if why is not None:
         raise RuntimeError(f"the CPU decode-attention kernel is unavailable: {why}")
-    call = jax.ffi.ffi_call(ATTENTION.target, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential")
+    call = jax.ffi.ffi_call(kernel.target, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential")
     return call(q.astype(jnp.float32), k_pages, v_pages, page_table.astype(jnp.int32), lengths.astype(jnp.int32),
                 window=np.int64(window or 0), scale=np.float32(config.attention_scale),
                 softcap=np.float32(config.attn_logit_softcap or 0.0))

@@ -18,7 +18,9 @@
 // decode call and runs the contraction as one [G x hd] x [hd x C] dot per row and KV head at ~13 GFLOP/s, 7.6x the
 // time it takes to read the cache once (bench/README.md, decode_phases.py). Here each (row, KV head) is one task
 // that streams its pages once; the G samples of a GRPO group read their prompt's shared pages, which the tasks of
-// neighbouring rows find in cache. Tasks are spread over XLA's intra-op thread pool.
+// neighbouring rows find in cache. Tasks are spread over XLA's intra-op thread pool. At the RL shape the kernel is
+// bound by memory: it prefetches across page boundaries (`Prefetcher`), and on CPUs with AVX512-BF16 a bfloat16
+// pool's products run on VDPBF16PS (`PagedBf16`) instead of being widened to float32.
 
 #include <algorithm>
 #include <atomic>
@@ -31,6 +33,10 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 namespace ffi = xla::ffi;
 
@@ -135,15 +141,15 @@ inline F32x16 RoundToBf16x16(F32x16 x) {
   return x;
 }
 
-// scores [G, n16] (n16 = n rounded up to 16; lanes past n are ignored) -> probabilities in place: scale, soft cap,
-// softmax over the first n, rounded as `T`'s policy asks; padding lanes get 0.
+// scores [G, stride] (stride >= n rounded up to 16; lanes past n are ignored) -> probabilities in place: scale, soft
+// cap, softmax over the first n, rounded as `T`'s policy asks; lanes n .. n rounded up to 16 get 0.
 template <typename T>
-void Softmax(float* scores, int64_t g_count, int64_t n, float scale, float softcap) {
+void Softmax(float* scores, int64_t g_count, int64_t n, int64_t stride, float scale, float softcap) {
   const int64_t n16 = (n + kLanes - 1) / kLanes * kLanes;
   const F32x16 neg_inf = Splat(-INFINITY);
   const I32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   for (int64_t g = 0; g < g_count; ++g) {
-    float* sg = scores + g * n16;
+    float* sg = scores + g * stride;
     if (softcap > 0.0f) {
       for (int64_t i = 0; i < n; ++i) sg[i] = softcap * std::tanh(sg[i] * scale / softcap);
     }
@@ -204,6 +210,52 @@ struct PagedShape {
   int64_t rows, heads, kv_heads, head_dim, num_pages, page_size, table_width;
 };
 
+// Offsets (in elements of a [num_pages, page_size, hd] pool) of consecutive positions from `start` through `table`,
+// a page lookup per page rather than a division per position (a 64-bit division cost as much as the position's
+// arithmetic).
+struct PageWalk {
+  const int32_t* table;
+  int64_t page_size, hd, page, offset;
+  PageWalk(const int32_t* table, int64_t page_size, int64_t start, int64_t hd)
+      : table(table), page_size(page_size), hd(hd), page(start / page_size), offset(start % page_size) {}
+  int64_t Next() {
+    const int64_t at = (static_cast<int64_t>(table[page]) * page_size + offset) * hd;
+    if (++offset == page_size) offset = 0, ++page;
+    return at;
+  }
+};
+
+// The first pass's walk asks for the key and the value `kAhead` positions ahead of the one it reads: the hardware
+// prefetcher loses the stream at every page boundary (the next page is anywhere in the pool), and fetching the
+// values beside the keys doubles the lines in flight and leaves them in L2 for the second pass (a layer at 128 rows
+// x 384 positions from memory: 5.1 -> 3.3 ms, bench/README.md).
+constexpr int64_t kAhead = 32;
+
+template <typename T>
+struct Prefetcher {
+  const T* k_pool;
+  const T* v_pool;
+  int64_t remaining;
+  PageWalk ahead;
+  Prefetcher(const T* k_pool, const T* v_pool, const int32_t* table, int64_t page_size, int64_t start, int64_t n,
+             int64_t hd)
+      : k_pool(k_pool), v_pool(v_pool), remaining(n), ahead(table, page_size, start, hd) {
+    for (int64_t i = 0; i < kAhead && remaining > 0; ++i, --remaining) ahead.Next();
+  }
+  // Called once per position of the first pass, in order.
+  void Step() {
+    if (remaining <= 0) return;
+    --remaining;
+    const int64_t at = ahead.Next();
+    const char* key = reinterpret_cast<const char*>(k_pool + at);
+    const char* value = reinterpret_cast<const char*>(v_pool + at);
+    for (int64_t b = 0; b < ahead.hd * static_cast<int64_t>(sizeof(T)); b += 64) {
+      __builtin_prefetch(key + b, 0, 3);
+      __builtin_prefetch(value + b, 0, 2);
+    }
+  }
+};
+
 // One (row, KV head) over its pages: positions start .. start + n - 1 through `table`; the pool of this KV head is
 // `k_pool, v_pool [num_pages, page_size, hd]`. Keys are position-major here, so each score is a dot product over
 // hd (HC vectors), 16 of them reduced at once.
@@ -223,9 +275,8 @@ void PagedBlocked(const float* q_rows, const T* k_pool, const T* v_pool, const i
       std::memcpy(&qv[g][h], lanes, sizeof(lanes));
     }
   }
-  auto row_of = [&](const T* pool, int64_t position) {
-    return pool + (static_cast<int64_t>(table[position / page_size]) * page_size + position % page_size) * hd;
-  };
+  PageWalk keys(table, page_size, start, hd);
+  Prefetcher fetch(k_pool, v_pool, table, page_size, start, n, hd);
   for (int64_t i0 = 0; i0 < n16; i0 += kLanes) {
     F32x16 dots[G][kLanes];
     for (int l = 0; l < kLanes; ++l) {
@@ -234,7 +285,8 @@ void PagedBlocked(const float* q_rows, const T* k_pool, const T* v_pool, const i
         for (int g = 0; g < G; ++g) dots[g][slot] = F32x16{};
         continue;
       }
-      const T* key = row_of(k_pool, start + i0 + l);
+      fetch.Step();
+      const T* key = k_pool + keys.Next();
       F32x16 kr[HC];
       for (int h = 0; h < HC; ++h) kr[h] = Load16(key + h * kLanes);
       for (int g = 0; g < G; ++g) {
@@ -248,10 +300,11 @@ void PagedBlocked(const float* q_rows, const T* k_pool, const T* v_pool, const i
       std::memcpy(scores + g * n16 + i0, &sums, sizeof(sums));
     }
   }
-  Softmax<T>(scores, G, n, scale, softcap);
+  Softmax<T>(scores, G, n, n16, scale, softcap);
   F32x16 out[G][HC] = {};
+  PageWalk values(table, page_size, start, hd);
   for (int64_t i = 0; i < n; ++i) {
-    const T* value = row_of(v_pool, start + i);
+    const T* value = v_pool + values.Next();
     F32x16 row[HC];
     for (int h = 0; h < HC; ++h) row[h] = Load16(value + h * kLanes);
     for (int g = 0; g < G; ++g) {
@@ -261,6 +314,100 @@ void PagedBlocked(const float* q_rows, const T* k_pool, const T* v_pool, const i
   }
   for (int g = 0; g < G; ++g) std::memcpy(out_rows + g * hd, out[g], hd * sizeof(float));
 }
+
+#if defined(__AVX512BF16__)
+// A bfloat16 pool on a CPU with AVX512-BF16 (Cooper Lake, Sapphire Rapids, Zen 4 and later): PagedBlocked's
+// arithmetic on VDPBF16PS, which multiplies pairs of bfloat16 exactly and adds them into float32: the same products
+// and float32 sums in another order, without widening each key and value to float32 first (that widening and its
+// FMAs were most of the kernel's time: bench/README.md). Scores: each key's hd / 32 pair-products per query head,
+// 16 keys reduced at once. Output: the values of two consecutive positions interleaved (VPUNPCK{L,H}WD) against
+// their two probabilities as one bfloat16 pair, so accumulator lane 4k + j of 128-bit lane k holds head dimension
+// 8k + j (low half) or 8k + 4 + j (high half) of each 32.
+template <int G, int Z>
+void PagedBf16(const float* q_rows, const uint16_t* k_pool, const uint16_t* v_pool, const int32_t* table,
+               int64_t page_size, int64_t start, int64_t n, float* out_rows, float scale, float softcap,
+               std::vector<float>& scratch) {
+  constexpr int64_t hd = Z * 32;
+  const int64_t n16 = (n + kLanes - 1) / kLanes * kLanes, n32 = (n + 31) / 32 * 32;
+  scratch.assign(G * n32 + G * n32 / 2, 0.0f);
+  float* scores = scratch.data();
+  uint32_t* pairs = reinterpret_cast<uint32_t*>(scores + G * n32);
+  __m512bh qb[G][Z];
+  for (int g = 0; g < G; ++g) {
+    for (int z = 0; z < Z; ++z) {
+      const float* qz = q_rows + g * hd + 32 * z;
+      qb[g][z] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qz + 16), _mm512_loadu_ps(qz));  // rounded to nearest even
+    }
+  }
+  PageWalk keys(table, page_size, start, hd);
+  Prefetcher fetch(k_pool, v_pool, table, page_size, start, n, hd);
+  for (int64_t i0 = 0; i0 < n16; i0 += kLanes) {
+    F32x16 dots[G][kLanes];
+    for (int l = 0; l < kLanes; ++l) {
+      const int slot = kBitReverse4[l];
+      if (i0 + l >= n) {
+        for (int g = 0; g < G; ++g) dots[g][slot] = F32x16{};
+        continue;
+      }
+      fetch.Step();
+      const uint16_t* key = k_pool + keys.Next();
+      __m512bh kz[Z];
+      for (int z = 0; z < Z; ++z) kz[z] = (__m512bh)_mm512_loadu_si512(key + 32 * z);
+      for (int g = 0; g < G; ++g) {
+        __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[g][0], kz[0]);
+        for (int z = 1; z < Z; ++z) acc = _mm512_dpbf16_ps(acc, qb[g][z], kz[z]);
+        dots[g][slot] = (F32x16)acc;
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      const F32x16 sums = Reduce16(dots[g]);
+      std::memcpy(scores + g * n32 + i0, &sums, sizeof(sums));
+    }
+  }
+  Softmax<uint16_t>(scores, G, n, n32, scale, softcap);  // lanes n16 .. n32 stay 0 from `assign`
+  for (int g = 0; g < G; ++g) {
+    for (int64_t i0 = 0; i0 < n32; i0 += 32) {
+      const float* sg = scores + g * n32 + i0;  // already bfloat16 values: the conversion is exact
+      _mm512_storeu_si512(pairs + (g * n32 + i0) / 2,
+                          (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(sg + 16), _mm512_loadu_ps(sg)));
+    }
+  }
+  __m512 lo[G][Z], hi[G][Z];
+  for (int g = 0; g < G; ++g) {
+    for (int z = 0; z < Z; ++z) lo[g][z] = hi[g][z] = _mm512_setzero_ps();
+  }
+  PageWalk values(table, page_size, start, hd);
+  for (int64_t i = 0; i < n; i += 2) {
+    const uint16_t* first = v_pool + values.Next();
+    const uint16_t* second = i + 1 < n ? v_pool + values.Next() : nullptr;  // past the end: probability 0
+    __m512i even[Z], odd[Z];
+    for (int z = 0; z < Z; ++z) {
+      const __m512i a = _mm512_loadu_si512(first + 32 * z);
+      const __m512i b = second ? _mm512_loadu_si512(second + 32 * z) : _mm512_setzero_si512();
+      even[z] = _mm512_unpacklo_epi16(a, b);
+      odd[z] = _mm512_unpackhi_epi16(a, b);
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pairs[(g * n32 + i) / 2]));
+      for (int z = 0; z < Z; ++z) {
+        lo[g][z] = _mm512_dpbf16_ps(lo[g][z], p, (__m512bh)even[z]);
+        hi[g][z] = _mm512_dpbf16_ps(hi[g][z], p, (__m512bh)odd[z]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    for (int z = 0; z < Z; ++z) {
+      float l[kLanes], h[kLanes];
+      _mm512_storeu_ps(l, lo[g][z]);
+      _mm512_storeu_ps(h, hi[g][z]);
+      float* o = out_rows + g * hd + 32 * z;
+      for (int k = 0; k < 4; ++k) {
+        for (int j = 0; j < 4; ++j) o[8 * k + j] = l[4 * k + j], o[8 * k + 4 + j] = h[4 * k + j];
+      }
+    }
+  }
+}
+#endif
 
 // Any G and hd: the same arithmetic in plain loops.
 template <typename T>
@@ -284,7 +431,7 @@ void PagedGeneric(const float* q_rows, const T* k_pool, const T* v_pool, const i
       scores[g * n16 + i] = dot;
     }
   }
-  Softmax<T>(scores, g_count, n, scale, softcap);
+  Softmax<T>(scores, g_count, n, n16, scale, softcap);
   std::fill(out_rows, out_rows + g_count * hd, 0.0f);
   for (int64_t i = 0; i < n; ++i) {
     ToFloat(row_of(v_pool, start + i), row, hd);
@@ -313,6 +460,29 @@ void PagedOne(const float* q, const T* k, const T* v, const int32_t* tables, con
   const T* k_pool = k + kv_head * pool;
   const T* v_pool = v + kv_head * pool;
   const int32_t* table = tables + row * s.table_width;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, uint16_t>) {
+#define JAXRL_BF16(G, Z) \
+  PagedBf16<G, Z>(q_rows, k_pool, v_pool, table, s.page_size, start, n, out_rows, scale, softcap, scratch); \
+  return;
+#define JAXRL_BF16_G(G)          \
+  case G:                        \
+    switch (hd) {                \
+      case 32: JAXRL_BF16(G, 1)  \
+      case 64: JAXRL_BF16(G, 2)  \
+      case 128: JAXRL_BF16(G, 4) \
+      default: break;            \
+    }                            \
+    break;
+    switch (g_count) {
+      JAXRL_BF16_G(1) JAXRL_BF16_G(2) JAXRL_BF16_G(3) JAXRL_BF16_G(4) JAXRL_BF16_G(5) JAXRL_BF16_G(6)
+      JAXRL_BF16_G(7) JAXRL_BF16_G(8)
+      default: break;
+    }
+#undef JAXRL_BF16_G
+#undef JAXRL_BF16
+  }
+#endif
 #define JAXRL_PAGED(G, HC)                                                                                \
   PagedBlocked<T, G, HC>(q_rows, k_pool, v_pool, table, s.page_size, start, n, out_rows, scale, softcap, \
                          scratch);                                                                       \
