@@ -67,6 +67,27 @@ def layer_inputs(config: ModelConfig, positions: jax.Array, context: int
             for local in sorted({c.is_sliding(i) for i in range(c.num_layers)})}
 
 
+Rotary = dict[bool, tuple[jax.Array, jax.Array]]
+
+
+def call_rotary(config: ModelConfig, start: jax.Array, steps: int) -> Rotary:
+    """Per layer kind (sliding or not), the rotary tables `cos, sin [S, steps, rot]` of a decode call's positions
+    `start + j` (`start [S]`, `j < steps`): what a slot still decoding feeds at step `j` (an idle slot's rows are
+    never read). Made once per call and sliced per step (`step_rotary`): computed inside the step, XLA:CPU fuses
+    cos and sin into every layer's rotation of q and of k and evaluates them per head and per layer (3.8 ms of a
+    128-row SmolLM2 step, bench/README.md); a slice is a load. Exact for longrope too: the engine stays within its
+    original context (`check_engine_context`), where its factors do not switch."""
+    positions = jnp.maximum(start, 0)[:, None] + jnp.arange(steps, dtype=start.dtype)
+    return {local: rope_cos_sin(config, positions, local=local)
+            for local in sorted({config.is_sliding(i) for i in range(config.num_layers)})}
+
+
+def step_rotary(rotary: Rotary, j: jax.Array) -> Rotary:
+    """Step `j`'s tables `[S, 1, rot]` of `call_rotary`'s."""
+    return {local: (jax.lax.dynamic_slice_in_dim(cos, j, 1, axis=1), jax.lax.dynamic_slice_in_dim(sin, j, 1, axis=1))
+            for local, (cos, sin) in rotary.items()}
+
+
 def paged_attention(config: ModelConfig, layer: PagedLayer, page_table: jax.Array, slots: jax.Array,
                     allowed: jax.Array) -> Attend:
     """Grouped-query attention over pages: the new keys and values written at `slots [R, T]`, then each row's
@@ -223,11 +244,12 @@ def packed_or_plain(config: ModelConfig) -> Callable[[jax.Array, jax.Array], jax
 
 def kernel_decode_step(params: Params, weights: list[StepWeights] | PackedWeights, config: ModelConfig,
                        tokens: jax.Array, positions: jax.Array, page_table: jax.Array, pages: list[PagedLayer],
-                       backend: str, shards: int = 1) -> tuple[jax.Array, list[PagedLayer]]:
+                       backend: str, shards: int = 1, rotary: Rotary | None = None
+                       ) -> tuple[jax.Array, list[PagedLayer]]:
     """One decode step of every slot straight over the pages (the kernels: GPU, TPU, CPU): `tokens [S]` at
     `positions [S]` (-1: an idle slot, which writes nothing and reads nothing) with page tables `[S, M]`. Returns
     float32 logits `[S, V]` and the pages with the tokens written. With `PackedWeights` (the CPU, AMX) the matmuls
-    run on the packed kernel."""
+    run on the packed kernel. `rotary`: this step's tables (`step_rotary`), else computed here."""
     packed = weights if isinstance(weights, PackedWeights) else None
     layers = packed.layers if packed is not None else weights
     dense = packed_or_plain(config) if packed is not None else None
@@ -235,11 +257,12 @@ def kernel_decode_step(params: Params, weights: list[StepWeights] | PackedWeight
     num_pages, page_size = pool_geometry(pages)
     slots = page_slots(page_table, positions[:, None], page_size, num_pages)
     lengths = jnp.where(positions >= 0, positions + 1, 0)
-    inputs = layer_inputs(c, positions[:, None], 1)  # the rotary tables (the kernels mask by length)
+    if rotary is None:  # the kernels mask by length: only the rotary tables are needed
+        rotary = {local: (cos, sin) for local, (cos, sin, _) in layer_inputs(c, positions[:, None], 1).items()}
     x = embed_tokens(params["embed"]["embedding"], tokens[:, None], c)
     new_pages = []
     for i, (w, layer) in enumerate(zip(layers, pages, strict=True)):
-        cos, sin, _ = inputs[c.is_sliding(i)]
+        cos, sin = rotary[c.is_sliding(i)]
         window = c.sliding_window if c.is_sliding(i) else None
         attend = kernel_attention(c, layer, page_table, slots, lengths, backend, window)
         x, layer = transformer_block(x, step_ops(w, c, shards, dense), attend, cos, sin, c)

@@ -22,6 +22,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jaxrl_llm.engine.model import (
     PackedWeights,
+    call_rotary,
     kernel_decode_step,
     pack_step_weights,
     packed_logits,
@@ -29,6 +30,7 @@ from jaxrl_llm.engine.model import (
     paged_logits,
     slot_caches,
     slot_decode_step,
+    step_rotary,
     write_back,
 )
 from jaxrl_llm.engine.pages import PagedLayer, copy_pages
@@ -169,6 +171,8 @@ def decode_program(params: Params, weights: list[StepWeights] | PackedWeights, p
     empty = StepOutputs(jnp.full((slots, steps), flags.pad_id, jnp.int32), jnp.zeros((slots, steps), jnp.float32),
                         jnp.zeros((slots, steps), jnp.float32), jnp.zeros((slots,), bool))
 
+    rotary = call_rotary(config, state.position, steps) if attention != "xla" else None
+
     def step(j: jax.Array, carry: tuple) -> tuple:
         s, out, caches = carry
         position = jnp.where(s.active, s.position, -1)
@@ -176,7 +180,7 @@ def decode_program(params: Params, weights: list[StepWeights] | PackedWeights, p
             logits, caches = slot_decode_step(params, weights, config, s.token, position, caches, shards)
         else:  # `caches` are the pages themselves
             logits, caches = kernel_decode_step(params, weights, config, s.token, position, s.page_table, caches,
-                                                attention, shards)
+                                                attention, shards, step_rotary(rotary, j))
         token, logprob, untruncated = _sample(logits, row_uniforms(s.key_data, s.index), knobs, flags)
         token = jnp.where(s.active, token, flags.pad_id)
         hit = s.active & (jnp.any(token[:, None] == eos, axis=-1) if flags.eos_ids else False)
