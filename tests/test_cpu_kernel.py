@@ -268,3 +268,43 @@ def test_a_prefill_chunk_attends_through_the_kernel_as_through_xla(kind, hf_mode
     for got, expected in zip(results["cpu"][1], results["xla"][1], strict=True):
         np.testing.assert_allclose(got, expected, atol=1e-5)  # later layers' keys: earlier layers' attention
         assert not got[:, unused].any() and np.abs(got).max() > 0
+
+
+NO_SAMPLING = cpu_kernel.sampling_unavailable_reason()
+needs_sampling = pytest.mark.skipif(NO_SAMPLING is not None, reason=f"the sampling kernel cannot run: {NO_SAMPLING}")
+
+
+@needs_sampling
+@pytest.mark.parametrize(("vocab", "temperature"), [(49152, 1.0), (1000, 0.6), (5, 1.3)])
+def test_the_sampling_kernel_draws_each_rows_inverse_cdf(vocab, temperature):
+    """`cpu_kernel.inverse_cdf_sample` against float64: each row's token is the entry whose cumulative interval of
+    `exp(s - max s)` (`s = logits / T`) holds `u * total` (to float32 rounding of the sums, 1e-5 of the total), its
+    log-probability is `log softmax(s)` there (<= 2e-5), entries with a -inf logit are never drawn (also at u near
+    1), and the tokens are `sample_with_uniform`'s (XLA's) but where the target lies within rounding of an edge.
+    Vocabularies over several blocks with a partial last one (1000: blocks of 32), and below one block (5)."""
+    from jaxrl_llm.sampling.config import Knobs
+    from jaxrl_llm.sampling.logits import sample_with_uniform
+
+    rng = np.random.default_rng(vocab)
+    rows = 96
+    logits = (rng.normal(size=(rows, vocab)) * 3).astype(np.float32)
+    logits[: rows // 2, ::3] = -np.inf  # a third of the vocabulary impossible in half the rows
+    logits[:, 1] = -np.inf if vocab > 2 else logits[:, 1]
+    uniform = rng.random(rows).astype(np.float32)
+    uniform[:4] = [0.0, np.nextafter(np.float32(1), np.float32(0)), 0.5, 1e-7]
+    token, logprob = (np.asarray(x) for x in cpu_kernel.inverse_cdf_sample(jnp.asarray(logits), jnp.asarray(uniform),
+                                                                             np.float32(temperature)))
+    s = logits.astype(np.float64) / np.float32(temperature)
+    w = np.exp(s - s.max(-1, keepdims=True))
+    cumulative = np.cumsum(w, -1)
+    total = cumulative[:, -1]
+    target = uniform * total
+    picked = np.arange(rows), token
+    below = np.where(token > 0, cumulative[np.arange(rows), np.maximum(token - 1, 0)], 0.0)
+    assert np.all(below <= target + 1e-5 * total) and np.all(target <= cumulative[picked] + 1e-5 * total)
+    assert np.all(np.isfinite(logits[picked]))  # never an impossible entry
+    np.testing.assert_allclose(logprob, s[picked] - s.max(-1) - np.log(total), atol=2e-5)
+    knobs = Knobs(np.float32(temperature), np.int32(0), np.float32(1.0), np.float32(0.0), np.int32(0))
+    xla = np.asarray(sample_with_uniform(jnp.asarray(logits), jnp.asarray(uniform), knobs, greedy=False)[0])
+    edge = np.minimum(np.abs(target - below), np.abs(cumulative[picked] - target)) < 1e-5 * total
+    assert np.all((token == xla) | edge) and (token == xla).mean() > 0.9

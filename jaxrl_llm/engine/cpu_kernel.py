@@ -43,6 +43,7 @@ import jaxlib
 import numpy as np
 
 from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.sampling.logits import inverse_cdf_block
 
 HERE = Path(__file__).parent
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno",
@@ -61,6 +62,7 @@ class _Kernel:
 
 
 ATTENTION = _Kernel(HERE / "decode_attention.cc", "PagedDecodeAttention", "jaxrl_llm_paged_decode_attention")
+SAMPLING = _Kernel(HERE / "inverse_cdf.cc", "InverseCdfSample", "jaxrl_llm_inverse_cdf_sample")
 # The attention built without AVX512-BF16 (the code CPUs without it run), so the tests check both on one that has it.
 PORTABLE_ATTENTION = dataclasses.replace(ATTENTION, target="jaxrl_llm_paged_decode_attention_portable",
                                          flags=("-mno-avx512bf16",))
@@ -157,6 +159,27 @@ def unavailable_reason() -> str | None:
 def packed_matmul_unavailable_reason() -> str | None:
     """Why the AMX matmul cannot run here (no AMX, no compiler), or None when it can."""
     return _load(MATMUL)
+
+
+def sampling_unavailable_reason() -> str | None:
+    """Why the sampling kernel cannot run here (no compiler), or None when it can."""
+    return _load(SAMPLING)
+
+
+def inverse_cdf_sample(logits: jax.Array, uniform: jax.Array, temperature: jax.Array
+                       ) -> tuple[jax.Array, jax.Array]:
+    """Each row's token drawn from `softmax(logits / temperature)` (`logits [B, V]`) by the inverse CDF of its
+    `uniform [B]`, and its log-probability: `(token [B] int32, logprob [B] float32)`. The draw of
+    `sampling.logits.inverse_cdf_sample` over `exp(s - max s)` (blocks of `inverse_cdf_block(V)`), in one pass
+    over the logits from memory (`inverse_cdf.cc`)."""
+    why = _load(SAMPLING)
+    if why is not None:
+        raise RuntimeError(f"the CPU sampling kernel is unavailable: {why}")
+    rows, vocab = logits.shape
+    call = jax.ffi.ffi_call(SAMPLING.target, (jax.ShapeDtypeStruct((rows,), jnp.int32),
+                                              jax.ShapeDtypeStruct((rows,), jnp.float32)), vmap_method="sequential")
+    return call(logits.astype(jnp.float32), uniform.astype(jnp.float32), jnp.asarray(temperature, jnp.float32),
+                block=np.int64(inverse_cdf_block(vocab)))
 
 
 def packable(w: jax.Array) -> bool:

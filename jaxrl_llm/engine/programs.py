@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+import jaxrl_llm.engine.cpu_kernel as cpu_kernel
 from jaxrl_llm.engine.model import (
     PackedWeights,
     call_rotary,
@@ -116,8 +117,13 @@ def row_uniforms(key_data: jax.Array, index: jax.Array) -> jax.Array:
     return jax.vmap(one)(key_data, index)
 
 
-def _sample(logits: jax.Array, uniform: jax.Array, knobs: Knobs, flags: SamplingFlags
+def _sample(logits: jax.Array, uniform: jax.Array, knobs: Knobs, flags: SamplingFlags, kernel: bool = False
             ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`sample_with_uniform`; with `kernel` (the CPU), an untruncated draw through `cpu_kernel.inverse_cdf_sample`:
+    the same draw in one pass over the logits, where XLA:CPU makes four (5.4 ms of a 128-row SmolLM2 step)."""
+    if kernel and not (flags.greedy or flags.top_k or flags.top_p or flags.min_p):
+        token, logprob = cpu_kernel.inverse_cdf_sample(logits, uniform, knobs.temperature)
+        return token, logprob, logprob
     return sample_with_uniform(logits, uniform, knobs, greedy=flags.greedy, use_top_k=flags.top_k,
                                use_top_p=flags.top_p, use_min_p=flags.min_p)
 
@@ -172,6 +178,7 @@ def decode_program(params: Params, weights: list[StepWeights] | PackedWeights, p
                         jnp.zeros((slots, steps), jnp.float32), jnp.zeros((slots,), bool))
 
     rotary = call_rotary(config, state.position, steps) if attention != "xla" else None
+    kernel_sampling = attention == "cpu" and cpu_kernel.sampling_unavailable_reason() is None
 
     def step(j: jax.Array, carry: tuple) -> tuple:
         s, out, caches = carry
@@ -181,7 +188,8 @@ def decode_program(params: Params, weights: list[StepWeights] | PackedWeights, p
         else:  # `caches` are the pages themselves
             logits, caches = kernel_decode_step(params, weights, config, s.token, position, s.page_table, caches,
                                                 attention, shards, step_rotary(rotary, j))
-        token, logprob, untruncated = _sample(logits, row_uniforms(s.key_data, s.index), knobs, flags)
+        token, logprob, untruncated = _sample(logits, row_uniforms(s.key_data, s.index), knobs, flags,
+                                              kernel_sampling)
         token = jnp.where(s.active, token, flags.pad_id)
         hit = s.active & (jnp.any(token[:, None] == eos, axis=-1) if flags.eos_ids else False)
         out = StepOutputs(out.tokens.at[:, j].set(token),

@@ -84,6 +84,11 @@ def first_argmax(x: jax.Array) -> jax.Array:
     return jnp.min(jnp.where(x == jnp.max(x, -1, keepdims=True), index, x.shape[-1]), -1)
 
 
+def inverse_cdf_block(vocab: int) -> int:
+    """The entries per block of `inverse_cdf_sample`'s two-level search: the power of two >= sqrt(V) (at least 8)."""
+    return max(8, 1 << math.ceil(math.log2(math.sqrt(vocab))))
+
+
 def inverse_cdf_sample(weights: jax.Array, uniform: jax.Array) -> jax.Array:
     """Index `j` drawn with probability `w_j / sum(w)` from non-negative `weights [B, V]`, given
     `uniform [B]` in [0, 1): the first `j` with `cumsum(w)_j > u * sum(w)`, found in two levels
@@ -91,7 +96,7 @@ def inverse_cdf_sample(weights: jax.Array, uniform: jax.Array) -> jax.Array:
     entries are never returned (float rounding at a block edge cannot select one).
     """
     rows, vocab = weights.shape
-    block = max(8, 1 << math.ceil(math.log2(math.sqrt(vocab))))
+    block = inverse_cdf_block(vocab)
     blocks = -(-vocab // block)
     w = jnp.pad(weights, ((0, 0), (0, blocks * block - vocab))).reshape(rows, blocks, block)
 
