@@ -54,6 +54,9 @@ void ConfigureTiles() {
     config.rows[i] = 16;
     config.colsb[i] = 64;
   }
+  // GCC does not see the intrinsic read the whole struct and drops the zeroing of the unused tiles' entries
+  // (LDTILECFG then faults): make every store happen first.
+  __asm__ __volatile__("" : : "r"(&config) : "memory");
   _tile_loadconfig(&config);
 }
 
