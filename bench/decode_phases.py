@@ -1,6 +1,7 @@
 """Where a decode step of the rollout engine's CPU path goes: the whole step beside its phases, at one shape.
 
     python bench/decode_phases.py [--model DIR] [--slots 128] [--context 384] [--steps 16] [--repeats 3]
+                                  [--page-size 0]
                                   [--dtype bfloat16] [--attention auto|xla|cpu] [--matmul auto|xla]
 
 The step is `engine/model.py: kernel_decode_step` (the C++ kernel over the pages) or `slot_decode_step` (the XLA
@@ -17,7 +18,10 @@ The phases, each timed alone in a loop of the same steps:
   engine's XLA path: contiguous per-call caches, `loop_layout_attention`), `cpu` (the C++ kernel straight over the
   pages, `engine/cpu_kernel.py`; each slot's context in its own pages) or `auto` (the engine's choice here); the
   whole step uses the same;
-- `sampling`: each row's uniform and `sample_with_uniform` over the logits `[slots, vocab]`.
+- `sampling`: each row's uniform and the draw over the logits `[slots, vocab]` (on the CPU kernel's path the C++
+  inverse-CDF kernel, `cpu_kernel.inverse_cdf_sample`, as the engine; else `sample_with_uniform`).
+
+The step takes its rotary tables from one table per call (`engine/model.py: call_rotary`), as the engine does.
 
 Printed: ms per step of each, its share of the whole step, tokens/s at this shape, and the matmuls' FLOP/s
 (2 x parameters x slots per step, attention excluded). Defaults: the RL shape of `rollout_engine.py` at its
@@ -42,6 +46,7 @@ from jaxrl_llm.engine import cpu_kernel  # noqa: E402
 from jaxrl_llm.engine.kernels import attention_backend  # noqa: E402
 from jaxrl_llm.engine.model import (  # noqa: E402
     PackedWeights,
+    call_rotary,
     kernel_attention,
     kernel_decode_step,
     layer_inputs,
@@ -49,8 +54,9 @@ from jaxrl_llm.engine.model import (  # noqa: E402
     paged_logits,
     slot_attention,
     slot_decode_step,
+    step_rotary,
 )
-from jaxrl_llm.engine.pages import page_slots, storage_dtype  # noqa: E402
+from jaxrl_llm.engine.pages import default_page_size, page_slots, storage_dtype  # noqa: E402
 from jaxrl_llm.engine.programs import pack_weights, prepare_weights, row_uniforms  # noqa: E402
 from jaxrl_llm.models.block import transformer_block  # noqa: E402
 from jaxrl_llm.models.decode import step_ops  # noqa: E402
@@ -69,6 +75,7 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=128)
     parser.add_argument("--context", type=int, default=384)
     parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--page-size", type=int, default=0, help="0: the engine's default (engine.pages)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     parser.add_argument("--attention", default="auto", choices=("auto", "xla", "cpu"))
@@ -91,7 +98,7 @@ def main() -> None:
         values = jnp.asarray(rng.standard_normal(shape) * 0.5, c.jnp_dtype)
         return jax.lax.bitcast_convert_type(values, stored) if stored == jnp.uint16 else values
 
-    kvh, hd, ps = c.num_kv_heads, c.head_dim, 16
+    kvh, hd, ps = c.num_kv_heads, c.head_dim, args.page_size or default_page_size()
     if backend == "xla":  # the call's contiguous caches
         caches = [{"k": cache((s, kvh, hd, ctx)), "v": cache((s, kvh, ctx, hd))} for _ in range(c.num_layers)]
     else:  # the pool: each slot's context in its own pages, scattered
@@ -103,32 +110,44 @@ def main() -> None:
     tokens = jnp.asarray(rng.integers(0, c.vocab_size, s), jnp.int32)
     key_data = jax.random.key_data(jax.random.split(jax.random.key(0), s))
 
+    kernel_sampling = backend == "cpu" and cpu_kernel.sampling_unavailable_reason() is None
+
     def sample(logits: jax.Array, j: jax.Array) -> jax.Array:
-        return sample_with_uniform(logits, row_uniforms(key_data, jnp.full((s,), j)), KNOBS, greedy=False)[0]
+        uniform = row_uniforms(key_data, jnp.full((s,), j))
+        if kernel_sampling:  # as the engine's decode program draws on the CPU
+            return cpu_kernel.inverse_cdf_sample(logits, uniform, KNOBS.temperature)[0]
+        return sample_with_uniform(logits, uniform, KNOBS, greedy=False)[0]
 
     def whole(caches: list, tokens: jax.Array) -> jax.Array:
+        rotary = call_rotary(c, start, args.steps)  # once per call, as the engine's decode program
+
         def body(j: jax.Array, carry: tuple) -> tuple:
             token, caches = carry
             if backend == "xla":
                 logits, caches = slot_decode_step(params, weights, c, token, start + j, caches)
             else:
                 logits, caches = kernel_decode_step(params, step_weights, c, token, start + j, table, caches,
-                                                    backend)
+                                                    backend, rotary=step_rotary(rotary, j))
             return sample(logits, j), caches
         return jax.lax.fori_loop(0, args.steps, body, (tokens, caches))
 
     def no_attention(tokens: jax.Array) -> jax.Array:
+        rotary = call_rotary(c, start, args.steps)
+
         def body(j: jax.Array, token: jax.Array) -> jax.Array:
-            inputs = layer_inputs(c, (start + j)[:, None], 1)
+            inputs = step_rotary(rotary, j)
             x = embed_tokens(params["embed"]["embedding"], token[:, None], c)
             for i, w in enumerate(layers):
-                cos, sin, _ = inputs[c.is_sliding(i)]
+                cos, sin = inputs[c.is_sliding(i)]
                 x, _ = transformer_block(x, step_ops(w, c, 1, dense), lambda q, k, v: (q.reshape(s, 1, -1), None),
                                          cos, sin, c)
             hidden = rms_norm(x[:, 0], params["final_norm"]["scale"], c.rms_norm_eps, unit_offset=c.norm_unit_offset)
             logits = (cpu_kernel.packed_matmul(hidden, step_weights.head, c.vocab_size) if packed
                       else paged_logits(params, c, hidden))
-            return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            # the next token from one column, not a pass over [S, V] (an argmax there cost 9 ms at 128 rows); a
+            # column chosen at run time, so XLA cannot shrink the unembedding to it
+            column = jax.lax.dynamic_index_in_dim(logits, j % c.vocab_size, axis=1, keepdims=False)
+            return (jnp.abs(column) * 1000).astype(jnp.int32) % c.vocab_size
         return jax.lax.fori_loop(0, args.steps, body, tokens)
 
     q_shape, kv_shape = (s, 1, c.num_heads, hd), (s, 1, kvh, hd)
@@ -175,7 +194,7 @@ def main() -> None:
               "attention": (with_pool(attention), (q0,)),
               "sampling": (jax.jit(sampling), (logits0,))}
     print(f"{Path(args.model).name} {args.dtype}: {s} slots, context {ctx}, {args.steps} steps per call, "
-          f"attention {backend}, matmuls {'AMX, packed' if packed else 'XLA'}, jax {jax.__version__}")
+          f"pages of {ps}, attention {backend}, matmuls {'AMX, packed' if packed else 'XLA'}, jax {jax.__version__}")
     print("| phase | ms / step | share of the step |")
     print("| --- | ---: | ---: |")
     ms = {}

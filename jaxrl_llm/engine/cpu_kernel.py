@@ -3,6 +3,7 @@
     paged_decode_attention(q [S, H, hd], k_pages, v_pages [KVH, N, page_size, hd], page_table [S, M],
                            lengths [S], window, config) -> [S, H, hd]          (decode_attention.cc)
     packed_matmul(x [..., K], pack_weight(w [K, N])) -> [..., N] float32         (packed_matmul.cc, AMX)
+    inverse_cdf_sample(logits [B, V], uniform [B], temperature) -> token, logprob [B]   (inverse_cdf.cc)
 
 The attention: one query per slot over its first `lengths` positions (the last `window` of them under a sliding
 window) straight through its page table, the pool as stored (bfloat16 bits or float32), with the precision policy's
@@ -17,11 +18,16 @@ The matmul: a decode step's few rows times a bfloat16 weight packed once per gen
 which at a decode step's 32 rows is half of the matmuls' time (bench/README.md). Only on x86 CPUs with AMX
 (`amx_bf16`, Sapphire Rapids and later), for bfloat16 models; elsewhere the engine keeps XLA's matmuls.
 
+The sampling: each row's token drawn from `softmax(logits / T)` by the inverse CDF of its own uniform, the draw of
+`sampling.logits.inverse_cdf_sample` in one pass over the logits from memory, where XLA:CPU makes four (the
+engine's untruncated draws on the CPU kernel's path).
+
 Building: each source is compiled once per machine with the system's C++ compiler (`$CXX`, else
 `c++`/`g++`) against jaxlib's FFI headers, `-O3 -march=native`, into `$JAXRL_LLM_KERNEL_CACHE` (default
 `~/.cache/jaxrl_llm/kernels`), named by a hash of the source, the flags, jaxlib's version and the CPU, then
-registered as an FFI target. `unavailable_reason()` / `packed_matmul_unavailable_reason()` say why a kernel cannot
-run here (no compiler, no AMX), or None; where the attention cannot, the engine decodes on the XLA path.
+registered as an FFI target. `unavailable_reason()` / `packed_matmul_unavailable_reason()` /
+`sampling_unavailable_reason()` say why a kernel cannot run here (no compiler, no AMX), or None; where the attention
+cannot, the engine decodes on the XLA path.
 """
 
 from __future__ import annotations
