@@ -43,6 +43,11 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+try:
+    import fcntl
+except ImportError:  # not POSIX: concurrent first builds each compile (the rename keeps the file whole)
+    fcntl = None
+
 import jax
 import jax.numpy as jnp
 import jaxlib
@@ -98,7 +103,8 @@ def _cache_dir() -> Path:
 
 def _build(compiler: str, kernel: _Kernel = ATTENTION) -> Path:
     """The compiled library, from the cache when this source, these flags, this jaxlib and this CPU built it
-    before. Written to a temporary name and renamed, so concurrent processes never load a half-written file."""
+    before. Written to a temporary name and renamed, so concurrent processes never load a half-written file, under
+    a lock beside it, so they compile it once."""
     flags = (*FLAGS, *kernel.flags)
     key = hashlib.sha256("\n".join([kernel.source.read_text(), " ".join(flags), compiler, jaxlib.__version__,
                                     _cpu_signature()]).encode()).hexdigest()[:16]
@@ -106,18 +112,24 @@ def _build(compiler: str, kernel: _Kernel = ATTENTION) -> Path:
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=out.parent, suffix=".so", delete=False) as tmp:
-        partial = Path(tmp.name)
-    try:
-        command = [compiler, *flags, f"-I{jax.ffi.include_dir()}", str(kernel.source), "-o", str(partial)]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
-        if result.returncode != 0:
-            lines = result.stderr.strip().splitlines() or ["no output"]
-            first_error = next((line for line in lines if "error" in line), lines[-1])
-            raise RuntimeError(f"{compiler} could not build {kernel.source.name}: {first_error.strip()}")
-        os.replace(partial, out)
-    finally:
-        partial.unlink(missing_ok=True)
+    # One process compiles, the others starting at once (pytest's workers, a sampler beside a trainer) wait for it.
+    with open(out.with_suffix(".lock"), "w") as lock:
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if out.exists():
+            return out
+        with tempfile.NamedTemporaryFile(dir=out.parent, suffix=".so", delete=False) as tmp:
+            partial = Path(tmp.name)
+        try:
+            command = [compiler, *flags, f"-I{jax.ffi.include_dir()}", str(kernel.source), "-o", str(partial)]
+            result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+            if result.returncode != 0:
+                lines = result.stderr.strip().splitlines() or ["no output"]
+                first_error = next((line for line in lines if "error" in line), lines[-1])
+                raise RuntimeError(f"{compiler} could not build {kernel.source.name}: {first_error.strip()}")
+            os.replace(partial, out)
+        finally:
+            partial.unlink(missing_ok=True)
     return out
 
 

@@ -496,10 +496,17 @@ void PagedOne(const float* q, const T* k, const T* v, const int32_t* tables, con
       default: break;                 \
     }                                 \
     break;
-  switch (g_count) {
-    JAXRL_PAGED_G(1) JAXRL_PAGED_G(2) JAXRL_PAGED_G(3) JAXRL_PAGED_G(4) JAXRL_PAGED_G(5) JAXRL_PAGED_G(6)
-    JAXRL_PAGED_G(7) JAXRL_PAGED_G(8)
-    default: break;
+#if defined(__AVX512BF16__)
+  constexpr bool kBlocked = !std::is_same_v<T, uint16_t>;  // a bfloat16 pool took PagedBf16 above where this would
+#else
+  constexpr bool kBlocked = true;
+#endif
+  if constexpr (kBlocked) {
+    switch (g_count) {
+      JAXRL_PAGED_G(1) JAXRL_PAGED_G(2) JAXRL_PAGED_G(3) JAXRL_PAGED_G(4) JAXRL_PAGED_G(5) JAXRL_PAGED_G(6)
+      JAXRL_PAGED_G(7) JAXRL_PAGED_G(8)
+      default: break;
+    }
   }
 #undef JAXRL_PAGED_G
 #undef JAXRL_PAGED
