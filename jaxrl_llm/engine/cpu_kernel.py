@@ -106,8 +106,9 @@ def _build(compiler: str, kernel: _Kernel = ATTENTION) -> Path:
     before. Written to a temporary name and renamed, so concurrent processes never load a half-written file, under
     a lock beside it, so they compile it once."""
     flags = (*FLAGS, *kernel.flags)
-    key = hashlib.sha256("\n".join([kernel.source.read_text(), " ".join(flags), compiler, jaxlib.__version__,
-                                    _cpu_signature()]).encode()).hexdigest()[:16]
+    headers = [h.read_text() for h in sorted(kernel.source.parent.glob("*.h"))]  # what the sources include
+    key = hashlib.sha256("\n".join([kernel.source.read_text(), *headers, " ".join(flags), compiler,
+                                    jaxlib.__version__, _cpu_signature()]).encode()).hexdigest()[:16]
     out = _cache_dir() / f"{kernel.source.stem}-{key}.so"
     if out.exists():
         return out

@@ -32,6 +32,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "vector16.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__AVX512BF16__)
@@ -65,13 +66,6 @@ inline void ToFloat(const T* src, float* dst, int64_t n) {
   }
 }
 
-// 16 float32 lanes (GCC/Clang vector extensions: one AVX-512 register, two AVX2 ones).
-typedef float F32x16 __attribute__((vector_size(64)));
-typedef uint16_t U16x16 __attribute__((vector_size(32)));
-typedef uint32_t U32x16 __attribute__((vector_size(64)));
-typedef int32_t I32x16 __attribute__((vector_size(64)));
-constexpr int kLanes = 16;
-
 template <typename T>
 inline F32x16 Load16(const T* src) {
   if constexpr (std::is_same_v<T, float>) {
@@ -92,44 +86,6 @@ inline F32x16 Load16(const T* src) {
 template <typename T>
 inline float Rounded(float x) {
   return std::is_same_v<T, float> ? x : RoundToBf16(x);
-}
-
-inline F32x16 Splat(float x) { return F32x16{} + x; }
-
-inline F32x16 Max16(F32x16 a, F32x16 b) { return a > b ? a : b; }
-
-inline float HorizontalMax(F32x16 x) {
-  float lanes[kLanes];
-  std::memcpy(lanes, &x, sizeof(lanes));
-  return *std::max_element(lanes, lanes + kLanes);
-}
-
-inline float HorizontalSum(F32x16 x) {
-  float lanes[kLanes], total = 0.0f;
-  std::memcpy(lanes, &x, sizeof(lanes));
-  for (float lane : lanes) total += lane;
-  return total;
-}
-
-// exp(x) for x <= 0 on 16 lanes in plain arithmetic: x = n ln2 + r, |r| <= ln2 / 2 (n rounded to nearest by the
-// 1.5 * 2^23 trick), a degree-6 polynomial for exp(r) (relative error ~2e-7), 2^n from the exponent bits; below -87
-// it is clamped (~1.6e-38).
-inline F32x16 Exp16(F32x16 x) {
-  x = Max16(x, Splat(-87.0f));
-  const F32x16 magic = Splat(12582912.0f);
-  const F32x16 n = (x * 1.44269504088896341f + magic) - magic;
-  const F32x16 r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
-  F32x16 p = Splat(1.0f / 720.0f);
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const I32x16 bits = (__builtin_convertvector(n, I32x16) + 127) << 23;
-  F32x16 scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
 }
 
 // RoundToBf16 on 16 lanes (finite values: probabilities).

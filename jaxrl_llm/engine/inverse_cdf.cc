@@ -30,50 +30,17 @@
 #include <thread>
 #include <vector>
 
+#include "vector16.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-typedef float F32x16 __attribute__((vector_size(64)));
-typedef int32_t I32x16 __attribute__((vector_size(64)));
-constexpr int kLanes = 16;
-
-inline F32x16 Splat(float x) { return F32x16{} + x; }
-
 inline F32x16 Load(const float* p) {
   F32x16 x;
   std::memcpy(&x, p, sizeof(x));
   return x;
-}
-
-// exp(x) for x <= 0 (as decode_attention.cc's Exp16): x = n ln2 + r, a degree-6 polynomial for exp(r), 2^n from the
-// exponent bits; 0 below -87 (exp(-87) ~ 1.6e-38), so a -inf logit has no weight, as under XLA's exp.
-inline F32x16 Exp16(F32x16 x) {
-  const auto tiny = x < Splat(-87.0f);
-  x = tiny ? Splat(-87.0f) : x;
-  const F32x16 magic = Splat(12582912.0f);
-  const F32x16 n = (x * 1.44269504088896341f + magic) - magic;
-  const F32x16 r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
-  F32x16 p = Splat(1.0f / 720.0f);
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const I32x16 bits = (__builtin_convertvector(n, I32x16) + 127) << 23;
-  F32x16 scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return tiny ? Splat(0.0f) : p * scale;
-}
-
-inline float Sum16(F32x16 x) {
-  float lanes[kLanes], total = 0.0f;
-  std::memcpy(lanes, &x, sizeof(lanes));
-  for (float lane : lanes) total += lane;
-  return total;
 }
 
 // exp(s - peak) of entries lo .. hi - 1 of `s` into `w` (when given) and their sum; `s` already divided by T.
@@ -94,7 +61,7 @@ float Weights(const float* s, int64_t lo, int64_t hi, float peak, float* w) {
     if (w) w[i - lo] = e;
     rest += e;
   }
-  return Sum16(total) + rest;
+  return HorizontalSum(total) + rest;
 }
 
 // The count of `cumulative[0 .. n)` <= target, capped at the count below the last (the total).
