@@ -66,22 +66,6 @@ inline void ToFloat(const T* src, float* dst, int64_t n) {
   }
 }
 
-template <typename T>
-inline F32x16 Load16(const T* src) {
-  if constexpr (std::is_same_v<T, float>) {
-    F32x16 x;
-    std::memcpy(&x, src, sizeof(x));
-    return x;
-  } else {
-    U16x16 bits;
-    std::memcpy(&bits, src, sizeof(bits));
-    const U32x16 wide = __builtin_convertvector(bits, U32x16) << 16;
-    F32x16 x;
-    std::memcpy(&x, &wide, sizeof(x));
-    return x;
-  }
-}
-
 // `x` as the policy rounds an operand next to a `T` cache: to bfloat16 beside bfloat16 bits, else as it is.
 template <typename T>
 inline float Rounded(float x) {
@@ -166,9 +150,8 @@ struct PagedShape {
   int64_t rows, heads, kv_heads, head_dim, num_pages, page_size, table_width;
 };
 
-// Offsets (in elements of a [num_pages, page_size, hd] pool) of consecutive positions from `start` through `table`,
-// a page lookup per page rather than a division per position (a 64-bit division cost as much as the position's
-// arithmetic).
+// Offsets (in elements of a [num_pages, page_size, hd] pool) of consecutive positions from `start` through `table`:
+// a page lookup per page, not a division per position.
 struct PageWalk {
   const int32_t* table;
   int64_t page_size, hd, page, offset;
@@ -183,8 +166,8 @@ struct PageWalk {
 
 // The first pass's walk asks for the key and the value `kAhead` positions ahead of the one it reads: the hardware
 // prefetcher loses the stream at every page boundary (the next page is anywhere in the pool), and fetching the
-// values beside the keys doubles the lines in flight and leaves them in L2 for the second pass (a layer at 128 rows
-// x 384 positions from memory: 5.1 -> 3.3 ms, bench/README.md).
+// values beside the keys doubles the lines in flight and leaves them in L2 for the second pass (with VDPBF16PS, a
+// layer at 128 slots x 384 positions, pages of 16: 2.66 -> 1.67 ms; bench/README.md, decode_phases.py).
 constexpr int64_t kAhead = 32;
 
 template <typename T>

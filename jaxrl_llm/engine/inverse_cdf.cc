@@ -18,7 +18,7 @@
 //
 // Why a kernel: XLA:CPU runs that math as four passes over the [B, V] logits, each from memory (the logits divided
 // by T and stored, their exponentials stored, the block sums, the total): 5.4 ms of a 128-row SmolLM2 decode step
-// (bench/README.md). Here a row's logits are read once from memory; its second pass and the chosen block's are in
+// (docs/engine.md). Here a row's logits are read once from memory; its second pass and the chosen block's are in
 // L2. Rows are spread over XLA's intra-op thread pool.
 
 #include <algorithm>
@@ -37,18 +37,12 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-inline F32x16 Load(const float* p) {
-  F32x16 x;
-  std::memcpy(&x, p, sizeof(x));
-  return x;
-}
-
 // exp(s - peak) of entries lo .. hi - 1 of `s` into `w` (when given) and their sum; `s` already divided by T.
 float Weights(const float* s, int64_t lo, int64_t hi, float peak, float* w) {
   F32x16 total{};
   int64_t i = lo;
   for (; i + kLanes <= hi; i += kLanes) {
-    const F32x16 e = Exp16(Load(s + i) - peak);
+    const F32x16 e = Exp16(Load16(s + i) - peak);
     if (w) std::memcpy(w + (i - lo), &e, sizeof(e));
     total += e;
   }
@@ -95,12 +89,11 @@ struct Work {
     F32x16 peak16 = Splat(-INFINITY);
     int64_t i = 0;
     for (; i + kLanes <= vocab; i += kLanes) {
-      const F32x16 x = Load(l + i) / temperature;  // a division, as XLA's `logits / T`
+      const F32x16 x = Load16(l + i) / temperature;  // a division, as XLA's `logits / T`
       std::memcpy(s + i, &x, sizeof(x));
-      peak16 = peak16 > x ? peak16 : x;
+      peak16 = Max16(peak16, x);
     }
-    float peak = -INFINITY;
-    for (int lane = 0; lane < kLanes; ++lane) peak = std::max(peak, peak16[lane]);
+    float peak = HorizontalMax(peak16);
     for (; i < vocab; ++i) peak = std::max(peak, s[i] = l[i] / temperature);
     float running = 0.0f;
     for (int64_t b = 0; b < blocks; ++b) {

@@ -75,7 +75,7 @@ def call_rotary(config: ModelConfig, start: jax.Array, steps: int) -> Rotary:
     `start + j` (`start [S]`, `j < steps`): what a slot still decoding feeds at step `j` (an idle slot's rows are
     never read). Made once per call and sliced per step (`step_rotary`): computed inside the step, XLA:CPU fuses
     cos and sin into every layer's rotation of q and of k and evaluates them per head and per layer (3.8 ms of a
-    128-row SmolLM2 step, bench/README.md); a slice is a load. Exact for longrope too: the engine stays within its
+    128-row SmolLM2 step, docs/engine.md); a slice is a load. Exact for longrope too: the engine stays within its
     original context (`check_engine_context`), where its factors do not switch."""
     positions = jnp.maximum(start, 0)[:, None] + jnp.arange(steps, dtype=start.dtype)
     return {local: rope_cos_sin(config, positions, local=local)

@@ -114,7 +114,7 @@ struct Work {
   // Task t: a contiguous range of column pairs, every 32 rows of x over the whole range before the next 32. Each
   // thread streams its part of the weight in order (the hardware prefetcher follows), and a range's weight tiles
   // are read from memory once and from cache for the later rows, while the 32 rows of x stay in L1 across the range
-  // (128 rows: 1.3-1.5x the speed of one column pair per task over all rows, bench/README.md).
+  // (the RL-shaped rollout 14.80 -> 14.06 s against one column pair per task over all rows, bench/README.md).
   void Range(int64_t t, float* scratch) const {
     const int64_t pairs = (n_blocks + 1) / 2;
     const int64_t lo = t * pairs / tasks, hi = (t + 1) * pairs / tasks;

@@ -29,9 +29,9 @@ PagedLayer = dict[str, jax.Array]  # {"k", "v": [KVH, num_pages, page_size, hd]}
 
 def default_page_size(platform: str | None = None) -> int:
     """Tokens per page when a run sets none (`sampling.engine_page_size: 0`): 64 on the CPU, where the decode
-    kernel reads a slot's pages from memory and 2 KB pages (16 tokens of one KV head) streamed at about 5 GB/s
-    against 6.5 GB/s for 8 KB ones (the RL-shaped rollout 22.8 -> 20.7 s, bench/README.md); 16 on GPU and TPU, as
-    vLLM's default block, where a page's padding costs device memory."""
+    kernel reads a slot's pages from memory (the RL-shaped rollout 22.8 s with pages of 16, 20.7 s with 64; since
+    the kernel prefetches across pages, 14.3 / 14.6 / 15.7 s with 32 / 64 / 128: docs/engine.md); 16 on GPU and
+    TPU, as vLLM's default block, where a page's padding costs device memory."""
     return 64 if (platform or jax.default_backend()) == "cpu" else 16
 
 

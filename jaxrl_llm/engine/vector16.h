@@ -5,12 +5,30 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 typedef float F32x16 __attribute__((vector_size(64)));
 typedef uint16_t U16x16 __attribute__((vector_size(32)));
 typedef uint32_t U32x16 __attribute__((vector_size(64)));
 typedef int32_t I32x16 __attribute__((vector_size(64)));
 constexpr int kLanes = 16;
+
+// 16 float32 values, or 16 bfloat16 bits (uint16) widened to float32 (exactly).
+template <typename T>
+inline F32x16 Load16(const T* src) {
+  if constexpr (std::is_same_v<T, float>) {
+    F32x16 x;
+    std::memcpy(&x, src, sizeof(x));
+    return x;
+  } else {
+    U16x16 bits;
+    std::memcpy(&bits, src, sizeof(bits));
+    const U32x16 wide = __builtin_convertvector(bits, U32x16) << 16;
+    F32x16 x;
+    std::memcpy(&x, &wide, sizeof(x));
+    return x;
+  }
+}
 
 inline F32x16 Splat(float x) { return F32x16{} + x; }
 
