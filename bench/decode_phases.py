@@ -50,7 +50,7 @@ from jaxrl_llm.engine.model import (  # noqa: E402
     kernel_attention,
     kernel_decode_step,
     layer_inputs,
-    packed_or_plain,
+    packed_step_ops,
     paged_logits,
     slot_attention,
     slot_decode_step,
@@ -90,7 +90,6 @@ def main() -> None:
               and cpu_kernel.packed_matmul_unavailable_reason() is None)
     step_weights: list | PackedWeights = pack_weights(params, weights, config=config) if packed else weights
     layers = step_weights.layers if packed else weights
-    dense = packed_or_plain(config) if packed else None
     rng = np.random.default_rng(0)
     stored = storage_dtype(c.jnp_dtype)
 
@@ -139,8 +138,8 @@ def main() -> None:
             x = embed_tokens(params["embed"]["embedding"], token[:, None], c)
             for i, w in enumerate(layers):
                 cos, sin = inputs[c.is_sliding(i)]
-                x, _ = transformer_block(x, step_ops(w, c, 1, dense), lambda q, k, v: (q.reshape(s, 1, -1), None),
-                                         cos, sin, c)
+                ops = packed_step_ops(w, c) if packed else step_ops(w, c)
+                x, _ = transformer_block(x, ops, lambda q, k, v: (q.reshape(s, 1, -1), None), cos, sin, c)
             hidden = rms_norm(x[:, 0], params["final_norm"]["scale"], c.rms_norm_eps, unit_offset=c.norm_unit_offset)
             logits = (cpu_kernel.packed_matmul(hidden, step_weights.head, c.vocab_size) if packed
                       else paged_logits(params, c, hidden))

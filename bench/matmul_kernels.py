@@ -15,12 +15,15 @@ as `jnp.einsum("ik,in->kn")` writes it, and as `precision.float32_dot` lays it o
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from common import best_seconds
 
-from jaxrl_llm.models import precision
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's jaxrl_llm, installed or not
+from bench.common import best_seconds  # noqa: E402
+from jaxrl_llm.models import precision  # noqa: E402
 
 SHAPES = [(2048, 576, 1536), (2048, 1536, 576), (1024, 1024, 1024), (32, 576, 1536), (32, 1536, 576)]
 

@@ -116,7 +116,7 @@ def decode_matmul_floor(params, config, batch: int, steps: int, repeats: int = 5
     `StepWeights` and output matrix, `batch` rows; `packed`: the engine's AMX kernel over its packed weights): see
     the module docstring."""
     from jaxrl_llm.engine import cpu_kernel
-    from jaxrl_llm.engine.model import packed_or_plain
+    from jaxrl_llm.engine.model import gated_in_kernel, packed_or_plain
     from jaxrl_llm.engine.programs import pack_weights, prepare_weights
     from jaxrl_llm.models.precision import matmul, matmul_transposed
 
@@ -134,8 +134,11 @@ def decode_matmul_floor(params, config, batch: int, steps: int, repeats: int = 5
         for w in weights:
             qkv = dense(x, w.qkv)
             x = x + dense(qkv[:, :q], w.o)
-            gate_up = dense(x, w.gate_up)
-            x = x + dense(gate_up[:, : config.intermediate_size], w.down)
+            if packed and gated_in_kernel(config):  # act(gate) * up in the kernel's epilogue, as the engine
+                inner = cpu_kernel.packed_gated_matmul(x, w.gate_up, config.hidden_act)
+            else:
+                inner = dense(x, w.gate_up)[:, : config.intermediate_size]
+            x = x + dense(inner, w.down)
         logits = (cpu_kernel.packed_matmul(x, head, config.vocab_size) if packed
                   else matmul_transposed(x, output, dt))
         return x + 1e-3 * logits[:, :d]  # keeps every product live and the steps dependent

@@ -181,6 +181,51 @@ def test_the_packed_matmul_equals_the_bfloat16_dot(m, k, n):
     assert np.abs(got - np.asarray(x) @ np.asarray(w)).max() > 1e-4  # the operands were rounded to bfloat16
 
 
+def test_gated_packing_interleaves_the_gate_and_up_blocks():
+    """`pack_gated_weight(gate|up)`: column block 2j is the gate's columns 16j.., block 2j + 1 the up projection's."""
+    w = jnp.arange(32 * 64, dtype=jnp.float32).reshape(32, 64) % 253  # gate: columns 0..31, up: 32..63
+    packed, plain = (np.asarray(a.astype(jnp.float32)) for a in (cpu_kernel.pack_gated_weight(w),
+                                                                  cpu_kernel.pack_weight(w)))
+    np.testing.assert_array_equal(packed[[0, 1, 2, 3]], plain[[0, 2, 1, 3]])
+
+
+@needs_amx
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+@pytest.mark.parametrize(("m", "k", "i"), [(1, 64, 16), (5, 40, 48), (37, 576, 1536)])
+def test_the_gated_matmul_equals_xlas_activation_of_the_product(act, m, k, i):
+    """`packed_gated_matmul(x, pack_gated_weight(gate|up), act)` is `act(g) * u` of the float32 product rounded to
+    bfloat16: against float64 over the kernel's own product within bfloat16's rounding, also where the gate is far
+    out in either tail; and the engine's XLA path (`gated_activation`, then the down projection's cast) in nearly
+    every element: for silu within one bfloat16 step (the exponentials differ in their last float32 bits); XLA's
+    tanh form of GeLU loses the far negative tail to `1 + tanh(a)` cancelling (0 below a ~ -9, where the kernel's
+    `g sigmoid(2a)` keeps ~1e-28), so there only the bulk is compared."""
+    from jaxrl_llm.models.layers import gated_activation
+
+    rng = np.random.default_rng(m + k + i)
+    x = jnp.asarray(rng.normal(size=(m, k)), jnp.float32)
+    w = rng.normal(size=(k, 2 * i)) / np.sqrt(k)
+    w[:, :4] *= 200.0  # gates of hundreds, both signs: exp(-|z|) underflows, act(g) = g or 0
+    w = jnp.asarray(w, jnp.float32)
+    got = jax.jit(lambda x, w: cpu_kernel.packed_gated_matmul(x, cpu_kernel.pack_gated_weight(w), act))(x, w)
+    assert got.shape == (m, i) and got.dtype == jnp.bfloat16
+    product = cpu_kernel.packed_matmul(x, cpu_kernel.pack_weight(w))
+    xla = gated_activation(product[:, :i], product[:, i:], act).astype(jnp.bfloat16)
+    bits = (np.asarray(a).view(np.int16).astype(np.int32) for a in (got, xla))
+    steps = np.abs(next(bits) - next(bits))  # bfloat16 steps apart (same signs; +0 and -0 are equal)
+    steps[np.asarray(got, np.float32) == np.asarray(xla, np.float32)] = 0
+    assert (steps == 0).mean() > 0.99
+    if act == "silu":
+        assert steps.max() <= 1
+    g, u = (np.asarray(a, np.float64) for a in (product[:, :i], product[:, i:]))
+    # g sigmoid(z): z = g, or z = 2a for the tanh GeLU (0.5 (1 + tanh a) = sigmoid(2a), whose tail float64's
+    # tanh would round away too)
+    z = g if act == "silu" else 2 * np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3)
+    with np.errstate(over="ignore"):
+        reference = g / (1 + np.exp(-z)) * u
+    np.testing.assert_allclose(np.asarray(got, np.float64), reference, rtol=2 ** -8, atol=1e-30)
+    assert np.isfinite(np.asarray(got, np.float32)).all() and np.abs(g).max() > 50
+
+
 def test_without_amx_the_engine_keeps_xla_matmuls(monkeypatch):
     """No AMX (another CPU, or Linux refusing the tiles): a one-line reason, and the engine decodes with XLA's
     matmuls; a float32 model or the XLA path never packs."""
@@ -236,6 +281,8 @@ def test_the_engine_samples_the_same_with_the_packed_matmul(kind, hf_model_dir):
         page_table=jnp.zeros((4, 2), jnp.int32), pages=init_pages(config, 8, 4), backend="cpu")
     text, logits = lowered.as_text(), lowered.out_info[0]
     assert text.count(cpu_kernel.MATMUL.target) == 4 * config.num_layers + 1 and logits.shape == (4, config.vocab_size)
+    gated = cpu_kernel.GATED_ACTIVATIONS[config.hidden_act]  # act(gate) * up in the kernel: one call per layer
+    assert text.count(f"activation = {gated} : i64") == config.num_layers
 
 
 @needs_kernel

@@ -140,6 +140,18 @@ def test_same_seed_same_tokens_under_any_scheduling(hf_model_dir):
     assert (run(1) != reference).any()
 
 
+def test_a_decode_call_computes_the_occupied_rows_rounded_to_few_counts():
+    """`decode_rows`: the next power of two (at least an eighth of the slots); above half the slots, the next
+    quarter where a quarter is at least 16 rows (hand-counted)."""
+    from jaxrl_llm.engine.scheduler import decode_rows
+
+    assert [decode_rows(n, 128) for n in (1, 16, 17, 33, 64, 65, 96, 97, 128)] == [16, 16, 32, 64, 64, 96, 96, 128,
+                                                                                    128]
+    assert [decode_rows(n, 64) for n in (33, 48, 49)] == [48, 48, 64]
+    assert [decode_rows(n, 32) for n in (1, 5, 9, 17, 31)] == [4, 8, 16, 32, 32]  # quarters of 8 rows: powers only
+    assert [decode_rows(n, 12) for n in (3, 5, 7, 9)] == [4, 8, 8, 12]  # never more than the slots
+
+
 def test_bfloat16_engine_matches_the_static_sampler(hf_model_dir):
     """Under bfloat16 (the pool stores the bits as uint16) greedy tokens equal the static sampler's."""
     config, params = load_hf_model(hf_model_dir("qwen2"), dtype="bfloat16")

@@ -3,6 +3,7 @@
     paged_decode_attention(q [S, H, hd], k_pages, v_pages [KVH, N, page_size, hd], page_table [S, M],
                            lengths [S], window, config) -> [S, H, hd]          (decode_attention.cc)
     packed_matmul(x [..., K], pack_weight(w [K, N])) -> [..., N] float32         (packed_matmul.cc, AMX)
+    packed_gated_matmul(x [..., K], pack_gated_weight(gate|up [K, 2I]), act) -> [..., I] bfloat16   (the same)
     inverse_cdf_sample(logits [B, V], uniform [B], temperature) -> token, logprob [B]   (inverse_cdf.cc)
 
 The attention: one query per slot over its first `lengths` positions (the last `window` of them under a sliding
@@ -17,6 +18,10 @@ The matmul: a decode step's few rows times a bfloat16 weight packed once per gen
 (`pack_weight`), float32 out, equal to XLA's `x @ w` with a float32 result. XLA:CPU re-packs a weight on every call,
 which at a decode step's 32 rows is half of the matmuls' time (bench/README.md). Only on x86 CPUs with AMX
 (`amx_bf16`, Sapphire Rapids and later), for bfloat16 models; elsewhere the engine keeps XLA's matmuls.
+
+The gated matmul: the same kernel on a gated MLP's gate|up, returning `act(x @ gate) * (x @ up)` rounded to bfloat16
+(the down projection's operand) instead of the `[M, 2I]` float32 product that XLA would read back for the activation
+and the cast.
 
 The sampling: each row's token drawn from `softmax(logits / T)` by the inverse CDF of its own uniform, the draw of
 `sampling.logits.inverse_cdf_sample` in one pass over the logits from memory, where XLA:CPU makes four (the
@@ -227,8 +232,35 @@ def packed_matmul(x: jax.Array, packed: jax.Array, n: int | None = None) -> jax.
     flat = x.reshape(-1, x.shape[-1]).astype(jnp.bfloat16)
     call = jax.ffi.ffi_call(MATMUL.target, jax.ShapeDtypeStruct((flat.shape[0], padded), jnp.float32),
                             vmap_method="sequential")
-    out = call(flat, packed)
+    out = call(flat, packed, activation=np.int64(0))
     return (out if n is None or n == padded else out[:, :n]).reshape(*x.shape[:-1], n or padded)
+
+
+# `packed_matmul.cc`'s codes of `models.layers.gated_activation`'s activations
+GATED_ACTIVATIONS = {"silu": 1, "gelu_pytorch_tanh": 2}
+
+
+def pack_gated_weight(gate_up: jax.Array) -> jax.Array:
+    """A gated MLP's `gate|up [K, 2I]` (gate's columns first) packed with their 16-column blocks interleaved (gate
+    block j, then up block j; I a multiple of 16): `pack_weight` of the reordered matrix, what
+    `packed_gated_matmul` reads."""
+    k, n = gate_up.shape
+    interleaved = gate_up.reshape(k, 2, n // 32, 16).transpose(0, 2, 1, 3).reshape(k, n)
+    return pack_weight(interleaved)
+
+
+def packed_gated_matmul(x: jax.Array, packed: jax.Array, hidden_act: str) -> jax.Array:
+    """`act(x @ gate) * (x @ up)` `[..., I]` bfloat16 for `packed = pack_gated_weight(gate|up)`: the products as in
+    `packed_matmul` (float32 sums), the activation (`silu`, `gelu_pytorch_tanh`) and the product in float32, rounded
+    to bfloat16 once: `models.layers.gated_activation` on `packed_matmul`'s output, then the down projection's cast."""
+    why = _load(MATMUL)
+    if why is not None:
+        raise RuntimeError(f"the AMX matmul kernel is unavailable: {why}")
+    width = packed.shape[0] * 8
+    flat = x.reshape(-1, x.shape[-1]).astype(jnp.bfloat16)
+    call = jax.ffi.ffi_call(MATMUL.target, jax.ShapeDtypeStruct((flat.shape[0], width), jnp.bfloat16),
+                            vmap_method="sequential")
+    return call(flat, packed, activation=np.int64(GATED_ACTIVATIONS[hidden_act])).reshape(*x.shape[:-1], width)
 
 
 def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,

@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -37,7 +38,7 @@ from jaxrl_llm.engine.pages import (
     write_pages,
 )
 from jaxrl_llm.errors import ConfigError
-from jaxrl_llm.models.block import Attend, transformer_block
+from jaxrl_llm.models.block import Attend, LayerOps, transformer_block
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decode import StepWeights, longrope_original, loop_layout_attention, step_ops
 from jaxrl_llm.models.decoder import Params, unembed, unembedding_as_stored
@@ -216,11 +217,18 @@ def kernel_attention(config: ModelConfig, layer: PagedLayer, page_table: jax.Arr
 
 class PackedWeights(NamedTuple):
     """The decode step's weights for the CPU's AMX matmul (`cpu_kernel.packed_matmul`): the layers' matrices packed
-    where they can be (`cpu_kernel.packable`; others stay as they are) and the LM head `[D, V]` packed (its columns
-    padded to whole tiles where V needs it)."""
+    where they can be (`cpu_kernel.packable`; others stay as they are), gate|up for the kernel's activation
+    epilogue where it can be (`gated_in_kernel`: `cpu_kernel.pack_gated_weight`), and the LM head `[D, V]` packed
+    (its columns padded to whole tiles where V needs it)."""
 
     layers: list[StepWeights]
     head: jax.Array
+
+
+def gated_in_kernel(config: ModelConfig) -> bool:
+    """Whether the packed decode step computes the MLP's `act(gate) * up` in the AMX kernel's epilogue
+    (`cpu_kernel.packed_gated_matmul`): an MLP without biases whose width packs whole (a multiple of 16)."""
+    return not config.mlp_bias and config.intermediate_size % 16 == 0
 
 
 def pack_step_weights(params: Params, weights: list[StepWeights], config: ModelConfig) -> PackedWeights:
@@ -228,9 +236,12 @@ def pack_step_weights(params: Params, weights: list[StepWeights], config: ModelC
     def pack(w: jax.Array) -> jax.Array:
         return cpu_kernel.pack_weight(w) if cpu_kernel.packable(w) else w
 
+    def pack_gate_up(w: jax.Array) -> jax.Array:
+        return cpu_kernel.pack_gated_weight(w) if gated_in_kernel(config) else pack(w)
+
     head, transposed = unembedding_as_stored(params, config)
     head = head.T if transposed else head
-    return PackedWeights([w._replace(qkv=pack(w.qkv), o=pack(w.o), gate_up=pack(w.gate_up), down=pack(w.down))
+    return PackedWeights([w._replace(qkv=pack(w.qkv), o=pack(w.o), gate_up=pack_gate_up(w.gate_up), down=pack(w.down))
                           for w in weights], cpu_kernel.pack_weight(head))
 
 
@@ -240,6 +251,14 @@ def packed_or_plain(config: ModelConfig) -> Callable[[jax.Array, jax.Array], jax
     def apply(x: jax.Array, kernel: jax.Array) -> jax.Array:
         return cpu_kernel.packed_matmul(x, kernel) if kernel.ndim == 4 else matmul(x, kernel, config.jnp_dtype)
     return apply
+
+
+def packed_step_ops(w: StepWeights, config: ModelConfig, shards: int = 1) -> LayerOps:
+    """`step_ops` over one layer of `PackedWeights`: its matrices through `packed_or_plain`, and `act(gate) * up`
+    in the AMX kernel's epilogue where `pack_step_weights` packed gate|up for it (`gated_in_kernel`)."""
+    gated = (functools.partial(cpu_kernel.packed_gated_matmul, hidden_act=config.hidden_act)
+             if gated_in_kernel(config) else None)
+    return step_ops(w, config, shards, packed_or_plain(config), gated)
 
 
 def kernel_decode_step(params: Params, weights: list[StepWeights] | PackedWeights, config: ModelConfig,
@@ -252,7 +271,6 @@ def kernel_decode_step(params: Params, weights: list[StepWeights] | PackedWeight
     run on the packed kernel. `rotary`: this step's tables (`step_rotary`), else computed here."""
     packed = weights if isinstance(weights, PackedWeights) else None
     layers = packed.layers if packed is not None else weights
-    dense = packed_or_plain(config) if packed is not None else None
     c = config
     num_pages, page_size = pool_geometry(pages)
     slots = page_slots(page_table, positions[:, None], page_size, num_pages)
@@ -265,7 +283,8 @@ def kernel_decode_step(params: Params, weights: list[StepWeights] | PackedWeight
         cos, sin = rotary[c.is_sliding(i)]
         window = c.sliding_window if c.is_sliding(i) else None
         attend = kernel_attention(c, layer, page_table, slots, lengths, backend, window)
-        x, layer = transformer_block(x, step_ops(w, c, shards, dense), attend, cos, sin, c)
+        ops = packed_step_ops(w, c, shards) if packed is not None else step_ops(w, c, shards)
+        x, layer = transformer_block(x, ops, attend, cos, sin, c)
         new_pages.append(layer)
     hidden = rms_norm(x[:, 0], params["final_norm"]["scale"], c.rms_norm_eps, unit_offset=c.norm_unit_offset)
     if packed is not None:

@@ -7,6 +7,16 @@
 //                                   w[32 kb + 2p + e, 16 nb + n] (zero where 32 kb + 2p + e >= K); AMX's pair layout
 //   out     [M, N]                  float32: out = x @ w, products of bfloat16 summed in float32 (TDPBF16PS)
 //
+// With `activation` (1: silu, 2: gelu_pytorch_tanh) the weight is a gated MLP's gate|up with their 16-column blocks
+// interleaved (`cpu_kernel.pack_gated_weight`: block 2j is the gate's columns 16j .. 16j + 15, block 2j + 1 the up
+// projection's), and the kernel returns the MLP's inner activation instead of the product:
+//
+//   out     [M, N / 2]              bfloat16: round(act(x @ gate) * (x @ up)), the product's float32 sums, the
+//                                   activation in float32, rounded to nearest even: the down projection's operand
+//
+// so the step neither writes the [M, 2I] float32 product nor reads it back for XLA's act(gate) * up and the cast
+// (about 0.6 s of the RL-shaped rollout's trace, bench/README.md).
+//
 // Why a kernel: at a decode step's few rows the matmuls stream the weights and XLA:CPU's bfloat16 GEMM re-packs each
 // weight on every call, so the step reads every weight about twice and the 32-row decode step of SmolLM2 ran its
 // matmuls at ~11 GB/s of weights (bench/README.md, the engine's section). Packing once per generate call and
@@ -29,6 +39,7 @@
 #include <thread>
 #include <vector>
 
+#include "vector16.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -64,17 +75,44 @@ void ConfigureTiles() {
 // head's range is megabytes, which the later rows would otherwise read from memory again.
 constexpr int64_t kChunkBytes = 256 << 10;
 
+
+enum Activation : int64_t { kNone = 0, kSilu = 1, kGeluTanh = 2 };
+
+// act(g) * u on 16 lanes, in float32: g sigmoid(z) u with z = g (silu) or z = 2a, a = sqrt(2 / pi) (g + 0.044715
+// g^3) (gelu_pytorch_tanh: 0.5 g (1 + tanh a) = g sigmoid(2a)). sigmoid(z) from e = exp(-|z|) in (0, 1] (Exp16 takes
+// x <= 0): 1 / (1 + e) for z >= 0, e / (1 + e) below, finite for every z.
+inline F32x16 Gated(F32x16 g, F32x16 u, int64_t activation) {
+  const F32x16 z = activation == kSilu ? g : 0.7978845608028654f * (g + 0.044715f * g * g * g) * 2.0f;
+  const auto negative = z < Splat(0.0f);
+  const F32x16 e = Exp16(negative ? z : -z);  // exp(-|z|) in (0, 1]
+  const F32x16 sigmoid = negative ? e / (1.0f + e) : 1.0f / (1.0f + e);
+  return g * sigmoid * u;
+}
+
+// float32 to bfloat16 bits, rounded to nearest even (NaN kept a quiet NaN), as XLA's convert.
+inline void StoreBf16(uint16_t* dst, F32x16 x) {
+  U32x16 bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  const U32x16 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  const auto nan = x != x;
+  const U32x16 quiet = (bits >> 16) | 0x40u;
+  const U16x16 out = __builtin_convertvector(nan ? quiet : rounded, U16x16);
+  std::memcpy(dst, &out, sizeof(out));
+}
+
 struct Work {
   const uint16_t* x;  // [mp, kp], zero padded
   const uint16_t* w;
   float* out;
-  int64_t m, n, mp, kp, n_blocks, k_blocks, tasks;
+  uint16_t* gated_out;  // with an activation: [m, n / 2] bfloat16 bits
+  int64_t m, n, mp, kp, n_blocks, k_blocks, tasks, activation = kNone;
   std::vector<uint16_t> padded;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
-  // Rows m0 .. m0 + 31 of column blocks nb and nb + 1 (nb alone where it is the last).
-  void Block(int64_t nb, int64_t m0, float* scratch) const {
+  // Rows m0 .. m0 + 31 of column blocks nb and nb + 1 (nb alone where it is the last); `ahead` lines of 64 bytes
+  // from `prefetch` asked into L2 on the way (the next chunk's weights, `Range`).
+  void Block(int64_t nb, int64_t m0, float* scratch, const char* prefetch, int64_t ahead) const {
     const bool two = nb + 1 < n_blocks;
     const uint16_t* b0 = w + nb * k_blocks * 512;
     const uint16_t* b1 = two ? b0 + k_blocks * 512 : b0;
@@ -85,7 +123,11 @@ struct Work {
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
+    const int64_t per_kb = (ahead + k_blocks - 1) / k_blocks;
     for (int64_t kb = 0; kb < k_blocks; ++kb) {
+      for (int64_t i = 0; i < per_kb && ahead > 0; ++i, --ahead, prefetch += 64) {
+        _mm_prefetch(prefetch, _MM_HINT_T1);
+      }
       _tile_loadd(4, a0 + kb * 32, x_stride);
       _tile_loadd(5, a1 + kb * 32, x_stride);
       _tile_loadd(6, b0 + kb * 512, 64);
@@ -96,7 +138,17 @@ struct Work {
       _tile_dpbf16ps(3, 5, 7);
     }
     const int64_t rows = std::min<int64_t>(32, m - m0);
-    if (rows == 32 && cols == 32) {  // straight into the output
+    if (activation != kNone) {  // blocks nb, nb + 1: the gate's and the up projection's same 16 columns
+      _tile_stored(0, scratch, 128);
+      _tile_stored(1, scratch + 16, 128);
+      _tile_stored(2, scratch + 512, 128);
+      _tile_stored(3, scratch + 528, 128);
+      const int64_t half = n / 2;
+      for (int64_t r = 0; r < rows; ++r) {
+        const F32x16 g = Load16(scratch + r * 32), u = Load16(scratch + r * 32 + 16);
+        StoreBf16(gated_out + (m0 + r) * half + nb * 8, Gated(g, u, activation));
+      }
+    } else if (rows == 32 && cols == 32) {  // straight into the output
       float* o = out + m0 * n + nb * 16;
       _tile_stored(0, o, n * 4);
       _tile_stored(1, o + 16, n * 4);
@@ -115,13 +167,27 @@ struct Work {
   // thread streams its part of the weight in order (the hardware prefetcher follows), and a range's weight tiles
   // are read from memory once and from cache for the later rows, while the 32 rows of x stay in L1 across the range
   // (the RL-shaped rollout 14.80 -> 14.06 s against one column pair per task over all rows, bench/README.md).
+  // While a chunk's later rows compute from L2, the next chunk is asked into L2, so its first rows do not wait on
+  // memory: the reads of memory overlap the tiles' arithmetic instead of alternating with it.
   void Range(int64_t t, float* scratch) const {
     const int64_t pairs = (n_blocks + 1) / 2;
     const int64_t lo = t * pairs / tasks, hi = (t + 1) * pairs / tasks;
     const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (k_blocks * 2048));
+    const int64_t block_bytes = k_blocks * 1024, end_bytes = n_blocks * block_bytes;
+    const char* base = reinterpret_cast<const char*>(w);
     for (int64_t c = lo; c < hi; c += chunk) {
+      const int64_t stop = std::min(hi, c + chunk);
+      const int64_t from = 2 * stop * block_bytes;
+      const int64_t lines =
+          std::max<int64_t>(0, std::min(2 * std::min(hi, stop + chunk) * block_bytes, end_bytes) - from) / 64;
+      const int64_t calls = (mp + 31) / 32 * (stop - c), per_call = (lines + calls - 1) / calls;
+      int64_t issued = 0;
       for (int64_t m0 = 0; m0 < mp; m0 += 32) {
-        for (int64_t p = c; p < std::min(hi, c + chunk); ++p) Block(2 * p, m0, scratch);
+        for (int64_t p = c; p < stop; ++p) {
+          const int64_t ahead = std::min(per_call, lines - issued);
+          Block(2 * p, m0, scratch, base + from + issued * 64, ahead);
+          issued += ahead;
+        }
       }
     }
   }
@@ -145,7 +211,7 @@ bool AmxPermitted() {
 }
 
 ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                            ffi::Result<ffi::Buffer<ffi::F32>> out) {
+                            ffi::Result<ffi::AnyBuffer> out, int64_t activation) {
   const auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
   if (xd.size() != 2 || wd.size() != 4 || od.size() != 2 || wd[2] != 16 || wd[3] != 32) {
     return ffi::Error::InvalidArgument("packed_matmul: x [M, K], w [N / 16, Kp / 32, 16, 32], out [M, N]");
@@ -157,13 +223,23 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
     return ffi::Error::InvalidArgument("packed_matmul: w must be bfloat16 (or its uint16 bits)");
   }
   const int64_t m = xd[0], k = xd[1];
-  if (od[0] != m || od[1] != wd[0] * 16 || k > wd[1] * 32) {
+  if (activation < kNone || activation > kGeluTanh) {
+    return ffi::Error::InvalidArgument("packed_matmul: activation must be 0 (none), 1 (silu) or 2 (gelu_tanh)");
+  }
+  const bool gated = activation != kNone;
+  if (gated ? (wd[0] % 2 != 0 || od[1] * 2 != wd[0] * 16) : od[1] != wd[0] * 16) {
+    return ffi::Error::InvalidArgument("packed_matmul: mismatched shapes of w and out");
+  }
+  if (od[0] != m || k > wd[1] * 32) {
     return ffi::Error::InvalidArgument("packed_matmul: mismatched shapes of x, w and out");
+  }
+  if (out->element_type() != (gated ? ffi::BF16 : ffi::F32)) {
+    return ffi::Error::InvalidArgument("packed_matmul: out is float32, or bfloat16 with an activation");
   }
   if (!AmxPermitted()) return ffi::Error::Internal("packed_matmul: Linux did not grant this process AMX's tiles");
   if (m == 0) return ffi::Error::Success();
   auto work = std::make_shared<Work>();
-  work->m = m, work->n = od[1], work->n_blocks = wd[0], work->k_blocks = wd[1];
+  work->m = m, work->n = wd[0] * 16, work->n_blocks = wd[0], work->k_blocks = wd[1], work->activation = activation;
   work->kp = wd[1] * 32, work->mp = (m + 15) / 16 * 16;
   const auto* xs = static_cast<const uint16_t*>(x.untyped_data());
   if (work->mp == m && work->kp == k) {
@@ -174,7 +250,8 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
     work->x = work->padded.data();
   }
   work->w = static_cast<const uint16_t*>(w.untyped_data());
-  work->out = out->typed_data();
+  work->out = gated ? nullptr : static_cast<float*>(out->untyped_data());
+  work->gated_out = gated ? static_cast<uint16_t*>(out->untyped_data()) : nullptr;
   // Two ranges per thread: a pool thread that starts late leaves its ranges to the others.
   work->tasks = std::min<int64_t>((work->n_blocks + 1) / 2, 2 * std::max<int64_t>(1, pool.num_threads()));
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->tasks) - 1;
@@ -194,4 +271,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PackedMatmul, PackedMatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("activation"));

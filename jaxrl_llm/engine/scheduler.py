@@ -377,12 +377,11 @@ class Engine:
                     seq.pages += alloc.allocate(grow, reserved=True)
                     seq.reserved -= grow
         self.stats.peak_pages = max(self.stats.peak_pages, alloc.in_use())
-        # The call runs only the occupied slots, packed into the next power of two (at least an eighth of the
-        # slots): as rows finish the batch shrinks, and no finished row is computed on. Page tables are cut at a
-        # multiple of 128 tokens past the longest row, so attention reads the context the rows have, not the
-        # longest a row may reach.
+        # The call runs only the occupied slots, packed into `decode_rows` of them: as rows finish the batch
+        # shrinks, and no finished row is computed on. Page tables are cut at a multiple of 128 tokens past the
+        # longest row, so attention reads the context the rows have, not the longest a row may reach.
         occupied = [i for i, seq in enumerate(slots) if seq is not None]
-        count = min(self.slots, max(_pow2(len(occupied)), self.slots // 8))
+        count = decode_rows(len(occupied), self.slots)
         m = table_width(max(len(slots[i].pages) for i in occupied), ps)  # type: ignore[union-attr]
         table = np.zeros((count, m), np.int32)
         token, position = np.zeros((count,), np.int32), np.zeros((count,), np.int32)
@@ -436,6 +435,19 @@ def _round16(n: int) -> int:
     """`n` rounded up to a multiple of 16 (at least 16): a prefill chunk's width, so few program shapes compile
     while a 43-token prompt computes 48 columns, not 64."""
     return max(16, -(-n // 16) * 16)
+
+
+def decode_rows(occupied: int, slots: int) -> int:
+    """The rows a decode call computes for `occupied` sequences in `slots` slots: the next power of two (at least
+    an eighth of the slots), and above half the slots the next multiple of a quarter where that is at least 16
+    rows (the AMX matmul's row blocks are 16 and 32). A GRPO rollout keeps most of its rows to the token limit, so
+    its batch spends the second half of the steps between 3/4 and all of the slots: 96 of 128 rows then cost a
+    quarter less than 128 (bench/README.md). Few distinct counts, so few programs compile."""
+    count = min(slots, max(_pow2(occupied), slots // 8))
+    quarter = slots // 4
+    if count > slots // 2 and quarter >= 16:
+        count = min(slots, -(-occupied // quarter) * quarter)
+    return count
 
 
 def _pow2(n: int) -> int:

@@ -4,6 +4,7 @@
     q, k = rotary(q), rotary(k);  a, state = attend(q, k, v)
     x = x + attn_post_norm(o(a))                                                 (post norm: Gemma 2/3)
     x = x + mlp_post_norm(down(act(gate) * up)),  gate, up = gate_up(mlp_norm(x))
+                                                   (or act(gate) * up in one op: `LayerOps.gated`)
 
 Two things vary between the places a block runs, and both are arguments:
 - **how the weights are applied** (`LayerOps`): the Flax modules of `decoder.py` (training, the reference
@@ -35,7 +36,8 @@ Attend = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]]
 class LayerOps(NamedTuple):
     """One layer's weights as functions of activations `[B, T, D]`: `qkv` returns `q [B, T, H, hd]` and
     `k, v [B, T, KVH, hd]`; `gate_up` returns `gate, up [B, T, I]`; absent parts (a family without q/k norms or
-    sandwich norms) are None."""
+    sandwich norms) are None. `gated`, where given, returns `act(gate) * up [B, T, I]` of its input in one op (the
+    engine's AMX kernel computes it in its matmul's epilogue) and stands in for `gate_up` and the activation."""
 
     attn_norm: Fn
     qkv: Callable[[jax.Array], tuple[jax.Array, jax.Array, jax.Array]]
@@ -47,6 +49,7 @@ class LayerOps(NamedTuple):
     gate_up: Callable[[jax.Array], tuple[jax.Array, jax.Array]]
     down: Fn
     mlp_post_norm: Fn | None
+    gated: Fn | None = None
 
 
 def transformer_block(x: jax.Array, ops: LayerOps, attend: Attend, cos: jax.Array, sin: jax.Array,
@@ -62,8 +65,8 @@ def transformer_block(x: jax.Array, ops: LayerOps, attend: Attend, cos: jax.Arra
     if ops.attn_post_norm is not None:
         h = ops.attn_post_norm(h)
     x = x + h
-    gate, up = ops.gate_up(ops.mlp_norm(x))
-    h = ops.down(gated_activation(gate, up, config.hidden_act))
+    h = ops.mlp_norm(x)
+    h = ops.down(ops.gated(h) if ops.gated is not None else gated_activation(*ops.gate_up(h), config.hidden_act))
     if ops.mlp_post_norm is not None:
         h = ops.mlp_post_norm(h)
     return x + h, state

@@ -205,10 +205,13 @@ def decode_token(
 
 
 def step_ops(w: StepWeights, config: ModelConfig, shards: int = 1,
-             dense_matmul: Callable[[jax.Array, jax.Array], jax.Array] | None = None) -> LayerOps:
+             dense_matmul: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
+             gated_matmul: Callable[[jax.Array, jax.Array], jax.Array] | None = None) -> LayerOps:
     """`StepWeights` as the block's `LayerOps`: each matmul's operands in the compute dtype, biases added in
     the activation dtype, the fused q|k|v and gate|up outputs split back per shard (`_unfuse`). `dense_matmul(x,
-    kernel)`: how a matrix is applied (default `precision.matmul`; the engine's packed CPU kernel)."""
+    kernel)`: how a matrix is applied (default `precision.matmul`; the engine's packed CPU kernel).
+    `gated_matmul(x, w.gate_up)`: `act(gate) * up` in one op (`LayerOps.gated`; the engine's AMX kernel on a
+    gate|up packed for it), used when the MLP has no bias."""
     c = config
     h, kvh, hd, dtype = c.num_heads, c.num_kv_heads, c.head_dim, c.jnp_dtype
 
@@ -234,7 +237,9 @@ def step_ops(w: StepWeights, config: ModelConfig, shards: int = 1,
 
     return LayerOps(attn_norm=norm(w.attn_norm), qkv=qkv, q_norm=norm(w.q_norm), k_norm=norm(w.k_norm),
                     o=dense(w.o, w.o_bias), attn_post_norm=norm(w.attn_post_norm), mlp_norm=norm(w.mlp_norm),
-                    gate_up=gate_up, down=dense(w.down, w.down_bias), mlp_post_norm=norm(w.mlp_post_norm))
+                    gate_up=gate_up, down=dense(w.down, w.down_bias), mlp_post_norm=norm(w.mlp_post_norm),
+                    gated=(lambda x: gated_matmul(x, w.gate_up))
+                    if gated_matmul is not None and w.gate_up_bias is None else None)
 
 
 def loop_cache_attention(config: ModelConfig, allowed: jax.Array, cache: dict[str, jax.Array],
