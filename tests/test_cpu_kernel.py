@@ -181,6 +181,39 @@ def test_the_packed_matmul_equals_the_bfloat16_dot(m, k, n):
     assert np.abs(got - np.asarray(x) @ np.asarray(w)).max() > 1e-4  # the operands were rounded to bfloat16
 
 
+@needs_amx
+@pytest.mark.parametrize("unit_offset", [False, True])
+@pytest.mark.parametrize(("m", "k", "n"), [(37, 576, 48), (3, 40, 16)])
+def test_the_matmul_applies_the_blocks_rms_norm_to_its_float32_rows(unit_offset, m, k, n):
+    """`packed_matmul(x, w, norm=Norm(scale, eps, unit_offset))` over float32 rows is `rms_norm(x) @ w`: against
+    float64 (the norm exact, then `@ w` over bfloat16 weights) within the rounding of the normalized rows to
+    bfloat16, and against XLA's `rms_norm` then the kernel within a few roundings' flips; the gated kernel takes the
+    same norm; a float32 x without a norm is only rounded."""
+    from jaxrl_llm.models.layers import rms_norm
+
+    rng = np.random.default_rng(m + k + unit_offset)
+    x = jnp.asarray(rng.normal(size=(m, k)) * rng.uniform(0.1, 30, size=(m, 1)), jnp.float32)  # rows' scales differ
+    scale = jnp.asarray(rng.normal(size=(k,)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(k, 2 * n)), jnp.float32)
+    norm = cpu_kernel.Norm(scale, 1e-5, unit_offset)
+    got = np.asarray(jax.jit(lambda x: cpu_kernel.packed_matmul(x, cpu_kernel.pack_weight(w), norm=norm))(x))
+    x64, s64 = np.asarray(x, np.float64), np.asarray(scale, np.float64)
+    normed = x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-5) * (1 + s64 if unit_offset else s64)
+    wb = np.asarray(w.astype(jnp.bfloat16), np.float64)
+    size = np.abs(normed) @ np.abs(wb)
+    assert np.all(np.abs(got - normed @ wb) <= 2 ** -8 * size + 1e-6)
+    xla = np.asarray(cpu_kernel.packed_matmul(rms_norm(x, scale, 1e-5, unit_offset=unit_offset),
+                                              cpu_kernel.pack_weight(w)))
+    assert np.all(np.abs(got - xla) <= 2 ** -7 * size.max(-1, keepdims=True) * 4 / np.sqrt(k) + 1e-6)
+    assert (got == xla).mean() > 0.5  # most rows round every element as XLA does
+    gated = cpu_kernel.packed_gated_matmul(x, cpu_kernel.pack_gated_weight(w), "silu", norm=norm)
+    unfused = cpu_kernel.packed_gated_matmul(rms_norm(x, scale, 1e-5, unit_offset=unit_offset),
+                                             cpu_kernel.pack_gated_weight(w), "silu")
+    assert (np.asarray(gated, np.float32) == np.asarray(unfused, np.float32)).mean() > 0.5
+    plain = cpu_kernel.packed_matmul(x, cpu_kernel.pack_weight(w))
+    np.testing.assert_array_equal(plain, cpu_kernel.packed_matmul(x.astype(jnp.bfloat16), cpu_kernel.pack_weight(w)))
+
+
 def test_gated_packing_interleaves_the_gate_and_up_blocks():
     """`pack_gated_weight(gate|up)`: column block 2j is the gate's columns 16j.., block 2j + 1 the up projection's."""
     w = jnp.arange(32 * 64, dtype=jnp.float32).reshape(32, 64) % 253  # gate: columns 0..31, up: 32..63

@@ -47,6 +47,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 try:
     import fcntl
@@ -59,6 +60,7 @@ import jaxlib
 import numpy as np
 
 from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.layers import rms_norm
 from jaxrl_llm.sampling.logits import inverse_cdf_block
 
 HERE = Path(__file__).parent
@@ -222,17 +224,42 @@ def pack_weight(w: jax.Array) -> jax.Array:
     return w.reshape(kp // 32, 16, 2, np_ // 16, 16).transpose(3, 0, 1, 4, 2).reshape(np_ // 16, kp // 32, 16, 32)
 
 
-def packed_matmul(x: jax.Array, packed: jax.Array, n: int | None = None) -> jax.Array:
+class Norm(NamedTuple):
+    """A block's RMS norm for the matmul to apply to its input first (`models.layers.rms_norm`): `scale [K]` (or
+    `[1, K]`), `eps`, Gemma's `unit_offset`."""
+
+    scale: jax.Array
+    eps: float
+    unit_offset: bool = False
+
+
+def _kernel_input(x: jax.Array, norm: Norm | None) -> tuple[jax.Array, jax.Array, dict]:
+    """`x [..., K]` as the kernel's rows `[M, K]`, the norm's scale (`[0]`: none) and attributes. A float32 `x` goes
+    in as it is (the kernel rounds it, normalizing first with `norm`); any other is rounded here, and a norm over it
+    is XLA's (`rms_norm` of another dtype rounds twice, which the kernel does not)."""
+    flat, none = x.reshape(-1, x.shape[-1]), {"eps": np.float32(0), "unit_offset": np.int64(0)}
+    if flat.dtype != jnp.float32:
+        if norm is not None:
+            flat = rms_norm(flat, norm.scale.reshape(-1), norm.eps, unit_offset=norm.unit_offset)
+        return flat.astype(jnp.bfloat16), jnp.zeros((0,), jnp.float32), none
+    if norm is None:
+        return flat, jnp.zeros((0,), jnp.float32), none
+    scale = norm.scale.reshape(-1).astype(jnp.float32)
+    return flat, scale, {"eps": np.float32(norm.eps), "unit_offset": np.int64(norm.unit_offset)}
+
+
+def packed_matmul(x: jax.Array, packed: jax.Array, n: int | None = None, norm: Norm | None = None) -> jax.Array:
     """`x [..., K] @ w -> [..., N]` float32 for `packed = pack_weight(w)`: `x` rounded to bfloat16 (the precision
-    policy's operand), products summed in float32 by AMX. `n`: w's columns where `pack_weight` padded them."""
+    policy's operand), products summed in float32 by AMX. `n`: w's columns where `pack_weight` padded them.
+    `norm`: `rms_norm(x, ...)` first (in the kernel for a float32 `x`), then the rounding."""
     why = _load(MATMUL)
     if why is not None:
         raise RuntimeError(f"the AMX matmul kernel is unavailable: {why}")
     padded = packed.shape[0] * 16
-    flat = x.reshape(-1, x.shape[-1]).astype(jnp.bfloat16)
+    flat, scale, attributes = _kernel_input(x, norm)
     call = jax.ffi.ffi_call(MATMUL.target, jax.ShapeDtypeStruct((flat.shape[0], padded), jnp.float32),
                             vmap_method="sequential")
-    out = call(flat, packed, activation=np.int64(0))
+    out = call(flat, packed, scale, activation=np.int64(0), **attributes)
     return (out if n is None or n == padded else out[:, :n]).reshape(*x.shape[:-1], n or padded)
 
 
@@ -249,18 +276,20 @@ def pack_gated_weight(gate_up: jax.Array) -> jax.Array:
     return pack_weight(interleaved)
 
 
-def packed_gated_matmul(x: jax.Array, packed: jax.Array, hidden_act: str) -> jax.Array:
+def packed_gated_matmul(x: jax.Array, packed: jax.Array, hidden_act: str, norm: Norm | None = None) -> jax.Array:
     """`act(x @ gate) * (x @ up)` `[..., I]` bfloat16 for `packed = pack_gated_weight(gate|up)`: the products as in
     `packed_matmul` (float32 sums), the activation (`silu`, `gelu_pytorch_tanh`) and the product in float32, rounded
-    to bfloat16 once: `models.layers.gated_activation` on `packed_matmul`'s output, then the down projection's cast."""
+    to bfloat16 once: `models.layers.gated_activation` on `packed_matmul`'s output, then the down projection's cast.
+    `norm`: as `packed_matmul`'s."""
     why = _load(MATMUL)
     if why is not None:
         raise RuntimeError(f"the AMX matmul kernel is unavailable: {why}")
     width = packed.shape[0] * 8
-    flat = x.reshape(-1, x.shape[-1]).astype(jnp.bfloat16)
+    flat, scale, attributes = _kernel_input(x, norm)
     call = jax.ffi.ffi_call(MATMUL.target, jax.ShapeDtypeStruct((flat.shape[0], width), jnp.bfloat16),
                             vmap_method="sequential")
-    return call(flat, packed, activation=np.int64(GATED_ACTIVATIONS[hidden_act])).reshape(*x.shape[:-1], width)
+    out = call(flat, packed, scale, activation=np.int64(GATED_ACTIVATIONS[hidden_act]), **attributes)
+    return out.reshape(*x.shape[:-1], width)
 
 
 def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,

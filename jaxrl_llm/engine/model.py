@@ -18,7 +18,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -245,20 +244,33 @@ def pack_step_weights(params: Params, weights: list[StepWeights], config: ModelC
                           for w in weights], cpu_kernel.pack_weight(head))
 
 
-def packed_or_plain(config: ModelConfig) -> Callable[[jax.Array, jax.Array], jax.Array]:
+def packed_or_plain(config: ModelConfig) -> Callable[..., jax.Array]:
     """`step_ops`' `dense_matmul` over `PackedWeights`: a packed matrix (4-D) through the AMX kernel, any other
-    under the precision policy."""
-    def apply(x: jax.Array, kernel: jax.Array) -> jax.Array:
-        return cpu_kernel.packed_matmul(x, kernel) if kernel.ndim == 4 else matmul(x, kernel, config.jnp_dtype)
+    under the precision policy; with a pre-norm's `scale`, `rms_norm` first (in the kernel where it packs)."""
+    def apply(x: jax.Array, kernel: jax.Array, scale: jax.Array | None = None) -> jax.Array:
+        if kernel.ndim == 4:
+            return cpu_kernel.packed_matmul(x, kernel, norm=kernel_norm(config, scale))
+        if scale is not None:
+            x = rms_norm(x, scale, config.rms_norm_eps, unit_offset=config.norm_unit_offset)
+        return matmul(x, kernel, config.jnp_dtype)
     return apply
 
 
+def kernel_norm(config: ModelConfig, scale: jax.Array | None) -> cpu_kernel.Norm | None:
+    """The model's RMS norm of `scale` for the AMX kernel to apply to its rows (None: no norm)."""
+    return None if scale is None else cpu_kernel.Norm(scale, config.rms_norm_eps, config.norm_unit_offset)
+
+
 def packed_step_ops(w: StepWeights, config: ModelConfig, shards: int = 1) -> LayerOps:
-    """`step_ops` over one layer of `PackedWeights`: its matrices through `packed_or_plain`, and `act(gate) * up`
-    in the AMX kernel's epilogue where `pack_step_weights` packed gate|up for it (`gated_in_kernel`)."""
-    gated = (functools.partial(cpu_kernel.packed_gated_matmul, hidden_act=config.hidden_act)
-             if gated_in_kernel(config) else None)
-    return step_ops(w, config, shards, packed_or_plain(config), gated)
+    """`step_ops` over one layer of `PackedWeights`: its matrices through `packed_or_plain`, each pre-norm inside
+    the matmul after it (the kernel normalizes and rounds its float32 rows: no norm, rsqrt and cast ops in XLA),
+    and `act(gate) * up` in the AMX kernel's epilogue where `pack_step_weights` packed gate|up for it
+    (`gated_in_kernel`)."""
+    def gated(x: jax.Array, gate_up: jax.Array, scale: jax.Array | None = None) -> jax.Array:
+        return cpu_kernel.packed_gated_matmul(x, gate_up, config.hidden_act, norm=kernel_norm(config, scale))
+
+    return step_ops(w, config, shards, packed_or_plain(config), gated if gated_in_kernel(config) else None,
+                    norms_in_matmul=True)
 
 
 def kernel_decode_step(params: Params, weights: list[StepWeights] | PackedWeights, config: ModelConfig,
@@ -286,16 +298,18 @@ def kernel_decode_step(params: Params, weights: list[StepWeights] | PackedWeight
         ops = packed_step_ops(w, c, shards) if packed is not None else step_ops(w, c, shards)
         x, layer = transformer_block(x, ops, attend, cos, sin, c)
         new_pages.append(layer)
+    if packed is not None:  # the final norm in the head's kernel
+        return packed_logits(packed.head, c, x[:, 0], params["final_norm"]["scale"]), new_pages
     hidden = rms_norm(x[:, 0], params["final_norm"]["scale"], c.rms_norm_eps, unit_offset=c.norm_unit_offset)
-    if packed is not None:
-        return packed_logits(packed.head, c, hidden), new_pages
     return paged_logits(params, c, hidden), new_pages
 
 
-def packed_logits(head: jax.Array, config: ModelConfig, hidden: jax.Array) -> jax.Array:
+def packed_logits(head: jax.Array, config: ModelConfig, hidden: jax.Array, scale: jax.Array | None = None
+                  ) -> jax.Array:
     """float32 logits `[R, V]` of hidden states `[R, D]` through the AMX-packed LM head (`PackedWeights.head`),
-    soft-capped where the model is."""
-    return softcap(cpu_kernel.packed_matmul(hidden, head, config.vocab_size), config.final_logit_softcap)
+    soft-capped where the model is. `scale`: the final norm's, applied in the kernel (`hidden` before it)."""
+    logits = cpu_kernel.packed_matmul(hidden, head, config.vocab_size, norm=kernel_norm(config, scale))
+    return softcap(logits, config.final_logit_softcap)
 
 
 def paged_logits(params: Params, config: ModelConfig, hidden: jax.Array) -> jax.Array:

@@ -1,7 +1,12 @@
 // A bfloat16 matmul on Intel AMX for the rollout engine's decode step on the CPU, as an XLA FFI custom call (built
 // on first use by jaxrl_llm/engine/cpu_kernel.py where the CPU has AMX).
 //
-//   x       [M, K]                  bfloat16 (as uint16 bits or bf16): the step's activations, one row per slot
+//   x       [M, K]                  bfloat16 (as uint16 bits or bf16), or float32 rounded to bfloat16 here: the
+//                                   step's activations, one row per slot
+//   norm    [K] or [0]              float32: where given (x float32), each row of x is first RMS-normalized as
+//                                   `models/layers.py: rms_norm`: x / sqrt(mean(x^2) + eps) * norm (* (1 + norm)
+//                                   with `unit_offset`), in float32, then rounded: the block's pre-norm and the
+//                                   matmul's cast in the kernel, not three small XLA ops before it
 //   w       [N / 16, Kp / 32, 16, 32] bfloat16: the weight [K, N] packed once per generate call
 //                                   (`cpu_kernel.pack_weight`): tile (nb, kb) holds, in row p and column 2n + e,
 //                                   w[32 kb + 2p + e, 16 nb + n] (zero where 32 kb + 2p + e >= K); AMX's pair layout
@@ -33,6 +38,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -90,6 +96,13 @@ inline F32x16 Gated(F32x16 g, F32x16 u, int64_t activation) {
 }
 
 // float32 to bfloat16 bits, rounded to nearest even (NaN kept a quiet NaN), as XLA's convert.
+inline uint16_t Bf16Bits(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  if (x != x) return static_cast<uint16_t>((bits >> 16) | 0x40u);
+  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
 inline void StoreBf16(uint16_t* dst, F32x16 x) {
   U32x16 bits;
   std::memcpy(&bits, &x, sizeof(bits));
@@ -98,6 +111,31 @@ inline void StoreBf16(uint16_t* dst, F32x16 x) {
   const U32x16 quiet = (bits >> 16) | 0x40u;
   const U16x16 out = __builtin_convertvector(nan ? quiet : rounded, U16x16);
   std::memcpy(dst, &out, sizeof(out));
+}
+
+// Row `x [k]` (float32) as bfloat16 bits into `dst`: x * r * s rounded, r = 1 / sqrt(mean(x^2) + eps) and
+// s = scale (1 + scale with `unit_offset`) where `scale` is given, else x rounded: XLA's rms_norm and convert,
+// the same float32 products (the sum of squares in another order).
+void PrepareRow(const float* x, int64_t k, const float* scale, float eps, bool unit_offset, uint16_t* dst) {
+  float r = 1.0f;
+  int64_t i = 0;
+  if (scale != nullptr) {
+    F32x16 acc{};
+    for (; i + kLanes <= k; i += kLanes) {
+      const F32x16 v = Load16(x + i);
+      acc += v * v;
+    }
+    float squares = HorizontalSum(acc);
+    for (; i < k; ++i) squares += x[i] * x[i];
+    r = 1.0f / std::sqrt(squares / static_cast<float>(k) + eps);
+  }
+  const float offset = unit_offset ? 1.0f : 0.0f;
+  for (i = 0; i + kLanes <= k; i += kLanes) {
+    F32x16 v = Load16(x + i) * r;
+    if (scale != nullptr) v = v * (Load16(scale + i) + offset);
+    StoreBf16(dst + i, v);
+  }
+  for (; i < k; ++i) dst[i] = Bf16Bits(scale != nullptr ? x[i] * r * (scale[i] + offset) : x[i]);
 }
 
 struct Work {
@@ -210,14 +248,19 @@ bool AmxPermitted() {
   return permitted;
 }
 
-ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                            ffi::Result<ffi::AnyBuffer> out, int64_t activation) {
+ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer norm,
+                            ffi::Result<ffi::AnyBuffer> out, int64_t activation, float eps, int64_t unit_offset) {
   const auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
   if (xd.size() != 2 || wd.size() != 4 || od.size() != 2 || wd[2] != 16 || wd[3] != 32) {
     return ffi::Error::InvalidArgument("packed_matmul: x [M, K], w [N / 16, Kp / 32, 16, 32], out [M, N]");
   }
-  if (x.element_type() != ffi::U16 && x.element_type() != ffi::BF16) {
-    return ffi::Error::InvalidArgument("packed_matmul: x must be bfloat16 (or its uint16 bits)");
+  const bool x32 = x.element_type() == ffi::F32;
+  if (x.element_type() != ffi::U16 && x.element_type() != ffi::BF16 && !x32) {
+    return ffi::Error::InvalidArgument("packed_matmul: x must be bfloat16 (or its uint16 bits) or float32");
+  }
+  const bool normed = norm.element_count() > 0;
+  if (normed && (!x32 || norm.element_type() != ffi::F32 || norm.element_count() != xd[1])) {
+    return ffi::Error::InvalidArgument("packed_matmul: a norm is float32 [K] over a float32 x");
   }
   if (w.element_type() != ffi::U16 && w.element_type() != ffi::BF16) {
     return ffi::Error::InvalidArgument("packed_matmul: w must be bfloat16 (or its uint16 bits)");
@@ -242,7 +285,15 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
   work->m = m, work->n = wd[0] * 16, work->n_blocks = wd[0], work->k_blocks = wd[1], work->activation = activation;
   work->kp = wd[1] * 32, work->mp = (m + 15) / 16 * 16;
   const auto* xs = static_cast<const uint16_t*>(x.untyped_data());
-  if (work->mp == m && work->kp == k) {
+  if (x32) {  // rounded (normalized first where asked) into rows of kp, zeros after k and below m
+    work->padded.assign(work->mp * work->kp, 0);
+    const float* rows = static_cast<const float*>(x.untyped_data());
+    const float* scale = normed ? static_cast<const float*>(norm.untyped_data()) : nullptr;
+    for (int64_t r = 0; r < m; ++r) {
+      PrepareRow(rows + r * k, k, scale, eps, unit_offset != 0, work->padded.data() + r * work->kp);
+    }
+    work->x = work->padded.data();
+  } else if (work->mp == m && work->kp == k) {
     work->x = xs;
   } else {  // rows to a multiple of 16 and K to the packed blocks, with zeros
     work->padded.assign(work->mp * work->kp, 0);
@@ -271,5 +322,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PackedMatmul, PackedMatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("activation"));
+                                  .Attr<int64_t>("activation")
+                                  .Attr<float>("eps")
+                                  .Attr<int64_t>("unit_offset"));

@@ -205,19 +205,26 @@ def decode_token(
 
 
 def step_ops(w: StepWeights, config: ModelConfig, shards: int = 1,
-             dense_matmul: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
-             gated_matmul: Callable[[jax.Array, jax.Array], jax.Array] | None = None) -> LayerOps:
+             dense_matmul: Callable[..., jax.Array] | None = None,
+             gated_matmul: Callable[..., jax.Array] | None = None, norms_in_matmul: bool = False) -> LayerOps:
     """`StepWeights` as the block's `LayerOps`: each matmul's operands in the compute dtype, biases added in
     the activation dtype, the fused q|k|v and gate|up outputs split back per shard (`_unfuse`). `dense_matmul(x,
     kernel)`: how a matrix is applied (default `precision.matmul`; the engine's packed CPU kernel).
     `gated_matmul(x, w.gate_up)`: `act(gate) * up` in one op (`LayerOps.gated`; the engine's AMX kernel on a
-    gate|up packed for it), used when the MLP has no bias."""
+    gate|up packed for it), used when the MLP has no bias. `norms_in_matmul`: the pre-norms (`attn_norm`,
+    `mlp_norm`) are applied by the matmul after them, `dense_matmul(x, kernel, scale)` / `gated_matmul(x, kernel,
+    scale)` with the norm's scale (the engine's kernel normalizes its rows as it rounds them), and are the identity
+    in the returned ops."""
     c = config
     h, kvh, hd, dtype = c.num_heads, c.num_kv_heads, c.head_dim, c.jnp_dtype
 
-    def dense(kernel: jax.Array, bias: jax.Array | None) -> Callable[[jax.Array], jax.Array]:
+    def dense(kernel: jax.Array, bias: jax.Array | None, pre_norm: jax.Array | None = None
+              ) -> Callable[[jax.Array], jax.Array]:
         def apply(x: jax.Array) -> jax.Array:
-            y = matmul(x, kernel, dtype) if dense_matmul is None else dense_matmul(x, kernel)
+            if dense_matmul is None:
+                y = matmul(x, kernel, dtype)
+            else:
+                y = dense_matmul(x, kernel) if pre_norm is None else dense_matmul(x, kernel, pre_norm)
             return y if bias is None else y + bias
         return apply
 
@@ -226,20 +233,31 @@ def step_ops(w: StepWeights, config: ModelConfig, shards: int = 1,
             return None
         return lambda x: rms_norm(x, scale, c.rms_norm_eps, unit_offset=c.norm_unit_offset)
 
+    fused = norms_in_matmul and dense_matmul is not None
+    attn_scale, mlp_scale = (w.attn_norm, w.mlp_norm) if fused else (None, None)
+
     def qkv(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         b, t, _ = x.shape
-        q, k, v = _unfuse(dense(w.qkv, w.qkv_bias)(x), (h * hd, kvh * hd, kvh * hd), shards)
+        q, k, v = _unfuse(dense(w.qkv, w.qkv_bias, attn_scale)(x), (h * hd, kvh * hd, kvh * hd), shards)
         return q.reshape(b, t, h, hd), k.reshape(b, t, kvh, hd), v.reshape(b, t, kvh, hd)
 
     def gate_up(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        gate, up = _unfuse(dense(w.gate_up, w.gate_up_bias)(x), (c.intermediate_size, c.intermediate_size), shards)
+        product = dense(w.gate_up, w.gate_up_bias, mlp_scale)(x)
+        gate, up = _unfuse(product, (c.intermediate_size, c.intermediate_size), shards)
         return gate, up
 
-    return LayerOps(attn_norm=norm(w.attn_norm), qkv=qkv, q_norm=norm(w.q_norm), k_norm=norm(w.k_norm),
-                    o=dense(w.o, w.o_bias), attn_post_norm=norm(w.attn_post_norm), mlp_norm=norm(w.mlp_norm),
-                    gate_up=gate_up, down=dense(w.down, w.down_bias), mlp_post_norm=norm(w.mlp_post_norm),
-                    gated=(lambda x: gated_matmul(x, w.gate_up))
-                    if gated_matmul is not None and w.gate_up_bias is None else None)
+    gated = None
+    if gated_matmul is not None and w.gate_up_bias is None:
+        def gated(x: jax.Array) -> jax.Array:
+            return gated_matmul(x, w.gate_up) if mlp_scale is None else gated_matmul(x, w.gate_up, mlp_scale)
+
+    def identity(x: jax.Array) -> jax.Array:
+        return x
+
+    return LayerOps(attn_norm=identity if fused else norm(w.attn_norm), qkv=qkv, q_norm=norm(w.q_norm),
+                    k_norm=norm(w.k_norm), o=dense(w.o, w.o_bias), attn_post_norm=norm(w.attn_post_norm),
+                    mlp_norm=identity if fused else norm(w.mlp_norm), gate_up=gate_up,
+                    down=dense(w.down, w.down_bias), mlp_post_norm=norm(w.mlp_post_norm), gated=gated)
 
 
 def loop_cache_attention(config: ModelConfig, allowed: jax.Array, cache: dict[str, jax.Array],
