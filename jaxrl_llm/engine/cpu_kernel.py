@@ -2,8 +2,8 @@
 
     paged_decode_attention(q [S, H, hd], k_pages, v_pages [KVH, N, page_size, hd], page_table [S, M],
                            lengths [S], window, config) -> [S, H, hd]          (decode_attention.cc)
-    packed_matmul(x [..., K], pack_weight(w [K, N])) -> [..., N] float32         (packed_matmul.cc, AMX)
-    packed_gated_matmul(x [..., K], pack_gated_weight(gate|up [K, 2I]), act) -> [..., I] bfloat16   (the same)
+    packed_matmul(x [..., K], pack_weight(w [K, N]), norm=) -> [..., N] float32   (packed_matmul.cc, AMX)
+    packed_gated_matmul(x [..., K], pack_gated_weight(gate|up [K, 2I]), act, norm=) -> [..., I] bfloat16   (the same)
     inverse_cdf_sample(logits [B, V], uniform [B], temperature) -> token, logprob [B]   (inverse_cdf.cc)
 
 The attention: one query per slot over its first `lengths` positions (the last `window` of them under a sliding
@@ -17,7 +17,9 @@ samples of a group read their prompt's shared pages (from cache) and a decode ca
 The matmul: a decode step's few rows times a bfloat16 weight packed once per generate call into AMX's tile layout
 (`pack_weight`), float32 out, equal to XLA's `x @ w` with a float32 result. XLA:CPU re-packs a weight on every call,
 which at a decode step's 32 rows is half of the matmuls' time (bench/README.md). Only on x86 CPUs with AMX
-(`amx_bf16`, Sapphire Rapids and later), for bfloat16 models; elsewhere the engine keeps XLA's matmuls.
+(`amx_bf16`, Sapphire Rapids and later), for bfloat16 models; elsewhere the engine keeps XLA's matmuls. With a
+`Norm`, float32 rows are RMS-normalized in the kernel as they are rounded (the block's pre-norm and the cast, three
+small XLA ops a norm).
 
 The gated matmul: the same kernel on a gated MLP's gate|up, returning `act(x @ gate) * (x @ up)` rounded to bfloat16
 (the down projection's operand) instead of the `[M, 2I]` float32 product that XLA would read back for the activation
