@@ -250,18 +250,24 @@ def _kernel_input(x: jax.Array, norm: Norm | None) -> tuple[jax.Array, jax.Array
     return flat, scale, {"eps": np.float32(norm.eps), "unit_offset": np.int64(norm.unit_offset)}
 
 
+def _matmul_call(x: jax.Array, packed: jax.Array, norm: Norm | None, width: int, dtype: jnp.dtype,
+                 activation: int) -> jax.Array:
+    """`packed_matmul.cc` on `x [..., K]`'s rows: `[M, width]` of `dtype`."""
+    why = _load(MATMUL)
+    if why is not None:
+        raise RuntimeError(f"the AMX matmul kernel is unavailable: {why}")
+    flat, scale, attributes = _kernel_input(x, norm)
+    call = jax.ffi.ffi_call(MATMUL.target, jax.ShapeDtypeStruct((flat.shape[0], width), dtype),
+                            vmap_method="sequential")
+    return call(flat, packed, scale, activation=np.int64(activation), **attributes)
+
+
 def packed_matmul(x: jax.Array, packed: jax.Array, n: int | None = None, norm: Norm | None = None) -> jax.Array:
     """`x [..., K] @ w -> [..., N]` float32 for `packed = pack_weight(w)`: `x` rounded to bfloat16 (the precision
     policy's operand), products summed in float32 by AMX. `n`: w's columns where `pack_weight` padded them.
     `norm`: `rms_norm(x, ...)` first (in the kernel for a float32 `x`), then the rounding."""
-    why = _load(MATMUL)
-    if why is not None:
-        raise RuntimeError(f"the AMX matmul kernel is unavailable: {why}")
     padded = packed.shape[0] * 16
-    flat, scale, attributes = _kernel_input(x, norm)
-    call = jax.ffi.ffi_call(MATMUL.target, jax.ShapeDtypeStruct((flat.shape[0], padded), jnp.float32),
-                            vmap_method="sequential")
-    out = call(flat, packed, scale, activation=np.int64(0), **attributes)
+    out = _matmul_call(x, packed, norm, padded, jnp.float32, 0)
     return (out if n is None or n == padded else out[:, :n]).reshape(*x.shape[:-1], n or padded)
 
 
@@ -283,14 +289,8 @@ def packed_gated_matmul(x: jax.Array, packed: jax.Array, hidden_act: str, norm: 
     `packed_matmul` (float32 sums), the activation (`silu`, `gelu_pytorch_tanh`) and the product in float32, rounded
     to bfloat16 once: `models.layers.gated_activation` on `packed_matmul`'s output, then the down projection's cast.
     `norm`: as `packed_matmul`'s."""
-    why = _load(MATMUL)
-    if why is not None:
-        raise RuntimeError(f"the AMX matmul kernel is unavailable: {why}")
     width = packed.shape[0] * 8
-    flat, scale, attributes = _kernel_input(x, norm)
-    call = jax.ffi.ffi_call(MATMUL.target, jax.ShapeDtypeStruct((flat.shape[0], width), jnp.bfloat16),
-                            vmap_method="sequential")
-    out = call(flat, packed, scale, activation=np.int64(GATED_ACTIVATIONS[hidden_act]), **attributes)
+    out = _matmul_call(x, packed, norm, width, jnp.bfloat16, GATED_ACTIVATIONS[hidden_act])
     return out.reshape(*x.shape[:-1], width)
 
 
