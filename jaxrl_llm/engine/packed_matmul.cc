@@ -81,7 +81,6 @@ void ConfigureTiles() {
 // head's range is megabytes, which the later rows would otherwise read from memory again.
 constexpr int64_t kChunkBytes = 256 << 10;
 
-
 enum Activation : int64_t { kNone = 0, kSilu = 1, kGeluTanh = 2 };
 
 // act(g) * u on 16 lanes, in float32: g sigmoid(z) u with z = g (silu) or z = 2a, a = sqrt(2 / pi) (g + 0.044715
@@ -93,24 +92,6 @@ inline F32x16 Gated(F32x16 g, F32x16 u, int64_t activation) {
   const F32x16 e = Exp16(negative ? z : -z);  // exp(-|z|) in (0, 1]
   const F32x16 sigmoid = negative ? e / (1.0f + e) : 1.0f / (1.0f + e);
   return g * sigmoid * u;
-}
-
-// float32 to bfloat16 bits, rounded to nearest even (NaN kept a quiet NaN), as XLA's convert.
-inline uint16_t Bf16Bits(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  if (x != x) return static_cast<uint16_t>((bits >> 16) | 0x40u);
-  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
-inline void StoreBf16(uint16_t* dst, F32x16 x) {
-  U32x16 bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  const U32x16 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-  const auto nan = x != x;
-  const U32x16 quiet = (bits >> 16) | 0x40u;
-  const U16x16 out = __builtin_convertvector(nan ? quiet : rounded, U16x16);
-  std::memcpy(dst, &out, sizeof(out));
 }
 
 // Row `x [k]` (float32) as bfloat16 bits into `dst`: x * r * s rounded, r = 1 / sqrt(mean(x^2) + eps) and

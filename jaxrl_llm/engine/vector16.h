@@ -1,5 +1,6 @@
-// 16-lane float32 arithmetic shared by the engine's CPU kernels (decode_attention.cc, inverse_cdf.cc): GCC/Clang
-// vector extensions, one AVX-512 register (two AVX2 ones), and an exponential for x <= 0.
+// 16-lane float32 arithmetic shared by the engine's CPU kernels (decode_attention.cc, inverse_cdf.cc,
+// packed_matmul.cc): GCC/Clang vector extensions, one AVX-512 register (two AVX2 ones), an exponential for x <= 0,
+// and bfloat16 rounding.
 #pragma once
 
 #include <algorithm>
@@ -28,6 +29,24 @@ inline F32x16 Load16(const T* src) {
     std::memcpy(&x, &wide, sizeof(x));
     return x;
   }
+}
+
+// float32 to bfloat16 bits, rounded to nearest even (a NaN kept a quiet NaN), as XLA's convert: one value, 16 lanes.
+inline uint16_t Bf16Bits(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  if (x != x) return static_cast<uint16_t>((bits >> 16) | 0x40u);
+  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+inline void StoreBf16(uint16_t* dst, F32x16 x) {
+  U32x16 bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  const U32x16 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  const auto nan = x != x;
+  const U32x16 quiet = (bits >> 16) | 0x40u;
+  const U16x16 out = __builtin_convertvector(nan ? quiet : rounded, U16x16);
+  std::memcpy(dst, &out, sizeof(out));
 }
 
 inline F32x16 Splat(float x) { return F32x16{} + x; }
