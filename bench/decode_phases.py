@@ -50,6 +50,7 @@ from jaxrl_llm.engine.model import (  # noqa: E402
     kernel_attention,
     kernel_decode_step,
     layer_inputs,
+    packed_logits,
     packed_step_ops,
     paged_logits,
     slot_attention,
@@ -140,9 +141,12 @@ def main() -> None:
                 cos, sin = inputs[c.is_sliding(i)]
                 ops = packed_step_ops(w, c) if packed else step_ops(w, c)
                 x, _ = transformer_block(x, ops, lambda q, k, v: (q.reshape(s, 1, -1), None), cos, sin, c)
-            hidden = rms_norm(x[:, 0], params["final_norm"]["scale"], c.rms_norm_eps, unit_offset=c.norm_unit_offset)
-            logits = (cpu_kernel.packed_matmul(hidden, step_weights.head, c.vocab_size) if packed
-                      else paged_logits(params, c, hidden))
+            if packed:  # the final norm in the head's kernel, as the engine's step
+                logits = packed_logits(step_weights.head, c, x[:, 0], params["final_norm"]["scale"])
+            else:
+                hidden = rms_norm(x[:, 0], params["final_norm"]["scale"], c.rms_norm_eps,
+                                  unit_offset=c.norm_unit_offset)
+                logits = paged_logits(params, c, hidden)
             # the next token from one column, not a pass over [S, V] (an argmax there cost 9 ms at 128 rows); a
             # column chosen at run time, so XLA cannot shrink the unembedding to it
             column = jax.lax.dynamic_index_in_dim(logits, j % c.vocab_size, axis=1, keepdims=False)
