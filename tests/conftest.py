@@ -50,7 +50,7 @@ os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAG
 # 1 min 48 s with a cold compile cache and 48 s warm on the 2-core machine). The full suite still runs everything.
 QUICK_FILES = ("test_rl_losses.py", "test_rl_advantages.py", "test_rl_estimators.py", "test_rl_kl_control.py",
                "test_rl_logprobs.py", "test_rl_objectives.py", "test_precision.py", "test_models.py",
-               "test_input_errors.py", "test_rl_distillation.py")
+               "test_input_errors.py", "test_rl_distillation.py", "test_rl_exact_ties.py")
 
 
 # The files with the longest tests (subprocess runs of train.py and bench/, the 8-device mesh script, the real

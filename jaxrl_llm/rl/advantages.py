@@ -11,7 +11,7 @@ from typing import Any, Literal
 import jax.numpy as jnp
 from jax import Array, lax
 
-from jaxrl_llm.rl.reductions import masked_mean, masked_var
+from jaxrl_llm.rl.reductions import masked_mean, masked_reference, masked_var
 
 AdvantageScale = Literal["group", "batch", "none"]
 
@@ -24,6 +24,20 @@ def _grouped(rewards: Array, group_size: int) -> Array:
     if n % group_size:
         raise ValueError(f"batch size {n} is not a multiple of group_size {group_size}")
     return jnp.asarray(rewards).astype(jnp.float32).reshape(*rewards.shape[:-1], n // group_size, group_size)
+
+
+def group_centered(grouped: Array) -> Array:
+    """``r_i - mean_j r_j`` within each group, exactly 0 for a group whose rewards are all equal.
+
+    The mean is taken of the rewards shifted by the group's first member, ``d_i = r_i - r_1``, and
+    ``r_i - mean r = d_i - mean d``: a tied group has ``d = 0`` exactly, so no rounding of its mean (which
+    in float32 differs from the common value by a rounding step for most values and group sizes, and
+    depends on XLA's reduction order under jit) survives. Near-tied groups gain precision the same way.
+
+    Shapes: ``grouped [..., P, G]`` float32 -> ``[..., P, G]`` float32.
+    """
+    shifted = grouped - grouped[..., :1]
+    return shifted - jnp.mean(shifted, axis=-1, keepdims=True)
 
 
 def group_normalized_advantages(
@@ -48,7 +62,8 @@ def group_normalized_advantages(
       Training": the std division over-weights too-easy / too-hard questions).
 
     ``std`` uses ``ddof`` (default 1: the unbiased estimator, matching ``torch.std`` in TRL and verl).
-    ``epsilon`` is *added* to the std, so a group with identical rewards gets ``A = 0`` exactly.
+    ``epsilon`` is *added* to the std, and the statistics are taken of rewards shifted by one member of the group
+    (``group_centered``), so a group with identical rewards gets ``A = 0`` exactly, jitted or not, in every scale.
 
     Shapes: ``rewards [B]`` with ``B = P * group_size`` (group-major) -> ``[B]`` float32.
     """
@@ -57,12 +72,12 @@ def group_normalized_advantages(
     grouped = _grouped(rewards, group_size)
     if scale == "group" and ddof >= group_size:
         raise ValueError(f"ddof={ddof} needs group_size > ddof, got group_size={group_size}")
-    centered = grouped - jnp.mean(grouped, axis=-1, keepdims=True)
+    centered = group_centered(grouped)
     if scale == "group":
-        centered = centered / (jnp.std(grouped, axis=-1, ddof=ddof, keepdims=True) + epsilon)
+        centered = centered / (jnp.std(centered, axis=-1, ddof=ddof, keepdims=True) + epsilon)
     elif scale == "batch":
         flat = grouped.reshape(*grouped.shape[:-2], -1)
-        std = jnp.std(flat, axis=-1, ddof=ddof, keepdims=True)[..., None]
+        std = jnp.std(flat - flat[..., :1], axis=-1, ddof=ddof, keepdims=True)[..., None]
         centered = centered / (std + epsilon)
     return centered.reshape(rewards.shape)
 
@@ -74,15 +89,16 @@ def rloo_advantages(rewards: Array, *, group_size: int) -> Array:
 
         A_i = r_i - (1 / (G - 1)) sum_{j != i} r_j  =  G / (G - 1) * (r_i - mean_j r_j)
 
-    The baseline does not depend on ``r_i``, so the estimator stays unbiased.
+    The baseline does not depend on ``r_i``, so the estimator stays unbiased. Computed as the right-hand form
+    from rewards shifted by one member of the group, so a tied group gets exactly 0.
 
     Shapes: ``rewards [B]``, ``B = P * group_size`` group-major, ``group_size >= 2`` -> ``[B]`` float32.
     """
     if group_size < 2:
         raise ValueError(f"RLOO needs group_size >= 2, got {group_size}")
-    grouped = _grouped(rewards, group_size)
-    baseline = (jnp.sum(grouped, axis=-1, keepdims=True) - grouped) / (group_size - 1)
-    return (grouped - baseline).reshape(rewards.shape)
+    # G / (G - 1) * (r_i - mean r) with the group's statistics shifted by its first member (`group_centered`):
+    # a tied group's advantage is exactly 0, where `sum - r_i` rounds differently for each i.
+    return (group_size / (group_size - 1) * group_centered(_grouped(rewards, group_size))).reshape(rewards.shape)
 
 
 def masked_whiten(
@@ -101,11 +117,16 @@ def masked_whiten(
 
     Shapes: ``x``, ``mask`` ``[B, T]`` (statistics over the whole batch by default, ``axis=None``).
     """
-    mean = masked_mean(x, mask, axis, keepdims=True)
-    var = masked_var(x, mask, axis, ddof=ddof, keepdims=True)
-    whitened = (jnp.asarray(x).astype(jnp.float32) - mean) * lax.rsqrt(var + epsilon)
+    # Statistics of x shifted by one of its valid values: all-equal valid values whiten to exactly 0 (their float32
+    # mean is off by a rounding step, which rsqrt(var + 1e-8) would blow up to ~1e-3), and near-equal ones keep
+    # their digits.
+    reference = masked_reference(x, mask, axis)
+    shifted = jnp.asarray(x).astype(jnp.float32) - reference
+    mean = masked_mean(shifted, mask, axis, keepdims=True)
+    var = masked_var(shifted, mask, axis, ddof=ddof, keepdims=True)
+    whitened = (shifted - mean) * lax.rsqrt(var + epsilon)
     if not shift_mean:
-        whitened = whitened + mean
+        whitened = whitened + (reference + mean)
     return jnp.where(jnp.asarray(mask) > 0, whitened, 0.0)
 
 
@@ -171,12 +192,12 @@ def reinforce_plus_plus_baseline_advantages(
         a_i = r_i - mean_{j in group(i)} r_j,    A_it = (a_i - mean(a)) / sqrt(var(a) + epsilon)
 
     where mean and (unbiased) variance run over every valid token of the batch, i.e. each sequence is
-    weighted by its length (as in OpenRLHF / verl). The KL term belongs in the loss for this estimator.
+    weighted by its length (as in OpenRLHF / verl). The KL term belongs in the loss for this estimator. A tied
+    group's ``a_i`` is exactly 0 (``group_centered``), so all its tokens get the same ``A = -mean(a) / std``.
 
     Shapes: ``rewards [B]`` (sequence scores, group-major), ``mask [B, T]`` -> ``[B, T]`` float32.
     """
-    grouped = _grouped(rewards, group_size)
-    centered = (grouped - jnp.mean(grouped, axis=-1, keepdims=True)).reshape(rewards.shape)
+    centered = group_centered(_grouped(rewards, group_size)).reshape(rewards.shape)
     per_token = jnp.broadcast_to(centered[..., None], jnp.shape(mask))
     return masked_whiten(per_token, mask, epsilon=epsilon)
 
@@ -243,9 +264,11 @@ def turn_level_advantages(advantages: Array, credit: Array, rewards: Array, *, g
     r = rewards.astype(jnp.float32)
     if scale == "none":
         return advantages + credit
+    # Spreads of the rewards shifted by one of their members: a tied group's is exactly 0 (see `group_centered`).
     if scale == "batch":
-        std = jnp.broadcast_to(jnp.std(r, ddof=ddof), r.shape)
+        std = jnp.broadcast_to(jnp.std(r - r[:1], ddof=ddof), r.shape)
     else:
-        std = jnp.repeat(jnp.std(r.reshape(-1, group_size), axis=1, ddof=ddof), group_size)
+        grouped = r.reshape(-1, group_size)
+        std = jnp.repeat(jnp.std(grouped - grouped[:, :1], axis=1, ddof=ddof), group_size)
     # A group whose whole returns are all equal has outcome advantages 0; its turns' credit is not divided by 0.
     return advantages + credit / jnp.where(std > 0, std + epsilon, 1.0)[:, None]

@@ -66,14 +66,26 @@ def masked_mean(x: Array, mask: Array, axis: Axis = None, *, keepdims: bool = Fa
     return safe_divide(masked_sum(x, mask, axis, keepdims=keepdims), masked_count(mask, axis, keepdims=keepdims))
 
 
+def masked_reference(x: Array, mask: Array, axis: Axis = None) -> Array:
+    """The largest valid value over ``axis`` (keepdims), 0 where none is valid: a shift for exact statistics.
+
+    Spreads computed from ``x - masked_reference(x)`` are exactly 0 for values that are all equal (the shift is
+    one of them, and a maximum involves no rounding), whatever the reduction order; the mean is shift-invariant.
+    """
+    x, valid = jnp.broadcast_arrays(jnp.asarray(x).astype(jnp.float32), jnp.asarray(mask) > 0)
+    top = jnp.max(jnp.where(valid, x, -jnp.inf), axis=axis, keepdims=True)
+    return jnp.where(jnp.isfinite(top), top, 0.0)
+
+
 def masked_var(x: Array, mask: Array, axis: Axis = None, *, ddof: int = 0, keepdims: bool = False) -> Array:
     """Masked variance ``sum(mask * (x - mean)^2) / (sum(mask) - ddof)`` in float32.
 
     ``ddof=0`` is the population (biased) estimator, ``ddof=1`` Bessel's unbiased one. Returns 0 when
     ``sum(mask) <= ddof`` (too few valid entries to estimate a spread).
     """
-    mean = masked_mean(x, mask, axis, keepdims=True)
-    centered = jnp.asarray(x).astype(jnp.float32) - mean
+    # Shifted by one valid value first: equal values have variance exactly 0, near-equal ones keep their digits.
+    shifted = jnp.asarray(x).astype(jnp.float32) - masked_reference(x, mask, axis)
+    centered = shifted - masked_mean(shifted, mask, axis, keepdims=True)
     sq = masked_sum(jnp.square(centered), mask, axis, keepdims=keepdims)
     count = masked_count(mask, axis, keepdims=keepdims)
     return jnp.where(count > ddof, safe_divide(sq, count - ddof), 0.0)

@@ -33,9 +33,12 @@ def clipped_value_loss(
 
     ::
 
-        V_clip = V_old + clip(V - V_old, -clip_range, clip_range)
+        V_clip = clip(V, V_old - clip_range, V_old + clip_range)
         l_t    = 0.5 * max((V - R)^2, (V_clip - R)^2)        (0.5 * (V - R)^2 if clip_range is None)
         loss   = aggregate(l, mask, aggregation)
+
+    The clip is written as verl writes it: a ``V`` inside the range is ``V_clip`` itself, bit for bit (``V_old +
+    (V - V_old)`` is not, in float32, and would count tokens as clipped that are not).
 
     Metrics: ``value_loss``, ``value_clip_fraction`` (tokens where the clipped term is the larger),
     ``explained_variance`` of the current ``values`` against ``returns``, ``value/mean``.
@@ -50,7 +53,7 @@ def clipped_value_loss(
         clipped_frac = jnp.zeros((), jnp.float32)
     else:
         v_old = as_float32(old_values)
-        v_clip = v_old + jnp.clip(v - v_old, -clip_range, clip_range)
+        v_clip = jnp.clip(v, v_old - clip_range, v_old + clip_range)
         clipped = jnp.square(v_clip - target)
         per_token = 0.5 * jnp.maximum(unclipped, clipped)
         clipped_frac = masked_mean(clipped > unclipped, mask)

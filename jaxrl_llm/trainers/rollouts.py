@@ -80,6 +80,13 @@ def assemble_groups(parts: list[tuple[Rollout, np.ndarray]], *, group_size: int,
     )
 
 
+def tied_groups(rewards: np.ndarray, group_size: int) -> np.ndarray:
+    """``[P]`` bool: the groups whose ``group_size`` rewards are all equal (exactly: ``max == min``; a float32 std
+    of equal values can be a rounding step above 0). Their advantage is 0 and they carry no gradient."""
+    grouped = np.asarray(rewards).reshape(-1, group_size)
+    return grouped.max(axis=1) == grouped.min(axis=1)
+
+
 def rollout_tokens(ro: Rollout) -> float:
     """The completion tokens a rollout sampled (the shell's tokens_per_second)."""
     return float(np.asarray(ro.out.mask).sum())
@@ -195,7 +202,7 @@ class RolloutCollector:
         return np.asarray(gathered[0]), {k: np.asarray(v) for k, v in gathered[1].items()}
 
     def informative_groups(self, ro: Rollout) -> np.ndarray:
-        return ro.rewards.reshape(-1, self.group_size).std(axis=1) > 0
+        return ~tied_groups(ro.rewards, self.group_size)
 
     def describe(self) -> str:
         return f"{len(self.prompts)} train prompts ({self.prompts.num_dropped} dropped as too long)"
@@ -206,7 +213,7 @@ class RolloutCollector:
         lengths = np.asarray(ro.out.lengths)
         out = {
             "reward/mean": float(ro.rewards.mean()),
-            "reward/std": float(ro.rewards.std()),
+            "reward/std": float(np.std(ro.rewards - ro.rewards.flat[0])),  # shifted: one reward for all is 0.0
             "completion_length/mean": float(lengths.mean()),
             "completion_length/max": float(lengths.max()),
             "frac_truncated": float(1.0 - np.asarray(ro.out.stopped_on_eos).mean()),
@@ -214,7 +221,7 @@ class RolloutCollector:
             "repetition/ngram_frac": repeated_ngram_fraction(np.asarray(ro.out.tokens), np.asarray(ro.out.mask)),
         }
         if self.group_size > 1:  # every "group" of one has zero std: the number would mean nothing
-            out["frac_zero_std_groups"] = float((ro.rewards.reshape(-1, self.group_size).std(axis=1) == 0).mean())
+            out["frac_zero_std_groups"] = float(tied_groups(ro.rewards, self.group_size).mean())
         for name, values in ro.per_function.items():
             out[f"reward/{name}/mean"] = float(values.mean())
         for name, seconds in self.reward_seconds.items():
