@@ -11,6 +11,7 @@ import os
 import secrets
 import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 import textwrap
@@ -20,7 +21,14 @@ from pathlib import Path
 
 import pytest
 
-from jaxrl_llm.envs.sandbox import SANDBOX_ENV, SandboxResult, bwrap_usable, run_python, sandbox_problem
+from jaxrl_llm.envs.sandbox import (
+    SANDBOX_ENV,
+    SandboxResult,
+    bwrap_makes_views,
+    bwrap_usable,
+    run_python,
+    sandbox_problem,
+)
 from jaxrl_llm.rewards.code_execution import code_tests_reward, extract_code
 
 
@@ -36,6 +44,15 @@ def subprocess_python() -> str | None:
 SUBPROCESS_PYTHON = subprocess_python()
 
 
+def require_bwrap(python: str | None = None) -> None:
+    """Skip only where bubblewrap is absent or cannot make any view (no user namespaces); where it can, a sandbox
+    that does not run this interpreter is a failure, with the probe's reason, never a skip."""
+    makes_views, why = bwrap_makes_views()
+    if not makes_views:
+        pytest.skip(why)
+    assert bwrap_usable(python), sandbox_problem("bwrap", python)
+
+
 @pytest.fixture(params=["bwrap", "subprocess"])
 def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Each sandbox mode in turn: bwrap (skipped where it is not usable) and the opted-in plain subprocess, chosen
@@ -44,8 +61,7 @@ def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
 
     monkeypatch.setattr(sandbox, "_configured", "")
     if request.param == "bwrap":
-        if not bwrap_usable():
-            pytest.skip("bubblewrap (bwrap) is not installed or not usable here")
+        require_bwrap()
         monkeypatch.delenv(SANDBOX_ENV, raising=False)
     else:
         if SUBPROCESS_PYTHON is None:
@@ -230,8 +246,7 @@ def test_system_is_read_only(mode: str, outside_file: Path) -> None:
 
 def test_network_is_blocked_under_bwrap(monkeypatch: pytest.MonkeyPatch) -> None:
     # Only loopback, in this process: a listener the sandbox would reach if it shared the network.
-    if not bwrap_usable():
-        pytest.skip("bubblewrap (bwrap) is not installed or not usable here")
+    require_bwrap()
     monkeypatch.delenv(SANDBOX_ENV, raising=False)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
         server.bind(("127.0.0.1", 0))
@@ -273,7 +288,8 @@ def usable_sandbox(monkeypatch: pytest.MonkeyPatch) -> str:
 
     monkeypatch.setattr(sandbox, "_configured", "")
     monkeypatch.delenv(SANDBOX_ENV, raising=False)
-    if bwrap_usable():
+    if bwrap_makes_views()[0]:
+        assert bwrap_usable(), sandbox_problem("bwrap")
         return "bwrap"
     if sandbox_problem("subprocess"):
         pytest.skip("no sandbox runs here: bubblewrap is missing, and the plain subprocess refuses this Python")
@@ -328,8 +344,7 @@ def caller_secrets(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Path]]
 
 
 def test_bwrap_shows_the_code_a_minimal_view(caller_secrets: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    if not bwrap_usable():
-        pytest.skip("bubblewrap (bwrap) is not installed or not usable here")
+    require_bwrap()
     monkeypatch.delenv(SANDBOX_ENV, raising=False)
     prefix = os.path.realpath(sys.prefix)
     reads = ["/etc/shadow", "/etc/hostname", *map(str, caller_secrets.values())]
@@ -381,8 +396,7 @@ def test_bwrap_shows_the_code_a_minimal_view(caller_secrets: dict[str, Path], mo
 
 
 def test_the_standard_library_and_installed_packages_work_under_bwrap(monkeypatch: pytest.MonkeyPatch) -> None:
-    if not bwrap_usable():
-        pytest.skip("bubblewrap (bwrap) is not installed or not usable here")
+    require_bwrap()
     monkeypatch.delenv(SANDBOX_ENV, raising=False)
     result = run("bwrap", """
         import collections, datetime, decimal, fractions, getpass, hashlib, itertools, json, math, random, re
@@ -437,7 +451,8 @@ def test_without_bwrap_nothing_runs_and_one_line_says_how_to_install_it(monkeypa
         code_tests_reward(["p"], ["x = 1"], tests=["assert x == 1"])
     config = load_run_config(None, ["env.name=tool_use", "env.tools=[calculator,python]"])
     with pytest.raises(ConfigError, match=r"^the python tool \(env.tools\) run model code, and env.sandbox=bwrap "
-                                          r"cannot here: the code sandbox needs bubblewrap: .*apt-get install") as e:
+                                          r"cannot here: the code sandbox cannot run: bwrap \(bubblewrap\) is not "
+                                          r"installed; .*apt-get install") as e:
         check_sandbox(config)
     assert "\n" not in str(e.value)
     check_sandbox(load_run_config(None, ["env.name=tool_use", "env.tools=[calculator]"]))  # no code to run: fine
@@ -461,3 +476,77 @@ def test_the_subprocess_opt_in_says_so_and_never_runs_as_root(monkeypatch: pytes
     said = capsys.readouterr().err
     assert "sandboxed code runs in a plain subprocess" in said and "opted in" in said
     assert "no network isolation" in sandbox.describe_sandbox("subprocess", SUBPROCESS_PYTHON)
+
+
+def _scratch_dirs() -> list[str]:
+    """Where CI jobs and throwaway environments put a Python: below /tmp, and /dev/shm where it is writable."""
+    return ["/tmp", *(["/dev/shm"] if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else [])]
+
+
+@pytest.fixture(params=[(where, copies) for where in _scratch_dirs() for copies in (False, True)],
+                ids=lambda p: f"{p[0]}-{'copies' if p[1] else 'links'}")
+def scratch_venv(request: pytest.FixtureRequest) -> Iterator[tuple[Path, Path]]:
+    """`(venv python, a secret beside the venv)`: a virtual environment made in a fresh directory below /tmp (or
+    /dev/shm), its interpreter linked to this one or copied (`--copies`), seeing this one's packages."""
+    import venv
+
+    where, copies = request.param
+    base = Path(tempfile.mkdtemp(dir=where, prefix="jaxrl_llm_sandbox_venv_"))
+    try:
+        venv.EnvBuilder(system_site_packages=True, symlinks=not copies, with_pip=False).create(base / "venv")
+        secret = base / "beside_the_venv.txt"
+        secret.write_text("SECRET")
+        yield base / "venv" / "bin" / "python", secret
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_bwrap_runs_an_interpreter_that_lives_under_tmp(scratch_venv: tuple[Path, Path],
+                                                        caller_secrets: dict[str, Path],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sandbox's own /tmp (and /dev/shm) are fresh tmpfs mounts; an interpreter whose prefix lives there is
+    bound after them, so it still runs, with its standard library, and the view still shows nothing else."""
+    python, secret = scratch_venv
+    require_bwrap(str(python))
+    monkeypatch.delenv(SANDBOX_ENV, raising=False)
+    reads = ["/etc/shadow", str(secret), *map(str, caller_secrets.values())]
+    result = run_python(textwrap.dedent(f"""
+        import json, sys, decimal, sqlite3, ctypes, hashlib, zlib
+        seen = {{"prefix": sys.prefix, "sum": str(decimal.Decimal("0.1") + decimal.Decimal("0.2")),
+                 "sqlite": sqlite3.connect(":memory:").execute("select 6 * 7").fetchone()[0],
+                 "sha": hashlib.sha256(zlib.compress(b"x")).hexdigest()[:8]}}
+        for path in {reads!r}:
+            try:
+                seen[path] = open(path).read()
+            except OSError as e:
+                seen[path] = type(e).__name__
+        print(json.dumps(seen))
+    """), python=str(python))
+    assert result.mode == "bwrap" and result.returncode == 0, result.observation()
+    seen = json.loads(result.stdout)
+    assert seen["prefix"] == str(python.parent.parent) and seen["sum"] == "0.3" and seen["sqlite"] == 42
+    assert seen["sha"] == __import__("hashlib").sha256(__import__("zlib").compress(b"x")).hexdigest()[:8]
+    for path in reads:
+        assert seen[path] == "FileNotFoundError", (path, seen[path])
+    assert "SECRET" not in result.stdout
+
+    # The user's own view of it: the venv's Python asks the library whether its sandbox runs, and runs code.
+    probe = ("from jaxrl_llm.envs.sandbox import bwrap_usable, run_python, sandbox_problem\n"
+             "print(bwrap_usable(), sandbox_problem('bwrap') or '-', run_python('print(6 * 7)').stdout.strip())")
+    out = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"}, cwd=tempfile.gettempdir())
+    assert out.returncode == 0 and out.stdout.split() == ["True", "-", "42"], out.stderr[-2000:]
+
+
+def test_the_probe_says_the_interpreter_is_not_in_the_view(scratch_venv: tuple[Path, Path]) -> None:
+    """bwrap installed and working, the interpreter absent from the view: the reason names the interpreter and
+    where it lives, and does not suggest installing bubblewrap."""
+    from jaxrl_llm.envs import sandbox
+
+    python, _ = scratch_venv
+    require_bwrap()
+    hidden = sandbox.Interpreter(str(python), ())  # as if its prefix had not been bound
+    found, why = sandbox._probe_bwrap(hidden)
+    assert found is None
+    assert why.startswith(f"bwrap works here, but the interpreter {python} could not be run inside the sandbox's "
+                          "view") and "No such file or directory" in why and "install" not in why

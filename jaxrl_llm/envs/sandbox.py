@@ -141,7 +141,9 @@ def interpreter(python: str | None = None) -> Interpreter:
                 prefixes = [sys.prefix, sys.base_prefix]
             else:
                 ask = "import sys; print(sys.prefix); print(sys.base_prefix)"
-                out = subprocess.run([python, "-I", "-S", "-c", ask], capture_output=True, text=True, timeout=30,
+                # Not -S: `site` is what sets a venv's sys.prefix (without it, the venv's pyvenv.cfg and packages
+                # would be left out of the view).
+                out = subprocess.run([python, "-I", "-c", ask], capture_output=True, text=True, timeout=30,
                                      check=True).stdout
                 prefixes = out.split("\n")[:2]
             exe = os.path.join(os.path.realpath(os.path.dirname(python)), os.path.basename(python))
@@ -177,19 +179,22 @@ def _bwrap_args(modern: bool, interp: Interpreter, host_dir: Path) -> list[str]:
         if os.path.exists(f):
             args += ["--ro-bind", os.path.realpath(f), f]
     args += ["--ro-bind", str(host_dir / "passwd"), "/etc/passwd", "--ro-bind", str(host_dir / "group"), "/etc/group"]
-    made: set[str] = set()
+    args += ["--proc", "/proc", "--dev", "/dev", *size, "--tmpfs", "/dev/shm", *size, "--tmpfs", "/tmp",
+             "--dir", WORK_DIR]
+    # The interpreter's directories after the fresh mounts, wherever they live: a venv under /tmp or /dev/shm bound
+    # before the tmpfs over it would vanish from the view (bwrap: execvp ...: No such file or directory).
+    made = {"/", "/tmp", "/dev", "/dev/shm", WORK_DIR}
     for root in interp.roots:
-        # The directories above the interpreter's (/root, /home/me, ...) exist only as its path: 0111, so the code
-        # may pass through them but not list them; the root is remounted read-only below, so it cannot chmod them.
-        for parent in reversed(Path(root).parents[:-1]):
+        # The directories above the interpreter's (/root, /home/me, /tmp/ci, ...) exist only as its path: 0111, so
+        # the code may pass through them but not list them; they are remounted read-only below (or, in /tmp, they
+        # are the sandbox's own and hold nothing), so it cannot chmod them to see more.
+        for parent in reversed(Path(root).parents):
             if str(parent) not in made:
                 made.add(str(parent))
                 args += ["--perms", "0111", "--dir", str(parent)]
         args += ["--ro-bind", root, root]
-    args += ["--proc", "/proc", "--dev", "/dev",
-             # /dev is a writable tmpfs of unbounded size: a bounded /dev/shm on it, then the rest read-only.
-             *size, "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
-             *size, "--tmpfs", "/tmp", "--dir", WORK_DIR,
+    # /dev is a writable tmpfs of unbounded size: read-only from here on (its bounded /dev/shm stays writable).
+    args += ["--remount-ro", "/dev",
              "--ro-bind", str(host_dir / "work" / "main.py"), f"{WORK_DIR}/main.py", "--remount-ro", "/"]
     return [*args, "--chdir", WORK_DIR]
 
@@ -206,35 +211,74 @@ def _host_dir(code: str, stdin: str) -> Path:
     return host_dir
 
 
+def _run_in_view(bwrap: str, modern: bool, interp: Interpreter, host_dir: Path, argv: list[str]) -> str | None:
+    """None when `argv` exits 0 inside the view bwrap makes for `interp`, else the last line of what went wrong."""
+    try:
+        proc = subprocess.run([bwrap, *_bwrap_args(modern, interp, host_dir), "--", *argv], capture_output=True,
+                              timeout=30, env=_sandbox_env())
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"bwrap failed to start ({type(e).__name__}: {e})"
+    if proc.returncode == 0:
+        return None
+    err = proc.stderr.decode(errors="replace").strip().splitlines()
+    return err[-1] if err else f"exit status {proc.returncode}"
+
+
 def _probe_bwrap(interp: Interpreter) -> tuple[bool | None, str]:
     """`(whether bwrap's modern options work, "")`, or `(None, why bwrap cannot run this interpreter)`; tried once
-    per process and interpreter."""
+    per process and interpreter. The reason tells apart a missing bwrap, a bwrap that cannot make a view at all
+    (`bwrap_makes_views`), and an interpreter that the view does not show or cannot start."""
     with _probe_lock:
         key = ("bwrap", interp.executable)
         if key not in _probe:
             found: bool | None = None
-            why = "bwrap (bubblewrap) is not installed"
+            why = f"bwrap (bubblewrap) is not installed; {INSTALL_BWRAP}"
             bwrap = shutil.which("bwrap")
             host_dir = _host_dir("pass\n", "")
             try:
+                errors = []
                 for modern in (True, False) if bwrap is not None else ():
                     assert bwrap is not None
-                    try:
-                        proc = subprocess.run([bwrap, *_bwrap_args(modern, interp, host_dir), "--",
-                                               interp.executable, "-I", "-S", "main.py"], capture_output=True,
-                                              timeout=30, env=_sandbox_env())
-                    except (OSError, subprocess.SubprocessError) as e:
-                        why = f"bwrap failed to start ({type(e).__name__}: {e})"
-                        break
-                    if proc.returncode == 0:
+                    error = _run_in_view(bwrap, modern, interp, host_dir, [interp.executable, "-I", "-S", "main.py"])
+                    if error is None:
                         found = modern
                         break
-                    err = proc.stderr.decode(errors="replace").strip().splitlines()
-                    why = f"bwrap is not usable here ({err[-1] if err else f'exit status {proc.returncode}'})"
+                    errors.append(error)
+                if bwrap is not None and found is None:
+                    why = _why_not(bwrap, interp, host_dir, errors[-1])
             finally:
                 shutil.rmtree(host_dir, ignore_errors=True)
             _probe[key] = (found, why)
         return _probe[key]
+
+
+def _true_program() -> str:
+    return os.path.realpath(shutil.which("true") or "/bin/true")
+
+
+def _why_not(bwrap: str, interp: Interpreter, host_dir: Path, error: str) -> str:
+    """Why the interpreter does not run under bwrap, once a probe failed with `error`."""
+    if not any(_run_in_view(bwrap, m, Interpreter("", ()), host_dir, [_true_program()]) is None for m in (True, False)):
+        return (f"bwrap is installed but cannot make a sandbox here ({error}): the kernel or the container refuses "
+                f"unprivileged user namespaces, or bwrap lacks its setuid bit")
+    return (f"bwrap works here, but the interpreter {interp.executable} could not be run inside the sandbox's view "
+            f"(it loads from {', '.join(interp.roots) or '/usr'}): {error}")
+
+
+def bwrap_makes_views() -> tuple[bool, str]:
+    """`(True, "")` when bwrap is installed and runs `true` in a minimal view of this machine (namespaces allowed),
+    else `(False, why)`: the two reasons to skip, not fail, a test of the bwrap sandbox."""
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        return False, "bwrap (bubblewrap) is not installed"
+    host_dir = _host_dir("pass\n", "")
+    try:
+        errors = [_run_in_view(bwrap, m, Interpreter("", ()), host_dir, [_true_program()]) for m in (True, False)]
+    finally:
+        shutil.rmtree(host_dir, ignore_errors=True)
+    if None in errors:
+        return True, ""
+    return False, f"bwrap cannot make a sandbox here: {errors[-1]}"
 
 
 def bwrap_usable(python: str | None = None) -> bool:
@@ -264,7 +308,7 @@ def sandbox_problem(mode: str | None = None, python: str | None = None) -> str:
     interp = interpreter(python)
     if mode == "bwrap":
         found, why = _probe_bwrap(interp)
-        return "" if found is not None else f"the code sandbox needs bubblewrap: {why}; {INSTALL_BWRAP}, {OPT_IN}"
+        return "" if found is not None else f"the code sandbox cannot run: {why}; {OPT_IN}"
     if mode != "subprocess":
         return f"sandbox mode {mode!r} ({SANDBOX_ENV} or env.sandbox): one of {', '.join(SANDBOX_MODES)}"
     if os.geteuid() == 0 and not _nobody_can_run(interp):
