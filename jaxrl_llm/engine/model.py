@@ -39,7 +39,7 @@ from jaxrl_llm.engine.pages import (
 from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.models.block import Attend, LayerOps, transformer_block
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.decode import StepWeights, longrope_original, loop_layout_attention, step_ops
+from jaxrl_llm.models.decode import StepWeights, longrope_original, loop_layout_attention, mlp_width, step_ops
 from jaxrl_llm.models.decoder import Params, unembed, unembedding_as_stored
 from jaxrl_llm.models.layers import embed_tokens, grouped_query_attention, rms_norm, rope_cos_sin, softcap
 from jaxrl_llm.models.precision import matmul
@@ -128,7 +128,7 @@ def paged_forward(params: Params, weights: list[StepWeights], config: ModelConfi
             attend = kernel_attention(c, layer, query_tables, slots, query_lengths, "cpu", window)
         else:
             attend = paged_attention(c, layer, page_table, slots, allowed)
-        x, layer = transformer_block(x, step_ops(w, c, shards), attend, cos, sin, c)
+        x, layer, _ = transformer_block(x, step_ops(w, c, shards), attend, cos, sin, c)
         new_pages.append(layer)
     return rms_norm(x, params["final_norm"]["scale"], c.rms_norm_eps, unit_offset=c.norm_unit_offset), new_pages
 
@@ -173,8 +173,8 @@ def slot_decode_step(params: Params, weights: list[StepWeights], config: ModelCo
     new_caches = []
     for i, (w, cache) in enumerate(zip(weights, caches, strict=True)):
         cos, sin, allowed = inputs[c.is_sliding(i)]
-        x, cache = transformer_block(x, step_ops(w, c, shards), slot_attention(c, cache, positions, allowed), cos,
-                                     sin, c)
+        x, cache, _ = transformer_block(x, step_ops(w, c, shards), slot_attention(c, cache, positions, allowed),
+                                        cos, sin, c)
         new_caches.append(cache)
     hidden = rms_norm(x[:, 0], params["final_norm"]["scale"], c.rms_norm_eps, unit_offset=c.norm_unit_offset)
     return paged_logits(params, c, hidden), new_caches
@@ -227,16 +227,16 @@ class PackedWeights(NamedTuple):
 def gated_in_kernel(config: ModelConfig) -> bool:
     """Whether the packed decode step computes the MLP's `act(gate) * up` in the AMX kernel's epilogue
     (`cpu_kernel.packed_gated_matmul`): an MLP without biases whose width packs whole (a multiple of 16)."""
-    return not config.mlp_bias and config.intermediate_size % 16 == 0
+    return not config.mlp_bias and mlp_width(config) % 16 == 0
 
 
 def pack_step_weights(params: Params, weights: list[StepWeights], config: ModelConfig) -> PackedWeights:
     """`weights`' matrices and the LM head (the tied embedding transposed) in the AMX kernel's tile layout."""
-    def pack(w: jax.Array) -> jax.Array:
-        return cpu_kernel.pack_weight(w) if cpu_kernel.packable(w) else w
+    def pack(w: jax.Array | None) -> jax.Array | None:
+        return cpu_kernel.pack_weight(w) if w is not None and cpu_kernel.packable(w) else w
 
-    def pack_gate_up(w: jax.Array) -> jax.Array:
-        return cpu_kernel.pack_gated_weight(w) if gated_in_kernel(config) else pack(w)
+    def pack_gate_up(w: jax.Array | None) -> jax.Array | None:
+        return cpu_kernel.pack_gated_weight(w) if w is not None and gated_in_kernel(config) else pack(w)
 
     head, transposed = unembedding_as_stored(params, config)
     head = head.T if transposed else head
@@ -296,7 +296,7 @@ def kernel_decode_step(params: Params, weights: list[StepWeights] | PackedWeight
         window = c.sliding_window if c.is_sliding(i) else None
         attend = kernel_attention(c, layer, page_table, slots, lengths, backend, window)
         ops = packed_step_ops(w, c, shards) if packed is not None else step_ops(w, c, shards)
-        x, layer = transformer_block(x, ops, attend, cos, sin, c)
+        x, layer, _ = transformer_block(x, ops, attend, cos, sin, c)
         new_pages.append(layer)
     if packed is not None:  # the final norm in the head's kernel
         return packed_logits(packed.head, c, x[:, 0], params["final_norm"]["scale"]), new_pages

@@ -3,8 +3,10 @@
     h = attn_norm(x);  q, k, v = qkv(h);  q, k = q_norm(q), k_norm(k)            (Qwen3, Gemma 3)
     q, k = rotary(q), rotary(k);  a, state = attend(q, k, v)
     x = x + attn_post_norm(o(a))                                                 (post norm: Gemma 2/3)
-    x = x + mlp_post_norm(down(act(gate) * up)),  gate, up = gate_up(mlp_norm(x))
-                                                   (or act(gate) * up in one op: `LayerOps.gated`)
+    x = x + mlp_post_norm(feed_forward(mlp_norm(x)))
+
+The feed-forward is a part the family chooses (`LayerOps.feed_forward`): the gated MLP `down(act(gate) * up)`
+(`gated_mlp`), or a mixture of experts (`models/moe.py`), which also returns what its router chose.
 
 Two things vary between the places a block runs, and both are arguments:
 - **how the weights are applied** (`LayerOps`): the Flax modules of `decoder.py` (training, the reference
@@ -26,8 +28,12 @@ import jax
 
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.layers import apply_rope, gated_activation, grouped_query_attention
+from jaxrl_llm.models.moe import Routing
 
 Fn = Callable[[jax.Array], jax.Array]
+# `feed_forward(h [B, T, D]) -> (y [B, T, D], routing)`: routing is None for a dense MLP, else the `Routing` of the
+# layer's tokens (`experts [B, T, k]`, router `logits [B, T, E]`).
+FeedForward = Callable[[jax.Array], tuple[jax.Array, Routing | None]]
 # `attend(q [B, T, H, hd], k [B, T, KVH, hd], v [B, T, KVH, hd]) -> (out [B, T, H * hd], state)`: q and k rotated;
 # `state` is whatever the keys and values were written to (an updated cache, or None).
 Attend = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]]
@@ -35,9 +41,8 @@ Attend = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]]
 
 class LayerOps(NamedTuple):
     """One layer's weights as functions of activations `[B, T, D]`: `qkv` returns `q [B, T, H, hd]` and
-    `k, v [B, T, KVH, hd]`; `gate_up` returns `gate, up [B, T, I]`; absent parts (a family without q/k norms or
-    sandwich norms) are None. `gated`, where given, returns `act(gate) * up [B, T, I]` of its input in one op (the
-    engine's AMX kernel computes it in its matmul's epilogue) and stands in for `gate_up` and the activation."""
+    `k, v [B, T, KVH, hd]`; `feed_forward` the feed-forward part's output (and its routing, see `FeedForward`);
+    absent parts (a family without q/k norms or sandwich norms) are None."""
 
     attn_norm: Fn
     qkv: Callable[[jax.Array], tuple[jax.Array, jax.Array, jax.Array]]
@@ -46,30 +51,41 @@ class LayerOps(NamedTuple):
     o: Fn
     attn_post_norm: Fn | None
     mlp_norm: Fn
-    gate_up: Callable[[jax.Array], tuple[jax.Array, jax.Array]]
-    down: Fn
+    feed_forward: FeedForward
     mlp_post_norm: Fn | None
-    gated: Fn | None = None
+
+
+def gated_mlp(gate_up: Callable[[jax.Array], tuple[jax.Array, jax.Array]], down: Fn, hidden_act: str,
+              gated: Fn | None = None) -> FeedForward:
+    """The dense feed-forward `down(act(gate) * up)` with `gate, up = gate_up(h)`; `gated(h)`, where given, returns
+    `act(gate) * up` in one op (the engine's AMX kernel computes it in its matmul's epilogue)."""
+    def feed_forward(h: jax.Array) -> tuple[jax.Array, None]:
+        return down(gated(h) if gated is not None else gated_activation(*gate_up(h), hidden_act)), None
+
+    return feed_forward
 
 
 def transformer_block(x: jax.Array, ops: LayerOps, attend: Attend, cos: jax.Array, sin: jax.Array,
-                      config: ModelConfig) -> tuple[jax.Array, Any]:
+                      config: ModelConfig) -> tuple[jax.Array, Any, Routing | None]:
     """The pre-norm block above on `x [B, T, D]` with rotary tables `cos, sin [B, T, rot]` (the layer kind's):
-    returns `(x [B, T, D], attend's state)`."""
+    returns `(x [B, T, D], attend's state, the feed-forward's routing or None)`."""
     q, k, v = ops.qkv(ops.attn_norm(x))
     if ops.q_norm is not None and ops.k_norm is not None:
-        q, k = ops.q_norm(q), ops.k_norm(k)
+        if config.qk_norm_projection:  # OLMoE: one norm over all heads' queries (keys) together
+            q = ops.q_norm(q.reshape(*q.shape[:2], -1)).reshape(q.shape)
+            k = ops.k_norm(k.reshape(*k.shape[:2], -1)).reshape(k.shape)
+        else:
+            q, k = ops.q_norm(q), ops.k_norm(k)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     out, state = attend(q, k, v)
     h = ops.o(out)
     if ops.attn_post_norm is not None:
         h = ops.attn_post_norm(h)
     x = x + h
-    h = ops.mlp_norm(x)
-    h = ops.down(ops.gated(h) if ops.gated is not None else gated_activation(*ops.gate_up(h), config.hidden_act))
+    h, routing = ops.feed_forward(ops.mlp_norm(x))
     if ops.mlp_post_norm is not None:
         h = ops.mlp_post_norm(h)
-    return x + h, state
+    return x + h, state, routing
 
 
 def cached_attention(config: ModelConfig, allowed: jax.Array, cache: dict[str, jax.Array] | None = None,

@@ -18,13 +18,18 @@ DType = Literal["float32", "bfloat16"]
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a pre-norm decoder: Llama 2/3, Qwen2/2.5, Qwen3, Mistral, Phi-3, Gemma 2, Gemma 3 (text).
+    """Architecture of a pre-norm decoder: Llama 2/3, Qwen2/2.5, Qwen3, Mistral, Phi-3, Gemma 2, Gemma 3 (text), and
+    the mixtures of experts Qwen3-MoE, Qwen2-MoE, Mixtral and OLMoE.
 
     `rope_scaling` is a tuple of `(key, value)` pairs (hashable; list values as tuples) or None; supported types
     are `linear`, `llama3`, `yarn` and `longrope`. `sliding_window` is None (full causal attention) or the
     window `W`: a query at position `p` sees keys at positions `p - W < k <= p` (transformers' convention).
     `layer_types` (one of "full_attention" / "sliding_attention" per layer) limits the window to the sliding
     layers (Gemma 2 alternates them, Gemma 3 has five local layers per global one); None: every layer alike.
+
+    The feed-forward part is the gated MLP (`num_experts = 0`) or, on every layer, a mixture of `num_experts`
+    experts of `moe_intermediate_size` with top-`num_experts_per_tok` routing (`models/moe.py`), plus, for
+    Qwen2-MoE, a shared expert of `shared_expert_intermediate_size` behind a sigmoid gate.
     """
 
     vocab_size: int
@@ -42,6 +47,7 @@ class ModelConfig:
     o_bias: bool = False  # Llama's `attention_bias` also biases o_proj; Qwen2 does not
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    qk_norm_projection: bool = False  # OLMoE: the q and k norms run over the whole projection (H * hd), not per head
     tie_word_embeddings: bool = False
     sliding_window: int | None = None
     initializer_range: float = 0.02
@@ -56,6 +62,17 @@ class ModelConfig:
     attn_logit_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap) before the mask
     final_logit_softcap: float | None = None  # Gemma 2: logits -> cap * tanh(logits / cap)
     query_pre_attn_scalar: float | None = None  # Gemma: attention scale 1/sqrt(this) instead of 1/sqrt(head_dim)
+    # Mixture of experts (0 experts: the dense gated MLP). Every layer is an MoE layer; routing is softmax, then top-k,
+    # then (norm_topk_prob) the k weights renormalized to sum to 1.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a shared expert, gated by sigmoid(x . w), on every token
+    router_aux_loss_coef: float = 0.0  # the checkpoint's own coefficient, written back on export (training: rl/sft's)
+    # How the experts are computed: "ragged" (sorted by expert, `jax.lax.ragged_dot`) or "dense" (every expert on
+    # every token, masked: the tests' reference).
+    moe_compute: str = "ragged"
     model_type: str = "llama"  # the HF family to export as
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
@@ -112,6 +129,10 @@ class ModelConfig:
         """The factor on `q . k`: `1 / sqrt(query_pre_attn_scalar or head_dim)`."""
         return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
     def replace(self, **changes: object) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
@@ -122,6 +143,10 @@ class ModelConfig:
         attn = d * q + 2 * d * kv + q * d
         attn += (q + 2 * kv) * self.qkv_bias + d * self.o_bias + 2 * hd * self.qk_norm
         mlp = 3 * d * f + (2 * f + d) * self.mlp_bias
+        if self.is_moe:
+            shared = self.shared_expert_intermediate_size
+            mlp = d * self.num_experts + 3 * d * self.moe_intermediate_size * self.num_experts
+            mlp += (3 * d * shared + d) if shared else 0
         per_layer = attn + mlp + (4 if self.sandwich_norms else 2) * d
         head = 0 if self.tie_word_embeddings else d * self.vocab_size
         return self.vocab_size * d + self.num_layers * per_layer + d + head
@@ -140,6 +165,13 @@ def check_model_config(config: ModelConfig) -> None:
                              "sliding_attention")
     if c.hidden_act not in ("silu", "gelu_pytorch_tanh"):
         raise ValueError(f"unsupported hidden_act {c.hidden_act!r}; supported: silu, gelu_pytorch_tanh")
+    if c.num_experts < 0 or (c.num_experts and not 0 < c.num_experts_per_tok <= c.num_experts):
+        raise ValueError(f"num_experts_per_tok ({c.num_experts_per_tok}) must be between 1 and num_experts "
+                         f"({c.num_experts})")
+    if c.num_experts and c.moe_intermediate_size < 1:
+        raise ValueError(f"moe_intermediate_size must be >= 1 for {c.num_experts} experts")
+    if c.moe_compute not in ("ragged", "dense"):
+        raise ValueError(f"moe_compute must be 'ragged' or 'dense', got {c.moe_compute!r}")
     if c.num_heads % c.num_kv_heads:
         raise ValueError(f"num_heads ({c.num_heads}) must be a multiple of num_kv_heads ({c.num_kv_heads})")
     for name in ("param_dtype", "dtype"):

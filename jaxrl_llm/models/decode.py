@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxrl_llm.models import precision
-from jaxrl_llm.models.block import Attend, LayerOps, transformer_block
+from jaxrl_llm.models.block import Attend, FeedForward, LayerOps, gated_mlp, transformer_block
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Decoder, DecoderLayer, Params, attention_inputs, attention_kind, unembed
 from jaxrl_llm.models.layers import (
@@ -28,6 +28,7 @@ from jaxrl_llm.models.layers import (
     rope_parameters,
     rotary,
 )
+from jaxrl_llm.models.moe import Experts, Routing, experts_dense, experts_ragged, route
 from jaxrl_llm.models.precision import matmul
 from jaxrl_llm.sharding import constrain
 
@@ -67,7 +68,7 @@ def decode_layers(
     new_caches = []
     for i, (weights, cache) in enumerate(zip(layer_params, caches, strict=True)):
         own = (inputs[attention_kind(config, i)],)  # the layer's kind, chosen statically
-        x, cache = layer.apply({"params": weights}, x, cache, own, cache_index)
+        x, (cache, _) = layer.apply({"params": weights}, x, cache, own, cache_index)
         new_caches.append(cache)
     x = decoder.apply({"params": params}, x, method=lambda m, h: m.final_norm(h))
     if return_hidden:
@@ -79,7 +80,9 @@ class StepWeights(NamedTuple):
     """One layer's weights for the decode loop's token step, prepared once per call (outside the loop):
     q|k|v and gate|up concatenated into one matrix each (fewer, wider matmuls), biases and norm scales
     as `[1, N]` rows (absent ones as None); matrices in the compute dtype (the dots' operand dtype, cast once
-    per call, outside the loop), biases in the activation dtype."""
+    per call, outside the loop), biases in the activation dtype. An MoE layer has its `router [D, E]` and
+    `experts` (`moe.Experts`) and no dense MLP: `gate_up` and `down` are its shared expert's (Qwen2-MoE, behind
+    `shared_gate [D, 1]`) or None."""
 
     attn_norm: jax.Array
     qkv: jax.Array
@@ -90,18 +93,26 @@ class StepWeights(NamedTuple):
     o_bias: jax.Array | None
     attn_post_norm: jax.Array | None
     mlp_norm: jax.Array
-    gate_up: jax.Array
+    gate_up: jax.Array | None
     gate_up_bias: jax.Array | None
-    down: jax.Array
+    down: jax.Array | None
     down_bias: jax.Array | None
     mlp_post_norm: jax.Array | None
+    router: jax.Array | None = None
+    experts: Experts | None = None
+    shared_gate: jax.Array | None = None
+
+
+def mlp_width(config: ModelConfig) -> int:
+    """The columns of the layer's gate|up halves: the dense MLP's, the shared expert's (Qwen2-MoE), or 0 (none)."""
+    return config.shared_expert_intermediate_size if config.is_moe else config.intermediate_size
 
 
 def fusable_shards(config: ModelConfig, tensor: int) -> int:
     """How many tensor-parallel shards the fused q|k|v and gate|up matrices are laid out for: `tensor` when
     it divides every fused part's columns, else 1 (plain concatenation)."""
     hd = config.head_dim
-    parts = (config.num_heads * hd, config.num_kv_heads * hd, config.intermediate_size)
+    parts = (config.num_heads * hd, config.num_kv_heads * hd, mlp_width(config) or hd)
     return tensor if tensor > 1 and all(n % tensor == 0 for n in parts) else 1
 
 
@@ -142,6 +153,14 @@ def step_weights(layer_params: list[Params], config: ModelConfig, shards: int = 
     out = []
     for w in layer_params:
         attn, mlp = w["attn"], w["mlp"]
+        dense = mlp.get("shared", mlp) if config.is_moe else mlp
+        has_dense = not config.is_moe or bool(config.shared_expert_intermediate_size)
+        moe = {}
+        if config.is_moe:
+            ex = mlp["experts"]
+            moe = dict(router=cast(mlp["router"]["kernel"]),
+                       experts=Experts(*(cast(ex[n]["kernel"]) for n in ("gate", "up", "down"))),
+                       shared_gate=cast(mlp["shared_gate"]["kernel"]) if "shared_gate" in mlp else None)
         out.append(StepWeights(
             attn_norm=w["attn_norm"]["scale"],
             qkv=cast(_fuse([attn["q"]["kernel"], attn["k"]["kernel"], attn["v"]["kernel"]], shards)),
@@ -152,11 +171,12 @@ def step_weights(layer_params: list[Params], config: ModelConfig, shards: int = 
             o_bias=bias(attn["o"]),
             attn_post_norm=w["attn_post_norm"]["scale"] if config.sandwich_norms else None,
             mlp_norm=w["mlp_norm"]["scale"],
-            gate_up=cast(_fuse([mlp["gate"]["kernel"], mlp["up"]["kernel"]], shards)),
-            gate_up_bias=bias(mlp["gate"], mlp["up"]),
-            down=cast(mlp["down"]["kernel"]),
-            down_bias=bias(mlp["down"]),
+            gate_up=cast(_fuse([dense["gate"]["kernel"], dense["up"]["kernel"]], shards)) if has_dense else None,
+            gate_up_bias=bias(dense["gate"], dense["up"]) if has_dense else None,
+            down=cast(dense["down"]["kernel"]) if has_dense else None,
+            down_bias=bias(dense["down"]) if has_dense else None,
             mlp_post_norm=w["mlp_post_norm"]["scale"] if config.sandwich_norms else None,
+            **moe,
         ))
     return out
 
@@ -197,8 +217,8 @@ def decode_token(
     new_caches = []
     for i, (w, cache) in enumerate(zip(weights, caches, strict=True)):
         cos, sin, allowed = inputs[attention_kind(c, i)]
-        x, cache = transformer_block(x, step_ops(w, c, shards), loop_cache_attention(c, allowed, cache, cache_index),
-                                     cos, sin, c)
+        x, cache, _ = transformer_block(x, step_ops(w, c, shards), loop_cache_attention(c, allowed, cache,
+                                                                                         cache_index), cos, sin, c)
         new_caches.append(cache)
     x = rms_norm(x[:, 0], params["final_norm"]["scale"], c.rms_norm_eps, unit_offset=c.norm_unit_offset)
     return unembed(params, c, x).astype(jnp.float32), new_caches
@@ -235,6 +255,8 @@ def step_ops(w: StepWeights, config: ModelConfig, shards: int = 1,
 
     fused = norms_in_matmul and dense_matmul is not None
     attn_scale, mlp_scale = (w.attn_norm, w.mlp_norm) if fused else (None, None)
+    if w.router is not None:  # an MoE layer normalizes once, before its router (`step_moe`), not in a matmul
+        mlp_scale = None
 
     def qkv(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         b, t, _ = x.shape
@@ -242,22 +264,57 @@ def step_ops(w: StepWeights, config: ModelConfig, shards: int = 1,
         return q.reshape(b, t, h, hd), k.reshape(b, t, kvh, hd), v.reshape(b, t, kvh, hd)
 
     def gate_up(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        assert w.gate_up is not None
         product = dense(w.gate_up, w.gate_up_bias, mlp_scale)(x)
-        gate, up = _unfuse(product, (c.intermediate_size, c.intermediate_size), shards)
+        gate, up = _unfuse(product, (mlp_width(c), mlp_width(c)), shards)
         return gate, up
 
     gated = None
-    if gated_matmul is not None and w.gate_up_bias is None:
+    if gated_matmul is not None and w.gate_up_bias is None and w.gate_up is not None:
         def gated(x: jax.Array) -> jax.Array:
             return gated_matmul(x, w.gate_up) if mlp_scale is None else gated_matmul(x, w.gate_up, mlp_scale)
 
     def identity(x: jax.Array) -> jax.Array:
         return x
 
+    if w.router is None:
+        assert w.down is not None
+        feed_forward = gated_mlp(gate_up, dense(w.down, w.down_bias), c.hidden_act, gated)
+    else:
+        shared = None if w.down is None else gated_mlp(gate_up, dense(w.down, w.down_bias), c.hidden_act, gated)
+        # The norm before an MoE layer is XLA's: its router and experts are not the kernel's matmuls.
+        feed_forward = step_moe(w, c, shared, norm(w.mlp_norm) if fused else None)
     return LayerOps(attn_norm=identity if fused else norm(w.attn_norm), qkv=qkv, q_norm=norm(w.q_norm),
                     k_norm=norm(w.k_norm), o=dense(w.o, w.o_bias), attn_post_norm=norm(w.attn_post_norm),
-                    mlp_norm=identity if fused else norm(w.mlp_norm), gate_up=gate_up,
-                    down=dense(w.down, w.down_bias), mlp_post_norm=norm(w.mlp_post_norm), gated=gated)
+                    mlp_norm=identity if fused else norm(w.mlp_norm), feed_forward=feed_forward,
+                    mlp_post_norm=norm(w.mlp_post_norm))
+
+
+def step_moe(w: StepWeights, config: ModelConfig, shared: FeedForward | None,
+             pre_norm: Callable[[jax.Array], jax.Array] | None = None, replay: jax.Array | None = None
+             ) -> FeedForward:
+    """An MoE layer's feed-forward on the sampler's prepared weights: the router's float32 logits, top-k routing
+    (`moe.route`; `replay [B, T, k]` forces the experts), the experts by grouped matmuls, plus the gated shared
+    expert (`shared`, Qwen2-MoE). `pre_norm`: the layer's `mlp_norm`, when the ops leave it to the feed-forward."""
+    c = config
+    assert w.router is not None and w.experts is not None
+
+    def apply(h: jax.Array) -> tuple[jax.Array, Routing]:
+        if pre_norm is not None:
+            h = pre_norm(h)
+        b, t, d = h.shape
+        logits = matmul(h, w.router, c.jnp_dtype, jnp.float32)
+        experts, weights = route(logits, c.num_experts_per_tok, renormalize=c.norm_topk_prob, replay=replay)
+        compute = experts_dense if c.moe_compute == "dense" else experts_ragged
+        y = compute(h.reshape(b * t, d), experts.reshape(b * t, -1), weights.reshape(b * t, -1), w.experts,
+                    hidden_act=c.hidden_act, dtype=c.jnp_dtype).reshape(b, t, d)
+        if shared is not None and w.shared_gate is not None:
+            s, _ = shared(h)
+            gate = jax.nn.sigmoid(matmul(h, w.shared_gate, c.jnp_dtype, jnp.float32))
+            y = y + gate.astype(y.dtype) * s.astype(y.dtype)
+        return y, Routing(experts, logits)
+
+    return apply
 
 
 def loop_cache_attention(config: ModelConfig, allowed: jax.Array, cache: dict[str, jax.Array],
@@ -344,11 +401,14 @@ def constrain_step_weights(w: StepWeights, mesh: Mesh | None) -> StepWeights:
     if mesh is None:
         return w
     columns, rows, whole = PartitionSpec(None, "tensor"), PartitionSpec("tensor", None), PartitionSpec()
+    experts = Experts(PartitionSpec(None, None, "tensor"), PartitionSpec(None, None, "tensor"),
+                      PartitionSpec(None, "tensor", None))
     specs = StepWeights(attn_norm=whole, qkv=columns, qkv_bias=columns, q_norm=whole, k_norm=whole, o=rows,
                         o_bias=whole, attn_post_norm=whole, mlp_norm=whole, gate_up=columns, gate_up_bias=columns,
-                        down=rows, down_bias=whole, mlp_post_norm=whole)
-    return StepWeights(*[None if x is None else constrain(x, mesh, spec)
-                         for x, spec in zip(w, specs, strict=True)])
+                        down=rows, down_bias=whole, mlp_post_norm=whole, router=whole, experts=experts,
+                        shared_gate=whole)
+    return jax.tree.map(lambda x, spec: None if x is None else constrain(x, mesh, spec), w, specs,
+                        is_leaf=lambda x: x is None)
 
 
 # ------------------------------------------------------------------------------------------ host side

@@ -1,5 +1,5 @@
-"""Flax decoder for pre-norm families (Llama 2/3, Qwen2/2.5, Qwen3, Mistral, Phi-3, Gemma 2, Gemma 3 text),
-switched by `ModelConfig`.
+"""Flax decoder for pre-norm families (Llama 2/3, Qwen2/2.5, Qwen3, Mistral, Phi-3, Gemma 2, Gemma 3 text, and the
+mixtures of experts Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE), switched by `ModelConfig`.
 
 The forward pass is a pure function of `(params, tokens, positions, key_mask, cache, cache_index)`:
 
@@ -16,6 +16,9 @@ The forward pass is a pure function of `(params, tokens, positions, key_mask, ca
 RoPE uses the Hugging Face `rotate_half` convention (the two halves of each head are the pair), with
 `rope_scaling` types `linear`, `llama3`, `yarn` and `longrope`.
 
+An MoE layer's feed-forward (`MoE`) routes each token to its top-k experts (`models/moe.py`); the forward can return
+every layer's `Routing` (`return_routing`) and take a recorded selection to replay (`replay [L, B, T, k]`).
+
 Families whose layers differ (Gemma 2/3: sliding-window layers between global ones, Gemma 3's local RoPE base)
 keep the one scanned layer stack: the decoder builds both variants of the mask and the rotary tables, and each
 layer picks its own with a scanned per-layer flag (`AttentionInputs`).
@@ -29,7 +32,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm.models.block import LayerOps, cached_attention, transformer_block
+from jaxrl_llm.models.block import FeedForward, LayerOps, cached_attention, gated_mlp, transformer_block
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.layers import (  # noqa: F401  (re-exported: the decoder's public math)
     SUPPORTED_ROPE_SCALING,
@@ -44,6 +47,7 @@ from jaxrl_llm.models.layers import (  # noqa: F401  (re-exported: the decoder's
     segment_attention_allowed,
     softcap,
 )
+from jaxrl_llm.models.moe import Experts, Routing, experts_dense, experts_ragged, route
 from jaxrl_llm.models.packing import PackedLayout, gather_predictors, packed_inputs
 from jaxrl_llm.models.precision import matmul, matmul_transposed
 
@@ -174,24 +178,83 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """The gated MLP's weights, `down(act(gate(x)) * up(x))` (SwiGLU or GeGLU, `config.hidden_act`)."""
+    """The gated MLP's weights, `down(act(gate(x)) * up(x))` (SwiGLU or GeGLU, `config.hidden_act`), of
+    `intermediate_size` columns (default: the config's)."""
 
     config: ModelConfig
+    intermediate_size: int | None = None
 
     def setup(self) -> None:
         c = self.config
-        self.gate = _dense(c, c.intermediate_size, c.mlp_bias, "gate")
-        self.up = _dense(c, c.intermediate_size, c.mlp_bias, "up")
+        size = self.intermediate_size or c.intermediate_size
+        self.gate = _dense(c, size, c.mlp_bias, "gate")
+        self.up = _dense(c, size, c.mlp_bias, "up")
         self.down = _dense(c, c.hidden_size, c.mlp_bias, "down")
 
     def gate_up(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         return self.gate(x), self.up(x)
 
+    def feed_forward(self, replay: jax.Array | None = None, valid: jax.Array | None = None) -> FeedForward:
+        return gated_mlp(self.gate_up, self.down, self.config.hidden_act)
+
+
+class ExpertWeights(nn.Module):
+    """The experts' stacked matrices: `gate/kernel, up/kernel [E, D, I]`, `down/kernel [E, I, D]`."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self) -> Experts:
+        c = self.config
+        e, d, i = c.num_experts, c.hidden_size, c.moe_intermediate_size
+        init = nn.initializers.normal(c.initializer_range)
+
+        def kernel(name: str, shape: tuple[int, ...]) -> jax.Array:
+            return self.param(name, lambda key, s, t: {"kernel": init(key, s, t)}, shape, c.jnp_param_dtype)["kernel"]
+
+        return Experts(kernel("gate", (e, d, i)), kernel("up", (e, d, i)), kernel("down", (e, i, d)))
+
+
+class MoE(nn.Module):
+    """A mixture-of-experts feed-forward: `router` (`[D, E]`, float32 logits), the `experts`, and for Qwen2-MoE a
+    `shared` gated MLP added behind `sigmoid(x . shared_gate)`. Dropless top-k routing (`moe.route`), experts by
+    grouped matmuls (`moe.experts_ragged`; `config.moe_compute = "dense"`: the dense reference)."""
+
+    config: ModelConfig
+
+    def setup(self) -> None:
+        c = self.config
+        self.router = _dense(c, c.num_experts, False, "router", jnp.dtype(jnp.float32))
+        self.experts = ExpertWeights(c, name="experts")
+        if c.shared_expert_intermediate_size:
+            self.shared = MLP(c, c.shared_expert_intermediate_size, name="shared")
+            self.shared_gate = _dense(c, 1, False, "shared_gate")
+
+    def feed_forward(self, replay: jax.Array | None = None, valid: jax.Array | None = None) -> FeedForward:
+        """`FeedForward` over `h [B, T, D]`; `replay [B, T, k]`: the experts to use (`moe.NO_RECORD` rows: the live
+        router's), `valid [B, T]`: the tokens to compute (padding is kept out of the dispatch)."""
+        c = self.config
+
+        def apply(h: jax.Array) -> tuple[jax.Array, Routing]:
+            b, t, d = h.shape
+            logits = self.router(h)  # [B, T, E] float32
+            experts, weights = route(logits, c.num_experts_per_tok, renormalize=c.norm_topk_prob, replay=replay)
+            compute = experts_dense if c.moe_compute == "dense" else experts_ragged
+            y = compute(h.reshape(b * t, d), experts.reshape(b * t, -1), weights.reshape(b * t, -1),
+                        self.experts(), hidden_act=c.hidden_act, dtype=c.jnp_dtype,
+                        valid=None if valid is None else valid.reshape(-1).astype(bool)).reshape(b, t, d)
+            if c.shared_expert_intermediate_size:
+                shared, _ = gated_mlp(self.shared.gate_up, self.shared.down, c.hidden_act)(h)
+                y = y + jax.nn.sigmoid(self.shared_gate(h).astype(jnp.float32)).astype(y.dtype) * shared
+            return y, Routing(experts, logits)
+
+        return apply
+
 
 class DecoderLayer(nn.Module):
-    """One layer's weights (`attn_norm`, `attn`, `mlp_norm`, `mlp`, and Gemma 2/3's sandwich norms), run as
-    `block.transformer_block` over the decoder's cache layout (`block.cached_attention`). `inputs`:
-    `attention_inputs(...)`, of which the layer takes entry `kind`."""
+    """One layer's weights (`attn_norm`, `attn`, `mlp_norm`, `mlp`: an `MLP` or, for an MoE family, an `MoE`, and
+    Gemma 2/3's sandwich norms), run as `block.transformer_block` over the decoder's cache layout
+    (`block.cached_attention`). `inputs`: `attention_inputs(...)`, of which the layer takes entry `kind`."""
 
     config: ModelConfig
 
@@ -200,27 +263,31 @@ class DecoderLayer(nn.Module):
         self.attn_norm = _norm(c, "attn_norm")
         self.attn = Attention(c, name="attn")
         self.mlp_norm = _norm(c, "mlp_norm")
-        self.mlp = MLP(c, name="mlp")
+        self.mlp = MoE(c, name="mlp") if c.is_moe else MLP(c, name="mlp")
         if c.sandwich_norms:
             self.attn_post_norm = _norm(c, "attn_post_norm")
             self.mlp_post_norm = _norm(c, "mlp_post_norm")
 
-    def ops(self) -> LayerOps:
-        """The layer's weights as `LayerOps` (the Flax modules: LoRA factors and dropout included)."""
+    def ops(self, replay: jax.Array | None = None, valid: jax.Array | None = None) -> LayerOps:
+        """The layer's weights as `LayerOps` (the Flax modules: LoRA factors and dropout included); `replay`,
+        `valid`: see `MoE.feed_forward`."""
         c = self.config
         return LayerOps(
             attn_norm=self.attn_norm, qkv=self.attn.qkv,
             q_norm=self.attn.q_norm if c.qk_norm else None, k_norm=self.attn.k_norm if c.qk_norm else None,
             o=self.attn.o, attn_post_norm=self.attn_post_norm if c.sandwich_norms else None,
-            mlp_norm=self.mlp_norm, gate_up=self.mlp.gate_up, down=self.mlp.down,
+            mlp_norm=self.mlp_norm, feed_forward=self.mlp.feed_forward(replay, valid),
             mlp_post_norm=self.mlp_post_norm if c.sandwich_norms else None,
         )
 
     def __call__(self, x: jax.Array, layer_cache: Cache | None, inputs: tuple[AttentionInputs, ...],
-                 cache_index: jax.Array | int, kind: jax.Array | int = 0) -> tuple[jax.Array, Cache | None]:
+                 cache_index: jax.Array | int, kind: jax.Array | int = 0, replay: jax.Array | None = None,
+                 valid: jax.Array | None = None) -> tuple[jax.Array, tuple[Cache | None, Routing | None]]:
         cos, sin, allowed = _select(inputs, kind)
-        return transformer_block(x, self.ops(), cached_attention(self.config, allowed, layer_cache, cache_index),
-                                 cos, sin, self.config)
+        x, cache, routing = transformer_block(x, self.ops(replay, valid),
+                                              cached_attention(self.config, allowed, layer_cache, cache_index),
+                                              cos, sin, self.config)
+        return x, (cache, routing)
 
 
 class Decoder(nn.Module):
@@ -228,7 +295,9 @@ class Decoder(nn.Module):
 
     `__call__(tokens [B, T], positions [B, T], key_mask [B, S], cache, cache_index)` returns
     `(logits [B, T, V], cache)`, or `(hidden [B, T, D], cache)` after the final norm with `return_hidden`.
-    Without a cache, `S = T` and `key_mask` is the attention mask.
+    Without a cache, `S = T` and `key_mask` is the attention mask. MoE: `replay [L, B, T, k]` forces the experts
+    (`moe.route`), `token_mask [B, T]` keeps padding out of the experts' dispatch, and `return_routing` appends
+    every layer's `Routing` (`experts [L, B, T, k]`, `logits [L, B, T, E]`) to the result.
     """
 
     config: ModelConfig
@@ -247,7 +316,7 @@ class Decoder(nn.Module):
             layer,
             variable_axes={"params": 0},
             split_rngs={"params": True, "dropout": True},
-            in_axes=(0, nn.broadcast, nn.broadcast, 0),
+            in_axes=(0, nn.broadcast, nn.broadcast, 0, 0, nn.broadcast),
             length=c.num_layers,
             unroll=c.scan_unroll,
         )(c)
@@ -264,15 +333,17 @@ class Decoder(nn.Module):
         cache_index: jax.Array | int = 0,
         return_hidden: bool = False,
         segments: jax.Array | None = None,
-    ) -> tuple[jax.Array, Cache | None]:
+        replay: jax.Array | None = None,
+        token_mask: jax.Array | None = None,
+        return_routing: bool = False,
+    ) -> tuple[jax.Array, Cache | None] | tuple[jax.Array, Cache | None, Routing | None]:
         c = self.config
         inputs = attention_inputs(c, positions, key_mask, tokens.shape[1], cache_index, segments)
         x = self.embed_tokens(tokens)
-        x, cache = self.layers(x, cache, inputs, cache_index, layer_kinds(c))
+        x, (cache, routing) = self.layers(x, cache, inputs, cache_index, layer_kinds(c), replay, token_mask)
         x = self.final_norm(x)
-        if return_hidden:
-            return x, cache
-        return self.unembed(x), cache
+        out = x if return_hidden else self.unembed(x)
+        return (out, cache, routing) if return_routing else (out, cache)
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         """Token embeddings `[..., D]` (`layers.embed_tokens`)."""
@@ -312,15 +383,27 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, attention_ma
             return_hidden: bool = False, dropout_key: jax.Array | None = None) -> jax.Array:
     """Full-sequence forward of a left-padded batch: logits `[B, T, V]` (or final hidden `[B, T, D]`).
     `dropout_key`: the randomness of LoRA dropout (unmerged adapters in `params`; nothing else drops)."""
-    out, _ = Decoder(config).apply(
+    return forward_routed(params, config, tokens, attention_mask, return_hidden=return_hidden,
+                          dropout_key=dropout_key)[0]
+
+
+def forward_routed(params: Params, config: ModelConfig, tokens: jax.Array, attention_mask: jax.Array, *,
+                   replay: jax.Array | None = None, return_hidden: bool = False,
+                   dropout_key: jax.Array | None = None) -> tuple[jax.Array, Routing | None]:
+    """`forward` that also returns every MoE layer's `Routing` (`experts [L, B, T, k]`, `logits [L, B, T, E]`; None
+    for a dense model) and replays `replay [L, B, T, k]` where given (`moe.route`)."""
+    out, _, routing = Decoder(config).apply(
         {"params": params},
         tokens,
         positions_from_mask(attention_mask),
         attention_mask,
         return_hidden=return_hidden,
+        replay=replay,
+        token_mask=attention_mask,
+        return_routing=True,
         rngs=None if dropout_key is None else {"dropout": dropout_key},
     )
-    return out
+    return out, routing
 
 
 def forward_packed(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
@@ -329,7 +412,7 @@ def forward_packed(params: Params, config: ModelConfig, tokens: jax.Array, posit
     `jaxrl_llm.models.packing`): attention never crosses a segment, positions restart per sequence."""
     out, _ = Decoder(config).apply(
         {"params": params}, tokens, positions, segments > 0, return_hidden=True, segments=segments,
-        rngs=None if dropout_key is None else {"dropout": dropout_key},
+        token_mask=segments > 0, rngs=None if dropout_key is None else {"dropout": dropout_key},
     )
     return out
 

@@ -64,6 +64,12 @@ _LAYER_TENSORS = {
     ("attn", "k_norm", "scale"): "self_attn.k_norm.weight",
     ("mlp_norm", "scale"): "post_attention_layernorm.weight",
     **_projection_tensors("mlp", "mlp", ("gate", "up", "down")),
+    # A mixture of experts (Qwen-MoE, OLMoE): the router, every expert's projections (stacked `[E, ...]` by us, one
+    # tensor per expert in HF), Qwen2-MoE's shared expert and its gate.
+    ("mlp", "router", "kernel"): "mlp.gate.weight",
+    **{("mlp", "experts", name, "kernel"): f"mlp.experts.{{expert}}.{name}_proj.weight" for name in ("gate", "up", "down")},
+    **{("mlp", "shared", name, "kernel"): f"mlp.shared_expert.{name}_proj.weight" for name in ("gate", "up", "down")},
+    ("mlp", "shared_gate", "kernel"): "mlp.shared_expert_gate.weight",
 }
 _GLOBAL_TENSORS = {
     ("embed", "embedding"): "model.embed_tokens.weight",
@@ -78,15 +84,22 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # ----------------------------------------------------------------------------------------------- config
 
 
-def _tensor_name(path: tuple[str, ...], layer: int | None, model_type: str = "llama") -> str:
-    """The HF tensor holding our parameter `path` (of layer `layer`): Llama's name unless the family names it its
-    own way (`Family.layer_tensors`); for a fused kernel (`Family.fused_tensors`, Phi-3), the fused one."""
+def _tensor_name(path: tuple[str, ...], layer: int | None, model_type: str = "llama", expert: int | None = None) -> str:
+    """The HF tensor holding our parameter `path` (of layer `layer`, and of expert `expert` for an expert's
+    matrix): Llama's name unless the family names it its own way (`Family.layer_tensors`); for a fused kernel
+    (`Family.fused_tensors`, Phi-3), the fused one."""
     if path[0] == "layers":
         family = FAMILIES[model_type]
         if path[1:] in family.fused_tensors:
             return f"model.layers.{layer}.{family.fused_tensors[path[1:]][0]}"
-        return f"model.layers.{layer}.{family.layer_tensors.get(path[1:]) or _LAYER_TENSORS[path[1:]]}"
+        name = family.layer_tensors.get(path[1:]) or _LAYER_TENSORS[path[1:]]
+        return f"model.layers.{layer}.{name.format(expert=expert)}"
     return _GLOBAL_TENSORS[path]
+
+
+def _per_expert(path: tuple[str, ...]) -> bool:
+    """Whether parameter `path` is stacked over experts after its layers (`[L, E, ...]`, one HF tensor per expert)."""
+    return len(path) > 2 and path[0] == "layers" and path[2] == "experts"
 
 
 def _fused_rows(path: tuple[str, ...], config: ModelConfig) -> tuple[int, int, int] | None:
@@ -323,27 +336,33 @@ class _TensorReader:
 
     def param(self, path: tuple[str, ...], spec: jax.ShapeDtypeStruct, config: ModelConfig,
               mesh: Mesh | None) -> jax.Array:
-        """Parameter `path` (stacked `[L, ...]` under `layers`), each device reading only its own block."""
+        """Parameter `path` (stacked `[L, ...]` under `layers`, `[L, E, ...]` for the experts' matrices), each device
+        reading only its own block."""
         stacked = path[0] == "layers"
+        experts = _per_expert(path)
         fused = _fused_rows(path, config)
+        lead = 2 if experts else 1 if stacked else 0  # the stacked dimensions before the HF tensor's own
 
-        def name(layer: int | None) -> str:
-            return _tensor_name(path, layer, config.model_type)
+        def name(layer: int | None, expert: int | None = None) -> str:
+            return _tensor_name(path, layer, config.model_type, expert)
 
         for layer in range(config.num_layers) if stacked else [None]:
-            self.check_shape(path, name(layer), spec.shape[1:] if stacked else spec.shape, fused)
+            for expert in range(config.num_experts) if experts else [None]:
+                self.check_shape(path, name(layer, expert), spec.shape[lead:], fused)
 
         def block(index: tuple[slice, ...]) -> np.ndarray:
             index = tuple(index) + (slice(None),) * (len(spec.shape) - len(index))
             if not stacked:
                 return self.read_block(path, name(None), index, spec.dtype)
-            chosen = range(config.num_layers)[index[0]]
-            first = self.read_block(path, name(chosen[0]), index[1:], spec.dtype, fused)
+            layers = range(config.num_layers)[index[0]]
+            chosen = [(layer, e) for layer in layers for e in range(config.num_experts)[index[1]]] if experts \
+                else [(layer, None) for layer in layers]
+            first = self.read_block(path, name(*chosen[0]), index[lead:], spec.dtype, fused)
             out = np.empty((len(chosen), *first.shape), spec.dtype)  # filled in place: one copy at a time
             out[0] = first
-            for j, layer in enumerate(chosen[1:], start=1):
-                out[j] = self.read_block(path, name(layer), index[1:], spec.dtype, fused)
-            return out
+            for j, (layer, expert) in enumerate(chosen[1:], start=1):
+                out[j] = self.read_block(path, name(layer, expert), index[lead:], spec.dtype, fused)
+            return out.reshape(len(layers), -1, *first.shape) if experts else out
 
         if mesh is None:
             return jax.device_put(block(()))

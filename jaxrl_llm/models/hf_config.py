@@ -21,9 +21,10 @@ SUPPORTED_ARCHITECTURES = tuple(f.architecture for f in FAMILIES.values())
 # Sequence classifiers (reward models): the same decoder plus a `score` head (see models/reward_model.py).
 CLASSIFIER_ARCHITECTURES = tuple(f.classifier for f in FAMILIES.values() if f.classifier)
 # Families refused with a reason beyond "not supported".
-_MOE = "mixture-of-experts families (Mixtral, Qwen-MoE, PhiMoE) are out of scope"
 _REFUSED = {
-    **dict.fromkeys(("mixtral", "qwen2_moe", "qwen3_moe", "phimoe"), _MOE),
+    "gpt_oss": "gpt-oss (attention sinks, clamped SwiGLU, a biased router) is not supported yet; the MoE families "
+               "that are: qwen3_moe, qwen2_moe, mixtral, olmoe",
+    "deepseek_v3": "DeepSeek-V3's multi-head latent attention is not supported",
     "gemma3": "Gemma 3's multimodal checkpoint (Gemma3ForConditionalGeneration) is not supported; the text-only "
               "Gemma3ForCausalLM (model_type gemma3_text) is",
 }
@@ -207,6 +208,10 @@ def check_exportable(config: ModelConfig) -> Family:
     family = FAMILIES.get(config.model_type)
     if family is None:
         raise ConversionError(f"cannot export model_type {config.model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
+    if family.moe != config.is_moe:
+        kind = "a mixture of experts" if config.is_moe else "a dense model"
+        fit = [f.model_type for f in FAMILIES.values() if f.moe == config.is_moe]
+        raise ConversionError(f"cannot export {kind} as {config.model_type!r}; export it as one of {fit}")
     problem = family.export_problem(config)
     if problem:
         raise ConversionError(problem)

@@ -22,7 +22,7 @@ from safetensors.numpy import save_file
 from jaxrl_llm.data import TOKENIZER_FILES
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params
-from jaxrl_llm.models.hf import _fused_rows, _is_kernel, _tensor_name
+from jaxrl_llm.models.hf import _fused_rows, _is_kernel, _per_expert, _tensor_name
 from jaxrl_llm.models.hf_config import config_to_hf
 
 # Files a model directory may carry besides weights and config, copied verbatim on export: the tokenizer's (any
@@ -41,10 +41,12 @@ def hf_state_dict(params: Params, config: ModelConfig) -> Iterator[tuple[str, np
         array = np.asarray(jax.device_get(leaf))
         fused = _fused_rows(path, config)
         layers = range(config.num_layers) if path[0] == "layers" else [None]
-        for layer in layers:
+        experts = range(config.num_experts) if _per_expert(path) else [None]
+        for layer, expert in itertools.product(layers, experts):
             tensor = array[layer] if layer is not None else array
+            tensor = tensor[expert] if expert is not None else tensor
             tensor = np.ascontiguousarray(tensor.T if _is_kernel(path) else tensor)
-            name = _tensor_name(path, layer, config.model_type)
+            name = _tensor_name(path, layer, config.model_type, expert)
             if fused is None:
                 yield name, tensor
                 continue

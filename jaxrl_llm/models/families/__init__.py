@@ -58,9 +58,39 @@ class Family:
     layer_tensors: Mapping[TensorPath, str] = dataclasses.field(default_factory=dict)  # names unlike Llama's
     # our kernel -> (its fused HF tensor, the part's index in the concatenation) (Phi-3's qkv_proj, gate_up_proj)
     fused_tensors: Mapping[TensorPath, tuple[str, int]] = dataclasses.field(default_factory=dict)
+    moe: bool = False  # a mixture of experts on every layer (`moe_fields` reads its config.json keys)
 
 
-FAMILY_MODULES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
+def moe_fields(hf: dict[str, Any], *, expert_size_key: str, renormalize: bool | None = None) -> dict[str, Any]:
+    """The `ModelConfig` fields of a mixture-of-experts config.json: the expert count (`num_experts`, or
+    `num_local_experts` as Mixtral and transformers 5 write it), top-k, the experts' width (`expert_size_key`), the
+    renormalization of the top-k weights (config.json's `norm_topk_prob`, or the family's fixed `renormalize`), the
+    shared expert's width and the router's auxiliary-loss coefficient. A config whose layers are not all MoE layers
+    (`decoder_sparse_step` > 1, `mlp_only_layers`) is refused: the layer stack is one scanned block."""
+    from jaxrl_llm.errors import ConversionError
+
+    if int(hf.get("decoder_sparse_step") or 1) != 1 or hf.get("mlp_only_layers"):
+        raise ConversionError("MoE configs with dense layers between the sparse ones (decoder_sparse_step > 1 or "
+                              "mlp_only_layers) are not supported: every layer must be an MoE layer")
+    experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+    if experts < 1:
+        raise ConversionError("an MoE config.json needs num_experts (or num_local_experts) >= 1")
+    return {"num_experts": experts, "num_experts_per_tok": int(hf["num_experts_per_tok"]),
+            "moe_intermediate_size": int(hf[expert_size_key]),
+            "norm_topk_prob": bool(hf.get("norm_topk_prob", False)) if renormalize is None else renormalize,
+            "shared_expert_intermediate_size": int(hf.get("shared_expert_intermediate_size") or 0),
+            "router_aux_loss_coef": float(hf.get("router_aux_loss_coef") or 0.0)}
+
+
+def moe_keys(c: ModelConfig) -> dict[str, Any]:
+    """config.json keys of an MoE config that transformers 4 and 5 read (`num_experts` and `num_local_experts`)."""
+    return {"num_experts": c.num_experts, "num_local_experts": c.num_experts,
+            "num_experts_per_tok": c.num_experts_per_tok, "norm_topk_prob": c.norm_topk_prob,
+            "router_aux_loss_coef": c.router_aux_loss_coef, "output_router_logits": False}
+
+
+FAMILY_MODULES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "qwen3_moe", "qwen2_moe",
+                  "mixtral", "olmoe")
 FAMILIES: dict[str, Family] = {
     f.model_type: f for f in (importlib.import_module(f"{__name__}.{name}").FAMILY for name in FAMILY_MODULES)
 }

@@ -1,0 +1,163 @@
+"""Mixture-of-experts feed-forward math: top-k routing (with replay of a recorded selection), the experts computed
+dropless with grouped matmuls (`jax.lax.ragged_dot`), a dense reference, and the load-balancing loss.
+
+Shapes: tokens flattened to `x [N, D]`; `E` experts of intermediate size `I`, each a gated MLP
+`down_e(act(x gate_e) * (x up_e))` with `gate, up [E, D, I]` and `down [E, I, D]`; `k` experts per token.
+
+    probs   = softmax(x W_router)                              [N, E] float32
+    experts = top_k(probs)  (or the recorded selection: replay) [N, k] int32
+    weights = probs[experts] (/ their sum, if renormalized)     [N, k] float32
+    y       = sum_j weights_j * expert_{experts_j}(x)           [N, D]
+
+Under replay the selection is data but the weights are still gathered from the live router's probabilities, so
+the router gets its gradient (R3, arXiv 2510.11370): where the replayed and the live selections agree, the
+function, and so its gradient, is the live router's.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_llm.models.layers import gated_activation
+
+NO_RECORD = -1  # a token whose experts were not recorded (replay falls back to the live router for it)
+
+
+class Routing(NamedTuple):
+    """What one MoE layer's router did on `[..., ]` tokens: `experts [..., k]` int32, the chosen expert ids in
+    the order of their probability, and the router's float32 `logits [..., E]` (for the load-balancing loss and the
+    routing metrics)."""
+
+    experts: jax.Array
+    logits: jax.Array
+
+
+def route(logits: jax.Array, k: int, *, renormalize: bool, replay: jax.Array | None = None
+          ) -> tuple[jax.Array, jax.Array]:
+    """Top-k routing: `(experts [..., k] int32, weights [..., k] float32)` from router `logits [..., E]`.
+
+    ``probs = softmax(logits)`` in float32; the experts are ``top_k(probs)``, or, with ``replay [..., k]``, the
+    replayed ids (a token whose record is ``NO_RECORD`` keeps its live top-k); ``weights = probs[experts]``,
+    divided by their sum when ``renormalize`` (Mixtral always; Qwen-MoE and OLMoE by ``norm_topk_prob``).
+    """
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    _, experts = jax.lax.top_k(probs, k)
+    if replay is not None:
+        recorded = replay[..., :1] != NO_RECORD
+        experts = jnp.where(recorded, replay.astype(experts.dtype), experts)
+    weights = jnp.take_along_axis(probs, experts, axis=-1)
+    if renormalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return experts.astype(jnp.int32), weights
+
+
+class Experts(NamedTuple):
+    """The experts' weights: `gate, up [E, D, I]`, `down [E, I, D]` (any float dtype; cast to the compute dtype)."""
+
+    gate: jax.Array
+    up: jax.Array
+    down: jax.Array
+
+
+def _ragged(x: jax.Array, w: jax.Array, sizes: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    return jax.lax.ragged_dot(x.astype(dtype), w.astype(dtype), sizes, preferred_element_type=jnp.float32)
+
+
+def experts_ragged(x: jax.Array, experts: jax.Array, weights: jax.Array, w: Experts, *, hidden_act: str = "silu",
+                   valid: jax.Array | None = None, dtype: jnp.dtype | str = jnp.float32,
+                   out_dtype: jnp.dtype | str | None = None) -> jax.Array:
+    """``y_n = sum_j weights_nj * expert_{experts_nj}(x_n)`` dropless, by grouped matmuls.
+
+    The `N * k` (token, expert) assignments are sorted by expert, so each expert's tokens are one contiguous group
+    of rows; `jax.lax.ragged_dot` multiplies every group by its expert's matrix (no capacity, no token dropped, no
+    `[N, E, ...]` intermediate), and the weighted rows are summed back per token. A token with ``valid`` false
+    (padding) is sent past the last expert: it is in no group and gets 0.
+
+    Shapes: ``x [N, D]``, ``experts, weights [N, k]``, ``valid [N]`` -> ``[N, D]`` in ``out_dtype`` (default
+    ``x``'s). Operands in ``dtype``, float32 accumulation (the precision policy of `precision.matmul`).
+    """
+    n, k = experts.shape
+    num_experts = w.gate.shape[0]
+    flat = experts.reshape(-1)
+    if valid is not None:
+        flat = jnp.where(jnp.repeat(valid, k), flat, num_experts)
+    order = jnp.argsort(flat, stable=True)
+    token = order // k
+    sizes = jnp.bincount(flat, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+    rows = x[token]
+    dtype = jnp.dtype(dtype)
+    h = gated_activation(_ragged(rows, w.gate, sizes, dtype), _ragged(rows, w.up, sizes, dtype), hidden_act)
+    y = _ragged(h.astype(dtype), w.down, sizes, dtype)  # [N * k, D] float32; rows in no group are 0
+    routed = flat[order] < num_experts
+    y = jnp.where(routed[:, None], y * weights.reshape(-1)[order][:, None].astype(jnp.float32), 0.0)
+    out = jnp.zeros((n, x.shape[-1]), jnp.float32).at[token].add(y)
+    return out.astype(out_dtype or x.dtype)
+
+
+def experts_dense(x: jax.Array, experts: jax.Array, weights: jax.Array, w: Experts, *, hidden_act: str = "silu",
+                  valid: jax.Array | None = None, dtype: jnp.dtype | str = jnp.float32,
+                  out_dtype: jnp.dtype | str | None = None) -> jax.Array:
+    """The same function as `experts_ragged`, computed the plain way for tests: every expert on every token
+    (``[N, E, I]`` and ``[N, E, D]`` intermediates), combined with a dense ``[N, E]`` matrix of the top-k weights."""
+    n = x.shape[0]
+    num_experts = w.gate.shape[0]
+    dtype = jnp.dtype(dtype)
+    combine = jnp.zeros((n, num_experts), jnp.float32).at[jnp.arange(n)[:, None], experts].add(weights)
+    if valid is not None:
+        combine = jnp.where(valid[:, None], combine, 0.0)
+    xd = x.astype(dtype)
+    gate = jnp.einsum("nd,edi->nei", xd, w.gate.astype(dtype), preferred_element_type=jnp.float32)
+    up = jnp.einsum("nd,edi->nei", xd, w.up.astype(dtype), preferred_element_type=jnp.float32)
+    h = gated_activation(gate, up, hidden_act).astype(dtype)
+    y = jnp.einsum("nei,eid->ned", h, w.down.astype(dtype), preferred_element_type=jnp.float32)
+    return jnp.einsum("ne,ned->nd", combine, y).astype(out_dtype or x.dtype)
+
+
+def load_balancing_loss(router_logits: jax.Array, k: int, mask: jax.Array | None = None) -> jax.Array:
+    """The auxiliary load-balancing loss as transformers computes it (Switch Transformer, Fedus et al. 2021, eq. 4;
+    `load_balancing_loss_func` of the Mixtral / Qwen-MoE / OLMoE models), over every layer's tokens together::
+
+        f_e = (top-k assignments to e) / rows,   P_e = sum_rows softmax(logits)_e / rows,   loss = E * sum_e f_e P_e
+
+    Shapes: ``router_logits [L, N, E]`` (or ``[N, E]``), ``mask [N]`` (1 = a real token; padding counts nowhere)
+    -> scalar float32. Its gradient reaches the router through ``P`` only (the counts are a selection).
+    """
+    logits = router_logits.astype(jnp.float32)
+    if logits.ndim == 2:
+        logits = logits[None]
+    num_experts = logits.shape[-1]
+    m = jnp.ones(logits.shape[1], jnp.float32) if mask is None else mask.astype(jnp.float32).reshape(-1)
+    probs = jax.nn.softmax(logits, axis=-1)  # [L, N, E]
+    _, chosen = jax.lax.top_k(probs, k)  # [L, N, k]
+    counts = jnp.sum(jax.nn.one_hot(chosen, num_experts, dtype=jnp.float32) * m[None, :, None, None], axis=(0, 1, 2))
+    rows = logits.shape[0] * jnp.sum(m)
+    prob_sum = jnp.sum(probs * m[None, :, None], axis=(0, 1))
+    return num_experts * jnp.sum((counts / rows) * (prob_sum / rows))
+
+
+def expert_load(experts: jax.Array, num_experts: int, mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Per layer, ``(max, mean)`` over experts of the tokens routed to each: ``experts [L, N, k]``, ``mask [N]`` ->
+    two ``[L]`` float32 arrays (``max / mean`` is 1 for a perfectly balanced layer, ``E / k`` for a collapsed one)."""
+    m = jnp.ones(experts.shape[1], jnp.float32) if mask is None else mask.astype(jnp.float32).reshape(-1)
+    counts = jnp.sum(jax.nn.one_hot(experts, num_experts, dtype=jnp.float32) * m[None, :, None, None], axis=(1, 2))
+    return jnp.max(counts, axis=-1), jnp.mean(counts, axis=-1)
+
+
+def routing_confidence(router_logits: jax.Array, k: int, mask: jax.Array | None = None) -> jax.Array:
+    """Per layer, the mean over tokens of the probability mass of the top-k experts: ``router_logits [L, N, E]``,
+    ``mask [N]`` -> ``[L]`` float32 (``k / E`` for a uniform router, 1 for a certain one)."""
+    top, _ = jax.lax.top_k(jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1), k)
+    mass = jnp.sum(top, axis=-1)  # [L, N]
+    m = jnp.ones(mass.shape[1], jnp.float32) if mask is None else mask.astype(jnp.float32).reshape(-1)
+    return jnp.sum(mass * m, axis=-1) / jnp.maximum(jnp.sum(m), 1.0)
+
+
+def router_disagreement(a: jax.Array, b: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+    """Per layer, the fraction of tokens whose *sets* of top-k experts differ between two selections
+    ``a, b [L, N, k]`` (order within the k ignored), over ``mask [N]`` -> ``[L]`` float32."""
+    same = jnp.all(jnp.sort(a, axis=-1) == jnp.sort(b, axis=-1), axis=-1)  # [L, N]
+    m = jnp.ones(same.shape[1], jnp.float32) if mask is None else mask.astype(jnp.float32).reshape(-1)
+    return jnp.sum((~same) * m, axis=-1) / jnp.maximum(jnp.sum(m), 1.0)
