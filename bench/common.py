@@ -43,6 +43,9 @@ QWEN25_05B_TINY: dict[str, Any] = {**QWEN25_05B, "hidden_size": 64, "intermediat
                                     "vocab_size": 512}
 
 
+ROUTER_WEIGHTS = ("mlp.gate.weight", "block_sparse_moe.gate.weight")
+
+
 def random_hf_model(config: dict[str, Any], seed: int = 0, *, eager: bool = False,
                     random_norms_and_biases: bool = False, out_dir: str | Path | None = None) -> Any:
     """A transformers causal LM with random weights (torch, float32, eval mode) from a config dict with
@@ -66,6 +69,8 @@ def random_hf_model(config: dict[str, Any], seed: int = 0, *, eager: bool = Fals
                     p.copy_(1.0 + 0.1 * torch.randn_like(p))
                 elif name.endswith("bias"):
                     p.copy_(0.1 * torch.randn_like(p))
+                elif name.endswith(ROUTER_WEIGHTS):  # an MoE router: logits far apart, so top-k has no near-ties
+                    p.mul_(30.0)
     if out_dir is not None:
         model.save_pretrained(out_dir)
     return model

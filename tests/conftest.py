@@ -141,7 +141,18 @@ FAMILIES: dict[str, dict] = {
         rope_local_base_freq=100.0, rope_scaling=dict(rope_type="linear", factor=2.0),
         **{**_COMMON, "num_hidden_layers": 3},
     ),
+    # Mixtures of experts (8 experts, top 2; routers sharpened by `random_hf_model` so top-k has no near-ties):
+    # Qwen3-MoE with renormalized top-k, Qwen2-MoE's shared expert and q/k/v biases, Mixtral's names and window,
+    # OLMoE's projection-wide q/k norms.
+    "qwen3_moe": dict(model_type="qwen3_moe", head_dim=16, moe_intermediate_size=24, num_experts=8,
+                      num_experts_per_tok=2, norm_topk_prob=True, **_COMMON),
+    "qwen2_moe": dict(model_type="qwen2_moe", moe_intermediate_size=24, shared_expert_intermediate_size=40,
+                      num_experts=8, num_experts_per_tok=2, **_COMMON),
+    "mixtral": dict(model_type="mixtral", num_local_experts=8, num_experts_per_tok=2, sliding_window=5, **_COMMON),
+    "olmoe": dict(model_type="olmoe", num_experts=8, num_experts_per_tok=2, pad_token_id=0, eos_token_id=None,
+                  **_COMMON),
 }
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 
 
 def make_hf_model(kind: str, seed: int = 0):

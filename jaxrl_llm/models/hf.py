@@ -56,6 +56,7 @@ def _projection_tensors(block: str, hf_block: str, names: tuple[str, ...]) -> di
             for kind in ("kernel", "bias") for name in names}
 
 
+_MLP = ("gate", "up", "down")
 # Our parameter path (layer params without the leading "layers") -> HF tensor name suffix.
 _LAYER_TENSORS = {
     ("attn_norm", "scale"): "input_layernorm.weight",
@@ -67,8 +68,8 @@ _LAYER_TENSORS = {
     # A mixture of experts (Qwen-MoE, OLMoE): the router, every expert's projections (stacked `[E, ...]` by us, one
     # tensor per expert in HF), Qwen2-MoE's shared expert and its gate.
     ("mlp", "router", "kernel"): "mlp.gate.weight",
-    **{("mlp", "experts", name, "kernel"): f"mlp.experts.{{expert}}.{name}_proj.weight" for name in ("gate", "up", "down")},
-    **{("mlp", "shared", name, "kernel"): f"mlp.shared_expert.{name}_proj.weight" for name in ("gate", "up", "down")},
+    **{("mlp", "experts", name, "kernel"): f"mlp.experts.{{expert}}.{name}_proj.weight" for name in _MLP},
+    **{("mlp", "shared", name, "kernel"): f"mlp.shared_expert.{name}_proj.weight" for name in _MLP},
     ("mlp", "shared_gate", "kernel"): "mlp.shared_expert_gate.weight",
 }
 _GLOBAL_TENSORS = {

@@ -1,0 +1,303 @@
+"""Mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE) against transformers' PyTorch models, float32 on CPU:
+the experts each token is routed to, gradients of the router, experts and shared expert against torch autograd, the
+load-balancing loss, the grouped-matmul path against the dense reference, routing replay, the export round trip and
+the rollout engine. Logit parity in float32 and bfloat16 and greedy parity with `generate` run for these families
+with every other one (`conftest.FAMILIES`: test_models.py, test_model_families.py)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import MOE_FAMILIES, left_padded_batch, make_hf_model
+
+from jaxrl_llm.errors import ConversionError
+from jaxrl_llm.models import moe
+from jaxrl_llm.models.decoder import forward, forward_routed
+from jaxrl_llm.models.hf import load_hf_model
+from jaxrl_llm.models.hf_config import config_from_hf
+from jaxrl_llm.models.hf_export import hf_state_dict, save_hf_model
+
+LENGTHS = [12, 5, 9]
+
+
+def _torch_forward(model, tokens: np.ndarray, mask: np.ndarray):  # noqa: ANN202 - torch output
+    import torch
+
+    positions = np.maximum(np.cumsum(mask, axis=-1) - 1, 0)
+    return model(input_ids=torch.tensor(tokens, dtype=torch.long), attention_mask=torch.tensor(mask, dtype=torch.long),
+                 position_ids=torch.tensor(positions, dtype=torch.long), output_router_logits=True)
+
+
+def _top_k_sets(logits: np.ndarray, k: int) -> np.ndarray:
+    """Each row's top-k experts as a sorted set (ties are out of the question: the routers are sharpened)."""
+    return np.sort(np.argsort(-logits, axis=-1)[..., :k], axis=-1)
+
+
+@pytest.mark.parametrize("kind", MOE_FAMILIES)
+def test_the_same_experts_are_chosen_as_transformers(kind, hf_model_dir):
+    """Every real token of every layer goes to the experts transformers' router picks (its recorded router logits),
+    the router logits agree, and the model's load-balancing loss equals transformers' `aux_loss`."""
+    import torch
+
+    config, params = load_hf_model(hf_model_dir(kind))
+    model = make_hf_model(kind)
+    tokens, mask = left_padded_batch(config.vocab_size, LENGTHS, seed=2)
+    with torch.no_grad():
+        out = _torch_forward(model, tokens, mask)
+    theirs = np.stack([r.float().numpy() for r in out.router_logits])  # [L, B * T, E]
+    _, routing = forward_routed(params, config, jnp.asarray(tokens), jnp.asarray(mask))
+    k = config.num_experts_per_tok
+    ours = np.asarray(routing.experts).reshape(config.num_layers, -1, k)
+    valid = mask.reshape(-1).astype(bool)
+    np.testing.assert_array_equal(np.sort(ours, axis=-1)[:, valid], _top_k_sets(theirs, k)[:, valid])
+    logits = np.asarray(routing.logits).reshape(config.num_layers, -1, config.num_experts)
+    np.testing.assert_allclose(logits[:, valid], theirs[:, valid], atol=1e-4, rtol=1e-5)
+    # The spread the sharpened routers give: the k-th and (k+1)-th probabilities are well apart.
+    probs = np.sort(jax.nn.softmax(logits[:, valid]), axis=-1)[..., ::-1]
+    assert (probs[..., k - 1] - probs[..., k]).min() > 1e-5  # far above float32 rounding (~1e-7)
+    aux = moe.load_balancing_loss(jnp.asarray(logits), k, jnp.asarray(mask.reshape(-1)))
+    np.testing.assert_allclose(float(aux), float(out.aux_loss), rtol=1e-5)
+    assert float(out.aux_loss) > 1.0  # E * sum f P >= 1 with equality only for a perfectly balanced router
+
+
+def _grads_as_hf(model, tokens: np.ndarray, mask: np.ndarray, weights: np.ndarray, tmp_path) -> dict[str, np.ndarray]:
+    """torch autograd's gradients of `sum(weights * logits)` over real tokens, in the checkpoint's tensor names (the
+    gradients written as a model's weights by save_pretrained, which undoes transformers' fused expert layout)."""
+    import copy
+
+    import torch
+    from safetensors.numpy import load_file
+
+    model.zero_grad()
+    logits = _torch_forward(model, tokens, mask).logits
+    (logits * torch.tensor(weights) * torch.tensor(mask)[..., None]).sum().backward()
+    grads = copy.deepcopy(model)
+    with torch.no_grad():
+        for (_, p), (_, g) in zip(model.named_parameters(), grads.named_parameters(), strict=True):
+            g.copy_(p.grad)
+    grads.save_pretrained(tmp_path)
+    return load_file(tmp_path / "model.safetensors")
+
+
+@pytest.mark.parametrize("kind", MOE_FAMILIES)
+def test_gradients_match_torch_autograd(kind, hf_model_dir, tmp_path):
+    """d/dW of a weighted sum of the logits, for every weight (router, each expert's gate/up/down, Qwen2-MoE's shared
+    expert and its gate, attention), against torch autograd, float32, through the grouped matmuls."""
+    config, params = load_hf_model(hf_model_dir(kind))
+    tokens, mask = left_padded_batch(config.vocab_size, LENGTHS, seed=3)
+    weights = np.random.default_rng(0).normal(size=(*tokens.shape, config.vocab_size)).astype(np.float32)
+    theirs = _grads_as_hf(make_hf_model(kind), tokens, mask, weights, tmp_path)
+
+    def loss(p):
+        logits = forward(p, config, jnp.asarray(tokens), jnp.asarray(mask))
+        return jnp.sum(logits * weights * mask[..., None])
+
+    ours = dict(hf_state_dict(jax.grad(loss)(params), config))
+    assert set(ours) == set(theirs)
+    moe_names = [n for n in ours if ".experts." in n or n.endswith(("gate.weight", "shared_expert_gate.weight"))]
+    assert len(moe_names) >= config.num_layers * (3 * config.num_experts + 1)
+    for name in ours:
+        scale = max(float(np.abs(theirs[name]).max()), 1e-3)
+        np.testing.assert_allclose(ours[name], theirs[name], atol=2e-4 * scale, rtol=2e-3, err_msg=name)
+    router = [n for n in moe_names if n.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight"))]
+    assert router and all(np.abs(ours[n]).max() > 1e-3 for n in router)  # the router really learns
+
+
+@pytest.fixture(scope="module")
+def random_moe():
+    """A random Qwen3-MoE-shaped `(config, params)` with a sharpened router, without transformers."""
+    from jaxrl_llm.models.config import ModelConfig
+    from jaxrl_llm.models.decoder import init_params
+
+    config = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=8, qk_norm=True, num_experts=8, num_experts_per_tok=2,
+                         moe_intermediate_size=16, norm_topk_prob=True, model_type="qwen3_moe")
+    params = init_params(config, jax.random.key(0))
+    params["layers"]["mlp"]["router"]["kernel"] = params["layers"]["mlp"]["router"]["kernel"] * 40.0
+    return config, params
+
+
+def test_grouped_matmuls_equal_the_dense_reference(random_moe):
+    """`ragged_dot` over expert-sorted tokens = every expert on every token, masked: logits and gradients, jitted,
+    with padding kept out of the dispatch (its rows are 0 and change nothing of the real tokens)."""
+    config, params = random_moe
+    tokens, mask = left_padded_batch(config.vocab_size, [10, 3, 7], seed=4)
+
+    def loss(p, cfg):
+        return jnp.sum(jnp.sin(forward(p, cfg, jnp.asarray(tokens), jnp.asarray(mask))) * mask[..., None])
+
+    dense = config.replace(moe_compute="dense")
+    for cfg in (config, dense):
+        assert jax.jit(forward, static_argnums=1)(params, cfg, jnp.asarray(tokens), jnp.asarray(mask)).shape == \
+            (*tokens.shape, config.vocab_size)
+    ragged_grads = jax.jit(jax.grad(loss), static_argnums=1)(params, config)
+    dense_grads = jax.jit(jax.grad(loss), static_argnums=1)(params, dense)
+    for a, b in zip(jax.tree.leaves(ragged_grads), jax.tree.leaves(dense_grads), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-4)
+    np.testing.assert_allclose(forward(params, config, jnp.asarray(tokens), jnp.asarray(mask)),
+                               forward(params, dense, jnp.asarray(tokens), jnp.asarray(mask)), atol=1e-5)
+
+    # The experts' op alone: random routing, some tokens invalid.
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(23, 32)), jnp.float32)
+    experts = jnp.asarray(np.stack([rng.choice(8, 2, replace=False) for _ in range(23)]), jnp.int32)
+    weights = jnp.asarray(rng.random((23, 2)), jnp.float32)
+    valid = jnp.asarray(rng.random(23) < 0.7)
+    w = moe.Experts(*(jnp.asarray(rng.normal(size=s) * 0.2, jnp.float32) for s in ((8, 32, 16),) * 2 + ((8, 16, 32),)))
+    ragged = moe.experts_ragged(x, experts, weights, w, valid=valid)
+    np.testing.assert_allclose(ragged, moe.experts_dense(x, experts, weights, w, valid=valid), atol=1e-5)
+    assert np.all(np.asarray(ragged)[~np.asarray(valid)] == 0.0)
+    # By hand for one token: sum_j w_j down_e(silu(x gate_e) * x up_e).
+    n = int(np.flatnonzero(np.asarray(valid))[0])
+    by_hand = sum(float(weights[n, j]) * (jax.nn.silu(x[n] @ w.gate[e]) * (x[n] @ w.up[e])) @ w.down[e]
+                  for j, e in enumerate(np.asarray(experts[n])))
+    np.testing.assert_allclose(ragged[n], by_hand, atol=1e-5)
+
+
+def test_routing_replay_is_exact_and_the_router_still_learns(random_moe):
+    """Replaying the live selection gives the live logits and the live gradient (router included); replaying
+    another selection uses it on every token (disagreement 0 against it) and the router still gets a gradient, from
+    the live probabilities at the replayed experts; a token without a record keeps its live experts."""
+    config, params = random_moe
+    tokens, mask = left_padded_batch(config.vocab_size, [10, 6], seed=5)
+    t, m = jnp.asarray(tokens), jnp.asarray(mask)
+    live_logits, live = forward_routed(params, config, t, m)
+
+    def loss(p, replay):
+        logits, _ = forward_routed(p, config, t, m, replay=replay)
+        return jnp.sum(jnp.sin(logits) * mask[..., None])
+
+    replayed_logits, replayed = forward_routed(params, config, t, m, replay=live.experts)
+    np.testing.assert_array_equal(np.asarray(replayed_logits), np.asarray(live_logits))
+    g_live, g_replay = jax.grad(loss)(params, None), jax.grad(loss)(params, live.experts)
+    for a, b in zip(jax.tree.leaves(g_live), jax.tree.leaves(g_replay), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    # Another selection: each token's two least likely experts.
+    other = jnp.argsort(live.logits, axis=-1)[..., :2].astype(jnp.int32)
+    logits, routing = forward_routed(params, config, t, m, replay=other)
+    np.testing.assert_array_equal(np.asarray(routing.experts), np.asarray(other))
+    disagreement = moe.router_disagreement(routing.experts.reshape(2, -1, 2), other.reshape(2, -1, 2))
+    assert float(disagreement.max()) == 0.0
+    assert float(moe.router_disagreement(live.experts.reshape(2, -1, 2), other.reshape(2, -1, 2)).min()) == 1.0
+    assert float(jnp.abs(logits - live_logits).max()) > 1e-3
+    router_grad = jax.grad(loss)(params, other)["layers"]["mlp"]["router"]["kernel"]
+    assert float(jnp.abs(router_grad).max()) > 1e-6  # gate weights from the live router: not a zeroed top-k
+
+    # The replayed weights are the live router's probabilities at the replayed experts, renormalized.
+    probs = jax.nn.softmax(live.logits[0], axis=-1)
+    ids, w = moe.route(live.logits[0], 2, renormalize=True, replay=other[0])
+    expected = jnp.take_along_axis(probs, other[0], axis=-1)
+    np.testing.assert_allclose(w, expected / expected.sum(-1, keepdims=True), rtol=1e-6)
+
+    # No record on the first row: its tokens route live, the second row's are replayed.
+    partial = other.at[:, 0].set(moe.NO_RECORD)
+    _, mixed = forward_routed(params, config, t, m, replay=partial)
+    np.testing.assert_array_equal(np.asarray(mixed.experts[:, 0]), np.asarray(live.experts[:, 0]))
+    np.testing.assert_array_equal(np.asarray(mixed.experts[:, 1]), np.asarray(other[:, 1]))
+
+
+def test_load_balancing_loss_by_hand() -> None:
+    """Two tokens, four experts, top-1, one layer: f = counts / rows, P = mean probs, loss = E * sum f P; a padded
+    token counts nowhere; its gradient reaches the logits through P only."""
+    logits = jnp.log(jnp.asarray([[0.7, 0.1, 0.1, 0.1], [0.1, 0.6, 0.2, 0.1], [0.0, 0.0, 0.0, 1.0]]))
+    mask = jnp.asarray([1.0, 1.0, 0.0])
+    f = np.array([0.5, 0.5, 0.0, 0.0])
+    p = np.array([0.4, 0.35, 0.15, 0.1])
+    np.testing.assert_allclose(float(moe.load_balancing_loss(logits, 1, mask)), 4 * float(f @ p), rtol=1e-6)
+    grad = jax.grad(lambda x: moe.load_balancing_loss(x, 1, mask))(logits)
+    assert float(jnp.abs(grad[2]).max()) == 0.0 and float(jnp.abs(grad[:2]).max()) > 0.0
+    top, mean = moe.expert_load(jnp.asarray([[[0], [1], [3]]]), 4, mask)
+    assert (float(top[0]), float(mean[0])) == (1.0, 0.5)
+    np.testing.assert_allclose(moe.routing_confidence(logits[None], 1, mask), [(0.7 + 0.6) / 2], rtol=1e-6)
+
+
+@pytest.mark.parametrize("kind", MOE_FAMILIES)
+def test_export_round_trip_through_transformers(kind, hf_model_dir, tmp_path):
+    """Our export loads in transformers (`from_pretrained`) with the same logits, and back into ours unchanged."""
+    import torch
+    from conftest import hf_logits
+    from transformers import AutoModelForCausalLM
+
+    config, params = load_hf_model(hf_model_dir(kind))
+    save_hf_model(params, config, tmp_path)
+    reloaded, again = load_hf_model(tmp_path)
+    assert reloaded == config
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(again), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="eager").eval()
+    tokens, mask = left_padded_batch(config.vocab_size, LENGTHS, seed=6)
+    ours = np.asarray(forward(params, config, jnp.asarray(tokens), jnp.asarray(mask)))
+    valid = mask.astype(bool)
+    assert float(np.abs(ours[valid] - hf_logits(model, tokens, mask)[valid]).max()) <= 1e-4
+
+
+def test_family_switches_are_read_and_matter(hf_model_dir):
+    """Each MoE switch reaches ModelConfig and changes the logits when flipped (parity cannot pass by luck)."""
+    tokens, mask = left_padded_batch(97, LENGTHS, seed=7)
+
+    def logits(config, params):
+        return np.asarray(forward(params, config, jnp.asarray(tokens), jnp.asarray(mask)))
+
+    qwen3, p3 = load_hf_model(hf_model_dir("qwen3_moe"))
+    assert (qwen3.num_experts, qwen3.num_experts_per_tok, qwen3.moe_intermediate_size) == (8, 2, 24)
+    assert qwen3.norm_topk_prob and qwen3.qk_norm and not qwen3.qk_norm_projection
+    assert float(np.abs(logits(qwen3.replace(norm_topk_prob=False), p3) - logits(qwen3, p3)).max()) > 1e-4
+    qwen2, p2 = load_hf_model(hf_model_dir("qwen2_moe"))
+    assert qwen2.shared_expert_intermediate_size == 40 and qwen2.qkv_bias and not qwen2.norm_topk_prob
+    no_shared = jax.tree.map(lambda x: x, p2)
+    no_shared["layers"]["mlp"]["shared_gate"]["kernel"] = jnp.full_like(p2["layers"]["mlp"]["shared_gate"]["kernel"],
+                                                                         -1e4)  # sigmoid -> 0
+    assert float(np.abs(logits(qwen2, no_shared) - logits(qwen2, p2)).max()) > 1e-4
+    mixtral, _ = load_hf_model(hf_model_dir("mixtral"))
+    assert mixtral.norm_topk_prob and mixtral.sliding_window == 5 and mixtral.moe_intermediate_size == 64
+    olmoe, po = load_hf_model(hf_model_dir("olmoe"))
+    assert olmoe.qk_norm_projection and po["layers"]["attn"]["q_norm"]["scale"].shape == (2, 32)
+    assert config_from_hf({**_hf_config(hf_model_dir("olmoe")), "norm_topk_prob": True}).norm_topk_prob
+
+
+def _hf_config(model_dir) -> dict:  # noqa: ANN001
+    import json
+
+    return json.loads((model_dir / "config.json").read_text())
+
+
+def test_unsupported_moe_configs_say_why(hf_model_dir):
+    base = _hf_config(hf_model_dir("qwen3_moe"))
+    with pytest.raises(ConversionError, match="every layer must be an MoE layer"):
+        config_from_hf({**base, "decoder_sparse_step": 2})
+    with pytest.raises(ConversionError, match="every layer must be an MoE layer"):
+        config_from_hf({**base, "mlp_only_layers": [0]})
+    with pytest.raises(ConversionError, match="clip_qkv"):
+        config_from_hf({**_hf_config(hf_model_dir("olmoe")), "clip_qkv": 8.0})
+    with pytest.raises(ConversionError, match="gpt-oss .* not supported yet"):
+        config_from_hf({**base, "model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"]})
+    config, params = load_hf_model(hf_model_dir("qwen3_moe"))
+    with pytest.raises(ConversionError, match="cannot export a mixture of experts as 'llama'"):
+        save_hf_model(params, config.replace(model_type="llama"), "/nonexistent/never-written")
+
+
+@pytest.mark.parametrize("kind", ["qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_engine_decodes_as_the_trainer_scores(kind, dtype, hf_model_dir):
+    """Greedy tokens through the rollout engine (paged KV, its CPU kernels where built; bfloat16: packed weights on
+    AMX) are the argmax of a fresh forward pass over prompt + completion, and their log-probs that pass's."""
+    from test_engine import small_engine
+    from test_sampling import _fresh_logits, _gather
+
+    from jaxrl_llm.engine import engine_sample
+    from jaxrl_llm.sampling import SamplingConfig
+
+    config, params = load_hf_model(hf_model_dir(kind), param_dtype=dtype, dtype=dtype)
+    tokens, mask = left_padded_batch(config.vocab_size, [5, 12, 1, 9], seed=8)
+    out = engine_sample(small_engine(config), params, config, tokens, mask, jax.random.key(0),
+                        functools.partial(SamplingConfig, max_new_tokens=12, greedy=True)())
+    logits = _fresh_logits(params, config, tokens, mask, out, n=1)
+    valid = out.mask.astype(bool)
+    assert (np.asarray(logits).argmax(-1) == out.tokens)[valid].mean() >= (1.0 if dtype == "float32" else 0.95)
+    expected = _gather(np.asarray(jax.nn.log_softmax(logits)), out.tokens)
+    assert np.abs(out.logprobs_untruncated - expected)[valid].max() <= (1e-4 if dtype == "float32" else 5e-2)
