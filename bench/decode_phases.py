@@ -140,7 +140,7 @@ def main() -> None:
             for i, w in enumerate(layers):
                 cos, sin = inputs[c.is_sliding(i)]
                 ops = packed_step_ops(w, c) if packed else step_ops(w, c)
-                x, _ = transformer_block(x, ops, lambda q, k, v: (q.reshape(s, 1, -1), None), cos, sin, c)
+                x, _, _ = transformer_block(x, ops, lambda q, k, v: (q.reshape(s, 1, -1), None), cos, sin, c)
             if packed:  # the final norm in the head's kernel, as the engine's step
                 logits = packed_logits(step_weights.head, c, x[:, 0], params["final_norm"]["scale"])
             else:

@@ -99,7 +99,7 @@ def test_export_round_trip_through_transformers(kind, hf_model_dir, tmp_path):
 
 
 def test_refusals_name_the_reason_and_the_supported_families(hf_model_dir, tmp_path):
-    for model_type, arch, reason in (("mixtral", "MixtralForCausalLM", "mixture-of-experts"),
+    for model_type, arch, reason in (("gpt_oss", "GptOssForCausalLM", "gpt-oss"),
                                      ("gemma3", "Gemma3ForConditionalGeneration", "gemma3_text")):
         model_dir = tmp_path / model_type
         shutil.copytree(hf_model_dir("llama"), model_dir)
