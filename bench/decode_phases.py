@@ -124,10 +124,10 @@ def main() -> None:
         def body(j: jax.Array, carry: tuple) -> tuple:
             token, caches = carry
             if backend == "xla":
-                logits, caches = slot_decode_step(params, weights, c, token, start + j, caches)
+                logits, caches, _ = slot_decode_step(params, weights, c, token, start + j, caches)
             else:
-                logits, caches = kernel_decode_step(params, step_weights, c, token, start + j, table, caches,
-                                                    backend, rotary=step_rotary(rotary, j))
+                logits, caches, _ = kernel_decode_step(params, step_weights, c, token, start + j, table, caches,
+                                                       backend, rotary=step_rotary(rotary, j))
             return sample(logits, j), caches
         return jax.lax.fori_loop(0, args.steps, body, (tokens, caches))
 

@@ -97,7 +97,7 @@ def generate_scored(
         batch_key = key if b == 0 else jax.random.fold_in(key, b)
         out = to_host(sampler(params, tokens, mask, batch_key, sampling) if sampler is not sample
                       else sample(params, model_config, tokens, mask, batch_key, sampling, mesh=mesh))
-        out = SampleOutput(*[x[: len(idx) * k] for x in out])
+        out = SampleOutput(*[None if x is None else x[: len(idx) * k] for x in out])
         records = [prompt_set.records[i] for i in idx for _ in range(k)]
         fields = reward_fields(records, out, sampling.max_new_tokens)
         texts = decode_completions(tokenizer, out)

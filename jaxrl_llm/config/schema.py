@@ -76,6 +76,10 @@ class ModelSection:
     # and its tokenizer: a directory, or "arithmetic" for the default task's character tokenizer.
     init: dict[str, Any] = field(default_factory=dict)
     tokenizer: str = ""  # --algo sft with model.init: a tokenizer directory, or "arithmetic"
+    # Mixture-of-experts models only. The router's load-balancing loss (transformers' formula) times this is added
+    # to every algorithm's loss; 0 (the default, as verl, NeMo-RL and slime in RL): it moves the log-probs.
+    router_aux_loss_coef: float = at_least(0.0)
+    freeze_router: bool = False  # MoE: the routers get no update (their gradient and weight decay are zero)
 
 
 @dataclass
@@ -133,6 +137,9 @@ class SamplingSection:
     # no C++ compiler is found); xla; cpu = the C++ kernel; pallas = the Pallas kernel (on the CPU the GPU kernel in
     # Pallas' interpreter: slow, for checking). Sliding-window models use xla on GPU and TPU (docs/engine.md).
     engine_attention: str = one_of("auto", ("auto", "xla", "cpu", "pallas"))
+    # the sampler's compute dtype (and its weights'): "" = model.dtype; bfloat16 under a float32 model samples as a
+    # bf16 inference server beside a float32 trainer does (the sampler/trainer mismatch, `mismatch/*`)
+    dtype: str = one_of("", ("", *DTYPES))
 
 
 @dataclass(frozen=True)
@@ -212,6 +219,10 @@ class RLSection:
     entropy_coef_max: float = at_least(1.0)  # adaptive entropy control: entropy_coef's upper bound
     # Advantage estimator: "" = the algorithm's own (grpo, rloo, reinforce_pp); or reinforce_pp_baseline.
     estimator: str = ""
+    # MoE: the experts the update's forward uses: none (its own router's choice) | old (those the old policy's pass
+    # chose, replayed in every minibatch: R2) | rollout (those the sampler chose, prefill and decode: R3); the gate
+    # weights always come from the live router, so it keeps learning (docs/models.md)
+    routing_replay: str = one_of("none", ("none", "old", "rollout"))
     dynamic_sampling: bool = False  # DAPO: drop zero-variance groups and refill the batch
     max_refill_rounds: int = at_least(3)  # DAPO: extra sampling rounds per step at most
 

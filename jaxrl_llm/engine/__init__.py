@@ -21,6 +21,7 @@ from jaxrl_llm.engine.pages import default_page_size
 from jaxrl_llm.engine.scheduler import Completion, Conversation, Engine, EngineStats, Request, host_array
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params
+from jaxrl_llm.models.moe import NO_RECORD
 from jaxrl_llm.sampling.config import SampleOutput, SamplingConfig
 from jaxrl_llm.sharding import mesh_of
 
@@ -44,8 +45,12 @@ def prompt_requests(prompt_tokens: Any, prompt_mask: Any, key: jax.Array, sampli
     return [Request(tokens[b][mask[b]].tolist(), keys[b], n=sampling.n) for b in range(tokens.shape[0])]
 
 
-def sample_output(completions: list[Completion], columns: int, pad_id: int) -> SampleOutput:
-    """Completions as the static sampler's right-padded `SampleOutput` `[N, columns]` (numpy)."""
+def sample_output(completions: list[Completion], columns: int, pad_id: int,
+                  prompt_lengths: list[int] | None = None, prompt_width: int = 0) -> SampleOutput:
+    """Completions as the static sampler's right-padded `SampleOutput` `[N, columns]` (numpy). For an MoE model
+    (completions with `experts`) and `prompt_lengths` (each row's prompt), `routing [N, prompt_width + columns, L,
+    k]`: the experts of each prompt token right-aligned in the first `prompt_width` columns (a left-padded prompt's
+    place), then each fed completion token's (`moe.NO_RECORD` elsewhere)."""
     n = len(completions)
     tokens = np.full((n, columns), pad_id, np.int32)
     mask = np.zeros((n, columns), np.int32)
@@ -53,8 +58,16 @@ def sample_output(completions: list[Completion], columns: int, pad_id: int) -> S
     for r, c in enumerate(completions):
         k = len(c.tokens)
         tokens[r, :k], mask[r, :k], logprobs[r, :k], untruncated[r, :k] = c.tokens, 1, c.logprobs, c.untruncated
+    routing = None
+    if prompt_lengths is not None and completions and completions[0].experts is not None:
+        routing = np.full((n, prompt_width + columns, *completions[0].experts.shape[1:]), NO_RECORD, np.int16)
+        for r, (c, p) in enumerate(zip(completions, prompt_lengths, strict=True)):
+            assert c.experts is not None
+            routing[r, prompt_width - p:prompt_width] = c.experts[:p]
+            fed = c.experts[p:p + columns]
+            routing[r, prompt_width:prompt_width + len(fed)] = fed
     return SampleOutput(tokens, mask, logprobs, untruncated, mask.sum(axis=1).astype(np.int32),
-                        np.asarray([c.stopped_on_eos for c in completions], bool))
+                        np.asarray([c.stopped_on_eos for c in completions], bool), routing)
 
 
 def engine_sample(engine: Engine, params: Params, config: ModelConfig, prompt_tokens: Any, prompt_mask: Any,
@@ -62,8 +75,11 @@ def engine_sample(engine: Engine, params: Params, config: ModelConfig, prompt_to
     """`sampling.n` completions of each prompt of a left-padded batch through `engine`: the static sampler's
     `sample` (same arguments, prompt-major rows, `max_new_tokens` columns), with each row's randomness its own."""
     del config  # the engine's
-    results = engine.generate(params, prompt_requests(prompt_tokens, prompt_mask, key, sampling), sampling)
-    return sample_output([c for group in results for c in group], sampling.max_new_tokens, sampling.pad_id)
+    requests = prompt_requests(prompt_tokens, prompt_mask, key, sampling)
+    results = engine.generate(params, requests, sampling)
+    lengths = [len(r.tokens) for r in requests for _ in range(r.n)]
+    return sample_output([c for group in results for c in group], sampling.max_new_tokens, sampling.pad_id, lengths,
+                         np.shape(prompt_tokens)[1])
 
 
 class PagedSampler:

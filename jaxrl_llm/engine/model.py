@@ -39,7 +39,14 @@ from jaxrl_llm.engine.pages import (
 from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.models.block import Attend, LayerOps, transformer_block
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.decode import StepWeights, longrope_original, loop_layout_attention, mlp_width, step_ops
+from jaxrl_llm.models.decode import (
+    StepWeights,
+    longrope_original,
+    loop_layout_attention,
+    mlp_width,
+    stacked_experts,
+    step_ops,
+)
 from jaxrl_llm.models.decoder import Params, unembed, unembedding_as_stored
 from jaxrl_llm.models.layers import embed_tokens, grouped_query_attention, rms_norm, rope_cos_sin, softcap
 from jaxrl_llm.models.precision import matmul
@@ -107,9 +114,10 @@ def paged_attention(config: ModelConfig, layer: PagedLayer, page_table: jax.Arra
 
 def paged_forward(params: Params, weights: list[StepWeights], config: ModelConfig, tokens: jax.Array,
                   positions: jax.Array, page_table: jax.Array, pages: list[PagedLayer], shards: int = 1,
-                  attention: str = "xla") -> tuple[jax.Array, list[PagedLayer]]:
+                  attention: str = "xla") -> tuple[jax.Array, list[PagedLayer], jax.Array | None]:
     """`tokens, positions [R, T]` through the decoder over `pages` with page tables `[R, M]`: returns the final
-    hidden states `[R, T, D]` (after the final norm) and the pages with the tokens' keys and values written.
+    hidden states `[R, T, D]` (after the final norm), the pages with the tokens' keys and values written, and an
+    MoE model's chosen experts `[R, T, L, k]` (`decode.stacked_experts`; None for a dense model).
     `attention`: `cpu` attends through the CPU kernel (`kernel_attention`, each query a kernel row over its own
     sequence's pages), else XLA's dots over the gathered pages."""
     c = config
@@ -120,7 +128,7 @@ def paged_forward(params: Params, weights: list[StepWeights], config: ModelConfi
     if attention == "cpu":  # the kernel's rows, one per query; a padding query (position -1) reads nothing
         query_tables, query_lengths = jnp.repeat(page_table, positions.shape[1], axis=0), (positions + 1).reshape(-1)
     x = embed_tokens(params["embed"]["embedding"], tokens, c)
-    new_pages = []
+    new_pages, routes = [], []
     for i, (w, layer) in enumerate(zip(weights, pages, strict=True)):
         cos, sin, allowed = inputs[c.is_sliding(i)]
         if attention == "cpu":
@@ -128,9 +136,11 @@ def paged_forward(params: Params, weights: list[StepWeights], config: ModelConfi
             attend = kernel_attention(c, layer, query_tables, slots, query_lengths, "cpu", window)
         else:
             attend = paged_attention(c, layer, page_table, slots, allowed)
-        x, layer, _ = transformer_block(x, step_ops(w, c, shards), attend, cos, sin, c)
+        x, layer, routing = transformer_block(x, step_ops(w, c, shards), attend, cos, sin, c)
         new_pages.append(layer)
-    return rms_norm(x, params["final_norm"]["scale"], c.rms_norm_eps, unit_offset=c.norm_unit_offset), new_pages
+        routes.append(routing)
+    hidden = rms_norm(x, params["final_norm"]["scale"], c.rms_norm_eps, unit_offset=c.norm_unit_offset)
+    return hidden, new_pages, stacked_experts(routes)
 
 
 def slot_caches(pages: list[PagedLayer], page_table: jax.Array) -> list[dict[str, jax.Array]]:
@@ -162,22 +172,24 @@ def slot_attention(config: ModelConfig, cache: dict[str, jax.Array], positions: 
 
 def slot_decode_step(params: Params, weights: list[StepWeights], config: ModelConfig, tokens: jax.Array,
                      positions: jax.Array, caches: list[dict[str, jax.Array]], shards: int = 1
-                     ) -> tuple[jax.Array, list[dict[str, jax.Array]]]:
+                     ) -> tuple[jax.Array, list[dict[str, jax.Array]], jax.Array | None]:
     """One decode step of every slot over the call's caches: `tokens [S]` at `positions [S]` (-1: an idle slot,
-    whose write lands on slot 0 of its own cache and is never read). Returns float32 logits `[S, V]` and the
-    caches with the tokens written."""
+    whose write lands on slot 0 of its own cache and is never read). Returns float32 logits `[S, V]`, the
+    caches with the tokens written and an MoE model's chosen experts `[S, L, k]` (else None)."""
     c = config
     context = caches[0]["k"].shape[-1]
     inputs = layer_inputs(c, positions[:, None], context)
     x = embed_tokens(params["embed"]["embedding"], tokens[:, None], c)
-    new_caches = []
+    new_caches, routes = [], []
     for i, (w, cache) in enumerate(zip(weights, caches, strict=True)):
         cos, sin, allowed = inputs[c.is_sliding(i)]
-        x, cache, _ = transformer_block(x, step_ops(w, c, shards), slot_attention(c, cache, positions, allowed),
-                                        cos, sin, c)
+        x, cache, routing = transformer_block(x, step_ops(w, c, shards), slot_attention(c, cache, positions, allowed),
+                                              cos, sin, c)
         new_caches.append(cache)
+        routes.append(routing)
     hidden = rms_norm(x[:, 0], params["final_norm"]["scale"], c.rms_norm_eps, unit_offset=c.norm_unit_offset)
-    return paged_logits(params, c, hidden), new_caches
+    experts = stacked_experts(routes)
+    return paged_logits(params, c, hidden), new_caches, None if experts is None else experts[:, 0]
 
 
 def write_back(pages: list[PagedLayer], caches: list[dict[str, jax.Array]], page_table: jax.Array,
@@ -276,10 +288,11 @@ def packed_step_ops(w: StepWeights, config: ModelConfig, shards: int = 1) -> Lay
 def kernel_decode_step(params: Params, weights: list[StepWeights] | PackedWeights, config: ModelConfig,
                        tokens: jax.Array, positions: jax.Array, page_table: jax.Array, pages: list[PagedLayer],
                        backend: str, shards: int = 1, rotary: Rotary | None = None
-                       ) -> tuple[jax.Array, list[PagedLayer]]:
+                       ) -> tuple[jax.Array, list[PagedLayer], jax.Array | None]:
     """One decode step of every slot straight over the pages (the kernels: GPU, TPU, CPU): `tokens [S]` at
     `positions [S]` (-1: an idle slot, which writes nothing and reads nothing) with page tables `[S, M]`. Returns
-    float32 logits `[S, V]` and the pages with the tokens written. With `PackedWeights` (the CPU, AMX) the matmuls
+    float32 logits `[S, V]`, the pages with the tokens written and an MoE model's experts `[S, L, k]` (else None).
+    With `PackedWeights` (the CPU, AMX) the matmuls
     run on the packed kernel. `rotary`: this step's tables (`step_rotary`), else computed here."""
     packed = weights if isinstance(weights, PackedWeights) else None
     layers = packed.layers if packed is not None else weights
@@ -290,18 +303,21 @@ def kernel_decode_step(params: Params, weights: list[StepWeights] | PackedWeight
     if rotary is None:  # the kernels mask by length: only the rotary tables are needed
         rotary = {local: (cos, sin) for local, (cos, sin, _) in layer_inputs(c, positions[:, None], 1).items()}
     x = embed_tokens(params["embed"]["embedding"], tokens[:, None], c)
-    new_pages = []
+    new_pages, routes = [], []
     for i, (w, layer) in enumerate(zip(layers, pages, strict=True)):
         cos, sin = rotary[c.is_sliding(i)]
         window = c.sliding_window if c.is_sliding(i) else None
         attend = kernel_attention(c, layer, page_table, slots, lengths, backend, window)
         ops = packed_step_ops(w, c, shards) if packed is not None else step_ops(w, c, shards)
-        x, layer, _ = transformer_block(x, ops, attend, cos, sin, c)
+        x, layer, routing = transformer_block(x, ops, attend, cos, sin, c)
         new_pages.append(layer)
+        routes.append(routing)
+    experts = stacked_experts(routes)
+    experts = None if experts is None else experts[:, 0]
     if packed is not None:  # the final norm in the head's kernel
-        return packed_logits(packed.head, c, x[:, 0], params["final_norm"]["scale"]), new_pages
+        return packed_logits(packed.head, c, x[:, 0], params["final_norm"]["scale"]), new_pages, experts
     hidden = rms_norm(x[:, 0], params["final_norm"]["scale"], c.rms_norm_eps, unit_offset=c.norm_unit_offset)
-    return paged_logits(params, c, hidden), new_pages
+    return paged_logits(params, c, hidden), new_pages, experts
 
 
 def packed_logits(head: jax.Array, config: ModelConfig, hidden: jax.Array, scale: jax.Array | None = None

@@ -38,6 +38,7 @@ from jaxrl_llm.engine.pages import PagedLayer, copy_pages
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decode import StepWeights, constrain_step_weights, fusable_shards, split_layers, step_weights
 from jaxrl_llm.models.decoder import Params
+from jaxrl_llm.models.moe import NO_RECORD
 from jaxrl_llm.sampling.config import Knobs
 from jaxrl_llm.sampling.logits import sample_with_uniform
 from jaxrl_llm.sharding import BATCH_AXES, constrain
@@ -70,12 +71,14 @@ class SlotState(NamedTuple):
 
 class StepOutputs(NamedTuple):
     """What `steps` decode steps emitted per slot: tokens, log-probs and untruncated log-probs `[S, steps]`
-    (pad / 0 where the slot was not active), and whether the slot stopped on EOS `[S]`."""
+    (pad / 0 where the slot was not active), whether the slot stopped on EOS `[S]`, and for an MoE model the experts
+    each step's fed token was routed to `[S, steps, L, k]` int16 (`moe.NO_RECORD` where inactive; else None)."""
 
     tokens: jax.Array
     logprobs: jax.Array
     untruncated: jax.Array
     hit_eos: jax.Array
+    experts: jax.Array | None = None
 
 
 def weight_shards(config: ModelConfig, mesh: Mesh | None) -> int:
@@ -132,16 +135,17 @@ def _sample(logits: jax.Array, uniform: jax.Array, knobs: Knobs, flags: Sampling
 def prefill_program(params: Params, weights: list[StepWeights], pages: list[PagedLayer], tokens: jax.Array,
                     positions: jax.Array, page_table: jax.Array, last: jax.Array, *, config: ModelConfig,
                     attention: str = "xla", mesh: Mesh | None = None, head: jax.Array | None = None
-                    ) -> tuple[jax.Array, list[PagedLayer]]:
+                    ) -> tuple[jax.Array, list[PagedLayer], jax.Array | None]:
     """`tokens, positions [R, C]` (position -1: padding) written into pages; returns the float32 logits `[R, V]`
-    at column `last [R]` of each row, and the pages. `attention`: `cpu` attends through the CPU kernel, any other
-    backend with XLA's dots over the gathered pages (the Pallas kernels take one query per row). `head`: the decode
+    at column `last [R]` of each row, the pages, and an MoE model's chosen experts `[R, C, L, k]` (else None).
+    `attention`: `cpu` attends through the CPU kernel, any other backend with XLA's dots over the gathered pages
+    (the Pallas kernels take one query per row). `head`: the decode
     step's AMX-packed LM head (`PackedWeights.head`), for the logits (no cast of the whole embedding per call)."""
-    hidden, pages = paged_forward(params, weights, config, tokens, positions, page_table, pages,
-                                  weight_shards(config, mesh), "cpu" if attention == "cpu" else "xla")
+    hidden, pages, experts = paged_forward(params, weights, config, tokens, positions, page_table, pages,
+                                           weight_shards(config, mesh), "cpu" if attention == "cpu" else "xla")
     picked = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
     logits = paged_logits(params, config, picked) if head is None else packed_logits(head, config, picked)
-    return replicated(logits, mesh), constrain_pages(pages, mesh)
+    return replicated(logits, mesh), constrain_pages(pages, mesh), replicated(experts, mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("flags",))
@@ -174,8 +178,10 @@ def decode_program(params: Params, weights: list[StepWeights] | PackedWeights, p
     `("data", "fsdp")` and the KV heads over `tensor`; the results come back whole on every device."""
     slots, shards = state.token.shape[0], weight_shards(config, mesh)
     eos = jnp.asarray(flags.eos_ids, jnp.int32)
+    experts = (jnp.full((slots, steps, config.num_layers, config.num_experts_per_tok), NO_RECORD, jnp.int16)
+               if config.is_moe else None)
     empty = StepOutputs(jnp.full((slots, steps), flags.pad_id, jnp.int32), jnp.zeros((slots, steps), jnp.float32),
-                        jnp.zeros((slots, steps), jnp.float32), jnp.zeros((slots,), bool))
+                        jnp.zeros((slots, steps), jnp.float32), jnp.zeros((slots,), bool), experts)
 
     rotary = call_rotary(config, state.position, steps) if attention != "xla" else None
     kernel_sampling = attention == "cpu" and cpu_kernel.sampling_unavailable_reason() is None
@@ -184,17 +190,20 @@ def decode_program(params: Params, weights: list[StepWeights] | PackedWeights, p
         s, out, caches = carry
         position = jnp.where(s.active, s.position, -1)
         if attention == "xla":
-            logits, caches = slot_decode_step(params, weights, config, s.token, position, caches, shards)
+            logits, caches, routed = slot_decode_step(params, weights, config, s.token, position, caches, shards)
         else:  # `caches` are the pages themselves
-            logits, caches = kernel_decode_step(params, weights, config, s.token, position, s.page_table, caches,
-                                                attention, shards, step_rotary(rotary, j))
+            logits, caches, routed = kernel_decode_step(params, weights, config, s.token, position, s.page_table,
+                                                        caches, attention, shards, step_rotary(rotary, j))
         token, logprob, untruncated = _sample(logits, row_uniforms(s.key_data, s.index), knobs, flags,
                                               kernel_sampling)
         token = jnp.where(s.active, token, flags.pad_id)
         hit = s.active & (jnp.any(token[:, None] == eos, axis=-1) if flags.eos_ids else False)
+        recorded = None if routed is None else out.experts.at[:, j].set(  # type: ignore[union-attr]
+            jnp.where(s.active[:, None, None], routed, NO_RECORD))
         out = StepOutputs(out.tokens.at[:, j].set(token),
                           out.logprobs.at[:, j].set(jnp.where(s.active, logprob, 0.0)),
-                          out.untruncated.at[:, j].set(jnp.where(s.active, untruncated, 0.0)), out.hit_eos | hit)
+                          out.untruncated.at[:, j].set(jnp.where(s.active, untruncated, 0.0)), out.hit_eos | hit,
+                          recorded)
         step_ = s.active.astype(jnp.int32)
         remaining = s.remaining - step_
         s = SlotState(token, s.position + step_, s.page_table, s.key_data, s.index + step_, remaining,

@@ -59,6 +59,7 @@ class Conversation:
     tokens: list[int]
     pages: list[int]
     written: int
+    experts: np.ndarray | None = None  # an MoE model's record of every written token's experts `[written, L, k]`
 
 
 @dataclasses.dataclass
@@ -76,14 +77,17 @@ class Request:
 
 @dataclasses.dataclass
 class Completion:
-    """One sample: its tokens, their log-probs (as sampled, and untruncated), whether it stopped on EOS, and its
-    conversation when kept."""
+    """One sample: its tokens, their log-probs (as sampled, and untruncated), whether it stopped on EOS, its
+    conversation when kept, and for an MoE model the experts every token of its context was routed to as it was
+    written (prefill and decode: `[context - 1, L, k]` int16, the last sampled token never being fed; with a
+    conversation, from its first turn on), the record routing replay uses."""
 
     tokens: list[int]
     logprobs: list[float]
     untruncated: list[float]
     stopped_on_eos: bool
     conversation: Conversation | None = None
+    experts: np.ndarray | None = None
 
 
 @dataclasses.dataclass
@@ -95,6 +99,7 @@ class _Sequence:
     reserved: int  # pages still reserved for its growth
     remaining: int  # tokens it may still sample
     completion: Completion
+    experts: list[np.ndarray] = dataclasses.field(default_factory=list)  # MoE: records of its written tokens
 
 
 @dataclasses.dataclass
@@ -264,7 +269,7 @@ class Engine:
                 tokens, start, pages = list(req.tokens), 0, []
             pages += alloc.allocate(math.ceil((start + len(tokens)) / ps) - len(pages), reserved=True)
             rows.append((tokens, start, pages))
-        logits = self._run_prefill(params, weights, head, rows)
+        logits, experts = self._run_prefill(params, weights, head, rows)
         # Every sample's key (`fold_in(request key, j)`) and first token in one call, from its prompt's last logits.
         counts = [requests[r].n for r in admitted]
         total = sum(counts)
@@ -277,10 +282,10 @@ class Engine:
                                            np.pad(sample, (0, width - total)), knobs, flags=flags)
         keys, first = np.asarray(keys)[:total], [np.asarray(a)[:total] for a in first]
         out, copies, offset = [], [], 0
-        for (tokens, start, pages), r, n in zip(rows, admitted, counts, strict=True):
+        for (tokens, start, pages), r, n, written in zip(rows, admitted, counts, experts, strict=True):
             drawn = tuple(a[offset:offset + n] for a in first)
             out += self._fork(requests[r], r, tokens, start, pages, keys[offset:offset + n], drawn, sampling, flags,
-                              results, keep, copies)
+                              results, keep, copies, written)
             offset += n
         if copies:  # the partial pages the samples write after: one call, padded with no-op copies of page 0
             width = _pow2(len(copies))
@@ -291,11 +296,13 @@ class Engine:
         return out
 
     def _run_prefill(self, params: Params, weights: Any, head: jax.Array | None,
-                     rows: list[tuple[list[int], int, list[int]]]) -> np.ndarray:
+                     rows: list[tuple[list[int], int, list[int]]]) -> tuple[np.ndarray, list[np.ndarray | None]]:
         """The prefill calls for `rows` (chunks of up to `prefill_chunk` tokens, as many rows a call as fill
         `prefill_rows` full chunks: short rows, many at once): each row's last logits, `[len(rows), V]` (on the host:
-        the samples' first tokens are drawn from them)."""
+        the samples' first tokens are drawn from them), and for an MoE model each row's written tokens' experts
+        `[tokens, L, k]` (else None per row)."""
         groups: list[np.ndarray] = []
+        records: list[list[np.ndarray]] = [[] for _ in rows]
         c = min(self.chunk, _round16(max(len(tokens) for tokens, _, _ in rows)))  # short prompts: short chunks
         per_call = max(1, self.prefill_rows * self.chunk // c)
         for g in range(0, len(rows), per_call):
@@ -318,21 +325,26 @@ class Engine:
                     pos[i, :len(part)] = start + k * c + np.arange(len(part))
                     last[i], ends[i] = max(len(part) - 1, 0), (k + 1) * c >= len(tokens) > k * c
                     self.stats.prefilled_tokens += len(part)
-                out, self.pages = prefill_program(params, weights, self.pages, *map(self._put, (tok, pos, table, last)),
-                                                  config=self.config, attention=self.attention, mesh=self.mesh,
-                                                  head=head)
+                out, self.pages, chosen = prefill_program(params, weights, self.pages,
+                                                          *map(self._put, (tok, pos, table, last)),
+                                                          config=self.config, attention=self.attention,
+                                                          mesh=self.mesh, head=head)
                 out = host_array(out)
+                if chosen is not None:
+                    chosen = host_array(chosen)
+                    for i, (tokens, _, _) in enumerate(group):
+                        records[g + i].append(chosen[i, :len(tokens[k * c:(k + 1) * c])])
                 group_logits = out if group_logits is None else np.where(ends[:, None], out, group_logits)
             groups.append(group_logits[:len(group)])  # type: ignore[index]
-        return np.concatenate(groups)
+        return np.concatenate(groups), [np.concatenate(r) if r else None for r in records]
 
     def _fork(self, req: Request, r: int, tokens: list[int], start: int, pages: list[int], keys: np.ndarray,
               first: tuple[np.ndarray, ...], sampling: SamplingConfig, flags: SamplingFlags,
-              results: list[list[Completion]], keep: bool,
-              copies: list[tuple[int, int]]) -> list[_Sequence]:
+              results: list[list[Completion]], keep: bool, copies: list[tuple[int, int]],
+              written: np.ndarray | None = None) -> list[_Sequence]:
         """The request's `n` samples after its prefill, with their first tokens `first` (tokens, log-probs,
         untruncated): page tables (shared full pages; own pages for the partial last one, whose copies are added to
-        `copies`), and the samples still to decode."""
+        `copies`), and the samples still to decode. `written`: an MoE model's experts of the prefilled tokens."""
         ps, alloc, n = self.page_size, self.allocator, req.n
         context = (req.conversation.tokens[:start] if req.conversation else []) + tokens
         m = self._max_new(req, sampling)
@@ -355,6 +367,9 @@ class Engine:
             completion = Completion([token], [float(first[1][j])], [float(first[2][j])], False)
             results[r].append(completion)
             seq = _Sequence(r, keys[j], context + [token], tables[j], per_sample - len(tables[j]), m - 1, completion)
+            if written is not None:  # the conversation's earlier records, then this prefill's
+                earlier = req.conversation.experts if req.conversation is not None else None
+                seq.experts = ([earlier[:start]] if earlier is not None else []) + [written]
             if token in flags.eos_ids or m == 1:
                 completion.stopped_on_eos = token in flags.eos_ids
                 self._finish(seq, keep)
@@ -399,7 +414,8 @@ class Engine:
                                                 flags=flags, steps=steps, attention=self.attention, mesh=self.mesh)
         self.stats.decode_calls += 1
         new_index, still = host_array(state.index), host_array(state.active)
-        tokens, logprobs, untruncated, hit_eos = (host_array(x) for x in out)
+        tokens, logprobs, untruncated, hit_eos = (host_array(x) for x in out[:4])
+        chosen = None if out.experts is None else host_array(out.experts)
         for row, i in enumerate(occupied):
             seq = slots[i]
             assert seq is not None
@@ -408,6 +424,8 @@ class Engine:
             seq.completion.tokens += tokens[row, :emitted].tolist()
             seq.completion.logprobs += logprobs[row, :emitted].tolist()
             seq.completion.untruncated += untruncated[row, :emitted].tolist()
+            if chosen is not None:  # the experts of the tokens this call fed
+                seq.experts.append(chosen[row, :emitted])
             seq.remaining -= emitted
             if not still[row]:
                 seq.completion.stopped_on_eos = bool(hit_eos[row])
@@ -418,8 +436,11 @@ class Engine:
         """A finished sample: its unused reservation back; its pages kept as its conversation, or released."""
         self.allocator.unreserve(seq.reserved)
         seq.reserved = 0
+        if seq.experts:
+            seq.completion.experts = np.concatenate(seq.experts)
         if keep:
-            seq.completion.conversation = Conversation(seq.context, seq.pages, len(seq.context) - 1)
+            seq.completion.conversation = Conversation(seq.context, seq.pages, len(seq.context) - 1,
+                                                       seq.completion.experts)
         else:
             self.allocator.release(seq.pages)
         seq.pages = []

@@ -50,8 +50,10 @@ def decode_layers(
     caches: LayerCaches,
     cache_index: jax.Array | int,
     return_hidden: bool = False,
-) -> tuple[jax.Array, LayerCaches]:
-    """`decode_step` with the layer loop unrolled over per-layer caches: `(logits [B, T, V], caches)`.
+    return_experts: bool = False,
+) -> tuple[jax.Array, LayerCaches] | tuple[jax.Array, LayerCaches, jax.Array | None]:
+    """`decode_step` with the layer loop unrolled over per-layer caches: `(logits [B, T, V], caches)`, and with
+    `return_experts` an MoE model's chosen experts `[B, T, L, k]` int16 (None for a dense model).
 
     The same modules and math as `Decoder.__call__` (embed -> `DecoderLayer` x L -> final norm -> unembed;
     a test checks the logits agree), driven differently for the sampler's hot loop. Inside a
@@ -65,15 +67,23 @@ def decode_layers(
     x = decoder.apply({"params": params}, tokens, method=lambda m, t: m.embed_tokens(t))
     inputs = attention_inputs(config, positions, key_mask, tokens.shape[1], cache_index)
     layer = DecoderLayer(config)
-    new_caches = []
+    new_caches, routes = [], []
     for i, (weights, cache) in enumerate(zip(layer_params, caches, strict=True)):
         own = (inputs[attention_kind(config, i)],)  # the layer's kind, chosen statically
-        x, (cache, _) = layer.apply({"params": weights}, x, cache, own, cache_index)
+        x, (cache, routing) = layer.apply({"params": weights}, x, cache, own, cache_index)
         new_caches.append(cache)
+        routes.append(routing)
     x = decoder.apply({"params": params}, x, method=lambda m, h: m.final_norm(h))
-    if return_hidden:
-        return x, new_caches
-    return decoder.apply({"params": params}, x, method=lambda m, h: m.unembed(h)), new_caches
+    out = x if return_hidden else decoder.apply({"params": params}, x, method=lambda m, h: m.unembed(h))
+    return (out, new_caches, stacked_experts(routes)) if return_experts else (out, new_caches)
+
+
+def stacked_experts(routes: list[Routing | None]) -> jax.Array | None:
+    """The experts every MoE layer chose, `[..., L, k]` int16 (the record a rollout keeps for routing replay), from
+    the layers' `Routing`s (`[..., k]` each); None for a dense model."""
+    if not routes or routes[0] is None:
+        return None
+    return jnp.stack([r.experts for r in routes], axis=-2).astype(jnp.int16)  # type: ignore[union-attr]
 
 
 class StepWeights(NamedTuple):
@@ -211,17 +221,28 @@ def decode_token(
     on the sampler's prepared weights (`step_ops`: q|k|v and gate|up as one matmul each, laid out for `shards`
     tensor-parallel shards) over the loop's caches (`loop_cache_attention`).
     """
+    logits, caches, _ = decode_token_routed(params, weights, config, tokens, positions, key_mask, caches,
+                                            cache_index, shards)
+    return logits, caches
+
+
+def decode_token_routed(params: Params, weights: list[StepWeights], config: ModelConfig, tokens: jax.Array,
+                        positions: jax.Array, key_mask: jax.Array, caches: LayerCaches, cache_index: jax.Array,
+                        shards: int = 1) -> tuple[jax.Array, LayerCaches, jax.Array | None]:
+    """`decode_token` that also returns an MoE model's chosen experts `[B, L, k]` int16 (None for a dense one)."""
     c = config
     x = embed_tokens(params["embed"]["embedding"], tokens[:, None], c)  # [B, 1, D]
     inputs = attention_inputs(c, positions[:, None], key_mask, 1, cache_index)  # cos/sin [B, 1, rot], [B, 1, S]
-    new_caches = []
+    new_caches, routes = [], []
     for i, (w, cache) in enumerate(zip(weights, caches, strict=True)):
         cos, sin, allowed = inputs[attention_kind(c, i)]
-        x, cache, _ = transformer_block(x, step_ops(w, c, shards), loop_cache_attention(c, allowed, cache,
-                                                                                         cache_index), cos, sin, c)
+        attend = loop_cache_attention(c, allowed, cache, cache_index)
+        x, cache, routing = transformer_block(x, step_ops(w, c, shards), attend, cos, sin, c)
         new_caches.append(cache)
+        routes.append(routing)
     x = rms_norm(x[:, 0], params["final_norm"]["scale"], c.rms_norm_eps, unit_offset=c.norm_unit_offset)
-    return unembed(params, c, x).astype(jnp.float32), new_caches
+    experts = stacked_experts(routes)
+    return unembed(params, c, x).astype(jnp.float32), new_caches, None if experts is None else experts[:, 0]
 
 
 def step_ops(w: StepWeights, config: ModelConfig, shards: int = 1,
@@ -385,14 +406,20 @@ def prefill(
     params: Params, layer_params: list[Params], config: ModelConfig, tokens: jax.Array, mask: jax.Array
 ) -> tuple[jax.Array, LayerCaches]:
     """Prompt `[B, P]` -> (next-token logits `[B, V]` float32, per-layer caches `[B, P, KVH, hd]`)."""
+    logits, caches, _ = prefill_routed(params, layer_params, config, tokens, mask)
+    return logits, caches
+
+
+def prefill_routed(params: Params, layer_params: list[Params], config: ModelConfig, tokens: jax.Array,
+                   mask: jax.Array) -> tuple[jax.Array, LayerCaches, jax.Array | None]:
+    """`prefill` that also returns an MoE model's chosen experts of the prompt `[B, P, L, k]` int16 (else None)."""
     shape = (tokens.shape[0], tokens.shape[1], config.num_kv_heads, config.head_dim)
     empty = {"k": jnp.zeros(shape, config.jnp_dtype), "v": jnp.zeros(shape, config.jnp_dtype)}
     caches = [empty] * len(layer_params)
     # Left padding puts every row's last prompt token in the last column: only it needs logits.
-    hidden, caches = decode_layers(
-        params, layer_params, config, tokens, positions_from_mask(mask), mask, caches, 0, return_hidden=True
-    )
-    return unembed(params, config, hidden[:, -1]).astype(jnp.float32), caches
+    hidden, caches, experts = decode_layers(params, layer_params, config, tokens, positions_from_mask(mask), mask,
+                                            caches, 0, return_hidden=True, return_experts=True)
+    return unembed(params, config, hidden[:, -1]).astype(jnp.float32), caches, experts
 
 
 def constrain_step_weights(w: StepWeights, mesh: Mesh | None) -> StepWeights:

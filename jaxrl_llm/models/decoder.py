@@ -26,7 +26,7 @@ layer picks its own with a scanned per-layer flag (`AttentionInputs`).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -47,7 +47,7 @@ from jaxrl_llm.models.layers import (  # noqa: F401  (re-exported: the decoder's
     segment_attention_allowed,
     softcap,
 )
-from jaxrl_llm.models.moe import Experts, Routing, experts_dense, experts_ragged, route
+from jaxrl_llm.models.moe import NO_RECORD, Experts, Routing, experts_dense, experts_ragged, route
 from jaxrl_llm.models.packing import PackedLayout, gather_predictors, packed_inputs
 from jaxrl_llm.models.precision import matmul, matmul_transposed
 
@@ -410,11 +410,29 @@ def forward_packed(params: Params, config: ModelConfig, tokens: jax.Array, posit
                    segments: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
     """Final hidden states `[R, S, D]` of packed rows (`tokens, positions, segments [R, S]`, see
     `jaxrl_llm.models.packing`): attention never crosses a segment, positions restart per sequence."""
-    out, _ = Decoder(config).apply(
-        {"params": params}, tokens, positions, segments > 0, return_hidden=True, segments=segments,
-        token_mask=segments > 0, rngs=None if dropout_key is None else {"dropout": dropout_key},
+    return forward_packed_routed(params, config, tokens, positions, segments, dropout_key=dropout_key)[0]
+
+
+def forward_packed_routed(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
+                          segments: jax.Array, *, replay: jax.Array | None = None,
+                          dropout_key: jax.Array | None = None) -> tuple[jax.Array, Routing | None]:
+    """`forward_packed` that also returns every MoE layer's `Routing` over the rows (`[L, R, S, ...]`) and replays
+    `replay [L, R, S, k]` where given."""
+    out, _, routing = Decoder(config).apply(
+        {"params": params}, tokens, positions, segments > 0, return_hidden=True, segments=segments, replay=replay,
+        token_mask=segments > 0, return_routing=True, rngs=None if dropout_key is None else {"dropout": dropout_key},
     )
-    return out
+    return out, routing
+
+
+class RoutedHidden(NamedTuple):
+    """`completion_hidden_routed`'s result: the predicting hidden states `[N, T, D]`, every MoE layer's `Routing`
+    over the positions the forward ran on (`[L, B, S, ...]`: the padded `[N, P + T - 1]` or the packed `[R, S]`),
+    and those positions' mask `[B, S]` (1 = a real token)."""
+
+    hidden: jax.Array
+    routing: Routing | None
+    token_mask: jax.Array
 
 
 def completion_hidden(params: Params, config: ModelConfig, prompt_tokens: jax.Array, prompt_mask: jax.Array,
@@ -424,13 +442,35 @@ def completion_hidden(params: Params, config: ModelConfig, prompt_tokens: jax.Ar
     `prompt + completion[:-1]` (left-padded prompts `[N, P]`, right-padded completions `[N, T]`), the state at
     position `P - 1 + t` predicting `y_t`. With a packed `layout` (`jaxrl_llm.models.packing`) the pass runs on its
     rows, no padding computed, and the same states are gathered back to `[N, T, D]`."""
+    return completion_hidden_routed(params, config, prompt_tokens, prompt_mask, completion_tokens, completion_mask,
+                                    layout=layout, dropout_key=dropout_key).hidden
+
+
+def completion_hidden_routed(params: Params, config: ModelConfig, prompt_tokens: jax.Array, prompt_mask: jax.Array,
+                             completion_tokens: jax.Array, completion_mask: jax.Array, *,
+                             layout: PackedLayout | None = None, dropout_key: jax.Array | None = None,
+                             replay: jax.Array | None = None) -> RoutedHidden:
+    """`completion_hidden` with the routing of an MoE model (`RoutedHidden`). `replay [N, P + T, L, k]`: the experts
+    each token of `prompt + completion` was routed to where it was recorded (`moe.NO_RECORD` where not), replayed on
+    the forward's inputs (the last completion token is no input; packed rows get their tokens' records)."""
     p = prompt_tokens.shape[1]
     tokens = jnp.concatenate([prompt_tokens, completion_tokens], axis=1)[:, :-1]
     mask = jnp.concatenate([prompt_mask, completion_mask.astype(prompt_mask.dtype)], axis=1)[:, :-1]
+    forced = None if replay is None else replay[:, :-1].astype(jnp.int32)  # [N, S, L, k]
     if layout is None:
-        return forward(params, config, tokens, mask, return_hidden=True, dropout_key=dropout_key)[:, p - 1 :]
+        if forced is not None:
+            forced = jnp.moveaxis(forced, 2, 0)  # [L, N, S, k]
+        hidden, routing = forward_routed(params, config, tokens, mask, return_hidden=True, replay=forced,
+                                         dropout_key=dropout_key)
+        return RoutedHidden(hidden[:, p - 1 :], routing, mask)
     rows, positions, segments = packed_inputs(tokens, mask, layout)
-    return gather_predictors(forward_packed(params, config, rows, positions, segments, dropout_key=dropout_key), layout)
+    if forced is not None:
+        pad = layout.source < 0
+        flat = forced.reshape(-1, *forced.shape[2:])[jnp.where(pad, 0, layout.source)]  # [R, S, L, k]
+        forced = jnp.moveaxis(jnp.where(pad[..., None, None], NO_RECORD, flat), 2, 0)
+    hidden, routing = forward_packed_routed(params, config, rows, positions, segments, replay=forced,
+                                            dropout_key=dropout_key)
+    return RoutedHidden(gather_predictors(hidden, layout), routing, segments > 0)
 
 
 def unembed(params: Params, config: ModelConfig, hidden: jax.Array) -> jax.Array:

@@ -72,17 +72,18 @@ from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decode import (
     StepWeights,
     constrain_step_weights,
-    decode_token,
+    decode_token_routed,
     fusable_shards,
     longrope_original,
     longrope_switch,
     loop_caches,
-    prefill,
+    prefill_routed,
     split_layers,
     step_weights,
 )
 from jaxrl_llm.models.decoder import Params
 from jaxrl_llm.models.layers import positions_from_mask
+from jaxrl_llm.models.moe import NO_RECORD
 from jaxrl_llm.sampling.config import (
     Knobs,
     SampleOutput,
@@ -134,23 +135,27 @@ def _emit(i: jax.Array | int, logits: jax.Array, done: jax.Array, length: jax.Ar
     return token, done | (active & hit_eos), length + active.astype(jnp.int32), outputs
 
 
-def _decode_loop(step: Callable[..., tuple[jax.Array, Any]], emit: Callable[..., tuple], max_new: jax.Array,
-                 state: tuple) -> tuple[jax.Array, jax.Array, tuple]:
+def _decode_loop(step: Callable[..., tuple[jax.Array, Any, Any]], emit: Callable[..., tuple], max_new: jax.Array,
+                 state: tuple, experts: jax.Array | None = None) -> tuple[jax.Array, jax.Array, tuple, Any]:
     """`lax.while_loop` over tokens `i = 1, 2, ...` while `i < max_new` and some row is not done: `step` feeds
-    token `i - 1` and gives the logits of token `i`, `emit` samples it. `state = (i, token, caches, done, length,
-    outputs)`; returns the final `(done, length, outputs)`."""
+    token `i - 1` and gives the logits of token `i` (and an MoE model's experts of the fed token, written to column
+    `i - 1` of `experts [R, T_b, L, k]` for the rows still going), `emit` samples it. `state = (i, token, caches,
+    done, length, outputs)`; returns the final `(done, length, outputs, experts)`."""
     def keep_going(state: tuple) -> jax.Array:
-        i, _, _, done, _, _ = state
+        i, _, _, done, _, _, _ = state
         return (i < max_new) & ~jnp.all(done)
 
     def body(state: tuple) -> tuple:
-        i, token, caches, done, length, outputs = state
-        logits, caches = step(i, token, caches)
+        i, token, caches, done, length, outputs, recorded = state
+        logits, caches, chosen = step(i, token, caches)
+        if recorded is not None:
+            fed = jnp.where(done[:, None, None], NO_RECORD, chosen)[:, None]
+            recorded = jax.lax.dynamic_update_slice_in_dim(recorded, fed.astype(recorded.dtype), i - 1, axis=1)
         token, done, length, outputs = emit(i, logits, done, length, outputs)
-        return i + 1, token, caches, done, length, outputs
+        return i + 1, token, caches, done, length, outputs, recorded
 
-    _, _, _, done, length, outputs = jax.lax.while_loop(keep_going, body, state)
-    return done, length, outputs
+    _, _, _, done, length, outputs, experts = jax.lax.while_loop(keep_going, body, (*state, experts))
+    return done, length, outputs, experts
 
 
 def _completion_key_mask(prompt_mask: jax.Array, n: int, new_tokens: int) -> tuple[jax.Array, jax.Array]:
@@ -177,8 +182,8 @@ def _empty_outputs(rows: int, new_tokens: int, pad_id: int) -> tuple[jax.Array, 
 
 def _token_step(params: Params, weights: list[StepWeights], config: ModelConfig, key_mask: jax.Array,
                 first_position: jax.Array, prompt_len: int,
-                shards: int) -> Callable[[jax.Array, jax.Array, Any], tuple[jax.Array, Any]]:
-    """The loop body's model call `step(i, token, caches) -> (logits, caches)`: feed token `i - 1` (cache slot
+                shards: int) -> Callable[[jax.Array, jax.Array, Any], tuple[jax.Array, Any, Any]]:
+    """The loop body's model call `step(i, token, caches) -> (logits, caches, experts)`: feed token `i - 1` (cache slot
     `P_b + i - 1`) and get the logits of token `i`; a longrope model switches to its long factors on the step
     the batch's longest row first reaches past the original context."""
     original = longrope_original(config)
@@ -190,7 +195,8 @@ def _token_step(params: Params, weights: list[StepWeights], config: ModelConfig,
             reach = jnp.max(first_position) + i  # transformers' seq_len of this call; the previous one was 1 less
             caches = jax.lax.cond((reach > original) & (reach - 1 <= original),
                                   lambda c: longrope_switch(c, config, key_positions), lambda c: c, caches)
-        return decode_token(params, weights, config, token, first_position + i - 1, key_mask, caches, slot, shards)
+        return decode_token_routed(params, weights, config, token, first_position + i - 1, key_mask, caches, slot,
+                                   shards)
 
     return step
 
@@ -222,7 +228,7 @@ def _sample_program(
     weights = [constrain_step_weights(w, mesh) for w in step_weights(layer_params, config, shards)]
 
     # Prefill the B prompts once; the n samples of a prompt share it.
-    logits, prompt_caches = prefill(params, layer_params, config, prompt_tokens, prompt_mask)
+    logits, prompt_caches, prompt_experts = prefill_routed(params, layer_params, config, prompt_tokens, prompt_mask)
 
     logits = jnp.repeat(logits, n, axis=0)
     caches = _completion_caches(prompt_caches, n, new_tokens, mesh)
@@ -233,10 +239,16 @@ def _sample_program(
     token, done, length, outputs = emit(0, logits, jnp.zeros((rows,), bool), jnp.zeros((rows,), jnp.int32), outputs)
     max_new = jnp.minimum(knobs.max_new_tokens, new_tokens)
     step = _token_step(params, weights, config, key_mask, first_position, prompt_len, shards)
-    done, length, outputs = _decode_loop(step, emit, max_new, (jnp.int32(1), token, caches, done, length, outputs))
+    experts = None
+    if prompt_experts is not None:  # an MoE model records its routing: the prompt's, then each fed token's
+        prompt_experts = jnp.where(prompt_mask[:, :, None, None] > 0, prompt_experts, NO_RECORD).astype(jnp.int16)
+        experts = jnp.full((rows, new_tokens, *prompt_experts.shape[2:]), NO_RECORD, jnp.int16)
+    done, length, outputs, experts = _decode_loop(step, emit, max_new,
+                                                  (jnp.int32(1), token, caches, done, length, outputs), experts)
     tokens, logprobs, untruncated = outputs
     mask = (jnp.arange(new_tokens)[None, :] < length[:, None]).astype(jnp.int32)
-    out = SampleOutput(tokens, mask, logprobs, untruncated, length, done)
+    routing = None if experts is None else jnp.concatenate([jnp.repeat(prompt_experts, n, axis=0), experts], axis=1)
+    out = SampleOutput(tokens, mask, logprobs, untruncated, length, done, routing)
     return jax.tree.map(lambda x: constrain(x, mesh, rows_spec), out)
 
 
@@ -301,11 +313,18 @@ def sample(
     `fsdp` axes and the KV cache's heads over `tensor`; the tokens are the same as on one device.
     """
     args, static = _program_args(params, model_config, prompt_tokens, prompt_mask, key, sampling, mesh)
-    return _trim(_sample_program(*args, **static), sampling.max_new_tokens)
+    return _trim(_sample_program(*args, **static), sampling.max_new_tokens, np.shape(prompt_tokens)[1])
 
 
-def _trim(out: SampleOutput, columns: int) -> SampleOutput:
-    """Drop the completion bucket's excess columns (beyond `max_new_tokens`)."""
+def _trim(out: SampleOutput, columns: int, prompt_width: int) -> SampleOutput:
+    """Drop the completion bucket's excess columns (beyond `max_new_tokens`); an MoE model's routing record gets the
+    caller's prompt width (`prompt_width` columns, right-aligned: the program saw the prompts re-bucketed)."""
+    if out.routing is not None:
+        bucketed = out.routing.shape[1] - out.tokens.shape[1]
+        prompt, completion = out.routing[:, :bucketed], out.routing[:, bucketed:bucketed + columns]
+        keep = prompt[:, max(0, bucketed - prompt_width):]
+        pad = jnp.full((keep.shape[0], prompt_width - keep.shape[1], *keep.shape[2:]), NO_RECORD, keep.dtype)
+        out = out._replace(routing=jnp.concatenate([pad, keep, completion], axis=1))
     if out.tokens.shape[1] == columns:
         return out
     return out._replace(
@@ -331,7 +350,7 @@ def compile_sampler(
 
     def run(params: Params, prompt_tokens: Any, prompt_mask: Any, key: jax.Array) -> SampleOutput:
         args, _ = _program_args(params, model_config, prompt_tokens, prompt_mask, key, sampling, mesh)
-        return _trim(compiled(*args), sampling.max_new_tokens)
+        return _trim(compiled(*args), sampling.max_new_tokens, np.shape(prompt_tokens)[1])
 
     return run
 

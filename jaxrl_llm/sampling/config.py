@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -85,6 +85,9 @@ class SampleOutput(NamedTuple):
       vocabulary (temperature 1 in greedy mode): what a trainer recomputing `log_softmax(logits / T)` gets.
     - `lengths [B*n]` int32: number of completion tokens (`mask.sum(-1)`).
     - `stopped_on_eos [B*n]` bool: the row ended with an EOS id (False: it hit `max_new_tokens`).
+    - `routing [B*n, P + T, L, k]` int16, an MoE model's only (else None): the experts each token of `prompt +
+      completion` was routed to when the sampler fed it (prefill and decode; the prompt's `P` columns
+      left-padded as the prompt batch), `moe.NO_RECORD` where nothing was fed: the record routing replay uses.
     """
 
     tokens: jax.Array
@@ -93,6 +96,7 @@ class SampleOutput(NamedTuple):
     logprobs_untruncated: jax.Array
     lengths: jax.Array
     stopped_on_eos: jax.Array
+    routing: Any = None
 
 
 class _Static(NamedTuple):

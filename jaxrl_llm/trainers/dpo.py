@@ -44,7 +44,7 @@ from jaxrl_llm.trainers.base import Collected, State
 from jaxrl_llm.trainers.evaluation import GreedyEvaluation
 from jaxrl_llm.trainers.objectives import completion_logprobs
 from jaxrl_llm.trainers.policy import load_policy
-from jaxrl_llm.trainers.step import Metrics, jit_one_step_update, make_optimizer, state_sharding
+from jaxrl_llm.trainers.step import Metrics, jit_one_step_update, make_optimizer, router_frozen, state_sharding
 from jaxrl_llm.trainers.supervised import ExampleAlgorithm, packed_example_batch
 
 
@@ -166,7 +166,7 @@ class DPO(ExampleAlgorithm):
                           if d.reference == "precompute" and reference is not None else None)
         frozen = {**(p.frozen or {}), **({"reference": reference} if in_step else {})}
         self.frozen = frozen or None
-        self.optimizer, self.schedule = make_optimizer(c.optim, max(c.steps, 1))
+        self.optimizer, self.schedule = make_optimizer(c.optim, max(c.steps, 1), router_frozen(c.model.freeze_router))
         self.frozen_input = self.frozen
         self.update_fn = jit_one_step_update(
             p.mesh, self.init(), frozen_sharding=state_sharding(self.frozen) if self.frozen else None,

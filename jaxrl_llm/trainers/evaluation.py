@@ -39,7 +39,7 @@ class GreedyEvaluation:
         if self.prompts is None:
             return {}
         p = self.policy
-        return evaluate_greedy(params, p.model_config, p.tokenizer, self.prompts, self.reward,
+        return evaluate_greedy(params, p.sampler_config, p.tokenizer, self.prompts, self.reward,
                                p.sampling_config(greedy=True), batch_size=self.batch_size, limit=limit, mesh=p.mesh,
                                sampler=p.sample)
 

@@ -43,13 +43,23 @@ from jaxrl_llm.trainers.policy import Policy
 from jaxrl_llm.trainers.rl import (
     RolloutAlgorithm,
     logprob_pass_layout,
+    moe_old_policy,
     old_policy_logprobs,
+    routed_pass,
     update_plan,
     update_sizes,
     validate_rl,
 )
 from jaxrl_llm.trainers.rollouts import Rollout
-from jaxrl_llm.trainers.step import Metrics, jit_update, make_optimizer, scanned_updates, state_sharding, train_step
+from jaxrl_llm.trainers.step import (
+    Metrics,
+    jit_update,
+    make_optimizer,
+    router_frozen,
+    scanned_updates,
+    state_sharding,
+    train_step,
+)
 
 
 def validate_grpo(c: RunConfig) -> None:
@@ -126,7 +136,8 @@ class GRPOFamily(RolloutAlgorithm):
         c, r = config, config.rl
         self.label = c.algo  # type: ignore[misc]
         self.rollout_size, self.minibatch_size, self.updates_per_step = update_sizes(c)
-        self.optimizer, self.schedule = make_optimizer(c.optim, max(c.steps * self.updates_per_step, 1))
+        self.optimizer, self.schedule = make_optimizer(c.optim, max(c.steps * self.updates_per_step, 1),
+                                                       router_frozen(c.model.freeze_router))
         self.estimator = advantage_estimator(c.algo, r.estimator)
         self.objective = policy_objective(c, beta=0.0 if kl_in_reward(self.estimator) else r.beta)
         self.advantage_fn = jax.jit(functools.partial(
@@ -141,6 +152,7 @@ class GRPOFamily(RolloutAlgorithm):
         self.frozen_input = self.policy.frozen  # the update's frozen input: LoRA's base (and a teacher), or None
         self.frozen_sharding = self.policy.frozen_sharding
         self.update_fn = self.update_fn_for(r.grad_accum)
+        self.routed_logprob_fn = routed_pass(c, self.policy)
 
     def update_fn_for(self, grad_accum: int) -> Any:
         """The jitted update with `grad_accum` micro-batches per optimizer update (built once)."""
@@ -192,16 +204,22 @@ class GRPOFamily(RolloutAlgorithm):
         p = self.policy
         packed = functools.cache(lambda: logprob_pass_layout(self.config, ro, self.mesh,
                                                              p.model_config.num_params()))  # only if a pass runs
-        old_logp, sampler_logp, mismatch = old_policy_logprobs(
-            self.config.rl.loss.rollout_correction, put(np.asarray(ro.out.logprobs_untruncated, np.float32)), lm,
-            lambda: self.ref_logprob_fn(working_weights(p.model_weights(state["params"]), p.model_config),
-                                        pt, pm, ct, cm, packed()))
+        weights = functools.cache(lambda: working_weights(p.model_weights(state["params"]), p.model_config))
+        sampled = put(np.asarray(ro.out.logprobs_untruncated, np.float32))
+        records = None
+        if self.routed_logprob_fn is not None:  # MoE: routing records, replay, the router's mismatch
+            old_logp, sampler_logp, mismatch, records = moe_old_policy(
+                self.config, self.routed_logprob_fn, weights(), (pt, pm, ct, cm), packed(), sampled, lm, ro, put)
+        else:
+            old_logp, sampler_logp, mismatch = old_policy_logprobs(
+                self.config.rl.loss.rollout_correction, sampled, lm,
+                lambda: self.ref_logprob_fn(weights(), pt, pm, ct, cm, packed()))
         # log pi_ref of the rollout's tokens, zeros when no KL term needs them.
         ref_logp = (self.ref_logprob_fn(self.ref_params, pt, pm, ct, cm, packed()) if self.ref_params is not None
                     else put(np.zeros(ro.out.tokens.shape, np.float32)))
         advantages, extra = self.token_advantages(ro, (pt, pm, ct, cm), lm, old_logp, ref_logp)
         batch = PolicyBatch(pt, pm, ct, cm, old_logp, ref_logp, advantages, sampler_logp,
-                            None if ro.loss_mask is None else lm)
+                            None if ro.loss_mask is None else lm, routing=records)
         ctl = (EntropyControllerState(**{k: jnp.asarray(v, jnp.float32) for k, v in
                                          jax.device_get(state["entropy_controller"]).items()})
                if self.adaptive_entropy else None)

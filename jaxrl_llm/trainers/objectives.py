@@ -23,7 +23,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_llm.config import RunConfig
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.decoder import Params, completion_hidden, unembedding_as_stored
+from jaxrl_llm.models.decoder import Params, RoutedHidden, completion_hidden_routed, unembedding_as_stored
+from jaxrl_llm.models.moe import NO_RECORD, expert_load, load_balancing_loss, router_disagreement, routing_confidence
 from jaxrl_llm.models.packing import PackedLayout
 from jaxrl_llm.rl.logprobs import token_logprobs_from_hidden
 from jaxrl_llm.rl.policy_loss import PolicyLossOptions, clipped_policy_loss
@@ -42,7 +43,9 @@ class PolicyBatch(NamedTuple):
     `old / sampler` (then `old_logp` is the trainer's recomputation), else None; loss_mask `[N, T]`, in a
     multi-turn rollout 1 on the model's tokens and 0 on the environment's (which `completion_mask`, the attention
     mask, covers too), else None (the loss covers `completion_mask`); layout, the packed rows the forward pass
-    runs on (`jaxrl_llm.models.packing`, `rl.packing`), else None (the padded layout).
+    runs on (`jaxrl_llm.models.packing`, `rl.packing`), else None (the padded layout); routing `[N, P + T, L, k]`, an
+    MoE model's recorded experts of every token of `prompt + completion` (`moe.NO_RECORD` where none), replayed when
+    the objective says so (`rl.routing_replay`) and compared with the live router's choice either way, else None.
     """
 
     prompt_tokens: jax.Array
@@ -55,6 +58,7 @@ class PolicyBatch(NamedTuple):
     sampler_logp: jax.Array | None = None
     loss_mask: jax.Array | None = None
     layout: PackedLayout | None = None
+    routing: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +78,8 @@ class PolicyObjective:
     temperature: float = 1.0
     max_len: int | None = None
     logprob_block_mib: float = 0.0
+    routing_replay: bool = False  # MoE: the forward uses the batch's recorded experts (rl.routing_replay)
+    router_aux_loss_coef: float = 0.0  # MoE: the load-balancing loss's weight in the loss (model.router_aux_loss_coef)
 
 
 def policy_objective(c: RunConfig, *, beta: float) -> PolicyObjective:
@@ -84,7 +90,9 @@ def policy_objective(c: RunConfig, *, beta: float) -> PolicyObjective:
     settings = tuple(sorted(r.policy_loss_kwargs.items()))
     return PolicyObjective(options=r.loss, surrogate=r.policy_loss, settings=settings, beta=beta,
                            entropy_coef=r.entropy_coef, temperature=c.sampling.temperature,
-                           max_len=c.sampling.max_new_tokens, logprob_block_mib=c.model.logprob_block_mib)
+                           max_len=c.sampling.max_new_tokens, logprob_block_mib=c.model.logprob_block_mib,
+                           routing_replay=r.routing_replay != "none",
+                           router_aux_loss_coef=c.model.router_aux_loss_coef)
 
 
 def logprob_chunk_size(rows: int, length: int, vocab_size: int, block_mib: float) -> int:
@@ -117,16 +125,63 @@ def completion_logprobs(
     `[N, T, V]` logits are built for a large vocabulary. With a packed `layout` the forward pass runs on its rows
     (`decoder.completion_hidden`: no padding computed): the same function.
     """
-    hidden = completion_hidden(params, config, prompt_tokens, prompt_mask, completion_tokens, completion_mask,
-                               layout=layout, dropout_key=dropout_key)
+    logp, entropy, _ = routed_completion_logprobs(
+        params, config, prompt_tokens, prompt_mask, completion_tokens, completion_mask, temperature=temperature,
+        with_entropy=with_entropy, block_mib=block_mib, dropout_key=dropout_key, layout=layout)
+    return logp, entropy
+
+
+def routed_completion_logprobs(
+    params: Params, config: ModelConfig, prompt_tokens: jax.Array, prompt_mask: jax.Array,
+    completion_tokens: jax.Array, completion_mask: jax.Array, *, temperature: float = 1.0,
+    with_entropy: bool = False, block_mib: float = 256.0, dropout_key: jax.Array | None = None,
+    layout: PackedLayout | None = None, replay: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array | None, RoutedHidden]:
+    """`completion_logprobs` with an MoE model's routing (`decoder.RoutedHidden`), replaying `replay [N, P + T, L,
+    k]` where given: `(logp [N, T], entropy or None, routed)`."""
+    routed = completion_hidden_routed(params, config, prompt_tokens, prompt_mask, completion_tokens, completion_mask,
+                                      layout=layout, dropout_key=dropout_key, replay=replay)
     n, t = completion_tokens.shape
     chunk = logprob_chunk_size(n, t, config.vocab_size, block_mib)
     unembed, transposed = unembedding_as_stored(params, config)
-    out = token_logprobs_from_hidden(hidden, unembed, completion_tokens,
+    out = token_logprobs_from_hidden(routed.hidden, unembed, completion_tokens,
                                      temperature=temperature, chunk_size=chunk, with_entropy=with_entropy,
                                      logit_softcap=config.final_logit_softcap, compute_dtype=config.jnp_dtype,
                                      unembed_transposed=transposed)
-    return out if with_entropy else (out, None)
+    logp, entropy = out if with_entropy else (out, None)
+    return logp, entropy, routed
+
+
+def router_terms(routed: RoutedHidden, config: ModelConfig, coef: float, records: jax.Array | None = None,
+                 layout: PackedLayout | None = None) -> tuple[jax.Array, Metrics]:
+    """An MoE model's router in the loss and the metrics: `(coef * load-balancing loss, metrics)`; `(0, {})` for a
+    dense model. Metrics, over the forward's real tokens: `moe/aux_loss` (`moe.load_balancing_loss`), per layer
+    (`moe/layer_XX/...`) and averaged over layers, `load_max_mean` (max / mean tokens per expert) and `confidence`
+    (the top-k's probability mass), and with `records [N, P + T, L, k]` `router_disagreement`: the share of the
+    recorded tokens whose live top-k set differs from the record (whether or not the record was replayed)."""
+    if routed.routing is None:
+        return jnp.zeros((), jnp.float32), {}
+    k, e, layers = config.num_experts_per_tok, config.num_experts, config.num_layers
+    logits = routed.routing.logits.reshape(layers, -1, e)
+    mask = routed.token_mask.reshape(-1).astype(jnp.float32)
+    aux = load_balancing_loss(logits, k, mask)
+    live = jax.lax.top_k(logits, k)[1]  # [L, B * S, k]: what the router chose, replayed or not
+    top, mean = expert_load(live, e, mask)
+    per_layer = {"load_max_mean": top / jnp.maximum(mean, 1e-9), "confidence": routing_confidence(logits, k, mask)}
+    if records is not None:
+        forced = records[:, :-1].astype(jnp.int32)
+        if layout is not None:
+            pad = layout.source < 0
+            forced = jnp.where(pad[..., None, None], NO_RECORD,
+                               forced.reshape(-1, *forced.shape[2:])[jnp.where(pad, 0, layout.source)])
+        forced = jnp.moveaxis(forced, 2, 0).reshape(layers, -1, k)  # [L, B * S, k]
+        recorded = mask * (forced[0, :, 0] != NO_RECORD)
+        per_layer["router_disagreement"] = router_disagreement(live, forced, recorded)
+    metrics: Metrics = {"moe/aux_loss": aux}
+    for name, values in per_layer.items():
+        metrics[f"moe/{name}"] = jnp.mean(values)
+        metrics |= {f"moe/layer_{i:02d}/{name}": values[i] for i in range(layers)}
+    return coef * aux, metrics
 
 
 def policy_loss(
@@ -136,33 +191,45 @@ def policy_loss(
 ) -> tuple[jax.Array, Metrics]:
     """The GRPO/PPO policy objective of one (micro-)batch; returns `(loss, metrics)` (`frozen`, LoRA's base, is
     used by the step to make the weights, not here; `dropout_key`: LoRA dropout's randomness; `entropy_coef`, when
-    given, a traced coefficient in place of the objective's fixed one: the adaptive entropy controller's)."""
+    given, a traced coefficient in place of the objective's fixed one: the adaptive entropy controller's). An MoE
+    model replays `batch.routing` under `routing_replay` and adds its router's terms (`router_terms`)."""
     c = loss_config
-    logp, entropy = completion_logprobs(
+    logp, entropy, routed = routed_completion_logprobs(
         params, model_config, batch.prompt_tokens, batch.prompt_mask, batch.completion_tokens, batch.completion_mask,
         temperature=c.temperature, with_entropy=True, block_mib=c.logprob_block_mib, dropout_key=dropout_key,
-        layout=batch.layout,
+        layout=batch.layout, replay=batch.routing if c.routing_replay else None,
     )
-    return clipped_policy_loss(
+    loss, metrics = clipped_policy_loss(
         logp, batch.old_logp, batch.advantages, loss_mask(batch), c.options, surrogate=c.surrogate,
         settings=dict(c.settings), ref_logp=batch.ref_logp if c.beta > 0 else None, kl_coef=c.beta, entropy=entropy,
         entropy_coef=c.entropy_coef if entropy_coef is None else entropy_coef, sampler_logp=batch.sampler_logp,
         max_len=c.max_len, num_tokens=num_tokens, num_seqs=num_seqs,
     )
+    aux, router_metrics = router_terms(routed, model_config, c.router_aux_loss_coef, batch.routing, batch.layout)
+    return loss + aux * _share(batch, num_seqs), metrics | router_metrics
+
+
+def _share(batch: Any, num_seqs: jax.Array) -> jax.Array:
+    """This micro-batch's share of the minibatch's sequences (those with a token in the loss): micro-batch losses
+    are summed over the minibatch, so a per-micro-batch mean term (the load-balancing loss) is weighted by it."""
+    own = (loss_mask(batch).sum(axis=1) > 0).sum().astype(jnp.float32)
+    return own / jnp.maximum(num_seqs, 1.0)
 
 
 def sft_loss(
     params: Params, batch: PolicyBatch, *, model_config: ModelConfig, loss_config: PolicyObjective,
     num_tokens: jax.Array, num_seqs: jax.Array, frozen: Any = None, dropout_key: jax.Array | None = None,
 ) -> tuple[jax.Array, Metrics]:
-    """Cross-entropy of the completion tokens: `-sum_t m_t log pi(y_t) / num_tokens` (token-mean)."""
-    logp, _ = completion_logprobs(
+    """Cross-entropy of the completion tokens: `-sum_t m_t log pi(y_t) / num_tokens` (token-mean), plus an MoE
+    model's router terms (`router_terms`)."""
+    logp, _, routed = routed_completion_logprobs(
         params, model_config, batch.prompt_tokens, batch.prompt_mask, batch.completion_tokens, batch.completion_mask,
         block_mib=loss_config.logprob_block_mib, dropout_key=dropout_key, layout=batch.layout,
     )
     mask = batch.completion_mask.astype(jnp.float32)
     loss = -(logp * mask).sum() / jnp.maximum(num_tokens, 1.0)
-    return loss, {"sft_loss": loss}
+    aux, router_metrics = router_terms(routed, model_config, loss_config.router_aux_loss_coef, layout=batch.layout)
+    return loss + aux * _share(batch, num_seqs), {"sft_loss": loss} | router_metrics
 
 
 def loss_mask(batch: Any) -> jax.Array:
@@ -202,5 +269,54 @@ def make_logprob_fn(
     def call(params: Params, pt: jax.Array, pm: jax.Array, ct: jax.Array, cm: jax.Array,
              layout: PackedLayout | None = None) -> jax.Array:
         return padded(params, pt, pm, ct, cm) if layout is None else packed(params, pt, pm, ct, cm, layout)
+
+    return call
+
+
+def live_records(routed: RoutedHidden, config: ModelConfig, shape: tuple[int, int],
+                 layout: PackedLayout | None = None) -> jax.Array:
+    """The experts the router itself ranks top-k at every input position (its own choice, even where the pass replayed
+    another), as a record `[N, P + T, L, k]` int16 aligned with `prompt + completion` (`shape = (N, P + T)`;
+    `moe.NO_RECORD` on padding and on the last completion token, which is no input)."""
+    k, layers = config.num_experts_per_tok, config.num_layers
+    assert routed.routing is not None
+    live = jax.lax.top_k(routed.routing.logits, k)[1].astype(jnp.int16)  # [L, B, S, k]
+    live = jnp.where(routed.token_mask[None, :, :, None] > 0, live, NO_RECORD)
+    n, width = shape
+    if layout is None:
+        per_token = jnp.moveaxis(live, 0, 2)  # [N, S, L, k]
+    else:  # packed rows back to their sequences' positions
+        rows = jnp.moveaxis(live, 0, 2).reshape(-1, layers, k)  # [R * S, L, k]
+        source = layout.source.reshape(-1)
+        per_token = jnp.full((n * (width - 1), layers, k), NO_RECORD, jnp.int16)
+        per_token = per_token.at[jnp.where(source < 0, n * (width - 1), source)].set(rows, mode="drop")
+        per_token = per_token.reshape(n, width - 1, layers, k)
+    return jnp.pad(per_token, ((0, 0), (0, 1), (0, 0), (0, 0)), constant_values=NO_RECORD)
+
+
+def make_routed_logprob_fn(mesh: Mesh, model_config: ModelConfig, temperature: float, params_sharding: Any = None,
+                           block_mib: float = 256.0) -> Callable[..., tuple[jax.Array, jax.Array]]:
+    """An MoE model's whole-batch pass: jitted `(params, pt, pm, ct, cm, layout=None, replay=None) -> (logp [N, T],
+    live records [N, P + T, L, k])` (`live_records`: the trainer's router's own top-k at every input), replaying
+    `replay [N, P + T, L, k]` where given; batch split over `("data", "fsdp")` as `make_logprob_fn`'s."""
+    params_sharding = NamedSharding(mesh, PartitionSpec()) if params_sharding is None else params_sharding
+    rows, whole = batch_sharding(mesh), NamedSharding(mesh, PartitionSpec())
+
+    def fn(params: Params, pt: jax.Array, pm: jax.Array, ct: jax.Array, cm: jax.Array,
+           layout: PackedLayout | None = None, replay: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        logp, _, routed = routed_completion_logprobs(params, model_config, pt, pm, ct, cm, temperature=temperature,
+                                                     block_mib=block_mib, layout=layout, replay=replay)
+        return logp, live_records(routed, model_config, (pt.shape[0], pt.shape[1] + ct.shape[1]), layout)
+
+    compiled: dict[tuple[bool, bool], Any] = {}
+
+    def call(params: Params, pt: jax.Array, pm: jax.Array, ct: jax.Array, cm: jax.Array,
+             layout: PackedLayout | None = None, replay: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        key = (layout is not None, replay is not None)
+        if key not in compiled:
+            shardings = (params_sharding, *[rows] * 4, whole if layout is not None else None,
+                         rows if replay is not None else None)
+            compiled[key] = jax.jit(fn, in_shardings=shardings, out_shardings=(rows, rows))
+        return compiled[key](params, pt, pm, ct, cm, layout, replay)
 
     return call

@@ -61,8 +61,15 @@ class Policy:
     def __post_init__(self) -> None:
         self._merge = (jax.jit(functools.partial(merge_adapters, scale=self.lora.scale))
                        if self.lora is not None else None)
-        self._cast = jax.jit(functools.partial(inference_copy, config=self.model_config))
+        self._cast = jax.jit(functools.partial(inference_copy, config=self.sampler_config))
         self._copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))  # a jit's outputs never alias its inputs
+
+    @property
+    def sampler_config(self) -> ModelConfig:
+        """The model as the sampler and the evaluation run it: `model_config` in `sampling.dtype` (when set)."""
+        dtype = self.config.sampling.dtype
+        return self.model_config if not dtype or dtype == self.model_config.dtype else \
+            self.model_config.replace(dtype=dtype)
 
     def model_weights(self, params: Params) -> Params:
         """The weights the model runs with: the trained `params`, merged into the base under LoRA."""
@@ -73,7 +80,7 @@ class Policy:
         bfloat16 under a bfloat16 compute dtype, half the bytes each decode step reads, the same dot operands).
         The float32 master stays as it is; when no leaf changes dtype (a float32 model), the weights themselves."""
         weights = self.model_weights(params)
-        dtype = self.model_config.jnp_inference_param_dtype
+        dtype = self.sampler_config.jnp_inference_param_dtype
         if all(x.dtype == dtype or not jnp.issubdtype(x.dtype, jnp.floating) for x in jax.tree.leaves(weights)):
             return weights
         return self._cast(weights)
@@ -123,7 +130,7 @@ class Policy:
         mesh = mesh_of(params, self.mesh)
         if self.config.sampling.engine == "paged":
             return self.paged_sampler()(params, tokens, mask, key, sampling, mesh)
-        return sample(params, self.model_config, tokens, mask, key, sampling, mesh=mesh)
+        return sample(params, self.sampler_config, tokens, mask, key, sampling, mesh=mesh)
 
     @property
     def engine(self) -> Engine | None:
@@ -136,7 +143,7 @@ class Policy:
         thread = threading.get_ident()
         if thread not in self.paged:
             s = self.config.sampling
-            self.paged[thread] = PagedSampler(self.model_config, page_size=s.engine_page_size, slots=s.engine_slots,
+            self.paged[thread] = PagedSampler(self.sampler_config, page_size=s.engine_page_size, slots=s.engine_slots,
                                               steps_per_call=s.engine_steps_per_call, pages=s.engine_pages,
                                               attention=s.engine_attention)
         return self.paged[thread]

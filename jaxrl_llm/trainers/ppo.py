@@ -49,7 +49,15 @@ from jaxrl_llm.trainers.rl import (
     validate_rl,
 )
 from jaxrl_llm.trainers.rollouts import Rollout
-from jaxrl_llm.trainers.step import Metrics, jit_update, make_optimizer, scanned_updates, state_sharding, train_step
+from jaxrl_llm.trainers.step import (
+    Metrics,
+    jit_update,
+    make_optimizer,
+    router_frozen,
+    scanned_updates,
+    state_sharding,
+    train_step,
+)
 
 
 class CriticBatch(NamedTuple):
@@ -207,7 +215,7 @@ class PPO(RolloutAlgorithm):
         c, pc, p = config, config.ppo, self.policy
         self.rollout_size, self.minibatch_size, self.updates_per_step = update_sizes(c)
         total_updates = max(c.steps * self.updates_per_step, 1)
-        self.optimizer, self.schedule = make_optimizer(c.optim, total_updates)
+        self.optimizer, self.schedule = make_optimizer(c.optim, total_updates, router_frozen(c.model.freeze_router))
         self.critic_optimizer, self.critic_schedule = make_optimizer(
             dataclasses.replace(c.optim, learning_rate=pc.critic_learning_rate), total_updates)
         self.critic_config, self.initial_critic = initial_critic(c, p)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
@@ -16,6 +17,7 @@ from jaxrl_llm.config import RunConfig
 from jaxrl_llm.data import DataState
 from jaxrl_llm.envs.sandbox import describe_sandbox, use_sandbox
 from jaxrl_llm.errors import ConfigError
+from jaxrl_llm.models.moe import NO_RECORD, router_disagreement
 from jaxrl_llm.models.packing import (
     PackedLayout,
     batch_layout,
@@ -31,7 +33,7 @@ from jaxrl_llm.rl.surrogates import NO_DUAL_CLIP, POLICY_LOSSES
 from jaxrl_llm.sharding import batch_divisor, global_array
 from jaxrl_llm.trainers.base import Algorithm, Collected, State
 from jaxrl_llm.trainers.evaluation import EpisodeEvaluation, GreedyEvaluation
-from jaxrl_llm.trainers.objectives import make_logprob_fn
+from jaxrl_llm.trainers.objectives import make_logprob_fn, make_routed_logprob_fn
 from jaxrl_llm.trainers.policy import load_policy
 from jaxrl_llm.trainers.rollouts import DriftMeter, Rollout, RolloutCollector, rollout_tokens
 from jaxrl_llm.trainers.step import minibatch_rows
@@ -165,6 +167,54 @@ def old_policy_logprobs(rollout_correction: str, sampler_logp: jax.Array, mask: 
     old_logp = recompute()
     mismatch = {k: float(v) for k, v in jax.device_get(logprob_mismatch(old_logp, sampler_logp, mask)).items()}
     return old_logp, (sampler_logp if rollout_correction in ROLLOUT_CORRECTION_MODES else None), mismatch
+
+
+def routed_pass(c: RunConfig, policy: Any) -> Callable[..., tuple[jax.Array, jax.Array]] | None:
+    """An MoE policy's whole-batch pass with routing (`objectives.make_routed_logprob_fn`), None for a dense one
+    (whose `rl.routing_replay` must be `none`)."""
+    mode = c.rl.routing_replay
+    if not policy.model_config.is_moe:
+        if mode != "none":
+            raise ConfigError(f"rl.routing_replay={mode} replays a mixture of experts' routing, and "
+                              f"{c.model.path} is a dense model: set rl.routing_replay=none")
+        return None
+    if mode == "rollout" and c.env.name:
+        raise ConfigError(f"rl.routing_replay=rollout with env.name={c.env.name}: multi-turn episodes do not record "
+                          "their routing yet; use rl.routing_replay=old (or none)")
+    return make_routed_logprob_fn(policy.mesh, policy.model_config, c.sampling.temperature, policy.weights_sharding,
+                                  block_mib=c.model.logprob_block_mib)
+
+
+def moe_old_policy(c: RunConfig, routed_fn: Callable[..., tuple[jax.Array, jax.Array]], weights: Any,
+                   arrays: tuple[jax.Array, ...], layout: PackedLayout | None, sampler_logp: jax.Array,
+                   mask: jax.Array, ro: Rollout, put: Callable[[np.ndarray], jax.Array]
+                   ) -> tuple[jax.Array, jax.Array | None, dict[str, float], jax.Array | None]:
+    """An MoE rollout's old policy: `(old_logp, sampler_logp for the loss or None, metrics, routing records)`.
+
+    The trainer's pass runs whatever `rl.loss.rollout_correction` says (replaying the sampler's routing under
+    `rl.routing_replay=rollout`), so `mismatch/*` (the log-prob mismatch, `logprob_mismatch`) is logged for every
+    MoE run, with `mismatch/router_disagreement` (and per layer): the share of the sampler's recorded tokens whose
+    experts the trainer's router ranks otherwise. The records the update gets: the sampler's (`rollout`, and `none`,
+    where they are only compared), or this pass's own (`old`: R2)."""
+    mode, correction = c.rl.routing_replay, c.rl.loss.rollout_correction
+    sampled_records = None if ro.out.routing is None else put(np.asarray(ro.out.routing, np.int16))
+    logp, live = routed_fn(weights, *arrays, layout, sampled_records if mode == "rollout" else None)
+    metrics = {k: float(v) for k, v in jax.device_get(logprob_mismatch(logp, sampler_logp, mask)).items()}
+    if sampled_records is not None:
+        metrics |= router_mismatch(sampled_records, live)
+    old_logp = sampler_logp if correction == "none" else logp
+    weighted = sampler_logp if correction in ROLLOUT_CORRECTION_MODES else None
+    return old_logp, weighted, metrics, live if mode == "old" else sampled_records
+
+
+def router_mismatch(sampled: jax.Array, live: jax.Array) -> dict[str, float]:
+    """`mismatch/router_disagreement` (mean over layers) and `.../layer_XX`: per MoE layer, the share of the tokens
+    the sampler recorded whose top-k set the trainer's router (`live`, `[N, P + T, L, k]`) ranks otherwise."""
+    recorded = (sampled[..., 0, 0] != NO_RECORD).reshape(-1)
+    flat = [jnp.moveaxis(x, 2, 0).reshape(x.shape[2], -1, x.shape[3]) for x in (sampled, live)]
+    per_layer = np.asarray(jax.device_get(router_disagreement(flat[0], flat[1], recorded)))
+    out = {"mismatch/router_disagreement": float(per_layer.mean())}
+    return out | {f"mismatch/router_disagreement/layer_{i:02d}": float(v) for i, v in enumerate(per_layer)}
 
 
 CODE_TESTS = ("code_tests", "jaxrl_llm.rewards.code_execution:code_tests_reward")

@@ -20,6 +20,7 @@ from jax.experimental import multihost_utils
 from jaxrl_llm.data import DataState, PromptSet, bucket, next_batch_indices
 from jaxrl_llm.evaluation import decode_completions, reward_fields
 from jaxrl_llm.models.decoder import Params
+from jaxrl_llm.models.moe import NO_RECORD
 from jaxrl_llm.rewards import RewardFunction, compute_rewards, resolve_reward
 from jaxrl_llm.run.monitor import drift_kl, repeated_ngram_fraction
 from jaxrl_llm.sampling import SampleOutput
@@ -62,7 +63,14 @@ def assemble_groups(parts: list[tuple[Rollout, np.ndarray]], *, group_size: int,
     def pad_prompt(x: np.ndarray, value: int) -> np.ndarray:
         return np.pad(x, ((0, 0), (width - x.shape[1], 0)), constant_values=value)
 
-    out = SampleOutput(*[take(lambda ro, f=f: np.asarray(getattr(ro.out, f))) for f in SampleOutput._fields])
+    def pad_routing(x: np.ndarray) -> np.ndarray:  # [N, P + T, L, k]: the prompt part re-padded on its left
+        return np.pad(x, ((0, 0), (width - (x.shape[1] - ro_t), 0), (0, 0), (0, 0)), constant_values=NO_RECORD)
+
+    ro_t = np.asarray(chosen[0][0].out.tokens).shape[1]
+    fields = {f: take(lambda ro, f=f: np.asarray(getattr(ro.out, f))) for f in SampleOutput._fields if f != "routing"}
+    routing = take(lambda ro: pad_routing(np.asarray(ro.out.routing))) if chosen[0][0].out.routing is not None \
+        else None
+    out = SampleOutput(**fields, routing=routing)
     return Rollout(
         prompt_tokens=take(lambda ro: pad_prompt(ro.prompt_tokens, pad_id)),
         prompt_mask=take(lambda ro: pad_prompt(ro.prompt_mask, 0)),

@@ -24,7 +24,7 @@ from jaxrl_llm.trainers.base import Collected, State
 from jaxrl_llm.trainers.evaluation import GreedyEvaluation
 from jaxrl_llm.trainers.objectives import PolicyBatch, PolicyObjective, sft_loss
 from jaxrl_llm.trainers.policy import load_policy
-from jaxrl_llm.trainers.step import jit_one_step_update, make_optimizer
+from jaxrl_llm.trainers.step import jit_one_step_update, make_optimizer, router_frozen
 from jaxrl_llm.trainers.supervised import ExampleAlgorithm, packed_example_batch
 
 
@@ -64,7 +64,7 @@ class SFT(ExampleAlgorithm):
         self.mesh, self.vocab_size = p.mesh, p.model_config.vocab_size
         self.examples = p.prompt_set(c.data.train, c.data.split)
         self.evaluation = GreedyEvaluation(p, c.sft.eval_batch_size)
-        self.optimizer, self.schedule = make_optimizer(c.optim, max(c.steps, 1))
+        self.optimizer, self.schedule = make_optimizer(c.optim, max(c.steps, 1), router_frozen(c.model.freeze_router))
         self.frozen_input = self.policy.frozen
         self.update_fn = jit_one_step_update(
             p.mesh, self.init(), frozen_sharding=p.frozen_sharding, with_key=p.lora_dropout, loss_fn=sft_loss,

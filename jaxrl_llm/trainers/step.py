@@ -37,7 +37,7 @@ from jaxrl_llm.config import OptimSection
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params
 from jaxrl_llm.models.weights import working_weights
-from jaxrl_llm.sharding import batch_sharding
+from jaxrl_llm.sharding import batch_sharding, path_string
 from jaxrl_llm.trainers.objectives import LossFn, batch_counts
 
 Metrics = dict[str, jax.Array]
@@ -45,9 +45,12 @@ Carry = TypeVar("Carry")
 StepFn = Callable[[Any, Any], tuple[Any, Metrics]]
 
 
-def make_optimizer(cfg: OptimSection, total_updates: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def make_optimizer(cfg: OptimSection, total_updates: int, frozen: Callable[[str], bool] | None = None
+                   ) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """AdamW with warmup then constant / cosine / linear decay, global-norm clipping, and a guard that skips
-    any update whose gradients are not finite (`optax.apply_if_finite`) instead of corrupting the params."""
+    any update whose gradients are not finite (`optax.apply_if_finite`) instead of corrupting the params.
+    `frozen(path)`: parameters (by "/"-joined path) that get no update at all, neither gradient step nor weight
+    decay, and are left out of the clipping norm (`model.freeze_router`: `router_frozen`)."""
     decay_steps = max(total_updates - cfg.warmup_steps, 1)
     end = cfg.learning_rate * cfg.end_lr_ratio
     if cfg.schedule == "cosine":
@@ -64,7 +67,19 @@ def make_optimizer(cfg: OptimSection, total_updates: int) -> tuple[optax.Gradien
     )
     chain = [optax.clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm > 0 else []
     chain.append(optax.adamw(schedule, b1=cfg.beta1, b2=cfg.beta2, weight_decay=cfg.weight_decay))
-    return optax.apply_if_finite(optax.chain(*chain), max_consecutive_errors=1_000_000), schedule
+    optimizer = optax.chain(*chain)
+    if frozen is not None:
+        def labels(params: Any) -> Any:
+            return jax.tree_util.tree_map_with_path(lambda p, _: "frozen" if frozen(path_string(p)) else "trained",
+                                                    params)
+
+        optimizer = optax.multi_transform({"trained": optimizer, "frozen": optax.set_to_zero()}, labels)
+    return optax.apply_if_finite(optimizer, max_consecutive_errors=1_000_000), schedule
+
+
+def router_frozen(freeze: bool) -> Callable[[str], bool] | None:
+    """`make_optimizer`'s `frozen` for `model.freeze_router`: an MoE model's router kernels (None: nothing frozen)."""
+    return (lambda path: "mlp/router/" in path) if freeze else None
 
 
 COUNTERS = ("update_skipped",)  # metric names summed, not averaged (suffixes)

@@ -105,7 +105,7 @@ class TrajectoryCollector(RolloutCollector):
             with jax.default_device(mesh_of(params, p.mesh).devices.flat[0]):  # where the weights are
                 self._engine_turns(params, episodes, [ids for _, ids in rendered], key, sampling)
         else:
-            first = sample(params, p.model_config, tokens, mask, key, sampling, mesh=mesh_of(params, p.mesh))
+            first = sample(params, p.sampler_config, tokens, mask, key, sampling, mesh=mesh_of(params, p.mesh))
             self._take_turn(episodes, list(range(len(episodes))), to_host(first))
             for turn in range(2, self.env_config.max_turns + 1):
                 live = [r for r, ep in enumerate(episodes) if not ep.done]
@@ -160,7 +160,7 @@ class TrajectoryCollector(RolloutCollector):
         contexts = [episodes[r].prompt_ids + episodes[r].tokens for r in live]
         tokens, mask = left_pad(contexts, bucket(max(map(len, contexts)), c.sampling.prompt_bucket), p.pad_id)
         sampling = dataclasses.replace(sampling, max_new_tokens=max(1, min(c.sampling.max_new_tokens, budget)))
-        self._take_turn(episodes, live, to_host(sample(params, p.model_config, tokens, mask, key, sampling,
+        self._take_turn(episodes, live, to_host(sample(params, p.sampler_config, tokens, mask, key, sampling,
                                                        mesh=mesh_of(params, p.mesh))))
 
     def _take_turn(self, episodes: list[Episode], rows: list[int], out: SampleOutput) -> None:
