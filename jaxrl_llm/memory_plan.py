@@ -220,20 +220,37 @@ def activation_bytes(config: ModelConfig, rows: int, seq_len: int, completion_le
     d, hd = config.hidden_size, config.head_dim
     h = _divided(config.num_heads, t)
     k = _divided(config.num_kv_heads, t)
-    i = _divided(config.intermediate_size, t)
+    i = _divided(active_width(config), t)
     v = _divided(config.vocab_size, t)
     q = min(tt, config.attention_query_chunk or tt)
     per_layer = b * tt * (s * (5 * d + 2 * (h + k) * hd + 6 * i) + 4 * 4 * d) + b * h * q * tt * (4 + s)
+    per_layer += b * tt * 4 * 2 * config.num_experts  # MoE: the router's float32 logits and probabilities
 
     chunk = logprob_chunk_size(b, cc, config.vocab_size, logprob_block_mib)
     head = HEAD_BLOCKS * 4 * b * chunk * v + b * tt * d * 4 + b * tt * tt
     gathered = 0
     if axis_sizes["fsdp"] > 1:
-        layer_weights = d * (h + 2 * k) * hd + h * hd * d + 3 * d * i
+        layer_weights = d * (h + 2 * k) * hd + h * hd * d + 3 * d * _divided(stored_width(config), t)
         gathered = 2 * layer_weights * config.jnp_dtype.itemsize
     if remat:
         return config.num_layers * s * b * tt * d + per_layer + head + gathered
     return (config.num_layers + 1) * per_layer + head + gathered
+
+
+def active_width(config: ModelConfig) -> int:
+    """The feed-forward's intermediate columns each token computes: the dense MLP's, or for a mixture of experts
+    `k` experts' plus the shared expert's."""
+    if not config.is_moe:
+        return config.intermediate_size
+    return config.num_experts_per_tok * config.moe_intermediate_size + config.shared_expert_intermediate_size
+
+
+def stored_width(config: ModelConfig) -> int:
+    """The feed-forward's intermediate columns stored per layer: the dense MLP's, or every expert's plus the shared
+    expert's (each column a gate, an up and a down vector)."""
+    if not config.is_moe:
+        return config.intermediate_size
+    return config.num_experts * config.moe_intermediate_size + config.shared_expert_intermediate_size
 
 
 def sampler_weight_bytes(config: ModelConfig, axis_sizes: Mapping[str, int]) -> int:
@@ -248,12 +265,16 @@ def sampler_weight_bytes(config: ModelConfig, axis_sizes: Mapping[str, int]) -> 
     parameter shards themselves and count 0 here.
     """
     t, s = axis_sizes["tensor"], config.jnp_dtype.itemsize
-    d, hd, i = config.hidden_size, config.head_dim, config.intermediate_size
+    d, hd = config.hidden_size, config.head_dim
+    i = config.shared_expert_intermediate_size if config.is_moe else config.intermediate_size
     qkv_cols = (config.num_heads + 2 * config.num_kv_heads) * hd
     per_layer = (d + config.qkv_bias) * _divided(qkv_cols, t) + (d + config.mlp_bias) * _divided(2 * i, t)
-    if config.dtype != config.param_dtype or axis_sizes["fsdp"] > 1:
+    copied = config.dtype != config.param_dtype or axis_sizes["fsdp"] > 1
+    if copied:
         per_layer += _divided(config.num_heads * hd, t) * d + d * config.o_bias
         per_layer += _divided(i, t) * d + d * config.mlp_bias
+        # MoE: the router and every expert's matrices, cast (they are not concatenated: else the parameters)
+        per_layer += config.num_experts * (d + 3 * d * _divided(config.moe_intermediate_size, t))
     return config.num_layers * per_layer * s
 
 
@@ -261,7 +282,8 @@ def packed_weight_bytes(config: ModelConfig) -> int:
     """Bytes of the engine's AMX-packed decode weights (`engine.model.pack_step_weights`, one CPU device): every
     layer's q|k|v, o, gate|up and down and the LM head `[D, V]` in bfloat16, K rounded up to 32 rows and the head's
     columns to 16 (`cpu_kernel.pack_weight`; the layers' widths are whole tiles where they pack)."""
-    d, hd, i = config.hidden_size, config.head_dim, config.intermediate_size
+    d, hd = config.hidden_size, config.head_dim
+    i = config.shared_expert_intermediate_size if config.is_moe else config.intermediate_size  # experts: unpacked
     up32 = lambda k: -(-k // 32) * 32  # noqa: E731
     per_layer = (up32(d) * (config.num_heads + 2 * config.num_kv_heads) * hd + up32(config.num_heads * hd) * d
                  + up32(d) * 2 * i + up32(i) * d)

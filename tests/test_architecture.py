@@ -98,13 +98,16 @@ def test_model_families_are_data():
 def test_the_transformer_block_is_composed_once():
     """The block's composition (rotary on q and k, the gated MLP, the residual adds) is `models/block.py`'s alone:
     the decoder, the sampler and the rollout engine pass it their weights and their attention, and no other module
-    rebuilds it."""
+    rebuilds it. `models/moe.py` applies the gated activation inside each expert (a feed-forward part the block
+    takes), and nothing else of the block."""
     import re
 
     composing = re.compile(r"\b(apply_rope|gated_activation|transformer_block)\(")
     users = {str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py") for line in p.read_text().splitlines()
              if composing.search(line) and not line.lstrip().startswith("def ")}
-    assert users == {"models/block.py", "models/decoder.py", "models/decode.py", "engine/model.py"}, sorted(users)
+    assert users == {"models/block.py", "models/decoder.py", "models/decode.py", "engine/model.py", "models/moe.py"}, \
+        sorted(users)
+    assert set(composing.findall((ROOT / "models/moe.py").read_text())) == {"gated_activation"}
     for caller in ("models/decoder.py", "models/decode.py", "engine/model.py"):
         calls = composing.findall((ROOT / caller).read_text())
         assert set(calls) == {"transformer_block"}, (caller, calls)

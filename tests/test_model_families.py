@@ -151,7 +151,8 @@ def test_one_grpo_step_runs(kind, family_task, tiny_task, tmp_path):
     assert max(jax.tree.leaves(moved)) > 0  # the step changed the weights, and the export carries them
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral", *NEW_FAMILIES])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral", *NEW_FAMILIES, "qwen3_moe", "qwen2_moe",
+                                  "mixtral", "olmoe"])
 def test_planner_knows_the_family(kind, hf_model_dir, capsys):
     """`python -m jaxrl_llm plan` on each family: its parameter count equals transformers' model's."""
     from jaxrl_llm.cli.plan import main

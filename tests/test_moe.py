@@ -301,3 +301,163 @@ def test_the_engine_decodes_as_the_trainer_scores(kind, dtype, hf_model_dir):
     assert (np.asarray(logits).argmax(-1) == out.tokens)[valid].mean() >= (1.0 if dtype == "float32" else 0.95)
     expected = _gather(np.asarray(jax.nn.log_softmax(logits)), out.tokens)
     assert np.abs(out.logprobs_untruncated - expected)[valid].max() <= (1e-4 if dtype == "float32" else 5e-2)
+
+
+# ---------------------------------------------------------------------------------------------- recording, replay
+
+
+@pytest.mark.parametrize("sampler", ["engine", "static"])
+def test_the_samplers_record_the_experts_the_trainer_would_choose(sampler, hf_model_dir):
+    """Every prompt token and every fed completion token has a record (`SampleOutput.routing`, prompts left-padded
+    as the batch, 3 extra padding columns included), nothing else has, and each record is the trainer's own top-k
+    on a fresh float32 forward over prompt + completion (the same function, so every token agrees)."""
+    from test_engine import small_engine
+
+    from jaxrl_llm.engine import engine_sample
+    from jaxrl_llm.sampling import SamplingConfig, sample
+
+    config, params = load_hf_model(hf_model_dir("qwen2_moe"))
+    tokens, mask = left_padded_batch(config.vocab_size, [5, 12, 1, 9], seed=8)
+    tokens, mask = np.pad(tokens, ((0, 0), (3, 0))), np.pad(mask, ((0, 0), (3, 0)))
+    s = SamplingConfig(max_new_tokens=10, temperature=1.0, n=2, eos_ids=tuple(range(3, 13)))
+    out = (engine_sample(small_engine(config), params, config, tokens, mask, jax.random.key(0), s)
+           if sampler == "engine" else sample(params, config, tokens, mask, jax.random.key(0), s))
+    routing = np.asarray(out.routing)
+    assert routing.shape == (8, 15 + 10, config.num_layers, 2) and routing.dtype == np.int16
+    prompt_mask, lengths = np.repeat(mask, 2, axis=0), np.asarray(out.lengths)
+    fed = np.concatenate([prompt_mask, (np.arange(10)[None] < (lengths - 1)[:, None]).astype(np.int32)], axis=1)
+    recorded = routing[..., 0, 0] != moe.NO_RECORD
+    np.testing.assert_array_equal(recorded, fed.astype(bool))
+    assert (lengths < 10).any() and (lengths == 10).any()  # some rows stopped on EOS, some ran to the limit
+    full = np.concatenate([np.repeat(tokens, 2, axis=0), np.asarray(out.tokens)], axis=1)
+    full_mask = np.concatenate([prompt_mask, np.asarray(out.mask)], axis=1)
+    _, live = forward_routed(params, config, jnp.asarray(full), jnp.asarray(full_mask))
+    live = np.moveaxis(np.asarray(live.experts), 0, 2)  # [N, S, L, k]
+    np.testing.assert_array_equal(np.sort(routing, -1)[recorded], np.sort(live, -1)[recorded])
+
+
+def test_records_replay_the_same_through_packed_rows(random_moe):
+    """A record replayed through a packed layout gives the padded layout's log-probs, and the packed pass's own
+    records (`live_records`) equal the padded pass's: the records travel with their tokens through packing."""
+    from jaxrl_llm.models.packing import batch_layout
+    from jaxrl_llm.trainers.objectives import live_records, routed_completion_logprobs
+
+    config, params = random_moe
+    rng = np.random.default_rng(3)
+    pt, pm = left_padded_batch(config.vocab_size, [2, 7, 1, 3], seed=9)
+    lengths = [2, 6, 1, 3]
+    ct = rng.integers(1, config.vocab_size, (4, 7)).astype(np.int32)
+    cm = (np.arange(7)[None] < np.asarray(lengths)[:, None]).astype(np.int32)
+    valid = np.concatenate([pm, cm], axis=1)[:, :-1] > 0
+    layout, _, _ = batch_layout(valid, pt.shape[1])
+    assert layout.source.shape[0] < 4  # some sequences share a row
+    args = tuple(map(jnp.asarray, (pt, pm, ct, cm)))
+    _, _, padded = routed_completion_logprobs(params, config, *args)
+    records = live_records(padded, config, (4, pt.shape[1] + 7))
+    _, _, packed = routed_completion_logprobs(params, config, *args, layout=layout)
+    np.testing.assert_array_equal(np.asarray(live_records(packed, config, (4, pt.shape[1] + 7), layout)),
+                                  np.asarray(records))
+    # Replay a selection unlike the router's (its least likely experts) both ways: the same log-probs.
+    other = jnp.where(records != moe.NO_RECORD, (records + 3) % config.num_experts, moe.NO_RECORD)
+    logp_padded, _, _ = routed_completion_logprobs(params, config, *args, replay=other)
+    logp_packed, _, _ = routed_completion_logprobs(params, config, *args, layout=layout, replay=other)
+    logp_live, _, _ = routed_completion_logprobs(params, config, *args)
+    np.testing.assert_allclose(np.asarray(logp_packed)[cm > 0], np.asarray(logp_padded)[cm > 0], atol=1e-5)
+    assert float(np.abs(np.asarray(logp_padded) - np.asarray(logp_live))[cm > 0].max()) > 1e-3
+
+
+def test_records_survive_an_in_flight_checkpoint():
+    """A rollout in flight (sampling beside training) is checkpointed with its routing record and restored equal."""
+    from jaxrl_llm.sampling import SampleOutput
+    from jaxrl_llm.trainers.overlap import decode_sampled, encode_sampled
+    from jaxrl_llm.trainers.rollouts import Rollout
+
+    rng = np.random.default_rng(0)
+    routing = rng.integers(-1, 8, (4, 9, 2, 2)).astype(np.int16)
+    out = SampleOutput(np.ones((4, 3), np.int32), np.ones((4, 3), np.int32), np.zeros((4, 3), np.float32),
+                       np.zeros((4, 3), np.float32), np.full(4, 3, np.int32), np.zeros(4, bool), routing)
+    ro = Rollout(np.ones((4, 6), np.int32), np.ones((4, 6), np.int32), out, np.zeros(4, np.float32), {}, ["a"] * 4,
+                 np.arange(1))
+    (back,) = decode_sampled(__import__("json").loads(__import__("json").dumps(encode_sampled([ro]))))
+    np.testing.assert_array_equal(back.out.routing, routing)
+    assert back.out.routing.dtype == np.int16
+
+
+@pytest.fixture(scope="module")
+def moe_task(tiny_task, tmp_path_factory):
+    """`tiny_task` with a random tiny Qwen3-MoE (arithmetic tokenizer, 4 experts, top 2) as its model."""
+    import shutil
+
+    from jaxrl_llm.models.decoder import init_params
+
+    root = tmp_path_factory.mktemp("moe_task")
+    for name in ("train.jsonl", "test.jsonl"):
+        shutil.copy(tiny_task / name, root / name)
+    tokenizer_dir = tiny_task / "model"
+    vocab = _hf_config(tokenizer_dir)["vocab_size"]
+    config = config_from_hf(dict(model_type="qwen3_moe", vocab_size=vocab, hidden_size=32, intermediate_size=64,
+                                 moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                 max_position_embeddings=64, tie_word_embeddings=True, eos_token_id=2,
+                                 bos_token_id=1))
+    # The router as initialised (std 0.02): near-uniform, so bfloat16 sampling flips some of its choices.
+    save_hf_model(init_params(config, jax.random.key(1)), config, root / "model", tokenizer_dir=tokenizer_dir)
+    return root
+
+
+def completion_length(prompts, completions, **fields):  # noqa: ANN001, ANN003, ANN201
+    """A reward with variance within a group of a random model's completions: their length / 8."""
+    return [len(c) / 8 for c in completions]
+
+
+def _moe_run(task, out, *overrides):  # noqa: ANN001, ANN202
+    from conftest import tiny_run
+
+    from jaxrl_llm.trainers import make_trainer
+
+    config = tiny_run("grpo_arithmetic", out, "model.dtype=float32", "sampling.dtype=bfloat16", "data.eval=",
+                      "rewards=[{name: 'test_moe:completion_length'}]", *overrides, task=task)
+    trainer = make_trainer(config)
+    trainer.run()
+    from conftest import read_rows
+
+    return trainer, read_rows(out, "reward/mean")
+
+
+def test_grpo_on_moe_with_each_replay_mode(moe_task, tmp_path):
+    """One GRPO step per `rl.routing_replay` mode from the same rollout (same seed; bf16 sampling, float32 update):
+    every mode logs the router's metrics and the mismatch; replaying the sampler's routing removes the trainer's
+    routing disagreement from the log-prob mismatch (its max falls), `old` replays the old pass's own choice (no
+    disagreement in the update's forward)."""
+    rows = {}
+    for mode in ("none", "old", "rollout"):
+        _, steps = _moe_run(moe_task, tmp_path / mode, f"rl.routing_replay={mode}", "steps=1",
+                            "rl.prompts_per_step=8", "rl.group_size=8", "sampling.max_new_tokens=12")
+        rows[mode] = steps[0]
+    for mode, row in rows.items():
+        for name in ("moe/aux_loss", "moe/load_max_mean", "moe/confidence", "moe/layer_00/confidence",
+                     "mismatch/logprob_abs_mean", "mismatch/router_disagreement",
+                     "mismatch/router_disagreement/layer_01", "moe/router_disagreement"):
+            assert np.isfinite(row[name]), (mode, name)
+    assert rows["none"]["mismatch/router_disagreement"] > 0  # bf16 sampling flips some experts here
+    assert rows["none"]["mismatch/router_disagreement"] == rows["rollout"]["mismatch/router_disagreement"]
+    assert rows["rollout"]["mismatch/logprob_abs_max"] < rows["none"]["mismatch/logprob_abs_max"]
+    assert rows["old"]["moe/router_disagreement"] == 0.0  # one update: the old pass's choice is the live one
+
+
+def test_router_settings(moe_task, tmp_path):
+    """`model.freeze_router`: the routers do not move while the experts do; `model.router_aux_loss_coef` adds
+    coef x the load-balancing loss to the loss (a run with it differs from one without, from the same rollout)."""
+    from jaxrl_llm.models.hf import load_hf_model as load
+
+    start = load(moe_task / "model")[1]["layers"]["mlp"]
+    trainer, _ = _moe_run(moe_task, tmp_path / "frozen", "model.freeze_router=true", "steps=2",
+                          "optim.learning_rate=0.01")
+    params = trainer.state["params"]["layers"]["mlp"]
+    np.testing.assert_array_equal(np.asarray(params["router"]["kernel"]), np.asarray(start["router"]["kernel"]))
+    moved = params["experts"]["gate"]["kernel"] - start["experts"]["gate"]["kernel"]
+    assert float(jnp.abs(moved).max()) > 0
+    _, plain = _moe_run(moe_task, tmp_path / "plain", "steps=1")
+    _, aux = _moe_run(moe_task, tmp_path / "aux", "steps=1", "model.router_aux_loss_coef=0.5")
+    expected = plain[0]["loss"] + 0.5 * plain[0]["moe/aux_loss"]
+    np.testing.assert_allclose(aux[0]["loss"], expected, rtol=1e-4)

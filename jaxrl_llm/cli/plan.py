@@ -270,7 +270,11 @@ def render(plan: MemoryPlan, config: ModelConfig, device_memory: int, *, model: 
     lines = [
         f"model {model or '?'}: {c.model_type}, {plan.num_params / 1e6:,.2f}M params "
         f"(L={c.num_layers} D={c.hidden_size} H={c.num_heads} KVH={c.num_kv_heads} hd={c.head_dim} "
-        f"I={c.intermediate_size} V={c.vocab_size}{' tied' if c.tie_word_embeddings else ''})",
+        f"I={c.intermediate_size} V={c.vocab_size}{' tied' if c.tie_word_embeddings else ''}"
+        + (f"; {c.num_experts} experts of I={c.moe_intermediate_size}, top-{c.num_experts_per_tok}, all "
+           f"{c.num_experts} on every device" + (f", shared I={c.shared_expert_intermediate_size}"
+                                                  if c.shared_expert_intermediate_size else "")
+           if c.is_moe else "") + ")",
         f"mesh data={d} fsdp={f} tensor={t} ({d * f * t} devices); params {c.param_dtype}, compute {c.dtype}, "
         f"AdamW, remat {'on' if c.remat else 'off'}",
         f"rollout: {plan.rollout_rows} sequences per device, KV cache length {plan.cache_length}; "

@@ -141,7 +141,8 @@ class ModelConfig:
         d, f, hd = self.hidden_size, self.intermediate_size, self.head_dim
         q, kv = self.num_heads * hd, self.num_kv_heads * hd
         attn = d * q + 2 * d * kv + q * d
-        attn += (q + 2 * kv) * self.qkv_bias + d * self.o_bias + 2 * hd * self.qk_norm
+        attn += (q + 2 * kv) * self.qkv_bias + d * self.o_bias
+        attn += ((q + kv) if self.qk_norm_projection else 2 * hd) * self.qk_norm
         mlp = 3 * d * f + (2 * f + d) * self.mlp_bias
         if self.is_moe:
             shared = self.shared_expert_intermediate_size

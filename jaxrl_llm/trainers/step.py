@@ -67,14 +67,19 @@ def make_optimizer(cfg: OptimSection, total_updates: int, frozen: Callable[[str]
     )
     chain = [optax.clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm > 0 else []
     chain.append(optax.adamw(schedule, b1=cfg.beta1, b2=cfg.beta2, weight_decay=cfg.weight_decay))
-    optimizer = optax.chain(*chain)
-    if frozen is not None:
-        def labels(params: Any) -> Any:
-            return jax.tree_util.tree_map_with_path(lambda p, _: "frozen" if frozen(path_string(p)) else "trained",
-                                                    params)
+    if frozen is not None:  # zero gradients in (no moments, no share of the clipping norm), zero updates out
+        chain = [zeroed(frozen), *chain, zeroed(frozen)]  # (the second: AdamW's weight decay)
+    return optax.apply_if_finite(optax.chain(*chain), max_consecutive_errors=1_000_000), schedule
 
-        optimizer = optax.multi_transform({"trained": optimizer, "frozen": optax.set_to_zero()}, labels)
-    return optax.apply_if_finite(optimizer, max_consecutive_errors=1_000_000), schedule
+
+def zeroed(frozen: Callable[[str], bool]) -> optax.GradientTransformation:
+    """A stateless transform that sets the updates of the parameters `frozen(path)` selects to 0 (the optimizer
+    state keeps the parameters' structure, so it shards and checkpoints as an unfrozen run's)."""
+    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        return jax.tree_util.tree_map_with_path(
+            lambda p, u: jnp.zeros_like(u) if frozen(path_string(p)) else u, updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
 def router_frozen(freeze: bool) -> Callable[[str], bool] | None:

@@ -16,6 +16,7 @@ import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from jaxrl_llm.errors import ConversionError
 from jaxrl_llm.models.config import ModelConfig
 
 TensorPath = tuple[str, ...]
@@ -67,8 +68,6 @@ def moe_fields(hf: dict[str, Any], *, expert_size_key: str, renormalize: bool | 
     renormalization of the top-k weights (config.json's `norm_topk_prob`, or the family's fixed `renormalize`), the
     shared expert's width and the router's auxiliary-loss coefficient. A config whose layers are not all MoE layers
     (`decoder_sparse_step` > 1, `mlp_only_layers`) is refused: the layer stack is one scanned block."""
-    from jaxrl_llm.errors import ConversionError
-
     if int(hf.get("decoder_sparse_step") or 1) != 1 or hf.get("mlp_only_layers"):
         raise ConversionError("MoE configs with dense layers between the sparse ones (decoder_sparse_step > 1 or "
                               "mlp_only_layers) are not supported: every layer must be an MoE layer")
