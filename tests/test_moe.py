@@ -461,3 +461,60 @@ def test_router_settings(moe_task, tmp_path):
     _, aux = _moe_run(moe_task, tmp_path / "aux", "steps=1", "model.router_aux_loss_coef=0.5")
     expected = plain[0]["loss"] + 0.5 * plain[0]["moe/aux_loss"]
     np.testing.assert_allclose(aux[0]["loss"], expected, rtol=1e-4)
+
+
+def test_lora_adapts_every_expert_through_the_grouped_matmul(random_moe):
+    """Per-expert adapters `A [L, E, D, r]`, `B [L, E, r, I]` (the default targets match the experts' projections, not
+    the router): merged, expert e's matrix is `W_e + scale A_e B_e`; the unmerged (dropout) path merges the experts'
+    and gives the same logits without dropout; PEFT export of expert adapters is refused with the reason."""
+    from jaxrl_llm.models.lora import LoraSpec, init_adapters, insert_adapters, merge_adapters, save_peft_adapters
+
+    config, params = random_moe
+    spec = LoraSpec(rank=2, alpha=4.0, targets="(q|k|v|o|gate|up|down)_proj")
+    adapters = init_adapters(params, spec, jax.random.key(3))
+    experts = adapters["layers"]["mlp"]["experts"]
+    assert experts["gate"]["lora_a"].shape == (2, 8, 32, 2) and experts["down"]["lora_b"].shape == (2, 8, 2, 32)
+    assert "router" not in adapters["layers"]["mlp"]
+    adapters = jax.tree.map(lambda x: x + 0.05, adapters)  # B = 0 at init: give it a value
+    merged = merge_adapters(params, adapters, spec.scale)
+    a, b = (np.asarray(experts["up"][n]) + 0.05 for n in ("lora_a", "lora_b"))
+    np.testing.assert_allclose(np.asarray(merged["layers"]["mlp"]["experts"]["up"]["kernel"][1, 5]),
+                               np.asarray(params["layers"]["mlp"]["experts"]["up"]["kernel"][1, 5])
+                               + spec.scale * a[1, 5] @ b[1, 5], rtol=1e-5, atol=1e-6)
+    tokens, mask = left_padded_batch(config.vocab_size, [6, 3], seed=10)
+    unmerged = insert_adapters(params, adapters, spec.scale)
+    lora_config = config.replace(lora_scale=spec.scale)
+    np.testing.assert_allclose(forward(unmerged, lora_config, jnp.asarray(tokens), jnp.asarray(mask)),
+                               forward(merged, config, jnp.asarray(tokens), jnp.asarray(mask)), atol=1e-5)
+    with pytest.raises(ConversionError, match="PEFT adapters on an MoE model's experts"):
+        save_peft_adapters(adapters, config, spec, "/nonexistent/never-written", "base")
+
+
+@pytest.mark.parametrize("algo", ["sft", "dpo", "distill"])
+def test_every_algorithm_runs_on_a_moe_model_with_its_router_terms(algo, moe_task, tmp_path):
+    """SFT, DPO and on-policy distillation (GKD's JSD) on an MoE student: each step's loss includes `coef x
+    moe/aux_loss` and the router's metrics are logged."""
+    from conftest import read_rows, tiny_run
+
+    from jaxrl_llm.trainers import make_trainer
+
+    common = ["model.router_aux_loss_coef=0.5", "steps=1", "checkpoint_every=0", "sft.batch_size=8", "data.eval="]
+    if algo == "sft":  # SFT of model.path (the GRPO preset: no model.init)
+        config = tiny_run("grpo_arithmetic", tmp_path / algo, "algo=sft", *common, task=moe_task)
+    elif algo == "dpo":
+        rows = [__import__("json").loads(line) for line in (moe_task / "train.jsonl").read_text().splitlines()][:32]
+        prefs = tmp_path / "prefs.jsonl"
+        prefs.write_text("".join(__import__("json").dumps({"prompt": r["prompt"], "chosen": r["answer"],
+                                                          "rejected": str(int(r["answer"]) + 1)}) + "\n" for r in rows))
+        config = tiny_run("dpo_arithmetic", tmp_path / algo, *common, f"data.train={prefs}", "dpo.eval_prompts=",
+                          task=moe_task)
+    else:  # the student its own teacher: GKD's JSD from the same MoE
+        config = tiny_run("distill_arithmetic", tmp_path / algo, *common, "distill.loss=jsd",
+                          f"distill.teacher={moe_task / 'model'}", "rl.prompts_per_step=4", "rl.group_size=4",
+                          task=moe_task)
+    make_trainer(config).run()
+    (row,) = read_rows(tmp_path / algo, "moe/aux_loss")[:1]
+    assert row["moe/aux_loss"] > 1.0 and 0 < row["moe/confidence"] <= 1 and row["moe/load_max_mean"] >= 1
+    own = {"sft": "sft_loss", "distill": "distill/jsd"}.get(algo)
+    if own is not None:  # one micro-batch: the loss is the algorithm's own plus 0.5 x the load-balancing loss
+        np.testing.assert_allclose(row["loss"], row[own] + 0.5 * row["moe/aux_loss"], rtol=1e-4)

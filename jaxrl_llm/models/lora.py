@@ -34,7 +34,7 @@ import numpy as np
 from jaxrl_llm.errors import ConfigError, ConversionError
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.families import FAMILIES
-from jaxrl_llm.models.hf import _tensor_name
+from jaxrl_llm.models.hf import _per_expert, _tensor_name
 from jaxrl_llm.models.hf_export import set_plain_file_mode
 
 Params = dict[str, Any]
@@ -62,9 +62,10 @@ def _kernel_paths(params: Params, prefix: tuple[str, ...] = ()) -> Iterator[tupl
             yield (*prefix, key)
 
 
-def module_name(path: tuple[str, ...]) -> str:
-    """The Hugging Face module of a stacked kernel, as in layer 0: `model.layers.0.self_attn.q_proj`."""
-    return _tensor_name(path, 0).removesuffix(".weight")
+def module_name(path: tuple[str, ...], model_type: str = "llama") -> str:
+    """The Hugging Face module of a stacked kernel, as in layer 0 (and expert 0): `model.layers.0.self_attn.q_proj`,
+    `model.layers.0.mlp.experts.0.gate_proj`."""
+    return _tensor_name(path, 0, model_type, 0 if _per_expert(path) else None).removesuffix(".weight")
 
 
 def target_paths(params: Params, targets: str) -> list[tuple[str, ...]]:
@@ -87,13 +88,13 @@ def init_adapters(params: Params, spec: LoraSpec, key: jax.Array) -> Params:
     """`{path...: {"lora_a": A, "lora_b": B}}` for every targeted kernel (nested like `params`, float32)."""
     adapters: Params = {}
     for i, path in enumerate(target_paths(params, spec.targets)):
-        layers, fan_in, fan_out = _get(params, path).shape
+        *lead, fan_in, fan_out = _get(params, path).shape  # [L, in, out], or an MoE's [L, E, in, out]: per expert
         bound = 1.0 / np.sqrt(fan_in)
-        a = jax.random.uniform(jax.random.fold_in(key, i), (layers, fan_in, spec.rank), jnp.float32, -bound, bound)
+        a = jax.random.uniform(jax.random.fold_in(key, i), (*lead, fan_in, spec.rank), jnp.float32, -bound, bound)
         node = adapters
         for k in path[:-1]:
             node = node.setdefault(k, {})
-        node[LORA_A], node[LORA_B] = a, jnp.zeros((layers, spec.rank, fan_out), jnp.float32)
+        node[LORA_A], node[LORA_B] = a, jnp.zeros((*lead, spec.rank, fan_out), jnp.float32)
     return adapters
 
 
@@ -114,17 +115,35 @@ def merge_adapters(base: Params, adapters: Params, scale: float) -> Params:
             node[key] = dict(node[key])
             node = node[key]
         kernel = node["kernel"]
-        delta = jnp.einsum("lir,lro->lio", ab[LORA_A].astype(jnp.float32), ab[LORA_B].astype(jnp.float32))
+        delta = jnp.einsum("...ir,...ro->...io", ab[LORA_A].astype(jnp.float32), ab[LORA_B].astype(jnp.float32))
         node["kernel"] = (kernel.astype(jnp.float32) + scale * delta).astype(kernel.dtype)
     return merged
 
 
-def insert_adapters(base: Params, adapters: Params) -> Params:
+def _flat_adapters(adapters: Params) -> dict[tuple[str, ...], Params]:
+    return {path: _get(adapters, path) for path in _adapter_paths(adapters)}
+
+
+def _nested(flat: dict[tuple[str, ...], Params]) -> Params:
+    out: Params = {}
+    for path, ab in flat.items():
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = ab
+    return out
+
+
+def insert_adapters(base: Params, adapters: Params, scale: float = 1.0) -> Params:
     """`base` with each adapted module's `lora_a` / `lora_b` beside its kernel, unmerged: the decoder's dense
     layers then add `lora_scale * dropout(x) @ A @ B` (`ModelConfig.lora_scale / lora_dropout`). What training
-    with `lora.dropout > 0` runs; without dropout it equals `merge_adapters` (tested)."""
-    out = jax.tree.map(lambda x: x, base)
+    with `lora.dropout > 0` runs; without dropout it equals `merge_adapters` (tested). An MoE's expert adapters are
+    merged (`scale`), without dropout: the grouped matmul takes the experts' matrices whole."""
+    experts = {p: v for p, v in _flat_adapters(adapters).items() if _per_expert((*p, "kernel"))}
+    out = merge_adapters(base, _nested(experts), scale) if experts else jax.tree.map(lambda x: x, base)
     for path in _adapter_paths(adapters):
+        if path in experts:  # an expert's adapters are merged: they reach the experts through the grouped matmul
+            continue
         node, ab = out, _get(adapters, path)
         for key in path:
             node[key] = dict(node[key])
@@ -149,6 +168,11 @@ def save_peft_adapters(adapters: Params, config: ModelConfig, spec: LoraSpec, di
     """PEFT's LoRA format in `directory`: `adapter_config.json` and `adapter_model.safetensors` (float32)."""
     from safetensors.numpy import save_file
 
+    if any(_per_expert((*path, "kernel")) for path in _adapter_paths(adapters)):
+        raise ConversionError("PEFT adapters on an MoE model's experts are not exported (transformers 5 fuses the "
+                              "experts' matrices, which PEFT's per-module adapters do not target); use the merged "
+                              "export (lora.export_adapters=false) or lora.targets without the experts, e.g. "
+                              "'(q|k|v|o)_proj'")
     if FAMILIES[config.model_type].fused_tensors:
         raise ConversionError(f"PEFT adapters for {config.model_type} would sit on its fused qkv_proj / gate_up_proj, "
                               f"not on our separate q/k/v and gate/up adapters; use the merged export "

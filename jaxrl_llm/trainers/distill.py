@@ -26,14 +26,21 @@ from jaxrl_llm.config import RunConfig
 from jaxrl_llm.data import load_tokenizer
 from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.decoder import Params, completion_hidden, unembedding_as_stored
+from jaxrl_llm.models.decoder import Params, completion_hidden, completion_hidden_routed, unembedding_as_stored
 from jaxrl_llm.models.hf import load_hf_model, resolve_model_dir
 from jaxrl_llm.models.weights import frozen_copy
 from jaxrl_llm.rl.distillation import generalized_jsd_from_hidden, reverse_kl_advantages
 from jaxrl_llm.rl.reductions import masked_mean
 from jaxrl_llm.trainers.base import Algorithm, Collected
 from jaxrl_llm.trainers.grpo import GRPOFamily, validate_grpo
-from jaxrl_llm.trainers.objectives import Metrics, PolicyBatch, logprob_chunk_size, loss_mask, make_logprob_fn
+from jaxrl_llm.trainers.objectives import (
+    Metrics,
+    PolicyBatch,
+    logprob_chunk_size,
+    loss_mask,
+    make_logprob_fn,
+    router_terms,
+)
 from jaxrl_llm.trainers.policy import Policy
 from jaxrl_llm.trainers.rl import logprob_pass_layout
 from jaxrl_llm.trainers.rollouts import Rollout, rollout_tokens
@@ -90,6 +97,7 @@ class JSDObjective:
     beta: float = 0.5
     temperature: float = 1.0
     logprob_block_mib: float = 256.0
+    router_aux_loss_coef: float = 0.0  # an MoE student: the load-balancing loss's weight (model.router_aux_loss_coef)
 
 
 def jsd_loss(params: Params, batch: PolicyBatch, *, model_config: ModelConfig, loss_config: JSDObjective,
@@ -100,7 +108,8 @@ def jsd_loss(params: Params, batch: PolicyBatch, *, model_config: ModelConfig, l
     the same pass without gradients; packed rows (`batch.layout`) serve both models."""
     c, t = loss_config, frozen["teacher"]
     args = (batch.prompt_tokens, batch.prompt_mask, batch.completion_tokens, batch.completion_mask)
-    hidden = completion_hidden(params, model_config, *args, layout=batch.layout, dropout_key=dropout_key)
+    routed = completion_hidden_routed(params, model_config, *args, layout=batch.layout, dropout_key=dropout_key)
+    hidden = routed.hidden
     teacher_hidden = jax.lax.stop_gradient(completion_hidden(t, c.teacher, *args, layout=batch.layout))
     n, length = batch.completion_tokens.shape
     (student_w, student_transposed), (teacher_w, teacher_transposed) = (unembedding_as_stored(params, model_config),
@@ -113,8 +122,11 @@ def jsd_loss(params: Params, batch: PolicyBatch, *, model_config: ModelConfig, l
         compute_dtype=model_config.jnp_dtype)
     mask = loss_mask(batch).astype(jnp.float32)
     loss = (jsd * mask).sum() / jnp.maximum(num_tokens, 1.0)
+    aux, router_metrics = router_terms(routed, model_config, c.router_aux_loss_coef, layout=batch.layout)
     # a masked mean of this micro-batch: the step's token-count weights make it the minibatch's
-    return loss, {"distill/jsd": masked_mean(jsd, mask), "distill/jsd/max": jnp.max(jnp.where(mask > 0, jsd, 0.0))}
+    return loss + aux * (mask.sum(axis=1) > 0).sum() / jnp.maximum(num_seqs, 1.0), {
+        "distill/jsd": masked_mean(jsd, mask), "distill/jsd/max": jnp.max(jnp.where(mask > 0, jsd, 0.0)),
+        **router_metrics}
 
 
 class Distillation(GRPOFamily):
@@ -134,7 +146,7 @@ class Distillation(GRPOFamily):
         if d.loss == "jsd":  # the teacher runs inside the update: a frozen input beside LoRA's base
             self.loss_fn = jsd_loss
             self.objective = JSDObjective(self.teacher_config, d.beta, c.sampling.temperature,
-                                          c.model.logprob_block_mib)
+                                          c.model.logprob_block_mib, c.model.router_aux_loss_coef)
             self.frozen_input = {**(p.frozen or {}), "teacher": self.teacher}
             self.frozen_sharding = {**(p.frozen_sharding or {}), "teacher": teacher_sharding}
             self.update_fns = {}

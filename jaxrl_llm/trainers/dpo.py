@@ -35,14 +35,14 @@ from jaxrl_llm.data import (
     next_batch_indices,
 )
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.decoder import Params
+from jaxrl_llm.models.decoder import Params, RoutedHidden
 from jaxrl_llm.models.packing import PackedLayout
 from jaxrl_llm.models.weights import frozen_copy
 from jaxrl_llm.rl.preference import dpo_loss
 from jaxrl_llm.sharding import init_optimizer_state
 from jaxrl_llm.trainers.base import Collected, State
 from jaxrl_llm.trainers.evaluation import GreedyEvaluation
-from jaxrl_llm.trainers.objectives import completion_logprobs
+from jaxrl_llm.trainers.objectives import routed_completion_logprobs, router_terms
 from jaxrl_llm.trainers.policy import load_policy
 from jaxrl_llm.trainers.step import Metrics, jit_one_step_update, make_optimizer, router_frozen, state_sharding
 from jaxrl_llm.trainers.supervised import ExampleAlgorithm, packed_example_batch
@@ -73,20 +73,27 @@ class DPOLossConfig:
     simpo_gamma: float = 0.5
     reference_in_step: bool = True  # the frozen reference's log-probs come from `frozen["reference"]`
     logprob_block_mib: float = 256.0
+    router_aux_loss_coef: float = 0.0  # MoE: the load-balancing loss's weight (model.router_aux_loss_coef)
 
 
 def pair_logprobs(params: Params, config: ModelConfig, batch: PairBatch, *, block_mib: float = 256.0,
                   dropout_key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """`(sum_t log pi(chosen_t), sum_t log pi(rejected_t))`, each `[B]` float32: one forward over both sides
     (the prompt rows repeated; packed rows with `batch.layout`), `completion_logprobs` masked and summed."""
+    return routed_pair_logprobs(params, config, batch, block_mib=block_mib, dropout_key=dropout_key)[:2]
+
+
+def routed_pair_logprobs(params: Params, config: ModelConfig, batch: PairBatch, *, block_mib: float = 256.0,
+                         dropout_key: jax.Array | None = None) -> tuple[jax.Array, jax.Array, RoutedHidden]:
+    """`pair_logprobs` with an MoE model's routing of the pass (`decoder.RoutedHidden`)."""
     prompts = jnp.concatenate([batch.prompt_tokens, batch.prompt_tokens])
     prompt_mask = jnp.concatenate([batch.prompt_mask, batch.prompt_mask])
     responses = jnp.concatenate([batch.chosen_tokens, batch.rejected_tokens])
     mask = jnp.concatenate([batch.chosen_mask, batch.rejected_mask])
-    logp, _ = completion_logprobs(params, config, prompts, prompt_mask, responses, mask, block_mib=block_mib,
-                                  dropout_key=dropout_key, layout=batch.layout)
+    logp, _, routed = routed_completion_logprobs(params, config, prompts, prompt_mask, responses, mask,
+                                                 block_mib=block_mib, dropout_key=dropout_key, layout=batch.layout)
     sums = (logp * mask.astype(jnp.float32)).sum(axis=1)
-    return sums[: batch.prompt_tokens.shape[0]], sums[batch.prompt_tokens.shape[0]:]
+    return sums[: batch.prompt_tokens.shape[0]], sums[batch.prompt_tokens.shape[0]:], routed
 
 
 def preference_loss(params: Params, batch: PairBatch, *, model_config: ModelConfig, loss_config: DPOLossConfig,
@@ -95,8 +102,8 @@ def preference_loss(params: Params, batch: PairBatch, *, model_config: ModelConf
     """`dpo_loss` of a (micro-)batch under the `train_step` contract: its mean over pairs scaled by its share of
     the minibatch's pairs (`num_seqs`), so accumulated micro-batches give the minibatch mean."""
     c = loss_config
-    chosen, rejected = pair_logprobs(params, model_config, batch, block_mib=c.logprob_block_mib,
-                                     dropout_key=dropout_key)
+    chosen, rejected, routed = routed_pair_logprobs(params, model_config, batch, block_mib=c.logprob_block_mib,
+                                                    dropout_key=dropout_key)
     if c.reference_in_step and c.loss != "simpo":
         ref_chosen, ref_rejected = jax.lax.stop_gradient(
             pair_logprobs(frozen["reference"], model_config, batch, block_mib=c.logprob_block_mib))
@@ -106,7 +113,8 @@ def preference_loss(params: Params, batch: PairBatch, *, model_config: ModelConf
                              label_smoothing=c.label_smoothing, simpo_gamma=c.simpo_gamma,
                              chosen_lengths=batch.chosen_mask.sum(axis=1),
                              rejected_lengths=batch.rejected_mask.sum(axis=1))
-    return loss * batch.prompt_tokens.shape[0] / num_seqs, metrics
+    aux, router_metrics = router_terms(routed, model_config, c.router_aux_loss_coef)  # MoE: 0 and {} otherwise
+    return (loss + aux) * batch.prompt_tokens.shape[0] / num_seqs, metrics | router_metrics
 
 
 def pair_batch(pairs: PreferenceSet, indices: np.ndarray, pad_id: int, prompt_bucket: int,
@@ -155,7 +163,8 @@ class DPO(ExampleAlgorithm):
         in_step = d.reference == "step" and not self.reference_free
         self.loss_config = DPOLossConfig(loss=d.loss, beta=d.beta, label_smoothing=d.label_smoothing,
                                          simpo_gamma=d.simpo_gamma, reference_in_step=in_step,
-                                         logprob_block_mib=c.model.logprob_block_mib)
+                                         logprob_block_mib=c.model.logprob_block_mib,
+                                         router_aux_loss_coef=c.model.router_aux_loss_coef)
         self.logprob_fn = jax.jit(functools.partial(pair_logprobs, config=p.model_config,
                                                     block_mib=c.model.logprob_block_mib))
         # The reference is the starting model: a frozen copy, or under LoRA the base itself (adapters off).

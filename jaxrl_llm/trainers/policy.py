@@ -110,9 +110,9 @@ class Policy:
         factors beside the kernels for the decoder to apply), else None."""
         if self.lora is None:
             return None
-        if self.lora_dropout:
-            return lambda adapters, frozen: insert_adapters(frozen["base"], adapters)
         scale = self.lora.scale
+        if self.lora_dropout:
+            return lambda adapters, frozen: insert_adapters(frozen["base"], adapters, scale)
         return lambda adapters, frozen: merge_adapters(frozen["base"], adapters, scale)
 
     @property

@@ -68,7 +68,8 @@ class SFT(ExampleAlgorithm):
         self.frozen_input = self.policy.frozen
         self.update_fn = jit_one_step_update(
             p.mesh, self.init(), frozen_sharding=p.frozen_sharding, with_key=p.lora_dropout, loss_fn=sft_loss,
-            model_config=p.model_config, loss_config=PolicyObjective(logprob_block_mib=c.model.logprob_block_mib),
+            model_config=p.model_config, loss_config=PolicyObjective(logprob_block_mib=c.model.logprob_block_mib,
+                                                                    router_aux_loss_coef=c.model.router_aux_loss_coef),
             optimizer=self.optimizer, grad_accum=1, compose=p.compose)
 
     def init(self) -> State:
