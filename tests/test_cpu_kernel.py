@@ -337,11 +337,11 @@ def test_a_prefill_chunk_attends_through_the_kernel_as_through_xla(kind, hf_mode
         pages = init_pages(config, 24, 4)
         first = jnp.asarray(np.where(np.arange(8)[None] < np.array([[8], [5], [8], [1]]), np.arange(8)[None], -1),
                             jnp.int32)
-        _, pages = prefill_program(params, weights, pages, tokens, first, table, jnp.zeros(4, jnp.int32),
-                                   config=config, attention=attention)
+        _, pages, _ = prefill_program(params, weights, pages, tokens, first, table, jnp.zeros(4, jnp.int32),
+                                      config=config, attention=attention)
         second = jnp.where(first >= 0, first + 8, -1)  # the next chunk reads the first one's pages
-        logits, pages = prefill_program(params, weights, pages, tokens[:, ::-1], second, table,
-                                        jnp.asarray([7, 4, 7, 0], jnp.int32), config=config, attention=attention)
+        logits, pages, _ = prefill_program(params, weights, pages, tokens[:, ::-1], second, table,
+                                           jnp.asarray([7, 4, 7, 0], jnp.int32), config=config, attention=attention)
         results[attention] = (np.asarray(logits), [np.asarray(layer["k"]) for layer in pages])
     np.testing.assert_allclose(results["cpu"][0], results["xla"][0], atol=1e-5)
     unused = np.setdiff1d(np.arange(24), np.asarray(table))

@@ -281,8 +281,8 @@ def test_unsupported_moe_configs_say_why(hf_model_dir):
         save_hf_model(params, config.replace(model_type="llama"), "/nonexistent/never-written")
 
 
-@pytest.mark.parametrize("kind", ["qwen2_moe", "mixtral"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(("kind", "dtype"), [(kind, "float32") for kind in MOE_FAMILIES]
+                         + [("qwen2_moe", "bfloat16"), ("mixtral", "bfloat16")])
 def test_the_engine_decodes_as_the_trainer_scores(kind, dtype, hf_model_dir):
     """Greedy tokens through the rollout engine (paged KV, its CPU kernels where built; bfloat16: packed weights on
     AMX) are the argmax of a fresh forward pass over prompt + completion, and their log-probs that pass's."""

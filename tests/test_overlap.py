@@ -171,6 +171,9 @@ def test_rollouts_in_flight_round_trip_through_a_checkpoints_json():
     assert back.collected.data_state == DataState(1, 8) and back.collected.metrics == {"reward/mean": 0.25}
     b = back.collected.batch
     for got, want in zip(b.out, out, strict=True):
+        if want is None:  # a dense model's routing record
+            assert got is None
+            continue
         assert got.dtype == want.dtype and np.array_equal(got, want)
     assert np.array_equal(b.rewards, ro.rewards) and b.completions == ro.completions
     assert b.conversations == ro.conversations and b.per_function["r"].tolist() == [1.0] * 4

@@ -357,13 +357,13 @@ def test_n_samples_share_one_prefill_and_are_prompt_major(hf_model_dir, monkeypa
     config, params = load_hf_model(hf_model_dir("qwen2"))
     tokens, mask = left_padded_batch(config.vocab_size, [4, 7, 2], seed=5)
     prefill_batches = []
-    original = sampling_module.prefill
+    original = sampling_module.prefill_routed
 
     def recording_prefill(params, layer_params, config, tokens, mask):
         prefill_batches.append(tokens.shape[0])  # at trace time
         return original(params, layer_params, config, tokens, mask)
 
-    monkeypatch.setattr(sampling_module, "prefill", recording_prefill)
+    monkeypatch.setattr(sampling_module, "prefill_routed", recording_prefill)
     greedy = sample(params, config, tokens, mask, jax.random.key(0), SamplingConfig(12, greedy=True, n=3))
     single = sample(params, config, tokens, mask, jax.random.key(0), SamplingConfig(12, greedy=True))
     assert prefill_batches == [3, 3]  # B = 3 prompts prefilled, not B * n = 9 rows
@@ -399,13 +399,13 @@ def test_one_compile_per_bucket(hf_model_dir, monkeypatch):
     """Calls whose prompt length, max_new_tokens and knob values fall into one bucket reuse one program."""
     config, params = load_hf_model(hf_model_dir("llama3_rope"))
     traces = []
-    original = sampling_module.prefill
+    original = sampling_module.prefill_routed
 
     def counting_prefill(*args):
         traces.append(1)
         return original(*args)
 
-    monkeypatch.setattr(sampling_module, "prefill", counting_prefill)
+    monkeypatch.setattr(sampling_module, "prefill_routed", counting_prefill)
     programs = compiled_program_count()
     calls = [([3, 5, 2, 1, 4], 5, dict(temperature=1.0, top_k=3)),
              ([16, 1, 9, 9, 2], 16, dict(temperature=0.5, top_k=40)),
