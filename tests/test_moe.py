@@ -490,10 +490,10 @@ def test_lora_adapts_every_expert_through_the_grouped_matmul(random_moe):
         save_peft_adapters(adapters, config, spec, "/nonexistent/never-written", "base")
 
 
-@pytest.mark.parametrize("algo", ["sft", "dpo", "distill"])
+@pytest.mark.parametrize("algo", ["sft", "dpo", "distill", "ppo"])
 def test_every_algorithm_runs_on_a_moe_model_with_its_router_terms(algo, moe_task, tmp_path):
-    """SFT, DPO and on-policy distillation (GKD's JSD) on an MoE student: each step's loss includes `coef x
-    moe/aux_loss` and the router's metrics are logged."""
+    """SFT, DPO, on-policy distillation (GKD's JSD) and PPO (replaying the sampler's routing) on an MoE student: each
+    step's loss includes `coef x moe/aux_loss` and the router's metrics are logged."""
     from conftest import read_rows, tiny_run
 
     from jaxrl_llm.trainers import make_trainer
@@ -508,13 +508,35 @@ def test_every_algorithm_runs_on_a_moe_model_with_its_router_terms(algo, moe_tas
                                                           "rejected": str(int(r["answer"]) + 1)}) + "\n" for r in rows))
         config = tiny_run("dpo_arithmetic", tmp_path / algo, *common, f"data.train={prefs}", "dpo.eval_prompts=",
                           task=moe_task)
+    elif algo == "ppo":
+        config = tiny_run("ppo_arithmetic", tmp_path / algo, *common, "rl.routing_replay=rollout",
+                          "rl.prompts_per_step=4", "rl.group_size=2", "rl.minibatch_size=8", task=moe_task)
     else:  # the student its own teacher: GKD's JSD from the same MoE
         config = tiny_run("distill_arithmetic", tmp_path / algo, *common, "distill.loss=jsd",
                           f"distill.teacher={moe_task / 'model'}", "rl.prompts_per_step=4", "rl.group_size=4",
                           task=moe_task)
     make_trainer(config).run()
     (row,) = read_rows(tmp_path / algo, "moe/aux_loss")[:1]
+    if algo == "ppo":
+        assert 0 <= row["mismatch/router_disagreement"] <= 1 and np.isfinite(row["mismatch/logprob_abs_mean"])
     assert row["moe/aux_loss"] > 1.0 and 0 < row["moe/confidence"] <= 1 and row["moe/load_max_mean"] >= 1
     own = {"sft": "sft_loss", "distill": "distill/jsd"}.get(algo)
     if own is not None:  # one micro-batch: the loss is the algorithm's own plus 0.5 x the load-balancing loss
         np.testing.assert_allclose(row["loss"], row[own] + 0.5 * row["moe/aux_loss"], rtol=1e-4)
+
+
+def test_the_moe_preset_trains_the_committed_moe_model(tmp_path):
+    """`configs/grpo_arithmetic_moe.yaml` from `models/arith-moe-base` (what the MoE job runs): two steps with bf16
+    sampling and a float32 update, replaying the sampler's routing; the router's mismatch is logged."""
+    from conftest import CONFIGS, QUIET, read_rows
+
+    from jaxrl_llm.config import load_run_config
+    from jaxrl_llm.trainers import make_trainer
+
+    config = load_run_config(CONFIGS / "grpo_arithmetic_moe.yaml", [f"out_dir={tmp_path / 'run'}", "steps=2",
+                                                                    "data.eval=", "rl.prompts_per_step=4", *QUIET])
+    assert config.rl.routing_replay == "rollout" and config.sampling.dtype == "bfloat16"
+    make_trainer(config).run()
+    rows = read_rows(tmp_path / "run", "reward/mean")
+    assert len(rows) == 2 and all(0 <= r["mismatch/router_disagreement"] < 0.2 for r in rows)
+    assert all(r["moe/load_max_mean"] < 8 / 2 for r in rows)  # no collapsed layer: max / mean < E / k

@@ -43,7 +43,9 @@ from jaxrl_llm.trainers.policy import Policy
 from jaxrl_llm.trainers.rl import (
     RolloutAlgorithm,
     logprob_pass_layout,
+    moe_old_policy,
     old_policy_logprobs,
+    routed_pass,
     update_plan,
     update_sizes,
     validate_rl,
@@ -218,6 +220,7 @@ class PPO(RolloutAlgorithm):
         self.optimizer, self.schedule = make_optimizer(c.optim, total_updates, router_frozen(c.model.freeze_router))
         self.critic_optimizer, self.critic_schedule = make_optimizer(
             dataclasses.replace(c.optim, learning_rate=pc.critic_learning_rate), total_updates)
+        self.routed_logprob_fn = routed_pass(c, p)
         self.critic_config, self.initial_critic = initial_critic(c, p)
         critic_sharding = state_sharding(self.initial_critic)
         critic_config = self.critic_config
@@ -261,17 +264,23 @@ class PPO(RolloutAlgorithm):
         pt, pm, ct, cm = put(ro.prompt_tokens), put(ro.prompt_mask), put(ro.out.tokens), put(ro.out.mask)
         packed = functools.cache(lambda: logprob_pass_layout(self.config, ro, self.mesh,
                                                              p.model_config.num_params()))  # only if a pass runs
-        old_logp, sampler_logp, mismatch = old_policy_logprobs(
-            self.config.rl.loss.rollout_correction, put(np.asarray(ro.out.logprobs_untruncated, np.float32)), cm,
-            lambda: self.ref_logprob_fn(working_weights(p.model_weights(state["params"]), p.model_config),
-                                        pt, pm, ct, cm, packed()))
+        weights = functools.cache(lambda: working_weights(p.model_weights(state["params"]), p.model_config))
+        sampled, records = put(np.asarray(ro.out.logprobs_untruncated, np.float32)), None
+        if self.routed_logprob_fn is not None:  # MoE: routing records, replay, the router's mismatch
+            old_logp, sampler_logp, mismatch, records = moe_old_policy(
+                self.config, self.routed_logprob_fn, weights(), (pt, pm, ct, cm), packed(), sampled, cm, ro, put)
+        else:
+            old_logp, sampler_logp, mismatch = old_policy_logprobs(
+                self.config.rl.loss.rollout_correction, sampled, cm,
+                lambda: self.ref_logprob_fn(weights(), pt, pm, ct, cm, packed()))
         ref_logp = (self.ref_logprob_fn(self.ref_params, pt, pm, ct, cm, packed()) if self.ref_params is not None
                     else old_logp)
         values = self.value_fn(state["critic"], pt, pm, ct, cm)
         controller = KLControllerState(coef=jnp.asarray(jax.device_get(state["kl_coef"]), jnp.float32))
         targets, rollout_metrics = self.targets_fn(put(ro.rewards.astype(np.float32)), old_logp, ref_logp, values,
                                                    cm, controller.coef)
-        batch = PPOBatch(PolicyBatch(pt, pm, ct, cm, old_logp, ref_logp, targets.advantages, sampler_logp),
+        batch = PPOBatch(PolicyBatch(pt, pm, ct, cm, old_logp, ref_logp, targets.advantages, sampler_logp,
+                                     routing=records),
                          CriticBatch(pt, pm, ct, cm, values, targets.returns))
         train_policy = step > pc.critic_warmup_steps
         plan = update_plan(self.config, ro, key, self.minibatch_size, self.mesh,
