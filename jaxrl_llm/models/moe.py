@@ -21,6 +21,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxrl_llm.models import precision
 from jaxrl_llm.models.layers import gated_activation
 
 NO_RECORD = -1  # a token whose experts were not recorded (replay falls back to the live router for it)
@@ -63,7 +64,49 @@ class Experts(NamedTuple):
 
 
 def _ragged(x: jax.Array, w: jax.Array, sizes: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    return jax.lax.ragged_dot(x.astype(dtype), w.astype(dtype), sizes, preferred_element_type=jnp.float32)
+    """`grouped_matmul` (the experts' rows of `x [M, K]`, sorted by expert, times their matrices `w [E, K, N]`)."""
+    return grouped_matmul(x.astype(dtype), w.astype(dtype), sizes)
+
+
+def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, *, tiled: bool | None = None,
+                   tile: int | None = None) -> jax.Array:
+    """``y[rows of group e] = x[rows of group e] @ w[e]``: rows sorted by group, ``sizes [E]`` rows each (their sum
+    at most ``M``; rows past it are no group's and come out 0); float32 accumulation and output.
+
+    Where JAX ships a grouped matmul (GPU, TPU), `jax.lax.ragged_dot`. XLA:CPU has none: it lowers `ragged_dot` to
+    every group on every row, masked (the dense cost), and its backward asks for a bf16 x bf16 -> f32 dot it cannot
+    run. There (``tiled``, default on the CPU) every group is padded to a multiple of ``tile`` rows, so each tile of
+    rows belongs to one group, and a `lax.scan` over the tiles multiplies each by its group's matrix: the work of the
+    real rows plus at most ``E * (tile - 1)`` padding rows, with plain dots (their backward too).
+
+    Shapes: ``x [M, K]``, ``w [E, K, N]``, ``sizes [E]`` int32 -> ``[M, N]`` float32.
+    """
+    if not (jax.default_backend() == "cpu" if tiled is None else tiled):
+        return jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32)
+    m, groups = x.shape[0], w.shape[0]
+    if tile is None:  # about a group's share of the rows, a power of two in [8, 128]: little padding, few tiles
+        tile = int(min(128, max(8, 1 << max(0, (m // groups).bit_length() - 1))))
+    padded = -(-sizes // tile) * tile  # each group's rows, padded to whole tiles
+    starts = jnp.cumsum(padded) - padded
+    firsts = jnp.cumsum(sizes) - sizes
+    tiles = -(-(m + groups * (tile - 1)) // tile)  # a bound on the padded tiles, static
+    rows = jnp.arange(tiles * tile)
+    group = jnp.minimum(jnp.searchsorted(jnp.cumsum(padded), rows, side="right"), groups - 1)
+    local = rows - starts[group]
+    source = jnp.where(local < sizes[group], firsts[group] + local, m)  # m: a zero row (padding, or past the end)
+    x_padded = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])[source].reshape(tiles, tile, -1)
+
+    def one(_: None, inputs: tuple[jax.Array, jax.Array]) -> tuple[None, jax.Array]:
+        block, g = inputs
+        return None, precision.einsum("tk,kn->tn", block, w[g], x.dtype, jnp.float32)  # its backward too
+
+    _, y = jax.lax.scan(one, None, (x_padded, group[::tile]))
+    y = y.reshape(tiles * tile, -1)
+    # Row i of group e sits at padded row starts[e] + (i - firsts[e]); rows of no group are 0.
+    row_group = jnp.minimum(jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(m), side="right"), groups - 1)
+    at = starts[row_group] + jnp.arange(m) - firsts[row_group]
+    inside = jnp.arange(m) < jnp.sum(sizes)
+    return jnp.where(inside[:, None], y[jnp.where(inside, at, 0)], 0.0)
 
 
 def experts_ragged(x: jax.Array, experts: jax.Array, weights: jax.Array, w: Experts, *, hidden_act: str = "silu",
@@ -108,11 +151,10 @@ def experts_dense(x: jax.Array, experts: jax.Array, weights: jax.Array, w: Exper
     combine = jnp.zeros((n, num_experts), jnp.float32).at[jnp.arange(n)[:, None], experts].add(weights)
     if valid is not None:
         combine = jnp.where(valid[:, None], combine, 0.0)
-    xd = x.astype(dtype)
-    gate = jnp.einsum("nd,edi->nei", xd, w.gate.astype(dtype), preferred_element_type=jnp.float32)
-    up = jnp.einsum("nd,edi->nei", xd, w.up.astype(dtype), preferred_element_type=jnp.float32)
-    h = gated_activation(gate, up, hidden_act).astype(dtype)
-    y = jnp.einsum("nei,eid->ned", h, w.down.astype(dtype), preferred_element_type=jnp.float32)
+    gate = precision.einsum("nd,edi->nei", x, w.gate, dtype, jnp.float32)
+    up = precision.einsum("nd,edi->nei", x, w.up, dtype, jnp.float32)
+    h = gated_activation(gate, up, hidden_act)
+    y = precision.einsum("nei,eid->ned", h, w.down, dtype, jnp.float32)
     return jnp.einsum("ne,ned->nd", combine, y).astype(out_dtype or x.dtype)
 
 
