@@ -137,8 +137,8 @@ class SamplingSection:
     # no C++ compiler is found); xla; cpu = the C++ kernel; pallas = the Pallas kernel (on the CPU the GPU kernel in
     # Pallas' interpreter: slow, for checking). Sliding-window models use xla on GPU and TPU (docs/engine.md).
     engine_attention: str = one_of("auto", ("auto", "xla", "cpu", "pallas"))
-    # the sampler's compute dtype (and its weights'): "" = model.dtype; bfloat16 under a float32 model samples as a
-    # bf16 inference server beside a float32 trainer does (the sampler/trainer mismatch, `mismatch/*`)
+    # the sampler's compute dtype (and its weights'), for rollouts and the held-out evaluation: "" = model.dtype;
+    # bfloat16 under a float32 model samples as a bf16 inference server beside a float32 trainer does (`mismatch/*`)
     dtype: str = one_of("", ("", *DTYPES))
 
 

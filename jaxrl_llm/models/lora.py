@@ -62,10 +62,10 @@ def _kernel_paths(params: Params, prefix: tuple[str, ...] = ()) -> Iterator[tupl
             yield (*prefix, key)
 
 
-def module_name(path: tuple[str, ...], model_type: str = "llama") -> str:
+def module_name(path: tuple[str, ...]) -> str:
     """The Hugging Face module of a stacked kernel, as in layer 0 (and expert 0): `model.layers.0.self_attn.q_proj`,
     `model.layers.0.mlp.experts.0.gate_proj`."""
-    return _tensor_name(path, 0, model_type, 0 if _per_expert(path) else None).removesuffix(".weight")
+    return _tensor_name(path, 0, expert=0 if _per_expert(path) else None).removesuffix(".weight")
 
 
 def target_paths(params: Params, targets: str) -> list[tuple[str, ...]]:
