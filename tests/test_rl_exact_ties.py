@@ -69,7 +69,7 @@ def _check(out: jax.Array, reference: np.ndarray, tied: np.ndarray, scale_of_val
     np.testing.assert_allclose(out[~tied], reference[~tied], rtol=2e-4, atol=2e-5 * scale_of_values)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _jitted(fn, items):  # noqa: ANN001, ANN202 - one jitted function per setting, reused across examples
     return jax.jit(functools.partial(fn, **dict(items)))
 
