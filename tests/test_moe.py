@@ -418,7 +418,15 @@ def _moe_run(task, out, *overrides):  # noqa: ANN001, ANN202
     config = tiny_run("grpo_arithmetic", out, "model.dtype=float32", "sampling.dtype=bfloat16", "data.eval=",
                       "rewards=[{name: 'test_moe:completion_length'}]", *overrides, task=task)
     trainer = make_trainer(config)
-    trainer.run()
+    # Not into the suite's persistent compile cache: in full-suite runs XLA:CPU aborted while serializing this MoE
+    # update there (3 of 4 runs, never alone; docs/testing.md). Compiled and run as usual, just not written.
+    key = "jax_persistent_cache_min_compile_time_secs"
+    before = getattr(jax.config, key)
+    jax.config.update(key, 1e9)
+    try:
+        trainer.run()
+    finally:
+        jax.config.update(key, before)
     from conftest import read_rows
 
     return trainer, read_rows(out, "reward/mean")
