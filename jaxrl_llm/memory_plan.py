@@ -86,15 +86,23 @@ HEAD_BLOCKS = 3
 
 
 def axis_sizes_of(mesh_sizes: Sequence[int]) -> dict[str, int]:
-    """`{"data": d, "fsdp": f, "tensor": t}` from `(d, f, t)`; every size must be a positive integer."""
+    """`{"data": d, "fsdp": f, "expert": e, "tensor": t}` from `(d, f, e, t)` (`sharding.MESH_AXES`' order), or
+    from `(d, f, t)` with `e = 1`; every size must be a positive integer."""
     sizes = tuple(int(s) for s in mesh_sizes)
+    if len(sizes) == 3:
+        sizes = (sizes[0], sizes[1], 1, sizes[2])
     if len(sizes) != len(sharding.MESH_AXES) or any(s < 1 for s in sizes):
-        raise ValueError(f"mesh sizes must be three positive integers (data, fsdp, tensor), got {mesh_sizes}")
+        raise ValueError(f"mesh sizes must be positive integers (data, fsdp, expert, tensor), got {mesh_sizes}")
     return dict(zip(sharding.MESH_AXES, sizes, strict=True))
 
 
+def mesh_tuple(axis_sizes: Mapping[str, int]) -> tuple[int, int, int, int]:
+    """`(data, fsdp, expert, tensor)` from `axis_sizes_of`'s mapping."""
+    return tuple(int(axis_sizes[a]) for a in sharding.MESH_AXES)  # type: ignore[return-value]
+
+
 def abstract_mesh(axis_sizes: Mapping[str, int]) -> AbstractMesh:
-    """A device-less `(data, fsdp, tensor)` mesh of these sizes: `sharding`'s rules only read its axis sizes."""
+    """A device-less `(data, fsdp, expert, tensor)` mesh of these sizes: `sharding`'s rules only read its axis sizes."""
     return AbstractMesh(tuple(int(axis_sizes[a]) for a in sharding.MESH_AXES), sharding.MESH_AXES)
 
 
@@ -301,7 +309,7 @@ def _round_up(n: int, multiple: int) -> int:
 class MemoryPlan:
     """Per-device bytes of one RL step (see the module docstring for every formula)."""
 
-    mesh_sizes: tuple[int, int, int]
+    mesh_sizes: tuple[int, int, int, int]  # (data, fsdp, expert, tensor)
     num_params: int
     params: int
     reference: int
@@ -324,7 +332,7 @@ class MemoryPlan:
     teacher_hidden: int = 0  # distill.loss=jsd: the teacher's final hidden states of one micro-batch (in the update)
     max_staleness: int = 0  # rollout.max_staleness: K > 0 samples beside the update
     weight_copies: int = 0  # the sampler's K + 1 inference-weight copies, on a device where it samples
-    sampler_mesh_sizes: tuple[int, int, int] | None = None  # rollout.sampler_devices: the sampler's own mesh
+    sampler_mesh_sizes: tuple[int, int, int, int] | None = None  # rollout.sampler_devices: the sampler's own mesh
     sampler_kv_cache: int = 0  # on a sampler device (its own mesh)
     sampler_step_weights: int = 0  # on a sampler device (its own mesh)
 
@@ -479,7 +487,7 @@ def plan_memory(config: ModelConfig, mesh_sizes: tuple[int, int, int], *, batch:
     rollout_seqs = batch * group_size
     minibatch = minibatch or rollout_seqs
     _check_sizes(batch, group_size, prompt_len, new_tokens, minibatch, grad_accum, prompt_bucket, new_tokens_bucket)
-    batch_ways = sizes["data"] * sizes["fsdp"]
+    batch_ways = sizes["data"] * sizes["fsdp"] * sizes["expert"]
     weights = _weight_bytes(config, sizes, optimizer, lora_rank, lora_targets)
     padded_prompt = _round_up(prompt_len, prompt_bucket)
     cache_len = padded_prompt + _round_up(new_tokens, new_tokens_bucket)
@@ -494,7 +502,7 @@ def plan_memory(config: ModelConfig, mesh_sizes: tuple[int, int, int], *, batch:
         ps, per_token = engine_page_size, 2 * _nbytes((config.num_layers, kv_heads, config.head_dim), config.jnp_dtype)
         pages = -(-(padded_prompt + new_tokens) // ps)  # one sample's
         pool = engine_pages or batch * (-(-padded_prompt // ps) + group_size * pages) + 1
-        slot_rows = _divided(rollout_seqs, on["data"] * on["fsdp"]) if engine_slot_caches else 0
+        slot_rows = _divided(rollout_seqs, on["data"] * on["fsdp"] * on["expert"]) if engine_slot_caches else 0
         return (pool * ps + slot_rows * table_width(pages, ps) * ps) * per_token
 
     if engine_page_size:
@@ -528,12 +536,12 @@ def plan_memory(config: ModelConfig, mesh_sizes: tuple[int, int, int], *, batch:
     return MemoryPlan(
         max_staleness=max_staleness,
         weight_copies=copies,
-        sampler_mesh_sizes=None if sampler_mesh_sizes is None else (where["data"], where["fsdp"], where["tensor"]),
+        sampler_mesh_sizes=None if sampler_mesh_sizes is None else mesh_tuple(where),
         sampler_kv_cache=sampler_kv,
         sampler_step_weights=sampler_step,
         teacher=teacher_bytes,
         teacher_hidden=teacher_hidden,
-        mesh_sizes=(sizes["data"], sizes["fsdp"], sizes["tensor"]),
+        mesh_sizes=mesh_tuple(sizes),
         num_params=weights["num_params"],
         params=weights["params"],
         reference=weights["reference"] if reference else 0,

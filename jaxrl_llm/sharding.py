@@ -1,12 +1,16 @@
-"""Where arrays live: a `(data, fsdp, tensor)` device mesh and partition rules by parameter path.
+"""Where arrays live: a `(data, fsdp, expert, tensor)` device mesh and partition rules by parameter path.
 
 - `data`: pure data parallelism (parameters replicated along it);
 - `fsdp`: the batch is split along it too, and parameters and optimizer state are sharded along it
   (ZeRO-3 / FSDP: XLA all-gathers a weight where it is used and reduce-scatters its gradient);
+- `expert`: expert parallelism: a mixture of experts' expert weights are split along it (each device holds
+  `E / expert` whole experts), and the batch too, so outside the MoE layers it is one more data axis; an MoE layer
+  gathers its group's tokens, runs its own experts on the ones routed to them and sums the shares back
+  (`models/moe.experts_parallel`). A dense model treats it as data parallelism;
 - `tensor`: Megatron-style tensor parallelism: attention heads (q/k/v columns, o rows) and the MLP's
   intermediate dimension (gate/up columns, down rows), plus the vocabulary of the embedding and LM head.
 
-The batch axis of every activation is split over `("data", "fsdp")`; the KV cache over the batch and its
+The batch axis of every activation is split over `("data", "fsdp", "expert")`; the KV cache over the batch and its
 key/value heads (`tensor`). `jax.jit` with these shardings inserts every collective, so the math (and the
 results, up to float reassociation) does not depend on the mesh: tests check one train step and greedy
 sampling on several meshes against one device.
@@ -30,8 +34,8 @@ import optax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-MESH_AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
+BATCH_AXES = ("data", "fsdp", "expert")
 P = PartitionSpec
 
 # (regex searched in the "/"-joined parameter path, spec). First match wins. Decoder params are stacked
@@ -46,8 +50,8 @@ PARTITION_RULES: tuple[tuple[str, PartitionSpec], ...] = (
     (r"layers/mlp/down/kernel$", P(None, "tensor", "fsdp")),  # [L, I, D]
     (r"layers/(attn/o|mlp/down)/bias$", P()),  # [L, D]
     (r"layers/mlp/router/kernel$", P(None, "fsdp", None)),  # [L, D, E]
-    (r"layers/mlp/experts/(gate|up)/kernel$", P(None, None, "fsdp", "tensor")),  # [L, E, D, I]
-    (r"layers/mlp/experts/down/kernel$", P(None, None, "tensor", "fsdp")),  # [L, E, I, D]
+    (r"layers/mlp/experts/(gate|up)/kernel$", P(None, "expert", "fsdp", "tensor")),  # [L, E, D, I]
+    (r"layers/mlp/experts/down/kernel$", P(None, "expert", "tensor", "fsdp")),  # [L, E, I, D]
     (r"layers/mlp/shared/(gate|up)/kernel$", P(None, "fsdp", "tensor")),  # [L, D, I_shared]
     (r"layers/mlp/shared/down/kernel$", P(None, "tensor", "fsdp")),  # [L, I_shared, D]
     (r"layers/mlp/shared_gate/kernel$", P(None, "fsdp", None)),  # [L, D, 1]
@@ -62,14 +66,18 @@ PARTITION_RULES: tuple[tuple[str, PartitionSpec], ...] = (
 
 @dataclasses.dataclass(frozen=True)
 class MeshShape:
-    """Sizes of the mesh axes; one of them may be -1 (all remaining devices)."""
+    """Sizes of the mesh axes; one of them may be -1 (all remaining devices). `expert` is keyword-only, so that
+    `MeshShape(data, fsdp, tensor)` reads as it always did; `resolve` returns the sizes in `MESH_AXES` order, and
+    `make_mesh` reads a 4-tuple in that order."""
 
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
+    expert: int = dataclasses.field(default=1, kw_only=True)
 
-    def resolve(self, num_devices: int) -> tuple[int, int, int]:
-        sizes = [self.data, self.fsdp, self.tensor]
+    def resolve(self, num_devices: int) -> tuple[int, int, int, int]:
+        """`(data, fsdp, expert, tensor)` sizes whose product is `num_devices`."""
+        sizes = [self.data, self.fsdp, self.expert, self.tensor]
         if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
             raise ValueError(f"mesh {self}: each axis is a positive size, and at most one is -1")
         known = math.prod(s for s in sizes if s != -1)
@@ -79,20 +87,22 @@ class MeshShape:
             sizes[sizes.index(-1)] = num_devices // known
         if math.prod(sizes) != num_devices:
             raise ValueError(
-                f"mesh {self} has data*fsdp*tensor = {math.prod(sizes)} devices, but {num_devices} are available"
-            )
-        return sizes[0], sizes[1], sizes[2]
+                f"mesh {self} has data*fsdp*expert*tensor = {math.prod(sizes)} devices, but {num_devices} are "
+                "available")
+        return sizes[0], sizes[1], sizes[2], sizes[3]
 
 
 def make_mesh(shape: MeshShape | Sequence[int] = MeshShape(), devices: Sequence[Any] | None = None) -> Mesh:
-    """A `(data, fsdp, tensor)` mesh over `devices` (default: all devices of all processes).
+    """A `(data, fsdp, expert, tensor)` mesh over `devices` (default: all devices of all processes); `shape` a
+    `MeshShape`, or sizes `(data, fsdp, tensor)` or `(data, fsdp, expert, tensor)`.
 
     `tensor` is the fastest-varying axis, so tensor-parallel groups are neighbouring devices (one node's
     NVLink domain on GPUs); `data` the slowest, so it is the axis that crosses hosts.
     """
     devices = list(devices if devices is not None else jax.devices())
-    if not isinstance(shape, MeshShape):
-        shape = MeshShape(*shape)
+    if not isinstance(shape, MeshShape):  # (data, fsdp, tensor), or (data, fsdp, expert, tensor): MESH_AXES' order
+        sizes = tuple(shape)
+        shape = MeshShape(sizes[0], sizes[1], sizes[3], expert=sizes[2]) if len(sizes) == 4 else MeshShape(*sizes)
     sizes = shape.resolve(len(devices))
     return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
 
@@ -111,6 +121,11 @@ def sampler_mesh(devices: Sequence[Any], tensor: int = 1) -> Mesh:
     if len(devices) % tensor:
         raise ValueError(f"the sampler's {len(devices)} device(s) do not split into tensor groups of {tensor}")
     return make_mesh(MeshShape(len(devices) // tensor, 1, tensor), devices)
+
+
+def expert_mesh(mesh: Mesh | None) -> Mesh | None:
+    """`mesh` if its `expert` axis splits anything (size > 1), else None: what `ModelConfig.expert_mesh` holds."""
+    return mesh if mesh is not None and mesh.shape.get("expert", 1) > 1 else None
 
 
 def mesh_of(tree: Any, default: Mesh | None) -> Mesh | None:
@@ -178,12 +193,12 @@ def optimizer_state_shardings(optimizer: optax.GradientTransformation, opt_state
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """For every per-sequence array `[N, ...]`: rows split over `data` x `fsdp`."""
+    """For every per-sequence array `[N, ...]`: rows split over `data` x `fsdp` x `expert`."""
     return NamedSharding(mesh, P(BATCH_AXES))
 
 
 def batch_divisor(mesh: Mesh) -> int:
-    """How many ways the batch is split: `data * fsdp`."""
+    """How many ways the batch is split: `data * fsdp * expert`."""
     return _axis_size(mesh, BATCH_AXES)
 
 
@@ -211,7 +226,7 @@ def local_bytes(tree: Any) -> int:
 
 
 def global_array(x: Any, mesh: Mesh, spec: PartitionSpec | None = None) -> jax.Array:
-    """A global `jax.Array` placed by `spec` (fitted to `x`'s shape; default: rows over `("data", "fsdp")`)
+    """A global `jax.Array` placed by `spec` (fitted to `x`'s shape; default: rows over `BATCH_AXES`)
     from a host array that every process holds in full; each device receives only its own slice."""
     x = np.asarray(x)
     spec = P(BATCH_AXES) if spec is None else spec

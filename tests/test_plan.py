@@ -36,6 +36,11 @@ LIVE_CASES = [
     ("fallback", dict(model_type="qwen2", vocab_size=97, hidden_size=36, intermediate_size=45, num_hidden_layers=2,
                       num_attention_heads=3, num_key_value_heads=1, tie_word_embeddings=False),
      (1, 4, 2), 3, 2, 5, 7),
+    # A mixture of experts on (data, fsdp, expert, tensor) = (1, 2, 2, 2): each device holds 4 of the 8 experts.
+    ("experts", dict(model_type="qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=64,
+                     moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=False),
+     (1, 2, 2, 2), 4, 2, 8, 8),
 ]
 
 _MEASURE = r"""
@@ -53,7 +58,7 @@ assert jax.device_count() == 8, jax.devices()
 out = {}
 for name, hf, mesh_sizes, sequences, cache_len in json.loads(sys.argv[1]):
     config = config_from_hf(hf)
-    mesh = sharding.make_mesh(sharding.MeshShape(*mesh_sizes))
+    mesh = sharding.make_mesh(mesh_sizes)
     # Host arrays placed by the trainer's path (`shard_params`); values do not matter, and a (slow, eager) Flax
     # init would only cost time.
     params = sharding.shard_params(jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), param_shapes(config)), mesh)
@@ -100,6 +105,8 @@ def test_plan_matches_live_sharded_arrays_on_8_devices() -> None:
     fallback = plans["fallback"]
     assert fallback.rollout_rows == 6  # 6 sequences do not split 4 ways
     assert measured["fallback"]["total_params"] / 8 < fallback.params < measured["fallback"]["total_params"] / 2
+    # The experts split 2 ways over `expert` on top of fsdp x tensor (the rest 4 ways or whole): under a fifth.
+    assert measured["experts"]["params"] < measured["experts"]["total_params"] / 5
 
 
 def _hand_config(**overrides: object) -> ModelConfig:
@@ -170,9 +177,11 @@ def test_shard_shape_agrees_with_jax() -> None:
 
 
 def test_parsers() -> None:
-    assert plan_cli.parse_mesh("data=2,fsdp=2,tensor=2") == (2, 2, 2)
-    assert plan_cli.parse_mesh("fsdp=8") == (1, 8, 1)
-    assert plan_cli.parse_mesh("4,1,2") == (4, 1, 2)
+    assert plan_cli.parse_mesh("data=2,fsdp=2,tensor=2") == (2, 2, 1, 2)  # (data, fsdp, expert, tensor)
+    assert plan_cli.parse_mesh("fsdp=8") == (1, 8, 1, 1)
+    assert plan_cli.parse_mesh("4,1,2") == (4, 1, 1, 2)
+    assert plan_cli.parse_mesh("data=2,expert=4") == (2, 1, 4, 1)
+    assert plan_cli.parse_mesh("1,2,2,2") == (1, 2, 2, 2)
     for bad in ("data=2,pipeline=2", "2,2", "fsdp=0"):
         with pytest.raises(ValueError):
             plan_cli.parse_mesh(bad)

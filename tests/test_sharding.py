@@ -335,8 +335,10 @@ def test_axes_that_do_not_divide_a_dimension_are_dropped() -> None:
 
 
 def test_mesh_shape_resolution() -> None:
-    assert MeshShape(-1, 2, 2).resolve(8) == (2, 2, 2)
-    assert MeshShape(2, -1, 1).resolve(8) == (2, 4, 1)
+    assert MeshShape(-1, 2, 2).resolve(8) == (2, 2, 1, 2)  # (data, fsdp, expert, tensor)
+    assert MeshShape(2, -1, 1).resolve(8) == (2, 4, 1, 1)
+    assert MeshShape(1, 1, 1, expert=-1).resolve(8) == (1, 1, 8, 1)
+    assert MeshShape(2, 1, 2, expert=2).resolve(8) == (2, 1, 2, 2)
     with pytest.raises(ValueError, match="available"):
         MeshShape(2, 2, 1).resolve(8)
     with pytest.raises(ValueError, match="not divisible"):
@@ -426,4 +428,4 @@ def test_batch_not_divisible_by_the_mesh_is_a_clear_error(tiny_task: Path, tmp_p
         cwd=ROOT, capture_output=True, text=True, timeout=300, env=env,
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "sft.batch_size=6 must be divisible by mesh.data * mesh.fsdp (4)" in proc.stderr
+    assert "sft.batch_size=6 must be divisible by mesh.data * mesh.fsdp * mesh.expert (4)" in proc.stderr

@@ -26,7 +26,7 @@ from jaxrl_llm.config import load_run_config
 from jaxrl_llm.engine import cpu_kernel
 from jaxrl_llm.engine.pages import default_page_size
 from jaxrl_llm.errors import UsageError
-from jaxrl_llm.memory_plan import DEFAULT_MODEL, TRAINER_BUCKET, MemoryPlan, axis_sizes_of, plan_memory
+from jaxrl_llm.memory_plan import DEFAULT_MODEL, TRAINER_BUCKET, MemoryPlan, axis_sizes_of, mesh_tuple, plan_memory
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.hf import ConversionError, config_from_hf, read_hf_config
 from jaxrl_llm.preflight import check_model_source
@@ -53,16 +53,17 @@ def format_bytes(n: int) -> str:
     return f"{sign}{n_abs} B"
 
 
-def parse_mesh(text: str) -> tuple[int, int, int]:
-    """`"data=2,fsdp=2,tensor=2"` (omitted axes are 1) or `"2,2,2"` -> `(data, fsdp, tensor)`."""
+def parse_mesh(text: str) -> tuple[int, int, int, int]:
+    """`"data=2,fsdp=2,expert=2,tensor=1"` (omitted axes are 1), `"2,2,2"` (data, fsdp, tensor) or `"2,2,2,1"`
+    (data, fsdp, expert, tensor) -> `(data, fsdp, expert, tensor)`."""
     sizes = dict.fromkeys(sharding.MESH_AXES, 1)
     parts = [p.strip() for p in text.split(",") if p.strip()]
     try:
         if all("=" not in p for p in parts):
             values = [int(p) for p in parts]
-            if len(values) != 3:
+            if len(values) not in (3, 4):
                 raise ValueError
-            sizes = dict(zip(sharding.MESH_AXES, values, strict=True))
+            sizes = axis_sizes_of(values)
         else:
             for part in parts:
                 name, value = (x.strip() for x in part.split("="))
@@ -71,9 +72,8 @@ def parse_mesh(text: str) -> tuple[int, int, int]:
                 sizes[name] = int(value)
     except ValueError:
         raise ValueError(f"cannot read mesh {text!r}; write e.g. data=2,fsdp=2,tensor=2 (axes: data, fsdp, "
-                         "tensor; omitted ones are 1) or 2,2,2") from None
-    checked = axis_sizes_of([sizes[a] for a in sharding.MESH_AXES])
-    return checked["data"], checked["fsdp"], checked["tensor"]
+                         "expert, tensor; omitted ones are 1), 2,2,2 (data, fsdp, tensor) or 2,2,1,2") from None
+    return mesh_tuple(axis_sizes_of([sizes[a] for a in sharding.MESH_AXES]))
 
 
 def load_hf_config_dict(model: str) -> dict[str, Any]:
@@ -109,7 +109,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--config", type=Path, help="a training YAML (as train.py --config), with dotted overrides")
     p.add_argument("overrides", nargs="*", help="dotted overrides of --config, e.g. rl.group_size=16")
     p.add_argument("--model", help="HF model directory, config.json or hub id (or the --config run's model.path)")
-    p.add_argument("--mesh", help="e.g. data=2,fsdp=2,tensor=2 (default: 1,1,1, or the config's mesh)")
+    p.add_argument("--mesh", help="e.g. data=2,fsdp=2,tensor=2 or data=2,expert=4 (default: 1,1,1, or the "
+                   "config's mesh)")
     p.add_argument("--devices", type=int, help="devices, for a config mesh with a -1 axis (default: what JAX sees)")
     p.add_argument("--prompts-per-step", "--batch", dest="prompts_per_step", type=int,
                    help="rl.prompts_per_step: prompts per step (default 16)")
@@ -208,13 +209,14 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
     elif config is not None:
 
         devices = (args.devices or jax.device_count()) - out["sampler_devices"]
-        out["mesh"] = MeshShape(config.mesh.data, config.mesh.fsdp, config.mesh.tensor).resolve(devices)
+        out["mesh"] = MeshShape(config.mesh.data, config.mesh.fsdp, config.mesh.tensor,
+                                expert=config.mesh.expert).resolve(devices)
     else:
-        out["mesh"] = (1, 1, 1)
+        out["mesh"] = (1, 1, 1, 1)
     n, t = out["sampler_devices"], out["sampler_tensor"]
     if n and n % t:
         raise UsageError(f"rollout.sampler_tensor={t} must divide rollout.sampler_devices={n}")
-    out["sampler_mesh"] = (n // t, 1, t) if n else None
+    out["sampler_mesh"] = (n // t, 1, 1, t) if n else None
     if not out["model"]:
         raise UsageError("no model to plan: give --model DIR_OR_HUB_ID, or --config FILE of a run")
     return out
@@ -241,7 +243,7 @@ def _overlap_rows(plan: MemoryPlan, row: Any) -> list[str]:
     """The total's rows: synchronous, sampling beside the update on one mesh, or on a sampler mesh of its own."""
     k = plan.max_staleness
     if plan.sampler_mesh_sizes is not None:
-        d, _, t = plan.sampler_mesh_sizes
+        d, _, _, t = plan.sampler_mesh_sizes
         return [row("total, trainer (persistent + update)", plan.total),
                 f"  sampler mesh data={d} tensor={t} ({d * t} devices, rollout.sampler_devices), per device:",
                 row(f"  inference weight copies (K+1 = {k + 1})", plan.weight_copies),
@@ -259,7 +261,7 @@ def render(plan: MemoryPlan, config: ModelConfig, device_memory: int, *, model: 
            ) -> str:
     """The CLI's table for `plan`."""
     c = config
-    d, f, t = plan.mesh_sizes
+    d, f, e, t = plan.mesh_sizes
 
     def row(label: str, n: int | None, note: str = "") -> str:
         value = "-" if n is None else format_bytes(n)
@@ -271,11 +273,14 @@ def render(plan: MemoryPlan, config: ModelConfig, device_memory: int, *, model: 
         f"model {model or '?'}: {c.model_type}, {plan.num_params / 1e6:,.2f}M params "
         f"(L={c.num_layers} D={c.hidden_size} H={c.num_heads} KVH={c.num_kv_heads} hd={c.head_dim} "
         f"I={c.intermediate_size} V={c.vocab_size}{' tied' if c.tie_word_embeddings else ''}"
-        + (f"; {c.num_experts} experts of I={c.moe_intermediate_size}, top-{c.num_experts_per_tok}, all "
-           f"{c.num_experts} on every device" + (f", shared I={c.shared_expert_intermediate_size}"
+        + (f"; {c.num_experts} experts of I={c.moe_intermediate_size}, top-{c.num_experts_per_tok}, "
+           (f"{c.num_experts // e} on each device (expert={e})" if e > 1 and c.num_experts % e == 0 else
+            f"all {c.num_experts} on every device") + (f", shared I={c.shared_expert_intermediate_size}"
                                                   if c.shared_expert_intermediate_size else "")
            if c.is_moe else "") + ")",
-        f"mesh data={d} fsdp={f} tensor={t} ({d * f * t} devices); params {c.param_dtype}, compute {c.dtype}, "
+        f"mesh data={d} fsdp={f}" + (f" expert={e}" if e > 1 or c.is_moe else "") + f" tensor={t} "
+        f"({d * f * e * t} devices); params {c.param_dtype}, "
+        f"compute {c.dtype}, "
         f"AdamW, remat {'on' if c.remat else 'off'}",
         f"rollout: {plan.rollout_rows} sequences per device, KV cache length {plan.cache_length}; "
         f"update: {plan.micro_rows} sequences x {plan.train_seq_len} tokens per device per micro-batch",

@@ -336,11 +336,12 @@ class SFTSection:
 
 @dataclass
 class MeshSection:
-    """Device mesh (see `jaxrl_llm.sharding`): data * fsdp * tensor = all devices; one axis may be -1."""
+    """Device mesh (see `jaxrl_llm.sharding`): data * fsdp * expert * tensor = all devices; one axis may be -1."""
 
     data: int = -1  # data parallel: params replicated, batch split
     fsdp: int = 1  # batch split, params and optimizer state sharded
     tensor: int = 1  # attention heads and MLP columns split
+    expert: int = 1  # mixture of experts: each device holds num_experts / expert of the experts; batch split
 
 
 @dataclass
@@ -520,9 +521,9 @@ def check_fields(c: RunConfig) -> None:
             raise ConfigError(error)
         if "choices" in f.metadata and value not in f.metadata["choices"]:
             raise ConfigError(f"{key}={value!r}: expected one of {', '.join(f.metadata['choices'])}")
-    sizes = (c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
+    sizes = (c.mesh.data, c.mesh.fsdp, c.mesh.tensor, c.mesh.expert)
     if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
-        raise ConfigError(f"mesh.data/fsdp/tensor={sizes}: each is a positive size, and at most one is -1")
+        raise ConfigError(f"mesh.data/fsdp/tensor/expert={sizes}: each is a positive size, and at most one is -1")
     if c.lora.rank:
         try:
             re.compile(c.lora.targets)

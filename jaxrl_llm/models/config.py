@@ -10,6 +10,7 @@ import dataclasses
 from typing import Literal
 
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from jaxrl_llm.models.precision import activation_dtype
 
@@ -73,6 +74,10 @@ class ModelConfig:
     # How the experts are computed: "ragged" (sorted by expert, `jax.lax.ragged_dot`) or "dense" (every expert on
     # every token, masked: the tests' reference).
     moe_compute: str = "ragged"
+    # The trainer's mesh when its `expert` axis is > 1 (`sharding.expert_mesh`): each MoE layer runs its experts split
+    # over that axis (`moe.experts_parallel`). Set by the trainer, never read from a checkpoint; None: one device's
+    # computation, which GSPMD partitions like any other op.
+    expert_mesh: Mesh | None = None
     model_type: str = "llama"  # the HF family to export as
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None

@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
 
 from jaxrl_llm.models import precision
 from jaxrl_llm.models.layers import gated_activation
@@ -111,7 +112,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, *, tiled: bool 
 
 def experts_ragged(x: jax.Array, experts: jax.Array, weights: jax.Array, w: Experts, *, hidden_act: str = "silu",
                    valid: jax.Array | None = None, dtype: jnp.dtype | str = jnp.float32,
-                   out_dtype: jnp.dtype | str | None = None) -> jax.Array:
+                   out_dtype: jnp.dtype | str | None = None, first_expert: jax.Array | int = 0) -> jax.Array:
     """``y_n = sum_j weights_nj * expert_{experts_nj}(x_n)`` dropless, by grouped matmuls.
 
     The `N * k` (token, expert) assignments are sorted by expert, so each expert's tokens are one contiguous group
@@ -119,14 +120,20 @@ def experts_ragged(x: jax.Array, experts: jax.Array, weights: jax.Array, w: Expe
     `[N, E, ...]` intermediate), and the weighted rows are summed back per token. A token with ``valid`` false
     (padding) is sent past the last expert: it is in no group and gets 0.
 
+    ``w`` may hold a contiguous slice of the experts, ids ``first_expert ..`` (one device's under expert
+    parallelism, `experts_parallel`): assignments to any other expert are left out like padding, so the result
+    is those experts' share of ``y``.
+
     Shapes: ``x [N, D]``, ``experts, weights [N, k]``, ``valid [N]`` -> ``[N, D]`` in ``out_dtype`` (default
     ``x``'s). Operands in ``dtype``, float32 accumulation (the precision policy of `precision.matmul`).
     """
     n, k = experts.shape
     num_experts = w.gate.shape[0]
-    flat = experts.reshape(-1)
+    flat = experts.reshape(-1) - first_expert
+    keep = (flat >= 0) & (flat < num_experts)
     if valid is not None:
-        flat = jnp.where(jnp.repeat(valid, k), flat, num_experts)
+        keep = keep & jnp.repeat(valid, k)
+    flat = jnp.where(keep, flat, num_experts)
     order = jnp.argsort(flat, stable=True)
     token = order // k
     sizes = jnp.bincount(flat, length=num_experts + 1)[:num_experts].astype(jnp.int32)
@@ -138,6 +145,46 @@ def experts_ragged(x: jax.Array, experts: jax.Array, weights: jax.Array, w: Expe
     y = jnp.where(routed[:, None], y * weights.reshape(-1)[order][:, None].astype(jnp.float32), 0.0)
     out = jnp.zeros((n, x.shape[-1]), jnp.float32).at[token].add(y)
     return out.astype(out_dtype or x.dtype)
+
+
+def experts_parallel(x: jax.Array, experts: jax.Array, weights: jax.Array, w: Experts, mesh: Mesh, *,
+                     hidden_act: str = "silu", valid: jax.Array | None = None, dtype: jnp.dtype | str = jnp.float32,
+                     out_dtype: jnp.dtype | str | None = None, rows: PartitionSpec | None = None) -> jax.Array:
+    """`experts_ragged` with the experts split over the mesh's ``expert`` axis (size ``n``): the device at position
+    ``i`` of that axis holds experts ``[i E/n, (i+1) E/n)`` (``w`` sharded on its expert dimension, as
+    `sharding.PARTITION_RULES` places it). Tokens come split over ``rows`` (the batch axes, `expert` among them);
+    each device all-gathers its expert group's tokens, runs its own experts on the assignments routed to them
+    (`experts_ragged` with ``first_expert = i E/n``), and the shares are summed over the group and scattered back
+    to the devices that own the tokens (``psum_scatter``): dropless, and the same sum as one device's. Expert
+    weights enter whole per device (gathered over ``fsdp`` and ``tensor`` at the boundary, as FSDP gathers a
+    weight where it is used).
+
+    Shapes as `experts_ragged`'s; ``N`` divisible by the product of ``rows``' axes (`fit_spec` drops them if not).
+    """
+    n_expert = mesh.shape["expert"]
+    num_experts = w.gate.shape[0]
+    if num_experts % n_expert:
+        raise ValueError(f"{num_experts} experts do not split over mesh axis expert={n_expert}")
+    local = num_experts // n_expert
+    valid = jnp.ones(x.shape[0], bool) if valid is None else valid
+    rows = PartitionSpec() if rows is None else rows
+    row = PartitionSpec(*rows[:1])
+    split = "expert" in jax.tree.leaves(tuple(row))  # tokens split over the expert axis: gather, then scatter
+    weight = PartitionSpec("expert")
+
+    def shard(x: jax.Array, experts: jax.Array, weights: jax.Array, valid: jax.Array, w: Experts) -> jax.Array:
+        if split:
+            x, experts, weights, valid = (jax.lax.all_gather(a, "expert", tiled=True)
+                                          for a in (x, experts, weights, valid))
+        part = experts_ragged(x, experts, weights, w, hidden_act=hidden_act, valid=valid, dtype=dtype,
+                              out_dtype=jnp.float32, first_expert=jax.lax.axis_index("expert") * local)
+        if split:
+            return jax.lax.psum_scatter(part, "expert", scatter_dimension=0, tiled=True)
+        return jax.lax.psum(part, "expert")
+
+    y = jax.shard_map(shard, mesh=mesh, in_specs=(row, row, row, row, Experts(weight, weight, weight)),
+                      out_specs=row, check_vma=False)(x, experts, weights, valid, w)
+    return y.astype(out_dtype or x.dtype)
 
 
 def experts_dense(x: jax.Array, experts: jax.Array, weights: jax.Array, w: Experts, *, hidden_act: str = "silu",

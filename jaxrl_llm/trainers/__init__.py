@@ -68,15 +68,17 @@ def check_devices(c: RunConfig) -> None:
                           f"must split into groups of {t} (sampler_devices a multiple of it, not 0)")
     trainer_devices = jax.device_count() - n
     try:
-        data, fsdp, _ = MeshShape(c.mesh.data, c.mesh.fsdp, c.mesh.tensor).resolve(trainer_devices)
+        data, fsdp, expert, _ = MeshShape(c.mesh.data, c.mesh.fsdp, c.mesh.tensor, expert=c.mesh.expert).resolve(
+            trainer_devices)
     except ValueError as e:
-        raise ConfigError(f"mesh.data={c.mesh.data}, mesh.fsdp={c.mesh.fsdp}, mesh.tensor={c.mesh.tensor}: "
+        raise ConfigError(f"mesh.data={c.mesh.data}, mesh.fsdp={c.mesh.fsdp}, mesh.tensor={c.mesh.tensor}, "
+                          f"mesh.expert={c.mesh.expert}: "
                           f"{str(e).split(': ', 1)[-1]}" + (f" (the trainer's {trainer_devices} of "
                           f"{jax.device_count()}, rollout.sampler_devices={n})" if n else "")) from e
     micro = algorithm_class(c.algo).micro_batch(c)
-    if micro is not None and micro[1] % (data * fsdp):
-        raise ConfigError(f"{micro[0]} must be divisible by mesh.data * mesh.fsdp ({data * fsdp}) for the "
-                          f"data-parallel step")
+    if micro is not None and micro[1] % (data * fsdp * expert):
+        raise ConfigError(f"{micro[0]} must be divisible by mesh.data * mesh.fsdp * mesh.expert "
+                          f"({data * fsdp * expert}) for the data-parallel step")
 
 
 def make_trainer(config: RunConfig, **run_dir_options: Any) -> Any:

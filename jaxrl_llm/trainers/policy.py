@@ -34,7 +34,16 @@ from jaxrl_llm.models.hf_export import save_hf_model
 from jaxrl_llm.models.lora import LoraSpec, init_adapters, insert_adapters, merge_adapters, save_peft_adapters
 from jaxrl_llm.models.weights import cast_floating, inference_copy, master_weights
 from jaxrl_llm.sampling import SampleOutput, SamplingConfig, sample
-from jaxrl_llm.sharding import MeshShape, make_mesh, mesh_of, param_shardings, sampler_mesh, split_devices, to_host
+from jaxrl_llm.sharding import (
+    MeshShape,
+    expert_mesh,
+    make_mesh,
+    mesh_of,
+    param_shardings,
+    sampler_mesh,
+    split_devices,
+    to_host,
+)
 from jaxrl_llm.tasks.arithmetic import make_tokenizer
 
 
@@ -66,10 +75,10 @@ class Policy:
 
     @property
     def sampler_config(self) -> ModelConfig:
-        """The model as the sampler and the evaluation run it: `model_config` in `sampling.dtype` (when set)."""
-        dtype = self.config.sampling.dtype
-        return self.model_config if not dtype or dtype == self.model_config.dtype else \
-            self.model_config.replace(dtype=dtype)
+        """The model as the sampler and the evaluation run it: `model_config` in `sampling.dtype` (when set), its
+        MoE layers on one device's computation (the sampler may have a mesh of its own)."""
+        dtype = self.config.sampling.dtype or self.model_config.dtype
+        return self.model_config.replace(dtype=dtype, expert_mesh=None)
 
     def model_weights(self, params: Params) -> Params:
         """The weights the model runs with: the trained `params`, merged into the base under LoRA."""
@@ -217,10 +226,11 @@ def load_policy(c: RunConfig, *, from_scratch: bool = False) -> Policy:
     """The policy of a run: `model.path` loaded onto the mesh, or (`from_scratch` with `model.init`, SFT) a
     randomly initialised model of that architecture with `model.tokenizer`."""
     trainer_devices, sampler_devices = split_devices(c.rollout.sampler_devices)
-    mesh = make_mesh(MeshShape(c.mesh.data, c.mesh.fsdp, c.mesh.tensor), trainer_devices)
+    mesh = make_mesh(MeshShape(c.mesh.data, c.mesh.fsdp, c.mesh.tensor, expert=c.mesh.expert), trainer_devices)
     sampler = sampler_mesh(sampler_devices, c.rollout.sampler_tensor) if sampler_devices else None
     overrides = dict(dtype=c.model.dtype, param_dtype=c.model.param_dtype, remat=c.model.remat,
-                     scan_unroll=c.model.scan_unroll, attention_query_chunk=c.model.attention_query_chunk)
+                     scan_unroll=c.model.scan_unroll, attention_query_chunk=c.model.attention_query_chunk,
+                     expert_mesh=expert_mesh(mesh))
     if from_scratch and c.model.init:
         tokenizer, tok_dir = _scratch_tokenizer(c.model.tokenizer, Path(c.out_dir))
         hf = {"vocab_size": len(tokenizer), "bos_token_id": tokenizer.bos_token_id,
