@@ -540,3 +540,63 @@ def test_the_moe_preset_trains_the_committed_moe_model(tmp_path):
     rows = read_rows(tmp_path / "run", "reward/mean")
     assert len(rows) == 2 and all(0 <= r["mismatch/router_disagreement"] < 0.2 for r in rows)
     assert all(r["moe/load_max_mean"] < 8 / 2 for r in rows)  # no collapsed layer: max / mean < E / k
+
+
+@pytest.fixture(scope="module")
+def chatty_moe_task(moe_task, tmp_path_factory):
+    """`moe_task` whose generation config counts a third of the vocabulary as end-of-turn tokens: the random model
+    ends most turns by itself within a few tokens, so episodes reach their later turns (a turn cut at its token
+    limit ends the episode)."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("chatty_moe_task")
+    shutil.copytree(moe_task, root, dirs_exist_ok=True)
+    vocab = _hf_config(root / "model")["vocab_size"]
+    (root / "model" / "generation_config.json").write_text(
+        __import__("json").dumps({"eos_token_id": list(range(2, 2 + vocab // 3))}))
+    return root
+
+
+@pytest.mark.parametrize("engine", ["paged", "static"])
+def test_multi_turn_episodes_record_every_token_the_sampler_routed(chatty_moe_task, tmp_path, engine):
+    """Multi-turn episodes (an environment that answers twice) on an MoE model: the rollout's records cover each
+    episode's prompt, the model's turns and the environment's replies (those the next turn's prefill routed), every
+    token but the last (which is never fed), through the rollout engine (conversations kept) and through the static
+    sampler (each turn re-prefilled); nothing is recorded on padding."""
+    from conftest import tiny_run
+
+    from jaxrl_llm.models.moe import NO_RECORD
+    from jaxrl_llm.trainers import make_trainer
+
+    config = tiny_run("grpo_arithmetic", tmp_path / "run", "data.eval=", "env.name=test_multi_turn:chatty",
+                      "env.max_tokens=64", "rl.routing_replay=rollout", f"sampling.engine={engine}",
+                      "rl.prompts_per_step=2", "rl.group_size=2", "sampling.max_new_tokens=6", task=chatty_moe_task)
+    algo = make_trainer(config).algorithm
+    ro = algo.collector.rollout(algo.policy.inference_weights(algo.init()["params"]), np.arange(2),
+                                jax.random.key(0))
+    routing, width = np.asarray(ro.out.routing), ro.prompt_tokens.shape[1]
+    assert routing.shape[:2] == (4, width + ro.out.tokens.shape[1]) and routing.shape[2:] == (2, 2)
+    assert max(ro.episode_stats["turns"]) == 3  # the environment's replies are in the episodes
+    for r in range(4):
+        prompt, tokens = int(ro.prompt_mask[r].sum()), int(ro.out.mask[r].sum())
+        recorded = routing[r, :, 0, 0] != NO_RECORD
+        assert recorded[width - prompt:width + tokens - 1].all(), r
+        assert not recorded[:width - prompt].any() and not recorded[width + tokens:].any(), r
+        chosen = routing[r, width - prompt:width + tokens - 1]
+        assert ((chosen >= 0) & (chosen < 4)).all() and (chosen[..., 0] != chosen[..., 1]).all()
+
+
+def test_multi_turn_rollout_replay_removes_the_routing_mismatch(chatty_moe_task, tmp_path):
+    """One GRPO step of multi-turn episodes sampled in bfloat16 (float32 update), `rl.routing_replay` none and
+    rollout from the same rollout: the sampler's recorded routing differs from the trainer's on some tokens, and
+    replaying it lowers the mean log-prob mismatch, the environment's tokens routed as the sampler routed them."""
+    rows = {}
+    for mode in ("none", "rollout"):
+        _, steps = _moe_run(chatty_moe_task, tmp_path / mode, f"rl.routing_replay={mode}", "steps=1",
+                            "env.name=test_multi_turn:chatty", "env.max_tokens=64", "rl.prompts_per_step=4",
+                            "rl.group_size=4", "sampling.max_new_tokens=8")
+        rows[mode] = steps[0]
+    assert rows["none"]["turns/mean"] > 1
+    assert rows["none"]["mismatch/router_disagreement"] > 0
+    assert rows["none"]["mismatch/router_disagreement"] == rows["rollout"]["mismatch/router_disagreement"]
+    assert rows["rollout"]["mismatch/logprob_abs_mean"] < rows["none"]["mismatch/logprob_abs_mean"]

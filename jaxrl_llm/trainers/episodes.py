@@ -16,6 +16,7 @@ from jaxrl_llm.data import bucket
 from jaxrl_llm.envs.base import Environment, Message, StepResult
 from jaxrl_llm.envs.deadlines import Call, DeadlineExceeded, DeadlineWorkers, HungCalls
 from jaxrl_llm.errors import ConfigError
+from jaxrl_llm.models.moe import NO_RECORD
 from jaxrl_llm.sampling import SampleOutput
 from jaxrl_llm.trainers.rollouts import Rollout
 
@@ -41,14 +42,20 @@ class Episode:
     done: bool = False
     stopped_on_eos: bool = True
     error: str = ""
+    # An MoE model's routing record of the context so far (`prompt_ids + tokens`, `[<= len, L, k]` int16): the latest
+    # turn's, whose sampler routed the whole context (the environment's tokens too) and its own fed tokens.
+    experts: np.ndarray | None = None
 
     @property
     def final_text(self) -> str:
         return next((m["content"] for m in reversed(self.conversation) if m["role"] == "assistant"), "")
 
     def add_model_turn(self, ids: list[int], logprobs: list[float], untruncated: list[float], stopped_on_eos: bool,
-                       text: str) -> None:
-        """The sampled ids of a turn, as they are (in the loss), with the sampler's log-probs and its text."""
+                       text: str, experts: np.ndarray | None = None) -> None:
+        """The sampled ids of a turn, as they are (in the loss), with the sampler's log-probs and its text; `experts`:
+        an MoE sampler's record of the context this turn saw and of the ids it fed (`[<= context + len(ids), L, k]`)."""
+        if experts is not None:
+            self.experts = experts
         self.tokens += ids
         self.loss_mask += [1] * len(ids)
         self.token_turns += [self.turns + 1] * len(ids)
@@ -120,11 +127,13 @@ def step_result(workers: DeadlineWorkers, call: Call, ep: Episode, timeout_s: fl
     return StepResult([], done=True, info={"error": ep.error})
 
 
-def episode_arrays(episodes: list[Episode], pad_id: int, max_new_tokens: int, multiple: int
+def episode_arrays(episodes: list[Episode], pad_id: int, max_new_tokens: int, multiple: int, prompt_width: int = 0
                    ) -> tuple[SampleOutput, np.ndarray]:
     """The episodes as right-padded `[N, T]` arrays and their loss mask: T is `max_new_tokens` when every episode
     fits it (so a one-turn rollout has a single-turn rollout's shapes), else the longest rounded up to `multiple`;
-    `lengths` count the model's tokens."""
+    `lengths` count the model's tokens. An MoE model's episodes (with `experts`) also give `routing [N, prompt_width +
+    T, L, k]`: each prompt's records right-aligned in the first `prompt_width` columns (its left-padded place), then
+    the tokens' (the model's and the environment's), `moe.NO_RECORD` where nothing was routed."""
     longest = max(len(ep.tokens) for ep in episodes)
     width, n = max_new_tokens if longest <= max_new_tokens else bucket(longest, multiple), len(episodes)
     tokens, mask, loss_mask = (np.full((n, width), pad_id, np.int32), np.zeros((n, width), np.int32),
@@ -134,8 +143,17 @@ def episode_arrays(episodes: list[Episode], pad_id: int, max_new_tokens: int, mu
         k = len(ep.tokens)
         tokens[r, :k], mask[r, :k], loss_mask[r, :k] = ep.tokens, 1, ep.loss_mask
         logprobs[r, :k], untruncated[r, :k] = ep.logprobs, ep.logprobs_untruncated
+    routing = None
+    recorded = [ep.experts for ep in episodes if ep.experts is not None]
+    if recorded:
+        routing = np.full((n, prompt_width + width, *recorded[0].shape[1:]), NO_RECORD, np.int16)
+        for r, ep in enumerate(episodes):
+            if ep.experts is not None:
+                start = prompt_width - len(ep.prompt_ids)
+                record = ep.experts[:len(ep.prompt_ids) + width]
+                routing[r, start:start + len(record)] = record
     return SampleOutput(tokens, mask, logprobs, untruncated, loss_mask.sum(axis=1).astype(np.int32),
-                        np.asarray([ep.stopped_on_eos for ep in episodes])), loss_mask
+                        np.asarray([ep.stopped_on_eos for ep in episodes]), routing), loss_mask
 
 
 def turn_credit(episodes: list[Episode], width: int) -> np.ndarray:

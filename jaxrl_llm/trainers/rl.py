@@ -178,9 +178,6 @@ def routed_pass(c: RunConfig, policy: Any) -> Callable[..., tuple[jax.Array, jax
             raise ConfigError(f"rl.routing_replay={mode} replays a mixture of experts' routing, and "
                               f"{c.model.path} is a dense model: set rl.routing_replay=none")
         return None
-    if mode == "rollout" and c.env.name:
-        raise ConfigError(f"rl.routing_replay=rollout with env.name={c.env.name}: multi-turn episodes do not record "
-                          "their routing yet; use rl.routing_replay=old (or none)")
     return make_routed_logprob_fn(policy.mesh, policy.model_config, c.sampling.temperature, policy.weights_sharding,
                                   block_mib=c.model.logprob_block_mib)
 

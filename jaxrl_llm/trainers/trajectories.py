@@ -129,8 +129,9 @@ class TrajectoryCollector(RolloutCollector):
         done = [c for group in engine.generate(params, requests, sampling, keep=True) for c in group]
         kept = {r: c.conversation for r, c in enumerate(done)}
         try:
+            lengths = [len(ids) for ids in prompts for _ in range(g)]
             self._take_turn(episodes, list(range(len(episodes))),
-                            sample_output(done, sampling.max_new_tokens, p.pad_id))
+                            sample_output(done, sampling.max_new_tokens, p.pad_id, lengths, max(lengths)))
             for turn in range(2, e.max_turns + 1):
                 for r, ep in enumerate(episodes):
                     if ep.done and kept.get(r) is not None:
@@ -146,7 +147,9 @@ class TrajectoryCollector(RolloutCollector):
                 step = dataclasses.replace(sampling, n=1, max_new_tokens=max(budgets))
                 done = [group[0] for group in engine.generate(params, requests, step, keep=True)]
                 kept.update({r: c.conversation for r, c in zip(live, done, strict=True)})
-                self._take_turn(episodes, live, sample_output(done, step.max_new_tokens, p.pad_id))
+                contexts = [len(episodes[r].prompt_ids) + len(episodes[r].tokens) for r in live]
+                self._take_turn(episodes, live, sample_output(done, step.max_new_tokens, p.pad_id, contexts,
+                                                              max(contexts)))
         finally:
             for conversation in kept.values():
                 if conversation is not None and conversation.pages:
@@ -167,13 +170,18 @@ class TrajectoryCollector(RolloutCollector):
         """Append the sampled turn of each of `rows` (`out` row i is `rows[i]`), then step their environments."""
         tokenizer, e = self.policy.tokenizer, self.env_config
         texts = []
+        width = None if out.routing is None else out.routing.shape[1] - out.tokens.shape[1]  # the context's columns
         for i, r in enumerate(rows):
             m = np.asarray(out.mask[i], bool)
             ids = np.asarray(out.tokens[i])[m].tolist()
             texts.append(turn_text(tokenizer, ids, self.markers))
+            experts = None
+            if width is not None:  # the context right-aligned in the first `width` columns, then the fed ids
+                context = len(episodes[r].prompt_ids) + len(episodes[r].tokens)
+                experts = np.asarray(out.routing[i, width - context:width + len(ids)], np.int16)
             episodes[r].add_model_turn(ids, np.asarray(out.logprobs[i])[m].tolist(),
                                        np.asarray(out.logprobs_untruncated[i])[m].tolist(),
-                                       bool(out.stopped_on_eos[i]), texts[-1])
+                                       bool(out.stopped_on_eos[i]), texts[-1], experts)
         t0 = time.monotonic()
         deadline = t0 + e.timeout_s  # every step of the turn is submitted now: none runs or is waited for past this
         steps = {r: self.workers.submit(episodes[r].env.step, text, deadline=deadline)
@@ -195,7 +203,8 @@ class TrajectoryCollector(RolloutCollector):
         """The episodes as right-padded `[N, T]` arrays (T: sampling.max_new_tokens when every episode fits it, so
         a one-turn rollout has a single-turn rollout's shapes; else the longest rounded up to its bucket), scored."""
         s = self.policy.config.sampling
-        out, loss_mask = episode_arrays(episodes, self.policy.pad_id, s.max_new_tokens, s.new_tokens_bucket)
+        out, loss_mask = episode_arrays(episodes, self.policy.pad_id, s.max_new_tokens, s.new_tokens_bucket,
+                                        prompt_tokens.shape[1])
         completions = [ep.final_text for ep in episodes]
         rewards, each = self._rewards(records, prompt_texts, completions, out)
         env_rewards = np.asarray([ep.env_reward for ep in episodes], np.float32)
