@@ -19,11 +19,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(tempfile.gettempdir()) / "jaxrl_llm_test_xla_cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-# A size limit (far above what the suite writes) turns on JAX's file lock around every read and write of that cache.
-# Without one JAX writes an entry in place and reads it unlocked, so a process could read an entry another was still
-# writing (two workers, or a test and its subprocesses, compiling the same program) and XLA:CPU segfaulted
-# deserializing the torn executable: the workers that crashed in full-suite runs died in `get_executable_and_time`.
-os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(64 * 1024**3))
 
 # One OpenMP thread for torch (the reference models of the parity tests, PEFT, the bench scripts' peers) and
 # OpenBLAS, here and in the subprocesses that inherit the environment: the suite runs 2 pytest-xdist workers on

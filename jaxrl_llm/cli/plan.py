@@ -269,15 +269,15 @@ def render(plan: MemoryPlan, config: ModelConfig, device_memory: int, *, model: 
 
     act_note = (f"order-of-magnitude estimate; no remat {format_bytes(plan.activations_no_remat)}, "
                 f"remat {format_bytes(plan.activations_remat)}")
+    placed = (f"{c.num_experts // e} on each device (expert={e})" if e > 1 and c.num_experts % e == 0 else
+              f"all {c.num_experts} on every device")
+    experts = (f"; {c.num_experts} experts of I={c.moe_intermediate_size}, top-{c.num_experts_per_tok}, {placed}"
+               + (f", shared I={c.shared_expert_intermediate_size}" if c.shared_expert_intermediate_size else "")
+               if c.is_moe else "")
     lines = [
         f"model {model or '?'}: {c.model_type}, {plan.num_params / 1e6:,.2f}M params "
         f"(L={c.num_layers} D={c.hidden_size} H={c.num_heads} KVH={c.num_kv_heads} hd={c.head_dim} "
-        f"I={c.intermediate_size} V={c.vocab_size}{' tied' if c.tie_word_embeddings else ''}"
-        + (f"; {c.num_experts} experts of I={c.moe_intermediate_size}, top-{c.num_experts_per_tok}, "
-           (f"{c.num_experts // e} on each device (expert={e})" if e > 1 and c.num_experts % e == 0 else
-            f"all {c.num_experts} on every device") + (f", shared I={c.shared_expert_intermediate_size}"
-                                                  if c.shared_expert_intermediate_size else "")
-           if c.is_moe else "") + ")",
+        f"I={c.intermediate_size} V={c.vocab_size}{' tied' if c.tie_word_embeddings else ''}{experts})",
         f"mesh data={d} fsdp={f}" + (f" expert={e}" if e > 1 or c.is_moe else "") + f" tensor={t} "
         f"({d * f * e * t} devices); params {c.param_dtype}, "
         f"compute {c.dtype}, "
