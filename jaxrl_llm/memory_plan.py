@@ -442,29 +442,29 @@ def _check_sizes(batch: int, group_size: int, prompt_len: int, new_tokens: int, 
         raise ValueError(f"grad_accum={grad_accum} must divide the minibatch ({minibatch} sequences)")
 
 
-def plan_memory(config: ModelConfig, mesh_sizes: tuple[int, int, int], *, batch: int, prompt_len: int,
+def plan_memory(config: ModelConfig, mesh_sizes: tuple[int, ...], *, batch: int, prompt_len: int,
                 new_tokens: int, group_size: int = 1, minibatch: int = 0, grad_accum: int = 1,
                 reference: bool = False, optimizer: optax.GradientTransformation | None = None,
                 prompt_bucket: int = 1, new_tokens_bucket: int = 1, logprob_block_mib: float = 256.0,
                 lora_rank: int = 0, lora_targets: str = "(q|k|v|o|gate|up|down)_proj", engine_page_size: int = 0,
                 engine_pages: int = 0, teacher: ModelConfig | None = None, teacher_in_update: bool = False,
                 max_tokens_per_microbatch: int = 0, max_staleness: int = 0,
-                sampler_mesh_sizes: tuple[int, int, int] | None = None, engine_slot_caches: bool = True,
+                sampler_mesh_sizes: tuple[int, ...] | None = None, engine_slot_caches: bool = True,
                 engine_packed_weights: bool = False) -> MemoryPlan:
     """Per-device memory of an RL step of `config` (its `dtype`, `param_dtype` and `remat` are used) on a
-    `(data, fsdp, tensor)` mesh of `mesh_sizes`, without devices or allocation.
+    `(data, fsdp, expert, tensor)` mesh of `mesh_sizes` (or `(data, fsdp, tensor)`), without devices or allocation.
 
     `batch` prompts x `group_size` samples are generated (`N = batch * group_size` sequences, split over
-    `data * fsdp` when that divides `N`), each prompt padded to `round_up(prompt_len, prompt_bucket)` and
+    `data * fsdp * expert` when that divides `N`), each prompt padded to `round_up(prompt_len, prompt_bucket)` and
     completions of `new_tokens` (the cache holds `round_up(new_tokens, new_tokens_bucket)` slots). The update
     runs minibatches of `minibatch` sequences (0: all `N`) in `grad_accum` micro-batches; activations are
-    per micro-batch of `minibatch / grad_accum` sequences (split over `data * fsdp` when it divides).
+    per micro-batch of `minibatch / grad_accum` sequences (split over `data * fsdp * expert` when it divides).
 
     `engine_page_size > 0` plans the rollout engine (`sampling.engine=paged`, the default) instead of the static
     sampler's cache: its pool of `engine_pages` pages (0: `batch * (ceil(P / ps) + n * ceil((P + T) / ps)) + 1`,
     the prompt once per group), whole on every device with its KV heads split over `tensor`, plus, with
     `engine_slot_caches` (the XLA path: a mesh of several devices, or `sampling.engine_attention=xla`), the
-    contiguous per-call caches its decode gathers for every slot (`N` rows, split over `data * fsdp`, of
+    contiguous per-call caches its decode gathers for every slot (`N` rows, split over `data * fsdp * expert`, of
     `ceil((P + T) / ps)` pages as `engine.pages.table_width` rounds them; a kernel reads the pages instead;
     docs/engine.md). `engine_packed_weights` (the engine's AMX matmul: one CPU device with AMX, a bfloat16
     model, the CPU attention kernel): the decode step's matrices and LM head packed once more per generate call,

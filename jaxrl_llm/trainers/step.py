@@ -2,7 +2,7 @@
 minibatches of a rollout as one `lax.scan` (`scanned_updates`), and the one jit every algorithm's update goes
 through (`jit_update`). The losses it differentiates: `jaxrl_llm.trainers.objectives`.
 
-`train_step(params, opt_state, batch, ...)` runs on a `(data, fsdp, tensor)` device mesh (`jaxrl_llm.sharding`)
+`train_step(params, opt_state, batch, ...)` runs on a `(data, fsdp, expert, tensor)` device mesh (`jaxrl_llm.sharding`)
 inside `jit_update`'s jit: the batch split over `data` x `fsdp`, state placed by the partition rules (and donated).
 `jax.jit` inserts the gradient all-reduce and the FSDP / tensor-parallel collectives: the design card's "pmapped
 train_step" in current JAX. Gradient accumulation runs the micro-batches in a `lax.scan` inside the same jit; each
