@@ -146,3 +146,16 @@ def test_one_layer_split_over_experts_equals_the_dense_reference(results: dict) 
     assert layer["scale"] > 0.1
     assert layer["diff"] <= 1e-5 * layer["scale"]
     assert layer["all_gather"] and layer["scatter"]
+
+
+def test_an_expert_axis_that_does_not_divide_the_experts_is_one_line(tmp_path: Path) -> None:
+    """`mesh.expert=3` for the committed 8-expert model on 3 devices: one line naming the key and the model, exit 2."""
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count=3 {FAST_COMPILE_FLAGS}",
+           "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "--algo", "grpo", "--config",
+                           str(ROOT / "configs" / "grpo_arithmetic_moe.yaml"), "mesh.expert=3", "mesh.data=1",
+                           "steps=1", "rl.prompts_per_step=12", f"out_dir={tmp_path / 'run'}"],
+                          env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "mesh.expert=3 does not divide" in lines[0] and "8 experts" in lines[0], lines

@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxrl_llm.config import RunConfig
 from jaxrl_llm.data import PromptSet, bucket, build_prompt_set, eos_token_ids, left_pad, load_records, load_tokenizer
 from jaxrl_llm.engine import Engine, PagedSampler
+from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params, init_params
 from jaxrl_llm.models.hf import config_from_hf, load_hf_model, resolve_model_dir
@@ -222,6 +223,14 @@ def _scratch_tokenizer(spec: str, out_dir: Path) -> tuple[Any, Path]:
     return load_tokenizer(target), target
 
 
+def check_expert_axis(c: RunConfig, config: ModelConfig) -> None:
+    """`ConfigError` when `mesh.expert` does not split the model's experts into whole ones per device."""
+    if config.is_moe and c.mesh.expert > 1 and config.num_experts % c.mesh.expert:
+        raise ConfigError(f"mesh.expert={c.mesh.expert} does not divide {c.model.path or 'the model'}'s "
+                          f"{config.num_experts} experts: each device holds whole experts; use a divisor of "
+                          f"{config.num_experts}")
+
+
 def load_policy(c: RunConfig, *, from_scratch: bool = False) -> Policy:
     """The policy of a run: `model.path` loaded onto the mesh, or (`from_scratch` with `model.init`, SFT) a
     randomly initialised model of that architecture with `model.tokenizer`."""
@@ -229,18 +238,21 @@ def load_policy(c: RunConfig, *, from_scratch: bool = False) -> Policy:
     mesh = make_mesh(MeshShape(c.mesh.data, c.mesh.fsdp, c.mesh.tensor, expert=c.mesh.expert), trainer_devices)
     sampler = sampler_mesh(sampler_devices, c.rollout.sampler_tensor) if sampler_devices else None
     overrides = dict(dtype=c.model.dtype, param_dtype=c.model.param_dtype, remat=c.model.remat,
-                     scan_unroll=c.model.scan_unroll, attention_query_chunk=c.model.attention_query_chunk,
-                     expert_mesh=expert_mesh(mesh))
+                     scan_unroll=c.model.scan_unroll, attention_query_chunk=c.model.attention_query_chunk)
     if from_scratch and c.model.init:
         tokenizer, tok_dir = _scratch_tokenizer(c.model.tokenizer, Path(c.out_dir))
         hf = {"vocab_size": len(tokenizer), "bos_token_id": tokenizer.bos_token_id,
               "eos_token_id": tokenizer.eos_token_id, **dict(c.model.init)}
         model_config = config_from_hf(hf, **overrides)
+        check_expert_axis(c, model_config)
         params = master_weights(init_params(model_config, jax.random.key(c.seed)))
         params = jax.device_put(params, param_shardings(params, mesh))
+        model_config = model_config.replace(expert_mesh=expert_mesh(mesh))  # the update's MoE layers on the mesh
     else:
         tok_dir = resolve_model_dir(c.model.path)
         model_config, params = load_hf_model(tok_dir, mesh=mesh, **overrides)
+        check_expert_axis(c, model_config)
+        model_config = model_config.replace(expert_mesh=expert_mesh(mesh))  # the update's MoE layers on the mesh
         tokenizer = load_tokenizer(tok_dir)
         if c.lora.rank:
             spec = LoraSpec(c.lora.rank, c.lora.alpha, c.lora.targets)
