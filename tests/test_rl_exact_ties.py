@@ -136,11 +136,12 @@ def test_reinforce_pp_baseline_centres_tied_groups_exactly(batch: tuple[np.ndarr
 
 
 @PROPS
-@given(value=st.floats(-1e3, 1e3, width=32), rows=st.integers(1, 8), length=st.integers(1, 9),
+@given(value=st.floats(-1e3, 1e3, width=32, allow_subnormal=False), rows=st.integers(1, 8), length=st.integers(1, 9),
        shift_mean=st.booleans())
 def test_whitening_equal_values_gives_zero(value: float, rows: int, length: int, shift_mean: bool) -> None:
     """Token-level whitening (PPO's GAE, REINFORCE++) of equal values: 0 (or the value back, without the shift);
-    the masked variance of equal values is exactly 0, whatever the padding holds."""
+    the masked variance of equal values is exactly 0, whatever the padding holds. (Subnormal values are left out:
+    XLA:CPU flushes them to zero.)"""
     # One shape for every example (one compile, jitted or not): `rows x length` real tokens, the rest padding that
     # holds another value and must not enter any statistic.
     x = np.full((8, 11), np.float32(7.25), np.float32)
