@@ -96,7 +96,7 @@ valid = rng.random(64) < 0.9
 dense = np.asarray(moe.experts_dense(x, ids, weights, w, valid=valid))
 mesh = make_mesh((2, 1, 4, 1))
 placed_w = jax.device_put(w, moe.Experts(*[NamedSharding(mesh, P("expert"))] * 3))
-fn = jax.jit(lambda *a, valid: moe.experts_parallel(*a, mesh=mesh, valid=valid, rows=P(("data", "fsdp", "expert"))))
+fn = jax.jit(lambda *a, valid: moe.experts_parallel(*a, mesh=mesh, valid=valid))
 args = (global_array(x, mesh), global_array(np.asarray(ids), mesh), global_array(np.asarray(weights), mesh),
         placed_w, global_array(valid, mesh))
 hlo = fn.lower(args[0], args[1], args[2], args[3], valid=args[4]).compile().as_text()

@@ -32,7 +32,6 @@ from typing import Any, NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec
 
 from jaxrl_llm.models.block import FeedForward, LayerOps, cached_attention, gated_mlp, transformer_block
 from jaxrl_llm.models.config import ModelConfig
@@ -52,7 +51,6 @@ from jaxrl_llm.models.layers import (  # noqa: F401  (re-exported: the decoder's
 from jaxrl_llm.models.moe import NO_RECORD, Experts, Routing, experts_dense, experts_parallel, experts_ragged, route
 from jaxrl_llm.models.packing import PackedLayout, gather_predictors, packed_inputs
 from jaxrl_llm.models.precision import matmul, matmul_transposed
-from jaxrl_llm.sharding import BATCH_AXES, fit_spec
 
 Params = dict[str, Any]
 Cache = dict[str, jax.Array]
@@ -244,8 +242,7 @@ class MoE(nn.Module):
             experts, weights = route(logits, c.num_experts_per_tok, renormalize=c.norm_topk_prob, replay=replay)
             compute = experts_dense if c.moe_compute == "dense" else experts_ragged
             if c.expert_mesh is not None and c.moe_compute == "ragged":
-                rows = fit_spec(PartitionSpec(BATCH_AXES), (b * t,), c.expert_mesh)
-                compute = functools.partial(experts_parallel, mesh=c.expert_mesh, rows=rows)
+                compute = functools.partial(experts_parallel, mesh=c.expert_mesh)
             y = compute(h.reshape(b * t, d), experts.reshape(b * t, -1), weights.reshape(b * t, -1),
                         self.experts(), hidden_act=c.hidden_act, dtype=c.jnp_dtype,
                         valid=None if valid is None else valid.reshape(-1).astype(bool)).reshape(b, t, d)

@@ -24,6 +24,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jaxrl_llm.models import precision
 from jaxrl_llm.models.layers import gated_activation
+from jaxrl_llm.sharding import BATCH_AXES, fit_spec
 
 NO_RECORD = -1  # a token whose experts were not recorded (replay falls back to the live router for it)
 
@@ -149,17 +150,18 @@ def experts_ragged(x: jax.Array, experts: jax.Array, weights: jax.Array, w: Expe
 
 def experts_parallel(x: jax.Array, experts: jax.Array, weights: jax.Array, w: Experts, mesh: Mesh, *,
                      hidden_act: str = "silu", valid: jax.Array | None = None, dtype: jnp.dtype | str = jnp.float32,
-                     out_dtype: jnp.dtype | str | None = None, rows: PartitionSpec | None = None) -> jax.Array:
+                     out_dtype: jnp.dtype | str | None = None) -> jax.Array:
     """`experts_ragged` with the experts split over the mesh's ``expert`` axis (size ``n``): the device at position
     ``i`` of that axis holds experts ``[i E/n, (i+1) E/n)`` (``w`` sharded on its expert dimension, as
-    `sharding.PARTITION_RULES` places it). Tokens come split over ``rows`` (the batch axes, `expert` among them);
+    `sharding.PARTITION_RULES` places it). Tokens come split over the batch axes, `expert` among them (where they
+    divide ``N``; else whole);
     each device all-gathers its expert group's tokens, runs its own experts on the assignments routed to them
     (`experts_ragged` with ``first_expert = i E/n``), and the shares are summed over the group and scattered back
     to the devices that own the tokens (``psum_scatter``): dropless, and the same sum as one device's. Expert
     weights enter whole per device (gathered over ``fsdp`` and ``tensor`` at the boundary, as FSDP gathers a
     weight where it is used).
 
-    Shapes as `experts_ragged`'s; ``N`` divisible by the product of ``rows``' axes (`fit_spec` drops them if not).
+    Shapes as `experts_ragged`'s.
     """
     n_expert = mesh.shape["expert"]
     num_experts = w.gate.shape[0]
@@ -167,9 +169,8 @@ def experts_parallel(x: jax.Array, experts: jax.Array, weights: jax.Array, w: Ex
         raise ValueError(f"{num_experts} experts do not split over mesh axis expert={n_expert}")
     local = num_experts // n_expert
     valid = jnp.ones(x.shape[0], bool) if valid is None else valid
-    rows = PartitionSpec() if rows is None else rows
-    row = PartitionSpec(*rows[:1])
-    split = "expert" in jax.tree.leaves(tuple(row))  # tokens split over the expert axis: gather, then scatter
+    row = fit_spec(PartitionSpec(BATCH_AXES), x.shape[:1], mesh)
+    split = row[0] is not None  # tokens split over the batch axes, `expert` among them: gather, then scatter
     weight = PartitionSpec("expert")
 
     def shard(x: jax.Array, experts: jax.Array, weights: jax.Array, valid: jax.Array, w: Experts) -> jax.Array:
