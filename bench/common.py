@@ -43,7 +43,7 @@ QWEN25_05B_TINY: dict[str, Any] = {**QWEN25_05B, "hidden_size": 64, "intermediat
                                     "vocab_size": 512}
 
 
-ROUTER_WEIGHTS = ("mlp.gate.weight", "block_sparse_moe.gate.weight")
+ROUTER_WEIGHTS = ("mlp.gate.weight", "block_sparse_moe.gate.weight", "mlp.router.weight")
 
 
 def random_hf_model(config: dict[str, Any], seed: int = 0, *, eager: bool = False,
@@ -71,6 +71,8 @@ def random_hf_model(config: dict[str, Any], seed: int = 0, *, eager: bool = Fals
                     p.copy_(0.1 * torch.randn_like(p))
                 elif name.endswith(ROUTER_WEIGHTS):  # an MoE router: logits far apart, so top-k has no near-ties
                     p.mul_(30.0)
+                elif name.endswith("self_attn.sinks"):  # gpt-oss: sinks the size of the scores, so they matter
+                    p.copy_(torch.randn_like(p))
     if out_dir is not None:
         model.save_pretrained(out_dir)
     return model

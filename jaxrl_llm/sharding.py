@@ -49,9 +49,13 @@ PARTITION_RULES: tuple[tuple[str, PartitionSpec], ...] = (
     (r"layers/mlp/(gate|up)/bias$", P(None, "tensor")),  # [L, I]
     (r"layers/mlp/down/kernel$", P(None, "tensor", "fsdp")),  # [L, I, D]
     (r"layers/(attn/o|mlp/down)/bias$", P()),  # [L, D]
+    (r"layers/attn/sinks$", P(None, "tensor")),  # [L, H] (gpt-oss)
     (r"layers/mlp/router/kernel$", P(None, "fsdp", None)),  # [L, D, E]
+    (r"layers/mlp/router/bias$", P()),  # [L, E] (gpt-oss)
     (r"layers/mlp/experts/(gate|up)/kernel$", P(None, "expert", "fsdp", "tensor")),  # [L, E, D, I]
     (r"layers/mlp/experts/down/kernel$", P(None, "expert", "tensor", "fsdp")),  # [L, E, I, D]
+    (r"layers/mlp/experts/(gate|up)/bias$", P(None, "expert", "tensor")),  # [L, E, I] (gpt-oss)
+    (r"layers/mlp/experts/down/bias$", P(None, "expert", None)),  # [L, E, D] (gpt-oss)
     (r"layers/mlp/shared/(gate|up)/kernel$", P(None, "fsdp", "tensor")),  # [L, D, I_shared]
     (r"layers/mlp/shared/down/kernel$", P(None, "tensor", "fsdp")),  # [L, I_shared, D]
     (r"layers/mlp/shared_gate/kernel$", P(None, "fsdp", None)),  # [L, D, 1]

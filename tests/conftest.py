@@ -152,8 +152,16 @@ FAMILIES: dict[str, dict] = {
     "mixtral": dict(model_type="mixtral", num_local_experts=8, num_experts_per_tok=2, sliding_window=5, **_COMMON),
     "olmoe": dict(model_type="olmoe", num_experts=8, num_experts_per_tok=2, pad_token_id=0, eos_token_id=None,
                   **_COMMON),
+    # gpt-oss: attention sinks, sliding window 4 on layers 0 and 2, YaRN without truncation, a biased router, biased
+    # experts with a clamped SwiGLU whose limit (0.3) bites on these activations (beta_slow 0.1: a ramp end that
+    # truncation would round, so the flag matters at head_dim 8).
+    "gpt_oss": dict(model_type="gpt_oss", head_dim=8, num_local_experts=8, num_experts_per_tok=2, sliding_window=4,
+                    swiglu_limit=0.3,
+                    rope_scaling=dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=16, beta_fast=8.0,
+                                      beta_slow=0.1, truncate=False),
+                    **{**_COMMON, "num_hidden_layers": 3, "intermediate_size": 24}),
 }
-MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss")
 
 
 def make_hf_model(kind: str, seed: int = 0):

@@ -99,7 +99,7 @@ def test_export_round_trip_through_transformers(kind, hf_model_dir, tmp_path):
 
 
 def test_refusals_name_the_reason_and_the_supported_families(hf_model_dir, tmp_path):
-    for model_type, arch, reason in (("gpt_oss", "GptOssForCausalLM", "gpt-oss"),
+    for model_type, arch, reason in (("deepseek_v3", "DeepseekV3ForCausalLM", "latent attention"),
                                      ("gemma3", "Gemma3ForConditionalGeneration", "gemma3_text")):
         model_dir = tmp_path / model_type
         shutil.copytree(hf_model_dir("llama"), model_dir)
@@ -152,7 +152,7 @@ def test_one_grpo_step_runs(kind, family_task, tiny_task, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral", *NEW_FAMILIES, "qwen3_moe", "qwen2_moe",
-                                  "mixtral", "olmoe"])
+                                  "mixtral", "olmoe", "gpt_oss"])
 def test_planner_knows_the_family(kind, hf_model_dir, capsys):
     """`python -m jaxrl_llm plan` on each family: its parameter count equals transformers' model's."""
     from jaxrl_llm.cli.plan import main

@@ -1,6 +1,6 @@
-"""Mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE) against transformers' PyTorch models, float32 on CPU:
-the experts each token is routed to, gradients of the router, experts and shared expert against torch autograd, the
-load-balancing loss, the grouped-matmul path against the dense reference, routing replay, the export round trip and
+"""Mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, gpt-oss) against transformers' PyTorch models, float32
+on CPU: the experts each token is routed to, gradients of the router, experts and shared expert against torch
+autograd, the load-balancing loss, the grouped-matmul path against the dense reference, routing replay, the export round trip and
 the rollout engine. Logit parity in float32 and bfloat16 and greedy parity with `generate` run for these families
 with every other one (`conftest.FAMILIES`: test_models.py, test_model_families.py)."""
 
@@ -98,12 +98,17 @@ def test_gradients_match_torch_autograd(kind, hf_model_dir, tmp_path):
 
     ours = dict(hf_state_dict(jax.grad(loss)(params), config))
     assert set(ours) == set(theirs)
-    moe_names = [n for n in ours if ".experts." in n or n.endswith(("gate.weight", "shared_expert_gate.weight"))]
-    assert len(moe_names) >= config.num_layers * (3 * config.num_experts + 1)
+    moe_names = [n for n in ours if ".experts." in n or ".router." in n
+                 or n.endswith(("gate.weight", "shared_expert_gate.weight"))]
+    # one tensor per expert and matrix plus the router; gpt-oss: gate_up, down, their biases, the router's weight and
+    # bias per layer
+    per_layer = 6 if kind == "gpt_oss" else 3 * config.num_experts + 1
+    assert len(moe_names) >= config.num_layers * per_layer
     for name in ours:
         scale = max(float(np.abs(theirs[name]).max()), 1e-3)
         np.testing.assert_allclose(ours[name], theirs[name], atol=2e-4 * scale, rtol=2e-3, err_msg=name)
-    router = [n for n in moe_names if n.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight"))]
+    router = [n for n in moe_names if n.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight",
+                                                  "mlp.router.weight"))]
     assert router and all(np.abs(ours[n]).max() > 1e-3 for n in router)  # the router really learns
 
 
@@ -260,6 +265,62 @@ def test_family_switches_are_read_and_matter(hf_model_dir):
     assert config_from_hf({**_hf_config(hf_model_dir("olmoe")), "norm_topk_prob": True}).norm_topk_prob
 
 
+def test_gpt_oss_switches_are_read_and_matter(hf_model_dir):
+    """gpt-oss's features reach ModelConfig and each changes the logits when removed: the sinks (zeroed weights are
+    not "no sink": a sink of -inf is), the clamp of the SwiGLU (its limit 0.3 bites), the router's and experts'
+    biases, the alternating windows and YaRN without truncation; so its parity with transformers is no accident."""
+    tokens, mask = left_padded_batch(97, LENGTHS, seed=7)
+
+    def logits(config, params):
+        return np.asarray(forward(params, config, jnp.asarray(tokens), jnp.asarray(mask)))
+
+    config, params = load_hf_model(hf_model_dir("gpt_oss"))
+    assert config.attention_sinks and config.router_bias and config.expert_bias and config.norm_topk_prob
+    assert config.swiglu_clamp == (1.702, 0.3) and config.qkv_bias and config.o_bias
+    assert config.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
+    scaling = dict(config.rope_scaling)
+    assert scaling["rope_type"] == "yarn" and scaling["truncate"] is False and config.rope_theta == 150000.0
+    base = logits(config, params)
+
+    def changed(cfg, p=params) -> float:
+        return float(np.abs(logits(cfg, p) - base).max())
+
+    no_sinks = jax.tree.map(lambda x: x, params)
+    no_sinks["layers"]["attn"]["sinks"] = jnp.full_like(params["layers"]["attn"]["sinks"], -1e4)
+    assert changed(config, no_sinks) > 1e-3
+    assert changed(config.replace(swiglu_clamp=(1.702, 100.0))) > 1e-3
+    for name in ("router", "experts"):
+        zeroed = jax.tree.map(lambda x: x, params)
+        for leaf in (zeroed["layers"]["mlp"]["router"],) if name == "router" else \
+                zeroed["layers"]["mlp"]["experts"].values():
+            leaf["bias"] = jnp.zeros_like(leaf["bias"])
+        assert changed(config, zeroed) > 1e-3, name
+    assert changed(config.replace(layer_types=None)) > 1e-3  # every layer sliding instead of alternating
+    # YaRN's untruncated ramp: the frequencies transformers computes for this config, which truncation would change
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from jaxrl_llm.models.layers import rope_parameters
+
+    theirs, factor = ROPE_INIT_FUNCTIONS["yarn"](AutoConfig.from_pretrained(hf_model_dir("gpt_oss")))
+    inv_freq, _, _, attention = rope_parameters(config)
+    np.testing.assert_allclose(inv_freq, theirs.numpy(), rtol=1e-6)
+    assert attention == pytest.approx(factor)
+    truncated = rope_parameters(config.replace(rope_scaling=tuple(sorted({**scaling, "truncate": True}.items()))))[0]
+    assert np.abs(truncated - theirs.numpy()).max() > 1e-3
+
+
+def test_gpt_oss_refuses_quantized_checkpoints_and_exports_only_as_itself(hf_model_dir):
+    gpt_oss = _hf_config(hf_model_dir("gpt_oss"))
+    with pytest.raises(ConversionError, match="gpt_oss quantized with 'mxfp4' is not supported: load a bfloat16"):
+        config_from_hf({**gpt_oss, "quantization_config": {"quant_method": "mxfp4"}})
+    without_rope = {k: v for k, v in gpt_oss.items() if k not in ("rope_parameters", "rope_scaling")}
+    assert dict(config_from_hf(without_rope).rope_scaling)["factor"] == 32.0  # transformers' default YaRN
+    config, params = load_hf_model(hf_model_dir("gpt_oss"))
+    with pytest.raises(ConversionError, match=r"no attention sinks, .* export it as one of \['gpt_oss'\]"):
+        save_hf_model(params, config.replace(model_type="mixtral"), "/nonexistent/never-written")
+
+
 def _hf_config(model_dir) -> dict:  # noqa: ANN001
     import json
 
@@ -274,15 +335,15 @@ def test_unsupported_moe_configs_say_why(hf_model_dir):
         config_from_hf({**base, "mlp_only_layers": [0]})
     with pytest.raises(ConversionError, match="clip_qkv"):
         config_from_hf({**_hf_config(hf_model_dir("olmoe")), "clip_qkv": 8.0})
-    with pytest.raises(ConversionError, match="gpt-oss .* not supported yet"):
-        config_from_hf({**base, "model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"]})
+    with pytest.raises(ConversionError, match="DeepSeek-V3's multi-head latent attention is not supported"):
+        config_from_hf({**base, "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]})
     config, params = load_hf_model(hf_model_dir("qwen3_moe"))
     with pytest.raises(ConversionError, match="cannot export a mixture of experts as 'llama'"):
         save_hf_model(params, config.replace(model_type="llama"), "/nonexistent/never-written")
 
 
 @pytest.mark.parametrize(("kind", "dtype"), [(kind, "float32") for kind in MOE_FAMILIES]
-                         + [("qwen2_moe", "bfloat16"), ("mixtral", "bfloat16")])
+                         + [("qwen2_moe", "bfloat16"), ("mixtral", "bfloat16"), ("gpt_oss", "bfloat16")])
 def test_the_engine_decodes_as_the_trainer_scores(kind, dtype, hf_model_dir):
     """Greedy tokens through the rollout engine (paged KV, its CPU kernels where built; bfloat16: packed weights on
     AMX) are the argmax of a fresh forward pass over prompt + completion, and their log-probs that pass's."""
@@ -528,6 +589,47 @@ def test_every_algorithm_runs_on_a_moe_model_with_its_router_terms(algo, moe_tas
     own = {"sft": "sft_loss", "distill": "distill/jsd"}.get(algo)
     if own is not None:  # one micro-batch: the loss is the algorithm's own plus 0.5 x the load-balancing loss
         np.testing.assert_allclose(row["loss"], row[own] + 0.5 * row["moe/aux_loss"], rtol=1e-4)
+
+
+def test_grpo_trains_a_gpt_oss_model_with_rollout_replay_and_a_frozen_router(moe_task, tmp_path):
+    """gpt-oss through the whole loop: the engine samples it (its sinks on the XLA path) and records its routing, a
+    GRPO step replays that routing with the router frozen: the
+    router's weights and biases stay, the experts' weights and biases move, and the result exports as gpt_oss and
+    loads back."""
+    import shutil
+
+    from conftest import read_rows
+
+    from jaxrl_llm.models.decoder import init_params
+    from jaxrl_llm.models.hf import load_hf_model as load
+
+    task = tmp_path / "task"
+    shutil.copytree(moe_task, task, ignore=shutil.ignore_patterns("model"))
+    tokenizer_dir = moe_task / "model"
+    config = config_from_hf(dict(model_type="gpt_oss", vocab_size=_hf_config(tokenizer_dir)["vocab_size"],
+                                 hidden_size=32, intermediate_size=8, num_local_experts=8, num_experts_per_tok=2,
+                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                 sliding_window=8, max_position_embeddings=64, eos_token_id=2, bos_token_id=1))
+    save_hf_model(init_params(config, jax.random.key(2)), config, task / "model", tokenizer_dir=tokenizer_dir)
+    trainer, rows = _moe_run(task, tmp_path / "run", "rl.routing_replay=rollout", "model.freeze_router=true",
+                             "steps=2", "rl.prompts_per_step=4", "rl.group_size=4", "sampling.max_new_tokens=8")
+    row = read_rows(tmp_path / "run", "moe/router_disagreement")[-1]
+    # the live router vs the engine's bf16 records (replayed, so only measured); their log-prob mismatch
+    assert 0 <= row["moe/router_disagreement"] < 0.5 and np.isfinite(row["mismatch/logprob_abs_mean"])
+    before = load(task / "model")[1]["layers"]
+    after = trainer.state["params"]["layers"]
+    for path in (("mlp", "router", "kernel"), ("mlp", "router", "bias")):
+        np.testing.assert_array_equal(np.asarray(_at(after, path)), np.asarray(_at(before, path)), err_msg=str(path))
+    for path in (("mlp", "experts", "gate", "kernel"), ("mlp", "experts", "down", "bias"), ("attn", "sinks")):
+        assert float(jnp.abs(_at(after, path) - _at(before, path)).max()) > 0, path
+    save_hf_model(trainer.state["params"], trainer.algorithm.policy.model_config, tmp_path / "export")
+    assert load(tmp_path / "export")[0].model_type == "gpt_oss"
+
+
+def _at(tree, path):  # noqa: ANN001, ANN202
+    for key in path:
+        tree = tree[key]
+    return tree
 
 
 def test_the_moe_preset_trains_the_committed_moe_model(tmp_path):

@@ -20,7 +20,8 @@ Where each runs (`attention_backend`):
   and attends with XLA's dots (a mesh of several devices; a CPU without a C++ compiler; checking the kernels).
 
 Neither Pallas kernel has a sliding window: a model with sliding-window layers decodes on the XLA path on GPU and
-TPU.
+TPU. No kernel has attention sinks: gpt-oss decodes on the XLA path everywhere (`auto` picks it; asking for a kernel
+is an error naming why).
 """
 
 from __future__ import annotations
@@ -40,9 +41,18 @@ from jaxrl_llm.models.config import ModelConfig
 BACKENDS = ("xla", "cpu", "pallas_gpu", "pallas_tpu", "pallas_interpret")
 
 
+def sinks_unsupported(config: ModelConfig) -> str | None:
+    """Why no paged-attention kernel (Pallas or C++) can decode `config`: attention sinks (gpt-oss), or None."""
+    if config.attention_sinks:
+        return "the model has attention sinks (gpt-oss), which the paged-attention kernels do not add"
+    return None
+
+
 def kernel_unsupported(config: ModelConfig, platform: str) -> str | None:
     """Why the Pallas kernel of `platform` ("gpu", "tpu" or "cpu" for the interpreter) cannot decode `config`, or
     None when it can."""
+    if sinks_unsupported(config):
+        return sinks_unsupported(config)
     if any(config.is_sliding(i) for i in range(config.num_layers)):
         return "the model has sliding-window layers, which the Pallas paged-attention kernels do not mask"
     if platform == "tpu" and config.head_dim % 128:
@@ -58,7 +68,7 @@ def attention_backend(config: ModelConfig, requested: str, platform: str | None 
     platform = platform or jax.default_backend()
     kernel = {"gpu": "pallas_gpu", "cuda": "pallas_gpu", "rocm": "pallas_gpu", "tpu": "pallas_tpu"}.get(platform)
     if requested == "cpu" or (requested == "auto" and platform == "cpu"):
-        why = cpu_kernel.unavailable_reason()
+        why = cpu_kernel.unavailable_reason() or sinks_unsupported(config)
         if why is None:
             return "cpu"
         if requested == "cpu":

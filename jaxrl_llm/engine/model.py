@@ -101,12 +101,12 @@ def paged_attention(config: ModelConfig, layer: PagedLayer, page_table: jax.Arra
     queries attend to its gathered context `[R, M * page_size]` under `allowed [R, T, M * page_size]`."""
     c = config
 
-    def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, PagedLayer]:
+    def attend(q: jax.Array, k: jax.Array, v: jax.Array, sinks: jax.Array | None) -> tuple[jax.Array, PagedLayer]:
         new = write_pages(layer, slots, k, v, c.jnp_dtype)
         keys, values = (jnp.transpose(from_storage(x, c.jnp_dtype), (1, 2, 0, 3))  # [R, C, KVH, hd]
                         for x in gather_pages(new, page_table))
         out = grouped_query_attention(q, keys, values, allowed, scale=c.attention_scale,
-                                      logit_softcap=c.attn_logit_softcap, compute_dtype=c.jnp_dtype)
+                                      logit_softcap=c.attn_logit_softcap, compute_dtype=c.jnp_dtype, sinks=sinks)
         return out, new
 
     return attend
@@ -160,11 +160,12 @@ def slot_attention(config: ModelConfig, cache: dict[str, jax.Array], positions: 
     layout). The pages get the call's tokens once, at its end (`write_back`)."""
     dtype = config.jnp_dtype
 
-    def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def attend(q: jax.Array, k: jax.Array, v: jax.Array, sinks: jax.Array | None
+               ) -> tuple[jax.Array, dict[str, jax.Array]]:
         rows, at = jnp.arange(q.shape[0]), jnp.maximum(positions, 0)
         k_all = cache["k"].at[rows, :, :, at].set(to_storage(k[:, 0], dtype))
         v_all = cache["v"].at[rows, :, at].set(to_storage(v[:, 0], dtype))
-        out = loop_layout_attention(q, from_storage(k_all, dtype), from_storage(v_all, dtype), allowed, config)
+        out = loop_layout_attention(q, from_storage(k_all, dtype), from_storage(v_all, dtype), allowed, config, sinks)
         return out, {"k": k_all, "v": v_all}
 
     return attend
@@ -216,7 +217,9 @@ def kernel_attention(config: ModelConfig, layer: PagedLayer, page_table: jax.Arr
     the output, bench/README.md)."""
     c = config
 
-    def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, PagedLayer]:
+    def attend(q: jax.Array, k: jax.Array, v: jax.Array, sinks: jax.Array | None) -> tuple[jax.Array, PagedLayer]:
+        if sinks is not None:  # `kernels.attention_backend` keeps a model with sinks on the XLA path
+            raise ValueError("the paged-attention kernels have no attention sinks; decode this model on the XLA path")
         new = write_pages(layer, slots, k, v, c.jnp_dtype)
         r, t = q.shape[:2]
         out = paged_decode_attention(q.reshape(r * t, *q.shape[2:]), new["k"], new["v"], page_table, lengths, c,

@@ -1,7 +1,7 @@
 """The transformer block, written once.
 
     h = attn_norm(x);  q, k, v = qkv(h);  q, k = q_norm(q), k_norm(k)            (Qwen3, Gemma 3)
-    q, k = rotary(q), rotary(k);  a, state = attend(q, k, v)
+    q, k = rotary(q), rotary(k);  a, state = attend(q, k, v, sinks)                (sinks: gpt-oss)
     x = x + attn_post_norm(o(a))                                                 (post norm: Gemma 2/3)
     x = x + mlp_post_norm(feed_forward(mlp_norm(x)))
 
@@ -34,15 +34,17 @@ Fn = Callable[[jax.Array], jax.Array]
 # `feed_forward(h [B, T, D]) -> (y [B, T, D], routing)`: routing is None for a dense MLP, else the `Routing` of the
 # layer's tokens (`experts [B, T, k]`, router `logits [B, T, E]`).
 FeedForward = Callable[[jax.Array], tuple[jax.Array, Routing | None]]
-# `attend(q [B, T, H, hd], k [B, T, KVH, hd], v [B, T, KVH, hd]) -> (out [B, T, H * hd], state)`: q and k rotated;
-# `state` is whatever the keys and values were written to (an updated cache, or None).
-Attend = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]]
+# `attend(q [B, T, H, hd], k [B, T, KVH, hd], v [B, T, KVH, hd], sinks [H] | None) -> (out [B, T, H * hd], state)`:
+# q and k rotated; `sinks` the layer's per-head sink logits (gpt-oss) or None; `state` is whatever the keys and
+# values were written to (an updated cache, or None).
+Attend = Callable[[jax.Array, jax.Array, jax.Array, jax.Array | None], tuple[jax.Array, Any]]
 
 
 class LayerOps(NamedTuple):
     """One layer's weights as functions of activations `[B, T, D]`: `qkv` returns `q [B, T, H, hd]` and
     `k, v [B, T, KVH, hd]`; `feed_forward` the feed-forward part's output (and its routing, see `FeedForward`);
-    absent parts (a family without q/k norms or sandwich norms) are None."""
+    `sinks [H]`: the attention's sink logits (gpt-oss); absent parts (a family without q/k norms, sandwich norms or
+    sinks) are None."""
 
     attn_norm: Fn
     qkv: Callable[[jax.Array], tuple[jax.Array, jax.Array, jax.Array]]
@@ -53,6 +55,7 @@ class LayerOps(NamedTuple):
     mlp_norm: Fn
     feed_forward: FeedForward
     mlp_post_norm: Fn | None
+    sinks: jax.Array | None = None
 
 
 def gated_mlp(gate_up: Callable[[jax.Array], tuple[jax.Array, jax.Array]], down: Fn, hidden_act: str,
@@ -77,7 +80,7 @@ def transformer_block(x: jax.Array, ops: LayerOps, attend: Attend, cos: jax.Arra
         else:
             q, k = ops.q_norm(q), ops.k_norm(k)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    out, state = attend(q, k, v)
+    out, state = attend(q, k, v, ops.sinks)
     h = ops.o(out)
     if ops.attn_post_norm is not None:
         h = ops.attn_post_norm(h)
@@ -95,7 +98,8 @@ def cached_attention(config: ModelConfig, allowed: jax.Array, cache: dict[str, j
     attend to the whole cache under `allowed [B, T, S]`; without a cache they attend to themselves (`S = T`)."""
     c = config
 
-    def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, dict[str, jax.Array] | None]:
+    def attend(q: jax.Array, k: jax.Array, v: jax.Array, sinks: jax.Array | None
+               ) -> tuple[jax.Array, dict[str, jax.Array] | None]:
         new = cache
         if cache is not None:
             k = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), cache_index, axis=1)
@@ -103,7 +107,7 @@ def cached_attention(config: ModelConfig, allowed: jax.Array, cache: dict[str, j
             new = {"k": k, "v": v}  # the cache's dtype: attention's dots cast their operands to the compute dtype
         out = grouped_query_attention(q, k, v, allowed, query_chunk=c.attention_query_chunk,
                                       scale=c.attention_scale, logit_softcap=c.attn_logit_softcap,
-                                      compute_dtype=c.jnp_dtype, causal=cache is None)
+                                      compute_dtype=c.jnp_dtype, causal=cache is None, sinks=sinks)
         return out, new
 
     return attend

@@ -20,7 +20,7 @@ DType = Literal["float32", "bfloat16"]
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a pre-norm decoder: Llama 2/3, Qwen2/2.5, Qwen3, Mistral, Phi-3, Gemma 2, Gemma 3 (text), and
-    the mixtures of experts Qwen3-MoE, Qwen2-MoE, Mixtral and OLMoE.
+    the mixtures of experts Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE and gpt-oss.
 
     `rope_scaling` is a tuple of `(key, value)` pairs (hashable; list values as tuples) or None; supported types
     are `linear`, `llama3`, `yarn` and `longrope`. `sliding_window` is None (full causal attention) or the
@@ -31,6 +31,11 @@ class ModelConfig:
     The feed-forward part is the gated MLP (`num_experts = 0`) or, on every layer, a mixture of `num_experts`
     experts of `moe_intermediate_size` with top-`num_experts_per_tok` routing (`models/moe.py`), plus, for
     Qwen2-MoE, a shared expert of `shared_expert_intermediate_size` behind a sigmoid gate.
+
+    gpt-oss adds three switches: `attention_sinks` (a learned logit per head in each softmax's denominator, no
+    value: `softmax([scores, sink])` with the sink's column dropped), a biased router and biased experts
+    (`router_bias`, `expert_bias`), and `swiglu_clamp = (alpha, limit)`: the experts' activation
+    `(clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g)` with `g = min(gate, limit)`.
     """
 
     vocab_size: int
@@ -70,6 +75,10 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a shared expert, gated by sigmoid(x . w), on every token
+    router_bias: bool = False  # gpt-oss: the router's logits have a bias
+    expert_bias: bool = False  # gpt-oss: every expert's gate, up and down projections have biases
+    swiglu_clamp: tuple[float, float] | None = None  # gpt-oss: (alpha, limit) of the experts' clamped SwiGLU
+    attention_sinks: bool = False  # gpt-oss: a learned sink logit per head joins each softmax's denominator
     router_aux_loss_coef: float = 0.0  # the checkpoint's own coefficient, written back on export (training: rl/sft's)
     # How the experts are computed: "ragged" (sorted by expert, `jax.lax.ragged_dot`) or "dense" (every expert on
     # every token, masked: the tests' reference).
@@ -148,10 +157,12 @@ class ModelConfig:
         attn = d * q + 2 * d * kv + q * d
         attn += (q + 2 * kv) * self.qkv_bias + d * self.o_bias
         attn += ((q + kv) if self.qk_norm_projection else 2 * hd) * self.qk_norm
+        attn += self.num_heads * self.attention_sinks
         mlp = 3 * d * f + (2 * f + d) * self.mlp_bias
         if self.is_moe:
             shared = self.shared_expert_intermediate_size
-            mlp = d * self.num_experts + 3 * d * self.moe_intermediate_size * self.num_experts
+            e, i = self.num_experts, self.moe_intermediate_size
+            mlp = d * e + 3 * d * i * e + e * self.router_bias + (2 * i + d) * e * self.expert_bias
             mlp += (3 * d * shared + d) if shared else 0
         per_layer = attn + mlp + (4 if self.sandwich_norms else 2) * d
         head = 0 if self.tie_word_embeddings else d * self.vocab_size
@@ -176,6 +187,8 @@ def check_model_config(config: ModelConfig) -> None:
                          f"({c.num_experts})")
     if c.num_experts and c.moe_intermediate_size < 1:
         raise ValueError(f"moe_intermediate_size must be >= 1 for {c.num_experts} experts")
+    if c.swiglu_clamp is not None and (len(c.swiglu_clamp) != 2 or c.swiglu_clamp[1] <= 0):
+        raise ValueError(f"swiglu_clamp must be (alpha, limit) with limit > 0, got {c.swiglu_clamp!r}")
     if c.moe_compute not in ("ragged", "dense"):
         raise ValueError(f"moe_compute must be 'ragged' or 'dense', got {c.moe_compute!r}")
     if c.num_heads % c.num_kv_heads:

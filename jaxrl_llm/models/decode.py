@@ -22,6 +22,7 @@ from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Decoder, DecoderLayer, Params, attention_inputs, attention_kind, unembed
 from jaxrl_llm.models.layers import (
     embed_tokens,
+    head_sinks,
     masked_softmax,
     positions_from_mask,
     rms_norm,
@@ -92,7 +93,7 @@ class StepWeights(NamedTuple):
     as `[1, N]` rows (absent ones as None); matrices in the compute dtype (the dots' operand dtype, cast once
     per call, outside the loop), biases in the activation dtype. An MoE layer has its `router [D, E]` and
     `experts` (`moe.Experts`) and no dense MLP: `gate_up` and `down` are its shared expert's (Qwen2-MoE, behind
-    `shared_gate [D, 1]`) or None."""
+    `shared_gate [D, 1]`) or None; gpt-oss's biased router adds `router_bias [E]` and its attention `sinks [H]`."""
 
     attn_norm: jax.Array
     qkv: jax.Array
@@ -111,6 +112,8 @@ class StepWeights(NamedTuple):
     router: jax.Array | None = None
     experts: Experts | None = None
     shared_gate: jax.Array | None = None
+    router_bias: jax.Array | None = None
+    sinks: jax.Array | None = None
 
 
 def mlp_width(config: ModelConfig) -> int:
@@ -168,8 +171,10 @@ def step_weights(layer_params: list[Params], config: ModelConfig, shards: int = 
         moe = {}
         if config.is_moe:
             ex = mlp["experts"]
+            biases = [ex[n]["bias"].astype(jnp.float32) if "bias" in ex[n] else None for n in ("gate", "up", "down")]
             moe = dict(router=cast(mlp["router"]["kernel"]),
-                       experts=Experts(*(cast(ex[n]["kernel"]) for n in ("gate", "up", "down"))),
+                       router_bias=mlp["router"]["bias"].astype(jnp.float32) if "bias" in mlp["router"] else None,
+                       experts=Experts(*(cast(ex[n]["kernel"]) for n in ("gate", "up", "down")), *biases),
                        shared_gate=cast(mlp["shared_gate"]["kernel"]) if "shared_gate" in mlp else None)
         out.append(StepWeights(
             attn_norm=w["attn_norm"]["scale"],
@@ -186,6 +191,7 @@ def step_weights(layer_params: list[Params], config: ModelConfig, shards: int = 
             down=cast(dense["down"]["kernel"]) if has_dense else None,
             down_bias=bias(dense["down"]) if has_dense else None,
             mlp_post_norm=w["mlp_post_norm"]["scale"] if config.sandwich_norms else None,
+            sinks=attn["sinks"].astype(jnp.float32) if config.attention_sinks else None,
             **moe,
         ))
     return out
@@ -308,7 +314,7 @@ def step_ops(w: StepWeights, config: ModelConfig, shards: int = 1,
     return LayerOps(attn_norm=identity if fused else norm(w.attn_norm), qkv=qkv, q_norm=norm(w.q_norm),
                     k_norm=norm(w.k_norm), o=dense(w.o, w.o_bias), attn_post_norm=norm(w.attn_post_norm),
                     mlp_norm=identity if fused else norm(w.mlp_norm), feed_forward=feed_forward,
-                    mlp_post_norm=norm(w.mlp_post_norm))
+                    mlp_post_norm=norm(w.mlp_post_norm), sinks=w.sinks)
 
 
 def step_moe(w: StepWeights, config: ModelConfig, shared: FeedForward | None,
@@ -325,10 +331,12 @@ def step_moe(w: StepWeights, config: ModelConfig, shared: FeedForward | None,
             h = pre_norm(h)
         b, t, d = h.shape
         logits = matmul(h, w.router, c.jnp_dtype, jnp.float32)
+        if w.router_bias is not None:
+            logits = logits + w.router_bias
         experts, weights = route(logits, c.num_experts_per_tok, renormalize=c.norm_topk_prob, replay=replay)
         compute = experts_dense if c.moe_compute == "dense" else experts_ragged
         y = compute(h.reshape(b * t, d), experts.reshape(b * t, -1), weights.reshape(b * t, -1), w.experts,
-                    hidden_act=c.hidden_act, dtype=c.jnp_dtype).reshape(b, t, d)
+                    hidden_act=c.hidden_act, clamp=c.swiglu_clamp, dtype=c.jnp_dtype).reshape(b, t, d)
         if shared is not None and w.shared_gate is not None:
             s, _ = shared(h)
             gate = jax.nn.sigmoid(matmul(h, w.shared_gate, c.jnp_dtype, jnp.float32))
@@ -351,25 +359,28 @@ def loop_cache_attention(config: ModelConfig, allowed: jax.Array, cache: dict[st
     (with `[B, S, KVH, hd]` it re-laid out every layer's whole K and V cache per token: about a quarter of the
     step's op time on the benchmark model; keys `[B, KVH, hd, S]` instead of `[B, KVH, S, hd]`: 1.1x per call,
     bench/HISTORY.md); the new token's keys and values are written in place. `allowed [B, 1, S]`."""
-    def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def attend(q: jax.Array, k: jax.Array, v: jax.Array, sinks: jax.Array | None
+               ) -> tuple[jax.Array, dict[str, jax.Array]]:
         # q [B, 1, H, hd], k and v [B, 1, KVH, hd]
         k_all = jax.lax.dynamic_update_slice_in_dim(cache["k"], k[:, 0, :, :, None].astype(cache["k"].dtype),
                                                     cache_index, 3)
         v_all = jax.lax.dynamic_update_slice_in_dim(cache["v"], v[:, 0, :, None, :].astype(cache["v"].dtype),
                                                     cache_index, 2)
-        return loop_layout_attention(q, k_all, v_all, allowed, config), {"k": k_all, "v": v_all}
+        return loop_layout_attention(q, k_all, v_all, allowed, config, sinks), {"k": k_all, "v": v_all}
 
     return attend
 
 
 def loop_layout_attention(q: jax.Array, keys: jax.Array, values: jax.Array, allowed: jax.Array,
-                          config: ModelConfig) -> jax.Array:
+                          config: ModelConfig, sinks: jax.Array | None = None) -> jax.Array:
     """`softmax(q . K * scale, allowed) . V` of one query per row: `q [B, 1, H, hd]` over keys `[B, KVH, hd, S]`
-    and values `[B, KVH, S, hd]` (the `loop_caches` layout), `allowed [B, 1, S]` -> `[B, 1, H * hd]`."""
+    and values `[B, KVH, S, hd]` (the `loop_caches` layout), `allowed [B, 1, S]` -> `[B, 1, H * hd]`; `sinks [H]`:
+    gpt-oss's sink logits (`layers.masked_softmax`)."""
     c = config
     b, h, kvh, hd, dtype = q.shape[0], c.num_heads, c.num_kv_heads, c.head_dim, c.jnp_dtype
     scores = precision.einsum("bkgd,bkds->bkgs", q.reshape(b, kvh, h // kvh, hd), keys, dtype, jnp.float32)
-    probs = masked_softmax(scores, allowed[:, 0][:, None, None, :], c.attention_scale, c.attn_logit_softcap)
+    probs = masked_softmax(scores, allowed[:, 0][:, None, None, :], c.attention_scale, c.attn_logit_softcap,
+                           head_sinks(sinks, kvh))
     return precision.einsum("bkgs,bksd->bkgd", probs, values, dtype).reshape(b, 1, h * hd)
 
 
@@ -429,11 +440,11 @@ def constrain_step_weights(w: StepWeights, mesh: Mesh | None) -> StepWeights:
         return w
     columns, rows, whole = PartitionSpec(None, "tensor"), PartitionSpec("tensor", None), PartitionSpec()
     experts = Experts(PartitionSpec(None, None, "tensor"), PartitionSpec(None, None, "tensor"),
-                      PartitionSpec(None, "tensor", None))
+                      PartitionSpec(None, "tensor", None), columns, columns, whole)
     specs = StepWeights(attn_norm=whole, qkv=columns, qkv_bias=columns, q_norm=whole, k_norm=whole, o=rows,
                         o_bias=whole, attn_post_norm=whole, mlp_norm=whole, gate_up=columns, gate_up_bias=columns,
                         down=rows, down_bias=whole, mlp_post_norm=whole, router=whole, experts=experts,
-                        shared_gate=whole)
+                        shared_gate=whole, router_bias=whole, sinks=whole)
     return jax.tree.map(lambda x, spec: None if x is None else constrain(x, mesh, spec), w, specs,
                         is_leaf=lambda x: x is None)
 

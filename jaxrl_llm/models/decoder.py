@@ -1,5 +1,5 @@
 """Flax decoder for pre-norm families (Llama 2/3, Qwen2/2.5, Qwen3, Mistral, Phi-3, Gemma 2, Gemma 3 text, and the
-mixtures of experts Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE), switched by `ModelConfig`.
+mixtures of experts Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, gpt-oss), switched by `ModelConfig`.
 
 The forward pass is a pure function of `(params, tokens, positions, key_mask, cache, cache_index)`:
 
@@ -156,7 +156,8 @@ def _norm(config: ModelConfig, name: str) -> RMSNorm:
 
 
 class Attention(nn.Module):
-    """The attention's weights: q, k, v, o projections (`Dense`) and Qwen3 / Gemma 3's q and k norms."""
+    """The attention's weights: q, k, v, o projections (`Dense`), Qwen3 / Gemma 3's q and k norms, and gpt-oss's
+    per-head sink logits `sinks [H]`."""
 
     config: ModelConfig
 
@@ -169,6 +170,9 @@ class Attention(nn.Module):
         if c.qk_norm:
             self.q_norm = _norm(c, "q_norm")
             self.k_norm = _norm(c, "k_norm")
+        if c.attention_sinks:
+            self.sinks = self.param("sinks", nn.initializers.normal(c.initializer_range), (c.num_heads,),
+                                    c.jnp_param_dtype)
 
     def qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """`x [B, T, D]` -> `q [B, T, H, hd]`, `k, v [B, T, KVH, hd]`."""
@@ -200,7 +204,8 @@ class MLP(nn.Module):
 
 
 class ExpertWeights(nn.Module):
-    """The experts' stacked matrices: `gate/kernel, up/kernel [E, D, I]`, `down/kernel [E, I, D]`."""
+    """The experts' stacked matrices: `gate/kernel, up/kernel [E, D, I]`, `down/kernel [E, I, D]`, and with
+    `expert_bias` (gpt-oss) `gate/bias, up/bias [E, I]`, `down/bias [E, D]`."""
 
     config: ModelConfig
 
@@ -210,10 +215,17 @@ class ExpertWeights(nn.Module):
         e, d, i = c.num_experts, c.hidden_size, c.moe_intermediate_size
         init = nn.initializers.normal(c.initializer_range)
 
-        def kernel(name: str, shape: tuple[int, ...]) -> jax.Array:
-            return self.param(name, lambda key, s, t: {"kernel": init(key, s, t)}, shape, c.jnp_param_dtype)["kernel"]
+        def weights(name: str, shape: tuple[int, ...]) -> dict[str, jax.Array]:
+            def make(key: jax.Array, s: tuple[int, ...], t: jnp.dtype) -> dict[str, jax.Array]:
+                out = {"kernel": init(key, s, t)}
+                if c.expert_bias:
+                    out["bias"] = jnp.zeros((s[0], s[-1]), t)
+                return out
+            return self.param(name, make, shape, c.jnp_param_dtype)
 
-        return Experts(kernel("gate", (e, d, i)), kernel("up", (e, d, i)), kernel("down", (e, i, d)))
+        gate, up, down = weights("gate", (e, d, i)), weights("up", (e, d, i)), weights("down", (e, i, d))
+        return Experts(gate["kernel"], up["kernel"], down["kernel"], gate.get("bias"), up.get("bias"),
+                       down.get("bias"))
 
 
 class MoE(nn.Module):
@@ -225,7 +237,7 @@ class MoE(nn.Module):
 
     def setup(self) -> None:
         c = self.config
-        self.router = _dense(c, c.num_experts, False, "router", jnp.dtype(jnp.float32))
+        self.router = _dense(c, c.num_experts, c.router_bias, "router", jnp.dtype(jnp.float32))
         self.experts = ExpertWeights(c, name="experts")
         if c.shared_expert_intermediate_size:
             self.shared = MLP(c, c.shared_expert_intermediate_size, name="shared")
@@ -244,7 +256,7 @@ class MoE(nn.Module):
             if c.expert_mesh is not None and c.moe_compute == "ragged":
                 compute = functools.partial(experts_parallel, mesh=c.expert_mesh)
             y = compute(h.reshape(b * t, d), experts.reshape(b * t, -1), weights.reshape(b * t, -1),
-                        self.experts(), hidden_act=c.hidden_act, dtype=c.jnp_dtype,
+                        self.experts(), hidden_act=c.hidden_act, clamp=c.swiglu_clamp, dtype=c.jnp_dtype,
                         valid=None if valid is None else valid.reshape(-1).astype(bool)).reshape(b, t, d)
             if c.shared_expert_intermediate_size:
                 shared, _ = gated_mlp(self.shared.gate_up, self.shared.down, c.hidden_act)(h)
@@ -281,6 +293,7 @@ class DecoderLayer(nn.Module):
             o=self.attn.o, attn_post_norm=self.attn_post_norm if c.sandwich_norms else None,
             mlp_norm=self.mlp_norm, feed_forward=self.mlp.feed_forward(replay, valid),
             mlp_post_norm=self.mlp_post_norm if c.sandwich_norms else None,
+            sinks=self.attn.sinks if c.attention_sinks else None,
         )
 
     def __call__(self, x: jax.Array, layer_cache: Cache | None, inputs: tuple[AttentionInputs, ...],

@@ -85,12 +85,20 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # ----------------------------------------------------------------------------------------------- config
 
 
+def _stacked(path: tuple[str, ...], model_type: str) -> tuple[str, int, int] | None:
+    """`(HF tensor, part, parts)` when the family stores parameter `path` for all experts in one tensor in our layout,
+    interleaved on its last axis (`Family.stacked_tensors`, gpt-oss); None otherwise."""
+    return FAMILIES[model_type].stacked_tensors.get(path[1:]) if path[0] == "layers" else None
+
+
 def _tensor_name(path: tuple[str, ...], layer: int | None, model_type: str = "llama", expert: int | None = None) -> str:
     """The HF tensor holding our parameter `path` (of layer `layer`, and of expert `expert` for an expert's
     matrix): Llama's name unless the family names it its own way (`Family.layer_tensors`); for a fused kernel
-    (`Family.fused_tensors`, Phi-3), the fused one."""
+    (`Family.fused_tensors`, Phi-3), the fused one; for experts stored together (`Family.stacked_tensors`), theirs."""
     if path[0] == "layers":
         family = FAMILIES[model_type]
+        if path[1:] in family.stacked_tensors:
+            return f"model.layers.{layer}.{family.stacked_tensors[path[1:]][0]}"
         if path[1:] in family.fused_tensors:
             return f"model.layers.{layer}.{family.fused_tensors[path[1:]][0]}"
         name = family.layer_tensors.get(path[1:]) or _LAYER_TENSORS[path[1:]]
@@ -310,11 +318,13 @@ class _TensorReader:
             return handle.get_slice(name)
 
     def check_shape(self, path: tuple[str, ...], name: str, expected_shape: tuple[int, ...],
-                    fused: tuple[int, int, int] | None = None) -> None:
+                    fused: tuple[int, int, int] | None = None, stacked: tuple[str, int, int] | None = None) -> None:
         got = tuple(self._slice(name).get_shape())
-        want = tuple(expected_shape[::-1] if _is_kernel(path) else expected_shape)
+        want = tuple(expected_shape[::-1] if _is_kernel(path) and stacked is None else expected_shape)
         if fused is not None:
             want = (fused[2], *want[1:])
+        if stacked is not None:
+            want = (*want[:-1], want[-1] * stacked[2])
         if got != want:
             raise ConversionError(
                 f"tensor {name!r} has shape {list(got)} in {self.index[name]}, expected {list(want)} from "
@@ -322,9 +332,17 @@ class _TensorReader:
             )
 
     def read_block(self, path: tuple[str, ...], name: str, index: tuple[slice, ...], dtype: Any,
-                   fused: tuple[int, int, int] | None = None) -> np.ndarray:
-        """Our `[..., in, out]` block `index` of HF tensor `name` (of our part's rows, when `fused`)."""
+                   fused: tuple[int, int, int] | None = None, stacked: tuple[str, int, int] | None = None
+                   ) -> np.ndarray:
+        """Our `[..., in, out]` block `index` of HF tensor `name` (of our part's rows, when `fused`; of our part of
+        the interleaved last axis, when `stacked`)."""
         hf_slice = self._slice(name)
+        if stacked is not None:  # our layout already; the last axis interleaves `parts` parameters
+            _, part, parts = stacked
+            start, stop, _ = index[-1].indices(hf_slice.get_shape()[-1] // parts)
+            with _reading(self.index[name], name), jax.default_device(_host()):
+                block = np.asarray(hf_slice[(*index[:-1], slice(start * parts, stop * parts))])
+            return block[..., part::parts].astype(dtype)
         hf_index = index[::-1] if _is_kernel(path) else index
         if fused is not None:  # shift the out-rows into our part of the fused tensor
             first, rows, _ = fused
@@ -340,7 +358,8 @@ class _TensorReader:
         """Parameter `path` (stacked `[L, ...]` under `layers`, `[L, E, ...]` for the experts' matrices), each device
         reading only its own block."""
         stacked = path[0] == "layers"
-        experts = _per_expert(path)
+        together = _stacked(path, config.model_type)  # every expert in one HF tensor (gpt-oss)
+        experts = _per_expert(path) and together is None
         fused = _fused_rows(path, config)
         lead = 2 if experts else 1 if stacked else 0  # the stacked dimensions before the HF tensor's own
 
@@ -349,7 +368,7 @@ class _TensorReader:
 
         for layer in range(config.num_layers) if stacked else [None]:
             for expert in range(config.num_experts) if experts else [None]:
-                self.check_shape(path, name(layer, expert), spec.shape[lead:], fused)
+                self.check_shape(path, name(layer, expert), spec.shape[lead:], fused, together)
 
         def block(index: tuple[slice, ...]) -> np.ndarray:
             index = tuple(index) + (slice(None),) * (len(spec.shape) - len(index))
@@ -358,11 +377,11 @@ class _TensorReader:
             layers = range(config.num_layers)[index[0]]
             chosen = [(layer, e) for layer in layers for e in range(config.num_experts)[index[1]]] if experts \
                 else [(layer, None) for layer in layers]
-            first = self.read_block(path, name(*chosen[0]), index[lead:], spec.dtype, fused)
+            first = self.read_block(path, name(*chosen[0]), index[lead:], spec.dtype, fused, together)
             out = np.empty((len(chosen), *first.shape), spec.dtype)  # filled in place: one copy at a time
             out[0] = first
             for j, (layer, expert) in enumerate(chosen[1:], start=1):
-                out[j] = self.read_block(path, name(layer, expert), index[lead:], spec.dtype, fused)
+                out[j] = self.read_block(path, name(layer, expert), index[lead:], spec.dtype, fused, together)
             return out.reshape(len(layers), -1, *first.shape) if experts else out
 
         if mesh is None:

@@ -22,8 +22,6 @@ SUPPORTED_ARCHITECTURES = tuple(f.architecture for f in FAMILIES.values())
 CLASSIFIER_ARCHITECTURES = tuple(f.classifier for f in FAMILIES.values() if f.classifier)
 # Families refused with a reason beyond "not supported".
 _REFUSED = {
-    "gpt_oss": "gpt-oss (attention sinks, clamped SwiGLU, a biased router) is not supported yet; the MoE families "
-               "that are: qwen3_moe, qwen2_moe, mixtral, olmoe",
     "deepseek_v3": "DeepSeek-V3's multi-head latent attention is not supported",
     "gemma3": "Gemma 3's multimodal checkpoint (Gemma3ForConditionalGeneration) is not supported; the text-only "
               "Gemma3ForCausalLM (model_type gemma3_text) is",
@@ -212,6 +210,11 @@ def check_exportable(config: ModelConfig) -> Family:
         kind = "a mixture of experts" if config.is_moe else "a dense model"
         fit = [f.model_type for f in FAMILIES.values() if f.moe == config.is_moe]
         raise ConversionError(f"cannot export {kind} as {config.model_type!r}; export it as one of {fit}")
+    oss = config.attention_sinks or config.router_bias or config.expert_bias or config.swiglu_clamp is not None
+    if oss and not family.sinks_and_clamped_experts:
+        fit = [f.model_type for f in FAMILIES.values() if f.sinks_and_clamped_experts]
+        raise ConversionError(f"cannot export as {config.model_type!r}: it has no attention sinks, router or expert "
+                              f"biases or clamped SwiGLU; export it as one of {fit}")
     problem = family.export_problem(config)
     if problem:
         raise ConversionError(problem)

@@ -22,7 +22,7 @@ from safetensors.numpy import save_file
 from jaxrl_llm.data import TOKENIZER_FILES
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params
-from jaxrl_llm.models.hf import _fused_rows, _is_kernel, _per_expert, _tensor_name
+from jaxrl_llm.models.hf import _fused_rows, _is_kernel, _per_expert, _stacked, _tensor_name
 from jaxrl_llm.models.hf_config import config_to_hf
 
 # Files a model directory may carry besides weights and config, copied verbatim on export: the tokenizer's (any
@@ -33,12 +33,17 @@ COPIED_FILES = (*TOKENIZER_FILES, "special_tokens_map.json", "merges.txt", "adde
 
 def hf_state_dict(params: Params, config: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
     """Yield `(HF tensor name, numpy array)` one tensor at a time, in HF layouts; Phi-3's q|k|v and gate|up
-    are concatenated back into their fused tensors (yielded once all parts are in)."""
+    are concatenated back into their fused tensors, gpt-oss's gate and up interleaved back into gate_up (each
+    yielded once all its parts are in)."""
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     pending: dict[str, dict[int, np.ndarray]] = {}
     for key_path, leaf in flat:
         path = tuple(k.key for k in key_path)
         array = np.asarray(jax.device_get(leaf))
+        together = _stacked(path, config.model_type)
+        if together is not None:
+            yield from _interleaved(array, path, together, config, pending)
+            continue
         fused = _fused_rows(path, config)
         layers = range(config.num_layers) if path[0] == "layers" else [None]
         experts = range(config.num_experts) if _per_expert(path) else [None]
@@ -55,6 +60,24 @@ def hf_state_dict(params: Params, config: ModelConfig) -> Iterator[tuple[str, np
             if sum(p.shape[0] for p in parts.values()) == fused[2]:
                 yield name, np.concatenate([parts[k] for k in sorted(parts)], axis=0)
                 del pending[name]
+
+
+def _interleaved(array: np.ndarray, path: tuple[str, ...], together: tuple[str, int, int], config: ModelConfig,
+                 pending: dict[str, dict[int, np.ndarray]]) -> Iterator[tuple[str, np.ndarray]]:
+    """Per layer, the HF tensor holding every expert's `path` (`[L, E, ..., n]` ours), its last axis interleaving
+    `parts` parameters: yielded when the last of them arrives (`pending` holds the others by name)."""
+    _, part, parts = together
+    for layer in range(config.num_layers):
+        name = _tensor_name(path, layer, config.model_type)
+        got = pending.setdefault(name, {})
+        got[part] = array[layer]
+        if len(got) == parts:
+            first = got[0]
+            out = np.empty((*first.shape[:-1], first.shape[-1] * parts), first.dtype)
+            for p, tensor in got.items():
+                out[..., p::parts] = tensor
+            del pending[name]
+            yield name, out
 
 
 _UMASK_LOCK = threading.Lock()

@@ -46,9 +46,17 @@ def embed_tokens(embedding: jax.Array, tokens: jax.Array, config: ModelConfig) -
     return x
 
 
-def gated_activation(gate: jax.Array, up: jax.Array, hidden_act: str = "silu") -> jax.Array:
+def gated_activation(gate: jax.Array, up: jax.Array, hidden_act: str = "silu",
+                     clamp: tuple[float, float] | None = None) -> jax.Array:
     """The gated MLP's inner activation, `act(gate) * up` (the MLP is `down(act(gate(x)) * up(x))`): SwiGLU
-    with `silu`, GeGLU with `gelu_pytorch_tanh` (`0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`)."""
+    with `silu`, GeGLU with `gelu_pytorch_tanh` (`0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`).
+
+    `clamp = (alpha, limit)` (gpt-oss's experts): `(clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g)` with
+    `g = min(gate, limit)`, whatever `hidden_act` says."""
+    if clamp is not None:
+        alpha, limit = clamp
+        g = jnp.minimum(gate, limit)
+        return (jnp.clip(up, -limit, limit) + 1) * (g * jax.nn.sigmoid(alpha * g))
     if hidden_act == "gelu_pytorch_tanh":
         return jax.nn.gelu(gate, approximate=True) * up
     return jax.nn.silu(gate) * up
@@ -60,11 +68,27 @@ def softcap(x: jax.Array, cap: float | None) -> jax.Array:
 
 
 def masked_softmax(
-    scores: jax.Array, allowed: jax.Array, scale: float, logit_softcap: float | None = None
+    scores: jax.Array, allowed: jax.Array, scale: float, logit_softcap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """`softmax(softcap(scores * scale))` over the last (key) axis with disallowed keys at `MASKED`, float32
-    (transformers' order: scale, soft cap, mask); `allowed` broadcastable to `scores`."""
-    return jax.nn.softmax(jnp.where(allowed, softcap(scores * scale, logit_softcap), MASKED), axis=-1)
+    (transformers' order: scale, soft cap, mask); `allowed` broadcastable to `scores`.
+
+    `sinks` (gpt-oss; broadcastable to `scores[..., :1]`): one more logit per row in the denominator, with no value,
+    `p_s = exp(z_s) / (sum_s' exp(z_s') + exp(sink))`, so a row's probabilities sum to less than 1."""
+    logits = jnp.where(allowed, softcap(scores * scale, logit_softcap), MASKED)
+    if sinks is None:
+        return jax.nn.softmax(logits, axis=-1)
+    sinks = sinks.astype(jnp.float32)
+    top = jax.lax.stop_gradient(jnp.maximum(jnp.max(logits, axis=-1, keepdims=True), sinks))
+    p = jnp.exp(logits - top)
+    return p / (jnp.sum(p, axis=-1, keepdims=True) + jnp.exp(sinks - top))
+
+
+def head_sinks(sinks: jax.Array | None, num_kv_heads: int) -> jax.Array | None:
+    """Per-head sink logits `[H]` as `[KVH, H / KVH, 1]`, the grouped heads' layout of the attention scores
+    (`[..., KVH, G, S]` once a leading batch axis is broadcast); None stays None."""
+    return None if sinks is None else sinks.reshape(num_kv_heads, -1, 1)
 
 
 def _rope_scaling_of(config: ModelConfig, local: bool) -> tuple[float, dict | None]:
@@ -212,12 +236,13 @@ def segment_attention_allowed(segments: jax.Array, sliding_window: int | None) -
 def grouped_query_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, *, query_chunk: int = 0,
     scale: float | None = None, logit_softcap: float | None = None, compute_dtype: jnp.dtype | str = jnp.float32,
-    causal: bool = False,
+    causal: bool = False, sinks: jax.Array | None = None,
 ) -> jax.Array:
     """softmax(softcap(q k^T * scale)) v with GQA (`scale` defaults to 1/sqrt(hd)).
 
     q `[B, T, H, hd]`, k/v `[B, S, KVH, hd]`, allowed `[B, T, S]` -> `[B, T, H * hd]`. Scores and softmax
-    in float32; each group of `H / KVH` query heads shares one key/value head. `q.k` and `p.v` are
+    in float32; each group of `H / KVH` query heads shares one key/value head. `sinks [H]` (gpt-oss): each head's
+    sink logit joins its softmax's denominator (`masked_softmax`). `q.k` and `p.v` are
     `precision.einsum`s in `compute_dtype` (float32 accumulation; output in the activation dtype).
 
     `query_chunk > 0` and `T > query_chunk`: the queries are taken `query_chunk` at a time (`lax.map`, each chunk
@@ -234,14 +259,14 @@ def grouped_query_attention(
     t = q.shape[1]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if not query_chunk or t <= query_chunk:
-        return _attention_block(q, k, v, allowed, scale, logit_softcap, compute_dtype)
+        return _attention_block(q, k, v, allowed, scale, logit_softcap, compute_dtype, sinks)
     if causal:
         if k.shape[1] != t:
             raise ValueError(f"grouped_query_attention: causal needs as many keys as queries, got {k.shape[1]} and {t}")
 
         def block(a: int, b: int) -> jax.Array:
             return _attention_block(q[:, a:b], k[:, :b], v[:, :b], allowed[:, a:b, :b], scale, logit_softcap,
-                                    compute_dtype)
+                                    compute_dtype, sinks)
 
         return jnp.concatenate([jax.checkpoint(functools.partial(block, a, min(a + query_chunk, t)))()
                                 for a in range(0, t, query_chunk)], axis=1)
@@ -250,7 +275,7 @@ def grouped_query_attention(
     def chunk(start: jax.Array | int, size: int) -> jax.Array:
         return _attention_block(jax.lax.dynamic_slice_in_dim(q, start, size, axis=1), k, v,
                                 jax.lax.dynamic_slice_in_dim(allowed, start, size, axis=1), scale, logit_softcap,
-                                compute_dtype)
+                                compute_dtype, sinks)
 
     blocks = jax.lax.map(jax.checkpoint(lambda start: chunk(start, query_chunk)),
                          jnp.arange(n_full, dtype=jnp.int32) * query_chunk)  # [n, B, chunk, H * hd]
@@ -261,12 +286,15 @@ def grouped_query_attention(
 
 
 def _attention_block(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, scale: float,
-                     logit_softcap: float | None, compute_dtype: jnp.dtype | str) -> jax.Array:
+                     logit_softcap: float | None, compute_dtype: jnp.dtype | str,
+                     sinks: jax.Array | None = None) -> jax.Array:
     b, t, h, hd = q.shape
     kvh = k.shape[2]
     q = q.reshape(b, t, kvh, h // kvh, hd)
     scores = precision.einsum("btkgd,bskd->bkgts", q, k, compute_dtype, jnp.float32)
-    probs = masked_softmax(scores, allowed[:, None, None], scale, logit_softcap)
+    grouped = head_sinks(sinks, kvh)  # [KVH, G, 1] -> [KVH, G, 1, 1] against scores [B, KVH, G, T, S]
+    probs = masked_softmax(scores, allowed[:, None, None], scale, logit_softcap,
+                           None if grouped is None else grouped[..., None])
     out = precision.einsum("bkgts,bskd->btkgd", probs, v, compute_dtype)
     return out.reshape(b, t, h * hd)
 

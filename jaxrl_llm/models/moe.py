@@ -58,11 +58,20 @@ def route(logits: jax.Array, k: int, *, renormalize: bool, replay: jax.Array | N
 
 
 class Experts(NamedTuple):
-    """The experts' weights: `gate, up [E, D, I]`, `down [E, I, D]` (any float dtype; cast to the compute dtype)."""
+    """The experts' weights: `gate, up [E, D, I]`, `down [E, I, D]` (any float dtype; cast to the compute dtype),
+    and gpt-oss's biases `gate_bias, up_bias [E, I]`, `down_bias [E, D]` (added in float32; None elsewhere)."""
 
     gate: jax.Array
     up: jax.Array
     down: jax.Array
+    gate_bias: jax.Array | None = None
+    up_bias: jax.Array | None = None
+    down_bias: jax.Array | None = None
+
+
+def _plus_bias(y: jax.Array, bias: jax.Array | None, expert: jax.Array) -> jax.Array:
+    """`y [..., N]` float32 plus row-wise `bias[expert] ([E, N] gathered by expert [...])`, or `y` without a bias."""
+    return y if bias is None else y + bias.astype(jnp.float32)[expert]
 
 
 def _ragged(x: jax.Array, w: jax.Array, sizes: jax.Array, dtype: jnp.dtype) -> jax.Array:
@@ -112,8 +121,9 @@ def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, *, tiled: bool 
 
 
 def experts_ragged(x: jax.Array, experts: jax.Array, weights: jax.Array, w: Experts, *, hidden_act: str = "silu",
-                   valid: jax.Array | None = None, dtype: jnp.dtype | str = jnp.float32,
-                   out_dtype: jnp.dtype | str | None = None, first_expert: jax.Array | int = 0) -> jax.Array:
+                   clamp: tuple[float, float] | None = None, valid: jax.Array | None = None,
+                   dtype: jnp.dtype | str = jnp.float32, out_dtype: jnp.dtype | str | None = None,
+                   first_expert: jax.Array | int = 0) -> jax.Array:
     """``y_n = sum_j weights_nj * expert_{experts_nj}(x_n)`` dropless, by grouped matmuls.
 
     The `N * k` (token, expert) assignments are sorted by expert, so each expert's tokens are one contiguous group
@@ -124,6 +134,9 @@ def experts_ragged(x: jax.Array, experts: jax.Array, weights: jax.Array, w: Expe
     ``w`` may hold a contiguous slice of the experts, ids ``first_expert ..`` (one device's under expert
     parallelism, `experts_parallel`): assignments to any other expert are left out like padding, so the result
     is those experts' share of ``y``.
+
+    Each expert is ``down(act(gate x + b_gate) * (up x + b_up)) + b_down`` (biases: gpt-oss's, where ``w`` has them;
+    ``act`` per `layers.gated_activation` with ``hidden_act`` and ``clamp``).
 
     Shapes: ``x [N, D]``, ``experts, weights [N, k]``, ``valid [N]`` -> ``[N, D]`` in ``out_dtype`` (default
     ``x``'s). Operands in ``dtype``, float32 accumulation (the precision policy of `precision.matmul`).
@@ -140,8 +153,11 @@ def experts_ragged(x: jax.Array, experts: jax.Array, weights: jax.Array, w: Expe
     sizes = jnp.bincount(flat, length=num_experts + 1)[:num_experts].astype(jnp.int32)
     rows = x[token]
     dtype = jnp.dtype(dtype)
-    h = gated_activation(_ragged(rows, w.gate, sizes, dtype), _ragged(rows, w.up, sizes, dtype), hidden_act)
-    y = _ragged(h.astype(dtype), w.down, sizes, dtype)  # [N * k, D] float32; rows in no group are 0
+    row_expert = jnp.minimum(flat[order], num_experts - 1)  # rows of no expert borrow the last one's bias: dropped
+    gate = _plus_bias(_ragged(rows, w.gate, sizes, dtype), w.gate_bias, row_expert)
+    up = _plus_bias(_ragged(rows, w.up, sizes, dtype), w.up_bias, row_expert)
+    h = gated_activation(gate, up, hidden_act, clamp)
+    y = _plus_bias(_ragged(h.astype(dtype), w.down, sizes, dtype), w.down_bias, row_expert)  # [N * k, D] float32
     routed = flat[order] < num_experts
     y = jnp.where(routed[:, None], y * weights.reshape(-1)[order][:, None].astype(jnp.float32), 0.0)
     out = jnp.zeros((n, x.shape[-1]), jnp.float32).at[token].add(y)
@@ -149,7 +165,8 @@ def experts_ragged(x: jax.Array, experts: jax.Array, weights: jax.Array, w: Expe
 
 
 def experts_parallel(x: jax.Array, experts: jax.Array, weights: jax.Array, w: Experts, mesh: Mesh, *,
-                     hidden_act: str = "silu", valid: jax.Array | None = None, dtype: jnp.dtype | str = jnp.float32,
+                     hidden_act: str = "silu", clamp: tuple[float, float] | None = None,
+                     valid: jax.Array | None = None, dtype: jnp.dtype | str = jnp.float32,
                      out_dtype: jnp.dtype | str | None = None) -> jax.Array:
     """`experts_ragged` with the experts split over the mesh's ``expert`` axis (size ``n``): the device at position
     ``i`` of that axis holds experts ``[i E/n, (i+1) E/n)`` (``w`` sharded on its expert dimension, as
@@ -177,20 +194,21 @@ def experts_parallel(x: jax.Array, experts: jax.Array, weights: jax.Array, w: Ex
         if split:
             x, experts, weights, valid = (jax.lax.all_gather(a, "expert", tiled=True)
                                           for a in (x, experts, weights, valid))
-        part = experts_ragged(x, experts, weights, w, hidden_act=hidden_act, valid=valid, dtype=dtype,
+        part = experts_ragged(x, experts, weights, w, hidden_act=hidden_act, clamp=clamp, valid=valid, dtype=dtype,
                               out_dtype=jnp.float32, first_expert=jax.lax.axis_index("expert") * local)
         if split:
             return jax.lax.psum_scatter(part, "expert", scatter_dimension=0, tiled=True)
         return jax.lax.psum(part, "expert")
 
-    y = jax.shard_map(shard, mesh=mesh, in_specs=(row, row, row, row, Experts(weight, weight, weight)),
+    w_spec = Experts(*(None if a is None else weight for a in w))
+    y = jax.shard_map(shard, mesh=mesh, in_specs=(row, row, row, row, w_spec),
                       out_specs=row, check_vma=False)(x, experts, weights, valid, w)
     return y.astype(out_dtype or x.dtype)
 
 
 def experts_dense(x: jax.Array, experts: jax.Array, weights: jax.Array, w: Experts, *, hidden_act: str = "silu",
-                  valid: jax.Array | None = None, dtype: jnp.dtype | str = jnp.float32,
-                  out_dtype: jnp.dtype | str | None = None) -> jax.Array:
+                  clamp: tuple[float, float] | None = None, valid: jax.Array | None = None,
+                  dtype: jnp.dtype | str = jnp.float32, out_dtype: jnp.dtype | str | None = None) -> jax.Array:
     """The same function as `experts_ragged`, computed the plain way for tests: every expert on every token
     (``[N, E, I]`` and ``[N, E, D]`` intermediates), combined with a dense ``[N, E]`` matrix of the top-k weights."""
     n = x.shape[0]
@@ -199,10 +217,11 @@ def experts_dense(x: jax.Array, experts: jax.Array, weights: jax.Array, w: Exper
     combine = jnp.zeros((n, num_experts), jnp.float32).at[jnp.arange(n)[:, None], experts].add(weights)
     if valid is not None:
         combine = jnp.where(valid[:, None], combine, 0.0)
-    gate = precision.einsum("nd,edi->nei", x, w.gate, dtype, jnp.float32)
-    up = precision.einsum("nd,edi->nei", x, w.up, dtype, jnp.float32)
-    h = gated_activation(gate, up, hidden_act)
-    y = precision.einsum("nei,eid->ned", h, w.down, dtype, jnp.float32)
+    every = jnp.arange(num_experts)[None]  # [1, E]: each token through every expert
+    gate = _plus_bias(precision.einsum("nd,edi->nei", x, w.gate, dtype, jnp.float32), w.gate_bias, every)
+    up = _plus_bias(precision.einsum("nd,edi->nei", x, w.up, dtype, jnp.float32), w.up_bias, every)
+    h = gated_activation(gate, up, hidden_act, clamp)
+    y = _plus_bias(precision.einsum("nei,eid->ned", h, w.down, dtype, jnp.float32), w.down_bias, every)
     return jnp.einsum("ne,ned->nd", combine, y).astype(out_dtype or x.dtype)
 
 

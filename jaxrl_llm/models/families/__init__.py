@@ -60,6 +60,13 @@ class Family:
     # our kernel -> (its fused HF tensor, the part's index in the concatenation) (Phi-3's qkv_proj, gate_up_proj)
     fused_tensors: Mapping[TensorPath, tuple[str, int]] = dataclasses.field(default_factory=dict)
     moe: bool = False  # a mixture of experts on every layer (`moe_fields` reads its config.json keys)
+    # our expert parameter -> (the HF tensor holding every expert in our own `[E, ..., out]` layout, part, parts):
+    # the tensor's last axis interleaves `parts` parameters, ours at `part::parts` (gpt-oss's gate_up_proj: the gate
+    # at 0, up at 1). Experts not listed are one `[out, in]` tensor per expert, as Llama names its MLP.
+    stacked_tensors: Mapping[TensorPath, tuple[str, int, int]] = dataclasses.field(default_factory=dict)
+    # attention sinks, a biased router, biased experts with the clamped SwiGLU (gpt-oss): a config with any of them
+    # exports only as a family that has them
+    sinks_and_clamped_experts: bool = False
 
 
 def moe_fields(hf: dict[str, Any], *, expert_size_key: str, renormalize: bool | None = None) -> dict[str, Any]:
@@ -89,7 +96,7 @@ def moe_keys(c: ModelConfig) -> dict[str, Any]:
 
 
 FAMILY_MODULES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "qwen3_moe", "qwen2_moe",
-                  "mixtral", "olmoe")
+                  "mixtral", "olmoe", "gpt_oss")
 FAMILIES: dict[str, Family] = {
     f.model_type: f for f in (importlib.import_module(f"{__name__}.{name}").FAMILY for name in FAMILY_MODULES)
 }
