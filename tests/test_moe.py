@@ -1,8 +1,8 @@
 """Mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, gpt-oss) against transformers' PyTorch models, float32
 on CPU: the experts each token is routed to, gradients of the router, experts and shared expert against torch
-autograd, the load-balancing loss, the grouped-matmul path against the dense reference, routing replay, the export round trip and
-the rollout engine. Logit parity in float32 and bfloat16 and greedy parity with `generate` run for these families
-with every other one (`conftest.FAMILIES`: test_models.py, test_model_families.py)."""
+autograd, the load-balancing loss, the grouped-matmul path against the dense reference, routing replay, the export
+round trip and the rollout engine. Logit parity in float32 and bfloat16 and greedy parity with `generate` run for
+these families with every other one (`conftest.FAMILIES`: test_models.py, test_model_families.py)."""
 
 from __future__ import annotations
 
