@@ -140,7 +140,7 @@ def main() -> None:
             for i, w in enumerate(layers):
                 cos, sin = inputs[c.is_sliding(i)]
                 ops = packed_step_ops(w, c) if packed else step_ops(w, c)
-                x, _, _ = transformer_block(x, ops, lambda q, k, v: (q.reshape(s, 1, -1), None), cos, sin, c)
+                x, _, _ = transformer_block(x, ops, lambda q, k, v, sinks: (q.reshape(s, 1, -1), None), cos, sin, c)
             if packed:  # the final norm in the head's kernel, as the engine's step
                 logits = packed_logits(step_weights.head, c, x[:, 0], params["final_norm"]["scale"])
             else:
@@ -165,9 +165,9 @@ def main() -> None:
             new = []
             for cache_ in caches:
                 if backend == "xla":
-                    out, cache_ = slot_attention(c, cache_, position, allowed)(q, k0, k0)
+                    out, cache_ = slot_attention(c, cache_, position, allowed)(q, k0, k0, None)
                 else:
-                    out, cache_ = kernel_attention(c, cache_, table, slots, position + 1, backend)(q, k0, k0)
+                    out, cache_ = kernel_attention(c, cache_, table, slots, position + 1, backend)(q, k0, k0, None)
                 q = out.reshape(q_shape).astype(c.jnp_dtype)
                 new.append(cache_)
             return q, new

@@ -163,6 +163,51 @@ def test_grouped_matmuls_equal_the_dense_reference(random_moe):
     np.testing.assert_allclose(ragged[n], by_hand, atol=1e-5)
 
 
+def test_every_expert_form_computes_the_same_function_with_gpt_oss_biases_and_clamp():
+    """The samplers' fused form (`moe.fused_experts`: every expert in two matmuls), the grouped matmuls and the dense
+    reference agree, plain and with gpt-oss's biases and clamped SwiGLU (by hand for one token: clip, +1, sigmoid
+    gain, the biases inside each expert and the down bias weighted by the gate)."""
+    rng = np.random.default_rng(1)
+    n, d, i, e = 19, 32, 16, 8
+    x = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
+    experts = jnp.asarray(np.stack([rng.choice(e, 2, replace=False) for _ in range(n)]), jnp.int32)
+    weights = jnp.asarray(rng.random((n, 2)), jnp.float32)
+    valid = jnp.asarray(rng.random(n) < 0.8)
+    mats = [jnp.asarray(rng.normal(size=s) * 0.3, jnp.float32) for s in ((e, d, i), (e, d, i), (e, i, d))]
+    biases = [jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((e, i), (e, i), (e, d))]
+    for w, clamp in ((moe.Experts(*mats), None), (moe.Experts(*mats, *biases), (1.702, 0.5))):
+        ragged = moe.experts_ragged(x, experts, weights, w, clamp=clamp, valid=valid)
+        dense = moe.experts_dense(x, experts, weights, w, clamp=clamp, valid=valid)
+        fused = moe.fused_experts(x, experts, weights, moe.fuse_experts(w, jnp.float32), e, clamp=clamp, valid=valid)
+        np.testing.assert_allclose(ragged, dense, atol=1e-5)
+        np.testing.assert_allclose(fused, dense, atol=1e-5)
+        assert np.all(np.asarray(fused)[~np.asarray(valid)] == 0.0)
+    m = int(np.flatnonzero(np.asarray(valid))[0])
+
+    def expert(j: int) -> np.ndarray:
+        gate = np.asarray(x[m] @ mats[0][j] + biases[0][j])
+        up = np.clip(np.asarray(x[m] @ mats[1][j] + biases[1][j]), -0.5, 0.5)
+        g = np.minimum(gate, 0.5)
+        return ((up + 1) * g / (1 + np.exp(-1.702 * g))) @ np.asarray(mats[2][j]) + np.asarray(biases[2][j])
+
+    by_hand = sum(float(weights[m, j]) * expert(int(ex)) for j, ex in enumerate(np.asarray(experts[m])))
+    np.testing.assert_allclose(fused[m], by_hand, atol=1e-4)
+
+
+def test_the_samplers_fuse_the_experts_where_it_is_faster(random_moe):
+    """`decode.fused_step_experts`: on the CPU, few experts per top-k slot (8 of top-2) in either dtype, many (128 of
+    top-8) in bfloat16 only; never for the dense reference; the step weights then hold `FusedExperts`."""
+    from jaxrl_llm.models.decode import fused_step_experts, split_layers, step_weights
+
+    config, params = random_moe  # 8 experts, top-2
+    assert fused_step_experts(config) and fused_step_experts(config.replace(dtype="bfloat16"))
+    assert not fused_step_experts(config.replace(moe_compute="dense"))
+    wide = config.replace(num_experts=128, num_experts_per_tok=8)
+    assert fused_step_experts(wide.replace(dtype="bfloat16")) and not fused_step_experts(wide)
+    (w, _) = step_weights(split_layers(params, config), config)
+    assert isinstance(w.experts, moe.FusedExperts) and w.experts.gate_up.shape == (32, 8 * 2 * 16)
+
+
 def test_routing_replay_is_exact_and_the_router_still_learns(random_moe):
     """Replaying the live selection gives the live logits and the live gradient (router included); replaying
     another selection uses it on every token (disagreement 0 against it) and the router still gets a gradient, from

@@ -225,6 +225,59 @@ def experts_dense(x: jax.Array, experts: jax.Array, weights: jax.Array, w: Exper
     return jnp.einsum("ne,ned->nd", combine, y).astype(out_dtype or x.dtype)
 
 
+class FusedExperts(NamedTuple):
+    """Every expert as one matrix, for the samplers' token steps on the CPU (`fused_experts`): `gate_up [D, E * 2I]`
+    (expert e's gate columns, then its up columns, at `e * 2I`), `down [E * I, D]`, and gpt-oss's biases
+    `gate_up_bias [E * 2I]` float32 and `down_bias [E, D]` float32 (None elsewhere)."""
+
+    gate_up: jax.Array
+    down: jax.Array
+    gate_up_bias: jax.Array | None = None
+    down_bias: jax.Array | None = None
+
+
+def fuse_experts(w: Experts, dtype: jnp.dtype | str) -> FusedExperts:
+    """`Experts` in `FusedExperts`' layout (matrices in `dtype`): one copy of the experts' weights, made once per
+    sampling call."""
+    e, d, i = w.gate.shape
+    gate_up = jnp.concatenate([w.gate, w.up], axis=-1).transpose(1, 0, 2).reshape(d, e * 2 * i).astype(dtype)
+    bias = None
+    if w.gate_bias is not None and w.up_bias is not None:
+        bias = jnp.concatenate([w.gate_bias, w.up_bias], axis=-1).reshape(-1).astype(jnp.float32)
+    down_bias = None if w.down_bias is None else w.down_bias.astype(jnp.float32)
+    return FusedExperts(gate_up, w.down.reshape(e * i, d).astype(dtype), bias, down_bias)
+
+
+def fused_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w: FusedExperts, num_experts: int, *,
+                  hidden_act: str = "silu", clamp: tuple[float, float] | None = None, valid: jax.Array | None = None,
+                  dtype: jnp.dtype | str = jnp.float32, out_dtype: jnp.dtype | str | None = None) -> jax.Array:
+    """The same function as `experts_ragged`, as two plain matmuls over all ``num_experts`` experts:
+    ``h = act(x gate_up)`` ``[N, E, I]``, scaled by each token's dense ``[N, E]`` top-k weights (0 off its top-k),
+    then ``h down`` (plus the top-k weights times the down biases).
+
+    ``E / k`` times the routed flops, but each expert's weights are read once, by one matmul: where a step's tokens
+    reach most experts anyway (a sampler's step), XLA:CPU runs this faster than the grouped matmul's tiles of a few
+    rows (`decode.fused_step_experts` says where the samplers use it; bench/README.md has the figures).
+
+    Shapes: ``x [N, D]``, ``experts, weights [N, k]``, ``valid [N]`` -> ``[N, D]`` in ``out_dtype`` (default
+    ``x``'s). Operands in ``dtype``, float32 accumulation.
+    """
+    n, e = x.shape[0], num_experts
+    size = w.down.shape[0] // e
+    combine = jnp.zeros((n, e), jnp.float32).at[jnp.arange(n)[:, None], experts].add(weights.astype(jnp.float32))
+    if valid is not None:
+        combine = jnp.where(valid[:, None], combine, 0.0)
+    gate_up = precision.einsum("nd,df->nf", x, w.gate_up, dtype, jnp.float32)
+    if w.gate_up_bias is not None:
+        gate_up = gate_up + w.gate_up_bias
+    gate_up = gate_up.reshape(n, e, 2 * size)
+    h = gated_activation(gate_up[..., :size], gate_up[..., size:], hidden_act, clamp) * combine[..., None]
+    y = precision.einsum("nf,fd->nd", h.reshape(n, e * size), w.down, dtype, jnp.float32)
+    if w.down_bias is not None:
+        y = y + combine @ w.down_bias
+    return y.astype(out_dtype or x.dtype)
+
+
 def load_balancing_loss(router_logits: jax.Array, k: int, mask: jax.Array | None = None) -> jax.Array:
     """The auxiliary load-balancing loss as transformers computes it (Switch Transformer, Fedus et al. 2021, eq. 4;
     `load_balancing_loss_func` of the Mixtral / Qwen-MoE / OLMoE models), over every layer's tokens together::
