@@ -5,14 +5,16 @@
         y        ~ pi_old(. | prompt), G samples each                       jaxrl_llm.sampling.sample (jitted)
         r        = 1 if y's answer is right else 0                          math_answer_reward (host)
         A        = (r - mean_group(r)) / (std_group(r) + eps)               rl.group_normalized_advantages
-        loss     = token-mean of -min(rho A, clip(rho, 1 - e, 1 + e) A)     rl.clipped_policy_loss
-                   + beta * KL(pi || pi_ref)                                (k3; beta = 0 in the default job)
+        rho_t    = pi(y_t | x, y_<t) / pi_old(y_t | x, y_<t)                grpo_loss, below
+        loss     = token-mean of -min(rho A, clip(rho, 1 - e, 1 + e) A)     grpo_loss (= rl.clipped_policy_loss,
+                   + beta * k3(pi, pi_ref)                                  a test checks; beta = 0 by default)
         params  <- AdamW(clip_by_global_norm(grad loss))                    optax, warmup then constant lr
 
-No config system, no trainer, no shell: `python examples/nano_grpo.py` trains `models/arith-base` on
-`data/arithmetic` with the default job's settings (`configs/grpo_arithmetic.yaml`: 150 steps of 16 prompts x 8
-samples, lr 1e-4 with 5 warmup steps, bf16 matmuls) and prints the held-out greedy accuracy before and after
-(README: the two side by side). `python train.py --algo grpo` adds what a run needs around this loop:
+The loss is written out here; everything it imports is the model, the sampler, the data readers and the RL layer's
+advantages and log-probs. No config system, no trainer, no shell: `python examples/nano_grpo.py` trains
+`models/arith-base` on `data/arithmetic` with the default job's settings (`configs/grpo_arithmetic.yaml`: 150
+steps of 16 prompts x 8 samples, lr 1e-4 with 5 warmup steps, bf16 matmuls) and prints the held-out greedy
+accuracy before and after. `python train.py --algo grpo` adds what a run needs around this loop:
 checkpoints, resume, evaluation cadence, logging, health checks, sharding, LoRA, the other algorithms.
 """
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import re
 import time
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -30,12 +33,10 @@ import numpy as np
 import optax
 
 from jaxrl_llm.data import bucket, left_pad, load_tokenizer, read_jsonl
-from jaxrl_llm.evaluation import decode_completions
+from jaxrl_llm.models.decoder import completion_hidden, unembed
 from jaxrl_llm.models.hf import load_hf_model
-from jaxrl_llm.rewards.math_answers import math_answer_reward
-from jaxrl_llm.rl import PolicyLossOptions, clipped_policy_loss, group_normalized_advantages
-from jaxrl_llm.sampling import SamplingConfig, sample
-from jaxrl_llm.trainers.objectives import completion_logprobs
+from jaxrl_llm.rl import group_normalized_advantages, token_logprobs
+from jaxrl_llm.sampling import SampleOutput, SamplingConfig, sample
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,18 +60,42 @@ def prompt_batch(tokenizer: Any, problems: list[dict[str, Any]]) -> tuple[np.nda
     return left_pad(ids, bucket(max(map(len, ids))), tokenizer.pad_token_id)
 
 
-def grpo_loss(params: Any, ref_params: Any, config: Any, batch: Batch, *, epsilon: float, beta: float,
-              temperature: float) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The clipped surrogate on the group advantages, token-mean, plus beta * k3 KL to the reference."""
-    def logprobs(p: Any) -> jax.Array:  # log pi(y_t | x, y_<t) [N, T]: one forward over prompt + completion
-        return completion_logprobs(p, config, batch.prompt_tokens, batch.prompt_mask, batch.tokens, batch.mask,
-                                   temperature=temperature)[0]
+def completions_text(tokenizer: Any, out: SampleOutput) -> list[str]:
+    """The completions as text: each row's tokens under its mask (through EOS), special tokens dropped."""
+    rows = [t[m.astype(bool)].tolist() for t, m in zip(np.asarray(out.tokens), np.asarray(out.mask), strict=True)]
+    return tokenizer.batch_decode(rows, skip_special_tokens=True)
 
-    logp = logprobs(params)
-    ref_logp = jax.lax.stop_gradient(logprobs(ref_params)) if beta else None
-    options = PolicyLossOptions(epsilon_low=epsilon, epsilon_high=epsilon, kl_estimator="k3", aggregation="token-mean")
-    return clipped_policy_loss(logp, batch.old_logp, batch.advantages, batch.mask, options, ref_logp=ref_logp,
-                               kl_coef=beta)
+
+def exact_answer(completions: list[str], answers: list[str]) -> np.ndarray:
+    """1.0 where the completion's last number is the answer, else 0.0 (the default job's reward on its data)."""
+    last = [re.findall(r"-?\d+", c)[-1:] for c in completions]
+    return np.asarray([float(n == [str(a)]) for n, a in zip(last, answers, strict=True)], np.float32)
+
+
+def completion_logp(params: Any, config: Any, batch: Batch, temperature: float) -> jax.Array:
+    """log pi(y_t | x, y_<t) `[N, T]`: one forward over prompt + completion[:-1], the state at P - 1 + t
+    predicting y_t, its logits at `temperature`."""
+    hidden = completion_hidden(params, config, batch.prompt_tokens, batch.prompt_mask, batch.tokens, batch.mask)
+    return token_logprobs(unembed(params, config, hidden), batch.tokens, temperature=temperature)
+
+
+def grpo_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mask: jax.Array, *, epsilon: float,
+              beta: float = 0.0, ref_logp: jax.Array | None = None) -> jax.Array:
+    """GRPO's loss on `[N, T]` log-probs, one advantage per row `[N]`, the completion mask `[N, T]`:
+
+        rho_t = exp(logp_t - old_logp_t)
+        s_t   = min(rho_t A, clip(rho_t, 1 - epsilon, 1 + epsilon) A)      the clipped surrogate (PPO's)
+        k3_t  = exp(ref_t - logp_t) - (ref_t - logp_t) - 1                 Schulman's k3 estimate of KL(pi || ref)
+        loss  = sum_t mask_t (-s_t + beta k3_t) / sum_t mask_t             the token-mean over the whole batch
+    """
+    a = advantages[:, None]
+    ratio = jnp.exp(jnp.where(mask > 0, logp - old_logp, 0.0))
+    surrogate = jnp.minimum(ratio * a, jnp.clip(ratio, 1 - epsilon, 1 + epsilon) * a)
+    per_token = -surrogate
+    if beta and ref_logp is not None:
+        log_ref_ratio = jnp.where(mask > 0, ref_logp - logp, 0.0)
+        per_token = per_token + beta * (jnp.exp(log_ref_ratio) - log_ref_ratio - 1)
+    return jnp.sum(per_token * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "optimizer", "epsilon", "beta", "temperature"))
@@ -78,12 +103,16 @@ def train_step(params: Any, opt_state: Any, ref_params: Any, batch: Batch, *, co
                optimizer: optax.GradientTransformation, epsilon: float, beta: float,
                temperature: float) -> tuple[Any, Any, dict[str, jax.Array]]:
     """One AdamW update on the whole rollout (the default job's mu = 1, one minibatch)."""
-    loss_fn = functools.partial(grpo_loss, config=config, batch=batch, epsilon=epsilon, beta=beta,
-                                temperature=temperature)
-    (loss, metrics), grads = jax.value_and_grad(lambda p: loss_fn(p, ref_params), has_aux=True)(params)
+    ref_logp = jax.lax.stop_gradient(completion_logp(ref_params, config, batch, temperature)) if beta else None
+
+    def loss_fn(p: Any) -> jax.Array:
+        logp = completion_logp(p, config, batch, temperature)
+        return grpo_loss(logp, batch.old_logp, batch.advantages, batch.mask, epsilon=epsilon, beta=beta,
+                         ref_logp=ref_logp)
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
     updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, {**metrics, "loss": loss,
-                                                             "grad_norm": optax.tree.norm(grads)}
+    return optax.apply_updates(params, updates), opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
 
 def accuracy(params: Any, config: Any, tokenizer: Any, problems: list[dict[str, Any]], max_new_tokens: int,
@@ -96,8 +125,7 @@ def accuracy(params: Any, config: Any, tokenizer: Any, problems: list[dict[str, 
         chunk = problems[start:start + batch_size]
         tokens, mask = prompt_batch(tokenizer, chunk)
         out = jax.device_get(sample(params, config, tokens, mask, jax.random.key(0), greedy))
-        completions = decode_completions(tokenizer, out)
-        right += sum(math_answer_reward([], completions, answer=[p["answer"] for p in chunk]))
+        right += float(exact_answer(completions_text(tokenizer, out), [p["answer"] for p in chunk]).sum())
     return right / len(problems)
 
 
@@ -144,8 +172,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         out = jax.device_get(sample(params, config, prompt_tokens, prompt_mask, jax.random.fold_in(key, step),
                                     rollout))
         answers = [p["answer"] for p in problems for _ in range(args.group)]
-        rewards = np.asarray(math_answer_reward([], decode_completions(tokenizer, out), answer=answers),
-                             np.float32)
+        rewards = exact_answer(completions_text(tokenizer, out), answers)
         advantages = group_normalized_advantages(jnp.asarray(rewards), group_size=args.group)
         batch = Batch(np.repeat(prompt_tokens, args.group, 0), np.repeat(prompt_mask, args.group, 0),
                       out.tokens, out.mask, out.logprobs_untruncated, advantages)

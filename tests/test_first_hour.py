@@ -108,8 +108,10 @@ def test_readme_section_runs_as_written_from_another_folder(tmp_path, tiny_chat_
 
 
 def test_readme_python_quickstart_runs(tmp_path, tiny_chat_model, monkeypatch, capsys):
+    """README's task from Python (docs/configuration.md, "From Python"), on README's files."""
     section = _section()
-    code = re.search(r"<!-- python -->\n```python\n(.*?)```", section, re.S).group(1)
+    docs = (ROOT / "docs" / "configuration.md").read_text()
+    code = re.search(r"<!-- python -->\n```python\n(.*?)```", docs, re.S).group(1)
     for name, body in re.findall(r"<!-- file: (\S+) -->\n```\w*\n(.*?)```", section, re.S):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(body)
@@ -120,7 +122,7 @@ def test_readme_python_quickstart_runs(tmp_path, tiny_chat_model, monkeypatch, c
         assert code.count(old) == 1, old  # the README changed: update this test's shrinking
         code = code.replace(old, new)
     monkeypatch.chdir(tmp_path)  # in this process (the API is Python): the snippet reads my_task/ from here
-    exec(compile(code, "README.md", "exec"), {"__name__": "readme_quickstart"})
+    exec(compile(code, "docs/configuration.md", "exec"), {"__name__": "readme_quickstart"})
     summary = read_summary(tmp_path / "runs" / "my_task_api")
     assert "eval/accuracy" in summary["after"]
     assert "eval/accuracy" in capsys.readouterr().out  # the snippet prints summary["after"]
