@@ -46,6 +46,23 @@ def chatty(record: dict, **kwargs: object) -> ChattyEnvironment:
     return ChattyEnvironment(record, **kwargs)
 
 
+HUGE = "x" * 2_000_000  # a 2 MB reply
+
+
+class HugeEnvironment(ChattyEnvironment):
+    """Replies to the first turn with 2 MB of text (far past any token budget), then with REPLY."""
+
+    def step(self, text: str) -> StepResult:
+        result = super().step(text)
+        if self.seen == 1:
+            return StepResult([{"role": "tool", "content": HUGE}], 0.0, False, {})
+        return result
+
+
+def huge(record: dict, **kwargs: object) -> HugeEnvironment:
+    return HugeEnvironment(record, **kwargs)
+
+
 class BrokenEnvironment(ChattyEnvironment):
     """Every fourth one hangs at its start; the others raise on odd rows' first step and hang on the others' (past
     env.timeout_s)."""
@@ -222,6 +239,29 @@ def test_a_run_whose_environment_hangs_every_step_pays_the_deadline_and_exits_at
     assert rows[-1]["time/step"] < 1.0 + 30  # the deadline and the tiny model's own work, not the 600 s hang
     last_write = max(path.stat().st_mtime for path in out.rglob("*") if path.is_file())
     assert ended - last_write < 30  # the process did not wait for its 6 hung calls to end
+
+
+def test_a_huge_reply_ends_the_episode_without_being_rendered_or_tokenized(tiny_task, tmp_path, monkeypatch):
+    """An environment answering with 2 MB: its length alone says it cannot fit the episode's token budget, so the
+    episode ends there (as a rendered and counted reply past the budget would end it) and the text never reaches the
+    chat template or the tokenizer (both took minutes on such a reply)."""
+    import jaxrl_llm.trainers.trajectories as trajectories
+
+    rendered: list[int] = []
+    render = trajectories.followup_text
+
+    def spy(tokenizer, messages, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        rendered.append(sum(len(m["content"]) for m in messages))
+        return render(tokenizer, messages, **kwargs)
+
+    monkeypatch.setattr(trajectories, "followup_text", spy)
+    out = tmp_path / "run"
+    config = tiny_run("grpo_arithmetic", out, "data.eval=", "env.name=test_multi_turn:huge", "env.max_tokens=64",
+                      "steps=1", task=tiny_task)
+    make_trainer(config).run()
+    (row,) = read_rows(out, "reward/mean")
+    assert row["turns/mean"] == 1.0  # every episode ended at the huge reply
+    assert rendered == []  # and no reply was rendered: each first step's reply was the huge one
 
 
 def test_a_tool_run_logs_turns_and_shows_conversations(tiny_task, tmp_path):

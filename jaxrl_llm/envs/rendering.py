@@ -33,6 +33,29 @@ def followup_text(tokenizer: Any, messages: list[Message], *, chat: bool) -> str
     return before[end:] + after[len(before):]  # e.g. "\n" + "<|im_start|>tool\n...<|im_end|>\n<|im_start|>assistant\n"
 
 
+def longest_token_chars(tokenizer: Any) -> int:
+    """The most characters one token of `tokenizer` stands for (its longest vocabulary entry or added token, as
+    stored: a byte-level token's string is never shorter than its text), so `n` tokens never hold more than `n`
+    times this many characters. Cached on the tokenizer."""
+    cached = getattr(tokenizer, "_jaxrl_longest_token_chars", None)
+    if cached is None:
+        pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+        cached = max(1, *(len(p) for p in pieces if p))
+        try:
+            tokenizer._jaxrl_longest_token_chars = cached
+        except AttributeError:  # a tokenizer object that takes no new attributes: recomputed next time
+            pass
+    return int(cached)
+
+
+def exceeds_budget(tokenizer: Any, messages: list[Message], tokens: int) -> bool:
+    """Whether `messages` surely take more than `tokens` tokens, decided from their lengths alone (their contents hold
+    more characters than `tokens` tokens can): a huge environment reply is then never rendered or tokenized. False
+    says nothing: render and count them."""
+    limit = tokens * longest_token_chars(tokenizer)
+    return sum(len(str(m.get("content") or "")) for m in messages) > limit
+
+
 def declare_tools(tools: list[Tool], data: DataSection, tokenizer: Any, tool_format: ToolFormat = HERMES
                   ) -> tuple[list[dict[str, Any]] | None, DataSection]:
     """How the tools reach the model: their JSON schemas for a chat template that renders them (else None), and the

@@ -28,7 +28,7 @@ from jaxrl_llm.data import PromptSet, bucket, encode_text, left_pad, render_prom
 from jaxrl_llm.engine import Request, row_keys, sample_output
 from jaxrl_llm.envs.base import Environment, Message, StepResult, resolve_environment
 from jaxrl_llm.envs.deadlines import DeadlineWorkers
-from jaxrl_llm.envs.rendering import declare_tools, followup_text, resolve_tool_format, turn_text
+from jaxrl_llm.envs.rendering import declare_tools, exceeds_budget, followup_text, resolve_tool_format, turn_text
 from jaxrl_llm.envs.tools import resolve_tools
 from jaxrl_llm.models.decoder import Params
 from jaxrl_llm.sampling import SampleOutput, SamplingConfig, sample
@@ -190,6 +190,8 @@ class TrajectoryCollector(RolloutCollector):
             ep = episodes[r]
             result = step_result(self.workers, steps[r], ep, e.timeout_s) if r in steps else StepResult([], done=True)
             ep.record_step(result, e.max_turns)
+            if not ep.done and exceeds_budget(tokenizer, result.messages, e.max_tokens - len(ep.tokens)):
+                ep.done = True  # a reply longer than the budget, known from its length: never rendered nor tokenized
             if not ep.done:  # the environment's messages, rendered; past the token budget the episode ends instead
                 text = followup_text(tokenizer, result.messages, chat=self.data_config.chat_template)
                 ids = encode_text(tokenizer, text, add_special_tokens=False)
