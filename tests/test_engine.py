@@ -178,6 +178,27 @@ def test_a_longrope_model_runs_within_its_original_context_and_is_refused_past_i
     assert engine.allocator.in_use() == 0 and engine.allocator.reserved == 0
 
 
+def test_past_a_longrope_context_the_paged_sampler_hands_the_call_to_the_static_one(hf_model_dir, capsys):
+    """`PagedSampler` (what `train.py`, `eval` and `generate` call): a call past the original context is sampled by
+    the static sampler, whose greedy tokens it returns, saying so once in a line; calls within it stay on the
+    engine (which then holds the pool)."""
+    from jaxrl_llm.engine import PagedSampler
+
+    config, params = load_hf_model(hf_model_dir("phi3_longrope"))
+    tokens, mask = left_padded_batch(config.vocab_size, [5, 3, 1], seed=4)
+    past = SamplingConfig(max_new_tokens=20, greedy=True)  # reaches 25 > 16
+    sampler = PagedSampler(config)
+    expected = np.asarray(sample(params, config, tokens, mask, jax.random.key(0), past).tokens)
+    for _ in range(2):
+        np.testing.assert_array_equal(sampler(params, tokens, mask, jax.random.key(0), past).tokens, expected)
+    err = capsys.readouterr().err
+    assert err.count("the static sampler samples such calls") == 1 and "may reach 25" in err
+    assert sampler.engine is None  # no engine was built for those calls
+    within = SamplingConfig(max_new_tokens=11, greedy=True)
+    sampler(params, tokens, mask, jax.random.key(0), within)
+    assert sampler.engine is not None
+
+
 def test_a_pool_too_small_for_one_request_says_so(hf_model_dir):
     config, params = load_hf_model(hf_model_dir("llama"))
     engine = small_engine(config, num_pages=4)

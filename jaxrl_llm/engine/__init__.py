@@ -10,6 +10,7 @@ conversations kept across turns (docs/engine.md).
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import jax
@@ -17,11 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxrl_llm.engine.model import engine_context_problem
 from jaxrl_llm.engine.pages import default_page_size
 from jaxrl_llm.engine.scheduler import Completion, Conversation, Engine, EngineStats, Request, host_array
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params
 from jaxrl_llm.models.moe import NO_RECORD
+from jaxrl_llm.sampling import sample
 from jaxrl_llm.sampling.config import SampleOutput, SamplingConfig
 from jaxrl_llm.sharding import mesh_of
 
@@ -96,6 +99,7 @@ class PagedSampler:
             config, page_size or default_page_size(), slots, steps_per_call, pages)
         self.attention = attention
         self.engine: Engine | None = None
+        self.handed_over = False  # a call went to the static sampler (said once)
 
     def engine_for(self, sequences: list[tuple[int, int]], n: int, mesh: Mesh | None = None) -> Engine:
         """An engine with a pool for `sequences` (`(prompt length, tokens after it)` each, `n` samples of each) on
@@ -112,7 +116,16 @@ class PagedSampler:
 
     def __call__(self, params: Params, tokens: Any, mask: Any, key: jax.Array,
                  sampling: SamplingConfig, mesh: Mesh | None = None) -> SampleOutput:
+        """`sample`'s result through the engine; a call the engine cannot serve (`engine_context_problem`: a longrope
+        model past its original context) goes to the static sampler, said once in a line on stderr."""
         mesh = mesh if mesh is not None else mesh_of(params, None)
+        why = engine_context_problem(self.config, int(np.asarray(mask).sum(axis=1).max(initial=0))
+                                     + sampling.max_new_tokens)
+        if why is not None:
+            if not self.handed_over:
+                print(f"jaxrl_llm: {why}: the static sampler samples such calls", file=sys.stderr, flush=True)
+                self.handed_over = True
+            return sample(params, self.config, tokens, mask, key, sampling, mesh=mesh)
         engine = self.engine_for([(int(m.sum()), sampling.max_new_tokens) for m in np.asarray(mask)], sampling.n,
                                  mesh)
         return engine_sample(engine, params, self.config, tokens, mask, key, sampling)

@@ -52,16 +52,25 @@ from jaxrl_llm.models.layers import embed_tokens, grouped_query_attention, rms_n
 from jaxrl_llm.models.precision import matmul
 
 
-def check_engine_context(config: ModelConfig, longest: int) -> None:
-    """A longrope model (Phi-3.5 style) switches to its long factors for a whole batch once the batch reaches past
-    its original context (transformers' dynamic update), which a per-row engine cannot reproduce; within that
-    context the short factors hold for every row, exactly. `longest`: the longest context a call may reach (its
-    prompt plus its token limit)."""
+def engine_context_problem(config: ModelConfig, longest: int) -> str | None:
+    """Why the engine cannot sample a call that may reach `longest` tokens (its prompt plus its token limit), or
+    None. A longrope model (Phi-3.5 style) switches to its long factors for a whole batch once the batch reaches past
+    its original context (transformers' dynamic update), which a per-row engine cannot reproduce; within that context
+    the short factors hold for every row, exactly."""
     original = longrope_original(config)
     if original is not None and longest > original:
-        raise ConfigError(f"the rollout engine runs a longrope model (Phi-3.5 style) within its original context of "
-                          f"{original} tokens, and this call may reach {longest}: use sampling.engine=static, or "
-                          f"a shorter sampling.max_new_tokens or data.max_prompt_tokens")
+        return (f"the rollout engine runs a longrope model (Phi-3.5 style) within its original context of "
+                f"{original} tokens, and this call may reach {longest}")
+    return None
+
+
+def check_engine_context(config: ModelConfig, longest: int) -> None:
+    """`ConfigError` where `engine_context_problem` names one (a caller that cannot hand the call to the static
+    sampler: the multi-turn rollout, whose conversations the engine keeps)."""
+    why = engine_context_problem(config, longest)
+    if why is not None:
+        raise ConfigError(f"{why}: use sampling.engine=static, or a shorter sampling.max_new_tokens or "
+                          "data.max_prompt_tokens")
 
 
 def layer_inputs(config: ModelConfig, positions: jax.Array, context: int
