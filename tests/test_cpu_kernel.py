@@ -388,3 +388,47 @@ def test_the_sampling_kernel_draws_each_rows_inverse_cdf(vocab, temperature):
     xla = np.asarray(sample_with_uniform(jnp.asarray(logits), jnp.asarray(uniform), knobs, greedy=False)[0])
     edge = np.minimum(np.abs(target - below), np.abs(cumulative[picked] - target)) < 1e-5 * total
     assert np.all((token == xla) | edge) and (token == xla).mean() > 0.9
+
+
+def test_a_run_whose_kernel_build_fails_says_why_in_its_header_and_trains(tmp_path):
+    """`python train.py --algo grpo` with a compiler that fails: the header names the sampler's paths, attention on
+    XLA with the compiler's first error line as the reason, and the run still trains to its end."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    broken = tmp_path / "broken-c++"
+    broken.write_text('#!/bin/sh\necho "kernel.cc:1:1: error: this compiler is broken on purpose" >&2\nexit 1\n')
+    broken.chmod(0o755)
+    env = {**os.environ, "CXX": str(broken), "JAXRL_LLM_KERNEL_CACHE": str(tmp_path / "kernels")}
+    proc = subprocess.run([sys.executable, "train.py", "--algo", "grpo", "steps=1", "eval_size=8",
+                           "rl.prompts_per_step=4", "rl.group_size=2", f"out_dir={tmp_path / 'run'}"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    header = next(line for line in proc.stdout.splitlines() if "sampler: " in line)
+    assert ("sampler: the rollout engine, attention XLA (no kernel: " in header
+            and "could not build decode_attention.cc: kernel.cc:1:1: error: this compiler is broken on purpose"
+            in header), header
+    assert "step 1/1" in proc.stdout
+
+
+def test_the_header_names_the_kernels_a_run_uses():
+    """`kernels.describe_paths`: the C++ attention where it builds, the AMX matmul only for bfloat16 models on an
+    AMX CPU (else why not), XLA on a mesh (saying so), and the GPU's Pallas kernel unless the model has sinks."""
+    from jaxrl_llm.engine.kernels import describe_paths
+
+    config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+                         num_kv_heads=2, head_dim=8)
+    if cpu_kernel.unavailable_reason() is None:
+        assert describe_paths(config, platform="cpu").startswith("attention the C++ kernel")
+        assert "this one computes in float32" in describe_paths(config, platform="cpu")
+        bf16 = describe_paths(config.replace(dtype="bfloat16"), platform="cpu")
+        amx = cpu_kernel.packed_matmul_unavailable_reason()
+        assert (f"matmuls XLA (no AMX kernel: {amx})" if amx else "matmuls the AMX kernel") in bf16
+    assert describe_paths(config, devices=4, platform="cpu") == ("attention XLA (no kernel: a mesh of 4 devices (the "
+                                                                 "kernels run on one device)); matmuls and sampling XLA")
+    assert describe_paths(config, platform="gpu").startswith("attention Pallas (GPU);")
+    sinks = describe_paths(config.replace(attention_sinks=True), platform="gpu")
+    assert "no kernel: the model has attention sinks" in sinks

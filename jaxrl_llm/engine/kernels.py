@@ -86,6 +86,37 @@ def attention_backend(config: ModelConfig, requested: str, platform: str | None 
     return kernel or "pallas_interpret"
 
 
+def describe_paths(config: ModelConfig, requested: str = "auto", devices: int = 1, platform: str | None = None
+                   ) -> str:
+    """What the rollout engine's decode step runs for `config` on `devices` devices, in words, and where a kernel is
+    not used, why (no compiler, the compiler's first error, no AMX, a float32 model, sinks, a mesh): the attention,
+    the matmuls and the sampling draw. The same choices as `Engine` makes (`attention_backend`)."""
+    platform = platform or jax.default_backend()
+    if devices > 1:
+        attention, why = "xla", f"a mesh of {devices} devices (the kernels run on one device)"
+    else:
+        attention = attention_backend(config, requested, platform)
+        why = None
+        if attention == "xla":
+            why = ("sampling.engine_attention=xla" if requested == "xla" else
+                   cpu_kernel.unavailable_reason() or sinks_unsupported(config) if platform == "cpu" else
+                   kernel_unsupported(config, platform) or f"no paged-attention kernel on {platform}")
+    names = {"cpu": "the C++ kernel" + (" (AVX-512 bf16)" if cpu_kernel.has_avx512_bf16() else ""),
+             "pallas_gpu": "Pallas (GPU)", "pallas_tpu": "Pallas (TPU)", "pallas_interpret": "Pallas (interpreted)",
+             "xla": "XLA"}
+    text = f"attention {names[attention]}" + (f" (no kernel: {why})" if why else "")
+    if attention != "cpu":
+        return f"{text}; matmuls and sampling XLA"
+    if config.jnp_dtype != jnp.bfloat16:
+        matmul = "XLA (the AMX kernel packs bfloat16 models; this one computes in float32)"
+    else:
+        no_amx = cpu_kernel.packed_matmul_unavailable_reason()
+        matmul = f"XLA (no AMX kernel: {no_amx})" if no_amx else "the AMX kernel"
+    no_draw = cpu_kernel.sampling_unavailable_reason()
+    draw = f"XLA ({no_draw})" if no_draw else "the C++ kernel"
+    return f"{text}; matmuls {matmul}; sampling {draw}"
+
+
 def _gpu_blocking(pages_per_sequence: int) -> tuple[int, int]:
     """`(k_splits, pages_per_compute_block)` the GPU kernel accepts for page tables `pages_per_sequence` wide: the
     table splits evenly into `k_splits` partitions (up to 16, the kernel's default, for parallelism over the context)

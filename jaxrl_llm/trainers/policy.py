@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxrl_llm.config import RunConfig
 from jaxrl_llm.data import PromptSet, bucket, build_prompt_set, eos_token_ids, left_pad, load_records, load_tokenizer
 from jaxrl_llm.engine import Engine, PagedSampler
+from jaxrl_llm.engine.kernels import describe_paths
 from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params, init_params
@@ -141,6 +142,15 @@ class Policy:
         if self.config.sampling.engine == "paged":
             return self.paged_sampler()(params, tokens, mask, key, sampling, mesh)
         return sample(params, self.sampler_config, tokens, mask, key, sampling, mesh=mesh)
+
+    def describe_sampler(self) -> str:
+        """The run's sampler in words: the static one, or the rollout engine with the attention, matmul and sampling
+        paths its decode step runs here and why a kernel is not used (`kernels.describe_paths`)."""
+        s = self.config.sampling
+        if s.engine != "paged":
+            return "the static sampler (sampling.engine=static)"
+        mesh = self.sampler_mesh if self.sampler_mesh is not None else self.mesh
+        return f"the rollout engine, {describe_paths(self.sampler_config, s.engine_attention, mesh.size)}"
 
     @property
     def engine(self) -> Engine | None:
