@@ -122,26 +122,26 @@ void Softmax(float* scores, int64_t g_count, int64_t n, int64_t stride, float sc
   }
 }
 
-inline F32x16 Fold(F32x16 x, F32x16 y, I32x16 a, I32x16 b) {
-  return __builtin_shuffle(x, y, a) + __builtin_shuffle(x, y, b);
-}
+// Each level's two lane selections of the pair (x, y) (lanes 16-31 are y's), summed. `__builtin_shufflevector`, which
+// GCC (12 and later) and clang both have, takes its lane indices as constants: spelled out per level.
+#define JAXRL_FOLD(x, y, A, B) (__builtin_shufflevector(x, y, A) + __builtin_shufflevector(x, y, B))
+#define JAXRL_A1 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
+#define JAXRL_B1 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
+#define JAXRL_A2 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27
+#define JAXRL_B2 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31
+#define JAXRL_A3 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29
+#define JAXRL_B3 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31
+#define JAXRL_A4 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30
+#define JAXRL_B4 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31
 
 // v[16] -> one vector whose lane j is the sum of v[bitrev4(j)]'s lanes: a transpose-and-add tree (4 levels of two
 // shuffles and an add), so 16 dot products cost one reduction. Callers store dot product l at v[bitrev4(l)].
 inline F32x16 Reduce16(const F32x16* v) {
-  const I32x16 a1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-  const I32x16 b1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
-  const I32x16 a2 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
-  const I32x16 b2 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
-  const I32x16 a3 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
-  const I32x16 b3 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
-  const I32x16 a4 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
-  const I32x16 b4 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
   F32x16 l1[8], l2[4], l3[2];
-  for (int k = 0; k < 8; ++k) l1[k] = Fold(v[2 * k], v[2 * k + 1], a1, b1);
-  for (int k = 0; k < 4; ++k) l2[k] = Fold(l1[2 * k], l1[2 * k + 1], a2, b2);
-  for (int k = 0; k < 2; ++k) l3[k] = Fold(l2[2 * k], l2[2 * k + 1], a3, b3);
-  return Fold(l3[0], l3[1], a4, b4);
+  for (int k = 0; k < 8; ++k) l1[k] = JAXRL_FOLD(v[2 * k], v[2 * k + 1], JAXRL_A1, JAXRL_B1);
+  for (int k = 0; k < 4; ++k) l2[k] = JAXRL_FOLD(l1[2 * k], l1[2 * k + 1], JAXRL_A2, JAXRL_B2);
+  for (int k = 0; k < 2; ++k) l3[k] = JAXRL_FOLD(l2[2 * k], l2[2 * k + 1], JAXRL_A3, JAXRL_B3);
+  return JAXRL_FOLD(l3[0], l3[1], JAXRL_A4, JAXRL_B4);
 }
 
 constexpr int kBitReverse4[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
