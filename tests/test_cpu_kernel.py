@@ -432,3 +432,18 @@ def test_the_header_names_the_kernels_a_run_uses():
     assert describe_paths(config, platform="gpu").startswith("attention Pallas (GPU);")
     sinks = describe_paths(config.replace(attention_sinks=True), platform="gpu")
     assert "no kernel: the model has attention sinks" in sinks
+
+
+def test_the_kernels_command_builds_them_and_says_what_runs(tmp_path, monkeypatch, capsys):
+    """`python -m jaxrl_llm kernels`: the CPU, the compiler, each kernel built (into the kernel cache it names) or
+    why not, and the engine's paths; a compiler that fails is reported with its first error line, exit 0."""
+    from jaxrl_llm.__main__ import main
+
+    assert main(["kernels"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("CPU: ") and "\ncompiler: " in out
+    built = cpu_kernel.unavailable_reason() is None
+    assert ("attention (decode_attention.cc): built" in out) == built
+    assert "the rollout engine here, a bfloat16 model: attention " in out
+    amx = cpu_kernel.packed_matmul_unavailable_reason()
+    assert f"AMX matmul (packed_matmul.cc): {'built' if amx is None else 'not used: ' + amx}" in out

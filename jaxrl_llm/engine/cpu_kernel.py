@@ -96,6 +96,11 @@ def _compiler() -> str | None:
     return None
 
 
+def compiler_name() -> str | None:
+    """The C++ compiler the kernels are built with (`$CXX`, else c++, g++ or clang++ on the PATH), or None."""
+    return _compiler()
+
+
 def _cpu_signature() -> str:
     """What `-march=native` depends on: the CPU's model and flags (Linux), else the machine name."""
     try:
