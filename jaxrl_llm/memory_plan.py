@@ -462,9 +462,10 @@ def plan_memory(config: ModelConfig, mesh_sizes: tuple[int, ...], *, batch: int,
 
     `engine_page_size > 0` plans the rollout engine (`sampling.engine=paged`, the default) instead of the static
     sampler's cache: its pool of `engine_pages` pages (0: `batch * (ceil(P / ps) + n * ceil((P + T) / ps)) + 1`,
-    the prompt once per group), whole on every device with its KV heads split over `tensor`, plus, with
-    `engine_slot_caches` (the XLA path: a mesh of several devices, or `sampling.engine_attention=xla`), the
-    contiguous per-call caches its decode gathers for every slot (`N` rows, split over `data * fsdp * expert`, of
+    the prompt once per group), split between the data-parallel shards (one engine per position of `data * fsdp *
+    expert`, `engine/sharded.py`) with its KV heads split over `tensor`, plus, with `engine_slot_caches` (the XLA
+    path: a shard of several `tensor` devices, or `sampling.engine_attention=xla`), the contiguous per-call caches
+    its decode gathers for every slot (`N` rows, split over `data * fsdp * expert`, of
     `ceil((P + T) / ps)` pages as `engine.pages.table_width` rounds them; a kernel reads the pages instead;
     docs/engine.md). `engine_packed_weights` (the engine's AMX matmul: one CPU device with AMX, a bfloat16
     model, the CPU attention kernel): the decode step's matrices and LM head packed once more per generate call,
@@ -496,13 +497,14 @@ def plan_memory(config: ModelConfig, mesh_sizes: tuple[int, ...], *, batch: int,
     kv_cache = 2 * _nbytes(cache_block, config.jnp_dtype)
 
     def engine_kv(on: dict[str, int]) -> int:
-        """The engine's pool and one decode call's slot caches on a device of the mesh `on`: every page on every
-        device, KV heads split over `tensor` where they divide; the slots split over `data * fsdp`."""
+        """The engine's pool and one decode call's slot caches on a device of the mesh `on`: the pool and the slots
+        split between the data-parallel shards (`data * fsdp * expert`), KV heads over `tensor` where they divide."""
         kv_heads = _divided(config.num_kv_heads, on["tensor"])
         ps, per_token = engine_page_size, 2 * _nbytes((config.num_layers, kv_heads, config.head_dim), config.jnp_dtype)
         pages = -(-(padded_prompt + new_tokens) // ps)  # one sample's
-        pool = engine_pages or batch * (-(-padded_prompt // ps) + group_size * pages) + 1
-        slot_rows = _divided(rollout_seqs, on["data"] * on["fsdp"] * on["expert"]) if engine_slot_caches else 0
+        shards = on["data"] * on["fsdp"] * on["expert"]
+        pool = -(-(engine_pages or batch * (-(-padded_prompt // ps) + group_size * pages) + 1) // shards)
+        slot_rows = _divided(rollout_seqs, shards) if engine_slot_caches else 0
         return (pool * ps + slot_rows * table_width(pages, ps) * ps) * per_token
 
     if engine_page_size:

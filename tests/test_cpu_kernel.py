@@ -428,7 +428,7 @@ def test_the_header_names_the_kernels_a_run_uses():
         amx = cpu_kernel.packed_matmul_unavailable_reason()
         assert (f"matmuls XLA (no AMX kernel: {amx})" if amx else "matmuls the AMX kernel") in bf16
     mesh = describe_paths(config, devices=4, platform="cpu")
-    assert mesh == ("attention XLA (no kernel: a mesh of 4 devices (the kernels run on one device)); "
+    assert mesh == ("attention XLA (no kernel: 4 devices an engine (the kernels run on one device)); "
                     "matmuls and sampling XLA")
     assert describe_paths(config, platform="gpu").startswith("attention Pallas (GPU);")
     sinks = describe_paths(config.replace(attention_sinks=True), platform="gpu")

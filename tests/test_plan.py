@@ -341,17 +341,18 @@ def test_engine_plan_counts_the_engines_pool_and_slot_caches() -> None:
     kernel = plan.plan_memory(config, (1, 1, 1), batch=prompts, group_size=group, prompt_len=prompt_len,
                               new_tokens=new, engine_page_size=size, engine_slot_caches=False)
     assert kernel.kv_cache == pool
-    # On a (2, 2, 2) mesh: every page on every device with its KV heads halved over tensor; the 12 slots split 4 ways.
+    # On a (2, 2, 2) mesh: one engine per (data, fsdp) position, each with a quarter of the pool and of the 12 slots,
+    # its KV heads halved over its two tensor devices.
     assert config.num_kv_heads % 2 == 0 and (prompts * group) % 4 == 0
     on_mesh = plan.plan_memory(config, (2, 2, 2), batch=prompts, group_size=group, prompt_len=prompt_len,
                                new_tokens=new, engine_page_size=size)
-    assert on_mesh.kv_cache == (pages * size + prompts * group // 4 * width * size) * kv_per_token // 2
+    assert on_mesh.kv_cache == (-(-pages // 4) * size + prompts * group // 4 * width * size) * kv_per_token // 2
 
 
 def test_the_plan_counts_slot_caches_only_where_the_engine_decodes_on_the_xla_path() -> None:
-    """`plan`: the slot caches are planned for `sampling.engine_attention=xla`, a mesh (or sampler mesh) of several
-    devices, and a sliding-window model unless the attention is the CPU kernel (the Pallas kernels have no window);
-    not for a kernel on one device."""
+    """`plan`: the slot caches are planned for `sampling.engine_attention=xla`, engines of several `tensor` devices
+    (a mesh's or the sampler mesh's), and a sliding-window model unless the attention is the CPU kernel (the Pallas
+    kernels have no window); not for a kernel on one device, nor on a mesh of one-device shards."""
     from jaxrl_llm.cli.plan import slot_caches_planned
 
     plain = config_from_hf(dict(LIVE_CASES[0][1]))
@@ -360,8 +361,9 @@ def test_the_plan_counts_slot_caches_only_where_the_engine_decodes_on_the_xla_pa
     assert not slot_caches_planned(plain, {**one, "engine_attention": "auto"})
     assert not slot_caches_planned(plain, {**one, "engine_attention": "cpu"})
     assert slot_caches_planned(plain, {**one, "engine_attention": "xla"})
-    assert slot_caches_planned(plain, {**eight, "engine_attention": "auto"})
-    assert not slot_caches_planned(plain, {**eight, "sampler_mesh": (1, 1, 1), "engine_attention": "auto"})
+    assert not slot_caches_planned(plain, {**eight, "engine_attention": "auto"})  # 8 engines of one device each
+    assert slot_caches_planned(plain, {**eight, "mesh": (4, 1, 2), "engine_attention": "auto"})
+    assert slot_caches_planned(plain, {**eight, "sampler_mesh": (1, 1, 2), "engine_attention": "auto"})
     assert slot_caches_planned(windowed, {**one, "engine_attention": "auto"})
     assert not slot_caches_planned(windowed, {**one, "engine_attention": "cpu"})
 
@@ -428,8 +430,8 @@ def test_sampling_beside_training_counts_the_weight_copies_and_the_sampler_mesh(
 
 def test_the_packed_decode_weights_are_planned_where_the_engine_packs(monkeypatch):
     """`packed_weight_bytes` is the bytes `pack_weights` makes (K not a multiple of 32, a vocabulary not a multiple
-    of 16), added to the sampler weight copy with `engine_packed_weights`; planned only for a bfloat16 model on one
-    CPU device with AMX and the CPU attention kernel."""
+    of 16), added to the sampler weight copy with `engine_packed_weights`; planned only for a bfloat16 model on
+    engines of one CPU device with AMX and the CPU attention kernel."""
     from jaxrl_llm.cli.plan import packed_weights_planned
     from jaxrl_llm.engine import cpu_kernel
     from jaxrl_llm.engine.programs import pack_weights, prepare_weights
@@ -448,7 +450,8 @@ def test_the_packed_decode_weights_are_planned_where_the_engine_packs(monkeypatc
     monkeypatch.setattr(cpu_kernel, "_has_amx", lambda: True)
     assert packed_weights_planned(config, one)
     assert not packed_weights_planned(config, {**one, "engine_attention": "xla"})
-    assert not packed_weights_planned(config, {**one, "mesh": (2, 1, 1)})
+    assert packed_weights_planned(config, {**one, "mesh": (2, 1, 1)})  # two engines of one device each
+    assert not packed_weights_planned(config, {**one, "mesh": (1, 1, 2)})
     assert not packed_weights_planned(dataclasses.replace(config, dtype="float32"), one)
     monkeypatch.setattr(cpu_kernel, "_has_amx", lambda: False)
     assert not packed_weights_planned(config, one)

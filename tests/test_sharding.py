@@ -87,7 +87,12 @@ def run(shape, grad_accum=1, packed=False):
     paged = PagedSampler(config, page_size=8, steps_per_call=32)
     engine_greedy = to_host(paged(placed, prompts_t, prompts_m, jax.random.key(0), sampling))
     engine_sampled = to_host(paged(placed, prompts_t, prompts_m, jax.random.key(4), drawn))
-    pool = paged.engine.pages[0]["k"]
+    engines = getattr(paged.engine, "engines", [paged.engine])  # one per data-parallel shard on a mesh
+    pools = [layer[name] for e in engines for layer in e.pages for name in ("k", "v")]
+    per_device: dict = {}
+    for pool in pools:  # the pool bytes each device holds, read from the arrays' shards
+        for piece in pool.addressable_shards:
+            per_device[piece.device.id] = per_device.get(piece.device.id, 0) + piece.data.nbytes
     specs = {path_string(k): str(tuple(v.sharding.spec)) for k, v in jax.tree_util.tree_flatten_with_path(placed)[0]}
     mu_specs = {path_string(k): str(tuple(v.sharding.spec))
                 for k, v in jax.tree_util.tree_flatten_with_path(opt_state.inner_state[1][0].mu)[0]}
@@ -102,8 +107,13 @@ def run(shape, grad_accum=1, packed=False):
             "engine_tokens": np.asarray(engine_greedy.tokens).tolist(),
             "engine_sampled": np.asarray(engine_sampled.tokens).tolist(),
             "engine_logprobs": np.asarray(engine_sampled.logprobs).tolist(),
-            "engine_pool": {"spec": str(tuple(pool.sharding.spec)), "devices": len(pool.sharding.device_set),
-                            "in_use": paged.engine.allocator.in_use()}}
+            "engine_pool": {"spec": str(tuple(engines[0].pages[0]["k"].sharding.spec)),
+                            "shards": len(engines), "devices": sorted(per_device),
+                            "per_device_bytes": sorted(set(per_device.values())),
+                            "total_bytes": sum(x.nbytes for x in pools),
+                            "attention": sorted({e.attention for e in engines}),
+                            "decode_calls": [e.stats.decode_calls for e in engines],
+                            "in_use": sum(e.allocator.in_use() for e in engines)}}
 
 
 PART = int(sys.argv[1])  # the script runs in two halves, one per pytest-xdist worker
@@ -255,9 +265,11 @@ def test_sampled_tokens_match_one_device(mesh_results: dict, mesh: str) -> None:
 
 @pytest.mark.parametrize("mesh", [f"{m}/1" for m in MESHES])
 def test_the_rollout_engine_on_a_mesh_gives_one_devices_tokens(mesh_results: dict, mesh: str) -> None:
-    """The rollout engine on every mesh: greedy tokens equal the static sampler's on one device, sampled tokens
-    (temperature + top-p) and their log-probs the engine's on one device; the pool's KV heads (2) split over
-    `tensor` where it divides them, every page on every device, and every page back after the call."""
+    """The rollout engine on every mesh, one engine per data-parallel shard: greedy tokens equal the static
+    sampler's on one device, sampled tokens (temperature + top-p) and their log-probs the engine's on one device;
+    each device holds its shard's pool only (the total / data-parallel shards, / tensor where the KV heads (2)
+    split over it), a shard of one device decodes with the C++ kernel, every shard decodes, and every page is back
+    after the call."""
     one, r = mesh_results["one"], mesh_results[mesh]
     np.testing.assert_array_equal(np.asarray(r["engine_tokens"]), np.asarray(one["tokens"]))
     tokens = np.asarray(r["engine_sampled"])
@@ -265,9 +277,17 @@ def test_the_rollout_engine_on_a_mesh_gives_one_devices_tokens(mesh_results: dic
     assert len({tuple(row) for row in tokens}) == len(tokens)
     np.testing.assert_allclose(r["engine_logprobs"], one["engine_logprobs"], atol=1e-5)
     tensor = int(mesh.split("/")[0].strip("()").split(",")[2])
-    assert ("tensor" in r["engine_pool"]["spec"]) == (tensor == 2), r["engine_pool"]  # 4 does not divide 2 heads
-    assert r["engine_pool"]["devices"] == 8 and r["engine_pool"]["in_use"] == 0
-    assert one["engine_pool"]["devices"] == 1
+    pool = r["engine_pool"]
+    assert ("tensor" in pool["spec"]) == (tensor == 2), pool  # 4 does not divide 2 heads
+    assert pool["shards"] == 8 // tensor and len(pool["devices"]) == 8 and pool["in_use"] == 0, pool
+    split = tensor if tensor == 2 else 1
+    assert pool["per_device_bytes"] == [pool["total_bytes"] // pool["shards"] // split], pool
+    assert all(calls >= 1 for calls in pool["decode_calls"]), pool  # every shard's engine decoded
+    from jaxrl_llm.engine import cpu_kernel
+
+    if tensor == 1 and cpu_kernel.unavailable_reason() is None:
+        assert pool["attention"] == ["cpu"], pool  # the kernel on every device
+    assert one["engine_pool"]["devices"] == [0] and one["engine_pool"]["shards"] == 1
 
 
 # What the rules say for this model on the (2, 2, 2) mesh (kernels are [in, out], layers stacked first).

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -140,7 +139,7 @@ def _parser() -> argparse.ArgumentParser:
                    "sampler's cache instead; from a config: its page size, 0 when sampling.engine=static)")
     p.add_argument("--engine-pages", type=int, help="sampling.engine_pages: the engine's pool (0: what a step needs)")
     p.add_argument("--engine-attention", choices=("auto", "xla", "cpu", "pallas"),
-                   help="sampling.engine_attention: xla (or a sampler mesh of several devices, or a sliding-window "
+                   help="sampling.engine_attention: xla (or engines of several tensor devices, or a sliding-window "
                    "model off the CPU kernel) adds the decode call's contiguous slot caches; a kernel reads the pages")
     p.add_argument("--max-tokens-per-microbatch", type=int,
                    help="rl.max_tokens_per_microbatch: plan a packed micro-batch of this many tokens")
@@ -224,18 +223,18 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 def slot_caches_planned(config: ModelConfig, run: dict[str, Any]) -> bool:
     """Whether the engine's decode runs on the XLA path, which gathers contiguous slot caches (docs/engine.md):
-    `sampling.engine_attention=xla`, a sampler mesh of several devices, or a sliding-window model where the
-    attention is not the CPU kernel (the Pallas kernels have no window)."""
-    devices = math.prod(run["sampler_mesh"] or run["mesh"])
+    `sampling.engine_attention=xla`, data-parallel shards of several `tensor` devices each, or a sliding-window
+    model where the attention is not the CPU kernel (the Pallas kernels have no window)."""
+    tensor = (run["sampler_mesh"] or run["mesh"])[-1]
     sliding = any(config.is_sliding(i) for i in range(config.num_layers))
-    return run["engine_attention"] == "xla" or devices > 1 or (sliding and run["engine_attention"] != "cpu")
+    return run["engine_attention"] == "xla" or tensor > 1 or (sliding and run["engine_attention"] != "cpu")
 
 
 def packed_weights_planned(config: ModelConfig, run: dict[str, Any]) -> bool:
     """Whether the engine packs its decode weights for the AMX matmul (docs/engine.md): planned on a CPU whose
-    kernel runs here (`amx_bf16`), for a bfloat16 model on one device with the CPU attention kernel."""
-    devices = math.prod(run["sampler_mesh"] or run["mesh"])
-    return (run["engine_attention"] in ("auto", "cpu") and devices == 1 and config.dtype == "bfloat16"
+    kernel runs here (`amx_bf16`), for a bfloat16 model on shards of one device with the CPU attention kernel."""
+    tensor = (run["sampler_mesh"] or run["mesh"])[-1]
+    return (run["engine_attention"] in ("auto", "cpu") and tensor == 1 and config.dtype == "bfloat16"
             and jax.default_backend() == "cpu" and cpu_kernel._has_amx())
 
 

@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 from jaxrl_llm.engine.model import engine_context_problem
 from jaxrl_llm.engine.pages import default_page_size
 from jaxrl_llm.engine.scheduler import Completion, Conversation, Engine, EngineStats, Request, host_array
+from jaxrl_llm.engine.sharded import ShardedEngine, shards_locally
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params
 from jaxrl_llm.models.moe import NO_RECORD
@@ -28,8 +29,8 @@ from jaxrl_llm.sampling import sample
 from jaxrl_llm.sampling.config import SampleOutput, SamplingConfig
 from jaxrl_llm.sharding import mesh_of
 
-__all__ = ["Completion", "Conversation", "Engine", "EngineStats", "PagedSampler", "Request", "engine_sample",
-           "row_keys", "sample_output"]
+__all__ = ["Completion", "Conversation", "Engine", "EngineStats", "PagedSampler", "Request", "ShardedEngine",
+           "engine_sample", "row_keys", "sample_output"]
 
 
 def row_keys(key: jax.Array, rows: int) -> np.ndarray:
@@ -73,8 +74,8 @@ def sample_output(completions: list[Completion], columns: int, pad_id: int,
                         np.asarray([c.stopped_on_eos for c in completions], bool), routing)
 
 
-def engine_sample(engine: Engine, params: Params, config: ModelConfig, prompt_tokens: Any, prompt_mask: Any,
-                  key: jax.Array, sampling: SamplingConfig) -> SampleOutput:
+def engine_sample(engine: Engine | ShardedEngine, params: Params, config: ModelConfig, prompt_tokens: Any,
+                  prompt_mask: Any, key: jax.Array, sampling: SamplingConfig) -> SampleOutput:
     """`sampling.n` completions of each prompt of a left-padded batch through `engine`: the static sampler's
     `sample` (same arguments, prompt-major rows, `max_new_tokens` columns), with each row's randomness its own."""
     del config  # the engine's
@@ -98,20 +99,26 @@ class PagedSampler:
         self.config, self.page_size, self.slots, self.steps_per_call, self.pages = (
             config, page_size or default_page_size(), slots, steps_per_call, pages)
         self.attention = attention
-        self.engine: Engine | None = None
+        self.engine: Engine | ShardedEngine | None = None
         self.handed_over = False  # a call went to the static sampler (said once)
 
-    def engine_for(self, sequences: list[tuple[int, int]], n: int, mesh: Mesh | None = None) -> Engine:
+    def engine_for(self, sequences: list[tuple[int, int]], n: int, mesh: Mesh | None = None
+                   ) -> Engine | ShardedEngine:
         """An engine with a pool for `sequences` (`(prompt length, tokens after it)` each, `n` samples of each) on
-        `mesh`."""
+        `mesh`: on a mesh of several data-parallel positions in this process, one engine per shard
+        (`sharded.ShardedEngine`, the pool and the slots split between them)."""
         size = self.page_size
-        need = self.pages or 1 + sum(-(-p // size) + n * -(-(p + t) // size) for p, t in sequences)
+        each = [-(-p // size) + n * -(-(p + t) // size) for p, t in sequences]
+        need = self.pages or 1 + sum(each)
         slots = self.slots or n * len(sequences)
-        if (self.engine is None or self.engine.allocator.num_pages < need or self.engine.slots < slots
-                or self.engine.mesh != mesh):
+        sharded = shards_locally(mesh)
+        if (self.engine is None or self.engine.num_pages < need or self.engine.slots < slots
+                or self.engine.mesh != mesh or isinstance(self.engine, ShardedEngine) != sharded):
             self.engine = None  # the old pool goes before the new one is made
-            self.engine = Engine(self.config, num_pages=need, page_size=size, slots=slots,
-                                 steps_per_call=self.steps_per_call, attention=self.attention, mesh=mesh)
+            kwargs = dict(page_size=size, steps_per_call=self.steps_per_call, attention=self.attention)
+            self.engine = (ShardedEngine(self.config, num_pages=need, slots=slots, mesh=mesh,  # type: ignore[arg-type]
+                                         min_shard_pages=1 + max(each, default=0), **kwargs) if sharded
+                           else Engine(self.config, num_pages=need, slots=slots, mesh=mesh, **kwargs))
         return self.engine
 
     def __call__(self, params: Params, tokens: Any, mask: Any, key: jax.Array,

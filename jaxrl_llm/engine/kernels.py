@@ -17,7 +17,7 @@ Where each runs (`attention_backend`):
 - `cpu`: XLA:CPU has no paged-attention kernel; this project's C++ one (`cpu_kernel.py`, built on first use, sliding
   windows included) attends over the pool as stored;
 - `xla`: no kernel: the decode call gathers each slot's context once into contiguous caches (`model.slot_caches`)
-  and attends with XLA's dots (a mesh of several devices; a CPU without a C++ compiler; checking the kernels).
+  and attends with XLA's dots (an engine on several devices; a CPU without a C++ compiler; checking the kernels).
 
 Neither Pallas kernel has a sliding window: a model with sliding-window layers decodes on the XLA path on GPU and
 TPU. No kernel has attention sinks: gpt-oss decodes on the XLA path everywhere (`auto` picks it; asking for a kernel
@@ -88,12 +88,13 @@ def attention_backend(config: ModelConfig, requested: str, platform: str | None 
 
 def describe_paths(config: ModelConfig, requested: str = "auto", devices: int = 1, platform: str | None = None
                    ) -> str:
-    """What the rollout engine's decode step runs for `config` on `devices` devices, in words, and where a kernel is
-    not used, why (no compiler, the compiler's first error, no AMX, a float32 model, sinks, a mesh): the attention,
+    """What the rollout engine's decode step runs for `config` on `devices` devices an engine (a data-parallel shard's),
+    in words, and where a kernel is not used, why (no compiler, the compiler's first error, no AMX, a float32 model,
+    sinks, several devices): the attention,
     the matmuls and the sampling draw. The same choices as `Engine` makes (`attention_backend`)."""
     platform = platform or jax.default_backend()
     if devices > 1:
-        attention, why = "xla", f"a mesh of {devices} devices (the kernels run on one device)"
+        attention, why = "xla", f"{devices} devices an engine (the kernels run on one device)"
     else:
         attention = attention_backend(config, requested, platform)
         why = None

@@ -7,7 +7,7 @@
 - `kernel_decode_step`: a decode step straight over the pages with a paged-attention kernel (`kernels.py`: Pallas
   on GPU and TPU, the C++ one on the CPU). On a CPU with AMX and a bfloat16 model its matmuls run on weights packed
   once per generate call (`pack_step_weights`, `cpu_kernel.packed_matmul`).
-- `slot_caches` + `slot_decode_step` (the XLA path: a CPU without a C++ compiler, a mesh of several devices): the
+- `slot_caches` + `slot_decode_step` (the XLA path: a CPU without a C++ compiler, an engine on several devices): the
   decode steps of one engine call. Gathering
   every row's pages on every token would copy the whole context per token (on XLA:CPU that copy costs more than the
   attention itself), so a call gathers each slot's context once into contiguous caches in the layout the static

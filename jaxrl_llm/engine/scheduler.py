@@ -120,7 +120,8 @@ class Engine:
     `cpu_kernel.packed_matmul`; set it False to keep XLA's). On a `mesh`
     (the weights placed on it by `jaxrl_llm.sharding`) the pool's KV heads are split over `tensor` and every
     device holds every page; a decode call's slots are split over `("data", "fsdp")`; the host schedules alike in
-    every process, so the tokens do not depend on the mesh. A mesh of several devices decodes on the XLA path."""
+    every process, so the tokens do not depend on the mesh. An engine on several devices decodes on the XLA path (a
+    mesh of one process runs one engine per data-parallel shard instead: `sharded.ShardedEngine`)."""
 
     def __init__(self, config: ModelConfig, *, num_pages: int, page_size: int = 16, slots: int = 32,
                  steps_per_call: int = 8, prefill_chunk: int = 128, prefill_rows: int = 32,
@@ -139,6 +140,11 @@ class Engine:
         self.allocator = PageAllocator(num_pages)
         self.pages: list[PagedLayer] = self._placed(lambda: init_pages(config, num_pages, page_size))
         self.stats = EngineStats()
+
+    @property
+    def num_pages(self) -> int:
+        """The pages of the pool."""
+        return self.allocator.num_pages
 
     def _placed(self, make: Any) -> Any:
         """`make()`'s arrays created in place on the mesh (the pool's placement), or as they are without one."""

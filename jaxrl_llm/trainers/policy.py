@@ -28,6 +28,7 @@ from jaxrl_llm.config import RunConfig
 from jaxrl_llm.data import PromptSet, bucket, build_prompt_set, eos_token_ids, left_pad, load_records, load_tokenizer
 from jaxrl_llm.engine import Engine, PagedSampler
 from jaxrl_llm.engine.kernels import describe_paths
+from jaxrl_llm.engine.sharded import shards_locally
 from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params, init_params
@@ -150,7 +151,10 @@ class Policy:
         if s.engine != "paged":
             return "the static sampler (sampling.engine=static)"
         mesh = self.sampler_mesh if self.sampler_mesh is not None else self.mesh
-        return f"the rollout engine, {describe_paths(self.sampler_config, s.engine_attention, mesh.size)}"
+        shards = shards_locally(mesh)  # one engine per data-parallel shard, on its tensor devices
+        devices = mesh.shape["tensor"] if shards else mesh.size
+        where = f"one engine per data-parallel shard ({mesh.size // devices}), " if shards else ""
+        return f"the rollout engine, {where}{describe_paths(self.sampler_config, s.engine_attention, devices)}"
 
     @property
     def engine(self) -> Engine | None:

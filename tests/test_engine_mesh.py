@@ -1,0 +1,107 @@
+"""The rollout engine on a mesh of 8 virtual CPU devices, one engine per data-parallel shard (`engine/sharded.py`):
+requests dealt whole and balanced by tokens, a kept conversation's next turn on the shard that holds its pages (the
+same tokens as one device's engine, turn after turn), each shard's pool its own, and the pages back when released.
+The sampler's tokens, log-probs and pool placement on four meshes: tests/test_sharding.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import FAST_COMPILE_FLAGS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_SCRIPT = r"""
+import json
+import jax
+import numpy as np
+from jaxrl_llm.engine import Engine, Request, ShardedEngine
+from jaxrl_llm.engine.sharded import shard_meshes
+from jaxrl_llm.models.decoder import init_params
+from jaxrl_llm.models.hf import config_from_hf
+from jaxrl_llm.sampling import SamplingConfig
+from jaxrl_llm.sharding import make_mesh, param_shardings
+
+config = config_from_hf({"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
+                         "vocab_size": 61})
+params = init_params(config, jax.random.key(3))
+rng = np.random.default_rng(0)
+prompts = [rng.integers(1, 61, n).tolist() for n in (30, 3, 17, 5, 9, 2)]
+greedy = SamplingConfig(max_new_tokens=6, greedy=True, n=2)
+one_turn = SamplingConfig(max_new_tokens=5, greedy=True)
+
+
+def turns(engine, placed):
+    # turn 1: every prompt, n=2, kept; turn 2: each conversation's first sample continues with a reply of 3 tokens
+    first = engine.generate(placed, [Request(p, np.asarray([0, i], np.uint32), n=2) for i, p in enumerate(prompts)],
+                            greedy, keep=True)
+    shards = [[getattr(c.conversation, "shard", 0) for c in group] for group in first]
+    follow = [Request([7, 8, 9], np.asarray([1, i], np.uint32), conversation=group[0].conversation)
+              for i, group in enumerate(first)]
+    second = engine.generate(placed, follow, one_turn, keep=True)
+    in_use = [e.allocator.in_use() for e in getattr(engine, "engines", [engine])]
+    for group in first:
+        engine.release(group[1].conversation)
+    for group in second:
+        engine.release(group[0].conversation)
+    after = [e.allocator.in_use() for e in getattr(engine, "engines", [engine])]
+    tokens = [[c.tokens for c in g] for g in first] + [[c.tokens for c in g] for g in second]
+    return {"tokens": tokens, "shards": shards, "second_shards": [getattr(g[0].conversation, "shard", 0)
+                                                                  for g in second],
+            "in_use": in_use, "after": after}
+
+
+out = {"one": turns(Engine(config, num_pages=64, page_size=8, slots=12), params)}
+mesh = make_mesh((8, 1, 1))
+engine = ShardedEngine(config, num_pages=128, page_size=8, slots=12, mesh=mesh)
+result = turns(engine, jax.device_put(params, param_shardings(params, mesh)))
+loads = [0] * 8
+for r in engine.deal([Request(p, np.zeros(2, np.uint32), n=2) for p in prompts], greedy):
+    loads[r] += 1
+result |= {"shards_of_mesh": [len(m.devices.flat) for m in shard_meshes(make_mesh((2, 2, 2)))],
+           "pools": [e.num_pages for e in engine.engines], "attention": sorted({e.attention for e in engine.engines}),
+           "dealt": engine.deal([Request(p, np.zeros(2, np.uint32), n=2) for p in prompts], greedy),
+           "dealt_long_first": engine.deal([Request([1] * n, np.zeros(2, np.uint32)) for n in [100] + [1] * 9],
+                                           one_turn)}
+out["mesh"] = result
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {FAST_COMPILE_FLAGS}",
+           "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_conversations_continue_on_their_shard_with_one_devices_tokens(results: dict) -> None:
+    one, mesh = results["one"], results["mesh"]
+    assert mesh["tokens"] == one["tokens"]  # both turns, every sample
+    assert all(len(set(group)) == 1 for group in mesh["shards"])  # a request's samples never straddle shards
+    assert mesh["second_shards"] == [group[0] for group in mesh["shards"]]  # a turn goes where its pages are
+    assert len({group[0] for group in mesh["shards"]}) == len(mesh["shards"])  # 6 requests on 6 of the 8 shards
+    assert sum(mesh["in_use"]) > 0 and mesh["after"] == [0] * 8  # released: every page back in every pool
+
+
+def test_requests_are_dealt_by_tokens_and_the_pool_is_split(results: dict) -> None:
+    mesh = results["mesh"]
+    # six requests on eight shards: one each
+    assert mesh["dealt"] == [0, 1, 2, 3, 4, 5]
+    # by tokens, not by count: after a 100-token prompt on shard 0 the 1-token ones fill the others, twice over
+    assert mesh["dealt_long_first"] == [0, 1, 2, 3, 4, 5, 6, 7, 1, 2]
+    assert mesh["pools"] == [16] * 8  # 128 pages in all, 16 a shard
+    assert mesh["shards_of_mesh"] == [2, 2, 2, 2]  # (2, 2, 2): a shard per (data, fsdp) position, its tensor pair
+    from jaxrl_llm.engine import cpu_kernel
+
+    if cpu_kernel.unavailable_reason() is None:
+        assert mesh["attention"] == ["cpu"]  # one device a shard: the C++ kernel on each
