@@ -10,23 +10,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
 
 from jaxrl_llm.data import PromptSet, bucket, left_pad
-from jaxrl_llm.engine import PagedSampler
+from jaxrl_llm.engine import make_sampler
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params
 from jaxrl_llm.rewards import RewardFunction, call_reward
-from jaxrl_llm.sampling import SampleOutput, SamplingConfig, sample
+from jaxrl_llm.sampling import SampleOutput, Sampler, SamplingConfig
 from jaxrl_llm.sharding import to_host
-
-# `sampler(params, prompt_tokens, prompt_mask, key, sampling) -> SampleOutput`
-Sampler = Callable[[Params, np.ndarray, np.ndarray, jax.Array, SamplingConfig], SampleOutput]
 
 
 def decode_completions(tokenizer: Any, out: SampleOutput) -> list[str]:
@@ -68,17 +64,16 @@ class Scored:
 def generate_scored(
     params: Params, model_config: ModelConfig, tokenizer: Any, prompt_set: PromptSet,
     reward: tuple[str, RewardFunction], sampling: SamplingConfig, *, batch_size: int = 256, limit: int | None = None,
-    mesh: Mesh | None = None, key: jax.Array | None = None, sampler: Sampler | None = None,
+    key: jax.Array | None = None, sampler: Sampler | None = None,
 ) -> Scored:
     """Sample `sampling.n` completions for each of the first `limit` prompts and score them with `reward`.
 
     Every batch is padded to `batch_size` prompts so all calls reuse one compiled sampler; batch `b` samples
-    with `fold_in(key, b)` (`key` default `key(0)`; greedy decoding ignores it). `sampler(params, tokens, mask, key,
-    sampling)`: how to sample (a trainer's `Policy.sample`, which follows `sampling.engine`); default the rollout
-    engine (`engine.PagedSampler`) on the mesh `params` are placed on. `mesh`: the static sampler's, when
-    `sampler` is `jaxrl_llm.sampling.sample`."""
+    with `fold_in(key, b)` (`key` default `key(0)`; greedy decoding ignores it). `sampler` (`sampling.Sampler`):
+    how to sample, on the mesh `params` are placed on (a trainer's `Policy.sample`, which follows `sampling.engine`);
+    default the rollout engine (`engine.make_sampler("paged", ...)`)."""
     name, fn = reward
-    sampler = sampler if sampler is not None else PagedSampler(model_config)
+    sampler = sampler if sampler is not None else make_sampler("paged", model_config)
     key = jax.random.key(0) if key is None else key
     n = len(prompt_set) if not limit else min(limit, len(prompt_set))
     if n == 0:
@@ -95,8 +90,7 @@ def generate_scored(
         rows += [rows[0]] * (min(batch_size, n) - len(rows))
         tokens, mask = left_pad(rows, width, sampling.pad_id)
         batch_key = key if b == 0 else jax.random.fold_in(key, b)
-        out = to_host(sampler(params, tokens, mask, batch_key, sampling) if sampler is not sample
-                      else sample(params, model_config, tokens, mask, batch_key, sampling, mesh=mesh))
+        out = to_host(sampler(params, tokens, mask, batch_key, sampling))
         out = SampleOutput(*[None if x is None else x[: len(idx) * k] for x in out])
         records = [prompt_set.records[i] for i in idx for _ in range(k)]
         fields = reward_fields(records, out, sampling.max_new_tokens)
@@ -113,13 +107,13 @@ def generate_scored(
 def evaluate_greedy(
     params: Params, model_config: ModelConfig, tokenizer: Any, prompt_set: PromptSet,
     reward: tuple[str, RewardFunction], sampling: SamplingConfig, *, batch_size: int = 256, limit: int | None = None,
-    mesh: Mesh | None = None, sampler: Sampler | None = None,
+    sampler: Sampler | None = None,
 ) -> dict[str, float]:
     """`{"eval/accuracy", "eval/<reward>"}` over the first `limit` prompts, greedy decoding: the accuracy is
     the share of answers the reward scores exactly 1, the other the mean reward (`sampler`: as `generate_scored`)."""
     sampling = dataclasses.replace(sampling, greedy=True, n=1)
     scored = generate_scored(params, model_config, tokenizer, prompt_set, reward, sampling, batch_size=batch_size,
-                             limit=limit, mesh=mesh, sampler=sampler)
+                             limit=limit, sampler=sampler)
     return {"eval/accuracy": float((scored.rewards == 1.0).mean()), f"eval/{reward[0]}": float(scored.rewards.mean())}
 
 

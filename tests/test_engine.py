@@ -4,6 +4,8 @@ under any scheduling, no page leaked, queueing when the pool is small."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import numpy as np
 import pytest
@@ -290,3 +292,31 @@ def test_held_out_evaluation_follows_the_runs_sampler(tiny_task, tmp_path):
     assert policy.engine is not None and policy.engine.stats.prefilled_tokens > 0  # it went through the engine
     policy.config.sampling.engine = "static"
     assert evaluation(params, 16) == paged
+
+
+def test_make_sampler_is_where_a_name_becomes_a_sampler(hf_model_dir):
+    """`make_sampler("static" | "paged", ...)`: both implement `sampling.Sampler` (the call, `keeps_conversations`),
+    give the same greedy tokens and log-probs; an unknown name is refused naming the two. No other module of the
+    library turns `sampling.engine`'s value into a sampler (they call the interface)."""
+    import re
+
+    from jaxrl_llm.engine import PagedSampler, make_sampler
+    from jaxrl_llm.sampling import StaticSampler
+
+    config, params = load_hf_model(hf_model_dir("llama"))
+    tokens, mask = left_padded_batch(config.vocab_size, [6, 2, 4], seed=5)
+    greedy = SamplingConfig(max_new_tokens=7, greedy=True, n=2)
+    static, paged = make_sampler("static", config), make_sampler("paged", config, page_size=8)
+    assert isinstance(static, StaticSampler) and not static.keeps_conversations
+    assert isinstance(paged, PagedSampler) and paged.keeps_conversations and paged.page_size == 8
+    a, b = (s(params, tokens, mask, jax.random.key(0), greedy) for s in (static, paged))
+    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+    np.testing.assert_allclose(np.asarray(a.logprobs_untruncated), np.asarray(b.logprobs_untruncated), atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(sample(params, config, tokens, mask,
+                                                                          jax.random.key(0), greedy).tokens))
+    with pytest.raises(ValueError, match="unknown sampler 'vllm'; expected one of static, paged"):
+        make_sampler("vllm", config)
+    root = Path(__file__).resolve().parents[1] / "jaxrl_llm"
+    branching = re.compile(r"""engine\s*[!=]=\s*["'](paged|static)["']""")
+    found = [str(p.relative_to(root)) for p in root.rglob("*.py") if branching.search(p.read_text())]
+    assert found == ["cli/plan.py"], found  # the planner sizes the engine's pool, a plan and not a sampler

@@ -38,13 +38,13 @@ from jaxrl_llm.cli.export import load_model
 from jaxrl_llm.config import DataSection, load_run_config
 from jaxrl_llm.config.schema import SAMPLERS
 from jaxrl_llm.data import build_prompt_set, load_records
-from jaxrl_llm.engine import PagedSampler
+from jaxrl_llm.engine import make_sampler
 from jaxrl_llm.envs.sandbox import use_sandbox
 from jaxrl_llm.errors import RunDirError, UsageError
 from jaxrl_llm.evaluation import default_ks, generate_scored, summarize
 from jaxrl_llm.rewards import resolve_reward
 from jaxrl_llm.run.manifest import claim, unowned_existing
-from jaxrl_llm.sampling import SamplingConfig, sample
+from jaxrl_llm.sampling import SamplingConfig
 from jaxrl_llm.trainers.evaluation import EpisodeEvaluation, episode_metrics, eval_reward
 from jaxrl_llm.trainers.policy import load_policy
 from jaxrl_llm.trainers.trajectories import TrajectoryCollector
@@ -127,15 +127,13 @@ def evaluate(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Path]:
         new_tokens_bucket=s.new_tokens_bucket if s else 16)
     limit = args.limit if args.limit >= 0 else (c.eval_size if c is not None else 0)
     batch_size = args.batch_size or (c.eval_batch_size if c is not None else 64)
-    mesh = run.algorithm.mesh if run is not None else None
     engine = args.engine or (s.engine if s is not None else "paged")
     knobs = {} if s is None else dict(page_size=s.engine_page_size, slots=s.engine_slots,
                                       steps_per_call=s.engine_steps_per_call, pages=s.engine_pages,
                                       attention=s.engine_attention)
-    sampler = PagedSampler(model.model_config, **knobs) if engine == "paged" else sample
     scored = generate_scored(model.params, model.model_config, model.tokenizer, prompts, reward, sampling,
-                             batch_size=batch_size, limit=limit or None, mesh=mesh, key=jax.random.key(args.seed),
-                             sampler=sampler)
+                             batch_size=batch_size, limit=limit or None, key=jax.random.key(args.seed),
+                             sampler=make_sampler(engine, model.model_config, **knobs))
     metrics = summarize(scored, args.ks or (default_ks(n) if args.n else []))
     metrics[f"reward/{reward[0]}/mean"] = metrics["reward/mean"]
     settings = {"model": args.model, "step": run.step if run else None, "data": args.data, "reward": reward[0],

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxrl_llm.config.schema import SAMPLERS
 from jaxrl_llm.engine.model import engine_context_problem
 from jaxrl_llm.engine.pages import default_page_size
 from jaxrl_llm.engine.scheduler import Completion, Conversation, Engine, EngineStats, Request, host_array
@@ -25,12 +26,12 @@ from jaxrl_llm.engine.sharded import ShardedEngine, shards_locally
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params
 from jaxrl_llm.models.moe import NO_RECORD
-from jaxrl_llm.sampling import sample
+from jaxrl_llm.sampling import Sampler, StaticSampler, sample
 from jaxrl_llm.sampling.config import SampleOutput, SamplingConfig
 from jaxrl_llm.sharding import mesh_of
 
-__all__ = ["Completion", "Conversation", "Engine", "EngineStats", "PagedSampler", "Request", "ShardedEngine",
-           "engine_sample", "row_keys", "sample_output"]
+__all__ = ["Completion", "Conversation", "Engine", "EngineStats", "PagedSampler", "Request", "SAMPLERS", "Sampler",
+           "ShardedEngine", "engine_sample", "make_sampler", "row_keys", "sample_output"]
 
 
 def row_keys(key: jax.Array, rows: int) -> np.ndarray:
@@ -86,6 +87,20 @@ def engine_sample(engine: Engine | ShardedEngine, params: Params, config: ModelC
                          np.shape(prompt_tokens)[1])
 
 
+
+
+def make_sampler(name: str, config: ModelConfig, *, page_size: int = 0, slots: int = 0, steps_per_call: int = 16,
+                 pages: int = 0, attention: str = "auto") -> Sampler:
+    """The sampler `sampling.engine` names, the one place a name becomes a sampler: `paged`, the rollout engine
+    (`PagedSampler`, with the `sampling.engine_*` settings), or `static` (`StaticSampler`)."""
+    if name == "paged":
+        return PagedSampler(config, page_size=page_size, slots=slots, steps_per_call=steps_per_call, pages=pages,
+                            attention=attention)
+    if name == "static":
+        return StaticSampler(config)
+    raise ValueError(f"unknown sampler {name!r}; expected one of {', '.join(SAMPLERS)}")
+
+
 class PagedSampler:
     """The static sampler's call, `(params, tokens, mask, key, sampling) -> SampleOutput`, through a rollout engine
     whose pool fits each call: `page_size` tokens a page, `slots` decoding at once (0: every row of the call),
@@ -99,6 +114,7 @@ class PagedSampler:
         self.config, self.page_size, self.slots, self.steps_per_call, self.pages = (
             config, page_size or default_page_size(), slots, steps_per_call, pages)
         self.attention = attention
+        self.keeps_conversations = True  # `engine_for(...).generate(..., keep=True)`: the multi-turn path
         self.engine: Engine | ShardedEngine | None = None
         self.handed_over = False  # a call went to the static sampler (said once)
 

@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -93,7 +93,7 @@ from jaxrl_llm.sampling.config import (
     knobs_from_config,
 )
 from jaxrl_llm.sampling.logits import sample_from_logits
-from jaxrl_llm.sharding import BATCH_AXES, constrain, global_array
+from jaxrl_llm.sharding import BATCH_AXES, constrain, global_array, mesh_of
 
 # --------------------------------------------------------------------------------------- the program
 
@@ -353,6 +353,36 @@ def compile_sampler(
         return _trim(compiled(*args), sampling.max_new_tokens, np.shape(prompt_tokens)[1])
 
     return run
+
+
+class Sampler(Protocol):
+    """What a sampler is to the trainers, the evaluation and the commands, whichever one `sampling.engine` names
+    (`engine.make_sampler`): `sampling.n` completions of each prompt of a left-padded batch,
+    `(params, tokens [B, P], mask [B, P], key, sampling, mesh) -> SampleOutput` (prompt-major rows of token ids,
+    their log-probs as sampled and untruncated, lengths, whether each stopped on EOS, and for an MoE model the experts
+    every token was routed to), the weights on `mesh` (None: where they are). `keeps_conversations`: whether it also
+    continues kept conversations turn after turn (the rollout engine's `rollout_engine`), which a multi-turn rollout
+    uses; without it each turn samples the whole context again through the call. An external engine is a class with
+    this shape (docs/extending.md)."""
+
+    keeps_conversations: bool
+
+    def __call__(self, params: Params, tokens: Any, mask: Any, key: jax.Array, sampling: SamplingConfig,
+                 mesh: Mesh | None = None) -> SampleOutput: ...
+
+
+class StaticSampler:
+    """`Sampler` over `sample`: one jitted prefill and decode loop per call (`sampling.engine=static`)."""
+
+    keeps_conversations = False
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.config = config
+
+    def __call__(self, params: Params, tokens: Any, mask: Any, key: jax.Array, sampling: SamplingConfig,
+                 mesh: Mesh | None = None) -> SampleOutput:
+        mesh = mesh if mesh is not None else mesh_of(params, None)  # where the weights are
+        return sample(params, self.config, tokens, mask, key, sampling, mesh=mesh)
 
 
 def compiled_program_count() -> int:

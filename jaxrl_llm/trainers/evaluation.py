@@ -40,7 +40,7 @@ class GreedyEvaluation:
             return {}
         p = self.policy
         return evaluate_greedy(params, p.sampler_config, p.tokenizer, self.prompts, self.reward,
-                               p.sampling_config(greedy=True), batch_size=self.batch_size, limit=limit, mesh=p.mesh,
+                               p.sampling_config(greedy=True), batch_size=self.batch_size, limit=limit,
                                sampler=p.sample)
 
 

@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_llm.config import RunConfig
 from jaxrl_llm.data import PromptSet, bucket, build_prompt_set, eos_token_ids, left_pad, load_records, load_tokenizer
-from jaxrl_llm.engine import Engine, PagedSampler
+from jaxrl_llm.engine import Engine, PagedSampler, make_sampler
 from jaxrl_llm.engine.kernels import describe_paths
 from jaxrl_llm.engine.sharded import shards_locally
 from jaxrl_llm.errors import ConfigError
@@ -36,7 +36,7 @@ from jaxrl_llm.models.hf import config_from_hf, load_hf_model, resolve_model_dir
 from jaxrl_llm.models.hf_export import save_hf_model
 from jaxrl_llm.models.lora import LoraSpec, init_adapters, insert_adapters, merge_adapters, save_peft_adapters
 from jaxrl_llm.models.weights import cast_floating, inference_copy, master_weights
-from jaxrl_llm.sampling import SampleOutput, SamplingConfig, sample
+from jaxrl_llm.sampling import SampleOutput, Sampler, SamplingConfig
 from jaxrl_llm.sharding import (
     MeshShape,
     expert_mesh,
@@ -66,9 +66,9 @@ class Policy:
     # rollout.sampler_devices > 0: the sampler's own mesh (the rollouts are sampled there, the weights pushed to
     # it after each update by `sampler_weights`); None: the trainer's mesh samples too
     sampler_mesh: Mesh | None = None
-    # sampling.engine=paged: the rollout engine of each thread that samples (the shell's, and the sampling thread
-    # beside training), so the held-out evaluation never shares one with rollouts in flight
-    paged: dict[int, PagedSampler] = dataclasses.field(default_factory=dict, init=False)
+    # the run's sampler (`sampling.engine`) of each thread that samples (the shell's, and the sampling thread beside
+    # training), so the held-out evaluation never shares a rollout engine with rollouts in flight
+    samplers: dict[int, Sampler] = dataclasses.field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         self._merge = (jax.jit(functools.partial(merge_adapters, scale=self.lora.scale))
@@ -139,17 +139,14 @@ class Policy:
                sampling: SamplingConfig) -> SampleOutput:
         """`sampling.n` completions of each left-padded prompt, through the run's sampler (`sampling.engine`), on
         the mesh `params` are placed on (the trainer's, or the sampler's own)."""
-        mesh = mesh_of(params, self.mesh)
-        if self.config.sampling.engine == "paged":
-            return self.paged_sampler()(params, tokens, mask, key, sampling, mesh)
-        return sample(params, self.sampler_config, tokens, mask, key, sampling, mesh=mesh)
+        return self.sampler()(params, tokens, mask, key, sampling, mesh_of(params, self.mesh))
 
     def describe_sampler(self) -> str:
         """The run's sampler in words: the static one, or the rollout engine with the attention, matmul and sampling
         paths its decode step runs here and why a kernel is not used (`kernels.describe_paths`)."""
         s = self.config.sampling
-        if s.engine != "paged":
-            return "the static sampler (sampling.engine=static)"
+        if not self.sampler().keeps_conversations:
+            return f"the static sampler (sampling.engine={s.engine})"
         mesh = self.sampler_mesh if self.sampler_mesh is not None else self.mesh
         shards = shards_locally(mesh)  # one engine per data-parallel shard, on its tensor devices
         devices = mesh.shape["tensor"] if shards else mesh.size
@@ -159,24 +156,28 @@ class Policy:
     @property
     def engine(self) -> Engine | None:
         """The rollout engine the run has sampled through last (`sampling.engine=paged`), else None."""
-        made = [paged.engine for paged in self.paged.values() if paged.engine is not None]
+        made = [getattr(s, "engine", None) for s in self.samplers.values()]
+        made = [e for e in made if e is not None]
         return made[-1] if made else None
 
-    def paged_sampler(self) -> PagedSampler:
-        """This thread's rollout engine behind the static sampler's call (`sampling.engine_*` knobs), made once."""
+    def sampler(self) -> Sampler:
+        """This thread's sampler, the one `sampling.engine` names (`engine.make_sampler`, with the `sampling.engine_*`
+        settings), made once."""
         thread = threading.get_ident()
-        if thread not in self.paged:
+        if thread not in self.samplers:
             s = self.config.sampling
-            self.paged[thread] = PagedSampler(self.sampler_config, page_size=s.engine_page_size, slots=s.engine_slots,
-                                              steps_per_call=s.engine_steps_per_call, pages=s.engine_pages,
-                                              attention=s.engine_attention)
-        return self.paged[thread]
+            self.samplers[thread] = make_sampler(s.engine, self.sampler_config, page_size=s.engine_page_size,
+                                                 slots=s.engine_slots, steps_per_call=s.engine_steps_per_call,
+                                                 pages=s.engine_pages, attention=s.engine_attention)
+        return self.samplers[thread]
 
     def rollout_engine(self, sequences: list[tuple[int, int]], n: int, params: Params) -> Engine:
         """This thread's rollout engine with a pool for `sequences` (`(prompt length, tokens after it)` each, `n`
         samples of each; `sampling.engine_pages` when set) on the mesh `params` are placed on, made anew only when
         the current pool is smaller or elsewhere."""
-        return self.paged_sampler().engine_for(sequences, n, mesh_of(params, self.mesh))
+        sampler = self.sampler()
+        assert isinstance(sampler, PagedSampler), "a sampler that keeps conversations: the rollout engine's"
+        return sampler.engine_for(sequences, n, mesh_of(params, self.mesh))
 
     def sampler_weights(self, params: Params) -> Params:
         """`inference_weights(params)` where the sampler runs: `jax.device_put` onto the sampler's own mesh in its

@@ -256,8 +256,8 @@ class RolloutAlgorithm(Algorithm):
         users = sandbox_users(self.config)
         sandbox = f"; {' and '.join(users)}: {describe_sandbox()}" if users else ""
         return (f"model {p.tokenizer_dir} ({p.model_config.num_params() / 1e6:.2f}M params), "
-                f"{self.collector.describe()}, {jax.device_count()} device(s){sandbox}; sampler: "
-                f"{p.describe_sampler()}")
+                f"{self.collector.describe()}, {jax.device_count()} device(s); sampler: {p.describe_sampler()}"
+                f"{sandbox}")
 
     def collect(self, state: State, data_state: DataState, key: jax.Array) -> Collected:
         return self.collect_with(self.policy.inference_weights(state["params"]), data_state, key)

@@ -31,7 +31,7 @@ from jaxrl_llm.envs.deadlines import DeadlineWorkers
 from jaxrl_llm.envs.rendering import declare_tools, exceeds_budget, followup_text, resolve_tool_format, turn_text
 from jaxrl_llm.envs.tools import resolve_tools
 from jaxrl_llm.models.decoder import Params
-from jaxrl_llm.sampling import SampleOutput, SamplingConfig, sample
+from jaxrl_llm.sampling import SampleOutput, SamplingConfig
 from jaxrl_llm.sharding import mesh_of, to_host
 from jaxrl_llm.trainers.episodes import (
     Episode,
@@ -101,11 +101,11 @@ class TrajectoryCollector(RolloutCollector):
                             done=env is None) for r, (env, opening, error) in enumerate(opened)]
         width = bucket(max(len(ids) for _, ids in rendered), c.sampling.prompt_bucket)
         tokens, mask = left_pad([ids for _, ids in rendered], width, p.pad_id)
-        if c.sampling.engine == "paged":
+        if p.sampler().keeps_conversations:
             with jax.default_device(mesh_of(params, p.mesh).devices.flat[0]):  # where the weights are
                 self._engine_turns(params, episodes, [ids for _, ids in rendered], key, sampling)
         else:
-            first = sample(params, p.sampler_config, tokens, mask, key, sampling, mesh=mesh_of(params, p.mesh))
+            first = p.sample(params, tokens, mask, key, sampling)  # a sampler without conversations: whole contexts
             self._take_turn(episodes, list(range(len(episodes))), to_host(first))
             for turn in range(2, self.env_config.max_turns + 1):
                 live = [r for r, ep in enumerate(episodes) if not ep.done]
@@ -163,8 +163,7 @@ class TrajectoryCollector(RolloutCollector):
         contexts = [episodes[r].prompt_ids + episodes[r].tokens for r in live]
         tokens, mask = left_pad(contexts, bucket(max(map(len, contexts)), c.sampling.prompt_bucket), p.pad_id)
         sampling = dataclasses.replace(sampling, max_new_tokens=max(1, min(c.sampling.max_new_tokens, budget)))
-        self._take_turn(episodes, live, to_host(sample(params, p.sampler_config, tokens, mask, key, sampling,
-                                                       mesh=mesh_of(params, p.mesh))))
+        self._take_turn(episodes, live, to_host(p.sample(params, tokens, mask, key, sampling)))
 
     def _take_turn(self, episodes: list[Episode], rows: list[int], out: SampleOutput) -> None:
         """Append the sampled turn of each of `rows` (`out` row i is `rows[i]`), then step their environments."""
