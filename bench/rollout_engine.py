@@ -141,8 +141,7 @@ def main() -> None:
         label = name
         if name in engines:
             label = f"{name} ({describe_paths(config, 'xla' if name == 'engine-xla' else 'auto')})"
-            if mesh is not None:
-                label += f", {args.devices} engines, pool {pool_bytes(engines[name]) / 2**20:.1f} MiB a device"
+            label += f", {args.devices} engine(s), pool {pool_bytes(engines[name]) / 2**20:.1f} MiB a device"
         print(f"| {label} | {seconds:.2f} | {made[name]} | {results[name]:.0f} |")
     for name, engine in engines.items():
         s = engine.stats

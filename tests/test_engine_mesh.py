@@ -105,3 +105,89 @@ def test_requests_are_dealt_by_tokens_and_the_pool_is_split(results: dict) -> No
 
     if cpu_kernel.unavailable_reason() is None:
         assert mesh["attention"] == ["cpu"]  # one device a shard: the C++ kernel on each
+
+
+_TWO_PROCESSES = r"""
+import json
+import sys
+
+import jax
+import numpy as np
+
+process = int(sys.argv[1])
+jax.distributed.initialize(coordinator_address=f"localhost:{sys.argv[2]}", num_processes=2, process_id=process)
+from jax.sharding import NamedSharding
+
+from jaxrl_llm.engine import PagedSampler, ShardedEngine
+from jaxrl_llm.models.decoder import init_params
+from jaxrl_llm.models.hf import config_from_hf
+from jaxrl_llm.sampling import SamplingConfig
+from jaxrl_llm.sharding import make_mesh, param_specs
+
+config = config_from_hf({"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
+                         "vocab_size": 61})
+host = jax.device_get(init_params(config, jax.random.key(3)))
+mode = sys.argv[3]
+mesh = make_mesh((4, 1, 1) if mode == "data" else (2, 2, 1))  # (2, 2, 1): fsdp splits the weights over processes
+specs = param_specs(host, mesh)
+params = jax.tree.map(lambda x, spec: jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec),
+                                                                  lambda index: x[index]), host, specs)
+rng = np.random.default_rng(0)
+lengths = [7, 3, 12, 5, 9, 1]
+tokens = np.zeros((6, 12), np.int32)
+mask = np.zeros((6, 12), np.int32)
+for i, n in enumerate(lengths):
+    tokens[i, 12 - n:] = rng.integers(1, 61, n)
+    mask[i, 12 - n:] = 1
+sampler = PagedSampler(config, page_size=8)
+out = sampler(params, tokens, mask, jax.random.key(5), SamplingConfig(max_new_tokens=6, temperature=1.0, n=2))
+engine = sampler.engine
+print(json.dumps({"tokens": np.asarray(out.tokens).tolist(), "logprobs": np.asarray(out.logprobs).tolist(),
+                  "sharded": isinstance(engine, ShardedEngine), "local": sum(e is not None for e in engine.engines),
+                  "decode_calls": engine.stats.decode_calls}))
+"""
+
+
+@pytest.mark.parametrize("mode", ["data", "fsdp"])
+def test_two_processes_each_sample_their_share_with_one_devices_tokens(mode: str) -> None:
+    """2 processes x 2 CPU devices (jax.distributed): one engine per device, each process running its own two; the
+    weights replicated over data, or split over processes by fsdp; every process ends with every completion, the
+    sampled tokens and log-probs of one device's engine."""
+    import socket
+
+    from jaxrl_llm.engine import PagedSampler
+    from jaxrl_llm.models.decoder import init_params
+    from jaxrl_llm.models.hf import config_from_hf
+    from jaxrl_llm.sampling import SamplingConfig
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count=2 {FAST_COMPILE_FLAGS}",
+           "JAX_PLATFORMS": "cpu"}
+    procs = [subprocess.Popen([sys.executable, "-c", _TWO_PROCESSES, str(i), str(port), mode], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    got = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    assert all(g["sharded"] and g["local"] == 2 and g["decode_calls"] >= 1 for g in got), got
+    assert got[0]["tokens"] == got[1]["tokens"] and got[0]["logprobs"] == got[1]["logprobs"]
+
+    import jax
+    import numpy as np
+
+    config = config_from_hf({"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
+                             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                             "max_position_embeddings": 128, "vocab_size": 61})
+    params = init_params(config, jax.random.key(3))
+    rng = np.random.default_rng(0)
+    tokens, mask = np.zeros((6, 12), np.int32), np.zeros((6, 12), np.int32)
+    for i, n in enumerate([7, 3, 12, 5, 9, 1]):
+        tokens[i, 12 - n:] = rng.integers(1, 61, n)
+        mask[i, 12 - n:] = 1
+    one = PagedSampler(config, page_size=8)(params, tokens, mask, jax.random.key(5),
+                                            SamplingConfig(max_new_tokens=6, temperature=1.0, n=2))
+    assert got[0]["tokens"] == np.asarray(one.tokens).tolist()
+    np.testing.assert_allclose(got[0]["logprobs"], np.asarray(one.logprobs), atol=1e-5)

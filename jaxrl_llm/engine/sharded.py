@@ -16,17 +16,23 @@ run in threads (JAX releases the interpreter while a device computes), and a con
 goes back to the shard whose pool holds it. Each sample's randomness is its own (`fold_in(request key, sample)`
 and its position), so the tokens are the one-device engine's whatever the dealing.
 
-A mesh that spans several processes keeps one `Engine` over the whole mesh (every process schedules alike).
+Several processes (`jax.distributed`): every process deals the same requests to the same shards, runs the shards
+whose devices it holds, and the completions are gathered so that every process has them all (`process_allgather`
+of their pickled bytes); the weights are first made whole on every device (one all-gather) where they are split
+over processes. Sampling thus divides between hosts as it divides between devices. A mesh whose `tensor` axis
+spans processes keeps one `Engine` over the whole mesh (every process schedules alike, on the XLA path).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import pickle
 from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jaxrl_llm.engine.cpu_kernel as cpu_kernel
@@ -46,11 +52,15 @@ def shard_meshes(mesh: Mesh) -> list[Mesh]:
 
 
 def shards_locally(mesh: Mesh | None) -> bool:
-    """Whether an engine on `mesh` runs as one engine per data-parallel shard: a mesh of several batch positions
-    whose devices this process holds."""
+    """Whether an engine on `mesh` runs as one engine per data-parallel shard: a mesh of several batch positions,
+    each shard's devices in one process."""
     if mesh is None or mesh.size == mesh.shape["tensor"]:
         return False
-    return all(d.process_index == jax.process_index() for d in mesh.devices.flat)
+    return all(len({d.process_index for d in sub.devices.flat}) == 1 for sub in shard_meshes(mesh))
+
+
+def _local(sub: Mesh) -> bool:
+    return sub.devices.flat[0].process_index == jax.process_index()
 
 
 @dataclasses.dataclass
@@ -70,13 +80,15 @@ class ShardedEngine:
         self.config, self.mesh = config, mesh
         self.meshes = shard_meshes(mesh)
         n = len(self.meshes)
-        pages = max(-(-num_pages // n), min_shard_pages)
-        self.engines = [Engine(config, num_pages=pages, slots=max(1, -(-slots // n)), mesh=sub, **engine_kwargs)
-                        for sub in self.meshes]
+        pages, shard_slots = max(-(-num_pages // n), min_shard_pages), max(1, -(-slots // n))
+        # this process's shards' engines; another process's shards are None here
+        self.engines: list[Engine | None] = [
+            Engine(config, num_pages=pages, slots=shard_slots, mesh=sub, **engine_kwargs) if _local(sub) else None
+            for sub in self.meshes]
         cpu_kernel.sampling_unavailable_reason()  # built here, not by the shards' threads at once
-        first = self.engines[0]
+        first = next(e for e in self.engines if e is not None)
         self.page_size, self.attention, self.packed_matmul = first.page_size, first.attention, first.packed_matmul
-        self.slots, self.num_pages = sum(e.slots for e in self.engines), sum(e.num_pages for e in self.engines)
+        self.slots, self.num_pages = shard_slots * n, pages * n
         self.stats = EngineStats()
         self.dealt: list[int] = []  # the shard each request of the last `generate` went to
 
@@ -102,28 +114,73 @@ class ShardedEngine:
         devices), the completions back in request order."""
         self.dealt = self.deal(requests, sampling)
         mine = [[r for r, s in enumerate(self.dealt) if s == shard] for shard in range(len(self.engines))]
+        local = [shard for shard, engine in enumerate(self.engines) if engine is not None]
+        spans = len({d.process_index for d in self.mesh.devices.flat}) > 1  # the mesh spans several processes
+        whole = _whole_everywhere(params, self.mesh) if spans else params
 
         def run(shard: int) -> list[list[Completion]]:
-            if not mine[shard]:
+            engine = self.engines[shard]
+            if not mine[shard] or engine is None:
                 return []
-            engine, sub = self.engines[shard], self.meshes[shard]
-            placed = jax.device_put(params, NamedSharding(sub, PartitionSpec()))
+            placed = _on(whole, self.meshes[shard])
             return engine.generate(placed, [requests[r] for r in mine[shard]], sampling, keep=keep)
 
-        with concurrent.futures.ThreadPoolExecutor(len(self.engines)) as pool:
-            done = list(pool.map(run, range(len(self.engines))))
+        with concurrent.futures.ThreadPoolExecutor(len(local)) as pool:
+            done = dict(zip(local, pool.map(run, local), strict=True))
         results: list[list[Completion]] = [[] for _ in requests]
-        for shard, (indices, out) in enumerate(zip(mine, done, strict=True)):
-            for r, completions in zip(indices, out, strict=True):
+        for shard, out in done.items():
+            for r, completions in zip(mine[shard], out, strict=True):
                 for c in completions:
                     if c.conversation is not None:
                         c.conversation = ShardedConversation(**vars(c.conversation), shard=shard)
                 results[r] = completions
-        self.stats = EngineStats(*(sum(getattr(e.stats, f.name) for e in self.engines)
+        if spans:  # every process gets the other processes' shards' completions
+            results = _gathered(results, [r for shard in local for r in mine[shard]])
+        engines = [e for e in self.engines if e is not None]
+        self.stats = EngineStats(*(sum(getattr(e.stats, f.name) for e in engines)
                                    for f in dataclasses.fields(EngineStats)))
         return results
 
     def release(self, conversation: Conversation) -> None:
-        """Give a kept conversation's pages back to its shard's pool."""
+        """Give a kept conversation's pages back to its shard's pool (another process's shard: that process does)."""
         shard = conversation.shard if isinstance(conversation, ShardedConversation) else 0
-        self.engines[shard].release(conversation)
+        engine = self.engines[shard]
+        if engine is not None:
+            engine.release(conversation)
+        else:
+            conversation.pages = []
+
+
+def _whole_everywhere(params: Params, mesh: Mesh) -> Params:
+    """`params` whole on every device of `mesh` (an all-gather where they are split over processes): each shard
+    then copies its weights from a device of its own."""
+    return jax.jit(lambda p: p, out_shardings=NamedSharding(mesh, PartitionSpec()))(params)
+
+
+def _on(params: Params, sub: Mesh) -> Params:
+    """`params` (whole on the devices of `sub`, or held by this process) as a copy on the shard mesh `sub`."""
+    device = sub.devices.flat[0]
+
+    def one(x: jax.Array) -> jax.Array:
+        if not x.is_fully_addressable:  # whole on every device: this shard's device holds all of it
+            x = next(piece.data for piece in x.addressable_shards if piece.device == device)
+        return jax.device_put(x, NamedSharding(sub, PartitionSpec()))
+
+    return jax.tree.map(one, params)
+
+
+def _gathered(results: list[list[Completion]], mine: list[int]) -> list[list[Completion]]:
+    """Every process's results: each sends the completions of its requests `mine` (pickled: lists of varying
+    length), and each request's completions are taken from the process that sampled them. Collective: every process
+    calls it with the same requests."""
+    payload = np.frombuffer(pickle.dumps({r: results[r] for r in mine}), np.uint8)
+    sizes = multihost_utils.process_allgather(np.asarray([payload.size], np.int64))
+    padded = np.zeros(int(np.max(sizes)), np.uint8)
+    padded[:payload.size] = payload
+    every = multihost_utils.process_allgather(padded)
+    out, own = list(results), set(mine)
+    for part, size in zip(every, np.asarray(sizes).reshape(-1), strict=True):
+        for r, completions in pickle.loads(part[:int(size)].tobytes()).items():
+            if r not in own:  # this process's own completions stay the objects its engines hold
+                out[r] = completions
+    return out
