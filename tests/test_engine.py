@@ -63,17 +63,17 @@ def test_prefill_chunks_are_as_wide_as_their_tokens(hf_model_dir, monkeypatch):
     """Prefill calls compute whole 16-token columns, not powers of two: prompts of 43 tokens run one 48-wide chunk; a
     140-token prompt with chunks of 128 runs 128 columns, then 16 for its last 12 tokens; the tokens are those of
     one chunk as wide as the prompt."""
-    import jaxrl_llm.engine.scheduler as scheduler
+    import jaxrl_llm.engine.runner as runner
 
     config, params = load_hf_model(hf_model_dir("llama"))
     widths: list[int] = []
-    run = scheduler.prefill_program
+    run = runner.prefill_program
 
     def recorded(params, weights, pages, tokens, *args, **kwargs):
         widths.append(int(tokens.shape[1]))
         return run(params, weights, pages, tokens, *args, **kwargs)
 
-    monkeypatch.setattr(scheduler, "prefill_program", recorded)
+    monkeypatch.setattr(runner, "prefill_program", recorded)
     sampling = SamplingConfig(max_new_tokens=3, greedy=True)
     rows = [[1 + (7 * i + j) % (config.vocab_size - 1) for j in range(n)] for i, n in enumerate((43, 40))]
     engine = small_engine(config, num_pages=256, prefill_chunk=128, prefill_rows=4)

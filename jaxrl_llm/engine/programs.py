@@ -14,6 +14,7 @@ position, whatever slot or batch it lands in, so a seed gives the same tokens un
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -225,12 +226,18 @@ def decode_program(params: Params, weights: list[StepWeights] | PackedWeights, p
 
     if attention != "xla":
         state, out, pages = run(pages)
-        return replicated(state, mesh), replicated(out, mesh), constrain_pages(pages, mesh)
-    caches = [{name: constrain(x, mesh, PartitionSpec(BATCH_AXES, "tensor")) for name, x in cache.items()}
-              for cache in slot_caches(pages, state.page_table)]  # once per call, not per token
-    start = state
-    state, out, caches = run(caches)
-    j = jnp.arange(steps)[None, :]
-    written = jnp.where(j < (state.index - start.index)[:, None], start.position[:, None] + j, -1)  # fed positions
-    pages = write_back(pages, caches, start.page_table, written, config.jnp_dtype)
+    else:
+        state, out, pages = _over_slot_caches(run, pages, state, steps, config, mesh)
     return replicated(state, mesh), replicated(out, mesh), constrain_pages(pages, mesh)
+
+
+def _over_slot_caches(run: Callable[[object], tuple], pages: list[PagedLayer], state: SlotState, steps: int,
+                      config: ModelConfig, mesh: Mesh | None) -> tuple[SlotState, StepOutputs, list[PagedLayer]]:
+    """The XLA path's decode call: each slot's context gathered once into contiguous caches (not per token), the
+    steps `run` over them, and the call's tokens written back into the pages at its end."""
+    caches = [{name: constrain(x, mesh, PartitionSpec(BATCH_AXES, "tensor")) for name, x in cache.items()}
+              for cache in slot_caches(pages, state.page_table)]
+    new, out, caches = run(caches)
+    j = jnp.arange(steps)[None, :]
+    written = jnp.where(j < (new.index - state.index)[:, None], state.position[:, None] + j, -1)  # fed positions
+    return new, out, write_back(pages, caches, state.page_table, written, config.jnp_dtype)
