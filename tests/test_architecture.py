@@ -44,8 +44,23 @@ def test_the_config_is_a_leaf():
     assert all(m.startswith("jaxrl_llm.config.") for m in used - {"jaxrl_llm.errors", "jaxrl_llm"}), used
 
 
+def test_names_become_code_in_one_module():
+    """`module:attribute` strings (losses, estimators, rewards, environments, tools, algorithms) are imported by
+    `jaxrl_llm/registry.py` alone; the other dynamic imports are the package's own lazy attribute, its command
+    dispatch and the family table."""
+    users = {str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py") if "import_module(" in p.read_text()}
+    assert users == {"registry.py", "__init__.py", "__main__.py", "models/families/__init__.py"}, users
+
+
+def test_environments_do_not_reach_into_the_rl_math():
+    envs = [m for m in FULL_GRAPH if m.startswith("jaxrl_llm.envs")]
+    reached = set().union(*(FULL_GRAPH[m] for m in envs))
+    assert not {m for m in reached if m.startswith("jaxrl_llm.rl")}, sorted(reached)
+
+
 @pytest.mark.parametrize("library", ["jaxrl_llm.rl", "jaxrl_llm.models", "jaxrl_llm.rewards", "jaxrl_llm.sampling",
-                                     "jaxrl_llm.data", "jaxrl_llm.run", "jaxrl_llm.config", "jaxrl_llm.envs"])
+                                     "jaxrl_llm.data", "jaxrl_llm.run", "jaxrl_llm.config", "jaxrl_llm.envs",
+                                     "jaxrl_llm.engine", "jaxrl_llm.registry"])
 def test_the_library_never_imports_the_shell_or_the_commands(library):
     modules = [m for m in FULL_GRAPH if m == library or m.startswith(library + ".")]
     reached = set().union(*(reachable(FULL_GRAPH, m) for m in modules))

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 from jaxrl_llm.errors import ConfigError
-from jaxrl_llm.rl.plugins import resolve_name
+from jaxrl_llm.registry import resolve_name
 
 Message = dict[str, Any]  # {"role": "system" | "user" | "assistant" | "tool", "content": str, ...}
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import json
 import time
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from jaxrl_llm.envs.deadlines import DeadlineExceeded, DeadlineWorkers, HungCall
 from jaxrl_llm.envs.sandbox import run_python
 from jaxrl_llm.envs.tool_formats import HERMES, ToolCall, ToolFormat, parse_hermes
 from jaxrl_llm.errors import ConfigError
+from jaxrl_llm.registry import import_named
 
 MAX_RESULT_CHARS = 2000  # a tool's answer is cut to this many characters before the model reads it
 # Every tool call of the process runs here: as many at once as a run's environment steps usually make (each waits
@@ -132,11 +132,7 @@ def resolve_tools(names: list[str]) -> list[Tool]:
         if name in TOOLS:
             out.append(TOOLS[name])
             continue
-        module, _, attr = name.partition(":")
-        try:
-            tool = getattr(importlib.import_module(module), attr) if attr else None
-        except (ImportError, AttributeError) as e:
-            raise ConfigError(f"env.tools: {name!r} cannot be imported: {e}") from e
+        tool = import_named(name, "env.tools") if ":" in name else None
         if not isinstance(tool, Tool):
             raise ConfigError(f"env.tools: {name!r} is not a built-in tool ({', '.join(TOOLS)}) or a "
                               f"module:attribute holding a jaxrl_llm.envs.tools.Tool")

@@ -9,7 +9,6 @@ called once per batch, never once per completion, each call within `rewards[].ti
 from __future__ import annotations
 
 import functools
-import importlib
 import math
 import sys
 import threading
@@ -21,6 +20,7 @@ import numpy as np
 
 from jaxrl_llm.errors import RewardError, RewardNameError, one_line
 from jaxrl_llm.models.reward_model import reward_model_reward
+from jaxrl_llm.registry import import_named
 from jaxrl_llm.rewards.code_execution import code_tests_reward
 from jaxrl_llm.rewards.math_answers import math_answer_reward, math_verify_reward
 from jaxrl_llm.rewards.shaping import format_reward, overlong_reward
@@ -70,11 +70,7 @@ def resolve_reward(name: str, kwargs: dict[str, Any] | None = None) -> RewardFun
     elif name in PYTHON_REWARDS:
         fn = PYTHON_REWARDS[name]
     elif ":" in name:
-        module_name, _, attr = name.partition(":")
-        try:
-            fn = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as e:
-            raise RewardNameError(f"reward function {name!r} cannot be imported: {e}") from e
+        fn = import_named(name, "rewards[].name", RewardNameError)
     else:
         raise RewardNameError(
             f"unknown reward function {name!r}: use one of {', '.join(REWARD_FUNCTIONS)} or 'module:function'"

@@ -3,30 +3,11 @@
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
 from typing import Any
 
-from jaxrl_llm.errors import ConfigError
+from jaxrl_llm.registry import resolve_name
 from jaxrl_llm.rl.estimators import ADVANTAGE_ESTIMATORS, register_estimator
 from jaxrl_llm.rl.surrogates import POLICY_LOSSES, register_policy_loss
-
-
-def resolve_name(key: str, name: str, registry: dict[str, Any], register: Callable[[str, Any], None],
-                 doc: str = "docs/extending.md") -> str:
-    """`name` if in `registry`; a `module:function` is imported and added with `register(name, fn)`; else a
-    one-line `ConfigError` naming `key` (and the page `doc` that says how to write one)."""
-    if name in registry:
-        return name
-    if ":" not in name:
-        raise ConfigError(f"{key}={name!r}: expected one of {', '.join(registry)}, or 'module:function' (see {doc})")
-    module_name, _, attr = name.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"{key}={name!r} cannot be imported: {e}") from e
-    register(name, fn)
-    return name
 
 
 def resolve_estimator(name: str) -> str:

@@ -6,12 +6,12 @@ algorithm's own checks, `check_devices(config)` those against the devices JAX se
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 import jax
 
 from jaxrl_llm.config import ConfigError, RunConfig
+from jaxrl_llm.registry import import_named
 from jaxrl_llm.sharding import MeshShape
 from jaxrl_llm.trainers.loop import Trainer
 
@@ -31,8 +31,7 @@ def algorithm_class(name: str) -> Any:
     """The class of `--algo name`; a one-line `ConfigError` for a name no algorithm has."""
     if name not in ALGORITHMS:
         raise ConfigError(f"algo={name!r}: expected one of {', '.join(ALGORITHMS)}")
-    module, _, attr = ALGORITHMS[name].partition(":")
-    return getattr(importlib.import_module(module), attr)
+    return import_named(ALGORITHMS[name], "algo")
 
 
 def validate(config: RunConfig) -> None:
