@@ -8,6 +8,7 @@ the `jaxrl-llm` console script). Training is `python train.py` (or `jaxrl_llm.tr
     generate  completions from a policy for prompts given on the command line or in a file
     plan      per-device memory of a model, mesh and batch, before anything is allocated
     kernels   build the C++ CPU kernels ahead of a run and say which this machine runs, or why not
+    data      write one of the project's task datasets (arithmetic, larger_number, tool_multiplication)
 
 `python -m jaxrl_llm <command> --help` shows a command's options; each command's code is
 `jaxrl_llm/cli/<command>.py`.
@@ -21,7 +22,7 @@ from collections.abc import Sequence
 
 from jaxrl_llm.cli.errors import run_command
 
-COMMANDS = ("eval", "compare", "report", "export", "generate", "plan", "kernels")
+COMMANDS = ("eval", "compare", "report", "export", "generate", "plan", "kernels", "data")
 PROG = "python -m jaxrl_llm"
 
 

@@ -60,13 +60,22 @@ def test_environments_do_not_reach_into_the_rl_math():
 
 @pytest.mark.parametrize("library", ["jaxrl_llm.rl", "jaxrl_llm.models", "jaxrl_llm.rewards", "jaxrl_llm.sampling",
                                      "jaxrl_llm.data", "jaxrl_llm.run", "jaxrl_llm.config", "jaxrl_llm.envs",
-                                     "jaxrl_llm.engine", "jaxrl_llm.registry"])
+                                     "jaxrl_llm.engine", "jaxrl_llm.registry", "jaxrl_llm.tasks",
+                                     "jaxrl_llm.evaluation"])
 def test_the_library_never_imports_the_shell_or_the_commands(library):
     modules = [m for m in FULL_GRAPH if m == library or m.startswith(library + ".")]
     reached = set().union(*(reachable(FULL_GRAPH, m) for m in modules))
     above = {m for m in reached if m.startswith(("jaxrl_llm.trainers", "jaxrl_llm.cli", "jaxrl_llm.preflight",
                                                  "jaxrl_llm.api"))}
     assert above == set(), f"{library} reaches {sorted(above)}"
+
+
+def test_the_trainers_never_import_the_commands():
+    """The trainers are library too: nothing they reach is a command's module (`cli/`) or the shell's entry
+    points (the task datasets' writers are `python -m jaxrl_llm data`, in cli/)."""
+    modules = [m for m in FULL_GRAPH if m.startswith("jaxrl_llm.trainers")]
+    reached = set().union(*(reachable(FULL_GRAPH, m) for m in modules))
+    assert not {m for m in reached if m.startswith(("jaxrl_llm.cli", "jaxrl_llm.api"))}, sorted(reached)
 
 
 def test_every_algorithm_keeps_its_state_out_of_itself():

@@ -254,8 +254,8 @@ def test_python_m_commands_report_one_line(tmp_path):
         (["-m", "jaxrl_llm", "plan", "--model", str(ROOT / "models" / "arith-base"), "--batch", "0"], 2,
          "python -m jaxrl_llm plan: error: batch, group_size"),
         (["-m", "jaxrl_llm", "plan"], 2, "python -m jaxrl_llm plan: error: no model to plan"),
-        (["-m", "jaxrl_llm.tasks.arithmetic", "--train", "0", "--out", str(tmp_path / "d")], 2,
-         "python -m jaxrl_llm.tasks.arithmetic: error: --train 0 must be >= 1"),
+        (["-m", "jaxrl_llm", "data", "arithmetic", "--train", "0", "--out", str(tmp_path / "d")], 2,
+         "python -m jaxrl_llm data: error: --train 0 must be >= 1"),
     ]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     for argv, code, start in cases:

@@ -7,20 +7,18 @@ model is fine-tuned on `sft_answer`, so it learns the right procedure and a comm
 and its greedy answers make that mistake often; RL with a verifiable reward (the true `answer`) has to
 find out which of its own behaviours is correct.
 
-`python -m jaxrl_llm.tasks.arithmetic --out data/arithmetic` writes `train.jsonl` / `test.jsonl` (disjoint
+`python -m jaxrl_llm data arithmetic --out data/arithmetic` writes `train.jsonl` / `test.jsonl` (disjoint
 problems, fixed seed). The tokenizer is a real `tokenizers` character-level model saved in the Hugging Face
 format, so `AutoTokenizer.from_pretrained` loads it like any other.
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
 
-from jaxrl_llm.cli.errors import run_command
-from jaxrl_llm.tasks.dataset_files import parse_split_args, split_parser, write_jsonl
+from jaxrl_llm.tasks.dataset_files import write_jsonl
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 CHARACTERS = list("0123456789+-*= ")
@@ -99,25 +97,12 @@ def make_preferences(problems: list[dict[str, str]], seed: int) -> list[dict[str
     return pairs
 
 
-def write_dataset(out: Path, train: int, test: int, seed: int, max_digits: int, ops: str, sloppy: float) -> None:
+def write_dataset(out: Path, train: int, test: int, seed: int, max_digits: int = 3, ops: str = "+",
+                  sloppy: float = 0.6) -> None:
+    """`train.jsonl` / `test.jsonl` (and, for addition, the preference pairs) of the task in `out`."""
     problems = make_problems(train + test, seed, max_digits, ops, sloppy)
     out.mkdir(parents=True, exist_ok=True)
     for name, rows in (("train", problems[:train]), ("test", problems[train:])):
         write_jsonl(out / f"{name}.jsonl", rows)
         if ops == "+":
             write_jsonl(out / f"preferences_{name}.jsonl", make_preferences(rows, seed + 1))
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = split_parser("python -m jaxrl_llm.tasks.arithmetic", "Write the arithmetic task's train/test JSONL files.",
-                          out="data/arithmetic", train=20000, test=1000, seed=1234)
-    parser.add_argument("--max-digits", type=int, default=3)
-    parser.add_argument("--ops", default="+")
-    parser.add_argument("--sloppy", type=float, default=0.6, help="share of sft_answer that forget carries")
-    args = parse_split_args(parser, argv)
-    write_dataset(Path(args.out), args.train, args.test, args.seed, args.max_digits, args.ops, args.sloppy)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(run_command("python -m jaxrl_llm.tasks.arithmetic", main))

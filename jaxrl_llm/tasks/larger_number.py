@@ -6,7 +6,7 @@ two numbers and the answer, the larger of two different two-digit numbers. The r
 (`math_answer`) is not enough here: GRPO with it learned to write "10 is larger than 92." (last number 92,
 scored correct, claim wrong) within 20 steps.
 
-`python -m jaxrl_llm.tasks.larger_number --out data/larger_number` writes `train.jsonl` / `test.jsonl`
+`python -m jaxrl_llm data larger_number --out data/larger_number` writes `train.jsonl` / `test.jsonl`
 (disjoint ordered pairs, fixed seed) and `preferences_train.jsonl` / `preferences_test.jsonl` (the same prompts
 as chat-format preference pairs for DPO: the true claim chosen over the reversed one).
 """
@@ -14,15 +14,13 @@ as chat-format preference pairs for DPO: the true claim chosen over the reversed
 from __future__ import annotations
 
 import re
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from jaxrl_llm.cli.errors import run_command
-from jaxrl_llm.tasks.dataset_files import parse_split_args, split_parser, write_jsonl
+from jaxrl_llm.tasks.dataset_files import write_jsonl
 
 
 def make_problems(count: int, seed: int, low: int = 10, high: int = 99) -> list[dict[str, object]]:
@@ -88,19 +86,10 @@ def make_preferences(problems: Sequence[dict[str, Any]]) -> list[dict[str, objec
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = split_parser("python -m jaxrl_llm.tasks.larger_number",
-                          "Write the larger-number task's train/test JSONL files.", out="data/larger_number",
-                          train=6000, test=500, seed=2024)
-    args = parse_split_args(parser, argv)
-    problems = make_problems(args.train + args.test, args.seed)
-    out = Path(args.out)
+def write_dataset(out: Path, train: int, test: int, seed: int) -> None:
+    """`train.jsonl` / `test.jsonl` and their preference pairs in `out`."""
+    problems = make_problems(train + test, seed)
     out.mkdir(parents=True, exist_ok=True)
-    for name, rows in (("train", problems[: args.train]), ("test", problems[args.train :])):
+    for name, rows in (("train", problems[:train]), ("test", problems[train:])):
         write_jsonl(out / f"{name}.jsonl", rows)
         write_jsonl(out / f"preferences_{name}.jsonl", make_preferences(rows))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(run_command("python -m jaxrl_llm.tasks.larger_number", main))

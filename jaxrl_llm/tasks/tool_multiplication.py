@@ -4,7 +4,7 @@ Each record is a chat prompt (one user message), the two factors and the exact p
 SmolLM2-135M-Instruct multiplies three-digit numbers wrong almost always; with the calculator (`env.name:
 tool_use`, `env.tools: [calculator]`) it needs to write one well-formed call and copy its result.
 
-`python -m jaxrl_llm.tasks.tool_multiplication --out data/tool_multiplication` writes `train.jsonl` / `test.jsonl`
+`python -m jaxrl_llm data tool_multiplication --out data/tool_multiplication` writes `train.jsonl` / `test.jsonl`
 (disjoint pairs, fixed seed) and `sft.jsonl`, demonstrations for the SFT warm start made here from the training
 pairs: for one pair, the call (the prompt with the tools' system message -> the tool call) and, for another, the
 answer (the conversation through the tool's result -> "The answer is N."). Both are chat-format prompts rendered
@@ -14,15 +14,13 @@ with the same system message a multi-turn run adds, so SFT and RL see the same c
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from jaxrl_llm.cli.errors import run_command
 from jaxrl_llm.envs.tools import CALCULATOR, tool_instructions
-from jaxrl_llm.tasks.dataset_files import parse_split_args, split_parser, write_jsonl
+from jaxrl_llm.tasks.dataset_files import write_jsonl
 
 
 def make_problems(count: int, seed: int, low: int = 100, high: int = 999) -> list[dict[str, Any]]:
@@ -63,20 +61,12 @@ def demonstrations(problems: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = split_parser("python -m jaxrl_llm.tasks.tool_multiplication", __doc__, out="data/tool_multiplication",
-                          train=2000, test=200, seed=11)
-    parser.add_argument("--sft", type=int, default=256, help="SFT demonstrations (from the first training pairs)")
-    args = parse_split_args(parser, argv)
-    problems = make_problems(args.train + args.test, args.seed)
-    out = Path(args.out)
+def write_dataset(out: Path, train: int, test: int, seed: int, sft: int = 256) -> str:
+    """`train.jsonl`, `test.jsonl` and `sft.jsonl` (demonstrations from the first training pairs) in `out`; what it
+    wrote, in words."""
+    problems = make_problems(train + test, seed)
     out.mkdir(parents=True, exist_ok=True)
-    write_jsonl(out / "train.jsonl", problems[: args.train])
-    write_jsonl(out / "test.jsonl", problems[args.train :])
-    write_jsonl(out / "sft.jsonl", demonstrations(problems[: min(args.sft, args.train)]))
-    print(f"wrote {out}/train.jsonl ({args.train}), test.jsonl ({args.test}), sft.jsonl ({min(args.sft, args.train)})")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(run_command("python -m jaxrl_llm.tasks.tool_multiplication", main))
+    write_jsonl(out / "train.jsonl", problems[:train])
+    write_jsonl(out / "test.jsonl", problems[train:])
+    write_jsonl(out / "sft.jsonl", demonstrations(problems[:min(sft, train)]))
+    return f"wrote {out}/train.jsonl ({train}), test.jsonl ({test}), sft.jsonl ({min(sft, train)})"

@@ -5,7 +5,7 @@
 with `r` the score at the last token of `prompt + response` (`models/reward_model.sequence_scores`). The
 model starts from a causal LM's decoder (`model.path`) with a fresh score head, or from a classifier's own
 head. Data: JSONL with `prompt`, `chosen`, `rejected` (`data.chosen_field` / `data.rejected_field`);
-`python -m jaxrl_llm.tasks.arithmetic` writes such pairs for the default task (the true answer over a
+`python -m jaxrl_llm data arithmetic` writes such pairs for the default task (the true answer over a
 wrong one). The update is the same jitted, data-parallel `train_step` as every other algorithm's. The result
 is a `...ForSequenceClassification` directory that transformers loads and the `reward_model` reward uses.
 """
