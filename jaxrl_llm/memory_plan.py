@@ -68,8 +68,8 @@ from jaxrl_llm.engine.pages import table_width
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import param_shapes
 from jaxrl_llm.models.lora import LoraSpec, init_adapters
-from jaxrl_llm.trainers.objectives import logprob_chunk_size
-from jaxrl_llm.trainers.step import make_optimizer
+from jaxrl_llm.optim import make_optimizer
+from jaxrl_llm.rl.logprobs import logprob_chunk_size
 
 P = PartitionSpec
 # The sampler's cache `[L, B*n, S, KVH, hd]` (`init_cache`'s layout): rows over the batch axes, KV heads over
@@ -167,7 +167,7 @@ def param_partition_specs(shapes: Any, axis_sizes: Mapping[str, int]) -> Any:
 
 
 def trainer_optimizer() -> optax.GradientTransformation:
-    """The optimizer the trainers build (`trainers.step.make_optimizer`: global-norm clipping, AdamW, the
+    """The optimizer the trainers build (`optim.make_optimizer`: global-norm clipping, AdamW, the
     non-finite guard); its state's shapes do not depend on the schedule or the learning rate."""
     return make_optimizer(OptimSection(), total_updates=1)[0]
 

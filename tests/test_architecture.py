@@ -70,6 +70,15 @@ def test_the_library_never_imports_the_shell_or_the_commands(library):
     assert above == set(), f"{library} reaches {sorted(above)}"
 
 
+def test_the_planner_is_the_commands_and_imports_no_trainer():
+    """`memory_plan` plans the trainers' memory from their parts (the model, the optimizer of `optim`, the
+    log-prob chunking of `rl`) without importing them, and only `plan` (cli/) imports it."""
+    reached = reachable(FULL_GRAPH, "jaxrl_llm.memory_plan")
+    assert not {m for m in reached if m.startswith(("jaxrl_llm.trainers", "jaxrl_llm.cli"))}, sorted(reached)
+    users = {m for m, imported in FULL_GRAPH.items() if "jaxrl_llm.memory_plan" in imported}
+    assert users == {"jaxrl_llm.cli.plan"}, users
+
+
 def test_the_trainers_never_import_the_commands():
     """The trainers are library too: nothing they reach is a command's module (`cli/`) or the shell's entry
     points (the task datasets' writers are `python -m jaxrl_llm data`, in cli/)."""

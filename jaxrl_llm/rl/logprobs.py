@@ -195,3 +195,11 @@ def token_logprobs_from_hidden(
 
     out = _map_over_time_chunks(block, hidden.shape[time_axis], chunk_size, 2 if with_entropy else 1)
     return (out[0], out[1]) if with_entropy else out[0]
+
+
+def logprob_chunk_size(rows: int, length: int, vocab_size: int, block_mib: float) -> int:
+    """Completion positions per log-prob chunk: the most whose float32 logits `[rows, chunk, V]` fit in
+    `block_mib` MiB (at least 1); `length` (one block, no chunking) when everything fits or `block_mib == 0`."""
+    if block_mib <= 0:
+        return length
+    return max(1, min(length, int(block_mib * 2**20) // (4 * rows * vocab_size)))

@@ -26,7 +26,7 @@ from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params, RoutedHidden, completion_hidden_routed, unembedding_as_stored
 from jaxrl_llm.models.moe import NO_RECORD, expert_load, load_balancing_loss, router_disagreement, routing_confidence
 from jaxrl_llm.models.packing import PackedLayout
-from jaxrl_llm.rl.logprobs import token_logprobs_from_hidden
+from jaxrl_llm.rl.logprobs import logprob_chunk_size, token_logprobs_from_hidden
 from jaxrl_llm.rl.policy_loss import PolicyLossOptions, clipped_policy_loss
 from jaxrl_llm.sharding import batch_sharding
 
@@ -93,14 +93,6 @@ def policy_objective(c: RunConfig, *, beta: float) -> PolicyObjective:
                            max_len=c.sampling.max_new_tokens, logprob_block_mib=c.model.logprob_block_mib,
                            routing_replay=r.routing_replay != "none",
                            router_aux_loss_coef=c.model.router_aux_loss_coef)
-
-
-def logprob_chunk_size(rows: int, length: int, vocab_size: int, block_mib: float) -> int:
-    """Completion positions per log-prob chunk: the most whose float32 logits `[rows, chunk, V]` fit in
-    `block_mib` MiB (at least 1); `length` (one block, no chunking) when everything fits or `block_mib == 0`."""
-    if block_mib <= 0:
-        return length
-    return max(1, min(length, int(block_mib * 2**20) // (4 * rows * vocab_size)))
 
 
 def completion_logprobs(
