@@ -206,17 +206,22 @@ def experts_parallel(x: jax.Array, experts: jax.Array, weights: jax.Array, w: Ex
     return y.astype(out_dtype or x.dtype)
 
 
+def _combine(experts: jax.Array, weights: jax.Array, num_experts: int, valid: jax.Array | None) -> jax.Array:
+    """The top-k weights as a dense `[N, E]` float32 matrix (0 off each token's top-k, and on tokens not `valid`)."""
+    n = experts.shape[0]
+    combine = jnp.zeros((n, num_experts), jnp.float32).at[jnp.arange(n)[:, None], experts].add(
+        weights.astype(jnp.float32))
+    return combine if valid is None else jnp.where(valid[:, None], combine, 0.0)
+
+
 def experts_dense(x: jax.Array, experts: jax.Array, weights: jax.Array, w: Experts, *, hidden_act: str = "silu",
                   clamp: tuple[float, float] | None = None, valid: jax.Array | None = None,
                   dtype: jnp.dtype | str = jnp.float32, out_dtype: jnp.dtype | str | None = None) -> jax.Array:
     """The same function as `experts_ragged`, computed the plain way for tests: every expert on every token
     (``[N, E, I]`` and ``[N, E, D]`` intermediates), combined with a dense ``[N, E]`` matrix of the top-k weights."""
-    n = x.shape[0]
     num_experts = w.gate.shape[0]
     dtype = jnp.dtype(dtype)
-    combine = jnp.zeros((n, num_experts), jnp.float32).at[jnp.arange(n)[:, None], experts].add(weights)
-    if valid is not None:
-        combine = jnp.where(valid[:, None], combine, 0.0)
+    combine = _combine(experts, weights, num_experts, valid)
     every = jnp.arange(num_experts)[None]  # [1, E]: each token through every expert
     gate = _plus_bias(precision.einsum("nd,edi->nei", x, w.gate, dtype, jnp.float32), w.gate_bias, every)
     up = _plus_bias(precision.einsum("nd,edi->nei", x, w.up, dtype, jnp.float32), w.up_bias, every)
@@ -264,9 +269,7 @@ def fused_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w: Fused
     """
     n, e = x.shape[0], num_experts
     size = w.down.shape[0] // e
-    combine = jnp.zeros((n, e), jnp.float32).at[jnp.arange(n)[:, None], experts].add(weights.astype(jnp.float32))
-    if valid is not None:
-        combine = jnp.where(valid[:, None], combine, 0.0)
+    combine = _combine(experts, weights, e, valid)
     gate_up = precision.einsum("nd,df->nf", x, w.gate_up, dtype, jnp.float32)
     if w.gate_up_bias is not None:
         gate_up = gate_up + w.gate_up_bias
