@@ -6,7 +6,7 @@ unless `--algo` is given. Dotted overrides such as `rl.beta=0.04 steps=10` are a
 Relative paths in the YAML file are relative to its folder; on the command line, to the current folder.
 
 `--print-config` prints the resolved config, every field with a one-line comment, and exits (all fields:
-docs/config.md). Ctrl-C or SIGTERM stops after the current step with a checkpoint (exit 130).
+docs/config-reference.md). Ctrl-C or SIGTERM stops after the current step with a checkpoint (exit 130).
 
 A run owns what it creates, and records it in out_dir/.jaxrl_llm-run.json: a new run refuses a directory that
 holds another run (`--resume` continues it, `--overwrite` starts over, deleting exactly what that run created)

@@ -1,6 +1,6 @@
 """A newcomer's first hour: README's "Your own model, data and reward" run as written (from another folder, a
 YAML with relative paths, a reward module beside it), plain log lines off a terminal, Ctrl-C, the Python API,
---print-config and docs/config.md, the planner on a config, a weights-only final checkpoint, and every command
+--print-config and docs/config-reference.md, the planner on a config, a weights-only final checkpoint, and every command
 and Python block of README, docs/ and bench/README.md (parsed and checked, never run)."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The run's configuration, a leaf of the package: the schema (`schema.py`: sections, defaults, allowed values)
 and loading (`loading.py`: YAML, the Python API's fields, dotted overrides, renames). `docs.py` renders it as
-`--print-config` and docs/config.md. Checks that need an algorithm or the outside world are elsewhere:
+`--print-config` and docs/config-reference.md. Checks that need an algorithm or the outside world are elsewhere:
 `jaxrl_llm.trainers` (each algorithm's `validate`) and `jaxrl_llm.preflight`."""
 
 from jaxrl_llm.config.fields import Range

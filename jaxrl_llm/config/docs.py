@@ -1,10 +1,10 @@
-"""The config's documentation, read from the dataclasses themselves: `--print-config` and `docs/config.md`.
+"""The config's documentation, read from the dataclasses themselves: `--print-config` and `docs/config-reference.md`.
 
 Each field's help is its comment in `jaxrl_llm/config/schema.py` (the inline `# ...`, or the comment lines right
 above it; a section's is its class docstring), so the code and the docs cannot drift apart:
 
     python train.py --print-config [--algo X] [--config FILE] [overrides]   the resolved config, commented
-    python -m jaxrl_llm.config.docs --write                                  regenerate docs/config.md
+    python -m jaxrl_llm.config.docs --write                                  regenerate docs/config-reference.md
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import yaml
 
 from jaxrl_llm.config import RewardSpec, RunConfig
 
-DOCS_PATH = Path(__file__).resolve().parents[2] / "docs" / "config.md"
+DOCS_PATH = Path(__file__).resolve().parents[2] / "docs" / "config-reference.md"
 
 
 @functools.cache
@@ -114,7 +114,7 @@ def _type_name(tp: Any) -> str:
 
 
 def markdown() -> str:
-    """docs/config.md: every field with its type, default and help, section by section."""
+    """docs/config-reference.md: every field with its type, default and help, section by section."""
     out = ["# Configuration reference", "",
            "Generated from `jaxrl_llm/config/schema.py` by `python -m jaxrl_llm.config.docs --write`; a test checks it "
            "is current. Set a field in a YAML file (`section:` then `field: value`) or on the command line "

@@ -1,5 +1,5 @@
 """The run's configuration schema: one dataclass per section, each field with its default, its one-line help
-(the comment beside it: `--print-config` and docs/config.md read it) and its allowed values in the field's
+(the comment beside it: `--print-config` and docs/config-reference.md read it) and its allowed values in the field's
 metadata (`at_least`, `positive`, `fraction`, `within`, `finite`, `one_of`), checked by `check_fields`.
 
 Relations between fields that every run shares (the mesh sizes, LoRA's target pattern) are checked here too; those
