@@ -11,7 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TINY
+
+from tests.helpers import ROOT, TINY
+
+pytestmark = pytest.mark.heavy(seconds=16)
 
 
 def _has(module: str) -> bool:

@@ -6,7 +6,6 @@ import json
 
 import numpy as np
 import pytest
-from conftest import GSM8K, requires_shared
 
 from jaxrl_llm.config import ConfigError
 from jaxrl_llm.data import (
@@ -22,6 +21,7 @@ from jaxrl_llm.rewards import RewardError, compute_rewards, resolve_reward
 from jaxrl_llm.rewards.math_answers import extract_answer, math_answer_reward, math_verify_reward
 from jaxrl_llm.rewards.shaping import format_reward, overlong_reward
 from jaxrl_llm.tasks.arithmetic import make_problems, make_tokenizer
+from tests.helpers import GSM8K, requires_shared
 
 # ------------------------------------------------------------------------------------------------ data
 
@@ -142,9 +142,10 @@ def raises(prompts, completions, **fields):
 
 def test_reward_errors_name_the_function():
     fields = {"answer": ["1", "2"]}
-    with pytest.raises(RewardError, match="'test_data_rewards_config:bad_length' returned 1 rewards for 2"):
-        compute_rewards([("test_data_rewards_config:bad_length",
-                          resolve_reward("test_data_rewards_config:bad_length"), 1.0)], ["a", "b"], ["1", "2"], fields)
+    with pytest.raises(RewardError, match="'tests.test_data_rewards_config:bad_length' returned 1 rewards for 2"):
+        compute_rewards([("tests.test_data_rewards_config:bad_length",
+                          resolve_reward("tests.test_data_rewards_config:bad_length"), 1.0)], ["a", "b"], ["1", "2"],
+                          fields)
     with pytest.raises(RewardError, match="'boom' raised KeyError"):
         compute_rewards([("boom", raises, 1.0)], ["a", "b"], ["1", "2"], fields)
     with pytest.raises(RewardError, match="unknown reward function 'nope'"):

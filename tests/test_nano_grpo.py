@@ -12,7 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ROOT
+
+from tests.helpers import ROOT
+
+pytestmark = pytest.mark.heavy(seconds=21)
 
 SCRIPT = ROOT / "examples" / "nano_grpo.py"
 

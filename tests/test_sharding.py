@@ -12,11 +12,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import FAST_COMPILE_FLAGS, TINY  # noqa: F401  (the tiny_task fixture lives in conftest)
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm.sharding import MeshShape, fit_spec, make_mesh, param_spec
+from tests.helpers import FAST_COMPILE_FLAGS, TINY  # noqa: F401  (the tiny_task fixture lives in conftest)
+
+pytestmark = pytest.mark.heavy(seconds=66)
 
 ROOT = Path(__file__).resolve().parents[1]
 MESHES = ((8, 1, 1), (2, 4, 1), (2, 2, 2), (1, 2, 4))
@@ -83,7 +85,7 @@ def run(shape, grad_accum=1, packed=False):
     greedy = to_host(sample(placed, config, prompts_t, prompts_m, jax.random.key(0), sampling, mesh=mesh))
     sampled = to_host(sample(placed, config, prompts_t, prompts_m, jax.random.key(4), drawn, mesh=mesh))
     # The rollout engine on the same mesh (one decode call a generate: few programs to compile; refills and page
-    # growth are tested on one device, tests/test_engine.py).
+    # growth are tested on one device, tests/engine/test_engine.py).
     paged = PagedSampler(config, page_size=8, steps_per_call=32)
     engine_greedy = to_host(paged(placed, prompts_t, prompts_m, jax.random.key(0), sampling))
     engine_sampled = to_host(paged(placed, prompts_t, prompts_m, jax.random.key(4), drawn))

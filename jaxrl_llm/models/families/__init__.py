@@ -5,7 +5,7 @@ variants, the `ModelConfig` fields its config.json implies beyond the common rea
 what its config cannot express, and its tensor names where they differ from Llama's.
 
 Adding a family: a module here defining `FAMILY`, its name in `FAMILY_MODULES`, and its parity test in
-`tests/test_model_families.py` (docs/models.md). A block feature no family has yet also needs its switch in
+`tests/models/test_families.py` (docs/models.md). A block feature no family has yet also needs its switch in
 `ModelConfig` and its math in `models/layers.py`.
 """
 
