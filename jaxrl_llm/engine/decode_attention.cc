@@ -23,15 +23,14 @@
 // pool's products run on VDPBF16PS (`PagedBf16`) instead of being widened to float32.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <thread>
 #include <type_traits>
 #include <vector>
 
+#include "task_pool.h"
 #include "vector16.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -452,12 +451,9 @@ void PagedOne(const float* q, const T* k, const T* v, const int32_t* tables, con
   PagedGeneric(q_rows, k_pool, v_pool, table, s.page_size, g_count, hd, start, n, out_rows, scale, softcap, scratch);
 }
 
-// The (row, KV head) tasks handed out one at a time from a shared counter: the calling thread and up to
-// `threads - 1` pool tasks take them until none is left; the call returns once every task taken has finished. A
-// pool task that starts late finds no work (it holds the state through its shared_ptr), so a busy pool never
-// blocks the call.
+// One task per (row, KV head), spread over the pool (task_pool.h).
 template <typename T>
-struct Work {
+struct Work : SharedTasks {
   const float* q;
   const T* k;
   const T* v;
@@ -467,35 +463,25 @@ struct Work {
   PagedShape shape;
   int64_t window;
   float scale, softcap;
-  int64_t tasks;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
 
   void Drain() {
     std::vector<float> scratch;
-    int64_t finished = 0;
-    for (int64_t t = next.fetch_add(1); t < tasks; t = next.fetch_add(1)) {
+    Take([&](int64_t t) {
       PagedOne<T>(q, k, v, tables, lengths, out, shape, window, scale, softcap, t / shape.kv_heads,
                   t % shape.kv_heads, scratch);
-      ++finished;
-    }
-    done.fetch_add(finished);
+    });
   }
 };
 
 template <typename T>
 void Run(ffi::ThreadPool pool, const float* q, const void* k, const void* v, const int32_t* tables,
-              const int32_t* lengths, float* out, const PagedShape& shape, int64_t window, float scale,
-              float softcap) {
+         const int32_t* lengths, float* out, const PagedShape& shape, int64_t window, float scale, float softcap) {
   auto work = std::make_shared<Work<T>>();
   work->q = q, work->k = static_cast<const T*>(k), work->v = static_cast<const T*>(v);
   work->tables = tables, work->lengths = lengths, work->out = out;
   work->shape = shape, work->window = window, work->scale = scale, work->softcap = softcap;
   work->tasks = shape.rows * shape.kv_heads;
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->tasks) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Drain(); });
-  work->Drain();
-  while (work->done.load() < work->tasks) std::this_thread::yield();
+  RunOnPool(pool, work);
 }
 
 ffi::Error PagedDecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,

@@ -22,14 +22,13 @@
 // L2. Rows are spread over XLA's intra-op thread pool.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <thread>
 #include <vector>
 
+#include "task_pool.h"
 #include "vector16.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -68,15 +67,14 @@ int64_t FirstCrossing(const float* cumulative, int64_t n, float target) {
   return std::min(passed, below_total);
 }
 
-struct Work {
+// One task per row, spread over the pool (task_pool.h).
+struct Work : SharedTasks {
   const float* logits;
   const float* uniform;
   float temperature;
   int32_t* token;
   float* logprob;
-  int64_t rows, vocab, block;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
+  int64_t vocab, block;
 
   void Row(int64_t r, std::vector<float>& scratch) const {
     const int64_t blocks = (vocab + block - 1) / block;
@@ -116,12 +114,7 @@ struct Work {
 
   void Drain() {
     std::vector<float> scratch;
-    int64_t finished = 0;
-    for (int64_t r = next.fetch_add(1); r < rows; r = next.fetch_add(1)) {
-      Row(r, scratch);
-      ++finished;
-    }
-    done.fetch_add(finished);
+    Take([&](int64_t r) { Row(r, scratch); });
   }
 };
 
@@ -140,11 +133,8 @@ ffi::Error InverseCdfSampleImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logi
   work->logits = logits.typed_data(), work->uniform = uniform.typed_data();
   work->temperature = temperature.typed_data()[0];
   work->token = token->typed_data(), work->logprob = logprob->typed_data();
-  work->rows = ld[0], work->vocab = ld[1], work->block = block;
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->rows) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Drain(); });
-  work->Drain();
-  while (work->done.load() < work->rows) std::this_thread::yield();
+  work->tasks = ld[0], work->vocab = ld[1], work->block = block;
+  RunOnPool(pool, work);
   return ffi::Error::Success();
 }
 

@@ -38,8 +38,6 @@ from jaxrl_llm.engine.pages import from_storage
 from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.models.config import ModelConfig
 
-BACKENDS = ("xla", "cpu", "pallas_gpu", "pallas_tpu", "pallas_interpret")
-
 
 def sinks_unsupported(config: ModelConfig) -> str | None:
     """Why no paged-attention kernel (Pallas or C++) can decode `config`: attention sinks (gpt-oss), or None."""

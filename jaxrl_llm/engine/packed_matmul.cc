@@ -37,14 +37,13 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <thread>
 #include <vector>
 
+#include "task_pool.h"
 #include "vector16.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -119,15 +118,14 @@ void PrepareRow(const float* x, int64_t k, const float* scale, float eps, bool u
   for (; i < k; ++i) dst[i] = Bf16Bits(scale != nullptr ? x[i] * r * (scale[i] + offset) : x[i]);
 }
 
-struct Work {
+// Task t: a range of column pairs (`Range`), spread over the pool (task_pool.h).
+struct Work : SharedTasks {
   const uint16_t* x;  // [mp, kp], zero padded
   const uint16_t* w;
   float* out;
   uint16_t* gated_out;  // with an activation: [m, n / 2] bfloat16 bits
-  int64_t m, n, mp, kp, n_blocks, k_blocks, tasks, activation = kNone;
+  int64_t m, n, mp, kp, n_blocks, k_blocks, activation = kNone;
   std::vector<uint16_t> padded;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
 
   // Rows m0 .. m0 + 31 of column blocks nb and nb + 1 (nb alone where it is the last); `ahead` lines of 64 bytes
   // from `prefetch` asked into L2 on the way (the next chunk's weights, `Range`).
@@ -214,13 +212,8 @@ struct Work {
   void Drain() {
     ConfigureTiles();
     alignas(64) float scratch[32 * 32];
-    int64_t finished = 0;
-    for (int64_t t = next.fetch_add(1); t < tasks; t = next.fetch_add(1)) {
-      Range(t, scratch);
-      ++finished;
-    }
+    Take([&](int64_t t) { Range(t, scratch); });
     _tile_release();
-    done.fetch_add(finished);
   }
 };
 
@@ -286,10 +279,7 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
   work->gated_out = gated ? static_cast<uint16_t*>(out->untyped_data()) : nullptr;
   // Two ranges per thread: a pool thread that starts late leaves its ranges to the others.
   work->tasks = std::min<int64_t>((work->n_blocks + 1) / 2, 2 * std::max<int64_t>(1, pool.num_threads()));
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->tasks) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Drain(); });
-  work->Drain();
-  while (work->done.load() < work->tasks) std::this_thread::yield();
+  RunOnPool(pool, work);
   return ffi::Error::Success();
 }
 

@@ -177,13 +177,7 @@ def decode_program(params: Params, weights: list[StepWeights] | PackedWeights, p
     contiguous per-call slot caches gathered once; a kernel (Pallas, or the CPU's C++ one) attends over the pages on
     every step (with `PackedWeights`, `pack_weights`, on the CPU's AMX matmul). On a `mesh` the slots are split over
     `("data", "fsdp")` and the KV heads over `tensor`; the results come back whole on every device."""
-    slots, shards = state.token.shape[0], weight_shards(config, mesh)
-    eos = jnp.asarray(flags.eos_ids, jnp.int32)
-    experts = (jnp.full((slots, steps, config.num_layers, config.num_experts_per_tok), NO_RECORD, jnp.int16)
-               if config.is_moe else None)
-    empty = StepOutputs(jnp.full((slots, steps), flags.pad_id, jnp.int32), jnp.zeros((slots, steps), jnp.float32),
-                        jnp.zeros((slots, steps), jnp.float32), jnp.zeros((slots,), bool), experts)
-
+    shards, eos = weight_shards(config, mesh), jnp.asarray(flags.eos_ids, jnp.int32)
     rotary = call_rotary(config, state.position, steps) if attention != "xla" else None
     kernel_sampling = attention == "cpu" and cpu_kernel.sampling_unavailable_reason() is None
 
@@ -221,6 +215,7 @@ def decode_program(params: Params, weights: list[StepWeights] | PackedWeights, p
             j, s, out, caches = carry
             return (j + 1, *step(j, (s, out, caches)))
 
+        empty = _no_outputs(state.token.shape[0], steps, config, flags.pad_id)
         _, s, out, caches = jax.lax.while_loop(going, body, (jnp.int32(0), state, empty, caches))
         return s, out, caches
 
@@ -229,6 +224,15 @@ def decode_program(params: Params, weights: list[StepWeights] | PackedWeights, p
     else:
         state, out, pages = _over_slot_caches(run, pages, state, steps, config, mesh)
     return replicated(state, mesh), replicated(out, mesh), constrain_pages(pages, mesh)
+
+
+def _no_outputs(slots: int, steps: int, config: ModelConfig, pad_id: int) -> StepOutputs:
+    """A decode call's outputs before its first step: padding tokens, zero log-probs, no EOS hit and (MoE) no
+    recorded experts."""
+    experts = (jnp.full((slots, steps, config.num_layers, config.num_experts_per_tok), NO_RECORD, jnp.int16)
+               if config.is_moe else None)
+    return StepOutputs(jnp.full((slots, steps), pad_id, jnp.int32), jnp.zeros((slots, steps), jnp.float32),
+                       jnp.zeros((slots, steps), jnp.float32), jnp.zeros((slots,), bool), experts)
 
 
 def _over_slot_caches(run: Callable[[object], tuple], pages: list[PagedLayer], state: SlotState, steps: int,
