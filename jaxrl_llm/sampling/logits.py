@@ -116,22 +116,15 @@ def inverse_cdf_sample(weights: jax.Array, uniform: jax.Array) -> jax.Array:
     return (chosen * block + offset).astype(jnp.int32)
 
 
-def sample_from_logits(
-    logits: jax.Array,
-    key: jax.Array,
-    knobs: Knobs,
-    *,
-    greedy: bool,
-    use_top_k: bool = False,
-    use_top_p: bool = False,
-    use_min_p: bool = False,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One token per row from `logits [B, V]`: `(token [B] int32, logprob [B], logprob_untruncated [B])`.
+def sample_from_logits(logits: jax.Array, key: jax.Array, knobs: Knobs, *, greedy: bool, **truncation: bool
+                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One token per row from `logits [B, V]`: `(token [B] int32, logprob [B], logprob_untruncated [B])`, each row
+    drawn with a uniform of `key` (`truncation`: `sample_with_uniform`'s `use_top_k`, `use_top_p`, `use_min_p`).
 
     See the module docstring for the exact meaning of the two log-probs. All math in float32.
     """
-    return sample_with_uniform(logits, jax.random.uniform(key, logits.shape[:1], jnp.float32), knobs, greedy=greedy,
-                               use_top_k=use_top_k, use_top_p=use_top_p, use_min_p=use_min_p)
+    uniform = jax.random.uniform(key, logits.shape[:1], jnp.float32)
+    return sample_with_uniform(logits, uniform, knobs, greedy=greedy, **truncation)
 
 
 def sample_with_uniform(
