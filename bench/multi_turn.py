@@ -29,9 +29,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import best_seconds  # noqa: E402
-from jaxrl_llm.data import left_pad, load_records, load_tokenizer  # noqa: E402
+from jaxrl_llm.data import left_pad, load_records  # noqa: E402
 from jaxrl_llm.engine import Engine, Request, row_keys  # noqa: E402
 from jaxrl_llm.models.hf import load_hf_model  # noqa: E402
+from jaxrl_llm.models.tokenizer import load_tokenizer  # noqa: E402
 from jaxrl_llm.sampling import SamplingConfig, sample  # noqa: E402
 
 

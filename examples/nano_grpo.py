@@ -32,9 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxrl_llm.data import bucket, left_pad, load_tokenizer, read_jsonl
+from jaxrl_llm.data import bucket, left_pad, read_jsonl
 from jaxrl_llm.models.decoder import completion_hidden, unembed
 from jaxrl_llm.models.hf import load_hf_model
+from jaxrl_llm.models.tokenizer import load_tokenizer
 from jaxrl_llm.rl import group_normalized_advantages, token_logprobs
 from jaxrl_llm.sampling import SampleOutput, SamplingConfig, sample
 

@@ -39,9 +39,62 @@ def test_a_cycle_is_found_when_there_is_one(tmp_path):
     assert cycles(import_graph(pkg, top_level_only=False)) == [["pkg.a", "pkg.b"]]
 
 
-def test_the_config_is_a_leaf():
+# The package's layers, lowest first: a module imports only modules of its own layer or of the layers below it.
+# The package's root (`jaxrl_llm/__init__.py`) imports nothing at module level (its `train` is a lazy attribute).
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("errors", "fields", "registry", "sharding"),  # leaves: errors, a field's allowed values, names -> code, meshes
+    ("models",),  # the causal LMs, their checkpoints and tokenizers
+    ("rl", "sampling"),  # the RL math (pure, jittable) and the static sampler
+    ("config",),  # the run's schema, which takes the RL math's option types as they are
+    ("engine", "envs", "run", "optim"),  # the rollout engine, environments and tools, a run's folder, optimizers
+    ("tasks",),  # data sources and their rewards' parsers
+    ("data", "rewards"),  # prompt sets and reward functions
+    ("evaluation",),  # held-out evaluation (sampling, rewards, pass@k)
+    ("trainers",),  # the algorithms and the loop
+    ("memory_plan", "preflight", "api"),  # what a command checks or plans before a run, and the Python API
+    ("cli", "__main__"),  # the commands
+)
+RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
+
+
+def part_of(module: str) -> str:
+    """`jaxrl_llm.rl.kl` -> `rl`; `jaxrl_llm.optim` -> `optim`; the root `jaxrl_llm` -> ``."""
+    return module.split(".")[1] if "." in module else ""
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of a module from a higher layer than its own, as `importer -> imported`."""
+    return sorted(f"{m} -> {t}" for m, imported in graph.items() for t in imported
+                  if part_of(t) and RANK[part_of(t)] > RANK[part_of(m)])
+
+
+def test_every_package_and_root_module_has_a_layer():
+    parts = {part_of(m) for m in FULL_GRAPH} - {""}
+    assert parts == set(RANK), f"unplaced: {sorted(parts - set(RANK))}, gone: {sorted(set(RANK) - parts)}"
+
+
+def test_imports_point_down_the_layers_even_inside_functions():
+    assert upward_imports(FULL_GRAPH) == []
+
+
+def test_an_upward_import_is_found():
+    """The check fails on each kind of arrow the layers forbid: the trainer reaching a command, the models reaching
+    the data layer, the RL math reaching the run's config, a data source reaching a command."""
+    for importer, imported in (("jaxrl_llm.trainers.policy", "jaxrl_llm.cli.errors"),
+                               ("jaxrl_llm.models.hf_export", "jaxrl_llm.data"),
+                               ("jaxrl_llm.rl.kl", "jaxrl_llm.config.schema"),
+                               ("jaxrl_llm.tasks.arithmetic", "jaxrl_llm.cli.errors")):
+        graph = {m: set(imported_) for m, imported_ in FULL_GRAPH.items()}
+        graph[importer].add(imported)
+        assert upward_imports(graph) == [f"{importer} -> {imported}"]
+
+
+def test_the_config_is_a_leaf_but_for_the_rl_maths_options():
+    """The config takes `rl.loss` as the RL math's own `PolicyLossOptions` (and its choice lists); nothing else of
+    the package but the errors and the fields' allowed values."""
     used = {m for m in reachable(FULL_GRAPH, "jaxrl_llm.config") if m.startswith("jaxrl_llm.")}
-    assert all(m.startswith("jaxrl_llm.config.") for m in used - {"jaxrl_llm.errors", "jaxrl_llm"}), used
+    assert used - {m for m in used if m.startswith("jaxrl_llm.config.")} == {
+        "jaxrl_llm.errors", "jaxrl_llm.fields", "jaxrl_llm.rl.options"}, used
 
 
 def test_names_become_code_in_one_module():
@@ -73,9 +126,10 @@ def test_the_library_never_imports_the_shell_or_the_commands(library):
 def test_the_planner_is_the_commands_and_imports_no_trainer():
     """`memory_plan` plans the trainers' memory from their parts (the model, the optimizer of `optim`, the
     log-prob chunking of `rl`) without importing them, and only `plan` (cli/) imports it."""
-    reached = reachable(FULL_GRAPH, "jaxrl_llm.memory_plan")
+    planner = {m for m in FULL_GRAPH if m.startswith("jaxrl_llm.memory_plan")}
+    reached = set().union(*(reachable(FULL_GRAPH, m) for m in planner))
     assert not {m for m in reached if m.startswith(("jaxrl_llm.trainers", "jaxrl_llm.cli"))}, sorted(reached)
-    users = {m for m, imported in FULL_GRAPH.items() if "jaxrl_llm.memory_plan" in imported}
+    users = {m for m, imported in FULL_GRAPH.items() if imported & planner} - planner
     assert users == {"jaxrl_llm.cli.plan"}, users
 
 

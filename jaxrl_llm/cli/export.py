@@ -26,9 +26,9 @@ from jax.sharding import PartitionSpec
 
 from jaxrl_llm.cli.errors import CommandParser
 from jaxrl_llm.config import load_run_config
-from jaxrl_llm.data import eos_token_ids, load_tokenizer
 from jaxrl_llm.errors import ConversionError, UsageError
 from jaxrl_llm.models.hf import load_hf_model, resolve_model_dir
+from jaxrl_llm.models.tokenizer import eos_token_ids, load_tokenizer
 from jaxrl_llm.run.checkpoint import WEIGHT_KEYS, Checkpointer, abstract_like
 from jaxrl_llm.run.manifest import claim
 from jaxrl_llm.sharding import global_array

@@ -3,7 +3,6 @@ and loading (`loading.py`: YAML, the Python API's fields, dotted overrides, rena
 `--print-config` and docs/config-reference.md. Checks that need an algorithm or the outside world are elsewhere:
 `jaxrl_llm.trainers` (each algorithm's `validate`) and `jaxrl_llm.preflight`."""
 
-from jaxrl_llm.config.fields import Range
 from jaxrl_llm.config.loading import (
     API_WHERE,
     add_import_path,
@@ -17,9 +16,7 @@ from jaxrl_llm.config.loading import (
     to_yaml,
 )
 from jaxrl_llm.config.schema import (
-    KL_ESTIMATORS,
     RENAMED,
-    ROLLOUT_CORRECTIONS,
     DataSection,
     DistributedSection,
     DPOSection,
@@ -43,9 +40,9 @@ from jaxrl_llm.config.schema import (
 from jaxrl_llm.errors import ConfigError
 
 __all__ = [
-    "API_WHERE", "KL_ESTIMATORS", "RENAMED", "ROLLOUT_CORRECTIONS", "ConfigError", "DPOSection", "EnvSection",
+    "API_WHERE", "RENAMED", "ConfigError", "DPOSection", "EnvSection",
     "DataSection", "DistributedSection", "LoggingSection", "LoraSection", "MeshSection", "ModelSection",
-    "MonitorSection", "OptimSection", "PPOSection", "RLSection", "Range", "RewardSpec", "RolloutSection", "RunConfig",
+    "MonitorSection", "OptimSection", "PPOSection", "RLSection", "RewardSpec", "RolloutSection", "RunConfig",
     "SFTSection",
     "SamplingSection", "add_import_path", "check_fields", "config_source", "get_field", "load_run_config",
     "looks_local", "resolve_path", "resolve_yaml_paths", "shown_path", "to_dict", "to_yaml",

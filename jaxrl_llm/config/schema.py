@@ -4,7 +4,8 @@ metadata (`at_least`, `positive`, `fraction`, `within`, `finite`, `one_of`), che
 
 Relations between fields that every run shares (the mesh sizes, LoRA's target pattern) are checked here too; those
 of one algorithm are its own `validate` (jaxrl_llm.trainers), and what needs the outside world (devices, files,
-the hub, plugins) is `jaxrl_llm.preflight`. This module imports nothing of the package but `errors`.
+the hub, plugins) is `jaxrl_llm.preflight`. This module imports nothing of the package but `errors`, `fields` and
+the RL math's option types (`jaxrl_llm.rl.options`: `rl.loss` is the policy loss's own `PolicyLossOptions`).
 """
 
 from __future__ import annotations
@@ -14,8 +15,14 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaxrl_llm.config.fields import at_least, finite, fraction, one_of, positive, within
 from jaxrl_llm.errors import ConfigError
+from jaxrl_llm.fields import at_least, finite, fraction, one_of, positive, within
+from jaxrl_llm.rl.options import (
+    DISTILL_LOSSES,
+    KL_ESTIMATORS,
+    PREFERENCE_LOSSES,
+    PolicyLossOptions,
+)
 
 # Keys of earlier versions and what replaced them: a config that still uses one gets a one-line error.
 RENAMED = {
@@ -44,16 +51,10 @@ RENAMED = {
 }
 
 DTYPES = ("float32", "bfloat16")
-KL_ESTIMATORS = ("k1", "k2", "k3")
 # Where the python tool and the code_tests reward run model code (jaxrl_llm.envs.sandbox, docs/sandbox.md).
 SANDBOX_MODES = ("bwrap", "subprocess")
 # How a model writes tool calls, and its results come back (jaxrl_llm.envs.tool_formats, docs/environments.md).
 TOOL_FORMAT_NAMES = ("auto", "hermes", "llama3_json", "mistral", "qwen3_xml")
-LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-# rl.loss.rollout_correction: where the old policy's log-probs come from (see PolicyLossOptions)
-ROLLOUT_CORRECTIONS = ("none", "recompute", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-PREFERENCE_LOSSES = ("sigmoid", "ipo", "hinge", "simpo")  # dpo.loss (jaxrl_llm.rl.preference)
-DISTILL_LOSSES = ("reverse_kl", "jsd")  # distill.loss (jaxrl_llm.rl.distillation)
 SAMPLERS = ("static", "paged")  # sampling.engine (jaxrl_llm.sampling, jaxrl_llm.engine)
 @dataclass
 class ModelSection:
@@ -140,43 +141,6 @@ class SamplingSection:
     # the sampler's compute dtype (and its weights'), for rollouts and the held-out evaluation: "" = model.dtype;
     # bfloat16 under a float32 model samples as a bf16 inference server beside a float32 trainer does (`mismatch/*`)
     dtype: str = one_of("", ("", *DTYPES))
-
-
-@dataclass(frozen=True)
-class PolicyLossOptions:
-    """`rl.loss`: the policy loss's options for every surrogate, one frozen (hashable, jit-static) object that
-    `jaxrl_llm.rl.policy_loss.clipped_policy_loss` takes as it is: the clip range, the KL estimator, the aggregation,
-    token selection (top entropy, Clip-Cov, KL-Cov) and the rollout correction. The surrogate itself and its own
-    keywords are `rl.policy_loss` and `rl.policy_loss_kwargs`; the coefficients (`rl.beta`, `rl.entropy_coef`)
-    may be traced and stay in `rl`."""
-
-    epsilon_low: float = at_least(0.2)  # ratio clip range below 1 (PPO epsilon)
-    epsilon_high: float = at_least(0.2)  # ratio clip range above 1 (DAPO clip-higher: 0.28)
-    dual_clip_c: float = at_least(0.0)  # dual clip of ppo_clip / gspo for A < 0 (Ye et al. 2019): 0 = off; else > 1
-    kl_estimator: str = one_of("k3", KL_ESTIMATORS)  # k1 | k2 | k3 (Schulman's estimators of the KL term)
-    # token-mean | seq-mean-token-mean | seq-mean-token-sum(-norm)
-    aggregation: str = one_of("token-mean", LOSS_AGGREGATIONS)
-    # < 1: the policy gradient only on this fraction of each batch's valid tokens, those of highest entropy
-    # ("Beyond the 80/20 rule": 0.2); 1 = every token
-    top_entropy_quantile: float = within(1.0, 0.0, 1.0, low_open=True)
-    # > 0: Clip-Cov (Cui et al. 2025): detach the gradient of this fraction of the tokens (at least 1), those of
-    # highest covariance of log-prob and advantage within (clip_cov_lb, clip_cov_ub); 0 = off (verl: 0.0002)
-    clip_cov_ratio: float = fraction(0.0)
-    clip_cov_lb: float = finite(1.0)  # Clip-Cov: lower bound of the covariance of the tokens it may detach
-    clip_cov_ub: float = finite(5.0)  # Clip-Cov: upper bound of the covariance of the tokens it may detach
-    # > 0: KL-Cov (Cui et al. 2025): add kl_cov_coef * |log pi - log pi_old| to the loss of this fraction of the
-    # tokens (at least 1), those of highest covariance of log-prob and advantage; 0 = off (verl: 0.0002)
-    kl_cov_ratio: float = fraction(0.0)
-    # KL-Cov: the penalty's coefficient (the paper's recipes; verl ppo_kl_coef, 0.1 there)
-    kl_cov_coef: float = at_least(1.0)
-    # The old policy's log-probs and the sampler / trainer mismatch (GRPO family and PPO):
-    # none = the sampler's log-probs are the old policy's (no extra pass);
-    # recompute = the trainer's forward recomputes them before the update (verl's default);
-    # token_truncate | token_mask | sequence_truncate | sequence_mask = recompute, and weight the policy-gradient
-    # term by the importance ratio pi_old / pi_sampler per token or per sequence, truncated at
-    # rollout_correction_cap or masked (0) above it (TRL's vllm_importance_sampling_mode, verl's rollout_is)
-    rollout_correction: str = one_of("none", ROLLOUT_CORRECTIONS)
-    rollout_correction_cap: float = positive(3.0)  # C of the *_truncate / *_mask modes (TRL's default)
 
 
 @dataclass

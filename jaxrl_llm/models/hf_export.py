@@ -19,14 +19,14 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import save_file
 
-from jaxrl_llm.data import TOKENIZER_FILES
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params
 from jaxrl_llm.models.hf import _fused_rows, _is_kernel, _per_expert, _stacked, _tensor_name
 from jaxrl_llm.models.hf_config import config_to_hf
+from jaxrl_llm.models.tokenizer import TOKENIZER_FILES
 
 # Files a model directory may carry besides weights and config, copied verbatim on export: the tokenizer's (any
-# of `data.TOKENIZER_FILES` makes one) and their companions.
+# of `models.tokenizer.TOKENIZER_FILES` makes one) and their companions.
 COPIED_FILES = (*TOKENIZER_FILES, "special_tokens_map.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
                 "chat_template.json", "generation_config.json")
 

@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_llm.data import load_tokenizer
 from jaxrl_llm.errors import ConversionError
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params, forward, forward_packed
@@ -30,6 +29,7 @@ from jaxrl_llm.models.hf import is_classifier, load_hf_model, read_tensor, resol
 from jaxrl_llm.models.hf_export import save_hf_model
 from jaxrl_llm.models.packing import PackedLayout, gather_predictors, packed_inputs
 from jaxrl_llm.models.precision import matmul
+from jaxrl_llm.models.tokenizer import load_tokenizer
 
 
 def last_token_index(mask: jax.Array) -> jax.Array:

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
-from jaxrl_llm.config.schema import KL_ESTIMATORS
+from jaxrl_llm.rl.options import KL_ESTIMATORS
 from jaxrl_llm.rl.reductions import MAX_LOG_RATIO, as_float32, is_valid
 
 KLEstimator = Literal["k1", "k2", "k3"]

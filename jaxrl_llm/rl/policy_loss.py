@@ -3,7 +3,7 @@
 terms, aggregated (`reductions.aggregate_loss`), with metrics.
 
 Every static option is one frozen object, `PolicyLossOptions` (a run's `rl.loss` section, defined with its defaults
-and allowed values in `jaxrl_llm.config.schema`); the surrogate's own keywords are `settings` (a run's
+and allowed values in `jaxrl_llm.rl.options`); the surrogate's own keywords are `settings` (a run's
 `rl.policy_loss_kwargs`). Coefficients (`kl_coef`, `entropy_coef`) and the global counts may be traced.
 """
 
@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
-from jaxrl_llm.config.schema import PolicyLossOptions
 from jaxrl_llm.rl.kl import kl_penalty
+from jaxrl_llm.rl.options import PolicyLossOptions
 from jaxrl_llm.rl.reductions import AggregationMode, aggregate_loss, as_float32, masked_mean
 from jaxrl_llm.rl.rollout_correction import ROLLOUT_CORRECTION_MODES, rollout_corrected_surrogate
 from jaxrl_llm.rl.surrogates import broadcast_advantages, clip_metrics, policy_surrogate, token_log_ratio

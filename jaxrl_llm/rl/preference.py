@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
-from jaxrl_llm.config.schema import PREFERENCE_LOSSES
+from jaxrl_llm.rl.options import PREFERENCE_LOSSES
 from jaxrl_llm.rl.reductions import as_float32, masked_mean
 
 PreferenceLossType = Literal["sigmoid", "ipo", "hinge", "simpo"]

@@ -11,7 +11,7 @@ from typing import Literal
 import jax.numpy as jnp
 from jax import Array
 
-from jaxrl_llm.config.schema import LOSS_AGGREGATIONS
+from jaxrl_llm.rl.options import LOSS_AGGREGATIONS
 
 AggregationMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 AGGREGATION_MODES: tuple[str, ...] = LOSS_AGGREGATIONS

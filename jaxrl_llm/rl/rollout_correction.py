@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
-from jaxrl_llm.config.schema import ROLLOUT_CORRECTIONS
+from jaxrl_llm.rl.options import ROLLOUT_CORRECTIONS
 from jaxrl_llm.rl.reductions import MAX_LOG_RATIO, as_float32, is_valid, masked_mean
 
 # The modes that weight the loss; rl.loss.rollout_correction's others (none, recompute) only choose where the old

@@ -23,11 +23,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_llm.config import RunConfig
-from jaxrl_llm.data import load_tokenizer
 from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params, completion_hidden, completion_hidden_routed, unembedding_as_stored
 from jaxrl_llm.models.hf import load_hf_model, resolve_model_dir
+from jaxrl_llm.models.tokenizer import load_tokenizer
 from jaxrl_llm.models.weights import frozen_copy
 from jaxrl_llm.rl.distillation import generalized_jsd_from_hidden, reverse_kl_advantages
 from jaxrl_llm.rl.reductions import masked_mean

@@ -25,7 +25,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_llm.config import RunConfig
-from jaxrl_llm.data import PromptSet, bucket, build_prompt_set, eos_token_ids, left_pad, load_records, load_tokenizer
+from jaxrl_llm.data import PromptSet, bucket, build_prompt_set, left_pad, load_records
 from jaxrl_llm.engine import Engine, PagedSampler, make_sampler
 from jaxrl_llm.engine.kernels import describe_paths
 from jaxrl_llm.engine.sharded import shards_locally
@@ -35,6 +35,7 @@ from jaxrl_llm.models.decoder import Params, init_params
 from jaxrl_llm.models.hf import config_from_hf, load_hf_model, resolve_model_dir
 from jaxrl_llm.models.hf_export import save_hf_model
 from jaxrl_llm.models.lora import LoraSpec, init_adapters, insert_adapters, merge_adapters, save_peft_adapters
+from jaxrl_llm.models.tokenizer import eos_token_ids, load_tokenizer
 from jaxrl_llm.models.weights import cast_floating, inference_copy, master_weights
 from jaxrl_llm.sampling import SampleOutput, Sampler, SamplingConfig
 from jaxrl_llm.sharding import (

@@ -27,7 +27,6 @@ from jaxrl_llm.data import (
     encode_text,
     left_pad,
     load_records,
-    load_tokenizer,
     next_batch_indices,
     pair_texts,
 )
@@ -37,6 +36,7 @@ from jaxrl_llm.models.decoder import Params
 from jaxrl_llm.models.hf import is_classifier, load_hf_model, read_tensor, resolve_model_dir
 from jaxrl_llm.models.packing import PackedLayout
 from jaxrl_llm.models.reward_model import save_hf_reward_model, sequence_scores
+from jaxrl_llm.models.tokenizer import load_tokenizer
 from jaxrl_llm.models.weights import master_weights
 from jaxrl_llm.rl.preference import dpo_loss
 from jaxrl_llm.sharding import (

@@ -18,8 +18,9 @@ import jaxrl_llm
 import jaxrl_llm.rewards as rewards_module
 import train
 from jaxrl_llm.config import DataSection, RewardSpec, RunConfig, load_run_config, to_dict
-from jaxrl_llm.data import build_preference_set, build_prompt_set, load_tokenizer
+from jaxrl_llm.data import build_preference_set, build_prompt_set
 from jaxrl_llm.errors import ConfigError, RewardError
+from jaxrl_llm.models.tokenizer import load_tokenizer
 from jaxrl_llm.rewards import DEFAULT_TIMEOUT_S, REWARD_FUNCTIONS, call_reward, compute_rewards
 
 pytestmark = pytest.mark.quick

@@ -593,7 +593,7 @@ def test_rollout_correction_weights_hand_computed():
     np.testing.assert_allclose(w(mode="sequence_mask"), [[0, 0, 0], [2.25, 2.25, 0]], rtol=1e-5)
     with pytest.raises(ValueError, match="expected one of"):
         w(mode="turn_mask")
-    from jaxrl_llm.config import ROLLOUT_CORRECTIONS
+    from jaxrl_llm.rl.options import ROLLOUT_CORRECTIONS
 
     # the loss-weighting modes are the config's choices but the two that only pick the old log-probs
     assert ROLLOUT_CORRECTION_MODES == ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")

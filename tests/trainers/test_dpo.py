@@ -107,7 +107,7 @@ def test_trl_metrics_on_a_hand_made_batch():
 
 def test_chat_pairs_use_the_chat_template_for_dpo_and_the_reward_model(tiny_chat_model):
     from jaxrl_llm.config import DataSection
-    from jaxrl_llm.data import load_tokenizer
+    from jaxrl_llm.models.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tiny_chat_model)
     records = [json.loads(line) for line in

@@ -17,9 +17,10 @@ import pytest
 
 import jaxrl_llm.envs.rendering as rendering
 import jaxrl_llm.trainers.trajectories as trajectories
-from jaxrl_llm.data import DataState, encode_text, load_tokenizer
+from jaxrl_llm.data import DataState, encode_text
 from jaxrl_llm.envs.base import StepResult
 from jaxrl_llm.envs.tools import CALCULATOR, Tool, ToolCall, call_tool, parse_tool_calls
+from jaxrl_llm.models.tokenizer import load_tokenizer
 from jaxrl_llm.trainers import make_trainer
 from tests.helpers import ROOT, read_rows, read_samples, tiny_run, tiny_run_args
 

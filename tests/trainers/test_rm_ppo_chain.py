@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from jaxrl_llm.config import load_run_config
-from jaxrl_llm.data import load_tokenizer
 from jaxrl_llm.models.reward_model import load_hf_reward_model, sequence_scores
+from jaxrl_llm.models.tokenizer import load_tokenizer
 from jaxrl_llm.tasks.arithmetic import make_preferences
 from jaxrl_llm.trainers import make_trainer, train
 from tests.helpers import read_rows, read_samples, tiny_run

@@ -1,5 +1,6 @@
 """A config field's allowed values, kept in its dataclass metadata: `at_least`, `positive`, `fraction`, `within`,
-`finite` (a numeric `Range`) and `one_of` (choices). `schema.check_fields` reads them; `docs.py` does not need to."""
+`finite` (a numeric `Range`) and `one_of` (choices). `config.schema.check_fields` reads them, on the config's own
+sections and on the RL math's options (`rl.options`) alike."""
 
 from __future__ import annotations
 
