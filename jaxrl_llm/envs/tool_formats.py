@@ -19,12 +19,19 @@ the call). `markers` are the special tokens a parser reads, kept when a turn's i
 
 `env.tool_format: auto` picks by the chat template's source (`detect_tool_format`): the first of `<function=`
 (qwen3_xml), `<tool_call>` (hermes), `[TOOL_CALLS]` (mistral), `<|python_tag|>` or `ipython` (llama3_json).
+
+Where the tokenizer has a response template (`tokenizer.response_template`, which transformers >= 5.13 reads;
+checkpoints ship it, TRL's `add_response_schema` attaches the known ones), `with_response_parsing` gives the format
+whose calls come from `tokenizer.parse_response` (`parser == "parse_response"`); our parsers stay the fallback
+(`parser == "ours"`): for a tokenizer without one (SmolLM2), a text it cannot parse, and every malformed call, whose
+error observations stay ours.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import json
 import re
 from collections.abc import Callable, Mapping
@@ -183,6 +190,7 @@ class ToolFormat:
     example: str  # a call of TOOL as the model writes it: the plain-text instructions show it
     markers: tuple[str, ...] = ()  # the special tokens `parse` reads: kept when a turn is decoded
     call_ids: bool = False  # a result names its call by `tool_call_id` (Mistral's templates require it)
+    parser: str = "ours"  # what `parse` runs: "ours", or "parse_response" (`with_response_parsing`)
 
     def result(self, content: str, call: ToolCall | None = None) -> Message:
         """The message that answers `call` (None: a call that could not be parsed) with `content`."""
@@ -221,3 +229,75 @@ TEMPLATE_MARKERS = (("<function=", "qwen3_xml"), ("<tool_call>", "hermes"), ("[T
 def detect_tool_format(template: str) -> str | None:
     """The format a chat template's source renders tool calls in, or None when none of the markers is in it."""
     return next((name for marker, name in TEMPLATE_MARKERS if marker in template), None)
+
+
+# `with_response_parsing`: the first marker found in a response template's tool-call patterns names the format it
+# reads ('"parameters"' is Llama's JSON key); a template with none of them (Gemma 4's, gpt-oss's) is no mismatch.
+RESPONSE_MARKERS = (("<function=", "qwen3_xml"), ("<tool_call>", "hermes"), ("TOOL_CALLS", "mistral"),
+                    ('"parameters"', "llama3_json"), ("python_tag", "llama3_json"))
+
+
+def _strings(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    items = value.values() if isinstance(value, Mapping) else value if isinstance(value, list | tuple) else ()
+    return [s for item in items for s in _strings(item)]
+
+
+def with_response_parsing(fmt: ToolFormat, tokenizer: Any, *, chat: bool = True) -> tuple[ToolFormat, str]:
+    """`fmt` with its calls parsed by `tokenizer.parse_response` when the tokenizer has a response template that reads
+    tool calls (and the conversation is rendered by its chat template), else `fmt` itself; and which parser, and
+    why, for the run's header. A template whose tool-call patterns are another of our formats' (a Qwen3 tokenizer
+    with `env.tool_format: qwen3_xml`) keeps ours."""
+    template = getattr(tokenizer, "response_template", None)
+    parse_response = getattr(tokenizer, "parse_response", None)
+    if not chat:
+        return fmt, "ours: no chat template"
+    if template is None or not callable(parse_response):
+        legacy = " (a legacy response_schema is not read)" if getattr(tokenizer, "response_schema", None) else ""
+        return fmt, f"ours: the tokenizer has no response_template{legacy}"
+    fields = template.get("fields", {}) if isinstance(template, Mapping) else {}
+    if "tool_calls" not in fields:
+        return fmt, "ours: the tokenizer's response_template reads no tool calls"
+    patterns = "\n".join(_strings(fields["tool_calls"]))
+    reads = next((name for marker, name in RESPONSE_MARKERS if marker in patterns), None)
+    if reads is not None and reads != fmt.name:
+        return fmt, f"ours: the tokenizer's response_template reads {reads} calls, not {fmt.name}"
+    try:
+        takes = inspect.signature(parse_response).parameters
+    except (TypeError, ValueError):
+        takes = {}
+    if "prefix" not in takes:
+        return fmt, "ours: this transformers' parse_response reads no response_template (it needs >= 5.13)"
+    parse = ResponseParsing(tokenizer, fmt.parse, "tools" in takes)
+    return dataclasses.replace(fmt, parse=parse, parser="parse_response"), "the tokenizer's response_template"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ResponseParsing:
+    """A format's `parse` through `tokenizer.parse_response`: its tool calls as `ToolCall`s. Our parser (`fallback`)
+    answers instead when it finds a malformed call (its error observations are the format's) and when
+    `parse_response` raises (a call it cannot read); the tokenizer's EOS token, which the decoded turn drops, closes
+    the text (Llama's template ends a call with it)."""
+
+    tokenizer: Any
+    fallback: Callable[[str, Schemas | None], Parsed]
+    typed: bool = True  # `parse_response` takes `tools=` (transformers >= 5.15): the schemas type the arguments
+
+    def __call__(self, text: str, schemas: Schemas | None = None) -> Parsed:
+        ours = self.fallback(text, schemas)
+        if ours[1]:
+            return ours
+        eos = getattr(self.tokenizer, "eos_token", None)
+        eos = eos if isinstance(eos, str) else ""
+        tools = [{"type": "function", "function": {"name": name, "parameters": dict(parameters)}}
+                 for name, parameters in (schemas or {}).items()]
+        try:
+            message = self.tokenizer.parse_response(text if text.endswith(eos) else text + eos, prefix="",
+                                                    **({"tools": tools} if self.typed and tools else {}))
+        except Exception:  # a reply it cannot read is ours to answer, never the end of the run
+            return ours
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        calls = [calls] if isinstance(calls, dict) else calls if isinstance(calls, list) else []
+        return _collect([_call(c.get("function", c) if isinstance(c, dict) else c, "arguments",
+                               c.get("id", "") if isinstance(c, dict) else "") for c in calls])

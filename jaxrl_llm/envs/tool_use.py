@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from jaxrl_llm.envs.base import Message, StepResult, register_environment
-from jaxrl_llm.envs.tool_formats import TOOL_FORMATS
+from jaxrl_llm.envs.tool_formats import TOOL_FORMATS, ToolFormat
 from jaxrl_llm.envs.tools import Tool, call_tool
 from jaxrl_llm.errors import ConfigError
 
@@ -28,15 +28,16 @@ def opening_messages(record: dict[str, Any], prompt_field: str) -> list[Message]
 @register_environment("tool_use")
 class ToolUseEnvironment:
     """A task the model may solve with `tools` (see the module docstring); at most `max_calls` calls a turn, written
-    in `tool_format` (a name of `TOOL_FORMATS`; the trainer passes `env.tool_format` resolved)."""
+    in `tool_format` (a name of `TOOL_FORMATS`, or a `ToolFormat`, e.g. one `with_response_parsing` gave; the
+    trainer passes `env.tool_format` resolved)."""
 
     def __init__(self, record: dict[str, Any], *, tools: list[Tool] | tuple[Tool, ...] = (),
-                 prompt_field: str = "prompt", max_calls: int = 4, tool_format: str = "hermes") -> None:
+                 prompt_field: str = "prompt", max_calls: int = 4, tool_format: str | ToolFormat = "hermes") -> None:
         self.record, self.prompt_field, self.max_calls = record, prompt_field, max_calls
         self.tools = {t.name: t for t in tools}
-        if tool_format not in TOOL_FORMATS:
+        if not isinstance(tool_format, ToolFormat) and tool_format not in TOOL_FORMATS:
             raise ConfigError(f"tool_format={tool_format!r}: one of {', '.join(TOOL_FORMATS)}")
-        self.format = TOOL_FORMATS[tool_format]
+        self.format = tool_format if isinstance(tool_format, ToolFormat) else TOOL_FORMATS[tool_format]
 
     def reset(self) -> list[Message]:
         return opening_messages(self.record, self.prompt_field)

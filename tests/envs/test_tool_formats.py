@@ -1,10 +1,14 @@
 """The tool-call formats against the real chat templates of their families (tests/fixtures/chat_templates, with
 their origins): a conversation with calls rendered by the template, the assistant's part cut out and parsed back,
 gives the same calls; a malformed call is an error observation; `auto` picks each template's format; and the
-tool_use environment parses and answers in the configured format, rendered as the template expects."""
+tool_use environment parses and answers in the configured format, rendered as the template expects. With the
+response templates TRL attaches to these families (response_templates.json), the calls come through transformers'
+`parse_response` and equal ours; SmolLM2, which has none, keeps ours."""
 
 from __future__ import annotations
 
+import inspect
+import json
 import string
 from pathlib import Path
 from typing import Any
@@ -13,13 +17,14 @@ import pytest
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from transformers import PreTrainedTokenizerBase
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from jaxrl_llm.config import ConfigError, load_run_config
 from jaxrl_llm.config.schema import TOOL_FORMAT_NAMES
 from jaxrl_llm.envs.base import resolve_environment
 from jaxrl_llm.envs.rendering import declare_tools, followup_text, resolve_tool_format, turn_text
-from jaxrl_llm.envs.tool_formats import TOOL_FORMATS, ToolCall, detect_tool_format
+from jaxrl_llm.envs.tool_formats import TOOL_FORMATS, ToolCall, detect_tool_format, with_response_parsing
 from jaxrl_llm.envs.tools import CALCULATOR, parse_tool_calls, tool_instructions
 
 pytestmark = pytest.mark.quick
@@ -191,6 +196,7 @@ def test_the_calculator_recipe_keeps_hermes_and_its_instructions() -> None:
     smollm2 = TemplateTokenizer(template("smollm2_135m_instruct.jinja"), "<|im_end|>")
     fmt, _ = resolve_tool_format(config.env.tool_format, smollm2, chat=config.data.chat_template)
     assert fmt.name == "hermes" and fmt.markers == ()  # a turn decodes as before (skip_special_tokens=True)
+    assert with_response_parsing(fmt, smollm2, chat=config.data.chat_template)[0] is fmt  # no response template
     schemas, data = declare_tools([CALCULATOR], config.data, smollm2, fmt)
     assert schemas is None and data.system_prompt.startswith(tool_instructions([CALCULATOR]))
     assert ('You can use tools. To call one, reply with only\n<tool_call>{"name": "TOOL", "arguments": {...}}'
@@ -268,3 +274,185 @@ def test_a_turn_keeps_the_special_tokens_its_format_reads() -> None:
     assert turn_text(tokenizer, ids) == "123"  # as before: without special tokens
     assert turn_text(tokenizer, ids, TOOL_FORMATS["mistral"].markers) == "1[TOOL_CALLS]23"
     assert turn_text(tokenizer, ids, TOOL_FORMATS["llama3_json"].markers) == "123"  # not in this vocabulary
+
+
+# The response templates TRL's `add_response_schema` (trl 1.16.0) attaches to these families (response_templates.json):
+# Qwen2.5 and Qwen3 -> qwen3, Qwen3.5 -> qwen3_5, Llama 3.1 -> llama3. Mistral's have none.
+RESPONSE_TEMPLATES = json.loads((FIXTURES / "response_templates.json").read_text())
+RESPONSE = {"qwen2.5_instruct.jinja": "qwen3", "qwen3_8b.jinja": "qwen3", "llama3.1_8b_instruct.jinja": "llama3",
+            "qwen3.5_35b_a3b.jinja": "qwen3_5"}
+SMOLLM2_HF = ROOT.parent / "shared" / "models" / "smollm2-135m-instruct" / "hf"
+needs_response_templates = pytest.mark.skipif(
+    "tools" not in inspect.signature(PreTrainedTokenizerBase.parse_response).parameters,
+    reason="transformers < 5.15: parse_response reads no response_template, or types no arguments")
+
+
+class ParsingTokenizer(TemplateTokenizer):
+    """A fixture's template with a response template attached as TRL does (`tokenizer.response_template = ...`),
+    parsed by transformers' own `PreTrainedTokenizerBase.parse_response`; `parsed` and `raised` count its answers."""
+
+    def __init__(self, source: str, eos_token: str, response_template: dict[str, Any]) -> None:
+        super().__init__(source, eos_token)
+        self.response_template, self.parsed, self.raised = response_template, 0, 0
+
+    def parse_response(self, response: str, schema: Any = None, *, prefix: Any = None, tools: Any = None) -> Any:
+        try:
+            message = PreTrainedTokenizerBase.parse_response(self, response, schema, prefix=prefix, tools=tools)
+        except Exception:
+            self.raised += 1
+            raise
+        self.parsed += 1
+        return message
+
+
+def parsing_tokenizer(name: str) -> ParsingTokenizer:
+    return ParsingTokenizer(template(name), TEMPLATES[name][1], RESPONSE_TEMPLATES[RESPONSE[name]])
+
+
+def response_format(name: str) -> tuple[Any, ParsingTokenizer]:
+    tokenizer = parsing_tokenizer(name)
+    fmt, why = with_response_parsing(TOOL_FORMATS[TEMPLATES[name][0]], tokenizer)
+    assert (fmt.parser, why) == ("parse_response", "the tokenizer's response_template")
+    return fmt, tokenizer
+
+
+@needs_response_templates
+@pytest.mark.parametrize("name", sorted(RESPONSE))
+def test_parse_response_gives_the_calls_the_real_template_renders_as_ours_does(name: str) -> None:
+    fmt, tokenizer = response_format(name)
+    ours = TOOL_FORMATS[TEMPLATES[name][0]]
+    city = "São Paulo, SP" if ours.name == "qwen3_xml" else " São Paulo\n"  # qwen3_xml: see the test below
+    calls = [ToolCall("calculator", {"expression": "347 * 812"}),
+             ToolCall("weather", {"city": city, "days": 3, "metric": True, "hours": [6, 12],
+                                  "where": {"lat": 48.85, "country": "FR"}, "note": None}),
+             ToolCall("calculator", {"expression": "2 ** 10"})][: TEMPLATES[name][2]]
+    text = model_text(name, calls)
+    parsed = fmt.parse(text, SCHEMAS)
+    assert (tokenizer.parsed, tokenizer.raised) == (1, 0)  # parse_response read it
+    assert parsed == (calls, []), text
+    assert parsed == ours.parse(text, SCHEMAS)
+    assert fmt.result("6", parsed[0][0]) == ours.result("6", parsed[0][0])  # results as before
+
+
+@needs_response_templates
+def test_qwen3_xml_string_values_lose_their_edge_whitespace_through_parse_response() -> None:
+    """TRL's qwen3_5 template reads a value as `\\s*(.*?)\\s*`; ours drops only the newline the template adds."""
+    fmt, tokenizer = response_format("qwen3.5_35b_a3b.jinja")
+    text = model_text("qwen3.5_35b_a3b.jinja", [ToolCall("weather", {"city": " São Paulo\n", "days": 3})])
+    assert fmt.parse(text, SCHEMAS) == ([ToolCall("weather", {"city": "São Paulo", "days": 3})], [])
+    assert TOOL_FORMATS["qwen3_xml"].parse(text, SCHEMAS) == ([ToolCall("weather", {"city": " São Paulo\n",
+                                                                                     "days": 3})], [])
+
+
+@needs_response_templates
+def test_parse_response_decides_a_call_in_qwen3s_reasoning_is_no_call() -> None:
+    fmt, tokenizer = response_format("qwen3_8b.jinja")
+    text = ('<think>\nMaybe <tool_call>{"name": "calculator", "arguments": {"expression": "2*3"}}</tool_call>'
+            "\n</think>\n\nThe answer is 6.")
+    assert fmt.parse(text, SCHEMAS) == ([], []) and tokenizer.parsed == 1
+    assert TOOL_FORMATS["hermes"].parse(text, SCHEMAS) == ([ToolCall("calculator", {"expression": "2*3"})], [])
+
+
+@needs_response_templates
+@settings(max_examples=25, deadline=None)
+@given(st.sampled_from(sorted(RESPONSE)), st.lists(st.tuples(NAMES, st.dictionaries(NAMES, VALUES, max_size=5)),
+                                                  min_size=1, max_size=3))
+def test_random_calls_round_trip_through_parse_response(name: str, drawn: list[tuple[str, dict[str, Any]]]) -> None:
+    drawn = drawn[: TEMPLATES[name][2]]
+    schemas: dict[str, dict[str, Any]] = {}
+    for n, a in drawn:
+        properties = schemas.setdefault(n, {"type": "object", "properties": {}})["properties"]
+        for k, v in a.items():
+            properties.setdefault(k, {"type": KINDS[type(v)]})
+    calls = [ToolCall(n, a) for n, a in drawn if all(schemas[n]["properties"][k]["type"] == KINDS[type(v)]
+                                                     for k, v in a.items())]
+    if not calls:
+        return
+    fmt, tokenizer = response_format(name)
+    text = model_text(name, calls)
+    xml = fmt.name == "qwen3_xml"  # its values lose their edge whitespace (the test above)
+    expected = [ToolCall(c.name, {k: v.strip() if xml and isinstance(v, str) else v for k, v in c.arguments.items()})
+                for c in calls]
+    assert fmt.parse(text, schemas) == (expected, []) and (tokenizer.parsed, tokenizer.raised) == (1, 0)
+
+
+@needs_response_templates
+@pytest.mark.parametrize("name", ["qwen2.5_instruct.jinja", "llama3.1_8b_instruct.jinja", "qwen3.5_35b_a3b.jinja"])
+def test_a_malformed_call_keeps_our_error_observation_and_a_reply_parse_response_cannot_read_is_ours(name: str
+                                                                                                      ) -> None:
+    fmt, tokenizer = response_format(name)
+    ours = TOOL_FORMATS[TEMPLATES[name][0]]
+    for text in MALFORMED[ours.name]:
+        calls, errors = fmt.parse(text, SCHEMAS)
+        assert (calls, errors) == ours.parse(text, SCHEMAS) and calls == [] and len(errors) == 1, text
+    for answer in ("The answer is 281764.", "347 * 812 = 281764", "Sure: [1, 2] and {3}"):
+        assert fmt.parse(answer, SCHEMAS) == ([], [])
+    if ours.name == "qwen3_xml":  # xml-inline never raises; a call cut off at the turn's end is still read
+        cut = "<tool_call>\n<function=calculator>\n<parameter=expression>\n1\n</parameter>\n"
+        assert fmt.parse(cut, SCHEMAS) == ([ToolCall("calculator", {"expression": "1"})], [])
+        assert ours.parse(cut, SCHEMAS) == ([], [])
+        return
+    raising = {"hermes": '<tool_call>{"name": "calculator", "arguments": {"expression": "1"',  # cut off: no call
+               "llama3_json": '{"name": "calculator", "parameters": {"expression": "1"}}\n'}  # not `}<|eot_id|>`
+    before = tokenizer.raised
+    assert fmt.parse(raising[ours.name], SCHEMAS) == ours.parse(raising[ours.name], SCHEMAS)
+    assert tokenizer.raised == before + 1
+    assert fmt.parse(raising[ours.name], SCHEMAS)[0] == (
+        [ToolCall("calculator", {"expression": "1"})] if ours.name == "llama3_json" else [])
+
+
+@needs_response_templates
+@pytest.mark.parametrize("name", sorted(RESPONSE))
+def test_the_tool_use_environment_answers_alike_through_parse_response(name: str) -> None:
+    fmt, _ = response_format(name)
+    good = model_text(name, [ToolCall("calculator", {"expression": "347 * 812"})])
+    for text in (good, MALFORMED[fmt.name][0], good + "\n" + MALFORMED[fmt.name][0]):
+        results = [resolve_environment("tool_use")({"prompt": "x"}, tools=[CALCULATOR], tool_format=f).step(text)
+                   for f in (fmt, fmt.name)]
+        assert results[0] == results[1], text
+    assert results[0].messages[0]["content"].startswith("error: ")  # the malformed call's observation, as ours
+
+
+def test_which_parser_a_tokenizer_gets_and_why() -> None:
+    qwen3, hermes = parsing_tokenizer("qwen3_8b.jinja"), TOOL_FORMATS["hermes"]
+    assert with_response_parsing(hermes, qwen3, chat=False) == (hermes, "ours: no chat template")
+    assert with_response_parsing(TOOL_FORMATS["qwen3_xml"], qwen3) == (
+        TOOL_FORMATS["qwen3_xml"], "ours: the tokenizer's response_template reads hermes calls, not qwen3_xml")
+    assert with_response_parsing(TOOL_FORMATS["llama3_json"], qwen3)[0].parser == "ours"
+    assert with_response_parsing(TOOL_FORMATS["qwen3_xml"], parsing_tokenizer("qwen3.5_35b_a3b.jinja"))[0].parser \
+        == "parse_response"
+    no_calls = ParsingTokenizer(qwen3.chat_template, "<|im_end|>", {
+        **RESPONSE_TEMPLATES["qwen3"], "fields": {"content": RESPONSE_TEMPLATES["qwen3"]["fields"]["content"]}})
+    assert with_response_parsing(hermes, no_calls) == (hermes, "ours: the tokenizer's response_template reads no "
+                                                               "tool calls")
+    for mistral in ("mistral_7b_instruct_v0.3.jinja", "ministral_3_14b_instruct_2512.jinja"):  # no template known
+        assert with_response_parsing(TOOL_FORMATS["mistral"], tokenizer_of(mistral)) == (
+            TOOL_FORMATS["mistral"], "ours: the tokenizer has no response_template")
+
+
+@needs_response_templates
+def test_a_family_none_of_ours_reads_is_parsed_by_its_response_template() -> None:
+    """A template whose calls are none of our formats' (Gemma 4's, gpt-oss's): its calls are still found."""
+    calls = {"open": "<|call|>", "close": "<|/call|>", "repeats": True, "content": "json",
+             "transform": {"type": "function", "function": "{content}"}}
+    tokenizer = ParsingTokenizer("", "<eos>", {"start_anchor": "<model>", "fields": {"tool_calls": calls,
+                                                                                     "content": {"content": "text"}}})
+    fmt, _ = with_response_parsing(TOOL_FORMATS["hermes"], tokenizer)
+    text = 'Let me compute. <|call|>{"name": "calculator", "arguments": {"expression": "2*3"}}<|/call|>'
+    assert fmt.parser == "parse_response"
+    assert fmt.parse(text, SCHEMAS) == ([ToolCall("calculator", {"expression": "2*3"})], [])
+    assert fmt.parse('<|call|>{"arguments": {}}<|/call|>', SCHEMAS) == (
+        [], ['a tool call needs "name" (a string) and "arguments" (an object)'])
+
+
+def test_smollm2_has_no_response_template_and_keeps_our_parser() -> None:
+    smollm2 = TemplateTokenizer(template("smollm2_135m_instruct.jinja"), "<|im_end|>")
+    hermes = TOOL_FORMATS["hermes"]
+    fmt, why = with_response_parsing(hermes, smollm2)
+    assert fmt is hermes and fmt.parser == "ours" and why == "ours: the tokenizer has no response_template"
+    if SMOLLM2_HF.exists():  # the checkpoint's own tokenizer (../shared): none shipped either
+        from transformers import AutoTokenizer
+
+        real = AutoTokenizer.from_pretrained(str(SMOLLM2_HF))
+        assert getattr(real, "response_template", None) is None
+        assert with_response_parsing(hermes, real) == (hermes, "ours: the tokenizer has no response_template")
