@@ -26,7 +26,7 @@ from jaxrl_llm.rl.token_selection import (
     top_entropy_surrogate,
 )
 
-__all__ = ["PolicyLossOptions", "clipped_policy_loss", "compose_policy_loss"]
+__all__ = ["PolicyLossOptions", "clipped_policy_loss", "compose_policy_loss", "token_options_surrogate"]
 
 
 def compose_policy_loss(
@@ -55,6 +55,36 @@ def compose_policy_loss(
         loss = loss - jnp.asarray(entropy_coef, jnp.float32) * aggregate_loss(entropy, mask, **agg)
         metrics["entropy"] = masked_mean(entropy, mask)
     return loss, metrics
+
+
+def token_options_surrogate(
+    token_loss: Array, ratio: Array, log_ratio: Array, logp: Array, adv: Array, mask: Array, o: PolicyLossOptions,
+    *, entropy: Array | None = None, old_logp: Array | None = None, sampler_logp: Array | None = None,
+) -> tuple[Array, dict[str, Array]]:
+    """The surrogate ``[B, T]`` after the token options of ``o``, in order: Clip-Cov, KL-Cov (both on the covariance
+    of log-prob and advantage), the top-entropy selection, and the rollout correction when ``sampler_logp`` is
+    given; with the metrics of those that are on (`clipped_policy_loss` has the formulas)."""
+    metrics: dict[str, Array] = {}
+    cov = token_covariance(logp, adv, mask) if o.clip_cov_ratio > 0 or o.kl_cov_ratio > 0 else None
+    if o.clip_cov_ratio > 0:
+        token_loss, metrics["clip_cov_fraction"] = clip_cov_surrogate(
+            token_loss, ratio, cov, adv, mask, epsilon_low=o.epsilon_low, epsilon_high=o.epsilon_high,
+            fraction=o.clip_cov_ratio, lower=o.clip_cov_lb, upper=o.clip_cov_ub)
+    if o.kl_cov_ratio > 0:
+        token_loss, metrics["kl_cov_fraction"] = kl_cov_surrogate(token_loss, log_ratio, cov, mask,
+                                                                  fraction=o.kl_cov_ratio, coef=o.kl_cov_coef)
+    if o.top_entropy_quantile < 1.0:
+        token_loss, metrics["top_entropy_fraction"] = top_entropy_surrogate(token_loss, entropy, mask,
+                                                                            quantile=o.top_entropy_quantile)
+    if sampler_logp is not None:
+        if o.rollout_correction not in ROLLOUT_CORRECTION_MODES:
+            raise ValueError(f"sampler_logp weights the loss only under a rollout correction of "
+                             f"{', '.join(ROLLOUT_CORRECTION_MODES)}; options.rollout_correction is "
+                             f"{o.rollout_correction!r}")
+        token_loss, is_metrics = rollout_corrected_surrogate(token_loss, old_logp, sampler_logp, mask,
+                                                             mode=o.rollout_correction, cap=o.rollout_correction_cap)
+        metrics.update(is_metrics)
+    return token_loss, metrics
 
 
 def clipped_policy_loss(
@@ -91,26 +121,8 @@ def clipped_policy_loss(
     clip = dict(epsilon_low=o.epsilon_low, epsilon_high=o.epsilon_high, dual_clip_c=o.dual_clip_c or None)
     token_loss, ratio = policy_surrogate(logp, old_logp, adv, mask, surrogate=surrogate, **clip, settings=settings)
     log_ratio = token_log_ratio(logp, old_logp, mask)
-    metrics: dict[str, Array] = {}
-    cov = token_covariance(logp, adv, mask) if o.clip_cov_ratio > 0 or o.kl_cov_ratio > 0 else None
-    if o.clip_cov_ratio > 0:
-        token_loss, metrics["clip_cov_fraction"] = clip_cov_surrogate(
-            token_loss, ratio, cov, adv, mask, epsilon_low=o.epsilon_low, epsilon_high=o.epsilon_high,
-            fraction=o.clip_cov_ratio, lower=o.clip_cov_lb, upper=o.clip_cov_ub)
-    if o.kl_cov_ratio > 0:
-        token_loss, metrics["kl_cov_fraction"] = kl_cov_surrogate(token_loss, log_ratio, cov, mask,
-                                                                  fraction=o.kl_cov_ratio, coef=o.kl_cov_coef)
-    if o.top_entropy_quantile < 1.0:
-        token_loss, metrics["top_entropy_fraction"] = top_entropy_surrogate(token_loss, entropy, mask,
-                                                                            quantile=o.top_entropy_quantile)
-    if sampler_logp is not None:
-        if o.rollout_correction not in ROLLOUT_CORRECTION_MODES:
-            raise ValueError(f"sampler_logp weights the loss only under a rollout correction of "
-                             f"{', '.join(ROLLOUT_CORRECTION_MODES)}; options.rollout_correction is "
-                             f"{o.rollout_correction!r}")
-        token_loss, is_metrics = rollout_corrected_surrogate(token_loss, old_logp, sampler_logp, mask,
-                                                             mode=o.rollout_correction, cap=o.rollout_correction_cap)
-        metrics.update(is_metrics)
+    token_loss, metrics = token_options_surrogate(token_loss, ratio, log_ratio, logp, adv, mask, o, entropy=entropy,
+                                                  old_logp=old_logp, sampler_logp=sampler_logp)
     kl = kl_penalty(logp, ref_logp, estimator=o.kl_estimator, mask=mask) if ref_logp is not None else None  # type: ignore[arg-type]
     loss, terms = compose_policy_loss(token_loss, mask, kl=kl, kl_coef=kl_coef, entropy=entropy,
                                       entropy_coef=entropy_coef, aggregation=o.aggregation,  # type: ignore[arg-type]
