@@ -336,3 +336,16 @@ def completion_length(prompts, completions, **fields):
 def starts_with_seven(prompts, completions, **fields):
     """A trivially learnable reward: the completion starts with the digit 7."""
     return [float(c.startswith("7")) for c in completions]
+
+
+def random_rollout(params: Any, config: Any, rng: np.random.Generator, n: int, p_len: int, t_len: int,
+                   vocab: int = 32) -> tuple[np.ndarray, ...]:
+    """`n` random left-padded prompts (2 to `p_len` tokens) and right-padded completions (1 to `t_len` tokens) of
+    ids below `vocab`, and the model's log-probs of the completions: `(pt, pm, ct, cm, logp)`."""
+    from jaxrl_llm.trainers.objectives import completion_logprobs
+
+    pm = (np.arange(p_len)[None] >= p_len - rng.integers(2, p_len + 1, n)[:, None]).astype(np.int32)
+    pt = np.where(pm, rng.integers(1, vocab, (n, p_len)), 0).astype(np.int32)
+    cm = (np.arange(t_len)[None] < rng.integers(1, t_len + 1, n)[:, None]).astype(np.int32)
+    ct = np.where(cm, rng.integers(1, vocab, (n, t_len)), 0).astype(np.int32)
+    return pt, pm, ct, cm, np.asarray(completion_logprobs(params, config, pt, pm, ct, cm)[0])

@@ -16,7 +16,7 @@ from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm.sharding import MeshShape, fit_spec, make_mesh, param_spec
-from tests.helpers import FAST_COMPILE_FLAGS, TINY  # noqa: F401  (the tiny_task fixture lives in conftest)
+from tests.helpers import FAST_COMPILE_FLAGS, TINY, random_rollout  # noqa: F401  (the tiny_task fixture lives in conftest)
 
 pytestmark = pytest.mark.heavy(seconds=66)
 
@@ -50,13 +50,7 @@ keys = jax.random.split(jax.random.key(2), len(leaves))
 params = jax.tree.unflatten(treedef, [x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
 rng = np.random.default_rng(0)
 n, p_len, t_len = 16, 6, 8
-prompt_lengths = rng.integers(2, p_len + 1, n)
-pm = (np.arange(p_len)[None] >= p_len - prompt_lengths[:, None]).astype(np.int32)
-pt = np.where(pm, rng.integers(1, 32, (n, p_len)), 0).astype(np.int32)
-lengths = rng.integers(1, t_len + 1, n)
-cm = (np.arange(t_len)[None] < lengths[:, None]).astype(np.int32)
-ct = np.where(cm, rng.integers(1, 32, (n, t_len)), 0).astype(np.int32)
-logp = np.asarray(completion_logprobs(params, config, pt, pm, ct, cm)[0])
+pt, pm, ct, cm, logp = random_rollout(params, config, rng, n, p_len, t_len)
 old = (logp + rng.normal(0, 0.1, logp.shape)).astype(np.float32) * cm
 ref = (logp + rng.normal(0, 0.1, logp.shape)).astype(np.float32) * cm
 adv = rng.normal(0, 1, n).astype(np.float32)

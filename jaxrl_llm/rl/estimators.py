@@ -19,14 +19,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm.rl.advantages import (
-    gae_advantages,
-    group_normalized_advantages,
-    masked_whiten,
-    reinforce_plus_plus_advantages,
-    reinforce_plus_plus_baseline_advantages,
-    rloo_advantages,
-)
+from jaxrl_llm.rl import advantages as adv
 from jaxrl_llm.rl.kl import KLEstimator, kl_penalty, kl_shaped_token_rewards
 from jaxrl_llm.rl.reductions import masked_mean
 from jaxrl_llm.rl.value_loss import explained_variance
@@ -61,14 +54,14 @@ def _broadcast(per_seq: jax.Array, mask: jax.Array) -> jax.Array:
 def grpo_estimator(rewards: jax.Array, mask: jax.Array, old_logp: jax.Array, ref_logp: jax.Array, *,
                    group_size: int, scale: str = "group", beta: float = 0.0, kl_estimator: str = "k1") -> jax.Array:
     """`(r_i - mean_group r) / (std + eps)` (`scale` = group / batch / none), broadcast over valid tokens."""
-    return _broadcast(group_normalized_advantages(rewards, group_size=group_size, scale=scale), mask)  # type: ignore[arg-type]
+    return _broadcast(adv.group_normalized_advantages(rewards, group_size=group_size, scale=scale), mask)  # type: ignore[arg-type]
 
 
 @register_estimator("rloo")
 def rloo_estimator(rewards: jax.Array, mask: jax.Array, old_logp: jax.Array, ref_logp: jax.Array, *,
                    group_size: int, scale: str = "group", beta: float = 0.0, kl_estimator: str = "k1") -> jax.Array:
     """`r_i - mean_{j != i} r_j` over the group, broadcast over valid tokens."""
-    return _broadcast(rloo_advantages(rewards, group_size=group_size), mask)
+    return _broadcast(adv.rloo_advantages(rewards, group_size=group_size), mask)
 
 
 @register_estimator("reinforce_pp", kl_in_reward=True)
@@ -79,7 +72,7 @@ def reinforce_pp_estimator(rewards: jax.Array, mask: jax.Array, old_logp: jax.Ar
     reference, `kl_estimator`), returns-to-go, whitened over the batch's valid tokens."""
     token_rewards = kl_shaped_token_rewards(rewards, old_logp, ref_logp, mask, kl_coef=beta,
                                             estimator=kl_estimator)  # type: ignore[arg-type]
-    return reinforce_plus_plus_advantages(token_rewards, mask)
+    return adv.reinforce_plus_plus_advantages(token_rewards, mask)
 
 
 @register_estimator("reinforce_pp_baseline")
@@ -87,7 +80,7 @@ def reinforce_pp_baseline_estimator(rewards: jax.Array, mask: jax.Array, old_log
                                     *, group_size: int, scale: str = "group", beta: float = 0.0,
                                     kl_estimator: str = "k1") -> jax.Array:
     """`r_i - mean_group r`, broadcast, whitened over the batch's valid tokens."""
-    return reinforce_plus_plus_baseline_advantages(rewards, mask, group_size=group_size)
+    return adv.reinforce_plus_plus_baseline_advantages(rewards, mask, group_size=group_size)
 
 
 class PPOTargets(NamedTuple):
@@ -120,9 +113,9 @@ def ppo_targets(scores: jax.Array, old_logp: jax.Array, ref_logp: jax.Array, val
     """
     kl = kl_penalty(old_logp, ref_logp, estimator=kl_estimator, mask=mask)
     token_rewards = kl_shaped_token_rewards(scores, old_logp, ref_logp, mask, kl_coef=kl_coef, estimator=kl_estimator)
-    advantages, returns = gae_advantages(token_rewards, values, mask, gamma=gamma, lam=lam)
+    advantages, returns = adv.gae_advantages(token_rewards, values, mask, gamma=gamma, lam=lam)
     if whiten_advantages:
-        advantages = masked_whiten(advantages, mask)
+        advantages = adv.masked_whiten(advantages, mask)
     return PPOTargets(kl, token_rewards, advantages, returns)
 
 

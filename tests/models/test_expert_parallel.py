@@ -45,13 +45,7 @@ params = jax.tree_util.tree_map_with_path(
     lambda p, x: x * 30.0 if "router" in path_string(p) else x, params)
 rng = np.random.default_rng(0)
 n, p_len, t_len = 16, 6, 8
-prompt_lengths = rng.integers(2, p_len + 1, n)
-pm = (np.arange(p_len)[None] >= p_len - prompt_lengths[:, None]).astype(np.int32)
-pt = np.where(pm, rng.integers(1, 32, (n, p_len)), 0).astype(np.int32)
-lengths = rng.integers(1, t_len + 1, n)
-cm = (np.arange(t_len)[None] < lengths[:, None]).astype(np.int32)
-ct = np.where(cm, rng.integers(1, 32, (n, t_len)), 0).astype(np.int32)
-logp = np.asarray(completion_logprobs(params, config, pt, pm, ct, cm)[0])
+pt, pm, ct, cm, logp = random_rollout(params, config, rng, n, p_len, t_len)
 old = (logp + rng.normal(0, 0.1, logp.shape)).astype(np.float32) * cm
 adv = rng.normal(0, 1, n).astype(np.float32)
 # A recorded selection to replay: k distinct experts per token and layer, some tokens without a record.
