@@ -60,9 +60,9 @@ from jaxrl_llm.engine.model import (  # noqa: E402
 from jaxrl_llm.engine.pages import default_page_size, page_slots, storage_dtype  # noqa: E402
 from jaxrl_llm.engine.programs import pack_weights, prepare_weights, row_uniforms  # noqa: E402
 from jaxrl_llm.models.block import transformer_block  # noqa: E402
-from jaxrl_llm.models.decode import step_ops  # noqa: E402
 from jaxrl_llm.models.hf import load_hf_model  # noqa: E402
 from jaxrl_llm.models.layers import embed_tokens, rms_norm  # noqa: E402
+from jaxrl_llm.models.step_weights import step_ops  # noqa: E402
 from jaxrl_llm.sampling.config import Knobs  # noqa: E402
 from jaxrl_llm.sampling.logits import sample_with_uniform  # noqa: E402
 

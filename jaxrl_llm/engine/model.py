@@ -39,17 +39,11 @@ from jaxrl_llm.engine.pages import (
 from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.models.block import Attend, LayerOps, transformer_block
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.decode import (
-    StepWeights,
-    longrope_original,
-    loop_layout_attention,
-    mlp_width,
-    stacked_experts,
-    step_ops,
-)
+from jaxrl_llm.models.decode import longrope_original, loop_layout_attention, stacked_experts
 from jaxrl_llm.models.decoder import Params, unembed, unembedding_as_stored
 from jaxrl_llm.models.layers import embed_tokens, grouped_query_attention, rms_norm, rope_cos_sin, softcap
 from jaxrl_llm.models.precision import matmul
+from jaxrl_llm.models.step_weights import StepWeights, mlp_width, step_ops
 
 
 def engine_context_problem(config: ModelConfig, longest: int) -> str | None:

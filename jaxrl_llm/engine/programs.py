@@ -37,9 +37,10 @@ from jaxrl_llm.engine.model import (
 )
 from jaxrl_llm.engine.pages import PagedLayer, copy_pages
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.decode import StepWeights, constrain_step_weights, fusable_shards, split_layers, step_weights
+from jaxrl_llm.models.decode import split_layers
 from jaxrl_llm.models.decoder import Params
 from jaxrl_llm.models.moe import NO_RECORD
+from jaxrl_llm.models.step_weights import StepWeights, constrain_step_weights, fusable_shards, step_weights
 from jaxrl_llm.sampling.config import Knobs
 from jaxrl_llm.sampling.logits import sample_with_uniform
 from jaxrl_llm.sharding import BATCH_AXES, constrain

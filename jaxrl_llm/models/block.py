@@ -9,9 +9,9 @@ The feed-forward is a part the family chooses (`LayerOps.feed_forward`): the gat
 (`gated_mlp`), or a mixture of experts (`models/moe.py`), which also returns what its router chose.
 
 Two things vary between the places a block runs, and both are arguments:
-- **how the weights are applied** (`LayerOps`): the Flax modules of `decoder.py` (training, the reference
+- **how the weights are applied** (`LayerOps`): the Flax modules of `sublayers.py` (training, the reference
   forward and the prefill: separate q, k, v and gate, up matrices, unmerged LoRA factors, dropout), or the
-  sampler's prepared weights (`decode.step_ops`: q|k|v and gate|up fused into one matmul each);
+  sampler's prepared weights (`step_weights.step_ops`: q|k|v and gate|up fused into one matmul each);
 - **where keys and values live** (`Attend`): none (a full sequence), the decoder's `[B, S, KVH, hd]` cache
   (`cached_attention`), or the decode loop's transposed per-layer caches (`decode.loop_cache_attention`).
 

@@ -2,6 +2,22 @@
 
 Hugging Face names never appear outside `models/hf.py`; this dataclass is what the rest of the code sees.
 It is frozen and hashable so it can be a static argument of jitted functions.
+
+What some fields mean:
+
+- `rope_scaling` is a tuple of `(key, value)` pairs (hashable; list values as tuples) or None; supported types are
+  `linear`, `llama3`, `yarn` and `longrope`.
+- `sliding_window` is None (full causal attention) or the window `W`: a query at position `p` sees keys at positions
+  `p - W < k <= p` (transformers' convention). `layer_types` (one of "full_attention" / "sliding_attention" per
+  layer) limits the window to the sliding layers (Gemma 2 alternates them, Gemma 3 has five local layers per global
+  one); None: every layer alike.
+- The feed-forward part is the gated MLP (`num_experts = 0`) or, on every layer, a mixture of `num_experts` experts
+  of `moe_intermediate_size` with top-`num_experts_per_tok` routing (`models/moe.py`), plus, for Qwen2-MoE, a shared
+  expert of `shared_expert_intermediate_size` behind a sigmoid gate.
+- gpt-oss adds three switches: `attention_sinks` (a learned logit per head in each softmax's denominator, no value:
+  `softmax([scores, sink])` with the sink's column dropped), a biased router and biased experts (`router_bias`,
+  `expert_bias`), and `swiglu_clamp = (alpha, limit)`: the experts' activation
+  `(clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g)` with `g = min(gate, limit)`.
 """
 
 from __future__ import annotations
@@ -12,7 +28,7 @@ from typing import Literal
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jaxrl_llm.models.precision import activation_dtype
+from jaxrl_llm.models.precision import activation_dtype, inference_param_dtype
 
 DType = Literal["float32", "bfloat16"]
 
@@ -20,23 +36,8 @@ DType = Literal["float32", "bfloat16"]
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a pre-norm decoder: Llama 2/3, Qwen2/2.5, Qwen3, Mistral, Phi-3, Gemma 2, Gemma 3 (text), and
-    the mixtures of experts Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE and gpt-oss.
-
-    `rope_scaling` is a tuple of `(key, value)` pairs (hashable; list values as tuples) or None; supported types
-    are `linear`, `llama3`, `yarn` and `longrope`. `sliding_window` is None (full causal attention) or the
-    window `W`: a query at position `p` sees keys at positions `p - W < k <= p` (transformers' convention).
-    `layer_types` (one of "full_attention" / "sliding_attention" per layer) limits the window to the sliding
-    layers (Gemma 2 alternates them, Gemma 3 has five local layers per global one); None: every layer alike.
-
-    The feed-forward part is the gated MLP (`num_experts = 0`) or, on every layer, a mixture of `num_experts`
-    experts of `moe_intermediate_size` with top-`num_experts_per_tok` routing (`models/moe.py`), plus, for
-    Qwen2-MoE, a shared expert of `shared_expert_intermediate_size` behind a sigmoid gate.
-
-    gpt-oss adds three switches: `attention_sinks` (a learned logit per head in each softmax's denominator, no
-    value: `softmax([scores, sink])` with the sink's column dropped), a biased router and biased experts
-    (`router_bias`, `expert_bias`), and `swiglu_clamp = (alpha, limit)`: the experts' activation
-    `(clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g)` with `g = min(gate, limit)`.
-    """
+    the mixtures of experts Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE and gpt-oss (the module docstring says what the
+    less obvious fields mean)."""
 
     vocab_size: int
     hidden_size: int
@@ -122,11 +123,8 @@ class ModelConfig:
 
     @property
     def jnp_inference_param_dtype(self) -> jnp.dtype:
-        """The sampler's and the reference's stored weights: bfloat16 when either `param_dtype` or the compute
-        dtype is (every dot reads its operands in the compute dtype, so bf16 storage halves the bytes read and
-        changes no result); float32 otherwise."""
-        low = jnp.dtype(jnp.bfloat16)
-        return low if low in (self.jnp_dtype, self.jnp_param_dtype) else jnp.dtype(jnp.float32)
+        """The sampler's and the reference's stored weights (`precision.inference_param_dtype`)."""
+        return inference_param_dtype(self.dtype, self.param_dtype)
 
     @property
     def rope_scaling_dict(self) -> dict[str, float | str] | None:
@@ -151,22 +149,30 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
     def num_params(self) -> int:
-        """Parameter count (embeddings counted once when tied)."""
-        d, f, hd = self.hidden_size, self.intermediate_size, self.head_dim
-        q, kv = self.num_heads * hd, self.num_kv_heads * hd
-        attn = d * q + 2 * d * kv + q * d
-        attn += (q + 2 * kv) * self.qkv_bias + d * self.o_bias
-        attn += ((q + kv) if self.qk_norm_projection else 2 * hd) * self.qk_norm
-        attn += self.num_heads * self.attention_sinks
-        mlp = 3 * d * f + (2 * f + d) * self.mlp_bias
-        if self.is_moe:
-            shared = self.shared_expert_intermediate_size
-            e, i = self.num_experts, self.moe_intermediate_size
-            mlp = d * e + 3 * d * i * e + e * self.router_bias + (2 * i + d) * e * self.expert_bias
-            mlp += (3 * d * shared + d) if shared else 0
-        per_layer = attn + mlp + (4 if self.sandwich_norms else 2) * d
-        head = 0 if self.tie_word_embeddings else d * self.vocab_size
-        return self.vocab_size * d + self.num_layers * per_layer + d + head
+        """Parameter count (embeddings counted once when tied): `parameter_count(self)`."""
+        return parameter_count(self)
+
+
+def parameter_count(config: ModelConfig) -> int:
+    """The parameters of a decoder of `config` (embeddings counted once when tied), from its shapes alone: the
+    embedding, every layer's attention and feed-forward (dense MLP or experts, router, shared expert) with their
+    biases and norms, the final norm and an untied LM head."""
+    c = config
+    d, f, hd = c.hidden_size, c.intermediate_size, c.head_dim
+    q, kv = c.num_heads * hd, c.num_kv_heads * hd
+    attn = d * q + 2 * d * kv + q * d
+    attn += (q + 2 * kv) * c.qkv_bias + d * c.o_bias
+    attn += ((q + kv) if c.qk_norm_projection else 2 * hd) * c.qk_norm
+    attn += c.num_heads * c.attention_sinks
+    mlp = 3 * d * f + (2 * f + d) * c.mlp_bias
+    if c.is_moe:
+        shared = c.shared_expert_intermediate_size
+        e, i = c.num_experts, c.moe_intermediate_size
+        mlp = d * e + 3 * d * i * e + e * c.router_bias + (2 * i + d) * e * c.expert_bias
+        mlp += (3 * d * shared + d) if shared else 0
+    per_layer = attn + mlp + (4 if c.sandwich_norms else 2) * d
+    head = 0 if c.tie_word_embeddings else d * c.vocab_size
+    return c.vocab_size * d + c.num_layers * per_layer + d + head
 
 
 def check_model_config(config: ModelConfig) -> None:

@@ -262,7 +262,7 @@ def fused_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w: Fused
 
     ``E / k`` times the routed flops, but each expert's weights are read once, by one matmul: where a step's tokens
     reach most experts anyway (a sampler's step), XLA:CPU runs this faster than the grouped matmul's tiles of a few
-    rows (`decode.fused_step_experts` says where the samplers use it; bench/README.md has the figures).
+    rows (`step_weights.fused_step_experts` says where the samplers use it; bench/README.md has the figures).
 
     Shapes: ``x [N, D]``, ``experts, weights [N, k]``, ``valid [N]`` -> ``[N, D]`` in ``out_dtype`` (default
     ``x``'s). Operands in ``dtype``, float32 accumulation.

@@ -49,6 +49,14 @@ def activation_dtype(compute_dtype: jnp.dtype | str) -> jnp.dtype:
     return compute
 
 
+def inference_param_dtype(compute_dtype: jnp.dtype | str, param_dtype: jnp.dtype | str) -> jnp.dtype:
+    """The dtype the sampler and the reference store weights in: bfloat16 when either `param_dtype` or the compute
+    dtype is (every dot reads its operands in the compute dtype, so bf16 storage halves the bytes read and changes
+    no result); float32 otherwise."""
+    low = jnp.dtype(jnp.bfloat16)
+    return low if low in (jnp.dtype(compute_dtype), jnp.dtype(param_dtype)) else jnp.dtype(jnp.float32)
+
+
 def _gradient_specs(spec: str) -> tuple[str, str]:
     """Einsum specs of the two operands' gradients for `spec = "a,b->out"` (no repeated or operand-only indices):
     `d_a = einsum("out,b->a", g, b)`, `d_b = einsum("a,out->b", a, g)`."""

@@ -70,20 +70,17 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decode import (
-    StepWeights,
-    constrain_step_weights,
     decode_token_routed,
-    fusable_shards,
     longrope_original,
     longrope_switch,
     loop_caches,
     prefill_routed,
     split_layers,
-    step_weights,
 )
 from jaxrl_llm.models.decoder import Params
 from jaxrl_llm.models.layers import positions_from_mask
 from jaxrl_llm.models.moe import NO_RECORD
+from jaxrl_llm.models.step_weights import StepWeights, constrain_step_weights, fusable_shards, step_weights
 from jaxrl_llm.sampling.config import (
     Knobs,
     SampleOutput,

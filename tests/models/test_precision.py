@@ -14,9 +14,10 @@ import pytest
 
 from jaxrl_llm.models import precision
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.decode import decode_token, loop_caches, prefill, split_layers, step_weights
+from jaxrl_llm.models.decode import decode_token, loop_caches, prefill, split_layers
 from jaxrl_llm.models.decoder import forward, init_params
 from jaxrl_llm.models.heads import apply_scalar_head
+from jaxrl_llm.models.step_weights import step_weights
 from jaxrl_llm.models.weights import inference_copy
 from jaxrl_llm.trainers.objectives import completion_logprobs
 from tests.helpers import compiled_dot_operand_types

@@ -12,9 +12,10 @@ from scipy import stats
 
 from jaxrl_llm import sampling as sampling_module
 from jaxrl_llm.errors import UsageError
-from jaxrl_llm.models.decode import decode_layers, decode_token, decoder_caches, loop_caches, split_layers, step_weights
+from jaxrl_llm.models.decode import decode_layers, decode_token, decoder_caches, loop_caches, split_layers
 from jaxrl_llm.models.decoder import decode_step, init_cache, positions_from_mask
 from jaxrl_llm.models.hf import load_hf_model
+from jaxrl_llm.models.step_weights import step_weights
 from jaxrl_llm.sampling import Knobs, SamplingConfig, bucket_prompts, compiled_program_count, sample
 from jaxrl_llm.sampling.logits import sample_from_logits, truncate_logits
 from tests.helpers import (
@@ -295,7 +296,7 @@ def test_token_step_equals_decoder(kind, shards, hf_model_dir):
     sliding window (mistral), q/k norms (qwen3), o/MLP biases (llama_linear_rope_bias); also with q|k|v and
     gate|up fused shard-major for 2 tensor-parallel shards."""
     config, params = load_hf_model(hf_model_dir(kind))
-    from jaxrl_llm.models.decode import fusable_shards
+    from jaxrl_llm.models.step_weights import fusable_shards
 
     assert fusable_shards(config, shards) == shards  # the tiny models divide, so the 2-shard layout is used
     tokens, mask = left_padded_batch(config.vocab_size, [9, 5], seed=8)
