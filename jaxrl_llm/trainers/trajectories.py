@@ -29,6 +29,8 @@ from jaxrl_llm.engine import Request, row_keys, sample_output
 from jaxrl_llm.envs.base import Environment, Message, StepResult, resolve_environment
 from jaxrl_llm.envs.deadlines import DeadlineWorkers
 from jaxrl_llm.envs.rendering import declare_tools, exceeds_budget, followup_text, resolve_tool_format, turn_text
+from jaxrl_llm.envs.tool_formats import with_response_parsing
+from jaxrl_llm.envs.tool_use import ToolUseEnvironment
 from jaxrl_llm.envs.tools import resolve_tools
 from jaxrl_llm.models.decoder import Params
 from jaxrl_llm.sampling import SampleOutput, SamplingConfig
@@ -57,18 +59,21 @@ class TrajectoryCollector(RolloutCollector):
         e = c.env
         self.env_config, self.factory = e, resolve_environment(e.name)
         self.tools = resolve_tools(e.tools)
-        self.tool_format, self.tool_format_why = resolve_tool_format(e.tool_format, policy.tokenizer,
-                                                                     chat=c.data.chat_template)
+        named, self.tool_format_why = resolve_tool_format(e.tool_format, policy.tokenizer, chat=c.data.chat_template)
+        # the calls read by transformers' parse_response where the tokenizer has a response template, else by ours
+        self.tool_format, self.tool_parser_why = with_response_parsing(named, policy.tokenizer,
+                                                                       chat=c.data.chat_template)
         self.markers = self.tool_format.markers if self.tools else ()  # special tokens a turn's text keeps
-        self.env_kwargs = {**dict(e.kwargs),
-                           **({"tools": self.tools, "tool_format": self.tool_format.name} if self.tools else {})}
+        # the built-in tool_use environment parses with the format itself; any other is given its name
+        given = self.tool_format if self.factory is ToolUseEnvironment else self.tool_format.name
+        self.env_kwargs = {**dict(e.kwargs), **({"tools": self.tools, "tool_format": given} if self.tools else {})}
         self.tool_schemas, self.data_config = declare_tools(self.tools, c.data, policy.tokenizer, self.tool_format)
         self.workers = DeadlineWorkers(e.workers, "jaxrl_llm-env")
         self.env_seconds = 0.0
 
     def describe(self) -> str:
         tools = (f" with tools {', '.join(t.name for t in self.tools)} ({self.tool_format.name} calls, "
-                 f"{self.tool_format_why})" if self.tools else "")
+                 f"{self.tool_format_why}; parsed by {self.tool_parser_why})" if self.tools else "")
         return f"{super().describe()}, environment {self.env_config.name}{tools}, {self.env_config.max_turns} turns"
 
     def _open(self, record: dict[str, Any]) -> tuple[Environment | None, list[Message] | str, str]:

@@ -463,3 +463,33 @@ def test_a_run_that_executes_model_code_says_where_at_its_start(tiny_task, tmp_p
     described = make_trainer(config).algorithm.describe()
     assert described.endswith("; the python tool (env.tools): sandboxed code runs in bubblewrap: a minimal "
                               "read-only view, no network (docs/sandbox.md)")
+
+
+def test_a_tokenizer_with_a_response_template_reads_the_calls_with_parse_response(tiny_chat_model, tmp_path):
+    """A checkpoint whose tokenizer ships a response template (here TRL's Qwen3 one, in tokenizer_config.json): the
+    trainer's collector reads tool calls with transformers' `parse_response`, gives the built-in `tool_use` that
+    format, and says so in the run's header; the same model without one keeps our parser."""
+    import shutil
+
+    from tests.envs.test_tool_formats import FIXTURES
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_chat_model, model)
+    tokenizer_config = json.loads((model / "tokenizer_config.json").read_text())
+    schemas = json.loads((FIXTURES / "response_templates.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "response_template":
+                                                             schemas["qwen3"]}))
+    collectors = {}
+    for name, path in (("with", model), ("without", tiny_chat_model)):
+        config = tiny_run(None, tmp_path / name, f"model.path={path}", f"data.train={_chat_task(tmp_path)}",
+                          "data.eval=", "data.chat_template=true", "env.name=tool_use", "env.tools=[calculator]",
+                          rewards=[{"name": "math_answer"}])
+        collectors[name] = make_trainer(config).algorithm.collector
+    with_, without = collectors["with"], collectors["without"]
+    assert with_.tool_format.parser == "parse_response" and with_.env_kwargs["tool_format"] is with_.tool_format
+    assert "parsed by the tokenizer's response_template" in with_.describe()
+    calls, errors = with_.tool_format.parse('<tool_call>\n{"name": "calculator", "arguments": {"expression": "6*7"}}'
+                                            '\n</tool_call>', None)
+    assert [(c.name, c.arguments) for c in calls] == [("calculator", {"expression": "6*7"})] and errors == []
+    assert without.tool_format.parser == "ours" and "parsed by ours: the tokenizer has no response_template" in \
+        without.describe()
