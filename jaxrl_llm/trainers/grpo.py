@@ -26,7 +26,6 @@ from jax.sharding import PartitionSpec
 from jaxrl_llm.config import RunConfig
 from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.models.packing import PackedLayout
-from jaxrl_llm.models.weights import working_weights
 from jaxrl_llm.rl.advantages import turn_level_advantages
 from jaxrl_llm.rl.entropy_control import (
     EntropyControllerState,
@@ -42,10 +41,6 @@ from jaxrl_llm.trainers.objectives import LossFn, PolicyBatch, policy_loss, poli
 from jaxrl_llm.trainers.policy import Policy
 from jaxrl_llm.trainers.rl import (
     RolloutAlgorithm,
-    logprob_pass_layout,
-    moe_old_policy,
-    old_policy_logprobs,
-    routed_pass,
     update_plan,
     update_sizes,
     validate_rl,
@@ -152,7 +147,6 @@ class GRPOFamily(RolloutAlgorithm):
         self.frozen_input = self.policy.frozen  # the update's frozen input: LoRA's base (and a teacher), or None
         self.frozen_sharding = self.policy.frozen_sharding
         self.update_fn = self.update_fn_for(r.grad_accum)
-        self.routed_logprob_fn = routed_pass(c, self.policy)
 
     def update_fn_for(self, grad_accum: int) -> Any:
         """The jitted update with `grad_accum` micro-batches per optimizer update (built once)."""
@@ -198,39 +192,24 @@ class GRPOFamily(RolloutAlgorithm):
         """Reference log-probs, advantages, then `mu` epochs of minibatch updates in one jit; the rollout goes
         to the devices once and stays there."""
         put = functools.partial(global_array, mesh=self.mesh)
-        pt, pm, ct, cm = put(ro.prompt_tokens), put(ro.prompt_mask), put(ro.out.tokens), put(ro.out.mask)
-        # Multi-turn: the loss, the advantages and the mismatch cover the model's tokens; attention covers all.
-        lm = cm if ro.loss_mask is None else put(ro.loss_mask)
-        p = self.policy
-        packed = functools.cache(lambda: logprob_pass_layout(self.config, ro, self.mesh,
-                                                             p.model_config.num_params()))  # only if a pass runs
-        weights = functools.cache(lambda: working_weights(p.model_weights(state["params"]), p.model_config))
-        sampled = put(np.asarray(ro.out.logprobs_untruncated, np.float32))
-        records = None
-        if self.routed_logprob_fn is not None:  # MoE: routing records, replay, the router's mismatch
-            old_logp, sampler_logp, mismatch, records = moe_old_policy(
-                self.config, self.routed_logprob_fn, weights(), (pt, pm, ct, cm), packed(), sampled, lm, ro, put)
-        else:
-            old_logp, sampler_logp, mismatch = old_policy_logprobs(
-                self.config.rl.loss.rollout_correction, sampled, lm,
-                lambda: self.ref_logprob_fn(weights(), pt, pm, ct, cm, packed()))
+        old = self.old_policy(state, ro)
         # log pi_ref of the rollout's tokens, zeros when no KL term needs them.
-        ref_logp = (self.ref_logprob_fn(self.ref_params, pt, pm, ct, cm, packed()) if self.ref_params is not None
-                    else put(np.zeros(ro.out.tokens.shape, np.float32)))
-        advantages, extra = self.token_advantages(ro, (pt, pm, ct, cm), lm, old_logp, ref_logp)
-        batch = PolicyBatch(pt, pm, ct, cm, old_logp, ref_logp, advantages, sampler_logp,
-                            None if ro.loss_mask is None else lm, routing=records)
+        ref_logp = old.ref_logp if old.ref_logp is not None else put(np.zeros(ro.out.tokens.shape, np.float32))
+        advantages, extra = self.token_advantages(ro, old.arrays, old.loss_mask, old.old_logp, ref_logp)
+        batch = PolicyBatch(*old.arrays, old.old_logp, ref_logp, advantages, old.sampler_logp,
+                            None if ro.loss_mask is None else old.loss_mask, routing=old.records)
         ctl = (EntropyControllerState(**{k: jnp.asarray(v, jnp.float32) for k, v in
                                          jax.device_get(state["entropy_controller"]).items()})
                if self.adaptive_entropy else None)
         entropy_coef = None if ctl is None else float(applied_entropy_coef(ctl))
         coef_input = None if ctl is None else put(np.float32(entropy_coef), spec=PartitionSpec())
-        plan = update_plan(self.config, ro, key, self.minibatch_size, self.mesh, p.model_config.num_params())
+        plan = update_plan(self.config, ro, key, self.minibatch_size, self.mesh,
+                           self.policy.model_config.num_params())
         update_fn = self.update_fn if plan.grad_accum == self.config.rl.grad_accum else self.update_fn_for(
             plan.grad_accum)  # the attribute: what a test may wrap
         state, metrics = update_fn(state, batch, key, self.frozen_input, coef_input, plan.layouts, plan.rows)
         out, skipped = host_metrics(metrics)
-        out |= mismatch | extra
+        out |= old.mismatch | extra
         out["update/padding_frac"] = plan.padding_frac
         out["update/micro_batches"] = float(plan.grad_accum)
         if ctl is not None:

@@ -32,7 +32,7 @@ from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.heads import CriticParams, critic_from_policy, critic_values, load_critic
 from jaxrl_llm.models.packing import PackedLayout
-from jaxrl_llm.models.weights import master_weights, working_weights
+from jaxrl_llm.models.weights import master_weights
 from jaxrl_llm.rl.estimators import ppo_targets, rollout_value_metrics
 from jaxrl_llm.rl.kl_control import KLControllerKind, KLControllerState, init_kl_controller, kl_controller_update
 from jaxrl_llm.rl.value_loss import clipped_value_loss
@@ -42,10 +42,6 @@ from jaxrl_llm.trainers.objectives import PolicyBatch, PolicyObjective, policy_l
 from jaxrl_llm.trainers.policy import Policy
 from jaxrl_llm.trainers.rl import (
     RolloutAlgorithm,
-    logprob_pass_layout,
-    moe_old_policy,
-    old_policy_logprobs,
-    routed_pass,
     update_plan,
     update_sizes,
     validate_rl,
@@ -220,7 +216,6 @@ class PPO(RolloutAlgorithm):
         self.optimizer, self.schedule = make_optimizer(c.optim, total_updates, router_frozen(c.model.freeze_router))
         self.critic_optimizer, self.critic_schedule = make_optimizer(
             dataclasses.replace(c.optim, learning_rate=pc.critic_learning_rate), total_updates)
-        self.routed_logprob_fn = routed_pass(c, p)
         self.critic_config, self.initial_critic = initial_critic(c, p)
         critic_sharding = state_sharding(self.initial_critic)
         critic_config = self.critic_config
@@ -261,34 +256,23 @@ class PPO(RolloutAlgorithm):
         """Values, KL-shaped token rewards, GAE; then `mu` epochs of (policy, critic) minibatch updates."""
         pc, p = self.config.ppo, self.policy
         put = functools.partial(global_array, mesh=self.mesh)
-        pt, pm, ct, cm = put(ro.prompt_tokens), put(ro.prompt_mask), put(ro.out.tokens), put(ro.out.mask)
-        packed = functools.cache(lambda: logprob_pass_layout(self.config, ro, self.mesh,
-                                                             p.model_config.num_params()))  # only if a pass runs
-        weights = functools.cache(lambda: working_weights(p.model_weights(state["params"]), p.model_config))
-        sampled, records = put(np.asarray(ro.out.logprobs_untruncated, np.float32)), None
-        if self.routed_logprob_fn is not None:  # MoE: routing records, replay, the router's mismatch
-            old_logp, sampler_logp, mismatch, records = moe_old_policy(
-                self.config, self.routed_logprob_fn, weights(), (pt, pm, ct, cm), packed(), sampled, cm, ro, put)
-        else:
-            old_logp, sampler_logp, mismatch = old_policy_logprobs(
-                self.config.rl.loss.rollout_correction, sampled, cm,
-                lambda: self.ref_logprob_fn(weights(), pt, pm, ct, cm, packed()))
-        ref_logp = (self.ref_logprob_fn(self.ref_params, pt, pm, ct, cm, packed()) if self.ref_params is not None
-                    else old_logp)
-        values = self.value_fn(state["critic"], pt, pm, ct, cm)
+        old = self.old_policy(state, ro)
+        old_logp, cm = old.old_logp, old.arrays[3]
+        ref_logp = old.ref_logp if old.ref_logp is not None else old_logp
+        values = self.value_fn(state["critic"], *old.arrays)
         controller = KLControllerState(coef=jnp.asarray(jax.device_get(state["kl_coef"]), jnp.float32))
         targets, rollout_metrics = self.targets_fn(put(ro.rewards.astype(np.float32)), old_logp, ref_logp, values,
                                                    cm, controller.coef)
-        batch = PPOBatch(PolicyBatch(pt, pm, ct, cm, old_logp, ref_logp, targets.advantages, sampler_logp,
-                                     routing=records),
-                         CriticBatch(pt, pm, ct, cm, values, targets.returns))
+        batch = PPOBatch(PolicyBatch(*old.arrays, old_logp, ref_logp, targets.advantages, old.sampler_logp,
+                                     routing=old.records),
+                         CriticBatch(*old.arrays, values, targets.returns))
         train_policy = step > pc.critic_warmup_steps
         plan = update_plan(self.config, ro, key, self.minibatch_size, self.mesh,
                            self.policy.model_config.num_params())
         state, metrics = self.update_fn_for(train_policy, plan.grad_accum)(state, batch, key, p.frozen, plan.layouts,
                                                                           plan.rows)
         out, skipped = host_metrics({**metrics, **rollout_metrics})
-        out |= mismatch
+        out |= old.mismatch
         out["update/padding_frac"] = plan.padding_frac
         out["update/micro_batches"] = float(plan.grad_accum)
         critic_skipped = bool(out.pop("critic/last_update_skipped"))

@@ -25,7 +25,7 @@ from jaxrl_llm.models.packing import (
     token_budget_micro_batches,
     update_layouts,
 )
-from jaxrl_llm.models.weights import frozen_copy
+from jaxrl_llm.models.weights import frozen_copy, working_weights
 from jaxrl_llm.rl.estimators import needs_values
 from jaxrl_llm.rl.plugins import resolve_estimator, resolve_policy_loss
 from jaxrl_llm.rl.rollout_correction import ROLLOUT_CORRECTION_MODES, logprob_mismatch
@@ -214,6 +214,21 @@ def router_mismatch(sampled: jax.Array, live: jax.Array) -> dict[str, float]:
     return out | {f"mismatch/router_disagreement/layer_{i:02d}": float(v) for i, v in enumerate(per_layer)}
 
 
+class OldPolicy(NamedTuple):
+    """Where a rollout's update starts, on the mesh (`RolloutAlgorithm.old_policy`): the rollout's `arrays` (prompt
+    tokens and mask, completion tokens and mask), the `loss_mask` (the completion mask, or a multi-turn rollout's
+    model tokens), the old policy's log-probs, the sampler's kept for the loss's importance weights (else None), the
+    reference's (None without a reference model), the mismatch metrics, and an MoE model's routing records."""
+
+    arrays: tuple[jax.Array, jax.Array, jax.Array, jax.Array]
+    loss_mask: jax.Array
+    old_logp: jax.Array
+    sampler_logp: jax.Array | None
+    ref_logp: jax.Array | None
+    mismatch: dict[str, float]
+    records: jax.Array | None
+
+
 CODE_TESTS = ("code_tests", "jaxrl_llm.rewards.code_execution:code_tests_reward")
 
 
@@ -250,6 +265,29 @@ class RolloutAlgorithm(Algorithm):
         self.ref_logprob_fn = make_logprob_fn(p.mesh, p.model_config, c.sampling.temperature, p.weights_sharding,
                                               block_mib=c.model.logprob_block_mib)
         self.drift_meter = DriftMeter(p, self.ref_params, self.ref_logprob_fn, c.monitor.drift_rows)
+        self.routed_logprob_fn = routed_pass(c, p)  # an MoE policy's pass with routing; None for a dense one
+
+    def old_policy(self, state: State, ro: Rollout) -> OldPolicy:
+        """A rollout on the mesh (it goes to the devices once and stays there) with the log-probs its update needs:
+        the old policy's (the sampler's, or recomputed under `rl.loss.rollout_correction`; an MoE model's pass with
+        its routing, `moe_old_policy`) and the reference's. Both whole-batch passes share one packed layout."""
+        c, p = self.config, self.policy
+        put = functools.partial(global_array, mesh=self.mesh)
+        arrays = put(ro.prompt_tokens), put(ro.prompt_mask), put(ro.out.tokens), put(ro.out.mask)
+        # Multi-turn: the loss, the advantages and the mismatch cover the model's tokens; attention covers all.
+        loss_mask = arrays[3] if ro.loss_mask is None else put(ro.loss_mask)
+        packed = functools.cache(lambda: logprob_pass_layout(c, ro, self.mesh, p.model_config.num_params()))
+        weights = functools.cache(lambda: working_weights(p.model_weights(state["params"]), p.model_config))
+        sampled, records = put(np.asarray(ro.out.logprobs_untruncated, np.float32)), None
+        if self.routed_logprob_fn is not None:  # MoE: routing records, replay, the router's mismatch
+            old_logp, sampler_logp, mismatch, records = moe_old_policy(
+                c, self.routed_logprob_fn, weights(), arrays, packed(), sampled, loss_mask, ro, put)
+        else:
+            old_logp, sampler_logp, mismatch = old_policy_logprobs(
+                c.rl.loss.rollout_correction, sampled, loss_mask,
+                lambda: self.ref_logprob_fn(weights(), *arrays, packed()))
+        ref_logp = self.ref_logprob_fn(self.ref_params, *arrays, packed()) if self.ref_params is not None else None
+        return OldPolicy(arrays, loss_mask, old_logp, sampler_logp, ref_logp, mismatch, records)
 
     def describe(self) -> str:
         p = self.policy
