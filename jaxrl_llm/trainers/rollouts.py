@@ -10,13 +10,14 @@ freshly sampled ones, up to `max_refill_rounds` extra rounds.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from jaxrl_llm.config import RewardSpec
 from jaxrl_llm.data import DataState, PromptSet, bucket, next_batch_indices
 from jaxrl_llm.evaluation import decode_completions, reward_fields
 from jaxrl_llm.models.decoder import Params
@@ -100,6 +101,66 @@ def rollout_tokens(ro: Rollout) -> float:
     return float(np.asarray(ro.out.mask).sum())
 
 
+def reward_functions(specs: Sequence[RewardSpec]) -> list[tuple[str, RewardFunction, float, float]]:
+    """`(name, function, weight, timeout_s)` of each of the run's `rewards`; a name used twice gets its index
+    (`math_answer`, `math_answer_1`), so each keeps its own metric."""
+    out = []
+    for i, spec in enumerate(specs):
+        name = spec.name if all(s.name != spec.name for s in specs[:i]) else f"{spec.name}_{i}"
+        out.append((name, resolve_reward(spec.name, dict(spec.kwargs)), spec.weight, spec.timeout_s))
+    return out
+
+
+def score_rows(reward_fns: list[tuple[str, RewardFunction, float, float]], records: list[dict[str, Any]],
+               prompts: list[str], completions: list[str], out: SampleOutput, max_new_tokens: int,
+               timings: dict[str, float]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """`(rewards [N], each function's [N])` of every row, float32; with several processes each scores only its own
+    share of the rows (whole groups), and the scores are then all-gathered. Each function's seconds add to
+    `timings`."""
+    mine = process_rows(len(prompts)) if jax.process_count() > 1 else slice(None)
+    local = jax.tree.map(lambda x: np.asarray(x)[mine], out)
+    rewards, each = compute_rewards(reward_fns, prompts[mine], completions[mine],
+                                    reward_fields(records[mine], local, max_new_tokens), timings=timings)
+    # float32 on every path: the cross-process all-gather carries float32, and the single-process run
+    # must see the same numbers (e.g. dynamic sampling's std > 0 test).
+    rewards, each = rewards.astype(np.float32), {k: v.astype(np.float32) for k, v in each.items()}
+    if jax.process_count() == 1:
+        return rewards, each
+    gathered = multihost_utils.process_allgather((rewards, each), tiled=True)
+    return np.asarray(gathered[0]), {k: np.asarray(v) for k, v in gathered[1].items()}
+
+
+def answer_output(answers: list[list[int]], pad_id: int, eos_ids: tuple[int, ...], width_bucket: int
+                  ) -> SampleOutput:
+    """Token ids as the sampler's right-padded output (`[N, W]`, `W` rounded up to `width_bucket`): each row
+    stopped on EOS when its last id is one, log-probs zero (no policy sampled them)."""
+    width = bucket(max(map(len, answers)), width_bucket)
+    tokens, mask = np.full((len(answers), width), pad_id, np.int32), np.zeros((len(answers), width), np.int32)
+    for row, ids in enumerate(answers):
+        tokens[row, : len(ids)], mask[row, : len(ids)] = ids, 1
+    stopped = np.asarray([ids[-1] in eos_ids for ids in answers])
+    zeros = np.zeros(tokens.shape, np.float32)
+    return SampleOutput(tokens, mask, zeros, zeros, mask.sum(axis=1).astype(np.int32), stopped)
+
+
+def rollout_metrics(ro: Rollout, group_size: int) -> dict[str, float]:
+    """Reward, length and truncation statistics of a rollout (before any update), the share of empty completions
+    (no text), the repeated 3-gram fraction (`monitor.repeated_ngram_fraction`) and each reward function's mean."""
+    lengths = np.asarray(ro.out.lengths)
+    out = {
+        "reward/mean": float(ro.rewards.mean()),
+        "reward/std": float(np.std(ro.rewards - ro.rewards.flat[0])),  # shifted: one reward for all is 0.0
+        "completion_length/mean": float(lengths.mean()),
+        "completion_length/max": float(lengths.max()),
+        "frac_truncated": float(1.0 - np.asarray(ro.out.stopped_on_eos).mean()),
+        "frac_empty": float(np.mean([not c.strip() for c in ro.completions])),
+        "repetition/ngram_frac": repeated_ngram_fraction(np.asarray(ro.out.tokens), np.asarray(ro.out.mask)),
+    }
+    if group_size > 1:  # every "group" of one has zero std: the number would mean nothing
+        out["frac_zero_std_groups"] = float(tied_groups(ro.rewards, group_size).mean())
+    return out | {f"reward/{name}/mean": float(values.mean()) for name, values in ro.per_function.items()}
+
+
 class RolloutCollector:
     """Samples and scores rollouts from `data.train` with the run's reward functions."""
 
@@ -109,10 +170,7 @@ class RolloutCollector:
         self.prompts: PromptSet = policy.prompt_set(c.data.train, c.data.split)
         self.group_size, self.prompts_per_step = c.rl.group_size, c.rl.prompts_per_step
         self.dynamic_sampling, self.max_refill_rounds = c.rl.dynamic_sampling, c.rl.max_refill_rounds
-        self.reward_fns: list[tuple[str, RewardFunction, float, float]] = []
-        for i, spec in enumerate(c.rewards):
-            name = spec.name if all(s.name != spec.name for s in c.rewards[:i]) else f"{spec.name}_{i}"
-            self.reward_fns.append((name, resolve_reward(spec.name, dict(spec.kwargs)), spec.weight, spec.timeout_s))
+        self.reward_fns = reward_functions(c.rewards)
         self.reward_seconds: dict[str, float] = {}
 
     def _next_indices(self, state: DataState) -> tuple[np.ndarray, DataState]:
@@ -182,32 +240,14 @@ class RolloutCollector:
         tokens, mask = p.prompt_arrays(self.prompts, indices)
         answers = [(p.tokenizer(str(self.prompts.records[i][c.data.answer_field]), add_special_tokens=False)
                     ["input_ids"] + [p.eos_ids[0]])[: c.sampling.max_new_tokens] for i in indices for _ in range(g)]
-        width = bucket(max(map(len, answers)), c.sampling.new_tokens_bucket)
-        ct, cm = np.full((len(answers), width), p.pad_id, np.int32), np.zeros((len(answers), width), np.int32)
-        for row, ids in enumerate(answers):
-            ct[row, : len(ids)], cm[row, : len(ids)] = ids, 1
-        lengths = cm.sum(axis=1).astype(np.int32)
-        stopped = np.asarray([ids[-1] in p.eos_ids for ids in answers])
-        zeros = np.zeros(ct.shape, np.float32)
-        return self.scored(indices, tokens, mask, SampleOutput(ct, cm, zeros, zeros, lengths, stopped)), state
+        out = answer_output(answers, p.pad_id, p.eos_ids, c.sampling.new_tokens_bucket)
+        return self.scored(indices, tokens, mask, out), state
 
     def _rewards(self, records: list[dict[str, Any]], prompts: list[str], completions: list[str],
                  out: SampleOutput) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """Rewards of every row; with several processes each scores only its own share of the rows (whole
-        groups), and the scores are then all-gathered."""
-        mine = process_rows(len(prompts)) if jax.process_count() > 1 else slice(None)
-        local = jax.tree.map(lambda x: np.asarray(x)[mine], out)
-        rewards, each = compute_rewards(self.reward_fns, prompts[mine], completions[mine],
-                                        reward_fields(records[mine], local, self.policy.config.sampling.max_new_tokens),
-                                        timings=self.reward_seconds)
-        # float32 on every path: the cross-process all-gather carries float32, and the single-process run
-        # must see the same numbers (e.g. dynamic sampling's std > 0 test).
-        rewards, each = rewards.astype(np.float32), {k: v.astype(np.float32) for k, v in each.items()}
-        if jax.process_count() == 1:
-            return rewards, each
-
-        gathered = multihost_utils.process_allgather((rewards, each), tiled=True)
-        return np.asarray(gathered[0]), {k: np.asarray(v) for k, v in gathered[1].items()}
+        """Rewards of every row (`score_rows` with the run's reward functions), timed into `reward_seconds`."""
+        return score_rows(self.reward_fns, records, prompts, completions, out,
+                          self.policy.config.sampling.max_new_tokens, self.reward_seconds)
 
     def informative_groups(self, ro: Rollout) -> np.ndarray:
         return ~tied_groups(ro.rewards, self.group_size)
@@ -216,27 +256,9 @@ class RolloutCollector:
         return f"{len(self.prompts)} train prompts ({self.prompts.num_dropped} dropped as too long)"
 
     def metrics(self, ro: Rollout, refills: int) -> dict[str, float]:
-        """Reward, length and truncation statistics of a rollout (before any update), the share of empty
-        completions (no text) and the repeated 3-gram fraction (`monitor.repeated_ngram_fraction`)."""
-        lengths = np.asarray(ro.out.lengths)
-        out = {
-            "reward/mean": float(ro.rewards.mean()),
-            "reward/std": float(np.std(ro.rewards - ro.rewards.flat[0])),  # shifted: one reward for all is 0.0
-            "completion_length/mean": float(lengths.mean()),
-            "completion_length/max": float(lengths.max()),
-            "frac_truncated": float(1.0 - np.asarray(ro.out.stopped_on_eos).mean()),
-            "frac_empty": float(np.mean([not c.strip() for c in ro.completions])),
-            "repetition/ngram_frac": repeated_ngram_fraction(np.asarray(ro.out.tokens), np.asarray(ro.out.mask)),
-        }
-        if self.group_size > 1:  # every "group" of one has zero std: the number would mean nothing
-            out["frac_zero_std_groups"] = float(tied_groups(ro.rewards, self.group_size).mean())
-        for name, values in ro.per_function.items():
-            out[f"reward/{name}/mean"] = float(values.mean())
-        for name, seconds in self.reward_seconds.items():
-            out[f"time/reward/{name}"] = seconds
-        if self.dynamic_sampling:
-            out["dynamic_sampling/refill_rounds"] = float(refills)
-        return out
+        """`rollout_metrics`, with the reward functions' seconds and (dynamic sampling) the refill rounds."""
+        out = rollout_metrics(ro, self.group_size) | {f"time/reward/{k}": v for k, v in self.reward_seconds.items()}
+        return out | ({"dynamic_sampling/refill_rounds": float(refills)} if self.dynamic_sampling else {})
 
     def sample_rows(self, ro: Rollout, limit: int = 16) -> list[dict[str, Any]]:
         rows = []

@@ -6,7 +6,8 @@
     repeat until every episode is done (the environment says so, max_turns, the token budget, a cut turn):
         env.step(text of the turn)                on the host, in worker threads, each cut at env.timeout_s
         append the environment's messages         rendered by the chat template, masked out of the loss
-        sample the next turn of the live rows     the conversation so far re-prefilled (no KV carried over)
+        sample the next turn of the live rows     the conversation so far re-prefilled, or (the rollout engine)
+                                                  continued from its pages (trainers/turns.py)
 
 The update sees exactly the sampled token ids: a turn's tokens are appended as the sampler returned them and
 never re-tokenized from text, and only the environment's messages are tokenized. `loss_mask [N, T]` is 1 on the
@@ -17,7 +18,6 @@ per-turn rewards are added to it (one reward per trajectory), or are the whole r
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any
 
@@ -25,16 +25,15 @@ import jax
 import numpy as np
 
 from jaxrl_llm.data import PromptSet, bucket, encode_text, left_pad, render_prompt
-from jaxrl_llm.engine import Request, row_keys, sample_output
 from jaxrl_llm.envs.base import Environment, Message, StepResult, resolve_environment
 from jaxrl_llm.envs.deadlines import DeadlineWorkers
-from jaxrl_llm.envs.rendering import declare_tools, exceeds_budget, followup_text, resolve_tool_format, turn_text
+from jaxrl_llm.envs.rendering import declare_tools, exceeds_budget, followup_text, resolve_tool_format
 from jaxrl_llm.envs.tool_formats import with_response_parsing
 from jaxrl_llm.envs.tool_use import ToolUseEnvironment
 from jaxrl_llm.envs.tools import resolve_tools
 from jaxrl_llm.models.decoder import Params
 from jaxrl_llm.sampling import SampleOutput, SamplingConfig
-from jaxrl_llm.sharding import mesh_of, to_host
+from jaxrl_llm.sharding import mesh_of
 from jaxrl_llm.trainers.episodes import (
     Episode,
     as_messages,
@@ -48,6 +47,7 @@ from jaxrl_llm.trainers.episodes import (
 )
 from jaxrl_llm.trainers.policy import Policy
 from jaxrl_llm.trainers.rollouts import Rollout, RolloutCollector
+from jaxrl_llm.trainers.turns import add_sampled_turns, engine_turns, prefilled_turns
 
 
 class TrajectoryCollector(RolloutCollector):
@@ -108,84 +108,18 @@ class TrajectoryCollector(RolloutCollector):
         tokens, mask = left_pad([ids for _, ids in rendered], width, p.pad_id)
         if p.sampler().keeps_conversations:
             with jax.default_device(mesh_of(params, p.mesh).devices.flat[0]):  # where the weights are
-                self._engine_turns(params, episodes, [ids for _, ids in rendered], key, sampling)
-        else:
-            first = p.sample(params, tokens, mask, key, sampling)  # a sampler without conversations: whole contexts
-            self._take_turn(episodes, list(range(len(episodes))), to_host(first))
-            for turn in range(2, self.env_config.max_turns + 1):
-                live = [r for r, ep in enumerate(episodes) if not ep.done]
-                if not live:
-                    break
-                self._sample_turn(params, episodes, live, jax.random.fold_in(key, turn),
-                                  dataclasses.replace(sampling, n=1))
+                engine_turns(p, params, episodes, [ids for _, ids in rendered], key, sampling, self._take_turn)
+        else:  # a sampler without conversations: whole contexts
+            prefilled_turns(p, params, episodes, tokens, mask, key, sampling, self._take_turn)
         for ep in episodes:
             ep.done = True
         return episodes, [text for text, _ in rendered], tokens, mask
 
-    def _engine_turns(self, params: Params, episodes: list[Episode], prompts: list[list[int]], key: jax.Array,
-                      sampling: SamplingConfig) -> None:
-        """Every turn through the rollout engine (`sampling.engine=paged`): a group's prompt prefilled once, and
-        each conversation kept in the engine's pages between turns, so a turn prefills only the environment's
-        reply; each row's turn is cut at its own remaining token budget."""
-        p, e, g = self.policy, self.env_config, sampling.n
-        engine = p.rollout_engine([(len(ids), e.max_tokens) for ids in prompts], g, params)
-        keys = row_keys(key, len(prompts))
-        requests = [Request(ids, keys[i], n=g) for i, ids in enumerate(prompts)]
-        done = [c for group in engine.generate(params, requests, sampling, keep=True) for c in group]
-        kept = {r: c.conversation for r, c in enumerate(done)}
-        try:
-            lengths = [len(ids) for ids in prompts for _ in range(g)]
-            self._take_turn(episodes, list(range(len(episodes))),
-                            sample_output(done, sampling.max_new_tokens, p.pad_id, lengths, max(lengths)))
-            for turn in range(2, e.max_turns + 1):
-                for r, ep in enumerate(episodes):
-                    if ep.done and kept.get(r) is not None:
-                        engine.release(kept.pop(r))
-                live = [r for r, ep in enumerate(episodes) if not ep.done]
-                if not live:
-                    break
-                budgets = [max(1, min(sampling.max_new_tokens, e.max_tokens - len(episodes[r].tokens))) for r in live]
-                turn_keys = row_keys(jax.random.fold_in(key, turn), len(episodes))
-                requests = [Request((episodes[r].prompt_ids + episodes[r].tokens)[len(kept[r].tokens):],
-                                    turn_keys[r], max_new_tokens=b, conversation=kept[r])
-                            for r, b in zip(live, budgets, strict=True)]
-                step = dataclasses.replace(sampling, n=1, max_new_tokens=max(budgets))
-                done = [group[0] for group in engine.generate(params, requests, step, keep=True)]
-                kept.update({r: c.conversation for r, c in zip(live, done, strict=True)})
-                contexts = [len(episodes[r].prompt_ids) + len(episodes[r].tokens) for r in live]
-                self._take_turn(episodes, live, sample_output(done, step.max_new_tokens, p.pad_id, contexts,
-                                                              max(contexts)))
-        finally:
-            for conversation in kept.values():
-                if conversation is not None and conversation.pages:
-                    engine.release(conversation)
-
-    def _sample_turn(self, params: Params, episodes: list[Episode], live: list[int], key: jax.Array,
-                     sampling: SamplingConfig) -> None:
-        """The next turn of the `live` rows: each conversation so far re-prefilled, one sample each."""
-        p, c = self.policy, self.policy.config
-        budget = min(c.env.max_tokens - len(episodes[r].tokens) for r in live)
-        contexts = [episodes[r].prompt_ids + episodes[r].tokens for r in live]
-        tokens, mask = left_pad(contexts, bucket(max(map(len, contexts)), c.sampling.prompt_bucket), p.pad_id)
-        sampling = dataclasses.replace(sampling, max_new_tokens=max(1, min(c.sampling.max_new_tokens, budget)))
-        self._take_turn(episodes, live, to_host(p.sample(params, tokens, mask, key, sampling)))
-
     def _take_turn(self, episodes: list[Episode], rows: list[int], out: SampleOutput) -> None:
-        """Append the sampled turn of each of `rows` (`out` row i is `rows[i]`), then step their environments."""
+        """Append the sampled turn of each of `rows` (`out` row i is `rows[i]`), then step their environments: each
+        reply rendered and appended, or the episode ended (done, max_turns, past its token budget)."""
         tokenizer, e = self.policy.tokenizer, self.env_config
-        texts = []
-        width = None if out.routing is None else out.routing.shape[1] - out.tokens.shape[1]  # the context's columns
-        for i, r in enumerate(rows):
-            m = np.asarray(out.mask[i], bool)
-            ids = np.asarray(out.tokens[i])[m].tolist()
-            texts.append(turn_text(tokenizer, ids, self.markers))
-            experts = None
-            if width is not None:  # the context right-aligned in the first `width` columns, then the fed ids
-                context = len(episodes[r].prompt_ids) + len(episodes[r].tokens)
-                experts = np.asarray(out.routing[i, width - context:width + len(ids)], np.int16)
-            episodes[r].add_model_turn(ids, np.asarray(out.logprobs[i])[m].tolist(),
-                                       np.asarray(out.logprobs_untruncated[i])[m].tolist(),
-                                       bool(out.stopped_on_eos[i]), texts[-1], experts)
+        texts = add_sampled_turns(episodes, rows, out, tokenizer, self.markers)
         t0 = time.monotonic()
         deadline = t0 + e.timeout_s  # every step of the turn is submitted now: none runs or is waited for past this
         steps = {r: self.workers.submit(episodes[r].env.step, text, deadline=deadline)
