@@ -73,7 +73,7 @@ class Trainer:
             self.checkpointer = Checkpointer(self.out_dir / "checkpoints", keep=c.keep_checkpoints,
                                              claim=self.run_dir.claim)
             if resume:
-                self.restore()
+                restore(self)
         except BaseException:
             self.run_dir.release()
             raise
@@ -81,34 +81,6 @@ class Trainer:
     @property
     def export_dir(self) -> Path:
         return Path(self.config.export_dir or Path(self.config.out_dir) / "hf")
-
-    # ------------------------------------------------------------------------------------------ checkpoints
-
-    def _checkpointed(self) -> State:
-        # Host-side values are saved as replicated global arrays (what orbax needs with several processes).
-        key = global_array(np.asarray(jax.random.key_data(self.key)), self.algorithm.mesh, PartitionSpec())
-        return {**self.state, "key": key}
-
-    def restore(self) -> None:
-        """Load the latest readable checkpoint; `RunDirError` without one."""
-        state, meta = self.checkpointer.restore_latest(self._checkpointed())
-        self.key = jax.random.wrap_key_data(state.pop("key"))
-        self.state, self.step = state, int(meta["step"])
-        self.data_state = DataState(**meta["data_state"])
-        self.monitor.divergence = DivergenceState.from_json(meta.get("divergence"))
-        self.in_flight = decode_sampled(meta.get("in_flight", []))
-
-    def _meta(self) -> dict[str, Any]:
-        """The checkpoint's metadata: the step, the data position and the divergence streaks."""
-        return {"step": self.step, "data_state": dataclasses.asdict(self.data_state),
-                "divergence": self.monitor.divergence.to_json()}
-
-    def save_checkpoint(self) -> None:
-        meta = self._meta()
-        if self.pipeline is not None:  # the rollouts sampled ahead, and the data position after them
-            queued, data_state = self.pipeline.in_flight(self.step)
-            meta |= {"data_state": dataclasses.asdict(data_state), "in_flight": encode_sampled(queued)}
-        self.checkpointer.save(self.step, self._checkpointed(), meta)
 
     # ------------------------------------------------------------------------------------------ the loop
 
@@ -120,22 +92,16 @@ class Trainer:
     def run_step(self) -> tuple[Any, dict[str, float], bool]:
         """Collect (or take what the sampler made) and update once (`self.step` already advanced): the batch, the
         metrics, whether skipped."""
-        algo, c = self.algorithm, self.config
+        algo = self.algorithm
         collect_key, update_key = self.step_keys(self.step)
         t0 = time.perf_counter()
         sync_seconds: float | None = None
         sampled = (self.pipeline.take(self.step) if self.pipeline is not None else
                    self.in_flight.pop(0) if self.in_flight and self.in_flight[0].step == self.step else None)
-        if sampled is not None:
-            collected, version, collect_seconds = sampled.collected, sampled.version, sampled.seconds
-        elif c.rollout.sampler_devices:  # synchronous, on the sampler's own mesh: the weights go there first
-            weights = jax.block_until_ready(algo.sampler_weights(self.state))
-            sync_seconds = time.perf_counter() - t0
-            collected, version = algo.collect_with(weights, self.data_state, host_key(collect_key)), self.step - 1
-            collect_seconds = time.perf_counter() - t0 - sync_seconds
-        else:
-            collected, version = algo.collect(self.state, self.data_state, collect_key), self.step - 1
-            collect_seconds = time.perf_counter() - t0
+        ahead = sampled is not None  # sampled beside training, by an older policy
+        if sampled is None:
+            sampled, sync_seconds = collect_now(self, collect_key)
+        collected, version, collect_seconds = sampled.collected, sampled.version, sampled.seconds
         t1 = time.perf_counter()
         self.state, metrics, skipped = algo.update(self.state, collected.batch, self.step, update_key)
         t2 = time.perf_counter()
@@ -145,7 +111,7 @@ class Trainer:
         self.data_state = collected.data_state
         metrics = {**metrics, **collected.metrics, f"time/{algo.collect_phase}": collect_seconds,
                    "time/update": t2 - t1, "time/step": t3 - t0}
-        if self.pipeline is not None or sampled is not None:
+        if self.pipeline is not None or ahead:
             staleness = float(self.step - 1 - version)
             metrics |= {"time/rollout_wait": t1 - t0, "staleness/mean": staleness, "staleness/max": staleness}
         if sync_seconds is not None:
@@ -169,11 +135,7 @@ class Trainer:
         diverged: dict[str, str] = {}
         try:
             if c.rollout.max_staleness and self.step < c.steps:
-                self.pipeline = RolloutPipeline(
-                    algo, max_staleness=c.rollout.max_staleness, steps=c.steps,
-                    key_of_step=lambda s: self.step_keys(s)[0], start=self.step,
-                    weights=algo.sampler_weights(self.state), data_state=self.data_state, queued=self.in_flight)
-                self.in_flight = []
+                start_pipeline(self)
             while self.step < c.steps and not (diverged and c.monitor.on_divergence == "stop"):
                 stop_if_requested(self, logger)
                 self.step += 1
@@ -189,7 +151,7 @@ class Trainer:
                     summary["diverged"] = {"step": self.step, "conditions": diverged}
                     on_divergence(self, logger, diverged)
                 elif c.checkpoint_every and self.step % c.checkpoint_every == 0:
-                    self.save_checkpoint()
+                    save_checkpoint(self)
                 if verdict.stop:
                     raise TrainingError(f"step {self.step}: {verdict.stop}; stopping. Checkpoints in "
                                         f"{self.checkpointer.directory} are intact "
@@ -204,13 +166,75 @@ class Trainer:
         return finish(self, summary, diverged)
 
 
+def collect_now(t: Trainer, collect_key: jax.Array) -> tuple[Sampled, float | None]:
+    """This step's rollout collected now by the current policy, timed, and the seconds the weights took to reach the
+    sampler's own mesh first (`rollout.sampler_devices`; None when the trainer's mesh samples)."""
+    algo, t0 = t.algorithm, time.perf_counter()
+    if not t.config.rollout.sampler_devices:
+        collected = algo.collect(t.state, t.data_state, collect_key)
+        return Sampled(t.step, t.step - 1, collected, time.perf_counter() - t0), None
+    weights = jax.block_until_ready(algo.sampler_weights(t.state))
+    sync_seconds = time.perf_counter() - t0
+    collected = algo.collect_with(weights, t.data_state, host_key(collect_key))
+    return Sampled(t.step, t.step - 1, collected, time.perf_counter() - t0 - sync_seconds), sync_seconds
+
+
+def start_pipeline(t: Trainer) -> None:
+    """Start sampling beside training (`rollout.max_staleness > 0`) from the run's step, data position and policy,
+    taking over the rollouts a checkpoint held."""
+    c, algo = t.config, t.algorithm
+    t.pipeline = RolloutPipeline(algo, max_staleness=c.rollout.max_staleness, steps=c.steps,
+                                 key_of_step=lambda s: t.step_keys(s)[0], start=t.step,
+                                 weights=algo.sampler_weights(t.state), data_state=t.data_state, queued=t.in_flight)
+    t.in_flight = []
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+
+
+def checkpointed_state(t: Trainer) -> State:
+    """What a checkpoint saves: the algorithm's state and the run's key (host-side values as replicated global
+    arrays, what orbax needs with several processes)."""
+    key = global_array(np.asarray(jax.random.key_data(t.key)), t.algorithm.mesh, PartitionSpec())
+    return {**t.state, "key": key}
+
+
+def checkpoint_meta(t: Trainer) -> dict[str, Any]:
+    """The checkpoint's metadata: the step, the data position and the divergence streaks."""
+    return {"step": t.step, "data_state": dataclasses.asdict(t.data_state),
+            "divergence": t.monitor.divergence.to_json()}
+
+
+def save_checkpoint(t: Trainer) -> None:
+    """A checkpoint of the step just finished; sampling beside training, with the rollouts sampled ahead and the
+    data position after them (so a resumed run consumes the very rollouts this one would have)."""
+    meta = checkpoint_meta(t)
+    if t.pipeline is not None:
+        queued, data_state = t.pipeline.in_flight(t.step)
+        meta |= {"data_state": dataclasses.asdict(data_state), "in_flight": encode_sampled(queued)}
+    t.checkpointer.save(t.step, checkpointed_state(t), meta)
+
+
+def restore(t: Trainer) -> None:
+    """Load the latest readable checkpoint into the trainer; `RunDirError` without one."""
+    state, meta = t.checkpointer.restore_latest(checkpointed_state(t))
+    t.key = jax.random.wrap_key_data(state.pop("key"))
+    t.state, t.step = state, int(meta["step"])
+    t.data_state = DataState(**meta["data_state"])
+    t.monitor.divergence = DivergenceState.from_json(meta.get("divergence"))
+    t.in_flight = decode_sampled(meta.get("in_flight", []))
+
+
+# ---------------------------------------------------------------------------------------------- the steps
+
+
 def stop_if_requested(t: Trainer, logger: RunLogger) -> None:
     """After a Ctrl-C / SIGTERM: checkpoint the last finished step and raise `RunInterrupted`."""
     requested = t.stop_requests.requested
     if requested is None:
         return
     if t.step > 0 and t.checkpointer.latest_step() != t.step:
-        t.save_checkpoint()
+        save_checkpoint(t)
     t.checkpointer.wait()
     saved = t.checkpointer.latest_step()
     where = (f"the checkpoint of step {saved} is in {t.checkpointer.directory}; continue with --resume"
@@ -292,7 +316,7 @@ def on_divergence(t: Trainer, logger: RunLogger, diverged: dict[str, str]) -> No
     logger.message(f"step {t.step}: the policy diverged: {'; '.join(diverged.values())}")
     if t.config.monitor.on_divergence != "stop":
         if t.config.checkpoint_every and t.step % t.config.checkpoint_every == 0:
-            t.save_checkpoint()
+            save_checkpoint(t)
         return
     first_bad = t.step - max(t.monitor.divergence.streaks[n] for n in diverged) + 1
     moved = t.checkpointer.set_aside(first_bad, "diverged_checkpoints")
@@ -307,9 +331,9 @@ def finish_steps(t: Trainer, logger: RunLogger, *, stopped: bool) -> None:
         stop_if_requested(t, logger)
     t.stop_requests.phase = "finish"
     if c.checkpoint_every and t.checkpointer.latest_step() != t.step and not stopped:
-        t.save_checkpoint()
+        save_checkpoint(t)
     if c.final_checkpoint == "weights" and not stopped and t.step == c.steps:
-        t.checkpointer.keep_only_weights(t.step, t._checkpointed(), t._meta())
+        t.checkpointer.keep_only_weights(t.step, checkpointed_state(t), checkpoint_meta(t))
         logger.message(f"final_checkpoint=weights: checkpoints reduced to the policy weights of step {t.step}")
 
 

@@ -58,6 +58,46 @@ def host_key(key: jax.Array) -> jax.Array:
     return jax.random.wrap_key_data(np.asarray(jax.random.key_data(key)))
 
 
+class PolicyVersions:
+    """The policy versions the shell pushed for the sampler: the sampler waits for the version a step samples with;
+    closing wakes it with none."""
+
+    def __init__(self, start: int, weights: Any) -> None:
+        self._weights: dict[int, Any] = {start: weights}
+        self._cond = threading.Condition()
+        self._closed = False
+
+    def put(self, version: int, weights: Any) -> None:
+        with self._cond:
+            self._weights[version] = weights
+            self._cond.notify_all()
+
+    def wait(self, version: int) -> Any | None:
+        """Policy `version`'s weights once pushed (older ones dropped: no later step samples with them); None once
+        closed."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._closed or version in self._weights)
+            if self._closed:
+                return None
+            for old in [u for u in self._weights if u < version]:
+                del self._weights[old]
+            return self._weights[version]
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+
+def score_sampled(step: int, version: int, finish: Callable[[], Collected], sampling_seconds: float,
+                  lock: threading.Lock) -> Sampled:
+    """Step `step`'s rollout scored (`finish`, under `lock`), its seconds the sampling's and the scoring's."""
+    t0 = time.perf_counter()
+    with lock:
+        collected = finish()
+    return Sampled(step, version, collected, sampling_seconds + time.perf_counter() - t0)
+
+
 class RolloutPipeline:
     """The sampling thread and the queue between it and the shell (module docstring).
 
@@ -70,7 +110,7 @@ class RolloutPipeline:
                  queued: list[Sampled]) -> None:
         self.algorithm, self.k, self.steps, self.key_of_step = algorithm, max_staleness, steps, key_of_step
         self.start = start
-        self._weights: dict[int, Any] = {start: weights}
+        self.versions = PolicyVersions(start, weights)
         self._queue: dict[int, Future[Sampled]] = {}
         for q in queued:
             self._queue[q.step] = Future()
@@ -81,7 +121,6 @@ class RolloutPipeline:
         self.data_state = data_state  # the sampler's position: after the last rollout it made
         self._cond = threading.Condition()
         self._error: BaseException | None = None
-        self._stop = False
         # Held while one rollout is sampled: the shell's held-out evaluation takes it too, so the two never share
         # the collector's environments or the engine's pages.
         self.lock = threading.Lock()
@@ -98,19 +137,15 @@ class RolloutPipeline:
         try:
             while self._next <= self.steps:
                 step, version = self._next, self.version_for(self._next)
-                with self._cond:
-                    self._cond.wait_for(lambda v=version: self._stop or v in self._weights)
-                    if self._stop:
-                        return
-                    for old in [u for u in self._weights if u < version]:  # no later step samples with these
-                        del self._weights[old]
-                    weights = self._weights[version]
+                weights = self.versions.wait(version)
+                if weights is None:  # closed
+                    return
                 t0 = time.perf_counter()
                 with self.lock:
                     data_state, finish = self.algorithm.sample_with(weights, self.data_state,
                                                                     host_key(self.key_of_step(step)))
                 sampling = time.perf_counter() - t0
-                scored = self._scorer.submit(self._score, step, version, finish, sampling)
+                scored = self._scorer.submit(score_sampled, step, version, finish, sampling, self.score_lock)
                 scored.add_done_callback(self._notify)
                 with self._cond:
                     self.data_state = data_state
@@ -121,12 +156,6 @@ class RolloutPipeline:
             with self._cond:
                 self._error = e
                 self._cond.notify_all()
-
-    def _score(self, step: int, version: int, finish: Callable[[], Collected], sampling: float) -> Sampled:
-        t0 = time.perf_counter()
-        with self.score_lock:
-            collected = finish()
-        return Sampled(step, version, collected, sampling + time.perf_counter() - t0)
 
     def _notify(self, _: Future) -> None:
         with self._cond:
@@ -160,9 +189,7 @@ class RolloutPipeline:
         t0 = time.perf_counter()
         pushed = jax.block_until_ready(weights())
         seconds = time.perf_counter() - t0
-        with self._cond:
-            self._weights[version] = pushed
-            self._cond.notify_all()
+        self.versions.put(version, pushed)
         return seconds
 
     def in_flight(self, step: int) -> tuple[list[Sampled], DataState]:
@@ -184,9 +211,7 @@ class RolloutPipeline:
     def close(self) -> None:
         """Stop the sampler after the rollout in flight (the thread is a daemon: a run that fails does not wait
         longer than a minute for it)."""
-        with self._cond:
-            self._stop = True
-            self._cond.notify_all()
+        self.versions.close()
         self.thread.join(timeout=60.0)
         self._scorer.shutdown(wait=False, cancel_futures=True)
 
