@@ -43,7 +43,7 @@ from jaxrl_llm.sharding import init_optimizer_state
 from jaxrl_llm.trainers.base import Collected, State
 from jaxrl_llm.trainers.evaluation import GreedyEvaluation
 from jaxrl_llm.trainers.objectives import routed_completion_logprobs, router_terms
-from jaxrl_llm.trainers.policy import load_policy
+from jaxrl_llm.trainers.policy import export_policy, load_policy
 from jaxrl_llm.trainers.step import Metrics, jit_one_step_update, make_optimizer, router_frozen, state_sharding
 from jaxrl_llm.trainers.supervised import ExampleAlgorithm, packed_example_batch
 
@@ -245,4 +245,4 @@ class DPO(ExampleAlgorithm):
         return {"loss": metrics["loss"], "acc": metrics["rewards/accuracies"], "margin": metrics["rewards/margins"]}
 
     def export(self, state: State, directory: Path) -> str:
-        return self.policy.export(state["params"], directory)
+        return export_policy(self.policy, state["params"], directory)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_llm.config import RunConfig
 from jaxrl_llm.data import PromptSet, bucket, build_prompt_set, left_pad, load_records
-from jaxrl_llm.engine import Engine, PagedSampler, make_sampler
-from jaxrl_llm.engine.kernels import describe_paths
-from jaxrl_llm.engine.sharded import shards_locally
+from jaxrl_llm.engine import Engine
 from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params, init_params
@@ -37,7 +34,7 @@ from jaxrl_llm.models.hf_export import save_hf_model
 from jaxrl_llm.models.lora import LoraSpec, init_adapters, insert_adapters, merge_adapters, save_peft_adapters
 from jaxrl_llm.models.tokenizer import eos_token_ids, load_tokenizer
 from jaxrl_llm.models.weights import cast_floating, inference_copy, master_weights
-from jaxrl_llm.sampling import SampleOutput, Sampler, SamplingConfig
+from jaxrl_llm.sampling import SampleOutput, SamplingConfig
 from jaxrl_llm.sharding import (
     MeshShape,
     expert_mesh,
@@ -49,6 +46,7 @@ from jaxrl_llm.sharding import (
     to_host,
 )
 from jaxrl_llm.tasks.arithmetic import make_tokenizer
+from jaxrl_llm.trainers.samplers import ThreadSamplers
 
 
 @dataclasses.dataclass
@@ -67,15 +65,14 @@ class Policy:
     # rollout.sampler_devices > 0: the sampler's own mesh (the rollouts are sampled there, the weights pushed to
     # it after each update by `sampler_weights`); None: the trainer's mesh samples too
     sampler_mesh: Mesh | None = None
-    # the run's sampler (`sampling.engine`) of each thread that samples (the shell's, and the sampling thread beside
-    # training), so the held-out evaluation never shares a rollout engine with rollouts in flight
-    samplers: dict[int, Sampler] = dataclasses.field(default_factory=dict, init=False)
+    samplers: ThreadSamplers = dataclasses.field(init=False)  # the run's sampler of each thread that samples
 
     def __post_init__(self) -> None:
         self._merge = (jax.jit(functools.partial(merge_adapters, scale=self.lora.scale))
                        if self.lora is not None else None)
         self._cast = jax.jit(functools.partial(inference_copy, config=self.sampler_config))
         self._copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))  # a jit's outputs never alias its inputs
+        self.samplers = ThreadSamplers(self.config.sampling, self.sampler_config)
 
     @property
     def sampler_config(self) -> ModelConfig:
@@ -119,14 +116,8 @@ class Policy:
 
     @property
     def compose(self) -> Any:
-        """`(working adapters, frozen) -> model weights` for the train step under LoRA (merged; with dropout, the
-        factors beside the kernels for the decoder to apply), else None."""
-        if self.lora is None:
-            return None
-        scale = self.lora.scale
-        if self.lora_dropout:
-            return lambda adapters, frozen: insert_adapters(frozen["base"], adapters, scale)
-        return lambda adapters, frozen: merge_adapters(frozen["base"], adapters, scale)
+        """The train step's `compose` (`lora_compose`), None without LoRA."""
+        return lora_compose(self.lora, self.lora_dropout)
 
     @property
     def pad_id(self) -> int:
@@ -140,45 +131,12 @@ class Policy:
                sampling: SamplingConfig) -> SampleOutput:
         """`sampling.n` completions of each left-padded prompt, through the run's sampler (`sampling.engine`), on
         the mesh `params` are placed on (the trainer's, or the sampler's own)."""
-        return self.sampler()(params, tokens, mask, key, sampling, mesh_of(params, self.mesh))
-
-    def describe_sampler(self) -> str:
-        """The run's sampler in words: the static one, or the rollout engine with the attention, matmul and sampling
-        paths its decode step runs here and why a kernel is not used (`kernels.describe_paths`)."""
-        s = self.config.sampling
-        if not self.sampler().keeps_conversations:
-            return f"the static sampler (sampling.engine={s.engine})"
-        mesh = self.sampler_mesh if self.sampler_mesh is not None else self.mesh
-        shards = shards_locally(mesh)  # one engine per data-parallel shard, on its tensor devices
-        devices = mesh.shape["tensor"] if shards else mesh.size
-        where = f"one engine per data-parallel shard ({mesh.size // devices}), " if shards else ""
-        return f"the rollout engine, {where}{describe_paths(self.sampler_config, s.engine_attention, devices)}"
+        return self.samplers.get()(params, tokens, mask, key, sampling, mesh_of(params, self.mesh))
 
     @property
     def engine(self) -> Engine | None:
         """The rollout engine the run has sampled through last (`sampling.engine=paged`), else None."""
-        made = [getattr(s, "engine", None) for s in self.samplers.values()]
-        made = [e for e in made if e is not None]
-        return made[-1] if made else None
-
-    def sampler(self) -> Sampler:
-        """This thread's sampler, the one `sampling.engine` names (`engine.make_sampler`, with the `sampling.engine_*`
-        settings), made once."""
-        thread = threading.get_ident()
-        if thread not in self.samplers:
-            s = self.config.sampling
-            self.samplers[thread] = make_sampler(s.engine, self.sampler_config, page_size=s.engine_page_size,
-                                                 slots=s.engine_slots, steps_per_call=s.engine_steps_per_call,
-                                                 pages=s.engine_pages, attention=s.engine_attention)
-        return self.samplers[thread]
-
-    def rollout_engine(self, sequences: list[tuple[int, int]], n: int, params: Params) -> Engine:
-        """This thread's rollout engine with a pool for `sequences` (`(prompt length, tokens after it)` each, `n`
-        samples of each; `sampling.engine_pages` when set) on the mesh `params` are placed on, made anew only when
-        the current pool is smaller or elsewhere."""
-        sampler = self.sampler()
-        assert isinstance(sampler, PagedSampler), "a sampler that keeps conversations: the rollout engine's"
-        return sampler.engine_for(sequences, n, mesh_of(params, self.mesh))
+        return self.samplers.engine
 
     def sampler_weights(self, params: Params) -> Params:
         """`inference_weights(params)` where the sampler runs: `jax.device_put` onto the sampler's own mesh in its
@@ -207,19 +165,33 @@ class Policy:
         seqs = [prompt_set.token_ids[i] for i in indices]
         return left_pad(seqs, bucket(max(len(s) for s in seqs), self.config.sampling.prompt_bucket), self.pad_id)
 
-    def export(self, params: Params, directory: Path) -> str:
-        """The model with the trained `params` as a HF directory (LoRA: merged); with `lora.export_adapters`, PEFT
-        files in `adapter/`."""
-        adapters = to_host(params) if self.lora is not None else None
-        params = to_host(self.model_weights(params))  # gathered on every process; the first one writes
-        if jax.process_index() != 0:
-            return str(directory)
-        out = save_hf_model(params, self.model_config, directory, dtype=self.model_config.param_dtype,
-                            tokenizer_dir=self.tokenizer_dir)
-        if self.lora is not None and self.config.lora.export_adapters:
-            save_peft_adapters(adapters, self.model_config, self.lora, Path(directory) / "adapter",
-                               base_model=self.config.model.path)
-        return str(out)
+
+
+def lora_compose(lora: LoraSpec | None, dropout: bool) -> Any:
+    """`(working adapters, frozen) -> model weights` for the train step under LoRA: merged into `frozen["base"]`,
+    or with `dropout` the factors beside the kernels for the decoder to apply (unmerged); None without LoRA."""
+    if lora is None:
+        return None
+    scale = lora.scale
+    if dropout:
+        return lambda adapters, frozen: insert_adapters(frozen["base"], adapters, scale)
+    return lambda adapters, frozen: merge_adapters(frozen["base"], adapters, scale)
+
+
+def export_policy(policy: Policy, params: Params, directory: Path) -> str:
+    """The model with the trained `params` as a HF directory (LoRA: merged); with `lora.export_adapters`, PEFT files
+    in `adapter/`. Every process gathers the weights; the first one writes."""
+    p = policy
+    adapters = to_host(params) if p.lora is not None else None
+    params = to_host(p.model_weights(params))
+    if jax.process_index() != 0:
+        return str(directory)
+    out = save_hf_model(params, p.model_config, directory, dtype=p.model_config.param_dtype,
+                        tokenizer_dir=p.tokenizer_dir)
+    if p.lora is not None and p.config.lora.export_adapters:
+        save_peft_adapters(adapters, p.model_config, p.lora, Path(directory) / "adapter",
+                           base_model=p.config.model.path)
+    return str(out)
 
 
 def _scratch_tokenizer(spec: str, out_dir: Path) -> tuple[Any, Path]:

@@ -34,7 +34,7 @@ from jaxrl_llm.sharding import batch_divisor, global_array
 from jaxrl_llm.trainers.base import Algorithm, Collected, State
 from jaxrl_llm.trainers.evaluation import EpisodeEvaluation, GreedyEvaluation
 from jaxrl_llm.trainers.objectives import make_logprob_fn, make_routed_logprob_fn
-from jaxrl_llm.trainers.policy import load_policy
+from jaxrl_llm.trainers.policy import export_policy, load_policy
 from jaxrl_llm.trainers.rollouts import DriftMeter, Rollout, RolloutCollector, rollout_tokens
 from jaxrl_llm.trainers.step import minibatch_rows
 from jaxrl_llm.trainers.trajectories import TrajectoryCollector
@@ -294,7 +294,8 @@ class RolloutAlgorithm(Algorithm):
         users = sandbox_users(self.config)
         sandbox = f"; {' and '.join(users)}: {describe_sandbox()}" if users else ""
         return (f"model {p.tokenizer_dir} ({p.model_config.num_params() / 1e6:.2f}M params), "
-                f"{self.collector.describe()}, {jax.device_count()} device(s); sampler: {p.describe_sampler()}"
+                f"{self.collector.describe()}, {jax.device_count()} device(s); "
+                f"sampler: {p.samplers.describe(p.sampler_mesh if p.sampler_mesh is not None else p.mesh)}"
                 f"{sandbox}")
 
     def collect(self, state: State, data_state: DataState, key: jax.Array) -> Collected:
@@ -335,4 +336,4 @@ class RolloutAlgorithm(Algorithm):
         return self.collector.sample_rows(ro)
 
     def export(self, state: State, directory: Path) -> str:
-        return self.policy.export(state["params"], directory)
+        return export_policy(self.policy, state["params"], directory)

@@ -23,7 +23,7 @@ from jaxrl_llm.sharding import init_optimizer_state
 from jaxrl_llm.trainers.base import Collected, State
 from jaxrl_llm.trainers.evaluation import GreedyEvaluation
 from jaxrl_llm.trainers.objectives import PolicyBatch, PolicyObjective, sft_loss
-from jaxrl_llm.trainers.policy import load_policy
+from jaxrl_llm.trainers.policy import export_policy, load_policy
 from jaxrl_llm.trainers.step import jit_one_step_update, make_optimizer, router_frozen
 from jaxrl_llm.trainers.supervised import ExampleAlgorithm, packed_example_batch
 
@@ -102,4 +102,4 @@ class SFT(ExampleAlgorithm):
         return {"loss": metrics["sft_loss"]}
 
     def export(self, state: State, directory: Path) -> str:
-        return self.policy.export(state["params"], directory)
+        return export_policy(self.policy, state["params"], directory)

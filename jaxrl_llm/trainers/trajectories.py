@@ -106,7 +106,7 @@ class TrajectoryCollector(RolloutCollector):
                             done=env is None) for r, (env, opening, error) in enumerate(opened)]
         width = bucket(max(len(ids) for _, ids in rendered), c.sampling.prompt_bucket)
         tokens, mask = left_pad([ids for _, ids in rendered], width, p.pad_id)
-        if p.sampler().keeps_conversations:
+        if p.samplers.get().keeps_conversations:
             with jax.default_device(mesh_of(params, p.mesh).devices.flat[0]):  # where the weights are
                 engine_turns(p, params, episodes, [ids for _, ids in rendered], key, sampling, self._take_turn)
         else:  # a sampler without conversations: whole contexts

@@ -24,7 +24,7 @@ from jaxrl_llm.engine import Request, row_keys, sample_output
 from jaxrl_llm.envs.rendering import turn_text
 from jaxrl_llm.models.decoder import Params
 from jaxrl_llm.sampling import SampleOutput, SamplingConfig
-from jaxrl_llm.sharding import to_host
+from jaxrl_llm.sharding import mesh_of, to_host
 from jaxrl_llm.trainers.episodes import Episode
 from jaxrl_llm.trainers.policy import Policy
 
@@ -42,7 +42,7 @@ def engine_turns(policy: Policy, params: Params, episodes: list[Episode], prompt
     """Every turn of `sampling.n` episodes of each prompt through the rollout engine; each row's turn is cut at its
     own remaining token budget, and every conversation's pages are released at the end."""
     p, e, g = policy, policy.config.env, sampling.n
-    engine = p.rollout_engine([(len(ids), e.max_tokens) for ids in prompts], g, params)
+    engine = p.samplers.rollout_engine([(len(ids), e.max_tokens) for ids in prompts], g, mesh_of(params, p.mesh))
     keys = row_keys(key, len(prompts))
     requests = [Request(ids, keys[i], n=g) for i, ids in enumerate(prompts)]
     done = [c for group in engine.generate(params, requests, sampling, keep=True) for c in group]
