@@ -16,7 +16,7 @@ from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm.sharding import MeshShape, fit_spec, make_mesh, param_spec
-from tests.helpers import FAST_COMPILE_FLAGS, TINY, random_rollout  # noqa: F401  (the tiny_task fixture lives in conftest)
+from tests.helpers import FAST_COMPILE_FLAGS, TINY  # noqa: F401  (the tiny_task fixture lives in conftest)
 
 pytestmark = pytest.mark.heavy(seconds=66)
 
@@ -36,6 +36,7 @@ from jaxrl_llm.sharding import (MeshShape, global_array, init_optimizer_state, m
                                 path_string, to_host)
 from jaxrl_llm.trainers.objectives import PolicyBatch, PolicyObjective, completion_logprobs, policy_loss
 from jaxrl_llm.rl import PolicyLossOptions
+from tests.helpers import random_rollout
 from jaxrl_llm.trainers.step import jit_one_step_update, make_optimizer
 
 assert jax.device_count() == 8, jax.devices()

@@ -32,6 +32,7 @@ from jaxrl_llm.sharding import (expert_mesh, global_array, make_mesh,
                                 param_shardings, path_string, to_host)
 from jaxrl_llm.trainers.objectives import PolicyBatch, PolicyObjective, completion_logprobs, policy_loss
 from jaxrl_llm.rl import PolicyLossOptions
+from tests.helpers import random_rollout
 
 assert jax.device_count() == 8, jax.devices()
 hf = {"model_type": "qwen2_moe", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
