@@ -95,10 +95,9 @@ class Trainer:
         algo = self.algorithm
         collect_key, update_key = self.step_keys(self.step)
         t0 = time.perf_counter()
-        sync_seconds: float | None = None
         sampled = (self.pipeline.take(self.step) if self.pipeline is not None else
                    self.in_flight.pop(0) if self.in_flight and self.in_flight[0].step == self.step else None)
-        ahead = sampled is not None  # sampled beside training, by an older policy
+        ahead, sync_seconds = sampled is not None, None  # ahead: sampled beside training, by an older policy
         if sampled is None:
             sampled, sync_seconds = collect_now(self, collect_key)
         collected, version, collect_seconds = sampled.collected, sampled.version, sampled.seconds
