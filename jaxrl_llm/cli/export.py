@@ -81,14 +81,6 @@ class RunStep:
     state: Any
 
 
-def checkpoint_steps(run_dir: Path) -> list[int]:
-    checkpoints = Checkpointer(run_dir / "checkpoints")
-    try:
-        return sorted(checkpoints.all_steps())
-    finally:
-        checkpoints.close()
-
-
 def load_run_step(run_dir: str | Path, step: int | None = None) -> RunStep:
     """Rebuild the run's algorithm and restore the checkpoint of `step` (default: the latest) into it."""
 
