@@ -29,9 +29,10 @@ EPS = 1e-6
 @st.composite
 def reward_batches(draw: st.DrawFn) -> tuple[np.ndarray, int, str]:
     """``(rewards [P * G] float32, G, kind)``: binary rewards, a few repeated floats, or a continuous range with
-    one group tied at a value drawn from the range."""
-    group_size = draw(st.integers(2, 16))
-    prompts = draw(st.integers(1, 4))
+    one group tied at a value drawn from the range. Shapes come from a few sizes (odd and even, one group to four):
+    each new shape is a compile, the values are what the properties are about."""
+    group_size = draw(st.sampled_from([2, 3, 5, 8, 16]))
+    prompts = draw(st.sampled_from([1, 2, 4]))
     kind = draw(st.sampled_from(["binary", "repeated", "continuous"]))
     n = prompts * group_size
     if kind == "binary":
@@ -114,7 +115,7 @@ def test_rloo_advantages_are_exactly_zero_for_tied_groups(batch: tuple[np.ndarra
 
 
 @PROPS
-@given(batch=reward_batches(), length=st.integers(1, 6), data=st.data())
+@given(batch=reward_batches(), length=st.sampled_from([1, 3, 6]), data=st.data())
 def test_reinforce_pp_baseline_centres_tied_groups_exactly(batch: tuple[np.ndarray, int, str], length: int,
                                                            data: st.DataObject) -> None:
     """A tied group's centred score is exactly 0, so every token of every tied group gets one and the same value,
