@@ -3,8 +3,10 @@ and loading (`loading.py`: YAML, the Python API's fields, dotted overrides, rena
 `--print-config` and docs/config-reference.md. Checks that need an algorithm or the outside world are elsewhere:
 `jaxrl_llm.trainers` (each algorithm's `validate`) and `jaxrl_llm.preflight`."""
 
+from jaxrl_llm.config.checks import check_fields, get_field
 from jaxrl_llm.config.loading import (
     API_WHERE,
+    RENAMED,
     add_import_path,
     config_source,
     load_run_config,
@@ -16,7 +18,6 @@ from jaxrl_llm.config.loading import (
     to_yaml,
 )
 from jaxrl_llm.config.schema import (
-    RENAMED,
     DataSection,
     DistributedSection,
     DPOSection,
@@ -34,8 +35,6 @@ from jaxrl_llm.config.schema import (
     RunConfig,
     SamplingSection,
     SFTSection,
-    check_fields,
-    get_field,
 )
 from jaxrl_llm.errors import ConfigError
 

@@ -21,8 +21,35 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from jaxrl_llm.config.schema import RENAMED, STALE_ROLLOUT_CORRECTION, RunConfig, check_fields
+from jaxrl_llm.config.checks import check_fields
+from jaxrl_llm.config.schema import STALE_ROLLOUT_CORRECTION, RunConfig
 from jaxrl_llm.errors import ConfigError, one_line
+
+# Keys of earlier versions and what replaced them: a config that still uses one gets a one-line error.
+RENAMED = {
+    "grpo": "rl (the RL loop's section, for GRPO, RLOO, REINFORCE++ and PPO alike)",
+    "rl.ratio_level": "rl.policy_loss (token -> ppo_clip, sequence -> gspo)",
+    "on_divergence": "monitor.on_divergence",
+    "divergence.patience": "monitor.patience",
+    "divergence.entropy_floor": "monitor.entropy_floor",
+    "divergence.entropy_ceiling": "monitor.entropy_ceiling",
+    "divergence.kl_max": "monitor.kl_max",
+    "divergence.reward_stuck": "monitor.reward_stuck",
+    "diagnostics.enabled": "monitor.warnings",
+    "diagnostics.patience": "monitor.patience",
+    "diagnostics.kl_max": "monitor.kl_warn",
+    **{f"diagnostics.{k}": f"monitor.{k}" for k in (
+        "baseline_steps", "empty_fraction", "reward_steps", "entropy_ratio", "length_low", "length_high",
+        "repetition", "zero_std_groups", "throughput_ratio", "throughput_window", "drift_rows")},
+    "divergence": "monitor (one section for the run's health checks)",
+    **{f"rl.{k}": f"rl.loss.{k}" for k in (
+        "epsilon_low", "epsilon_high", "dual_clip_c", "kl_estimator", "top_entropy_quantile", "clip_cov_ratio",
+        "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "kl_cov_coef", "rollout_correction", "rollout_correction_cap")},
+    "rl.loss_aggregation": "rl.loss.aggregation",
+    "rl.sapo_tau_pos": "rl.policy_loss_kwargs.tau_pos (rl.policy_loss_kwargs: {tau_pos: ..., tau_neg: ...})",
+    "rl.sapo_tau_neg": "rl.policy_loss_kwargs.tau_neg (rl.policy_loss_kwargs: {tau_pos: ..., tau_neg: ...})",
+    "diagnostics": "monitor (one section for the run's health checks)",
+}
 
 
 def load_run_config(path: str | Path | None, overrides: list[str] | None = None, **fields: Any) -> RunConfig:

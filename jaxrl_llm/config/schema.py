@@ -1,8 +1,8 @@
 """The run's configuration schema: one dataclass per section, each field with its default, its one-line help
 (the comment beside it: `--print-config` and docs/config-reference.md read it) and its allowed values in the field's
-metadata (`at_least`, `positive`, `fraction`, `within`, `finite`, `one_of`), checked by `check_fields`.
+metadata (`at_least`, `positive`, `fraction`, `within`, `finite`, `one_of`), checked by `checks.check_fields`.
 
-Relations between fields that every run shares (the mesh sizes, LoRA's target pattern) are checked here too; those
+Relations between fields that every run shares (the mesh sizes, LoRA's target pattern) are checked there too; those
 of one algorithm are its own `validate` (jaxrl_llm.trainers), and what needs the outside world (devices, files,
 the hub, plugins) is `jaxrl_llm.preflight`. This module imports nothing of the package but `errors`, `fields` and
 the RL math's option types (`jaxrl_llm.rl.options`: `rl.loss` is the policy loss's own `PolicyLossOptions`).
@@ -10,12 +10,9 @@ the RL math's option types (`jaxrl_llm.rl.options`: `rl.loss` is the policy loss
 
 from __future__ import annotations
 
-import dataclasses
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.fields import at_least, finite, fraction, one_of, positive, within
 from jaxrl_llm.rl.options import (
     DISTILL_LOSSES,
@@ -23,32 +20,6 @@ from jaxrl_llm.rl.options import (
     PREFERENCE_LOSSES,
     PolicyLossOptions,
 )
-
-# Keys of earlier versions and what replaced them: a config that still uses one gets a one-line error.
-RENAMED = {
-    "grpo": "rl (the RL loop's section, for GRPO, RLOO, REINFORCE++ and PPO alike)",
-    "rl.ratio_level": "rl.policy_loss (token -> ppo_clip, sequence -> gspo)",
-    "on_divergence": "monitor.on_divergence",
-    "divergence.patience": "monitor.patience",
-    "divergence.entropy_floor": "monitor.entropy_floor",
-    "divergence.entropy_ceiling": "monitor.entropy_ceiling",
-    "divergence.kl_max": "monitor.kl_max",
-    "divergence.reward_stuck": "monitor.reward_stuck",
-    "diagnostics.enabled": "monitor.warnings",
-    "diagnostics.patience": "monitor.patience",
-    "diagnostics.kl_max": "monitor.kl_warn",
-    **{f"diagnostics.{k}": f"monitor.{k}" for k in (
-        "baseline_steps", "empty_fraction", "reward_steps", "entropy_ratio", "length_low", "length_high",
-        "repetition", "zero_std_groups", "throughput_ratio", "throughput_window", "drift_rows")},
-    "divergence": "monitor (one section for the run's health checks)",
-    **{f"rl.{k}": f"rl.loss.{k}" for k in (
-        "epsilon_low", "epsilon_high", "dual_clip_c", "kl_estimator", "top_entropy_quantile", "clip_cov_ratio",
-        "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "kl_cov_coef", "rollout_correction", "rollout_correction_cap")},
-    "rl.loss_aggregation": "rl.loss.aggregation",
-    "rl.sapo_tau_pos": "rl.policy_loss_kwargs.tau_pos (rl.policy_loss_kwargs: {tau_pos: ..., tau_neg: ...})",
-    "rl.sapo_tau_neg": "rl.policy_loss_kwargs.tau_neg (rl.policy_loss_kwargs: {tau_pos: ..., tau_neg: ...})",
-    "diagnostics": "monitor (one section for the run's health checks)",
-}
 
 DTYPES = ("float32", "bfloat16")
 # Where the python tool and the code_tests reward run model code (jaxrl_llm.envs.sandbox, docs/sandbox.md).
@@ -461,44 +432,3 @@ class RunConfig:
     tensorboard: bool = True  # TensorBoard events under out_dir/tensorboard
     progress_bar: bool = True  # a tqdm bar on a terminal; plain log lines otherwise
     report: bool = True  # train.py writes out_dir/report/report.html (python -m jaxrl_llm report) at the end
-
-
-def _fields(obj: Any, prefix: str = "") -> list[tuple[str, Any, dataclasses.Field]]:
-    """`(dotted key, value, field)` of every leaf field of the config `obj`, reward specs as rewards.I.NAME."""
-    out = []
-    for f in dataclasses.fields(obj):
-        value, key = getattr(obj, f.name), f"{prefix}{f.name}"
-        if dataclasses.is_dataclass(value):
-            out.extend(_fields(value, f"{key}."))
-        elif isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
-            for i, item in enumerate(value):
-                out.extend(_fields(item, f"{key}.{i}."))
-        else:
-            out.append((key, value, f))
-    return out
-
-
-def check_fields(c: RunConfig) -> None:
-    """Every field's allowed values (its metadata), then the relations every run shares; one-line `ConfigError`."""
-    for key, value, f in _fields(c):
-        if "range" in f.metadata and (error := f.metadata["range"].error(key, value)):
-            raise ConfigError(error)
-        if "choices" in f.metadata and value not in f.metadata["choices"]:
-            raise ConfigError(f"{key}={value!r}: expected one of {', '.join(f.metadata['choices'])}")
-    sizes = (c.mesh.data, c.mesh.fsdp, c.mesh.tensor, c.mesh.expert)
-    if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
-        raise ConfigError(f"mesh.data/fsdp/tensor/expert={sizes}: each is a positive size, and at most one is -1")
-    if c.lora.rank:
-        try:
-            re.compile(c.lora.targets)
-        except re.error as e:
-            raise ConfigError(f"lora.targets={c.lora.targets!r} is not a regular expression: {e}") from e
-    if not c.out_dir.strip():
-        raise ConfigError("out_dir='': a run needs an output directory (e.g. runs/my_run)")
-
-
-def get_field(c: Any, key: str) -> Any:
-    """The value of the dotted `key` ("rl.beta") in the config `c`."""
-    for part in key.split("."):
-        c = getattr(c, part)
-    return c
