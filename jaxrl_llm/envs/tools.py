@@ -23,7 +23,7 @@ from typing import Any
 from jaxrl_llm.envs.calculator import CalculatorError, calculate
 from jaxrl_llm.envs.deadlines import DeadlineExceeded, DeadlineWorkers, HungCalls
 from jaxrl_llm.envs.sandbox import run_python
-from jaxrl_llm.envs.tool_formats import HERMES, ToolCall, ToolFormat, parse_hermes
+from jaxrl_llm.envs.tool_formats import HERMES, ToolCall, ToolFormat
 from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.registry import import_named
 
@@ -53,12 +53,6 @@ class Tool:
         """The OpenAI-style declaration chat templates render (`tools=[...]`)."""
         return {"type": "function", "function": {"name": self.name, "description": self.description,
                                                  "parameters": self.parameters}}
-
-
-def parse_tool_calls(text: str) -> tuple[list[ToolCall], list[str]]:
-    """The well-formed `<tool_call>` calls in `text` (the hermes format), and an error message for each malformed
-    one."""
-    return parse_hermes(text)
 
 
 def call_tool(tools: dict[str, Tool], call: ToolCall) -> tuple[str, bool]:

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from jaxrl_llm.config import ConfigError
-from jaxrl_llm.envs.tools import call_tool, parse_tool_calls, resolve_tools
+from jaxrl_llm.envs.tool_formats import TOOL_FORMATS
+from jaxrl_llm.envs.tools import call_tool, resolve_tools
 from jaxrl_llm.preflight import load_config, preflight
 from jaxrl_llm.trainers import make_trainer
 from tests.helpers import QUIET, ROOT, read_rows, read_summary
@@ -106,8 +107,9 @@ def test_the_pages_tool_answers_and_its_errors_reach_the_model(page_files: Path,
                                                                ) -> None:
     monkeypatch.syspath_prepend(str(page_files))
     tools = {t.name: t for t in resolve_tools(["calculator", "my_tools:DICTIONARY"])}
-    calls, errors = parse_tool_calls('<tool_call>{"name": "dictionary", "arguments": {"word": "jax"}}</tool_call>'
-                                     '<tool_call>{"name": "dictionary", "arguments": {"word": "flax"}}</tool_call>')
+    calls, errors = TOOL_FORMATS["hermes"].parse('<tool_call>{"name": "dictionary", "arguments": {"word": "jax"}}'
+                                                 '</tool_call><tool_call>{"name": "dictionary", "arguments": '
+                                                 '{"word": "flax"}}</tool_call>', None)
     assert not errors
     assert call_tool(tools, calls[0]) == ("a Python library for accelerated array computing", True)
     assert call_tool(tools, calls[1]) == ("error: no entry for 'flax'", False)

@@ -25,7 +25,7 @@ from jaxrl_llm.config.schema import TOOL_FORMAT_NAMES
 from jaxrl_llm.envs.base import resolve_environment
 from jaxrl_llm.envs.rendering import declare_tools, followup_text, resolve_tool_format, turn_text
 from jaxrl_llm.envs.tool_formats import TOOL_FORMATS, ToolCall, detect_tool_format, with_response_parsing
-from jaxrl_llm.envs.tools import CALCULATOR, parse_tool_calls, tool_instructions
+from jaxrl_llm.envs.tools import CALCULATOR, tool_instructions
 
 pytestmark = pytest.mark.quick
 ROOT = Path(__file__).resolve().parents[2]
@@ -162,8 +162,7 @@ def test_a_malformed_call_is_one_error_and_an_answer_is_no_call(fmt: str) -> Non
 
 def test_the_hermes_format_is_todays_parser() -> None:
     text = 'a <tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"1+1\\"}"}</tool_call> <tool_call>x'
-    assert parse_tool_calls(text + "</tool_call>") == TOOL_FORMATS["hermes"].parse(text + "</tool_call>", None)
-    calls, errors = parse_tool_calls(text + "</tool_call>")
+    calls, errors = TOOL_FORMATS["hermes"].parse(text + "</tool_call>", None)
     assert calls == [ToolCall("calculator", {"expression": "1+1"})]
     assert errors == ["the tool call is not valid JSON (Expecting value); write "
                       '<tool_call>{"name": ..., "arguments": {...}}</tool_call>']

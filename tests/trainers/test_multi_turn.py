@@ -19,7 +19,8 @@ import jaxrl_llm.envs.rendering as rendering
 import jaxrl_llm.trainers.trajectories as trajectories
 from jaxrl_llm.data import DataState, encode_text
 from jaxrl_llm.envs.base import StepResult
-from jaxrl_llm.envs.tools import CALCULATOR, Tool, ToolCall, call_tool, parse_tool_calls
+from jaxrl_llm.envs.tool_formats import TOOL_FORMATS
+from jaxrl_llm.envs.tools import CALCULATOR, Tool, ToolCall, call_tool
 from jaxrl_llm.models.tokenizer import load_tokenizer
 from jaxrl_llm.trainers import make_trainer
 from tests.helpers import ROOT, read_rows, read_samples, tiny_run, tiny_run_args
@@ -294,8 +295,8 @@ def test_a_tool_run_logs_turns_and_shows_conversations(tiny_task, tmp_path):
 
 
 def test_tool_calls_are_parsed_and_bad_ones_answered_with_an_error():
-    calls, errors = parse_tool_calls('x <tool_call>{"name": "calculator", "arguments": {"expression": "2*3"}}'
-                                     '</tool_call> <tool_call>{not json}</tool_call>')
+    calls, errors = TOOL_FORMATS["hermes"].parse('x <tool_call>{"name": "calculator", "arguments": {"expression": '
+                                                 '"2*3"}}</tool_call> <tool_call>{not json}</tool_call>', None)
     assert calls == [ToolCall("calculator", {"expression": "2*3"})] and len(errors) == 1
     tools = {"calculator": CALCULATOR}
     assert call_tool(tools, calls[0]) == ("6", True)
