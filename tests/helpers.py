@@ -349,3 +349,12 @@ def random_rollout(params: Any, config: Any, rng: np.random.Generator, n: int, p
     cm = (np.arange(t_len)[None] < rng.integers(1, t_len + 1, n)[:, None]).astype(np.int32)
     ct = np.where(cm, rng.integers(1, vocab, (n, t_len)), 0).astype(np.int32)
     return pt, pm, ct, cm, np.asarray(completion_logprobs(params, config, pt, pm, ct, cm)[0])
+
+
+def assert_config_refused(overrides: list[str], match: str) -> None:
+    """Loading a config with these command-line `overrides` fails with a `ConfigError` whose line matches `match`."""
+    from jaxrl_llm.errors import ConfigError
+    from jaxrl_llm.preflight import load_config
+
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, overrides)

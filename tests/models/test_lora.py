@@ -14,9 +14,8 @@ import pytest
 from jaxrl_llm.models.decoder import forward
 from jaxrl_llm.models.hf import load_hf_model
 from jaxrl_llm.models.lora import LoraSpec, init_adapters, merge_adapters, target_paths
-from jaxrl_llm.preflight import load_config
 from jaxrl_llm.trainers import make_trainer
-from tests.helpers import read_rows, tiny_run
+from tests.helpers import assert_config_refused, read_rows, tiny_run
 
 pytestmark = pytest.mark.heavy(seconds=11)
 
@@ -137,14 +136,10 @@ def test_sft_dpo_and_ppo_train_with_adapters(tiny_task, tmp_path):
 
 
 def test_lora_options_are_checked():
-    from jaxrl_llm.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="lora.dropout=1.0 must be >= 0 and < 1"):
-        load_config(None, ["lora.rank=8", "lora.dropout=1.0"])
-    with pytest.raises(ConfigError, match="algo=rm"):
-        load_config(None, ["lora.rank=8", "algo=rm"])
-    with pytest.raises(ConfigError, match="not a regular expression"):
-        load_config(None, ["lora.rank=8", "lora.targets=(q"])
+    assert_config_refused(["lora.rank=8", "lora.dropout=1.0"], "lora.dropout=1.0 must be >= 0 and < 1")
+    assert_config_refused(["lora.rank=8", "algo=rm"], "algo=rm")
+    assert_config_refused(["lora.rank=8", "lora.targets=(q"], "not a regular expression")
 
 
 def test_bf16_base_with_float32_adapters(tiny_task, tmp_path):
