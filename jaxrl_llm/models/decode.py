@@ -88,11 +88,6 @@ def loop_caches(caches: LayerCaches) -> LayerCaches:
     return [{"k": jnp.transpose(c["k"], (0, 2, 3, 1)), "v": jnp.swapaxes(c["v"], 1, 2)} for c in caches]
 
 
-def decoder_caches(caches: LayerCaches) -> LayerCaches:
-    """Inverse of `loop_caches`."""
-    return [{"k": jnp.transpose(c["k"], (0, 3, 1, 2)), "v": jnp.swapaxes(c["v"], 1, 2)} for c in caches]
-
-
 def decode_token(
     params: Params,
     weights: list[StepWeights],

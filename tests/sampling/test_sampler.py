@@ -12,7 +12,7 @@ from scipy import stats
 
 from jaxrl_llm import sampling as sampling_module
 from jaxrl_llm.errors import UsageError
-from jaxrl_llm.models.decode import decode_layers, decode_token, decoder_caches, loop_caches, split_layers
+from jaxrl_llm.models.decode import decode_layers, decode_token, loop_caches, split_layers
 from jaxrl_llm.models.decoder import decode_step, init_cache, positions_from_mask
 from jaxrl_llm.models.hf import load_hf_model
 from jaxrl_llm.models.step_weights import step_weights
@@ -310,9 +310,10 @@ def test_token_step_equals_decoder(kind, shards, hf_model_dir):
                                                        config, *args, shards))
     got, got_caches = token_step(params, jnp.asarray(tokens[:, 0]), positions[:, -1] + 1, key_mask, caches, 9)
     np.testing.assert_allclose(got, want[:, 0], atol=1e-5)
-    for i, layer_cache in enumerate(decoder_caches(got_caches)):
+    want_caches = loop_caches([{"k": want_cache["k"][i], "v": want_cache["v"][i]} for i in range(config.num_layers)])
+    for layer_cache, want_layer in zip(got_caches, want_caches, strict=True):
         for name in ("k", "v"):
-            np.testing.assert_allclose(layer_cache[name], want_cache[name][i], atol=1e-5)
+            np.testing.assert_allclose(layer_cache[name], want_layer[name], atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- keys, groups, EOS, buckets
