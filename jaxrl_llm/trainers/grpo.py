@@ -35,26 +35,13 @@ from jaxrl_llm.rl.entropy_control import (
 )
 from jaxrl_llm.rl.estimators import kl_in_reward, rollout_advantages
 from jaxrl_llm.rl.plugins import advantage_estimator
-from jaxrl_llm.sharding import batch_sharding, global_array, init_optimizer_state, to_host
+from jaxrl_llm.sharding import global_array, init_optimizer_state, to_host
 from jaxrl_llm.trainers.base import State, Updated, host_metrics
 from jaxrl_llm.trainers.objectives import LossFn, PolicyBatch, policy_loss, policy_objective
 from jaxrl_llm.trainers.policy import Policy
-from jaxrl_llm.trainers.rl import (
-    RolloutAlgorithm,
-    update_plan,
-    update_sizes,
-    validate_rl,
-)
+from jaxrl_llm.trainers.rl import RolloutAlgorithm, rollout_epochs, update_plan, update_sizes, validate_rl
 from jaxrl_llm.trainers.rollouts import Rollout
-from jaxrl_llm.trainers.step import (
-    Metrics,
-    jit_update,
-    make_optimizer,
-    router_frozen,
-    scanned_updates,
-    state_sharding,
-    train_step,
-)
+from jaxrl_llm.trainers.step import Metrics, jit_update, make_optimizer, router_frozen, state_sharding, train_step
 
 
 def validate_grpo(c: RunConfig) -> None:
@@ -88,28 +75,22 @@ def make_grpo_update(c: RunConfig, policy: Policy, optimizer: optax.GradientTran
     None). `grad_accum`: micro-batches per update (default `rl.grad_accum`; a token budget picks it per step).
     `loss_fn` and its `objective`: the policy loss, or another loss of a `PolicyBatch` (distillation's JSD).
     The rest of the state (the entropy controller) passes through unchanged."""
-    row_sharding = batch_sharding(policy.mesh)
     step = functools.partial(train_step, loss_fn=loss_fn, model_config=policy.model_config,
                              loss_config=objective, optimizer=optimizer, grad_accum=grad_accum or c.rl.grad_accum,
                              compose=policy.compose)
-    dropout = policy.lora_dropout
 
     def update(state: State, batch: PolicyBatch, key: jax.Array, frozen: Any, entropy_coef: jax.Array | None,
                layouts: PackedLayout | None = None, rows: jax.Array | None = None) -> tuple[State, Metrics]:
-        dropout_key = jax.random.fold_in(key, 1 << 20)  # apart from the shuffle's fold_in(key, epoch)
         loss_inputs = None if entropy_coef is None else {"entropy_coef": entropy_coef}
 
-        def one(carry: tuple[Any, Any, jax.Array], minibatch: PolicyBatch) -> tuple[tuple[Any, Any, Any], Metrics]:
-            params, opt_state, i = carry
-            step_key = (jax.random.fold_in(dropout_key, i),) if dropout else ()  # LoRA dropout, per update
-            new_params, new_opt_state, metrics = step(params, opt_state, minibatch, frozen, *step_key,
-                                                      loss_inputs=loss_inputs)
-            return (new_params, new_opt_state, i + 1), metrics
+        def one(carry: tuple[Any, Any], minibatch: PolicyBatch, step_key: tuple) -> tuple[tuple[Any, Any], Metrics]:
+            params, opt_state, metrics = step(*carry, minibatch, frozen, *step_key, loss_inputs=loss_inputs)
+            return (params, opt_state), metrics
 
-        (params, opt_state, _), metrics, _ = scanned_updates(
-            one, (state["params"], state["opt_state"], jnp.int32(0)), batch, key, epochs=c.rl.mu,
-            minibatch_size=minibatch_size, constrain=lambda b: jax.lax.with_sharding_constraint(b, row_sharding),
-            per_update=layouts, attach=lambda b, layout: b._replace(layout=layout), rows=rows)
+        (params, opt_state), metrics = rollout_epochs(
+            one, (state["params"], state["opt_state"]), batch, key, epochs=c.rl.mu, minibatch_size=minibatch_size,
+            mesh=policy.mesh, dropout=policy.lora_dropout, layouts=layouts, rows=rows,
+            attach=lambda b, layout: b._replace(layout=layout))
         return {**state, "params": params, "opt_state": opt_state}, metrics
 
     return update

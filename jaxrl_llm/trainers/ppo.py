@@ -40,22 +40,9 @@ from jaxrl_llm.sharding import batch_sharding, global_array, init_optimizer_stat
 from jaxrl_llm.trainers.base import State, Updated, host_metrics
 from jaxrl_llm.trainers.objectives import PolicyBatch, PolicyObjective, policy_loss, policy_objective
 from jaxrl_llm.trainers.policy import Policy
-from jaxrl_llm.trainers.rl import (
-    RolloutAlgorithm,
-    update_plan,
-    update_sizes,
-    validate_rl,
-)
+from jaxrl_llm.trainers.rl import RolloutAlgorithm, rollout_epochs, update_plan, update_sizes, validate_rl
 from jaxrl_llm.trainers.rollouts import Rollout
-from jaxrl_llm.trainers.step import (
-    Metrics,
-    jit_update,
-    make_optimizer,
-    router_frozen,
-    scanned_updates,
-    state_sharding,
-    train_step,
-)
+from jaxrl_llm.trainers.step import Metrics, jit_update, make_optimizer, router_frozen, state_sharding, train_step
 
 
 class CriticBatch(NamedTuple):
@@ -146,7 +133,6 @@ def make_ppo_update(c: RunConfig, policy: Policy, critic_config: ModelConfig, op
     critic moves. The state's `kl_coef` passes through (the controller moves it on the host). `layouts`: with
     `rl.packing`, each micro-batch's packed rows (`packing.update_layouts`), shared by the policy and the critic;
     `rows`, the host's token-balanced minibatch rows (`rl.max_tokens_per_microbatch`, with its `grad_accum`)."""
-    row_sharding = batch_sharding(policy.mesh)
     grad_accum = grad_accum or c.rl.grad_accum
     policy_step = functools.partial(train_step, loss_fn=policy_loss, model_config=policy.model_config,
                                     loss_config=objective, optimizer=optimizers[0],
@@ -156,7 +142,6 @@ def make_ppo_update(c: RunConfig, policy: Policy, critic_config: ModelConfig, op
     critic_step = functools.partial(train_step, loss_fn=critic_loss, model_config=critic_config,
                                     loss_config=value_loss_config,  # type: ignore[arg-type]
                                     optimizer=optimizers[1], grad_accum=grad_accum)
-    dropout = policy.lora_dropout
 
     def one_update(state: State, batch: PPOBatch, frozen: Any, step_key: tuple) -> tuple[State, Metrics]:
         params, opt_state, metrics = state["params"], state["opt_state"], {}
@@ -173,22 +158,11 @@ def make_ppo_update(c: RunConfig, policy: Policy, critic_config: ModelConfig, op
 
     def update(state: State, batch: PPOBatch, key: jax.Array, frozen: Any, layouts: PackedLayout | None = None,
                rows: jax.Array | None = None) -> tuple[State, Metrics]:
-        dropout_key = jax.random.fold_in(key, 1 << 20)  # apart from the shuffle's fold_in(key, epoch)
-
-        def one(carry: tuple[State, jax.Array], batch: PPOBatch) -> tuple[tuple[State, Any], Metrics]:
-            state, i = carry
-            step_key = (jax.random.fold_in(dropout_key, i),) if dropout else ()  # LoRA dropout, per update
-            state, metrics = one_update(state, batch, frozen, step_key)
-            return (state, i + 1), metrics
-
-        (state, _), metrics, _ = scanned_updates(one, (state, jnp.int32(0)), batch, key, epochs=c.rl.mu,
-                                                 minibatch_size=minibatch_size,
-                                                 constrain=lambda b: jax.lax.with_sharding_constraint(
-                                                     b, row_sharding), rows=rows,
-                                                 per_update=layouts, attach=lambda b, layout: PPOBatch(
-                                                     b.policy._replace(layout=layout),
-                                                     b.critic._replace(layout=layout)))
-        return state, metrics
+        return rollout_epochs(
+            lambda s, minibatch, step_key: one_update(s, minibatch, frozen, step_key), state, batch, key,
+            epochs=c.rl.mu, minibatch_size=minibatch_size, mesh=policy.mesh, dropout=policy.lora_dropout,
+            layouts=layouts, rows=rows,
+            attach=lambda b, layout: PPOBatch(b.policy._replace(layout=layout), b.critic._replace(layout=layout)))
 
     return update
 

@@ -30,13 +30,13 @@ from jaxrl_llm.rl.estimators import needs_values
 from jaxrl_llm.rl.plugins import resolve_estimator, resolve_policy_loss
 from jaxrl_llm.rl.rollout_correction import ROLLOUT_CORRECTION_MODES, logprob_mismatch
 from jaxrl_llm.rl.surrogates import NO_DUAL_CLIP, POLICY_LOSSES
-from jaxrl_llm.sharding import batch_divisor, global_array
+from jaxrl_llm.sharding import batch_divisor, batch_sharding, global_array
 from jaxrl_llm.trainers.base import Algorithm, Collected, State
 from jaxrl_llm.trainers.evaluation import EpisodeEvaluation, GreedyEvaluation
 from jaxrl_llm.trainers.objectives import make_logprob_fn, make_routed_logprob_fn
 from jaxrl_llm.trainers.policy import export_policy, load_policy
 from jaxrl_llm.trainers.rollouts import DriftMeter, Rollout, RolloutCollector, rollout_tokens
-from jaxrl_llm.trainers.step import minibatch_rows
+from jaxrl_llm.trainers.step import Metrics, minibatch_rows, scanned_updates
 from jaxrl_llm.trainers.trajectories import TrajectoryCollector
 
 
@@ -78,6 +78,31 @@ def update_plan(c: RunConfig, ro: Rollout, key: jax.Array, minibatch_size: int, 
     # The rows go with their layouts: the update takes them rather than drawing its own.
     put = functools.partial(global_array, mesh=mesh, spec=PartitionSpec())
     return UpdatePlan(jax.tree.map(put, plan.layouts), plan.padding_frac_packed, accum, put(rows.astype(np.int32)))
+
+
+def rollout_epochs(step: Callable[[Any, Any, tuple[jax.Array, ...]], tuple[Any, Metrics]], carry: Any, batch: Any,
+                   key: jax.Array, *, epochs: int, minibatch_size: int, mesh: Mesh, dropout: bool,
+                   layouts: PackedLayout | None, rows: jax.Array | None,
+                   attach: Callable[[Any, Any], Any]) -> tuple[Any, Metrics]:
+    """`epochs` x minibatches of `step(carry, minibatch, step_key) -> (carry, metrics)` over a rollout's `batch` in
+    one `lax.scan` (`step.scanned_updates`, each minibatch kept in the batch sharding of `mesh`): the update of the
+    GRPO family and PPO. `step_key` is the update's own LoRA-dropout key `(key,)` with `dropout`, else `()`.
+    `layouts`, `rows`: the host's plan (`update_plan`), each micro-batch's packed layout reaching its minibatch
+    through `attach(minibatch, layout)`. Returns the carry and the reduced metrics."""
+    row_sharding = batch_sharding(mesh)
+    dropout_key = jax.random.fold_in(key, 1 << 20)  # apart from the shuffle's fold_in(key, epoch)
+
+    def one(counted: tuple[Any, jax.Array], minibatch: Any) -> tuple[tuple[Any, jax.Array], Metrics]:
+        inner, i = counted
+        step_key = (jax.random.fold_in(dropout_key, i),) if dropout else ()  # LoRA dropout, per update
+        inner, metrics = step(inner, minibatch, step_key)
+        return (inner, i + 1), metrics
+
+    (carry, _), metrics, _ = scanned_updates(
+        one, (carry, jnp.int32(0)), batch, key, epochs=epochs, minibatch_size=minibatch_size,
+        constrain=lambda b: jax.lax.with_sharding_constraint(b, row_sharding), per_update=layouts, attach=attach,
+        rows=rows)
+    return carry, metrics
 
 
 def logprob_pass_layout(c: RunConfig, ro: Rollout, mesh: Mesh, num_params: int) -> PackedLayout | None:
