@@ -194,6 +194,34 @@ struct Prefetcher {
   }
 };
 
+// The first pass of PagedBlocked and PagedBf16: the scores of positions start .. start + n - 1 (through `table`,
+// prefetching ahead) into `scores + g * stride` for each query head g, 16 keys at a time: `dot(key, dots, slot)`
+// writes each head's 16 partial sums of one key's dot product into dots[g][slot], and Reduce16 turns 16 keys' partial
+// sums into their 16 scores (the slots bit-reversed for it). The positions after n up to the next 16 score 0.
+template <int G, typename T, typename Dot>
+inline void ScoreKeys(const T* k_pool, const T* v_pool, const int32_t* table, int64_t page_size, int64_t start,
+                      int64_t n, int64_t hd, float* scores, int64_t stride, Dot&& dot) {
+  const int64_t n16 = (n + kLanes - 1) / kLanes * kLanes;
+  PageWalk keys(table, page_size, start, hd);
+  Prefetcher fetch(k_pool, v_pool, table, page_size, start, n, hd);
+  for (int64_t i0 = 0; i0 < n16; i0 += kLanes) {
+    F32x16 dots[G][kLanes];
+    for (int l = 0; l < kLanes; ++l) {
+      const int slot = kBitReverse4[l];
+      if (i0 + l >= n) {
+        for (int g = 0; g < G; ++g) dots[g][slot] = F32x16{};
+        continue;
+      }
+      fetch.Step();
+      dot(k_pool + keys.Next(), dots, slot);
+    }
+    for (int g = 0; g < G; ++g) {
+      const F32x16 sums = Reduce16(dots[g]);
+      std::memcpy(scores + g * stride + i0, &sums, sizeof(sums));
+    }
+  }
+}
+
 // One (row, KV head) over its pages: positions start .. start + n - 1 through `table`; the pool of this KV head is
 // `k_pool, v_pool [num_pages, page_size, hd]`. Keys are position-major here, so each score is a dot product over
 // hd (HC vectors), 16 of them reduced at once.
@@ -213,31 +241,16 @@ void PagedBlocked(const float* q_rows, const T* k_pool, const T* v_pool, const i
       std::memcpy(&qv[g][h], lanes, sizeof(lanes));
     }
   }
-  PageWalk keys(table, page_size, start, hd);
-  Prefetcher fetch(k_pool, v_pool, table, page_size, start, n, hd);
-  for (int64_t i0 = 0; i0 < n16; i0 += kLanes) {
-    F32x16 dots[G][kLanes];
-    for (int l = 0; l < kLanes; ++l) {
-      const int slot = kBitReverse4[l];
-      if (i0 + l >= n) {
-        for (int g = 0; g < G; ++g) dots[g][slot] = F32x16{};
-        continue;
-      }
-      fetch.Step();
-      const T* key = k_pool + keys.Next();
-      F32x16 kr[HC];
-      for (int h = 0; h < HC; ++h) kr[h] = Load16(key + h * kLanes);
-      for (int g = 0; g < G; ++g) {
-        F32x16 acc = qv[g][0] * kr[0];
-        for (int h = 1; h < HC; ++h) acc += qv[g][h] * kr[h];
-        dots[g][slot] = acc;
-      }
-    }
-    for (int g = 0; g < G; ++g) {
-      const F32x16 sums = Reduce16(dots[g]);
-      std::memcpy(scores + g * n16 + i0, &sums, sizeof(sums));
-    }
-  }
+  ScoreKeys<G>(k_pool, v_pool, table, page_size, start, n, hd, scores, n16,
+               [&](const T* key, F32x16 (&dots)[G][kLanes], int slot) {
+                 F32x16 kr[HC];
+                 for (int h = 0; h < HC; ++h) kr[h] = Load16(key + h * kLanes);
+                 for (int g = 0; g < G; ++g) {
+                   F32x16 acc = qv[g][0] * kr[0];
+                   for (int h = 1; h < HC; ++h) acc += qv[g][h] * kr[h];
+                   dots[g][slot] = acc;
+                 }
+               });
   Softmax<T>(scores, G, n, n16, scale, softcap);
   F32x16 out[G][HC] = {};
   PageWalk values(table, page_size, start, hd);
@@ -266,7 +279,7 @@ void PagedBf16(const float* q_rows, const uint16_t* k_pool, const uint16_t* v_po
                int64_t page_size, int64_t start, int64_t n, float* out_rows, float scale, float softcap,
                std::vector<float>& scratch) {
   constexpr int64_t hd = Z * 32;
-  const int64_t n16 = (n + kLanes - 1) / kLanes * kLanes, n32 = (n + 31) / 32 * 32;
+  const int64_t n32 = (n + 31) / 32 * 32;
   scratch.assign(G * n32 + G * n32 / 2, 0.0f);
   float* scores = scratch.data();
   uint32_t* pairs = reinterpret_cast<uint32_t*>(scores + G * n32);
@@ -277,32 +290,17 @@ void PagedBf16(const float* q_rows, const uint16_t* k_pool, const uint16_t* v_po
       qb[g][z] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qz + 16), _mm512_loadu_ps(qz));  // rounded to nearest even
     }
   }
-  PageWalk keys(table, page_size, start, hd);
-  Prefetcher fetch(k_pool, v_pool, table, page_size, start, n, hd);
-  for (int64_t i0 = 0; i0 < n16; i0 += kLanes) {
-    F32x16 dots[G][kLanes];
-    for (int l = 0; l < kLanes; ++l) {
-      const int slot = kBitReverse4[l];
-      if (i0 + l >= n) {
-        for (int g = 0; g < G; ++g) dots[g][slot] = F32x16{};
-        continue;
-      }
-      fetch.Step();
-      const uint16_t* key = k_pool + keys.Next();
-      __m512bh kz[Z];
-      for (int z = 0; z < Z; ++z) kz[z] = (__m512bh)_mm512_loadu_si512(key + 32 * z);
-      for (int g = 0; g < G; ++g) {
-        __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[g][0], kz[0]);
-        for (int z = 1; z < Z; ++z) acc = _mm512_dpbf16_ps(acc, qb[g][z], kz[z]);
-        dots[g][slot] = (F32x16)acc;
-      }
-    }
-    for (int g = 0; g < G; ++g) {
-      const F32x16 sums = Reduce16(dots[g]);
-      std::memcpy(scores + g * n32 + i0, &sums, sizeof(sums));
-    }
-  }
-  Softmax<uint16_t>(scores, G, n, n32, scale, softcap);  // lanes n16 .. n32 stay 0 from `assign`
+  ScoreKeys<G>(k_pool, v_pool, table, page_size, start, n, hd, scores, n32,
+               [&](const uint16_t* key, F32x16 (&dots)[G][kLanes], int slot) {
+                 __m512bh kz[Z];
+                 for (int z = 0; z < Z; ++z) kz[z] = (__m512bh)_mm512_loadu_si512(key + 32 * z);
+                 for (int g = 0; g < G; ++g) {
+                   __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[g][0], kz[0]);
+                   for (int z = 1; z < Z; ++z) acc = _mm512_dpbf16_ps(acc, qb[g][z], kz[z]);
+                   dots[g][slot] = (F32x16)acc;
+                 }
+               });
+  Softmax<uint16_t>(scores, G, n, n32, scale, softcap);  // lanes past ScoreKeys' 16s stay 0 from `assign`
   for (int g = 0; g < G; ++g) {
     for (int64_t i0 = 0; i0 < n32; i0 += 32) {
       const float* sg = scores + g * n32 + i0;  // already bfloat16 values: the conversion is exact
