@@ -378,6 +378,24 @@ void PagedGeneric(const float* q_rows, const T* k_pool, const T* v_pool, const i
   }
 }
 
+// Calls `run(G, HD)` (std::integral_constant values) for the query heads per KV head and the head dimension the
+// specialised kernels are compiled for (G 1 .. 8, HD 32, 64 or 128) and returns true; false for any other shape
+// (PagedGeneric's).
+template <int G = 1, typename Run>
+bool WithStaticShape(int64_t g_count, int64_t hd, Run&& run) {
+  if constexpr (G > 8) {
+    return false;
+  } else {
+    if (g_count != G) return WithStaticShape<G + 1>(g_count, hd, run);
+    switch (hd) {
+      case 32: run(std::integral_constant<int, G>{}, std::integral_constant<int, 32>{}); return true;
+      case 64: run(std::integral_constant<int, G>{}, std::integral_constant<int, 64>{}); return true;
+      case 128: run(std::integral_constant<int, G>{}, std::integral_constant<int, 128>{}); return true;
+      default: return false;
+    }
+  }
+}
+
 template <typename T>
 void PagedOne(const float* q, const T* k, const T* v, const int32_t* tables, const int32_t* lengths, float* out,
               const PagedShape& s, int64_t window, float scale, float softcap, int64_t row, int64_t kv_head,
@@ -396,56 +414,19 @@ void PagedOne(const float* q, const T* k, const T* v, const int32_t* tables, con
   const T* k_pool = k + kv_head * pool;
   const T* v_pool = v + kv_head * pool;
   const int32_t* table = tables + row * s.table_width;
+  const bool specialised = WithStaticShape(g_count, hd, [&](auto g, auto d) {
+    constexpr int G = decltype(g)::value, HD = decltype(d)::value;
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, uint16_t>) {
-#define JAXRL_BF16(G, Z) \
-  PagedBf16<G, Z>(q_rows, k_pool, v_pool, table, s.page_size, start, n, out_rows, scale, softcap, scratch); \
-  return;
-#define JAXRL_BF16_G(G)          \
-  case G:                        \
-    switch (hd) {                \
-      case 32: JAXRL_BF16(G, 1)  \
-      case 64: JAXRL_BF16(G, 2)  \
-      case 128: JAXRL_BF16(G, 4) \
-      default: break;            \
-    }                            \
-    break;
-    switch (g_count) {
-      JAXRL_BF16_G(1) JAXRL_BF16_G(2) JAXRL_BF16_G(3) JAXRL_BF16_G(4) JAXRL_BF16_G(5) JAXRL_BF16_G(6)
-      JAXRL_BF16_G(7) JAXRL_BF16_G(8)
-      default: break;
-    }
-#undef JAXRL_BF16_G
-#undef JAXRL_BF16
-  }
+    if constexpr (std::is_same_v<T, uint16_t>) {  // a bfloat16 pool: its products on VDPBF16PS
+      PagedBf16<G, HD / 32>(q_rows, k_pool, v_pool, table, s.page_size, start, n, out_rows, scale, softcap, scratch);
+    } else
 #endif
-#define JAXRL_PAGED(G, HC)                                                                                \
-  PagedBlocked<T, G, HC>(q_rows, k_pool, v_pool, table, s.page_size, start, n, out_rows, scale, softcap, \
-                         scratch);                                                                       \
-  return;
-#define JAXRL_PAGED_G(G)              \
-  case G:                             \
-    switch (hd) {                     \
-      case 32: JAXRL_PAGED(G, 2)      \
-      case 64: JAXRL_PAGED(G, 4)      \
-      case 128: JAXRL_PAGED(G, 8)     \
-      default: break;                 \
-    }                                 \
-    break;
-#if defined(__AVX512BF16__)
-  constexpr bool kBlocked = !std::is_same_v<T, uint16_t>;  // a bfloat16 pool took PagedBf16 above where this would
-#else
-  constexpr bool kBlocked = true;
-#endif
-  if constexpr (kBlocked) {
-    switch (g_count) {
-      JAXRL_PAGED_G(1) JAXRL_PAGED_G(2) JAXRL_PAGED_G(3) JAXRL_PAGED_G(4) JAXRL_PAGED_G(5) JAXRL_PAGED_G(6)
-      JAXRL_PAGED_G(7) JAXRL_PAGED_G(8)
-      default: break;
+    {
+      PagedBlocked<T, G, HD / kLanes>(q_rows, k_pool, v_pool, table, s.page_size, start, n, out_rows, scale, softcap,
+                                      scratch);
     }
-  }
-#undef JAXRL_PAGED_G
-#undef JAXRL_PAGED
+  });
+  if (specialised) return;
   PagedGeneric(q_rows, k_pool, v_pool, table, s.page_size, g_count, hd, start, n, out_rows, scale, softcap, scratch);
 }
 
