@@ -13,6 +13,7 @@ a reference pass is 4 x forward, one sampling call is the prompt's prefill plus 
 
 from __future__ import annotations
 
+import argparse
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -41,6 +42,13 @@ QWEN25_05B: dict[str, Any] = dict(
 QWEN25_05B_TINY: dict[str, Any] = {**QWEN25_05B, "hidden_size": 64, "intermediate_size": 128,
                                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                                     "vocab_size": 512}
+
+
+def add_int_options(parser: argparse.ArgumentParser, **defaults: int) -> None:
+    """Integer options without help of their own (a benchmark's sizes and repeats): `--name` for each keyword, its
+    underscores written as dashes (`new_tokens=64` is `--new-tokens`, default 64)."""
+    for name, default in defaults.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
 
 
 ROUTER_WEIGHTS = ("mlp.gate.weight", "block_sparse_moe.gate.weight", "mlp.router.weight")

@@ -41,7 +41,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import best_seconds  # noqa: E402
+from bench.common import add_int_options, best_seconds  # noqa: E402
 from jaxrl_llm.engine import cpu_kernel  # noqa: E402
 from jaxrl_llm.engine.kernels import attention_backend  # noqa: E402
 from jaxrl_llm.engine.model import (  # noqa: E402
@@ -73,11 +73,9 @@ KNOBS = Knobs(np.float32(1.0), np.int32(0), np.float32(1.0), np.float32(0.0), np
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=str(SMOLLM2))
-    parser.add_argument("--slots", type=int, default=128)
-    parser.add_argument("--context", type=int, default=384)
-    parser.add_argument("--steps", type=int, default=16)
+    add_int_options(parser, slots=128, context=384, steps=16)
     parser.add_argument("--page-size", type=int, default=0, help="0: the engine's default (engine.pages)")
-    parser.add_argument("--repeats", type=int, default=3)
+    add_int_options(parser, repeats=3)
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     parser.add_argument("--attention", default="auto", choices=("auto", "xla", "cpu"))
     parser.add_argument("--matmul", default="auto", choices=("auto", "xla"))

@@ -32,21 +32,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from common import QWEN25_05B, QWEN25_05B_TINY, model_dims, train_flops
+from common import QWEN25_05B, QWEN25_05B_TINY, add_int_options, model_dims, train_flops
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's jaxrl_llm, installed or not
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--group", type=int, default=8)
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=256)
+    add_int_options(parser, prompts=16, group=8, prompt_len=128, new_tokens=256)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--mesh", default="data=-1,fsdp=1,tensor=1")
     parser.add_argument("--remat", action="store_true")
-    parser.add_argument("--steps", type=int, default=3)
+    add_int_options(parser, steps=3)
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="per device, dense, compute dtype")
     parser.add_argument("--tiny", action="store_true")
     return parser.parse_args()

@@ -36,7 +36,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import best_seconds, random_hf_model  # noqa: E402
+from bench.common import add_int_options, best_seconds, random_hf_model  # noqa: E402
 from jaxrl_llm.engine import Engine, engine_sample  # noqa: E402
 from jaxrl_llm.models import moe  # noqa: E402
 from jaxrl_llm.models.hf import load_hf_model  # noqa: E402
@@ -153,19 +153,9 @@ def replay(args: argparse.Namespace, rollout: tuple) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--expert-size", type=int, default=256)
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--top-k", type=int, default=2)
+    add_int_options(parser, tokens=2048, hidden=512, expert_size=256, experts=8, top_k=2)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=4096)
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--n", type=int, default=4)
-    parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=64)
+    add_int_options(parser, repeats=5, layers=4, vocab=4096, prompts=8, n=4, prompt_len=32, new_tokens=64)
     parser.add_argument("--vllm-python", default="")
     parser.add_argument("--only", default="layer,engine,replay")
     args = parser.parse_args()

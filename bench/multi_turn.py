@@ -28,7 +28,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import best_seconds  # noqa: E402
+from bench.common import add_int_options, best_seconds  # noqa: E402
 from jaxrl_llm.data import left_pad, load_records  # noqa: E402
 from jaxrl_llm.engine import Engine, Request, row_keys  # noqa: E402
 from jaxrl_llm.models.hf import load_hf_model  # noqa: E402
@@ -68,11 +68,7 @@ def engine_turns(engine: Engine, params, prompts: list[list[int]], sampling: Sam
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, default=128)
-    parser.add_argument("--turns", type=int, default=3)
-    parser.add_argument("--turn-tokens", type=int, default=16)
-    parser.add_argument("--reply-tokens", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=5)
+    add_int_options(parser, rows=128, turns=3, turn_tokens=16, reply_tokens=8, repeats=5)
     args = parser.parse_args()
     model_dir = ROOT / "models" / "arith-base"
     config, params = load_hf_model(model_dir)

@@ -29,7 +29,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import best_seconds  # noqa: E402
+from bench.common import add_int_options, best_seconds  # noqa: E402
 from jaxrl_llm.config import OptimSection  # noqa: E402
 from jaxrl_llm.models.decoder import init_params  # noqa: E402
 from jaxrl_llm.models.hf import config_from_hf, load_hf_model  # noqa: E402
@@ -66,10 +66,7 @@ def grpo_shaped_batch(rows: int, max_new: int, vocab: int, seed: int = 0) -> Pol
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(SMOLLM2))
-    ap.add_argument("--rows", type=int, default=16)
-    ap.add_argument("--max-new", type=int, default=128)
-    ap.add_argument("--grad-accum", type=int, default=1)
-    ap.add_argument("--repeats", type=int, default=2)
+    add_int_options(ap, rows=16, max_new=128, grad_accum=1, repeats=2)
     ap.add_argument("--row-tokens", type=int, default=0, help="packed rows' length if over S (default S)")
     ap.add_argument("--tiny", action="store_true", help="a random two-layer model (the smoke test)")
     args = ap.parse_args()

