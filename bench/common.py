@@ -51,6 +51,12 @@ def add_int_options(parser: argparse.ArgumentParser, **defaults: int) -> None:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
 
 
+def add_switches(parser: argparse.ArgumentParser, **helps: str) -> None:
+    """On/off options (`store_true`): `--name` for each keyword, its underscores written as dashes, with its help."""
+    for name, help_text in helps.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", action="store_true", help=help_text)
+
+
 ROUTER_WEIGHTS = ("mlp.gate.weight", "block_sparse_moe.gate.weight", "mlp.router.weight")
 
 
