@@ -44,17 +44,18 @@ QWEN25_05B_TINY: dict[str, Any] = {**QWEN25_05B, "hidden_size": 64, "intermediat
                                     "vocab_size": 512}
 
 
-def add_int_options(parser: argparse.ArgumentParser, **defaults: int) -> None:
-    """Integer options without help of their own (a benchmark's sizes and repeats): `--name` for each keyword, its
-    underscores written as dashes (`new_tokens=64` is `--new-tokens`, default 64)."""
-    for name, default in defaults.items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
+def add_int_options(parser: argparse.ArgumentParser, defaults: dict[str, int]) -> None:
+    """Integer options without help of their own (a benchmark's sizes and repeats): `{"--new-tokens": 64}` is
+    `--new-tokens`, default 64. The flags are written out as a user types them (the docs' commands are checked
+    against the scripts' text)."""
+    for flag, default in defaults.items():
+        parser.add_argument(flag, type=int, default=default)
 
 
-def add_switches(parser: argparse.ArgumentParser, **helps: str) -> None:
-    """On/off options (`store_true`): `--name` for each keyword, its underscores written as dashes, with its help."""
-    for name, help_text in helps.items():
-        parser.add_argument(f"--{name.replace('_', '-')}", action="store_true", help=help_text)
+def add_switches(parser: argparse.ArgumentParser, helps: dict[str, str]) -> None:
+    """On/off options (`store_true`), each flag with its help: `{"--bf16": "bfloat16 compute"}`."""
+    for flag, help_text in helps.items():
+        parser.add_argument(flag, action="store_true", help=help_text)
 
 
 ROUTER_WEIGHTS = ("mlp.gate.weight", "block_sparse_moe.gate.weight", "mlp.router.weight")

@@ -73,9 +73,9 @@ KNOBS = Knobs(np.float32(1.0), np.int32(0), np.float32(1.0), np.float32(0.0), np
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=str(SMOLLM2))
-    add_int_options(parser, slots=128, context=384, steps=16)
+    add_int_options(parser, {"--slots": 128, "--context": 384, "--steps": 16})
     parser.add_argument("--page-size", type=int, default=0, help="0: the engine's default (engine.pages)")
-    add_int_options(parser, repeats=3)
+    add_int_options(parser, {"--repeats": 3})
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     parser.add_argument("--attention", default="auto", choices=("auto", "xla", "cpu"))
     parser.add_argument("--matmul", default="auto", choices=("auto", "xla"))

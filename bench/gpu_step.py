@@ -39,11 +39,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's j
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_int_options(parser, prompts=16, group=8, prompt_len=128, new_tokens=256)
+    add_int_options(parser, {"--prompts": 16, "--group": 8, "--prompt-len": 128, "--new-tokens": 256})
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--mesh", default="data=-1,fsdp=1,tensor=1")
     parser.add_argument("--remat", action="store_true")
-    add_int_options(parser, steps=3)
+    add_int_options(parser, {"--steps": 3})
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="per device, dense, compute dtype")
     parser.add_argument("--tiny", action="store_true")
     return parser.parse_args()

