@@ -358,7 +358,7 @@ class Sampler(Protocol):
     `(params, tokens [B, P], mask [B, P], key, sampling, mesh) -> SampleOutput` (prompt-major rows of token ids,
     their log-probs as sampled and untruncated, lengths, whether each stopped on EOS, and for an MoE model the experts
     every token was routed to), the weights on `mesh` (None: where they are). `keeps_conversations`: whether it also
-    continues kept conversations turn after turn (the rollout engine's `rollout_engine`), which a multi-turn rollout
+    continues kept conversations turn after turn (the rollout engine's `engine_for`), which a multi-turn rollout
     uses; without it each turn samples the whole context again through the call. An external engine is a class with
     this shape (docs/extending.md)."""
 

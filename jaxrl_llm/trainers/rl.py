@@ -301,6 +301,7 @@ class RolloutAlgorithm(Algorithm):
         arrays = put(ro.prompt_tokens), put(ro.prompt_mask), put(ro.out.tokens), put(ro.out.mask)
         # Multi-turn: the loss, the advantages and the mismatch cover the model's tokens; attention covers all.
         loss_mask = arrays[3] if ro.loss_mask is None else put(ro.loss_mask)
+        # made only if a pass runs
         packed = functools.cache(lambda: logprob_pass_layout(c, ro, self.mesh, p.model_config.num_params()))
         weights = functools.cache(lambda: working_weights(p.model_weights(state["params"]), p.model_config))
         sampled, records = put(np.asarray(ro.out.logprobs_untruncated, np.float32)), None
