@@ -315,7 +315,8 @@ def test_lora_plan_counts_adapters_against_live_arrays() -> None:
 
 def test_engine_plan_counts_the_engines_pool_and_slot_caches() -> None:
     """With `engine_page_size`, the sampler's memory is the rollout engine's: the pool a run sizes for its step
-    (`samplers.ThreadSamplers.rollout_engine`) and the contiguous caches one decode call gathers for every slot, as allocated."""
+    (`samplers.ThreadSamplers.rollout_engine`) and the contiguous caches one decode call gathers for every slot, as
+    allocated."""
     from jaxrl_llm.engine import Engine
     from jaxrl_llm.engine.model import slot_caches
     from jaxrl_llm.engine.pages import table_width

@@ -113,8 +113,8 @@ def stored_width(config: ModelConfig) -> int:
 
 
 def sampler_weight_bytes(config: ModelConfig, axis_sizes: Mapping[str, int]) -> int:
-    """One device's bytes of the decode loop's per-layer `StepWeights` (`models.step_weights.step_weights`), made once per
-    sampler call in the compute dtype, gathered over `fsdp` and split over `tensor` (columns of q|k|v and
+    """One device's bytes of the decode loop's per-layer `StepWeights` (`models.step_weights.step_weights`), made
+    once per sampler call in the compute dtype, gathered over `fsdp` and split over `tensor` (columns of q|k|v and
     gate|up, rows of o and down, each only when `t` divides them):
 
         L * s * (D*(H + 2*KVH)*hd / t + (H*hd / t)*D + D*2*I / t + (I / t)*D + biases)

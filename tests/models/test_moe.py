@@ -197,8 +197,8 @@ def test_every_expert_form_computes_the_same_function_with_gpt_oss_biases_and_cl
 
 
 def test_the_samplers_fuse_the_experts_where_it_is_faster(random_moe):
-    """`step_weights.fused_step_experts`: on the CPU, few experts per top-k slot (8 of top-2) in either dtype, many (128 of
-    top-8) in bfloat16 only; never for the dense reference; the step weights then hold `FusedExperts`."""
+    """`step_weights.fused_step_experts`: on the CPU, few experts per top-k slot (8 of top-2) in either dtype, many
+    (128 of top-8) in bfloat16 only; never for the dense reference; the step weights then hold `FusedExperts`."""
     from jaxrl_llm.models.decode import split_layers
     from jaxrl_llm.models.step_weights import fused_step_experts, step_weights
 
