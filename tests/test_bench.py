@@ -14,7 +14,7 @@ import pytest
 
 from tests.helpers import ROOT, TINY
 
-pytestmark = pytest.mark.heavy(seconds=16)
+pytestmark = pytest.mark.heavy(seconds=36)
 
 
 def _has(module: str) -> bool:

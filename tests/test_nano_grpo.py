@@ -15,7 +15,7 @@ import pytest
 
 from tests.helpers import ROOT
 
-pytestmark = pytest.mark.heavy(seconds=21)
+pytestmark = pytest.mark.heavy(seconds=44)
 
 SCRIPT = ROOT / "examples" / "nano_grpo.py"
 

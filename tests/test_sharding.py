@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from jaxrl_llm.sharding import MeshShape, fit_spec, make_mesh, param_spec
 from tests.helpers import FAST_COMPILE_FLAGS, TINY  # noqa: F401  (the tiny_task fixture lives in conftest)
 
-pytestmark = pytest.mark.heavy(seconds=66)
+pytestmark = pytest.mark.heavy(seconds=153)
 
 ROOT = Path(__file__).resolve().parents[1]
 MESHES = ((8, 1, 1), (2, 4, 1), (2, 2, 2), (1, 2, 4))

@@ -17,6 +17,8 @@ from jaxrl_llm.errors import DataError
 from jaxrl_llm.trainers import make_trainer
 from tests.helpers import tiny_run
 
+pytestmark = pytest.mark.heavy(seconds=29)
+
 
 def parity(prompts, completions, **fields):
     return [float(sum(map(ord, c)) % 2 == 0) for c in completions]

@@ -25,7 +25,7 @@ import yaml
 
 from tests.helpers import read_rows, read_samples, read_summary, tiny_run, tiny_run_args
 
-pytestmark = pytest.mark.heavy(seconds=14)
+pytestmark = pytest.mark.heavy(seconds=41)
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"

@@ -17,6 +17,8 @@ from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decode import loop_layout_attention
 
+pytestmark = pytest.mark.heavy(seconds=41)
+
 needs_kernel = pytest.mark.skipif(not cpu_kernel.available(),
                                   reason=f"the CPU kernel cannot be built here: {cpu_kernel.unavailable_reason()}")
 

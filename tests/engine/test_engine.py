@@ -16,6 +16,8 @@ from jaxrl_llm.models.hf import load_hf_model
 from jaxrl_llm.sampling import SamplingConfig, sample
 from tests.helpers import fresh_logits, gather_logprobs, hf_generate, left_padded_batch, make_hf_model, small_engine
 
+pytestmark = pytest.mark.heavy(seconds=15)
+
 LENGTHS = [5, 12, 1, 9]
 
 

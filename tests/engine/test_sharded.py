@@ -15,6 +15,8 @@ import pytest
 
 from tests.helpers import FAST_COMPILE_FLAGS
 
+pytestmark = pytest.mark.heavy(seconds=38)
+
 ROOT = Path(__file__).resolve().parents[2]
 
 _SCRIPT = r"""

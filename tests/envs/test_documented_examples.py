@@ -16,7 +16,7 @@ from jaxrl_llm.preflight import load_config, preflight
 from jaxrl_llm.trainers import make_trainer
 from tests.helpers import QUIET, ROOT, read_rows, read_summary
 
-pytestmark = pytest.mark.heavy(seconds=10)
+pytestmark = pytest.mark.heavy(seconds=27)
 
 PAGE = ROOT / "docs" / "environments.md"
 ARITH_BASE = ROOT / "models" / "arith-base"  # the default job's model: it answers the game's opening with a number

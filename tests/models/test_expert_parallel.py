@@ -16,7 +16,7 @@ import pytest
 
 from tests.helpers import FAST_COMPILE_FLAGS
 
-pytestmark = pytest.mark.heavy(seconds=22)
+pytestmark = pytest.mark.heavy(seconds=52)
 
 ROOT = Path(__file__).resolve().parents[2]
 MESHES = ("(1, 1, 8, 1)", "(2, 1, 4, 1)", "(1, 2, 2, 2)")  # (data, fsdp, expert, tensor)

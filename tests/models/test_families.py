@@ -24,7 +24,7 @@ from jaxrl_llm.models.hf import load_hf_model
 from jaxrl_llm.models.hf_export import save_hf_model
 from tests.helpers import FAMILIES, hf_logits, left_padded_batch, make_hf_model, read_rows, tiny_run
 
-pytestmark = pytest.mark.heavy(seconds=8)
+pytestmark = pytest.mark.heavy(seconds=20)
 
 NEW_FAMILIES = ["phi3", "phi3_longrope", "gemma2", "gemma3"]
 # Rows of 40 tokens: past the original context (16) of the scaled RoPEs and every sliding window (4-6).

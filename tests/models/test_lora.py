@@ -17,7 +17,7 @@ from jaxrl_llm.models.lora import LoraSpec, init_adapters, merge_adapters, targe
 from jaxrl_llm.trainers import make_trainer
 from tests.helpers import assert_config_refused, read_rows, tiny_run
 
-pytestmark = pytest.mark.heavy(seconds=11)
+pytestmark = pytest.mark.heavy(seconds=31)
 
 
 def length_reward(prompts, completions, **fields):

@@ -21,7 +21,7 @@ from jaxrl_llm.models.hf_config import config_from_hf
 from jaxrl_llm.models.hf_export import hf_state_dict, save_hf_model
 from tests.helpers import MOE_FAMILIES, left_padded_batch, make_hf_model
 
-pytestmark = pytest.mark.heavy(seconds=19)
+pytestmark = pytest.mark.heavy(seconds=59)
 
 LENGTHS = [12, 5, 9]
 

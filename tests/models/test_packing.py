@@ -35,6 +35,8 @@ from jaxrl_llm.trainers.objectives import PolicyBatch, PolicyObjective, completi
 from jaxrl_llm.trainers.step import minibatch_rows, train_step
 from tests.helpers import FAMILIES, TINY, read_rows, tiny_run
 
+pytestmark = pytest.mark.heavy(seconds=29)
+
 PROPS = settings(max_examples=60, deadline=None)
 
 

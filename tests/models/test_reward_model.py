@@ -13,7 +13,7 @@ from jaxrl_llm.models.reward_model import load_hf_reward_model, sequence_scores
 from jaxrl_llm.rewards import compute_rewards, resolve_reward
 from tests.helpers import FAMILIES, left_padded_batch
 
-pytestmark = pytest.mark.heavy(seconds=18)
+pytestmark = pytest.mark.heavy(seconds=39)
 
 
 def _classifier(kind: str, path, num_labels: int = 1):

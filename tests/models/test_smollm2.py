@@ -17,7 +17,7 @@ import pytest
 
 from tests.helpers import SHARED, hf_logits
 
-pytestmark = pytest.mark.heavy(seconds=27)
+pytestmark = pytest.mark.heavy(seconds=58)
 
 FETCH = SHARED / "models" / "smollm2-135m-instruct" / "fetch.py"
 CHATS = [

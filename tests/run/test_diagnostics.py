@@ -14,6 +14,8 @@ from jaxrl_llm.run.monitor import HINTS, diagnose, drift_kl, repeated_ngram_frac
 from jaxrl_llm.trainers import make_trainer
 from tests.helpers import read_rows, tiny_run
 
+pytestmark = pytest.mark.heavy(seconds=15)
+
 
 def always_zero(prompts, completions, **fields):
     return [0.0] * len(completions)

@@ -14,7 +14,7 @@ from jaxrl_llm.config import MonitorSection
 from jaxrl_llm.run.monitor import DivergenceState, update_divergence
 from tests.helpers import read_rows, read_summary, tiny_run_args
 
-pytestmark = pytest.mark.heavy(seconds=13)
+pytestmark = pytest.mark.heavy(seconds=23)
 
 ROOT = Path(__file__).resolve().parents[2]
 V = 100

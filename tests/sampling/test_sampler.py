@@ -29,7 +29,7 @@ from tests.helpers import (
     requires_shared,
 )
 
-pytestmark = pytest.mark.heavy(seconds=15)
+pytestmark = pytest.mark.heavy(seconds=46)
 
 PAD = 0
 

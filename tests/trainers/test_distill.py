@@ -20,7 +20,7 @@ from jaxrl_llm.trainers.distill import JSDObjective, jsd_loss
 from jaxrl_llm.trainers.objectives import PolicyBatch
 from tests.helpers import QUIET, read_rows, tiny_run
 
-pytestmark = pytest.mark.heavy(seconds=11)
+pytestmark = pytest.mark.heavy(seconds=27)
 
 ROOT = Path(__file__).resolve().parents[2]
 STUDENT = dict(model_type="llama", vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -21,7 +21,7 @@ from jaxrl_llm.trainers import make_trainer
 from jaxrl_llm.trainers.dpo import DPOLossConfig, PairBatch, pair_batch, preference_loss
 from tests.helpers import read_rows, tiny_run
 
-pytestmark = pytest.mark.heavy(seconds=8)
+pytestmark = pytest.mark.heavy(seconds=16)
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_LLAMA = dict(model_type="llama", vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -22,7 +22,7 @@ from jaxrl_llm.trainers.objectives import PolicyObjective, policy_loss
 from jaxrl_llm.trainers.step import jit_one_step_update
 from tests.helpers import GSM8K, STORIES260K, TINY, fixed_update_setup, read_rows, requires_shared, tiny_run
 
-pytestmark = pytest.mark.heavy(seconds=10)
+pytestmark = pytest.mark.heavy(seconds=24)
 
 
 def _config(task: Path, out: Path, *overrides: str):

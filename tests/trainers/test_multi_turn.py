@@ -25,7 +25,7 @@ from jaxrl_llm.models.tokenizer import load_tokenizer
 from jaxrl_llm.trainers import make_trainer
 from tests.helpers import ROOT, read_rows, read_samples, tiny_run, tiny_run_args
 
-pytestmark = pytest.mark.heavy(seconds=13)
+pytestmark = pytest.mark.heavy(seconds=33)
 
 # Text the environment says that a tokenizer splits differently alone and after the model's text.
 REPLY = "ok: 7+1=8?"

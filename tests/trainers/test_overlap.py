@@ -22,7 +22,7 @@ from jaxrl_llm.config import load_run_config
 from jaxrl_llm.errors import ConfigError
 from tests.helpers import FAST_COMPILE_FLAGS, read_rows, tiny_run, tiny_run_args
 
-pytestmark = pytest.mark.heavy(seconds=32)
+pytestmark = pytest.mark.heavy(seconds=65)
 
 ROOT = Path(__file__).resolve().parents[2]
 VOLATILE = ("time/", "tokens_per_second")

@@ -20,7 +20,7 @@ from jaxrl_llm.rl.policy_loss import clipped_policy_loss
 from jaxrl_llm.trainers.objectives import PolicyBatch, PolicyObjective, logprob_chunk_size, policy_loss
 from jaxrl_llm.trainers.step import make_optimizer, train_step
 
-pytestmark = pytest.mark.heavy(seconds=8)
+pytestmark = pytest.mark.heavy(seconds=14)
 
 SMALL = dict(model_type="qwen2", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=128, vocab_size=1000, tie_word_embeddings=False)
