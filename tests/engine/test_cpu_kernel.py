@@ -404,7 +404,8 @@ def test_a_run_whose_kernel_build_fails_says_why_in_its_header_and_trains(tmp_pa
     broken.chmod(0o755)
     env = {**os.environ, "CXX": str(broken), "JAXRL_LLM_KERNEL_CACHE": str(tmp_path / "kernels")}
     proc = subprocess.run([sys.executable, "train.py", "--algo", "grpo", "steps=1", "eval_size=8",
-                           "rl.prompts_per_step=4", "rl.group_size=2", f"out_dir={tmp_path / 'run'}"],
+                           "rl.prompts_per_step=4", "rl.group_size=2", f"out_dir={tmp_path / 'run'}",
+                           "export=false", "report=false", "tensorboard=false"],
                           cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     header = next(line for line in proc.stdout.splitlines() if "sampler: " in line)
