@@ -133,6 +133,10 @@ class Policy:
         the mesh `params` are placed on (the trainer's, or the sampler's own)."""
         return self.samplers.get()(params, tokens, mask, key, sampling, mesh_of(params, self.mesh))
 
+    def describe_sampler(self) -> str:
+        """The run's sampler in words, on the mesh it samples on (`ThreadSamplers.describe`)."""
+        return self.samplers.describe(self.sampler_mesh if self.sampler_mesh is not None else self.mesh)
+
     @property
     def engine(self) -> Engine | None:
         """The rollout engine the run has sampled through last (`sampling.engine=paged`), else None."""

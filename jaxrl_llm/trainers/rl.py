@@ -321,7 +321,7 @@ class RolloutAlgorithm(Algorithm):
         sandbox = f"; {' and '.join(users)}: {describe_sandbox()}" if users else ""
         return (f"model {p.tokenizer_dir} ({p.model_config.num_params() / 1e6:.2f}M params), "
                 f"{self.collector.describe()}, {jax.device_count()} device(s); "
-                f"sampler: {p.samplers.describe(p.sampler_mesh if p.sampler_mesh is not None else p.mesh)}"
+                f"sampler: {p.describe_sampler()}"
                 f"{sandbox}")
 
     def collect(self, state: State, data_state: DataState, key: jax.Array) -> Collected:

@@ -23,11 +23,10 @@ import numpy as np
 import pytest
 import yaml
 
-from tests.helpers import read_rows, read_samples, read_summary, tiny_run, tiny_run_args
+from tests.helpers import ROOT, read_rows, read_samples, read_summary, tiny_run, tiny_run_args
 
 pytestmark = pytest.mark.heavy(seconds=41)
 
-ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 # The pages whose shell and Python code blocks a test checks (test_docs_commands_name_real_presets_modules_and_flags).
 DOC_PAGES = [README, *sorted((ROOT / "docs").glob("*.md")), ROOT / "bench" / "README.md"]

@@ -10,7 +10,6 @@ import logging
 import signal
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -22,10 +21,10 @@ from jaxrl_llm.data import build_preference_set, build_prompt_set
 from jaxrl_llm.errors import ConfigError, RewardError
 from jaxrl_llm.models.tokenizer import load_tokenizer
 from jaxrl_llm.rewards import DEFAULT_TIMEOUT_S, REWARD_FUNCTIONS, call_reward, compute_rewards
+from tests.helpers import ROOT
 
 pytestmark = pytest.mark.quick
 
-ROOT = Path(__file__).resolve().parents[2]
 TOP_LEVEL = "the top level must be a mapping of config sections (model:, data:, rl:, ...), not "
 
 # ------------------------------------------------------------------------------ YAML top level

@@ -16,6 +16,7 @@ from jaxrl_llm.engine.kernels import attention_backend
 from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decode import loop_layout_attention
+from tests.helpers import ROOT
 
 pytestmark = pytest.mark.heavy(seconds=41)
 
@@ -396,9 +397,7 @@ def test_a_run_whose_kernel_build_fails_says_why_in_its_header_and_trains(tmp_pa
     import os
     import subprocess
     import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2]
     broken = tmp_path / "broken-c++"
     broken.write_text('#!/bin/sh\necho "kernel.cc:1:1: error: this compiler is broken on purpose" >&2\nexit 1\n')
     broken.chmod(0o755)
@@ -406,7 +405,7 @@ def test_a_run_whose_kernel_build_fails_says_why_in_its_header_and_trains(tmp_pa
     proc = subprocess.run([sys.executable, "train.py", "--algo", "grpo", "steps=1", "eval_size=8",
                            "rl.prompts_per_step=4", "rl.group_size=2", f"out_dir={tmp_path / 'run'}",
                            "export=false", "report=false", "tensorboard=false"],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     header = next(line for line in proc.stdout.splitlines() if "sampler: " in line)
     assert ("sampler: the rollout engine, attention XLA (no kernel: " in header

@@ -4,8 +4,6 @@ under any scheduling, no page leaked, queueing when the pool is small."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import jax
 import numpy as np
 import pytest
@@ -14,7 +12,15 @@ from jaxrl_llm.engine import Request, engine_sample
 from jaxrl_llm.engine.allocator import OutOfPages, PageAllocator
 from jaxrl_llm.models.hf import load_hf_model
 from jaxrl_llm.sampling import SamplingConfig, sample
-from tests.helpers import fresh_logits, gather_logprobs, hf_generate, left_padded_batch, make_hf_model, small_engine
+from tests.helpers import (
+    ROOT,
+    fresh_logits,
+    gather_logprobs,
+    hf_generate,
+    left_padded_batch,
+    make_hf_model,
+    small_engine,
+)
 
 pytestmark = pytest.mark.heavy(seconds=15)
 
@@ -309,7 +315,7 @@ def test_make_sampler_is_where_a_name_becomes_a_sampler(hf_model_dir):
                                                                           jax.random.key(0), greedy).tokens))
     with pytest.raises(ValueError, match="unknown sampler 'vllm'; expected one of static, paged"):
         make_sampler("vllm", config)
-    root = Path(__file__).resolve().parents[2] / "jaxrl_llm"
+    root = ROOT / "jaxrl_llm"
     branching = re.compile(r"""engine\s*[!=]=\s*["'](paged|static)["']""")
     found = [str(p.relative_to(root)) for p in root.rglob("*.py") if branching.search(p.read_text())]
     assert found == ["cli/plan.py"], found  # the planner sizes the engine's pool, a plan and not a sampler

@@ -9,15 +9,13 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from tests.helpers import FAST_COMPILE_FLAGS
+from tests.helpers import FAST_COMPILE_FLAGS, ROOT
 
 pytestmark = pytest.mark.heavy(seconds=38)
 
-ROOT = Path(__file__).resolve().parents[2]
 
 _SCRIPT = r"""
 import json

@@ -26,9 +26,9 @@ from jaxrl_llm.envs.base import resolve_environment
 from jaxrl_llm.envs.rendering import declare_tools, followup_text, resolve_tool_format, turn_text
 from jaxrl_llm.envs.tool_formats import TOOL_FORMATS, ToolCall, detect_tool_format, with_response_parsing
 from jaxrl_llm.envs.tools import CALCULATOR, tool_instructions
+from tests.helpers import ROOT
 
 pytestmark = pytest.mark.quick
-ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "chat_templates"
 # fixture -> (the format it renders calls in, the end of an assistant turn, calls per turn it allows)
 TEMPLATES = {

@@ -14,11 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.helpers import FAST_COMPILE_FLAGS
+from tests.helpers import FAST_COMPILE_FLAGS, ROOT
 
 pytestmark = pytest.mark.heavy(seconds=52)
 
-ROOT = Path(__file__).resolve().parents[2]
 MESHES = ("(1, 1, 8, 1)", "(2, 1, 4, 1)", "(1, 2, 2, 2)")  # (data, fsdp, expert, tensor)
 
 _SCRIPT = r"""

@@ -33,7 +33,7 @@ from jaxrl_llm.rl import PolicyLossOptions
 from jaxrl_llm.trainers import make_trainer
 from jaxrl_llm.trainers.objectives import PolicyBatch, PolicyObjective, completion_logprobs, policy_loss
 from jaxrl_llm.trainers.step import minibatch_rows, train_step
-from tests.helpers import FAMILIES, TINY, read_rows, tiny_run
+from tests.helpers import FAMILIES, ROOT, TINY, read_rows, tiny_run
 
 pytestmark = pytest.mark.heavy(seconds=29)
 
@@ -347,7 +347,7 @@ def test_a_reward_model_packed_trains_as_padded(tmp_path):
     from jaxrl_llm.config import load_run_config
     from jaxrl_llm.tasks.arithmetic import make_preferences, make_problems
 
-    base = Path(__file__).resolve().parents[2] / "models" / "arith-base"
+    base = ROOT / "models" / "arith-base"
     pairs = make_preferences(make_problems(40, seed=1, max_digits=2), seed=2)
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pairs))
 

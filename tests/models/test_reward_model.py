@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,7 +9,7 @@ import pytest
 from jaxrl_llm.models.hf import ConversionError
 from jaxrl_llm.models.reward_model import load_hf_reward_model, sequence_scores
 from jaxrl_llm.rewards import compute_rewards, resolve_reward
-from tests.helpers import FAMILIES, left_padded_batch
+from tests.helpers import FAMILIES, ROOT, left_padded_batch
 
 pytestmark = pytest.mark.heavy(seconds=39)
 
@@ -91,7 +89,7 @@ def test_reward_model_training_learns_and_exports_a_transformers_classifier(tmp_
     from jaxrl_llm.trainers import train
 
     tokenizer = make_tokenizer()
-    base = Path(__file__).resolve().parents[2] / "models" / "arith-base"
+    base = ROOT / "models" / "arith-base"
     pairs = make_preferences(make_problems(600, seed=1, max_digits=2), seed=2)
     for name, rows in (("train", pairs[:500]), ("test", pairs[500:])):
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

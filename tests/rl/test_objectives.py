@@ -25,11 +25,10 @@ from jaxrl_llm.preflight import load_config
 from jaxrl_llm.rl import entropy_control as ec
 from jaxrl_llm.rl.surrogates import token_log_ratio
 from jaxrl_llm.trainers import make_trainer
-from tests.helpers import assert_config_refused, assert_jit_vmap_agree, read_rows, tiny_run, with_options
+from tests.helpers import ROOT, assert_config_refused, assert_jit_vmap_agree, read_rows, tiny_run, with_options
 
 pytestmark = pytest.mark.quick
 
-ROOT = Path(__file__).resolve().parents[2]
 PROPS = settings(max_examples=40, deadline=None)
 
 # The hand-computed batch of test_rl_losses: pi_old = 0.5 everywhere, ratios below, one padded position holding

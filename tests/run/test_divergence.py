@@ -12,11 +12,10 @@ import pytest
 import train
 from jaxrl_llm.config import MonitorSection
 from jaxrl_llm.run.monitor import DivergenceState, update_divergence
-from tests.helpers import read_rows, read_summary, tiny_run_args
+from tests.helpers import ROOT, read_rows, read_summary, tiny_run_args
 
 pytestmark = pytest.mark.heavy(seconds=23)
 
-ROOT = Path(__file__).resolve().parents[2]
 V = 100
 LIMITS = MonitorSection(patience=3, entropy_floor=0.01, entropy_ceiling=0.95, kl_max=10.0)
 

@@ -16,11 +16,10 @@ import yaml
 
 import train
 from jaxrl_llm.run.manifest import MANIFEST_NAME, claim, foreign_entry, new_manifest, read_manifest, write_manifest
-from tests.helpers import read_rows, tiny_run_args
+from tests.helpers import ROOT, read_rows, tiny_run_args
 
 pytestmark = pytest.mark.heavy(seconds=20)
 
-ROOT = Path(__file__).resolve().parents[2]
 USER_FILES = {  # a user's folder whose files are named like run outputs
     "configs/my_experiment.yaml": "rl: {beta: 0.1}\n",
     "eval/results.txt": "accuracy 0.9\n",

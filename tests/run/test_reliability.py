@@ -20,11 +20,10 @@ import pytest
 
 import train
 from jaxrl_llm.cli.errors import run_command
-from tests.helpers import read_rows, read_samples, tiny_run_args
+from tests.helpers import ROOT, read_rows, read_samples, tiny_run_args
 
 pytestmark = pytest.mark.heavy(seconds=34)
 
-ROOT = Path(__file__).resolve().parents[2]
 VOLATILE = ("time/", "tokens_per_second")  # wall-clock metrics: the only ones a rerun may change
 
 

@@ -18,11 +18,10 @@ from jaxrl_llm.preflight import load_config, preflight
 from jaxrl_llm.trainers import make_trainer
 from jaxrl_llm.trainers.distill import JSDObjective, jsd_loss
 from jaxrl_llm.trainers.objectives import PolicyBatch
-from tests.helpers import QUIET, read_rows, tiny_run
+from tests.helpers import QUIET, ROOT, read_rows, tiny_run
 
 pytestmark = pytest.mark.heavy(seconds=27)
 
-ROOT = Path(__file__).resolve().parents[2]
 STUDENT = dict(model_type="llama", vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,
                tie_word_embeddings=False)

@@ -19,11 +19,10 @@ from jaxrl_llm.models.hf_export import hf_state_dict
 from jaxrl_llm.rl.preference import dpo_loss
 from jaxrl_llm.trainers import make_trainer
 from jaxrl_llm.trainers.dpo import DPOLossConfig, PairBatch, pair_batch, preference_loss
-from tests.helpers import read_rows, tiny_run
+from tests.helpers import ROOT, read_rows, tiny_run
 
 pytestmark = pytest.mark.heavy(seconds=16)
 
-ROOT = Path(__file__).resolve().parents[2]
 TINY_LLAMA = dict(model_type="llama", vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,
                   tie_word_embeddings=False)

@@ -20,11 +20,10 @@ import pytest
 import train
 from jaxrl_llm.config import load_run_config
 from jaxrl_llm.errors import ConfigError
-from tests.helpers import FAST_COMPILE_FLAGS, read_rows, tiny_run, tiny_run_args
+from tests.helpers import FAST_COMPILE_FLAGS, ROOT, read_rows, tiny_run, tiny_run_args
 
 pytestmark = pytest.mark.heavy(seconds=65)
 
-ROOT = Path(__file__).resolve().parents[2]
 VOLATILE = ("time/", "tokens_per_second")
 
 
