@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jaxrl_llm.fields import at_least, finite, fraction, one_of, positive, within
+from jaxrl_llm.models.config import REMAT_POLICIES
 from jaxrl_llm.rl.options import (
     DISTILL_LOSSES,
     KL_ESTIMATORS,
@@ -35,6 +36,9 @@ class ModelSection:
     dtype: str = one_of("float32", DTYPES)  # compute dtype: float32 | bfloat16
     param_dtype: str = one_of("float32", DTYPES)  # stored weights: float32 | bfloat16 (float32 master weights are kept)
     remat: bool = False  # recompute each layer's activations in the backward pass (less memory, more time)
+    # With remat: what a layer keeps for its backward pass. full: only its input (everything recomputed);
+    # matmuls: also its weight matmuls' outputs (attention and elementwise work recomputed; docs/performance.md)
+    remat_policy: str = one_of("full", REMAT_POLICIES)
     # layers per iteration of the training forward's layer loop; the layer count unrolls it completely (no
     # stacked residual buffers: a faster update on XLA:CPU, a longer compile); 1 = a loop over layers
     scan_unroll: int = at_least(1, 1)

@@ -32,6 +32,9 @@ from jaxrl_llm.models.precision import activation_dtype, inference_param_dtype
 
 DType = Literal["float32", "bfloat16"]
 
+# What a rematerialised layer keeps for its backward pass: its input only, or also its weight matmuls' outputs.
+REMAT_POLICIES = ("full", "matmuls")
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -94,6 +97,7 @@ class ModelConfig:
     param_dtype: DType = "float32"
     dtype: DType = "float32"  # compute dtype; softmax and norms still reduce in float32
     remat: bool = False  # rematerialise each layer in the backward pass
+    remat_policy: str = "full"  # with remat, what a layer saves: one of REMAT_POLICIES (`decoder.remat_layer`)
     # Layers per iteration of the training forward's layer loop (`nn.scan`); the layer count = a straight-line
     # program: no stacked residual buffers, at the cost of compile time (measured in bench/HISTORY.md)
     scan_unroll: int = 1

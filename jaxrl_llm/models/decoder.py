@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_llm.models.block import LayerOps, cached_attention, transformer_block
-from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.config import REMAT_POLICIES, ModelConfig
 from jaxrl_llm.models.layers import (  # noqa: F401  (re-exported: the decoder's public math)
     SUPPORTED_ROPE_SCALING,
     apply_rope,
@@ -138,6 +138,19 @@ class DecoderLayer(nn.Module):
         return x, (cache, routing)
 
 
+def remat_layer(config: ModelConfig) -> type[nn.Module]:
+    """The scanned layer, rematerialised under `config.remat`: `full` keeps only each layer's input for the backward
+    pass and recomputes the rest; `matmuls` also keeps the outputs of its weight matmuls (dots without batch
+    dimensions: q, k, v, o, gate, up, down) and recomputes the attention and the elementwise work between them."""
+    if not config.remat:
+        return DecoderLayer
+    if config.remat_policy not in REMAT_POLICIES:
+        raise ValueError(f"remat_policy must be one of {', '.join(REMAT_POLICIES)}, not {config.remat_policy!r}")
+    policy = (jax.checkpoint_policies.dots_with_no_batch_dims_saveable if config.remat_policy == "matmuls"
+              else None)
+    return nn.remat(DecoderLayer, prevent_cse=False, policy=policy)
+
+
 class Decoder(nn.Module):
     """Causal LM: embed -> L x DecoderLayer (scanned) -> final RMSNorm -> unembed.
 
@@ -159,7 +172,7 @@ class Decoder(nn.Module):
             param_dtype=c.jnp_param_dtype,
             embedding_init=nn.initializers.normal(c.initializer_range),
         )
-        layer = nn.remat(DecoderLayer, prevent_cse=False) if c.remat else DecoderLayer
+        layer = remat_layer(c)
         self.layers = nn.scan(
             layer,
             variable_axes={"params": 0},

@@ -230,7 +230,8 @@ def load_policy(c: RunConfig, *, from_scratch: bool = False) -> Policy:
     mesh = make_mesh(MeshShape(c.mesh.data, c.mesh.fsdp, c.mesh.tensor, expert=c.mesh.expert), trainer_devices)
     sampler = sampler_mesh(sampler_devices, c.rollout.sampler_tensor) if sampler_devices else None
     overrides = dict(dtype=c.model.dtype, param_dtype=c.model.param_dtype, remat=c.model.remat,
-                     scan_unroll=c.model.scan_unroll, attention_query_chunk=c.model.attention_query_chunk)
+                     remat_policy=c.model.remat_policy, scan_unroll=c.model.scan_unroll,
+                     attention_query_chunk=c.model.attention_query_chunk)
     if from_scratch and c.model.init:
         tokenizer, tok_dir = _scratch_tokenizer(c.model.tokenizer, Path(c.out_dir))
         hf = {"vocab_size": len(tokenizer), "bos_token_id": tokenizer.bos_token_id,

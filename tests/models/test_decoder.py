@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxrl_llm.models.config import REMAT_POLICIES
 from jaxrl_llm.models.decoder import decode_step, forward, init_cache, positions_from_mask
 from jaxrl_llm.models.hf import ConversionError, load_hf_model
 from jaxrl_llm.models.hf_export import save_hf_model
@@ -140,9 +141,39 @@ def test_remat_gives_same_logits_and_grads(hf_model_dir):
         return forward(p, c, jnp.asarray(tokens), jnp.asarray(mask)).astype(jnp.float32).std()
 
     g1 = jax.grad(loss)(params, config)
-    g2 = jax.grad(loss)(params, config.replace(remat=True))
-    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
-        np.testing.assert_allclose(a, b, atol=1e-6)
+    for policy in REMAT_POLICIES:
+        g2 = jax.grad(loss)(params, config.replace(remat=True, remat_policy=policy))
+        for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
+            np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def _dot_count(jaxpr: jax.extend.core.Jaxpr) -> int:
+    """`dot_general`s in a jaxpr and every jaxpr nested in it (a scan's body counted once)."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += eqn.primitive.name == "dot_general"
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                inner = getattr(sub, "jaxpr", sub)
+                if isinstance(inner, jax.extend.core.Jaxpr):
+                    count += _dot_count(inner)
+    return count
+
+
+def test_remat_policy_saves_the_weight_matmuls(hf_model_dir):
+    """`full` recomputes every forward matmul in the backward pass; `matmuls` keeps the q/k/v/o/gate/up/down
+    outputs and recomputes only attention's two batched dots."""
+    config, params = load_hf_model(hf_model_dir("llama"))
+    tokens, mask = left_padded_batch(config.vocab_size, LENGTHS, seed=6)
+
+    def dots(c):
+        loss = lambda p: forward(p, c, jnp.asarray(tokens), jnp.asarray(mask)).astype(jnp.float32).std()  # noqa: E731
+        return _dot_count(jax.make_jaxpr(jax.grad(loss))(params).jaxpr)
+
+    plain, full = dots(config), dots(config.replace(remat=True, remat_policy="full"))
+    saved = dots(config.replace(remat=True, remat_policy="matmuls"))
+    assert saved - plain == 2  # q.k and p.v, recomputed
+    assert full - saved >= 6  # the weight matmuls that `matmuls` keeps are recomputed under `full`
 
 
 # ------------------------------------------------------------------------------------ real checkpoint
