@@ -53,6 +53,8 @@ SMOKE: dict[str, tuple[list[str], str]] = {
     "sampling.py": (["--batch", "2", "--prompt-len", "4", "--new-tokens", "4", "--repeats", "1", "--peer", "hf",
                      "--threads", "1"],
                     "ratio = ours_tok_s / hf_tok_s"),
+    "update_profile.py": (["--model", "{chat_model}", "--rows", "4", "--group", "2", "--prompt-len", "8",
+                           "--new-tokens", "4", "--warmup", "1", "--top", "3"], "| all ops (summed over threads) |"),
     "vllm_rollout.py": (["--model", "{chat_model}", "--prompts", "{tmp}/prompts.json", "--new-tokens", "2",
                          "--repeats", "1"], "tokens/s"),
 }

@@ -27,12 +27,13 @@ def rms_norm(
     """`y = x / sqrt(mean(x^2) + eps) * scale` over the last axis, normalised in float32 (as transformers'
     LlamaRMSNorm), then scaled in `dtype` (default: `x`'s). `unit_offset` (Gemma): `* (1 + scale)`, the product
     taken in float32 before the cast, as Gemma's RMSNorm does."""
-    dtype = dtype or x.dtype
-    x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    if unit_offset:
-        return (normed * (1.0 + scale.astype(jnp.float32))).astype(dtype)
-    return scale.astype(dtype) * normed.astype(dtype)
+    with jax.named_scope("norm"):  # the profile's op kinds (bench/update_profile.py) read the scopes
+        dtype = dtype or x.dtype
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+        if unit_offset:
+            return (normed * (1.0 + scale.astype(jnp.float32))).astype(dtype)
+        return scale.astype(dtype) * normed.astype(dtype)
 
 
 def embed_tokens(embedding: jax.Array, tokens: jax.Array, config: ModelConfig) -> jax.Array:
@@ -256,6 +257,14 @@ def grouped_query_attention(
     skipped keys have probability 0; a padding query, which attends to none, gets the mean of its chunk's values
     instead of every value's, and no real query reads it).
     """
+    with jax.named_scope("attention"):  # the profile's op kinds (bench/update_profile.py) read the scopes
+        return _grouped_query_attention(q, k, v, allowed, query_chunk, scale, logit_softcap, compute_dtype, causal,
+                                        sinks)
+
+
+def _grouped_query_attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, query_chunk: int,
+                             scale: float | None, logit_softcap: float | None, compute_dtype: jnp.dtype | str,
+                             causal: bool, sinks: jax.Array | None) -> jax.Array:
     t = q.shape[1]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if not query_chunk or t <= query_chunk:

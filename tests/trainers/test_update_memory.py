@@ -101,6 +101,27 @@ def test_chunk_size_rule() -> None:
     assert logprob_chunk_size(10_000, 512, 151_936, 1) == 1
 
 
+def test_one_micro_batch_update_equals_accumulated_micro_batches() -> None:
+    """`grad_accum=1` takes the gradient as it comes (no zero-filled accumulator, no scan); the same minibatch in
+    2 or 3 accumulated micro-batches gives the same loss, gradient norm and AdamW step (token counts are global)."""
+    config = config_from_hf({**SMALL, "vocab_size": 97})
+    params = master_weights(init_params(config, jax.random.key(0)))
+    optimizer = make_optimizer(OptimSection(learning_rate=1e-3, max_grad_norm=0.0), 10)[0]
+    batch = jax.tree.map(jnp.asarray, _batch(config, rows=6, new=6))
+    results = []
+    for accum in (1, 2, 3):
+        step = jax.jit(functools.partial(train_step, loss_fn=policy_loss, model_config=config,
+                                         loss_config=PolicyObjective(beta=0.0), optimizer=optimizer,
+                                         grad_accum=accum))
+        results.append(step(params, optimizer.init(params), batch))
+    for new_params, _, metrics in results[1:]:
+        np.testing.assert_allclose(metrics["loss"], results[0][2]["loss"], rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(metrics["grad_norm"], results[0][2]["grad_norm"], rtol=1e-5)
+        for a, b in zip(jax.tree.leaves(new_params), jax.tree.leaves(results[0][0]), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert float(results[0][2]["grad_norm"]) > 0
+
+
 def test_bf16_weights_update_through_a_float32_master() -> None:
     """At lr 1e-6 one AdamW step moves every weight by ~1e-6: below bf16's spacing (2^-8 relative), so bf16
     weights without a master copy stay exactly where they were, while the float32 master moves."""
