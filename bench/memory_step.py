@@ -40,6 +40,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=512)
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     parser.add_argument("--no-remat", action="store_true")
+    parser.add_argument("--remat-policy", default="full", choices=("full", "matmuls"),
+                        help="model.remat_policy: what a rematerialised layer keeps for its backward pass")
     parser.add_argument("--beta", type=float, default=0.04)
     parser.add_argument("--logprob-block-mib", type=float, default=256.0,
                         help="model.logprob_block_mib: one float32 logits block; 0 = all positions in one block")
@@ -56,7 +58,7 @@ def main() -> None:
 
     hf = plan.load_hf_config_dict(args.model) if args.model else QWEN25_05B
     config = config_from_hf(hf, dtype=args.dtype, param_dtype="float32", remat=not args.no_remat,
-                            attention_query_chunk=args.attention_query_chunk)
+                            remat_policy=args.remat_policy, attention_query_chunk=args.attention_query_chunk)
     rows = args.micro_batch * args.grad_accum
     optimizer = make_optimizer(OptimSection(learning_rate=1e-6), 100)[0]
     shapes = param_shapes(config)
@@ -78,7 +80,7 @@ def main() -> None:
     planned = p.train_step
     print(f"{config.num_params() / 1e6:.1f}M params, vocab {config.vocab_size}; micro-batch {args.micro_batch} x "
           f"{args.grad_accum}, {args.prompt_len}+{args.new_tokens} tokens, compute {args.dtype}, "
-          f"remat {'off' if args.no_remat else 'on'}, logprob block {args.logprob_block_mib} MiB, "
+          f"remat {'off' if args.no_remat else args.remat_policy}, logprob block {args.logprob_block_mib} MiB, "
           f"attention query chunk {config.attention_query_chunk}; "
           f"compiled in {seconds:.0f} s on {jax.devices()[0].platform}")
     print(f"compiled: arguments {m.argument_size_in_bytes / GIB:.2f} GiB + temporaries {m.temp_size_in_bytes / GIB:.2f}"

@@ -213,5 +213,9 @@ def scanned_updates(step: StepFn, carry: Carry, batch: Any, key: jax.Array, *, e
             minibatch = attach(minibatch, extra)
         return step(carry, constrain(minibatch))
 
-    carry, stacked = jax.lax.scan(one_update, carry, (rows, per_update))
+    if rows.shape[0] == 1:  # one update (mu = 1, one minibatch): no loop carrying the whole state through
+        carry, metrics = one_update(carry, jax.tree.map(lambda x: x[0], (rows, per_update)))
+        stacked = jax.tree.map(lambda x: x[None], metrics)
+    else:
+        carry, stacked = jax.lax.scan(one_update, carry, (rows, per_update))
     return carry, reduce_metrics(stacked), stacked

@@ -64,6 +64,32 @@ def test_scanned_update_equals_the_host_loop_of_train_steps():
     assert float(reduced["ratio/max"]) > 1.05  # the later minibatches really were off-policy
 
 
+def test_one_scanned_update_is_the_train_step_itself():
+    """mu = 1 with the whole batch as the minibatch: `scanned_updates` runs the step once without a loop; the
+    result is the jitted train step's on the rows in the key's order (same params, state, metrics)."""
+    config, params, batch, optimizer = fixed_update_setup()
+    step = functools.partial(train_step, loss_fn=policy_loss, model_config=config, loss_config=PolicyObjective(),
+                             optimizer=optimizer, grad_accum=1)
+    key = jax.random.key(3)
+
+    @jax.jit
+    def scanned(params, opt_state, batch, key):
+        def one(carry, minibatch):
+            p, o, m = step(*carry, minibatch)
+            return (p, o), m
+
+        return scanned_updates(one, (params, opt_state), batch, key, epochs=1, minibatch_size=8)
+
+    (p_scan, o_scan), reduced, stacked = scanned(params, optimizer.init(params), batch, key)
+    order = np.asarray(jax.random.permutation(jax.random.fold_in(key, 0), 8))
+    p_one, o_one, m = jax.jit(step)(params, optimizer.init(params), jax.tree.map(lambda x: np.asarray(x)[order], batch))
+    for a, b in zip(jax.tree.leaves((p_scan, o_scan)), jax.tree.leaves((p_one, o_one)), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)  # Adam's lr * g / |g| near g = 0: fusion rounding
+    assert stacked["policy_loss"].shape == (1,)
+    np.testing.assert_allclose(reduced["policy_loss"], m["policy_loss"], rtol=1e-6)
+    assert not np.allclose(jax.tree.leaves(p_scan)[0], jax.tree.leaves(params)[0])  # the step moved the weights
+
+
 def test_reduce_metrics_rules():
     stacked = {"ratio/min": jnp.array([0.9, 0.8, 1.0]), "ratio/max": jnp.array([1.1, 1.3, 1.0]),
                "update_skipped": jnp.array([0.0, 1.0, 1.0]), "entropy": jnp.array([1.0, 2.0, 4.0]),
