@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jaxrl_llm.fields import at_least, finite, fraction, one_of, positive, within
-from jaxrl_llm.models.config import REMAT_POLICIES
+from jaxrl_llm.models.config import ATTENTION_REQUESTS, REMAT_POLICIES
 from jaxrl_llm.rl.options import (
     DISTILL_LOSSES,
     KL_ESTIMATORS,
@@ -48,6 +48,10 @@ class ModelSection:
     # Full-sequence attention takes at most this many queries at a time (float32 scores [B, H, chunk, S], not
     # [B, H, T, S]); 0 = all queries at once.
     attention_query_chunk: int = at_least(128)
+    # The training forward's attention (the update, the log-prob passes): auto = the platform's flash kernel where
+    # it covers the layer (Pallas on GPU and TPU, else cuDNN on NVIDIA), else XLA; xla | pallas | cudnn. A layer the
+    # kernel cannot run (a window, a soft cap, sinks) runs on XLA; the run's header says which path each kind takes.
+    attention: str = one_of("auto", ATTENTION_REQUESTS)
     # --algo sft only: architecture of a model trained from scratch (HF config.json keys, with model_type),
     # and its tokenizer: a directory, or "arithmetic" for the default task's character tokenizer.
     init: dict[str, Any] = field(default_factory=dict)

@@ -50,10 +50,11 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
 from jaxrl_llm.models import precision
+from jaxrl_llm.models.config import ATTENTION_BACKENDS, ATTENTION_REQUESTS
 from jaxrl_llm.models.layers import head_sinks, masked_softmax
 
-BACKENDS = ("xla", "pallas_gpu", "pallas_tpu", "cudnn", "pallas_interpret", "pallas_tpu_interpret")
-REQUESTS = ("auto", "xla", "pallas", "cudnn")
+BACKENDS = ATTENTION_BACKENDS
+REQUESTS = ATTENTION_REQUESTS
 LAYOUTS = ("segments", "prefix")
 # What a header names each backend.
 NAMES = {"xla": "XLA (chunked)", "pallas_gpu": "Pallas GPU flash (segment ids)",
@@ -345,7 +346,7 @@ def pallas_gpu_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Attenti
 def _splash_kernel(heads: int, length: int, causal: bool, window: int | None, softcap: float | None, block: int,
                    interpret: bool) -> splash.SplashAttentionKernel:
     """The splash kernel of `heads` query heads over `length` slots (its block-sparsity tables are built on the host,
-    once per shape)."""
+    once per shape and mask)."""
     shape = (length, length)
     if window is not None:
         base: splash_mask.Mask = splash_mask.LocalMask(shape, (window - 1, 0), 0)  # causal, `t - s < W`
@@ -355,8 +356,10 @@ def _splash_kernel(heads: int, length: int, causal: bool, window: int | None, so
         base = splash_mask.FullMask(shape)
     sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
                               block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
-    return splash.make_splash_mha(splash_mask.MultiHeadMask([base] * heads), block_sizes=sizes, head_shards=1,
-                                  q_seq_shards=1, attn_logits_soft_cap=softcap, interpret=interpret)
+    # Concrete tables even when first built inside a trace (a `cond` branch): the cached kernel outlives it.
+    with jax.ensure_compile_time_eval():
+        return splash.make_splash_mha(splash_mask.MultiHeadMask([base] * heads), block_sizes=sizes, head_shards=1,
+                                      q_seq_shards=1, attn_logits_soft_cap=softcap, interpret=interpret)
 
 
 def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask,

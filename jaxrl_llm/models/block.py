@@ -26,8 +26,9 @@ from typing import Any, NamedTuple
 
 import jax
 
+from jaxrl_llm.models.attention import AttentionMask, AttentionSpec, Features, attention, attention_backend, features_of
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.layers import apply_rope, gated_activation, grouped_query_attention
+from jaxrl_llm.models.layers import apply_rope, gated_activation
 from jaxrl_llm.models.moe import Routing
 
 Fn = Callable[[jax.Array], jax.Array]
@@ -91,11 +92,36 @@ def transformer_block(x: jax.Array, ops: LayerOps, attend: Attend, cos: jax.Arra
     return x + h, state, routing
 
 
-def cached_attention(config: ModelConfig, allowed: jax.Array, cache: dict[str, jax.Array] | None = None,
-                     cache_index: jax.Array | int = 0) -> Attend:
+def attention_spec(config: ModelConfig, local: bool) -> AttentionSpec:
+    """The static attention of a layer kind: causal, the model's scale and soft cap, and on a sliding-window layer
+    (`local`) its window."""
+    return AttentionSpec(causal=True, window=config.sliding_window if local else None,
+                         softcap=config.attn_logit_softcap, scale=config.attention_scale)
+
+
+def layer_kinds_present(config: ModelConfig) -> list[bool]:
+    """The layer kinds a model has (False: full attention, True: a sliding window), sorted."""
+    return sorted({config.is_sliding(i) for i in range(config.num_layers)})
+
+
+def training_attention(config: ModelConfig, platform: str | None = None) -> dict[str, tuple[str, str]]:
+    """`{kind: (backend, reason)}` of the full-sequence forward (training, the log-prob passes) on `platform`
+    (default: JAX's backend), per layer kind (`global`, `sliding`), as `cached_attention` picks it."""
+    platform = platform or jax.default_backend()
+    return {("sliding" if local else "global"): attention_backend(
+                config.attention, platform, Features(attention_spec(config, local), config.head_dim, config.dtype,
+                                                     config.attention_sinks))
+            for local in layer_kinds_present(config)}
+
+
+def cached_attention(config: ModelConfig, mask: AttentionMask, cache: dict[str, jax.Array] | None = None,
+                     cache_index: jax.Array | int = 0, local: bool | jax.Array = False) -> Attend:
     """Grouped-query attention of `T` queries over the decoder's cache layout: the new keys and values are
     written to `cache {"k", "v": [B, S, KVH, hd]}` at slots `cache_index ... cache_index + T - 1` and the queries
-    attend to the whole cache under `allowed [B, T, S]`; without a cache they attend to themselves (`S = T`)."""
+    attend to the whole cache under `mask` (its `q_offset` the cache index); without a cache they attend to
+    themselves (`S = T`). `local`: the layer's kind (a sliding window), static, or a traced bool inside the scanned
+    layer stack (both kinds traced, one run: `lax.cond`). The backend is `attention_backend`'s for
+    `config.attention` on JAX's default backend (a cache: XLA)."""
     c = config
 
     def attend(q: jax.Array, k: jax.Array, v: jax.Array, sinks: jax.Array | None
@@ -105,9 +131,16 @@ def cached_attention(config: ModelConfig, allowed: jax.Array, cache: dict[str, j
             k = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), cache_index, axis=1)
             v = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), cache_index, axis=1)
             new = {"k": k, "v": v}  # the cache's dtype: attention's dots cast their operands to the compute dtype
-        out = grouped_query_attention(q, k, v, allowed, query_chunk=c.attention_query_chunk,
-                                      scale=c.attention_scale, logit_softcap=c.attn_logit_softcap,
-                                      compute_dtype=c.jnp_dtype, causal=cache is None, sinks=sinks)
-        return out, new
+
+        def kind(is_local: bool) -> Callable[[jax.Array, jax.Array, jax.Array], jax.Array]:
+            spec = attention_spec(c, is_local)
+            backend = attention_backend(c.attention, jax.default_backend(),
+                                        features_of(spec, q, k, mask, sinks, c.jnp_dtype))[0]
+            return lambda q, k, v: attention(q, k, v, mask, spec, sinks=sinks, backend=backend,
+                                             query_chunk=c.attention_query_chunk, compute_dtype=c.jnp_dtype)
+
+        if isinstance(local, bool):
+            return kind(local)(q, k, v), new
+        return jax.lax.cond(local, kind(True), kind(False), q, k, v), new
 
     return attend

@@ -34,6 +34,11 @@ DType = Literal["float32", "bfloat16"]
 
 # What a rematerialised layer keeps for its backward pass: its input only, or also its weight matmuls' outputs.
 REMAT_POLICIES = ("full", "matmuls")
+# The training attention a run asks for (`models/attention.attention_backend`): the platform's kernel where it covers
+# the layer (auto), the XLA reference, the platform's Pallas kernel, or cuDNN.
+ATTENTION_REQUESTS = ("auto", "xla", "pallas", "cudnn")
+# The backends themselves, which `attention` may also name (tests, and exporting for another platform).
+ATTENTION_BACKENDS = ("xla", "pallas_gpu", "pallas_tpu", "cudnn", "pallas_interpret", "pallas_tpu_interpret")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +109,9 @@ class ModelConfig:
     # Full-sequence attention runs over at most this many queries at a time (float32 scores [B, H, chunk, S]
     # instead of [B, H, T, S], recomputed per chunk in the backward); 0 = all queries at once.
     attention_query_chunk: int = 128
+    # The full-sequence forward's attention (training, log-prob passes): one of ATTENTION_REQUESTS, or a backend of
+    # ATTENTION_BACKENDS; a layer the kernel cannot run (a window, a soft cap, sinks, a cache) runs on XLA.
+    attention: str = "auto"
     # LoRA applied unmerged (training with lora.dropout > 0, see jaxrl_llm.models.lora.insert_adapters): a kernel whose
     # module also holds `lora_a` / `lora_b` adds `lora_scale * dropout(x) @ A @ B`, dropout at `lora_dropout`.
     lora_scale: float = 0.0
@@ -199,6 +207,8 @@ def check_model_config(config: ModelConfig) -> None:
         raise ValueError(f"moe_intermediate_size must be >= 1 for {c.num_experts} experts")
     if c.swiglu_clamp is not None and (len(c.swiglu_clamp) != 2 or c.swiglu_clamp[1] <= 0):
         raise ValueError(f"swiglu_clamp must be (alpha, limit) with limit > 0, got {c.swiglu_clamp!r}")
+    if c.attention not in ATTENTION_REQUESTS + ATTENTION_BACKENDS:
+        raise ValueError(f"attention must be one of {', '.join(ATTENTION_REQUESTS)}, got {c.attention!r}")
     if c.moe_compute not in ("ragged", "dense"):
         raise ValueError(f"moe_compute must be 'ragged' or 'dense', got {c.moe_compute!r}")
     if c.num_heads % c.num_kv_heads:

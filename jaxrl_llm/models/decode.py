@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_llm.models import precision
-from jaxrl_llm.models.block import Attend, transformer_block
+from jaxrl_llm.models.attention import chunk_allowed
+from jaxrl_llm.models.block import Attend, attention_spec, transformer_block
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Decoder, DecoderLayer, Params, attention_inputs, attention_kind, unembed
 from jaxrl_llm.models.layers import (
@@ -65,8 +66,8 @@ def decode_layers(
     layer = DecoderLayer(config)
     new_caches, routes = [], []
     for i, (weights, cache) in enumerate(zip(layer_params, caches, strict=True)):
-        own = (inputs[attention_kind(config, i)],)  # the layer's kind, chosen statically
-        x, (cache, routing) = layer.apply({"params": weights}, x, cache, own, cache_index)
+        kind = attention_kind(config, i)  # the layer's kind, chosen while tracing
+        x, (cache, routing) = layer.apply({"params": weights}, x, cache, inputs, cache_index, kind)
         new_caches.append(cache)
         routes.append(routing)
     x = decoder.apply({"params": params}, x, method=lambda m, h: m.final_norm(h))
@@ -118,10 +119,11 @@ def decode_token_routed(params: Params, weights: list[StepWeights], config: Mode
     """`decode_token` that also returns an MoE model's chosen experts `[B, L, k]` int16 (None for a dense one)."""
     c = config
     x = embed_tokens(params["embed"]["embedding"], tokens[:, None], c)  # [B, 1, D]
-    inputs = attention_inputs(c, positions[:, None], key_mask, 1, cache_index)  # cos/sin [B, 1, rot], [B, 1, S]
+    inputs = attention_inputs(c, positions[:, None], key_mask, 1, cache_index)  # cos/sin [B, 1, rot]
     new_caches, routes = [], []
     for i, (w, cache) in enumerate(zip(weights, caches, strict=True)):
-        cos, sin, allowed = inputs[attention_kind(c, i)]
+        cos, sin, mask = inputs[attention_kind(c, i)]
+        allowed = chunk_allowed(mask, attention_spec(c, c.is_sliding(i)), 0, 1, key_mask.shape[-1])  # [B, 1, S]
         attend = loop_cache_attention(c, allowed, cache, cache_index)
         x, cache, routing = transformer_block(x, step_ops(w, c, shards), attend, cos, sin, c)
         new_caches.append(cache)

@@ -21,9 +21,11 @@ attention's, the gated MLP, the MoE). An MoE layer's feed-forward (`MoE`) routes
 (`models/moe.py`); the forward can return every layer's `Routing` (`return_routing`) and take a recorded selection to
 replay (`replay [L, B, T, k]`).
 
-Families whose layers differ (Gemma 2/3: sliding-window layers between global ones, Gemma 3's local RoPE base)
-keep the one scanned layer stack: the decoder builds both variants of the mask and the rotary tables, and each
-layer picks its own with a scanned per-layer flag (`AttentionInputs`).
+Attention reads its mask as structure (`models/attention.py`): segment ids (packed rows), or the key mask with
+every query in one segment (left-padded rows, a cache), and the cache index as the queries' offset; no `[B, T, S]`
+mask is built. Families whose layers differ (Gemma 2/3: sliding-window layers between global ones, Gemma 3's local
+RoPE base) keep the one scanned layer stack: the decoder builds both rotary tables, and each layer picks its own
+tables and window with a scanned per-layer flag (`AttentionInputs`, `block.cached_attention`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm.models.block import LayerOps, cached_attention, transformer_block
+from jaxrl_llm.models.attention import AttentionMask
+from jaxrl_llm.models.block import LayerOps, cached_attention, layer_kinds_present, transformer_block
 from jaxrl_llm.models.config import REMAT_POLICIES, ModelConfig
 from jaxrl_llm.models.layers import (  # noqa: F401  (re-exported: the decoder's public math)
     SUPPORTED_ROPE_SCALING,
@@ -56,13 +59,20 @@ from jaxrl_llm.models.sublayers import MLP, Attention, MoE, make_dense, make_nor
 
 Params = dict[str, Any]
 Cache = dict[str, jax.Array]
-# (cos, sin, allowed) of one layer kind: rotary tables `[B, T, rot]` and the attention mask `[B, T, S]`.
-AttentionInputs = tuple[jax.Array, jax.Array, jax.Array]
+
+
+class AttentionInputs(NamedTuple):
+    """What one layer kind's attention reads: rotary tables `cos, sin [B, T, rot]` and the mask's structure (the same
+    for every kind; the window is the kind's, `block.attention_spec`)."""
+
+    cos: jax.Array
+    sin: jax.Array
+    mask: AttentionMask
 
 
 def _kinds(config: ModelConfig) -> list[bool]:
     """The layer kinds present (False: full attention, True: sliding window), in `attention_inputs`' order."""
-    return sorted({config.is_sliding(i) for i in range(config.num_layers)})
+    return layer_kinds_present(config)
 
 
 def attention_kind(config: ModelConfig, layer: int) -> int:
@@ -71,20 +81,16 @@ def attention_kind(config: ModelConfig, layer: int) -> int:
 
 
 def attention_inputs(
-    config: ModelConfig, positions: jax.Array, key_mask: jax.Array, num_queries: int, cache_index: jax.Array | int,
-    segments: jax.Array | None = None,
+    config: ModelConfig, positions: jax.Array, key_mask: jax.Array, num_queries: int,
+    cache_index: jax.Array | int | None, segments: jax.Array | None = None,
 ) -> tuple[AttentionInputs, ...]:
-    """The rotary tables and masks the layers need: one `AttentionInputs` when every layer is alike, else
-    `(global, local)` (index with `attention_kind`). With `segments` (packed rows, no cache) the mask is
-    block-diagonal causal (`segment_attention_allowed`) and `key_mask` is unused."""
-    out = []
-    for local in _kinds(config):
-        cos, sin = rope_cos_sin(config, positions, local=local)
-        window = config.sliding_window if local else None
-        allowed = (attention_allowed(key_mask, num_queries, cache_index, window) if segments is None
-                   else segment_attention_allowed(segments, window))
-        out.append((cos, sin, allowed))
-    return tuple(out)
+    """The rotary tables and mask the layers need: one `AttentionInputs` when every layer is alike, else
+    `(global, local)` (index with `attention_kind`). With `segments` (packed rows, no cache) the mask is their
+    segment ids (block-diagonal causal, `AttentionMask.packed`) and `key_mask` is unused; else `key_mask [B, S]`
+    with the queries at `cache_index` (None: no cache, the queries are the keys; `AttentionMask.padded`)."""
+    mask = (AttentionMask.padded(key_mask, num_queries, cache_index) if segments is None
+            else AttentionMask.packed(segments))
+    return tuple(AttentionInputs(*rope_cos_sin(config, positions, local=local), mask) for local in _kinds(config))
 
 
 def layer_kinds(config: ModelConfig) -> jax.Array:
@@ -93,15 +99,31 @@ def layer_kinds(config: ModelConfig) -> jax.Array:
 
 
 def _select(inputs: tuple[AttentionInputs, ...], kind: jax.Array | int) -> AttentionInputs:
-    if len(inputs) == 1:
-        return inputs[0]
-    return tuple(jnp.where(kind == 1, local, full) for full, local in zip(*inputs, strict=True))  # type: ignore
+    """Layer kind `kind`'s inputs: by index when it is known while tracing, else the rotary tables selected by the
+    scanned flag (the mask is shared)."""
+    if len(inputs) == 1 or isinstance(kind, int):
+        return inputs[kind if len(inputs) > 1 else 0]  # type: ignore[index]
+    full, local = inputs
+    return AttentionInputs(jnp.where(kind == 1, local.cos, full.cos), jnp.where(kind == 1, local.sin, full.sin),
+                           full.mask)
+
+
+def _is_local(config: ModelConfig, kind: jax.Array | int, kinds: int) -> bool | jax.Array:
+    """Whether layer kind `kind` (an index into `_kinds`) has a sliding window: static where the kind is (one kind,
+    or an int), else the scanned flag as a traced bool."""
+    present = _kinds(config)
+    if kinds == 1:
+        return present[0]
+    if isinstance(kind, int):
+        return present[kind]
+    return kind == 1
 
 
 class DecoderLayer(nn.Module):
     """One layer's weights (`attn_norm`, `attn`, `mlp_norm`, `mlp`: an `MLP` or, for an MoE family, an `MoE`, and
     Gemma 2/3's sandwich norms), run as `block.transformer_block` over the decoder's cache layout
-    (`block.cached_attention`). `inputs`: `attention_inputs(...)`, of which the layer takes entry `kind`."""
+    (`block.cached_attention`). `inputs`: `attention_inputs(...)`, of which the layer takes entry `kind` (an int:
+    chosen while tracing; a scanned array: selected on the device)."""
 
     config: ModelConfig
 
@@ -131,10 +153,10 @@ class DecoderLayer(nn.Module):
     def __call__(self, x: jax.Array, layer_cache: Cache | None, inputs: tuple[AttentionInputs, ...],
                  cache_index: jax.Array | int, kind: jax.Array | int = 0, replay: jax.Array | None = None,
                  valid: jax.Array | None = None) -> tuple[jax.Array, tuple[Cache | None, Routing | None]]:
-        cos, sin, allowed = _select(inputs, kind)
-        x, cache, routing = transformer_block(x, self.ops(replay, valid),
-                                              cached_attention(self.config, allowed, layer_cache, cache_index),
-                                              cos, sin, self.config)
+        cos, sin, mask = _select(inputs, kind)
+        attend = cached_attention(self.config, mask, layer_cache, cache_index,
+                                  _is_local(self.config, kind, len(inputs)))
+        x, cache, routing = transformer_block(x, self.ops(replay, valid), attend, cos, sin, self.config)
         return x, (cache, routing)
 
 
@@ -199,7 +221,8 @@ class Decoder(nn.Module):
         return_routing: bool = False,
     ) -> tuple[jax.Array, Cache | None] | tuple[jax.Array, Cache | None, Routing | None]:
         c = self.config
-        inputs = attention_inputs(c, positions, key_mask, tokens.shape[1], cache_index, segments)
+        inputs = attention_inputs(c, positions, key_mask, tokens.shape[1], None if cache is None else cache_index,
+                                  segments)
         x = self.embed_tokens(tokens)
         x, (cache, routing) = self.layers(x, cache, inputs, cache_index, layer_kinds(c), replay, token_mask)
         x = self.final_norm(x)

@@ -27,6 +27,8 @@ from jaxrl_llm.config import RunConfig
 from jaxrl_llm.data import PromptSet, bucket, build_prompt_set, left_pad, load_records
 from jaxrl_llm.engine import Engine
 from jaxrl_llm.errors import ConfigError
+from jaxrl_llm.models.attention import describe as describe_attention
+from jaxrl_llm.models.block import training_attention
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params, init_params
 from jaxrl_llm.models.hf import config_from_hf, load_hf_model, resolve_model_dir
@@ -134,8 +136,15 @@ class Policy:
         return self.samplers.get()(params, tokens, mask, key, sampling, mesh_of(params, self.mesh))
 
     def describe_sampler(self) -> str:
-        """The run's sampler in words, on the mesh it samples on (`ThreadSamplers.describe`)."""
-        return self.samplers.describe(self.sampler_mesh if self.sampler_mesh is not None else self.mesh)
+        """The run's sampler in words, on the mesh it samples on (`ThreadSamplers.describe`), then the training
+        forward's attention (`describe_attention`)."""
+        sampler = self.samplers.describe(self.sampler_mesh if self.sampler_mesh is not None else self.mesh)
+        return f"{sampler}; {self.describe_attention()}"
+
+    def describe_attention(self) -> str:
+        """`training attention: <path>`: the backend the update's and log-prob passes' full-sequence attention runs
+        on per layer kind, and why XLA where it does (`block.training_attention`)."""
+        return f"training attention: {describe_attention(training_attention(self.model_config))}"
 
     @property
     def engine(self) -> Engine | None:
@@ -231,7 +240,7 @@ def load_policy(c: RunConfig, *, from_scratch: bool = False) -> Policy:
     sampler = sampler_mesh(sampler_devices, c.rollout.sampler_tensor) if sampler_devices else None
     overrides = dict(dtype=c.model.dtype, param_dtype=c.model.param_dtype, remat=c.model.remat,
                      remat_policy=c.model.remat_policy, scan_unroll=c.model.scan_unroll,
-                     attention_query_chunk=c.model.attention_query_chunk)
+                     attention_query_chunk=c.model.attention_query_chunk, attention=c.model.attention)
     if from_scratch and c.model.init:
         tokenizer, tok_dir = _scratch_tokenizer(c.model.tokenizer, Path(c.out_dir))
         hf = {"vocab_size": len(tokenizer), "bos_token_id": tokenizer.bos_token_id,

@@ -6,6 +6,7 @@ set gets; no `[T, S]`-sized array in the chunked path's forward and backward."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -16,6 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxrl_llm.models import attention as A
+from jaxrl_llm.models.block import training_attention
+from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.decoder import forward_packed, init_params
 from jaxrl_llm.models.layers import attention_allowed, grouped_query_attention, segment_attention_allowed
 
 # Every test here runs in seconds (the kernels' interpreter at 40 tokens included).
@@ -286,3 +290,67 @@ def test_the_chunked_path_has_no_query_by_key_array(mask_kind):
 
     assert big(64) == []
     assert big(0)  # the check sees a dense one where it exists
+
+
+def _model(**overrides) -> ModelConfig:
+    settings = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
+                    head_dim=16, sliding_window=6, layer_types=("full_attention", "sliding_attention"),
+                    attention_query_chunk=16)
+    return ModelConfig(**{**settings, **overrides})
+
+
+@pytest.mark.parametrize(("backend", "head_dim"), [("pallas_interpret", 16), ("pallas_tpu_interpret", 128)])
+def test_the_decoder_trains_through_the_kernels_as_through_xla(backend, head_dim):
+    """Packed rows through the decoder (a global and a sliding-window layer in one scanned stack, each kind's
+    attention picked by the scanned flag): with the GPU kernel on the global layers (its sliding layers on XLA) or
+    splash on both, the hidden states and the parameters' gradients are the XLA path's."""
+    config = _model(head_dim=head_dim, attention="xla")
+    params = init_params(config, jax.random.key(0))
+    segments = _packed_segments([[9, 14, 5], [30]], 33)
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, 64, segments.shape), jnp.int32)
+    positions = jnp.asarray(np.concatenate([np.arange(n) for n in (9, 14, 5, 5)])[None].repeat(2, 0), jnp.int32)
+    positions = jnp.where(segments == 2, jnp.arange(33)[None] - 9, positions)  # any per-segment positions
+    valid = (segments > 0)[..., None]
+
+    def run(attention: str):
+        c = dataclasses.replace(config, attention=attention)
+        return jax.jit(jax.value_and_grad(lambda p: jnp.sum(
+            jnp.where(valid, forward_packed(p, c, tokens, positions, segments), 0.0) ** 2)))(params)
+
+    (value, grads), (ref, ref_grads) = run(backend), run("xla")
+    kernel = dataclasses.replace(config, attention=backend)
+    program = str(jax.make_jaxpr(lambda p: forward_packed(p, kernel, tokens, positions, segments))(params))
+    assert "pallas_call" in program and "cond" in program  # the kernel runs, inside the scanned kind's branch
+    np.testing.assert_allclose(float(value), float(ref), rtol=1e-5)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=2e-4, rtol=2e-4)
+
+
+def test_the_header_names_each_layer_kinds_attention():
+    """`block.training_attention` + `describe`: the CPU's XLA, the GPU kernel on global layers only (a window),
+    splash on both kinds on TPU for heads of 128, and `model.attention=xla` as asked."""
+    config = _model()
+    assert A.describe(training_attention(config, "cpu")) == "XLA (chunked, no kernel on cpu)"
+    assert A.describe(training_attention(config, "gpu")) == (
+        "global Pallas GPU flash (segment ids); sliding XLA (chunked, pallas_gpu has no sliding window; cudnn takes "
+        "no segment ids (packed or left-padded rows), only prefix lengths)")
+    assert A.describe(training_attention(_model(head_dim=128), "tpu")) == "Pallas TPU splash (segment ids)"
+    assert A.describe(training_attention(_model(attention="xla"), "tpu")) == "XLA (chunked)"
+    with pytest.raises(ValueError, match="attention must be one of auto, xla, pallas, cudnn"):
+        _model(attention="flash")
+
+
+def test_the_decoders_update_has_no_query_by_key_array():
+    """The decoder's packed forward and its gradient at T = 256 in query chunks of 32 (two layer kinds, a window):
+    no array with two axes of at least T anywhere in the program (issue 61's linear memory in the context)."""
+    config = _model(attention_query_chunk=32)
+    params = init_params(config, jax.random.key(0))
+    t = 256
+    segments = _packed_segments([[100, 120, 20]], t)
+    tokens = jnp.zeros((1, t), jnp.int32)
+
+    def loss(p):
+        return jnp.sum(forward_packed(p, config, tokens, jnp.zeros((1, t), jnp.int32), segments) ** 2)
+
+    jaxpr = jax.make_jaxpr(jax.value_and_grad(loss))(params).jaxpr
+    assert [a.shape for a in _avals(jaxpr) if sum(d >= t for d in getattr(a, "shape", ())) >= 2] == []
