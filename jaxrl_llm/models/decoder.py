@@ -54,7 +54,7 @@ from jaxrl_llm.models.layers import (  # noqa: F401  (re-exported: the decoder's
 )
 from jaxrl_llm.models.moe import NO_RECORD, Routing
 from jaxrl_llm.models.packing import PackedLayout, gather_predictors, packed_inputs
-from jaxrl_llm.models.precision import matmul_transposed
+from jaxrl_llm.models.precision import WEIGHT_MATMUL, matmul_transposed
 from jaxrl_llm.models.sublayers import MLP, Attention, MoE, make_dense, make_norm
 
 Params = dict[str, Any]
@@ -162,13 +162,13 @@ class DecoderLayer(nn.Module):
 
 def remat_layer(config: ModelConfig) -> type[nn.Module]:
     """The scanned layer, rematerialised under `config.remat`: `full` keeps only each layer's input for the backward
-    pass and recomputes the rest; `matmuls` also keeps the outputs of its weight matmuls (dots without batch
-    dimensions: q, k, v, o, gate, up, down) and recomputes the attention and the elementwise work between them."""
+    pass and recomputes the rest; `matmuls` also keeps the outputs of its weight matmuls (`precision.matmul`: q, k, v,
+    o, gate, up, down, LoRA's) and recomputes the attention and the elementwise work between them."""
     if not config.remat:
         return DecoderLayer
     if config.remat_policy not in REMAT_POLICIES:
         raise ValueError(f"remat_policy must be one of {', '.join(REMAT_POLICIES)}, not {config.remat_policy!r}")
-    policy = (jax.checkpoint_policies.dots_with_no_batch_dims_saveable if config.remat_policy == "matmuls"
+    policy = (jax.checkpoint_policies.save_only_these_names(WEIGHT_MATMUL) if config.remat_policy == "matmuls"
               else None)
     return nn.remat(DecoderLayer, prevent_cse=False, policy=policy)
 
