@@ -37,11 +37,12 @@ from jaxrl_llm.engine.pages import (
     write_pages,
 )
 from jaxrl_llm.errors import ConfigError
-from jaxrl_llm.models.block import Attend, LayerOps, transformer_block
+from jaxrl_llm.models.attention import AttentionMask, xla_attention
+from jaxrl_llm.models.block import Attend, LayerOps, attention_spec, layer_kinds_present, transformer_block
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decode import longrope_original, loop_layout_attention, stacked_experts
 from jaxrl_llm.models.decoder import Params, unembed, unembedding_as_stored
-from jaxrl_llm.models.layers import embed_tokens, grouped_query_attention, rms_norm, rope_cos_sin, softcap
+from jaxrl_llm.models.layers import embed_tokens, rms_norm, rope_cos_sin, softcap
 from jaxrl_llm.models.precision import matmul
 from jaxrl_llm.models.step_weights import StepWeights, mlp_width, step_ops
 
@@ -99,17 +100,21 @@ def step_rotary(rotary: Rotary, j: jax.Array) -> Rotary:
 
 
 def paged_attention(config: ModelConfig, layer: PagedLayer, page_table: jax.Array, slots: jax.Array,
-                    allowed: jax.Array) -> Attend:
+                    positions: jax.Array, local: bool) -> Attend:
     """Grouped-query attention over pages: the new keys and values written at `slots [R, T]`, then each row's
-    queries attend to its gathered context `[R, M * page_size]` under `allowed [R, T, M * page_size]`."""
+    queries, at `positions [R, T]` (-1: padding), attend to its gathered context `[R, M * page_size]` through the
+    training attention's XLA path (`models.attention`): the mask is the positions (a key slot is its position), built
+    a query chunk at a time (`model.attention_query_chunk`), so a long prompt's chunk never holds a
+    `[R, T, M * page_size]` mask or all its scores at once."""
     c = config
 
     def attend(q: jax.Array, k: jax.Array, v: jax.Array, sinks: jax.Array | None) -> tuple[jax.Array, PagedLayer]:
         new = write_pages(layer, slots, k, v, c.jnp_dtype)
         keys, values = (jnp.transpose(from_storage(x, c.jnp_dtype), (1, 2, 0, 3))  # [R, C, KVH, hd]
                         for x in gather_pages(new, page_table))
-        out = grouped_query_attention(q, keys, values, allowed, scale=c.attention_scale,
-                                      logit_softcap=c.attn_logit_softcap, compute_dtype=c.jnp_dtype, sinks=sinks)
+        out = xla_attention(q, keys, values, AttentionMask.at_positions(positions, keys.shape[1]),
+                            attention_spec(c, local), sinks=sinks, query_chunk=c.attention_query_chunk,
+                            compute_dtype=c.jnp_dtype)
         return out, new
 
     return attend
@@ -125,20 +130,19 @@ def paged_forward(params: Params, weights: list[StepWeights], config: ModelConfi
     sequence's pages), else XLA's dots over the gathered pages."""
     c = config
     num_pages, page_size = pool_geometry(pages)
-    context = page_table.shape[1] * page_size
     slots = page_slots(page_table, positions, page_size, num_pages)
-    inputs = layer_inputs(c, positions, 1 if attention == "cpu" else context)
+    rotary = {local: rope_cos_sin(c, jnp.maximum(positions, 0), local=local) for local in layer_kinds_present(c)}
     if attention == "cpu":  # the kernel's rows, one per query; a padding query (position -1) reads nothing
         query_tables, query_lengths = jnp.repeat(page_table, positions.shape[1], axis=0), (positions + 1).reshape(-1)
     x = embed_tokens(params["embed"]["embedding"], tokens, c)
     new_pages, routes = [], []
     for i, (w, layer) in enumerate(zip(weights, pages, strict=True)):
-        cos, sin, allowed = inputs[c.is_sliding(i)]
+        cos, sin = rotary[c.is_sliding(i)]
         if attention == "cpu":
             window = c.sliding_window if c.is_sliding(i) else None
             attend = kernel_attention(c, layer, query_tables, slots, query_lengths, "cpu", window)
         else:
-            attend = paged_attention(c, layer, page_table, slots, allowed)
+            attend = paged_attention(c, layer, page_table, slots, positions, c.is_sliding(i))
         x, layer, routing = transformer_block(x, step_ops(w, c, shards), attend, cos, sin, c)
         new_pages.append(layer)
         routes.append(routing)

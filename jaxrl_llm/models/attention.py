@@ -3,8 +3,8 @@
     out[b, t, h] = softmax_s(mask(softcap(scale * q[b, t, h] . k[b, s, h // G]))) . v[b, s, h // G]
 
 `q [B, T, H, hd]`, `k, v [B, S, KVH, hd]`, `G = H / KVH` query heads per key head, `out [B, T, H * hd]`. Query `t`
-sits in slot `q_offset + t`; key `s` in slot `s`. The mask is never an array of its own: query `t` may attend to key
-`s` when
+sits in slot `q_offset + t` (or its own `q_slots[b, t]`: the engine's prefill chunks); key `s` in slot `s`. The mask
+is never an array of its own: query `t` may attend to key `s` when
 
     q_segments[b, t] == kv_segments[b, s] > 0                         (same sequence, not padding)
     and s <= q_offset + t                                             (`causal`)
@@ -73,6 +73,9 @@ through `jit`, where a Python 0 would be traced). Causality and windows are stat
     q_segments: jax.Array
     kv_segments: jax.Array
     q_offset: jax.Array | None = None
+    # Each query's own slot `[B, T]` int32, in place of `q_offset + t` (the engine's prefill: rows at their own
+    # positions into their gathered pages); None: `q_offset + t`.
+    q_slots: jax.Array | None = None
 
     @classmethod
     def packed(cls, segments: jax.Array) -> AttentionMask:
@@ -89,6 +92,15 @@ through `jit`, where a Python 0 would be traced). Causality and windows are stat
         kv = key_mask.astype(bool).astype(jnp.int32)
         offset = None if q_offset is None else jnp.asarray(q_offset, jnp.int32)
         return cls(jnp.ones((kv.shape[0], num_queries), jnp.int32), kv, offset)
+
+    @classmethod
+    def at_positions(cls, positions: jax.Array, keys: int) -> AttentionMask:
+        """Queries at their own slots `positions [B, T]` (-1: a padding query, which attends to nothing) against
+        `keys` key slots of one sequence per row (slot = position: a row's gathered context), every key valid
+        (causality keeps a query from the slots after its own, written or not)."""
+        positions = positions.astype(jnp.int32)
+        return cls((positions >= 0).astype(jnp.int32), jnp.ones((positions.shape[0], keys), jnp.int32), None,
+                   positions)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +133,7 @@ class Features:
 def features_of(spec: AttentionSpec, q: jax.Array, k: jax.Array, mask: AttentionMask,
                 sinks: jax.Array | None = None, compute_dtype: jnp.dtype | str = jnp.float32) -> Features:
     """`Features` of a call `attention(q [B, T, H, hd], k [B, S, KVH, hd], mask, spec, sinks)`."""
-    cache = mask.q_offset is not None or k.shape[1] != q.shape[1]
+    cache = mask.q_offset is not None or mask.q_slots is not None or k.shape[1] != q.shape[1]
     return Features(spec, q.shape[-1], jnp.dtype(compute_dtype).name, sinks is not None, cache)
 
 
@@ -240,19 +252,24 @@ def _attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask, sp
 
 def chunk_allowed(mask: AttentionMask, spec: AttentionSpec, start: jax.Array | int, size: int, keys: int
                   ) -> jax.Array:
-    """Boolean `[B, size, keys]`: queries `start ... start + size - 1` (slots `q_offset + start + i`) against key
-    slots `0 ... keys - 1`: `q_seg == kv_seg > 0`, `k_slot <= q_slot` (causal), `q_slot - k_slot < W` (window)."""
+    """Boolean `[B, size, keys]`: queries `start ... start + size - 1` (slots `q_offset + start + i`, or their
+    `q_slots`) against key slots `0 ... keys - 1`: `q_seg == kv_seg > 0`, `k_slot <= q_slot` (causal),
+    `q_slot - k_slot < W` (window)."""
     q_seg = jax.lax.dynamic_slice_in_dim(mask.q_segments, start, size, axis=1)
     kv_seg = mask.kv_segments[:, :keys]
     allowed = (q_seg[:, :, None] == kv_seg[:, None, :]) & (kv_seg > 0)[:, None, :]
     if not spec.causal and spec.window is None:
         return allowed
-    q_slot = (0 if mask.q_offset is None else mask.q_offset) + start + jnp.arange(size)[:, None]
-    k_slot = jnp.arange(keys)[None, :]
+    if mask.q_slots is not None:  # [B, size, 1] against [1, 1, keys]
+        q_slot = jax.lax.dynamic_slice_in_dim(mask.q_slots, start, size, axis=1)[:, :, None]
+        k_slot = jnp.arange(keys)[None, None, :]
+    else:  # [1, size, 1] against [1, 1, keys]
+        q_slot = ((0 if mask.q_offset is None else mask.q_offset) + start + jnp.arange(size))[None, :, None]
+        k_slot = jnp.arange(keys)[None, None, :]
     if spec.causal:
-        allowed &= (k_slot <= q_slot)[None]
+        allowed &= k_slot <= q_slot
     if spec.window is not None:
-        allowed &= (q_slot - k_slot < spec.window)[None]
+        allowed &= q_slot - k_slot < spec.window
     return allowed
 
 
@@ -276,7 +293,7 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask,
 
     if not query_chunk or t <= query_chunk:
         return block(q, 0, s)
-    if spec.causal and s == t and mask.q_offset is None:
+    if spec.causal and s == t and mask.q_offset is None and mask.q_slots is None:
         return jnp.concatenate([jax.checkpoint(functools.partial(block, q[:, a:b], a, b))()
                                 for a, b in ((a, min(a + query_chunk, t)) for a in range(0, t, query_chunk))], axis=1)
     n_full, rem = divmod(t, query_chunk)

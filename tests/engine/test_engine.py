@@ -5,6 +5,7 @@ under any scheduling, no page leaked, queueing when the pool is small."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -319,3 +320,38 @@ def test_make_sampler_is_where_a_name_becomes_a_sampler(hf_model_dir):
     branching = re.compile(r"""engine\s*[!=]=\s*["'](paged|static)["']""")
     found = [str(p.relative_to(root)) for p in root.rglob("*.py") if branching.search(p.read_text())]
     assert found == ["cli/plan.py"], found  # the planner sizes the engine's pool, a plan and not a sampler
+
+
+@pytest.mark.parametrize("query_chunk", [0, 16])
+def test_a_long_prompts_prefill_chunk_holds_no_query_by_context_mask(hf_model_dir, query_chunk):
+    """The XLA prefill (GPU, TPU, an engine without the CPU kernel) of a 64-token chunk into a 512-slot context in
+    query chunks of 16 holds no array with both a 64-wide and a 512-wide axis (no `[R, T, context]` mask, no
+    `[R, H, T, context]` scores): the mask is the positions, built a query chunk at a time; without chunks there is
+    one (the check sees it). Gemma 2: a sliding window and a soft cap on the path."""
+    from jaxrl_llm.engine.model import paged_forward
+    from jaxrl_llm.engine.pages import init_pages
+    from jaxrl_llm.engine.programs import prepare_weights
+
+    config, params = load_hf_model(hf_model_dir("gemma2"))
+    config = config.replace(attention_query_chunk=query_chunk)
+    t, context, page_size = 64, 512, 8
+    weights, pages = prepare_weights(params, config), init_pages(config, context // page_size + 1, page_size)
+    tokens = jnp.zeros((1, t), jnp.int32)
+    positions = jnp.arange(100, 100 + t, dtype=jnp.int32)[None]
+    table = jnp.arange(1, context // page_size + 1, dtype=jnp.int32)[None]
+    jaxpr = jax.make_jaxpr(lambda pages: paged_forward(params, weights, config, tokens, positions, table, pages))(pages)
+    wide = [v.aval.shape for e in _all_eqns(jaxpr.jaxpr) for v in e.outvars
+            if t in getattr(v.aval, "shape", ()) and context in getattr(v.aval, "shape", ())]
+    assert (wide == []) == (query_chunk > 0), wide
+
+
+def _all_eqns(jaxpr: jax.extend.core.Jaxpr) -> list:
+    """The equations of `jaxpr` and of every jaxpr inside it."""
+    out = list(jaxpr.eqns)
+    for eqn in jaxpr.eqns:
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else [param]:
+                inner = getattr(sub, "jaxpr", sub)
+                if isinstance(inner, jax.extend.core.Jaxpr):
+                    out += _all_eqns(inner)
+    return out
