@@ -1,4 +1,4 @@
-"""Where arrays live: a `(data, fsdp, expert, tensor)` device mesh and partition rules by parameter path.
+"""Where arrays live: a `(data, fsdp, expert, sequence, tensor)` device mesh and partition rules by parameter path.
 
 - `data`: pure data parallelism (parameters replicated along it);
 - `fsdp`: the batch is split along it too, and parameters and optimizer state are sharded along it
@@ -7,6 +7,10 @@
   `E / expert` whole experts), and the batch too, so outside the MoE layers it is one more data axis; an MoE layer
   gathers its group's tokens, runs its own experts on the ones routed to them and sums the shares back
   (`models/moe.experts_parallel`). A dense model treats it as data parallelism;
+- `sequence`: context parallelism: one sequence's positions split over it. Parameters and rows are replicated along
+  it; the training forward's activations `[B, T, D]` are split on `T` (`ModelConfig.sequence_mesh`), and attention
+  crosses the shards (`models/sequence_parallel.py`). Anything that is not told about it (the sampler, the reward
+  model) sees one more axis its arrays are replicated along;
 - `tensor`: Megatron-style tensor parallelism: attention heads (q/k/v columns, o rows) and the MLP's
   intermediate dimension (gate/up columns, down rows), plus the vocabulary of the embedding and LM head.
 
@@ -34,7 +38,12 @@ import optax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+# The axes that partition rules, row specs and the planner's meshes name (a sampler's sub-mesh has exactly these).
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
+SEQUENCE_AXIS = "sequence"
+# The axes of a mesh `make_mesh` builds: `MESH_AXES` with `sequence` next to `tensor`, so a sequence group is
+# neighbouring devices too (its all-gathers stay inside a node); a size-1 axis changes no placement.
+DEVICE_AXES = ("data", "fsdp", "expert", SEQUENCE_AXIS, "tensor")
 BATCH_AXES = ("data", "fsdp", "expert")
 P = PartitionSpec
 
@@ -70,18 +79,19 @@ PARTITION_RULES: tuple[tuple[str, PartitionSpec], ...] = (
 
 @dataclasses.dataclass(frozen=True)
 class MeshShape:
-    """Sizes of the mesh axes; one of them may be -1 (all remaining devices). `expert` is keyword-only, so that
-    `MeshShape(data, fsdp, tensor)` reads as it always did; `resolve` returns the sizes in `MESH_AXES` order, and
-    `make_mesh` reads a 4-tuple in that order."""
+    """Sizes of the mesh axes; one of them may be -1 (all remaining devices). `expert` and `sequence` are
+    keyword-only, so that `MeshShape(data, fsdp, tensor)` reads as it always did; `resolve` returns the sizes of
+    `MESH_AXES` (sequence left out: what rules and row specs see), `sizes` all of `DEVICE_AXES`."""
 
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
     expert: int = dataclasses.field(default=1, kw_only=True)
+    sequence: int = dataclasses.field(default=1, kw_only=True)
 
-    def resolve(self, num_devices: int) -> tuple[int, int, int, int]:
-        """`(data, fsdp, expert, tensor)` sizes whose product is `num_devices`."""
-        sizes = [self.data, self.fsdp, self.expert, self.tensor]
+    def sizes(self, num_devices: int) -> tuple[int, int, int, int, int]:
+        """`(data, fsdp, expert, sequence, tensor)` sizes whose product is `num_devices`."""
+        sizes = [self.data, self.fsdp, self.expert, self.sequence, self.tensor]
         if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
             raise ValueError(f"mesh {self}: each axis is a positive size, and at most one is -1")
         known = math.prod(s for s in sizes if s != -1)
@@ -91,24 +101,35 @@ class MeshShape:
             sizes[sizes.index(-1)] = num_devices // known
         if math.prod(sizes) != num_devices:
             raise ValueError(
-                f"mesh {self} has data*fsdp*expert*tensor = {math.prod(sizes)} devices, but {num_devices} are "
-                "available")
-        return sizes[0], sizes[1], sizes[2], sizes[3]
+                f"mesh {self} has data*fsdp*expert*sequence*tensor = {math.prod(sizes)} devices, but {num_devices} "
+                "are available")
+        return sizes[0], sizes[1], sizes[2], sizes[3], sizes[4]
+
+    def resolve(self, num_devices: int) -> tuple[int, int, int, int]:
+        """`(data, fsdp, expert, tensor)` sizes (`MESH_AXES`' order) whose product times `sequence` is
+        `num_devices`."""
+        data, fsdp, expert, _, tensor = self.sizes(num_devices)
+        return data, fsdp, expert, tensor
 
 
 def make_mesh(shape: MeshShape | Sequence[int] = MeshShape(), devices: Sequence[Any] | None = None) -> Mesh:
-    """A `(data, fsdp, expert, tensor)` mesh over `devices` (default: all devices of all processes); `shape` a
-    `MeshShape`, or sizes `(data, fsdp, tensor)` or `(data, fsdp, expert, tensor)`.
+    """A `(data, fsdp, expert, sequence, tensor)` mesh (`DEVICE_AXES`) over `devices` (default: all devices of all
+    processes); `shape` a `MeshShape`, or sizes `(data, fsdp, tensor)`, `(data, fsdp, expert, tensor)` or
+    `(data, fsdp, expert, sequence, tensor)`.
 
     `tensor` is the fastest-varying axis, so tensor-parallel groups are neighbouring devices (one node's
-    NVLink domain on GPUs); `data` the slowest, so it is the axis that crosses hosts.
+    NVLink domain on GPUs), then `sequence`; `data` the slowest, so it is the axis that crosses hosts.
     """
     devices = list(devices if devices is not None else jax.devices())
-    if not isinstance(shape, MeshShape):  # (data, fsdp, tensor), or (data, fsdp, expert, tensor): MESH_AXES' order
+    if not isinstance(shape, MeshShape):  # MESH_AXES' or DEVICE_AXES' order, or the short (data, fsdp, tensor)
         sizes = tuple(shape)
-        shape = MeshShape(sizes[0], sizes[1], sizes[3], expert=sizes[2]) if len(sizes) == 4 else MeshShape(*sizes)
-    sizes = shape.resolve(len(devices))
-    return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
+        if len(sizes) == 5:
+            shape = MeshShape(sizes[0], sizes[1], sizes[4], expert=sizes[2], sequence=sizes[3])
+        elif len(sizes) == 4:
+            shape = MeshShape(sizes[0], sizes[1], sizes[3], expert=sizes[2])
+        else:
+            shape = MeshShape(*sizes)
+    return Mesh(np.asarray(devices).reshape(shape.sizes(len(devices))), DEVICE_AXES)
 
 
 def split_devices(sampler_devices: int) -> tuple[list[Any], list[Any]]:
@@ -130,6 +151,12 @@ def sampler_mesh(devices: Sequence[Any], tensor: int = 1) -> Mesh:
 def expert_mesh(mesh: Mesh | None) -> Mesh | None:
     """`mesh` if its `expert` axis splits anything (size > 1), else None: what `ModelConfig.expert_mesh` holds."""
     return mesh if mesh is not None and mesh.shape.get("expert", 1) > 1 else None
+
+
+def sequence_mesh(mesh: Mesh | None) -> Mesh | None:
+    """`mesh` if it has a `sequence` axis that splits anything (size > 1), else None: what
+    `ModelConfig.sequence_mesh` holds."""
+    return mesh if mesh is not None and mesh.shape.get(SEQUENCE_AXIS, 1) > 1 else None
 
 
 def mesh_of(tree: Any, default: Mesh | None) -> Mesh | None:

@@ -362,6 +362,12 @@ def test_mesh_shape_resolution() -> None:
         MeshShape(-1, 3, 1).resolve(8)
     with pytest.raises(ValueError, match="at most one is -1"):
         MeshShape(-1, -1, 1).resolve(8)
+    # The sequence axis: resolve leaves it out (what rules and row specs see), sizes has every axis of the mesh.
+    assert MeshShape(-1, 1, 1, sequence=4).resolve(8) == (2, 1, 1, 1)
+    assert MeshShape(-1, 1, 1, sequence=4).sizes(8) == (2, 1, 1, 4, 1)  # (data, fsdp, expert, sequence, tensor)
+    assert MeshShape(1, 1, 2, sequence=-1).sizes(8) == (1, 1, 1, 4, 2)
+    with pytest.raises(ValueError, match="sequence"):
+        MeshShape(1, 1, 1, sequence=3).resolve(8)
 
 
 def _free_port() -> int:

@@ -34,9 +34,10 @@ def check_fields(c: RunConfig) -> None:
             raise ConfigError(error)
         if "choices" in f.metadata and value not in f.metadata["choices"]:
             raise ConfigError(f"{key}={value!r}: expected one of {', '.join(f.metadata['choices'])}")
-    sizes = (c.mesh.data, c.mesh.fsdp, c.mesh.tensor, c.mesh.expert)
+    sizes = (c.mesh.data, c.mesh.fsdp, c.mesh.tensor, c.mesh.expert, c.mesh.sequence)
     if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
-        raise ConfigError(f"mesh.data/fsdp/tensor/expert={sizes}: each is a positive size, and at most one is -1")
+        raise ConfigError(f"mesh.data/fsdp/tensor/expert/sequence={sizes}: each is a positive size, and at most one "
+                          "is -1")
     if c.lora.rank:
         try:
             re.compile(c.lora.targets)

@@ -279,12 +279,16 @@ class SFTSection:
 
 @dataclass
 class MeshSection:
-    """Device mesh (see `jaxrl_llm.sharding`): data * fsdp * expert * tensor = all devices; one axis may be -1."""
+    """Device mesh (see `jaxrl_llm.sharding`): data * fsdp * expert * sequence * tensor = all devices; one axis may
+    be -1."""
 
     data: int = -1  # data parallel: params replicated, batch split
     fsdp: int = 1  # batch split, params and optimizer state sharded
     tensor: int = 1  # attention heads and MLP columns split
     expert: int = 1  # mixture of experts: each device holds num_experts / expert of the experts; batch split
+    # context parallelism: each sequence's positions split over this many devices in the update and the log-prob
+    # passes (attention over all-gathered keys and values; rows padded to a multiple; docs/scaling.md)
+    sequence: int = 1
 
 
 @dataclass

@@ -30,6 +30,7 @@ from jaxrl_llm.models.attention import AttentionMask, AttentionSpec, Features, a
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.layers import apply_rope, gated_activation
 from jaxrl_llm.models.moe import Routing
+from jaxrl_llm.models.sequence_parallel import sequence_attention
 
 Fn = Callable[[jax.Array], jax.Array]
 # `feed_forward(h [B, T, D]) -> (y [B, T, D], routing)`: routing is None for a dense MLP, else the `Routing` of the
@@ -108,6 +109,11 @@ def training_attention(config: ModelConfig, platform: str | None = None) -> dict
     """`{kind: (backend, reason)}` of the full-sequence forward (training, the log-prob passes) on `platform`
     (default: JAX's backend), per layer kind (`global`, `sliding`), as `cached_attention` picks it."""
     platform = platform or jax.default_backend()
+    if config.sequence_mesh is not None:  # the kernels attend a sequence to itself; a shard's queries sit at an offset
+        n = config.sequence_mesh.shape["sequence"]
+        how = "all-gathered keys and values" if config.sequence_attention == "gather" else "a ring of key blocks"
+        return {("sliding" if local else "global"): ("xla", f"xla: sequence={n}, {how}")
+                for local in layer_kinds_present(config)}
     return {("sliding" if local else "global"): attention_backend(
                 config.attention, platform, Features(attention_spec(config, local), config.head_dim, config.dtype,
                                                      config.attention_sinks))
@@ -121,7 +127,8 @@ def cached_attention(config: ModelConfig, mask: AttentionMask, cache: dict[str, 
     attend to the whole cache under `mask` (its `q_offset` the cache index); without a cache they attend to
     themselves (`S = T`). `local`: the layer's kind (a sliding window), static, or a traced bool inside the scanned
     layer stack (both kinds traced, one run: `lax.cond`). The backend is `attention_backend`'s for
-    `config.attention` on JAX's default backend (a cache: XLA)."""
+    `config.attention` on JAX's default backend (a cache: XLA); without a cache and with `config.sequence_mesh`, the
+    positions are split over its `sequence` axis and `sequence_parallel.sequence_attention` crosses the shards."""
     c = config
 
     def attend(q: jax.Array, k: jax.Array, v: jax.Array, sinks: jax.Array | None
@@ -134,6 +141,10 @@ def cached_attention(config: ModelConfig, mask: AttentionMask, cache: dict[str, 
 
         def kind(is_local: bool) -> Callable[[jax.Array, jax.Array, jax.Array], jax.Array]:
             spec = attention_spec(c, is_local)
+            if c.sequence_mesh is not None and cache is None:  # positions split over devices: attend across them
+                return lambda q, k, v: sequence_attention(
+                    q, k, v, mask, spec, c.sequence_mesh, sinks=sinks, query_chunk=c.attention_query_chunk,
+                    compute_dtype=c.jnp_dtype, method=c.sequence_attention)
             backend = attention_backend(c.attention, jax.default_backend(),
                                         features_of(spec, q, k, mask, sinks, c.jnp_dtype))[0]
             return lambda q, k, v: attention(q, k, v, mask, spec, sinks=sinks, backend=backend,

@@ -39,6 +39,8 @@ REMAT_POLICIES = ("full", "matmuls")
 ATTENTION_REQUESTS = ("auto", "xla", "pallas", "cudnn")
 # The backends themselves, which `attention` may also name (tests, and exporting for another platform).
 ATTENTION_BACKENDS = ("xla", "pallas_gpu", "pallas_tpu", "cudnn", "pallas_interpret", "pallas_tpu_interpret")
+# How attention crosses a sequence split over devices: all-gathered keys and values, or blocks passed round a ring.
+SEQUENCE_METHODS = ("gather", "ring")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +98,11 @@ class ModelConfig:
     # over that axis (`moe.experts_parallel`). Set by the trainer, never read from a checkpoint; None: one device's
     # computation, which GSPMD partitions like any other op.
     expert_mesh: Mesh | None = None
+    # The trainer's mesh when its `sequence` axis is > 1 (`sharding.sequence_mesh`): the full-sequence forward splits
+    # each row's positions over that axis and attends across the shards (`models/sequence_parallel.py`), by
+    # `sequence_attention` (one of SEQUENCE_METHODS). Set by the trainer; None: one device's computation.
+    sequence_mesh: Mesh | None = None
+    sequence_attention: str = "gather"
     model_type: str = "llama"  # the HF family to export as
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
@@ -209,6 +216,9 @@ def check_model_config(config: ModelConfig) -> None:
         raise ValueError(f"swiglu_clamp must be (alpha, limit) with limit > 0, got {c.swiglu_clamp!r}")
     if c.attention not in ATTENTION_REQUESTS + ATTENTION_BACKENDS:
         raise ValueError(f"attention must be one of {', '.join(ATTENTION_REQUESTS)}, got {c.attention!r}")
+    if c.sequence_attention not in SEQUENCE_METHODS:
+        raise ValueError(f"sequence_attention must be one of {', '.join(SEQUENCE_METHODS)}, got "
+                         f"{c.sequence_attention!r}")
     if c.moe_compute not in ("ragged", "dense"):
         raise ValueError(f"moe_compute must be 'ragged' or 'dense', got {c.moe_compute!r}")
     if c.num_heads % c.num_kv_heads:

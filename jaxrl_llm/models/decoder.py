@@ -55,6 +55,7 @@ from jaxrl_llm.models.layers import (  # noqa: F401  (re-exported: the decoder's
 from jaxrl_llm.models.moe import NO_RECORD, Routing
 from jaxrl_llm.models.packing import PackedLayout, gather_predictors, packed_inputs
 from jaxrl_llm.models.precision import WEIGHT_MATMUL, matmul_transposed
+from jaxrl_llm.models.sequence_parallel import constrain_positions, pad_rows, padded_length
 from jaxrl_llm.models.sublayers import MLP, Attention, MoE, make_dense, make_norm
 
 Params = dict[str, Any]
@@ -156,8 +157,10 @@ class DecoderLayer(nn.Module):
         cos, sin, mask = _select(inputs, kind)
         attend = cached_attention(self.config, mask, layer_cache, cache_index,
                                   _is_local(self.config, kind, len(inputs)))
+        split = self.config.sequence_mesh if layer_cache is None else None
+        x = constrain_positions(x, split)  # the scanned carry keeps its positions split (a no-op without a mesh)
         x, cache, routing = transformer_block(x, self.ops(replay, valid), attend, cos, sin, self.config)
-        return x, (cache, routing)
+        return constrain_positions(x, split), (cache, routing)
 
 
 def remat_layer(config: ModelConfig) -> type[nn.Module]:
@@ -181,6 +184,11 @@ class Decoder(nn.Module):
     Without a cache, `S = T` and `key_mask` is the attention mask. MoE: `replay [L, B, T, k]` forces the experts
     (`moe.route`), `token_mask [B, T]` keeps padding out of the experts' dispatch, and `return_routing` appends
     every layer's `Routing` (`experts [L, B, T, k]`, `logits [L, B, T, E]`) to the result.
+
+    With `config.sequence_mesh` (and no cache) the positions are split over its `sequence` axis: the rows are padded
+    at their end to a multiple of its size (`sequence_parallel.pad_rows`), the activations constrained to
+    `[B over the batch axes, T over sequence, D]` after the embedding and on every layer's carry, and the outputs
+    sliced back to `T`.
     """
 
     config: ModelConfig
@@ -221,12 +229,22 @@ class Decoder(nn.Module):
         return_routing: bool = False,
     ) -> tuple[jax.Array, Cache | None] | tuple[jax.Array, Cache | None, Routing | None]:
         c = self.config
+        length = tokens.shape[1]
+        split = c.sequence_mesh if cache is None else None
+        if split is not None:  # whole shards: pad each row's end (no real query sees key mask 0 / segment 0)
+            padded = padded_length(length, split)
+            tokens, positions, key_mask, segments, token_mask = (
+                pad_rows(a, padded) for a in (tokens, positions, key_mask, segments, token_mask))
+            replay = pad_rows(replay, padded, axis=2, value=NO_RECORD)
         inputs = attention_inputs(c, positions, key_mask, tokens.shape[1], None if cache is None else cache_index,
                                   segments)
-        x = self.embed_tokens(tokens)
+        x = constrain_positions(self.embed_tokens(tokens), split)
         x, (cache, routing) = self.layers(x, cache, inputs, cache_index, layer_kinds(c), replay, token_mask)
         x = self.final_norm(x)
         out = x if return_hidden else self.unembed(x)
+        if split is not None and tokens.shape[1] != length:
+            out = out[:, :length]
+            routing = None if routing is None else jax.tree.map(lambda a: a[:, :, :length], routing)
         return (out, cache, routing) if return_routing else (out, cache)
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:

@@ -67,11 +67,11 @@ def check_devices(c: RunConfig) -> None:
                           f"must split into groups of {t} (sampler_devices a multiple of it, not 0)")
     trainer_devices = jax.device_count() - n
     try:
-        data, fsdp, expert, _ = MeshShape(c.mesh.data, c.mesh.fsdp, c.mesh.tensor, expert=c.mesh.expert).resolve(
-            trainer_devices)
+        data, fsdp, expert, _ = MeshShape(c.mesh.data, c.mesh.fsdp, c.mesh.tensor, expert=c.mesh.expert,
+                                          sequence=c.mesh.sequence).resolve(trainer_devices)
     except ValueError as e:
         raise ConfigError(f"mesh.data={c.mesh.data}, mesh.fsdp={c.mesh.fsdp}, mesh.tensor={c.mesh.tensor}, "
-                          f"mesh.expert={c.mesh.expert}: "
+                          f"mesh.expert={c.mesh.expert}, mesh.sequence={c.mesh.sequence}: "
                           f"{str(e).split(': ', 1)[-1]}" + (f" (the trainer's {trainer_devices} of "
                           f"{jax.device_count()}, rollout.sampler_devices={n})" if n else "")) from e
     micro = algorithm_class(c.algo).micro_batch(c)

@@ -44,6 +44,7 @@ from jaxrl_llm.sharding import (
     mesh_of,
     param_shardings,
     sampler_mesh,
+    sequence_mesh,
     split_devices,
     to_host,
 )
@@ -79,9 +80,11 @@ class Policy:
     @property
     def sampler_config(self) -> ModelConfig:
         """The model as the sampler and the evaluation run it: `model_config` in `sampling.dtype` (when set), its
-        MoE layers on one device's computation (the sampler may have a mesh of its own)."""
+        MoE layers on one device's computation (the sampler may have a mesh of its own) and its prompts whole on a
+        device (a shared mesh's `sequence` axis holds copies of the sampler's rows, or, for the paged engine, shards of
+        its own: `engine.sharded.shard_meshes`)."""
         dtype = self.config.sampling.dtype or self.model_config.dtype
-        return self.model_config.replace(dtype=dtype, expert_mesh=None)
+        return self.model_config.replace(dtype=dtype, expert_mesh=None, sequence_mesh=None)
 
     def model_weights(self, params: Params) -> Params:
         """The weights the model runs with: the trained `params`, merged into the base under LoRA."""
@@ -232,11 +235,18 @@ def check_expert_axis(c: RunConfig, config: ModelConfig) -> None:
                           f"{config.num_experts}")
 
 
+def on_mesh(config: ModelConfig, mesh: Mesh) -> ModelConfig:
+    """`config` as the update and the log-prob passes run it on the trainer's `mesh`: MoE layers split over its
+    `expert` axis, each sequence's positions over its `sequence` axis (where they are > 1)."""
+    return config.replace(expert_mesh=expert_mesh(mesh), sequence_mesh=sequence_mesh(mesh))
+
+
 def load_policy(c: RunConfig, *, from_scratch: bool = False) -> Policy:
     """The policy of a run: `model.path` loaded onto the mesh, or (`from_scratch` with `model.init`, SFT) a
     randomly initialised model of that architecture with `model.tokenizer`."""
     trainer_devices, sampler_devices = split_devices(c.rollout.sampler_devices)
-    mesh = make_mesh(MeshShape(c.mesh.data, c.mesh.fsdp, c.mesh.tensor, expert=c.mesh.expert), trainer_devices)
+    mesh = make_mesh(MeshShape(c.mesh.data, c.mesh.fsdp, c.mesh.tensor, expert=c.mesh.expert,
+                               sequence=c.mesh.sequence), trainer_devices)
     sampler = sampler_mesh(sampler_devices, c.rollout.sampler_tensor) if sampler_devices else None
     overrides = dict(dtype=c.model.dtype, param_dtype=c.model.param_dtype, remat=c.model.remat,
                      remat_policy=c.model.remat_policy, scan_unroll=c.model.scan_unroll,
@@ -249,12 +259,12 @@ def load_policy(c: RunConfig, *, from_scratch: bool = False) -> Policy:
         check_expert_axis(c, model_config)
         params = master_weights(init_params(model_config, jax.random.key(c.seed)))
         params = jax.device_put(params, param_shardings(params, mesh))
-        model_config = model_config.replace(expert_mesh=expert_mesh(mesh))  # the update's MoE layers on the mesh
+        model_config = on_mesh(model_config, mesh)
     else:
         tok_dir = resolve_model_dir(c.model.path)
         model_config, params = load_hf_model(tok_dir, mesh=mesh, **overrides)
         check_expert_axis(c, model_config)
-        model_config = model_config.replace(expert_mesh=expert_mesh(mesh))  # the update's MoE layers on the mesh
+        model_config = on_mesh(model_config, mesh)
         tokenizer = load_tokenizer(tok_dir)
         if c.lora.rank:
             spec = LoraSpec(c.lora.rank, c.lora.alpha, c.lora.targets)
