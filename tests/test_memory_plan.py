@@ -182,7 +182,9 @@ def test_parsers() -> None:
     assert plan_cli.parse_mesh("4,1,2") == (4, 1, 1, 2)
     assert plan_cli.parse_mesh("data=2,expert=4") == (2, 1, 4, 1)
     assert plan_cli.parse_mesh("1,2,2,2") == (1, 2, 2, 2)
-    for bad in ("data=2,pipeline=2", "2,2", "fsdp=0"):
+    assert plan_cli.parse_mesh_axes("data=2,sequence=4") == ((2, 1, 1, 1), 4)
+    assert plan_cli.parse_mesh_axes("2,1,2") == ((2, 1, 1, 2), 1)
+    for bad in ("data=2,pipeline=2", "2,2", "fsdp=0", "sequence=0"):
         with pytest.raises(ValueError):
             plan_cli.parse_mesh(bad)
     assert plan_cli.parse_bytes("80GiB") == 80 * 2**30
@@ -220,6 +222,24 @@ def test_cli_plans_a_packed_update_as_its_padded_upper_bound(capsys: pytest.Capt
     note, table = packed.split("\n", 1)
     assert note.startswith("rl.packing: the update's micro-batch is planned padded, an upper bound")
     assert table == padded and "rl.packing" not in padded
+
+
+def test_cli_says_the_longest_context_on_a_sequence_axis(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--longest-context` prints the longest context whose step fits `--device-memory`, the same number the
+    library gives; a `sequence=2` mesh is named in the table and fits a longer one."""
+    from jaxrl_llm.cli.plan import main
+
+    args = ["--model", str(REPO / "models" / "arith-base"), "--batch", "1", "--group-size", "1", "--remat",
+            "--device-memory", "1GiB", "--longest-context"]
+    found = {}
+    for mesh in ("data=1", "data=1,sequence=2"):
+        assert main([*args, "--mesh", mesh]) == 0
+        out = capsys.readouterr().out
+        line = out.strip().splitlines()[-1]
+        assert line.startswith("longest context that fits 1.00 GiB per device:"), out
+        found[mesh] = int(line.split(": ")[1].split(" tokens")[0].replace(",", ""))
+        assert ("sequence=2" in out) == ("sequence" in mesh)
+    assert found["data=1,sequence=2"] > found["data=1"] > 64
 
 
 def test_cli_rejects_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
@@ -456,3 +476,24 @@ def test_the_packed_decode_weights_are_planned_where_the_engine_packs(monkeypatc
     assert not packed_weights_planned(dataclasses.replace(config, dtype="float32"), one)
     monkeypatch.setattr(cpu_kernel, "_has_amx", lambda: False)
     assert not packed_weights_planned(config, one)
+
+
+def test_a_sequence_axis_splits_the_update_positions_and_the_longest_context_is_the_last_that_fits() -> None:
+    """`sequence = N`: the same parameters, optimizer and cache per device, and the update's activations, whose
+    per-position terms split N ways, between 1/N and 1.4/N of one device's at a context where they dominate (the
+    all-gathered keys and one query chunk's scores over every key stay whole). `longest_context`: that context
+    fits and one bucket more does not; it grows with the device memory and with N."""
+    config = _hand_config(hidden_size=256, intermediate_size=1024, head_dim=64, remat=True, attention_query_chunk=64)
+    kw = dict(batch=1, prompt_len=16)
+    one = plan.plan_memory(config, (1, 1, 1), new_tokens=8192, **kw)
+    four = plan.plan_memory(config, (1, 1, 1), new_tokens=8192, sequence=4, **kw)
+    assert (four.params, four.optimizer, four.kv_cache) == (one.params, one.optimizer, one.kv_cache)
+    assert one.activations / 4 < four.activations < 1.4 * one.activations / 4
+    memory = one.total * 4
+    longest = plan.longest_context(config, (1, 1, 1), memory, **kw)
+    assert plan.plan_memory(config, (1, 1, 1), new_tokens=longest - 16, **kw).fits(memory)
+    assert not plan.plan_memory(config, (1, 1, 1), new_tokens=longest + 16 - 16, **kw).fits(memory)
+    assert longest % 16 == 0 and longest > 8192
+    assert plan.longest_context(config, (1, 1, 1), 2 * memory, **kw) > 1.5 * longest
+    assert plan.longest_context(config, (1, 1, 1), memory, sequence=4, **kw) > 2 * longest
+    assert plan.longest_context(config, (1, 1, 1), 1, **kw) == 0

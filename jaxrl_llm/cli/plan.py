@@ -25,7 +25,15 @@ from jaxrl_llm.config import load_run_config
 from jaxrl_llm.engine import cpu_kernel
 from jaxrl_llm.engine.pages import default_page_size
 from jaxrl_llm.errors import UsageError
-from jaxrl_llm.memory_plan import DEFAULT_MODEL, TRAINER_BUCKET, MemoryPlan, axis_sizes_of, mesh_tuple, plan_memory
+from jaxrl_llm.memory_plan import (
+    DEFAULT_MODEL,
+    TRAINER_BUCKET,
+    MemoryPlan,
+    axis_sizes_of,
+    longest_context,
+    mesh_tuple,
+    plan_memory,
+)
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.hf import ConversionError, config_from_hf, read_hf_config
 from jaxrl_llm.preflight import check_model_source
@@ -54,25 +62,34 @@ def format_bytes(n: int) -> str:
 
 def parse_mesh(text: str) -> tuple[int, int, int, int]:
     """`"data=2,fsdp=2,expert=2,tensor=1"` (omitted axes are 1), `"2,2,2"` (data, fsdp, tensor) or `"2,2,2,1"`
-    (data, fsdp, expert, tensor) -> `(data, fsdp, expert, tensor)`."""
-    sizes = dict.fromkeys(sharding.MESH_AXES, 1)
+    (data, fsdp, expert, tensor) -> `(data, fsdp, expert, tensor)` (a `sequence=N` entry: `parse_mesh_axes`)."""
+    return parse_mesh_axes(text)[0]
+
+
+def parse_mesh_axes(text: str) -> tuple[tuple[int, int, int, int], int]:
+    """`(parse_mesh's (data, fsdp, expert, tensor), sequence)`: `parse_mesh`'s forms, and `sequence=N` among named
+    axes (context parallelism; 1 when omitted)."""
+    sizes = dict.fromkeys((*sharding.MESH_AXES, "sequence"), 1)
     parts = [p.strip() for p in text.split(",") if p.strip()]
     try:
         if all("=" not in p for p in parts):
             values = [int(p) for p in parts]
             if len(values) not in (3, 4):
                 raise ValueError
-            sizes = axis_sizes_of(values)
+            sizes |= axis_sizes_of(values)
         else:
             for part in parts:
                 name, value = (x.strip() for x in part.split("="))
                 if name not in sizes:
                     raise ValueError
                 sizes[name] = int(value)
+        if sizes["sequence"] < 1:
+            raise ValueError
     except ValueError:
         raise ValueError(f"cannot read mesh {text!r}; write e.g. data=2,fsdp=2,tensor=2 (axes: data, fsdp, "
-                         "expert, tensor; omitted ones are 1), 2,2,2 (data, fsdp, tensor) or 2,2,1,2") from None
-    return mesh_tuple(axis_sizes_of([sizes[a] for a in sharding.MESH_AXES]))
+                         "expert, sequence, tensor; omitted ones are 1), 2,2,2 (data, fsdp, tensor) or 2,2,1,2"
+                         ) from None
+    return mesh_tuple(axis_sizes_of([sizes[a] for a in sharding.MESH_AXES])), sizes["sequence"]
 
 
 def load_hf_config_dict(model: str) -> dict[str, Any]:
@@ -153,6 +170,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="rollout.sampler_devices: the sampler's own devices (--mesh is then the trainer's)")
     p.add_argument("--sampler-tensor", type=int, help="rollout.sampler_tensor: the sampler mesh's tensor degree")
     p.add_argument("--device-memory", default="80GiB", help="usable memory per device, e.g. 80GiB, 24GB")
+    p.add_argument("--longest-context", action="store_true",
+                   help="also print the longest context (prompt + completion) whose step fits --device-memory, the "
+                   "prompt length and every other setting as planned")
     return p
 
 
@@ -204,14 +224,14 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
     else:
         out["prompt_bucket"] = out["new_tokens_bucket"] = out["bucket"]
     if args.mesh:
-        out["mesh"] = parse_mesh(args.mesh)
+        out["mesh"], out["sequence"] = parse_mesh_axes(args.mesh)
     elif config is not None:
-
         devices = (args.devices or jax.device_count()) - out["sampler_devices"]
-        out["mesh"] = MeshShape(config.mesh.data, config.mesh.fsdp, config.mesh.tensor,
-                                expert=config.mesh.expert).resolve(devices)
+        out["sequence"] = config.mesh.sequence
+        out["mesh"] = MeshShape(config.mesh.data, config.mesh.fsdp, config.mesh.tensor, expert=config.mesh.expert,
+                                sequence=config.mesh.sequence).resolve(devices)
     else:
-        out["mesh"] = (1, 1, 1, 1)
+        out["mesh"], out["sequence"] = (1, 1, 1, 1), 1
     n, t = out["sampler_devices"], out["sampler_tensor"]
     if n and n % t:
         raise UsageError(f"rollout.sampler_tensor={t} must divide rollout.sampler_devices={n}")
@@ -261,6 +281,7 @@ def render(plan: MemoryPlan, config: ModelConfig, device_memory: int, *, model: 
     """The CLI's table for `plan`."""
     c = config
     d, f, e, t = plan.mesh_sizes
+    n = plan.sequence
 
     def row(label: str, n: int | None, note: str = "") -> str:
         value = "-" if n is None else format_bytes(n)
@@ -277,12 +298,14 @@ def render(plan: MemoryPlan, config: ModelConfig, device_memory: int, *, model: 
         f"model {model or '?'}: {c.model_type}, {plan.num_params / 1e6:,.2f}M params "
         f"(L={c.num_layers} D={c.hidden_size} H={c.num_heads} KVH={c.num_kv_heads} hd={c.head_dim} "
         f"I={c.intermediate_size} V={c.vocab_size}{' tied' if c.tie_word_embeddings else ''}{experts})",
-        f"mesh data={d} fsdp={f}" + (f" expert={e}" if e > 1 or c.is_moe else "") + f" tensor={t} "
-        f"({d * f * e * t} devices); params {c.param_dtype}, "
+        f"mesh data={d} fsdp={f}" + (f" expert={e}" if e > 1 or c.is_moe else "")
+        + (f" sequence={n}" if n > 1 else "") + f" tensor={t} "
+        f"({d * f * e * n * t} devices); params {c.param_dtype}, "
         f"compute {c.dtype}, "
         f"AdamW, remat {'on' if c.remat else 'off'}",
         f"rollout: {plan.rollout_rows} sequences per device, KV cache length {plan.cache_length}; "
-        f"update: {plan.micro_rows} sequences x {plan.train_seq_len} tokens per device per micro-batch",
+        f"update: {plan.micro_rows} sequences x {plan.train_seq_len} tokens per device per micro-batch"
+        + (f", its positions split over {n} sequence devices" if n > 1 else ""),
         "",
         f"  {'per device':<36}{'bytes':>12}",
         row("params (policy)" if not plan.merged else "params (frozen base + LoRA adapters)", plan.params,
@@ -326,9 +349,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         device_memory = parse_bytes(args.device_memory)
         config = config_from_hf(load_hf_config_dict(run["model"]), dtype=run["dtype"], param_dtype=run["param_dtype"],
                                 remat=run["remat"], attention_query_chunk=run["attention_query_chunk"])
-        plan = plan_memory(
-            config, run["mesh"], batch=run["prompts_per_step"], group_size=run["group_size"],
-            prompt_len=run["prompt_len"], new_tokens=run["new_tokens"], minibatch=run["minibatch"],
+        settings = dict(
+            batch=run["prompts_per_step"], group_size=run["group_size"], minibatch=run["minibatch"],
             grad_accum=run["grad_accum"], reference=run["reference"],
             prompt_bucket=run["prompt_bucket"], new_tokens_bucket=run["new_tokens_bucket"],
             logprob_block_mib=run["logprob_block_mib"], lora_rank=run["lora_rank"], lora_targets=run["lora_targets"],
@@ -338,7 +360,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_tokens_per_microbatch=run["max_tokens_per_microbatch"], max_staleness=run["max_staleness"],
             sampler_mesh_sizes=run["sampler_mesh"], engine_slot_caches=slot_caches_planned(config, run),
             engine_packed_weights=bool(run["engine_page_size"]) and packed_weights_planned(config, run),
+            sequence=run["sequence"],
         )
+        plan = plan_memory(config, run["mesh"], prompt_len=run["prompt_len"], new_tokens=run["new_tokens"],
+                           **settings)
+        longest = (longest_context(config, run["mesh"], device_memory, prompt_len=run["prompt_len"],
+                                   multiple=run["new_tokens_bucket"], **settings) if args.longest_context else None)
     except (ValueError, OSError) as e:  # bad sizes, mesh or model: the user's input (ConversionError included)
         raise UsageError(str(e)) from e
     if args.config:
@@ -352,5 +379,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("rl.packing: the update's micro-batch is planned padded, an upper bound of its packed rows (the same "
               "sequences in at most as many rows of the same length; docs/packing.md)")
     print(render(plan, config, device_memory, model=run["model"]))
+    if longest is not None:
+        print(f"longest context that fits {format_bytes(device_memory)} per device: {longest:,} tokens "
+              f"({run['prompt_len']} prompt + {max(longest - run['prompt_len'], 0):,} completion; every other setting "
+              "as planned)" if longest else f"longest context: none fits {format_bytes(device_memory)} per device")
     return 0
 

@@ -45,6 +45,10 @@ unless `XLA_PYTHON_CLIENT_MEM_FRACTION` / `XLA_PYTHON_CLIENT_PREALLOCATE` say ot
 amount as `--device-memory`), the reference model's log-prob pass (a forward only, smaller than the train
 step), the prefill's transient `[B, P_b]` cache, rollout arrays, and fragmentation: keep some margin.
 
+`mesh.sequence = N` (context parallelism) splits the update's positions over `N` more devices: parameters, optimizer
+state, KV cache and batch as on the `(data, fsdp, expert, tensor)` mesh, the activations' per-position terms `1/N`
+(`activation_bytes`). `longest_context` bisects for the longest context whose step fits a device's memory.
+
 `plan_memory` is the pure function; `python -m jaxrl_llm plan` (`jaxrl_llm/cli/plan.py`) is a thin shell around
 it that reads a config and prints a table. The optimizer planned is the trainer's own (`make_optimizer`: AdamW with
 clipping and the non-finite guard), or any optax transformation passed in.
@@ -60,7 +64,7 @@ from jaxrl_llm.memory_plan.parts import (
     stored_width,
     trainer_optimizer,
 )
-from jaxrl_llm.memory_plan.plan import DEFAULT_MODEL, TRAINER_BUCKET, MemoryPlan, plan_memory
+from jaxrl_llm.memory_plan.plan import DEFAULT_MODEL, TRAINER_BUCKET, MemoryPlan, longest_context, plan_memory
 from jaxrl_llm.memory_plan.shards import (
     KV_CACHE_SPEC,
     P,
@@ -75,7 +79,8 @@ from jaxrl_llm.memory_plan.shards import (
 
 __all__ = [
     "DEFAULT_MODEL", "HEAD_BLOCKS", "KV_CACHE_SPEC", "P", "TRAINER_BUCKET", "MemoryPlan", "abstract_mesh",
-    "activation_bytes", "active_width", "axis_sizes_of", "fit_spec_sizes", "mesh_tuple", "optimizer_state_bytes",
+    "activation_bytes", "active_width", "axis_sizes_of", "fit_spec_sizes", "longest_context", "mesh_tuple",
+    "optimizer_state_bytes",
     "packed_weight_bytes", "param_partition_specs", "plan_memory", "sampler_weight_bytes", "shard_shape",
     "stored_width", "trainer_optimizer", "tree_shard_bytes",
 ]

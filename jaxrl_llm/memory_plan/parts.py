@@ -40,33 +40,39 @@ def optimizer_state_bytes(
 
 
 def activation_bytes(config: ModelConfig, rows: int, seq_len: int, completion_len: int, axis_sizes: Mapping[str, int],
-                     *, remat: bool, logprob_block_mib: float = 256.0) -> int:
+                     *, remat: bool, logprob_block_mib: float = 256.0, sequence: int = 1) -> int:
     """Estimate of one device's activation memory in the train step (forward residuals + backward transients).
 
     `rows` = sequences of one micro-batch on this device, `seq_len` = `T` the forward length
     (prompt + completion - 1), `completion_len` = `C` the positions that are unembedded. With `s` the
     compute itemsize, heads `h = H/t`, KV heads `k = KVH/t`, intermediate `i = I/t`, vocabulary `v = V/t`
-    (each divided by the tensor size `t` only when it divides), and `b = rows`:
+    (each divided by the tensor size `t` only when it divides), `b = rows`, and with a `sequence` axis of `N`
+    devices (context parallelism) each device's positions `T' = ceil(T / N)` and `C' = ceil(C / N)`:
 
-        per_layer = b*T*(s*(5*D + 2*(h + k)*hd + 6*i) + 4*4*D) + b*h*q*T*(4 + s)
+        per_layer = b*T'*(s*(5*D + 2*(h + k)*hd + 6*i) + 4*4*D) + b*h*q*T*(4 + s) + [N > 1] 2*b*T*k*hd*s
             (residuals kept for the backward: residual stream, norm outputs and their float32 internals,
             q/k/v/attention output, gate/up/silu/product; float32 softmax probabilities and their
-            compute-dtype copy over `q = min(T, attention_query_chunk)` queries at a time; the coefficients
-            5, 6 and 4*4 were measured on XLA:CPU, see below)
-        head      = HEAD_BLOCKS*4*b*c*v + b*T*D*4 + b*T^2
+            compute-dtype copy over `q = min(T', attention_query_chunk)` queries at a time against all `T` keys;
+            on a sequence axis the all-gathered keys and values; the coefficients 5, 6 and 4*4 were measured on
+            XLA:CPU, see below)
+        head      = HEAD_BLOCKS*4*b*c*v + b*T'*D*4 + b*q*T
             (the log-probs come from the final hidden states `c` positions at a time, `c` =
-            `train_step.logprob_chunk_size(b, C, V, logprob_block_mib)`: HEAD_BLOCKS float32 `[b, c, v]`
+            `train_step.logprob_chunk_size(b, C', V, logprob_block_mib)`: HEAD_BLOCKS float32 `[b, c, v]`
             blocks live at once (logits, probabilities, their cotangent); no compute-dtype copy of the output
             matrix lives across the step (the precision policy's dots keep their operands as given and cast
             them again in the backward); a tied embedding is multiplied as stored, so its gradient is the
-            embedding's own, no separate `[D, v]` one; final norm; the attention mask)
+            embedding's own, no separate `[D, v]` one; final norm; one query chunk's boolean mask: attention
+            builds it per chunk from the segment ids, `models/attention.py`)
         gathered  = 2 * (per-layer weights with heads and intermediate divided by t) * s   when fsdp > 1
             (all-gathered weights of the layer in use and the next one)
 
         no remat: (L + 1) * per_layer + head + gathered
             (every layer's residuals, plus about one layer's worth of cotangents in the backward)
-        remat:    L * s*b*T*D + per_layer + head + gathered
+        remat:    L * s*b*T'*D + per_layer + head + gathered
             (each layer keeps only its input; one layer's activations are rebuilt at a time)
+
+    Every term is linear in `T` for a fixed query chunk: the longest context that fits (`longest_context`) grows
+    with the device memory, and `N` sequence devices hold about `1/N` of the per-position terms each.
 
     Calibrated against XLA's temp allocation of the real train step (`compile().memory_analysis()`) on one
     CPU device in float32: `gradients + activation_bytes` was 0.84-1.13x of it over the shapes tried (the test
@@ -75,24 +81,27 @@ def activation_bytes(config: ModelConfig, rows: int, seq_len: int, completion_le
     their own way: treat the number as an order-of-magnitude estimate.
     """
     t = axis_sizes["tensor"]
-    b, tt, cc, s = rows, seq_len, completion_len, config.jnp_dtype.itemsize
+    b, tt, s = rows, seq_len, config.jnp_dtype.itemsize
+    local, cc = -(-seq_len // sequence), -(-completion_len // sequence)  # this device's positions
     d, hd = config.hidden_size, config.head_dim
     h = divided(config.num_heads, t)
     k = divided(config.num_kv_heads, t)
     i = divided(active_width(config), t)
     v = divided(config.vocab_size, t)
-    q = min(tt, config.attention_query_chunk or tt)
-    per_layer = b * tt * (s * (5 * d + 2 * (h + k) * hd + 6 * i) + 4 * 4 * d) + b * h * q * tt * (4 + s)
-    per_layer += b * tt * 4 * 2 * config.num_experts  # MoE: the router's float32 logits and probabilities
+    q = min(local, config.attention_query_chunk or local)
+    per_layer = b * local * (s * (5 * d + 2 * (h + k) * hd + 6 * i) + 4 * 4 * d) + b * h * q * tt * (4 + s)
+    per_layer += b * local * 4 * 2 * config.num_experts  # MoE: the router's float32 logits and probabilities
+    if sequence > 1:  # every position's keys and values, gathered from the sequence axis
+        per_layer += 2 * b * tt * k * hd * s
 
     chunk = logprob_chunk_size(b, cc, config.vocab_size, logprob_block_mib)
-    head = HEAD_BLOCKS * 4 * b * chunk * v + b * tt * d * 4 + b * tt * tt
+    head = HEAD_BLOCKS * 4 * b * chunk * v + b * local * d * 4 + b * q * tt
     gathered = 0
     if axis_sizes["fsdp"] > 1:
         layer_weights = d * (h + 2 * k) * hd + h * hd * d + 3 * d * divided(stored_width(config), t)
         gathered = 2 * layer_weights * config.jnp_dtype.itemsize
     if remat:
-        return config.num_layers * s * b * tt * d + per_layer + head + gathered
+        return config.num_layers * s * b * local * d + per_layer + head + gathered
     return (config.num_layers + 1) * per_layer + head + gathered
 
 

@@ -37,8 +37,10 @@ those copies, its KV cache and its sampler copy live instead (`mesh_sizes` is th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -65,12 +67,19 @@ from jaxrl_llm.memory_plan.shards import (
     tree_shard_bytes,
 )
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.decoder import param_shapes
+from jaxrl_llm.models.decoder import param_shapes as decoder_param_shapes
 from jaxrl_llm.models.lora import LoraSpec, init_adapters
 
 DEFAULT_MODEL = "models/arith-base"
 # The trainer's sampler rounds prompt and completion lengths up to multiples of 16 (trainer.sampling_config).
 TRAINER_BUCKET = 16
+
+
+@functools.lru_cache(maxsize=8)
+def param_shapes(config: ModelConfig) -> Any:
+    """`decoder.param_shapes`, traced once per config (a plan reads it several times; `longest_context` plans
+    many contexts of one model)."""
+    return decoder_param_shapes(config)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -107,6 +116,7 @@ class MemoryPlan:
     sampler_mesh_sizes: tuple[int, int, int, int] | None = None  # rollout.sampler_devices: the sampler's own mesh
     sampler_kv_cache: int = 0  # on a sampler device (its own mesh)
     sampler_step_weights: int = 0  # on a sampler device (its own mesh)
+    sequence: int = 1  # mesh.sequence: the update's positions split over this many devices (context parallelism)
 
     @property
     def activations(self) -> int:
@@ -261,10 +271,11 @@ def plan_memory(config: ModelConfig, mesh_sizes: tuple[int, ...], *, batch: int,
                 engine_pages: int = 0, teacher: ModelConfig | None = None, teacher_in_update: bool = False,
                 max_tokens_per_microbatch: int = 0, max_staleness: int = 0,
                 sampler_mesh_sizes: tuple[int, ...] | None = None, engine_slot_caches: bool = True,
-                engine_packed_weights: bool = False) -> MemoryPlan:
+                engine_packed_weights: bool = False, sequence: int = 1) -> MemoryPlan:
     """Per-device memory of an RL step of `config` (its `dtype`, `param_dtype` and `remat` are used) on a
-    `(data, fsdp, expert, tensor)` mesh of `mesh_sizes` (or `(data, fsdp, tensor)`), without devices or allocation.
-    What each argument plans: this module's docstring."""
+    `(data, fsdp, expert, tensor)` mesh of `mesh_sizes` (or `(data, fsdp, tensor)`) times a `sequence` axis (each of
+    those devices' update positions split over `sequence` more), without devices or allocation. What each argument
+    plans: this module's docstring."""
     sizes = axis_sizes_of(mesh_sizes)
     minibatch = minibatch or batch * group_size
     _check_sizes(batch, group_size, prompt_len, new_tokens, minibatch, grad_accum, prompt_bucket, new_tokens_bucket)
@@ -284,8 +295,10 @@ def plan_memory(config: ModelConfig, mesh_sizes: tuple[int, ...], *, batch: int,
 
     seq_len = padded_prompt + new_tokens - 1
     micro_rows = _micro_rows(minibatch, grad_accum, batch_ways, seq_len, max_tokens_per_microbatch)
+    if sequence < 1:
+        raise ValueError(f"the sequence axis has at least 1 device, not {sequence}")
     acts = [activation_bytes(config, micro_rows, seq_len, new_tokens, sizes, remat=remat,
-                             logprob_block_mib=logprob_block_mib) for remat in (False, True)]
+                             logprob_block_mib=logprob_block_mib, sequence=sequence) for remat in (False, True)]
     teacher_bytes, teacher_hidden = _teacher_bytes(teacher, sizes, teacher_in_update, micro_rows * seq_len)
     own_mesh = sampler_mesh_sizes is not None
     where = axis_sizes_of(sampler_mesh_sizes) if own_mesh else sizes
@@ -304,5 +317,30 @@ def plan_memory(config: ModelConfig, mesh_sizes: tuple[int, ...], *, batch: int,
         weight_copies=(max_staleness + 1) * copy if (max_staleness or own_mesh) else 0,
         sampler_mesh_sizes=mesh_tuple(where) if own_mesh else None,
         sampler_kv_cache=kv_bytes(where) if own_mesh else 0,
-        sampler_step_weights=sampler_weight_bytes(config, where) if own_mesh else 0,
+        sampler_step_weights=sampler_weight_bytes(config, where) if own_mesh else 0, sequence=sequence,
     )
+
+
+def longest_context(config: ModelConfig, mesh_sizes: tuple[int, ...], device_memory: int, *, prompt_len: int,
+                    multiple: int = 16, limit: int = 1 << 22, **plan_kwargs: Any) -> int:
+    """The longest context `prompt_len + new_tokens` (a multiple of `multiple`, at most `limit`) whose step
+    `plan_memory(config, mesh_sizes, prompt_len=prompt_len, new_tokens=..., **plan_kwargs)` fits in
+    `device_memory` bytes per device; 0 when not even `prompt_len + multiple` fits. Every term of the plan grows
+    with the context (the KV cache, the batch and the activations linearly for a fixed query chunk), so the
+    largest fitting one is found by bisection."""
+    def fits(context: int) -> bool:
+        return plan_memory(config, mesh_sizes, prompt_len=prompt_len, new_tokens=context - prompt_len,
+                           **plan_kwargs).fits(device_memory)
+
+    low, high = 0, limit // multiple  # contexts of `k * multiple` tokens, past the prompt
+    first = -(-(prompt_len + 1) // multiple)
+    if not fits(first * multiple):
+        return 0
+    low = first
+    while low < high:
+        mid = (low + high + 1) // 2
+        if fits(mid * multiple):
+            low = mid
+        else:
+            high = mid - 1
+    return low * multiple
