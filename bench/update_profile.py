@@ -38,8 +38,7 @@ from pathlib import Path
 from typing import Any
 
 DUMP = tempfile.mkdtemp(prefix="update_profile_hlo_")
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={DUMP} --xla_dump_hlo_as_text"
-                           " --xla_dump_hlo_module_re=.*update.*|.*logprob.*").strip()
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={DUMP} --xla_dump_hlo_as_text").strip()
 
 import numpy as np  # noqa: E402
 from common import add_int_options, jax_matmul_flops, model_dims, update_flops  # noqa: E402
