@@ -100,9 +100,10 @@ class ModelConfig:
     expert_mesh: Mesh | None = None
     # The trainer's mesh when its `sequence` axis is > 1 (`sharding.sequence_mesh`): the full-sequence forward splits
     # each row's positions over that axis and attends across the shards (`models/sequence_parallel.py`), by
-    # `sequence_attention` (one of SEQUENCE_METHODS). Set by the trainer; None: one device's computation.
+    # `sequence_attention` (one of SEQUENCE_METHODS; ring: less memory and time than gather at every size measured,
+    # docs/scaling.md). Set by the trainer; None: one device's computation.
     sequence_mesh: Mesh | None = None
-    sequence_attention: str = "gather"
+    sequence_attention: str = "ring"
     model_type: str = "llama"  # the HF family to export as
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None

@@ -3,22 +3,26 @@
 The training forward (the update, the log-prob passes) runs on activations `[B, T, D]` split on `T`: device `i`
 holds positions `[i T/n, (i+1) T/n)` (`T_l = T / n` of them), so every per-position op (norms, projections, the
 MLP, the LM head) is local. Attention is the one op that crosses positions; it runs inside a `shard_map` over the
-mesh, in one of two ways (`sequence_attention`'s `method`):
+mesh, in one of two ways (`sequence_attention`'s `method`, `ModelConfig.sequence_attention`):
 
-- `gather` (the default): each device all-gathers the keys, values and key segment ids of every position over
+- `gather`: each device all-gathers the keys, values and key segment ids of every position over
   `sequence` (`k, v [B, T, KVH, hd]`, linear in `T`) and attends its own `T_l` queries to them at
   `q_offset = i T_l` (`attention.xla_attention` with the mask as structure: causal, windows and segments read the
   slots, so segments that cross a shard boundary need nothing more). The backward reduce-scatters `dk, dv`.
-- `ring`: keys and values stay in blocks of `T_l`; `n` steps each attend the local queries to the block in hand
-  and pass it to the next device (`ppermute`), merging blocks by an online softmax in float32
+- `ring` (the default): keys and values stay in blocks of `T_l`; `n` steps each attend the local queries to the
+  block in hand and pass it to the next device (`ppermute`), merging blocks by an online softmax in float32
 
       m' = max(m, max_s x_s),  d' = d e^(m - m') + sum_s e^(x_s - m'),  o' = o e^(m - m') + sum_s e^(x_s - m') v_s,
       out = o / d                                                            (x: masked, scaled, capped scores)
 
-  so no device holds more than two key blocks and its scores are `[B, H, T_l, T_l]` a step; each step is under
-  `jax.checkpoint` (its scores are recomputed in the backward).
+  so no device holds more than two key blocks and its scores are `[B, H, chunk, T_l]` at a time (`query_chunk`
+  queries, all `T_l` when 0); each step and chunk is under `jax.checkpoint` (scores are recomputed in the
+  backward).
 
-Both give one device's attention up to float reassociation (rows never mix; the mask reads global slots).
+Measured on 8 virtual CPU devices (docs/scaling.md), `ring` needed less memory per device than `gather` (no
+`[B, T, KVH, hd]` gathered keys; scores over `T_l` keys, not `T`) and ran faster at every `n`; `gather` is the
+simpler program (one all-gather and one reduce-scatter per layer). Both give one device's attention up to float
+reassociation (rows never mix; the mask reads global slots).
 The sequence length must be a multiple of `n`: `pad_rows` pads a forward's inputs up to one (segment 0 / key mask 0
 at the end of each row: no real query sees them) and the decoder slices its outputs back.
 """
@@ -77,7 +81,7 @@ def _head_axis(mesh: Mesh, heads: int, kv_heads: int) -> str | None:
 
 def sequence_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask, spec: AttentionSpec,
                        mesh: Mesh, *, sinks: jax.Array | None = None, query_chunk: int = 0,
-                       compute_dtype: jnp.dtype | str = jnp.float32, method: str = "gather") -> jax.Array:
+                       compute_dtype: jnp.dtype | str = jnp.float32, method: str = "ring") -> jax.Array:
     """Self-attention `q [B, T, H, hd]`, `k, v [B, T, KVH, hd]` under `mask` (`q_segments, kv_segments [B, T]`, no
     offset: a training forward) and `spec`, with `T` split over `mesh`'s `sequence` axis -> `[B, T, H * hd]` split
     the same way (the module docstring: `gather` or `ring`). Rows stay split over the batch axes and heads over
@@ -130,24 +134,53 @@ def _ring_shard(q: jax.Array, k: jax.Array, v: jax.Array, q_seg: jax.Array, kv_s
     grouped = q.reshape(b, local, kvh, g, hd)
     perm = [(i, (i + 1) % n) for i in range(n)]
 
-    def fold(carry: tuple[jax.Array, ...], block: tuple[jax.Array, ...], source: jax.Array
-             ) -> tuple[jax.Array, ...]:
-        """The online-softmax state `(m, den [B, KVH, G, T_l], o [B, KVH, G, T_l, hd])` after key block `source`."""
+    def fold_part(carry: tuple[jax.Array, ...], q_part: jax.Array, start: jax.Array | int,
+                  block: tuple[jax.Array, ...], source: jax.Array) -> tuple[jax.Array, ...]:
+        """Queries `start ...` (`q_part [B, c, KVH, G, hd]`, their state `(m, den [B, KVH, G, c], o [B, KVH, G, c,
+        hd])`) after key block `source`."""
         m, den, o = carry
         kb, vb, sb = block
         # Slots of this block: `source * T_l + s`; the queries' are `q_offset + t` (what `chunk_allowed` reads).
-        allowed = chunk_allowed(AttentionMask(q_seg, sb, q_offset - source * local), spec, 0, local, local)
-        scores = precision.einsum("btkgd,bskd->bkgts", grouped, kb, compute_dtype, jnp.float32) * scale
+        allowed = chunk_allowed(AttentionMask(q_seg, sb, q_offset - source * local), spec, start, q_part.shape[1],
+                                local)[:, None, None]
+        scores = precision.einsum("btkgd,bskd->bkgts", q_part, kb, compute_dtype, jnp.float32) * scale
         if spec.softcap is not None:
             scores = spec.softcap * jnp.tanh(scores / spec.softcap)
-        scores = jnp.where(allowed[:, None, None], scores, _NEG)
+        scores = jnp.where(allowed, scores, _NEG)
         # The running max only keeps exp() in range; the result does not depend on it, so no gradient flows there.
         m_new = jax.lax.stop_gradient(jnp.maximum(m, jnp.max(scores, axis=-1)))
-        p = jnp.where(allowed[:, None, None], jnp.exp(scores - m_new[..., None]), 0.0)
+        p = jnp.where(allowed, jnp.exp(scores - m_new[..., None]), 0.0)
         decay = jnp.exp(m - m_new)
         den_new = den * decay + jnp.sum(p, axis=-1)
         o_new = o * decay[..., None] + precision.einsum("bkgts,bskd->bkgtd", p, vb, compute_dtype, jnp.float32)
         return m_new, den_new, o_new
+
+    chunk = query_chunk if 0 < query_chunk < local else local
+    n_full, rem = divmod(local, chunk)
+    full = n_full * chunk
+
+    def fold(carry: tuple[jax.Array, ...], block: tuple[jax.Array, ...], source: jax.Array
+             ) -> tuple[jax.Array, ...]:
+        """The online-softmax state `(m, den [B, KVH, G, T_l], o [B, KVH, G, T_l, hd])` after key block `source`,
+        `chunk` queries at a time (scores `[B, H, chunk, T_l]`, each chunk's recomputed in the backward)."""
+        if n_full == 1 and not rem:
+            return fold_part(carry, grouped, 0, block, source)
+
+        def split(x: jax.Array) -> jax.Array:  # [B, KVH, G, full, ...] -> [n_full, B, KVH, G, chunk, ...]
+            return jnp.moveaxis(x[:, :, :, :full].reshape(*x.shape[:3], n_full, chunk, *x.shape[4:]), 3, 0)
+
+        def merge(x: jax.Array) -> jax.Array:
+            return jnp.moveaxis(x, 0, 3).reshape(*x.shape[1:4], full, *x.shape[5:])
+
+        parts = jnp.moveaxis(grouped[:, :full].reshape(b, n_full, chunk, kvh, g, hd), 1, 0)
+        starts = jnp.arange(n_full, dtype=jnp.int32) * chunk
+        out = jax.lax.map(jax.checkpoint(lambda xs: fold_part(xs[:3], xs[3], xs[4], block, source)),
+                          (*(split(x) for x in carry), parts, starts))
+        out = tuple(merge(x) for x in out)
+        if not rem:
+            return out
+        tail = fold_part(tuple(x[:, :, :, full:] for x in carry), grouped[:, full:], full, block, source)
+        return tuple(jnp.concatenate([a, t], axis=3) for a, t in zip(out, tail, strict=True))
 
     folded = jax.checkpoint(fold)  # a step's scores are recomputed in the backward, not kept for all n steps
 
