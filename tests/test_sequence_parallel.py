@@ -1,9 +1,10 @@
 """The `sequence` mesh axis (context parallelism, `models/sequence_parallel.py`): on 8 virtual CPU devices with
 `sequence` = 2, 4, 8 (and beside `data` or `tensor`), the policy loss, the completion log-probs and the gradients
-equal one device's for left-padded rows and packed rows whose sequences cross shard boundaries, on a Llama and on a
-Gemma-2-shaped model (sliding windows, soft caps), with both ways of attending across shards (ring, gather); the
-compiled memory of a long sequence's forward and backward per device falls with `sequence`; a GRPO run with
-`mesh.sequence=2` on 2 devices is the one-device run; and the mesh settings that cannot work are one-line errors."""
+equal one device's for left-padded rows and packed rows whose sequences cross shard boundaries, on a Llama, a
+Gemma-2-shaped model (sliding windows, soft caps) and a gpt-oss-shaped one (sinks, experts), with both ways of
+attending across shards (ring, gather); the compiled memory of a long sequence's forward and backward per device
+falls with `sequence`; a GRPO run with `mesh.sequence=2` on 2 devices is the one-device run; and the mesh settings
+that cannot work are one-line errors."""
 
 from __future__ import annotations
 
@@ -142,12 +143,13 @@ def _run_script(script: str, *args: str, devices: int = 8) -> dict:
 # (data, tensor, sequence, method): sequence 2, 4, 8 on a ring, beside data and tensor, and the all-gather.
 LLAMA_MESHES = [[1, 1, 2, "ring"], [1, 1, 4, "ring"], [1, 1, 8, "ring"], [2, 1, 4, "ring"], [1, 2, 2, "ring"],
                 [1, 1, 4, "gather"], [2, 1, 4, "gather"]]
-GEMMA2_MESHES = [[1, 1, 4, "ring"], [2, 1, 4, "ring"], [1, 1, 8, "gather"]]
+MESHES = {"llama": LLAMA_MESHES, "gemma2": [[1, 1, 4, "ring"], [2, 1, 4, "ring"], [1, 1, 8, "gather"]],
+          "gpt_oss": [[1, 1, 4, "ring"]]}  # gpt-oss: sinks in the ring's softmax, windows, experts
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.parametrize("family", list(MESHES))
 def test_loss_logprobs_and_gradients_equal_one_devices(family: str) -> None:
-    meshes = LLAMA_MESHES if family == "llama" else GEMMA2_MESHES
+    meshes = MESHES[family]
     result = _run_script(_PARITY, family, json.dumps(meshes))
     assert all(count > 0 for count in result.pop("crossing").values())  # packed sequences straddle shards
     assert len(result) == 2 * len(meshes)
