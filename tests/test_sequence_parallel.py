@@ -26,7 +26,7 @@ from jaxrl_llm.models.sequence_parallel import pad_rows, padded_length, sequence
 from jaxrl_llm.sharding import MeshShape, make_mesh
 from tests.helpers import FAST_COMPILE_FLAGS, ROOT, read_rows, tiny_run, tiny_run_args
 
-pytestmark = pytest.mark.heavy(seconds=35)
+pytestmark = pytest.mark.heavy(seconds=32)
 
 _PARITY = r"""
 import json, sys
