@@ -2,11 +2,14 @@
 under the dense masks it replaces (left-padded rows, packed rows, a cache, windows, soft caps, sinks); the Pallas
 kernels (GPU `mha`, TPU splash), in Pallas' interpreter on this CPU, equal to the XLA path in outputs and gradients;
 the seam lowering for CUDA (Triton, cuDNN) and TPU (Mosaic) with `jax.export`; the backend each platform and feature
-set gets; no `[T, S]`-sized array in the chunked path's forward and backward."""
+set gets; no `[T, S]`-sized array in the chunked path's forward and backward; the blocked flash path of long causal
+contexts (block pairs skipped, online softmax, its own backward) equal to the dense attention within float32 rounding,
+its compiled memory linear in the context."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -103,6 +106,142 @@ def test_any_packing_is_the_block_diagonal_dense_mask(lengths, window, chunk):
     out = A.xla_attention(q, k, v, A.AttentionMask.packed(segments), A.AttentionSpec(window=window),
                           query_chunk=chunk)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(expected))
+
+
+@settings(max_examples=20, deadline=None)
+@given(lengths=st.lists(st.integers(1, 9), min_size=1, max_size=5), window=st.sampled_from([None, 1, 3, 50]),
+       block=st.sampled_from([5, 16]))
+def test_any_packing_is_the_block_diagonal_dense_mask_in_blocks(lengths, window, block):
+    """Property: any packing (then padding to 48 tokens), in blocks of 5 or 16: `blocked_attention` gives
+    `segment_attention_allowed`'s attention within float32 rounding at every real query."""
+    length = 48
+    segments = _packed_segments([lengths], length)
+    q, k, v = _qkv(1, length, 2, 1, 8, seed=len(lengths))
+    expected = grouped_query_attention(q, k, v, segment_attention_allowed(segments, window))
+    out = A.blocked_attention(q, k, v, A.AttentionMask.packed(segments), A.AttentionSpec(window=window), block=block)
+    valid = np.asarray(segments > 0)[..., None]
+    np.testing.assert_allclose(np.asarray(out) * valid, np.asarray(expected) * valid, atol=1e-6, rtol=1e-5)
+
+
+def _value_and_grads(fn, q: jax.Array, k: jax.Array, v: jax.Array, sinks: jax.Array | None, w: jax.Array
+                      ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """`sum(w * fn(q, k, v, sinks))` and its gradients wrt q, k, v (and the sinks when given), jitted."""
+    argnums = (0, 1, 2, 3) if sinks is not None else (0, 1, 2)
+    return jax.jit(jax.value_and_grad(lambda q, k, v, sinks: jnp.sum(w * fn(q, k, v, sinks)), argnums=argnums))(
+        q, k, v, sinks)
+
+
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize(("window", "extras"), [(None, "plain"), (6, "plain"), (None, "softcap+sinks"),
+                                                (11, "softcap+sinks")])
+def test_the_blocked_path_is_the_dense_attention(group, window, extras):
+    """Causal packed rows of several segments (and padding), `T = 45` in blocks of 8 (not a multiple):
+    `blocked_attention` (block pairs skipped above the diagonal and outside windows, the online softmax, its flash
+    backward) gives `grouped_query_attention`'s dense outputs and gradients (q, k, v, the sinks) within float32
+    rounding at every real query, with GQA ratios 1, 3, 8, windows, a soft cap, a scale and sinks."""
+    t = 45
+    q, k, v = _qkv(2, t, 2 * group, 2, 16, seed=group)
+    segments = _packed_segments([[6, 17, 1, 14], [40]], t)
+    spec = A.AttentionSpec(window=window, **(dict(softcap=CAP, scale=SCALE) if extras != "plain" else {}))
+    sinks = jnp.linspace(-1.0, 1.0, 2 * group) if extras != "plain" else None
+    _assert_blocked_is_dense(q, k, v, segments, spec, sinks, lambda q, k, v, sinks: A.blocked_attention(
+        q, k, v, A.AttentionMask.packed(segments), spec, sinks=sinks, block=8))
+
+
+def _assert_blocked_is_dense(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array, spec: A.AttentionSpec,
+                             sinks: jax.Array | None, blocked) -> None:
+    """`blocked(q, k, v, sinks)`'s outputs and gradients (of `sum(w * out)`, `w` random on real queries) within
+    float32 rounding of `grouped_query_attention` under `segment_attention_allowed(segments, window)`."""
+    allowed = segment_attention_allowed(segments, spec.window)
+    valid = (segments > 0)[..., None]
+    w = jnp.asarray(np.random.default_rng(5).normal(size=(*q.shape[:2], q.shape[2] * q.shape[3])), jnp.float32) * valid
+
+    def dense(q, k, v, sinks):
+        return grouped_query_attention(q, k, v, allowed, scale=spec.scale, logit_softcap=spec.softcap, sinks=sinks)
+
+    np.testing.assert_allclose(np.asarray(blocked(q, k, v, sinks) * valid), np.asarray(dense(q, k, v, sinks) * valid),
+                               atol=1e-6, rtol=1e-5)
+    (value, grads), (ref, ref_grads) = _value_and_grads(blocked, q, k, v, sinks, w), _value_and_grads(
+        dense, q, k, v, sinks, w)
+    np.testing.assert_allclose(float(value), float(ref), rtol=1e-5)
+    for name, g, r in zip(["q", "k", "v", "sinks"][:len(ref_grads)], grads, ref_grads, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=2e-5, rtol=1e-4, err_msg=f"d{name}")
+        assert float(jnp.abs(r).max()) > 0
+
+
+def test_long_causal_self_attention_takes_the_blocked_path():
+    """`xla_attention` unrolls causal self-attention's chunks up to `UNROLLED_LENGTH` queries (bit-identical to
+    `grouped_query_attention`) and runs `blocked_attention` past it: at `T = 520` in chunks of 128 (5 chunks, the
+    last of 8), packed rows with a window, a soft cap and sinks, the dense outputs and gradients."""
+    assert A.UNROLLED_LENGTH < 520
+    q, k, v = _qkv(1, 520, 6, 2, 8, seed=11)
+    segments = _packed_segments([[130, 300, 60]], 520)
+    spec = A.AttentionSpec(window=200, softcap=CAP)
+    sinks = jnp.linspace(-1.0, 1.0, 6)
+
+    def chunked(q, k, v, sinks, t=520):
+        mask = A.AttentionMask.packed(segments[:, :t])
+        return A.xla_attention(q[:, :t], k[:, :t], v[:, :t], mask, spec, sinks=sinks, query_chunk=128)
+
+    assert "name=_blocked" in str(jax.make_jaxpr(chunked)(q, k, v, sinks))
+    assert "name=_blocked" not in str(jax.make_jaxpr(functools.partial(chunked, t=A.UNROLLED_LENGTH))(q, k, v, sinks))
+    _assert_blocked_is_dense(q, k, v, segments, spec, sinks, chunked)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_the_blocked_path_attends_queries_at_offsets_and_slots(window):
+    """`blocked_attention` is the mask's function wherever the queries sit: 3 queries at a traced offset into a cache
+    of 24 left-padded slots, and queries at their own slots (`AttentionMask.at_positions`, a -1 padding query, the
+    engine's prefill), in blocks of 4: the `lax.map` path's outputs at every query that attends to a key."""
+    q, k, v = _qkv(2, 12, 4, 2, 8, seed=3, keys=24)
+    key_mask = jnp.concatenate([_left_padded([12, 5], 12), jnp.ones((2, 3), jnp.int32), jnp.zeros((2, 9), jnp.int32)],
+                               axis=1)
+    positions = jnp.asarray([[10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, -1], list(range(3, 15))], jnp.int32)
+    spec = A.AttentionSpec(window=window)
+    for mask, part in ((A.AttentionMask.padded(key_mask, 3, jnp.int32(12)), q[:, :3]),
+                       (A.AttentionMask.at_positions(positions, 24), q)):
+        expected = A.xla_attention(part, k, v, mask, spec, query_chunk=4)
+        out = A.blocked_attention(part, k, v, mask, spec, block=4)
+        real = np.asarray(mask.q_segments > 0)[..., None]
+        np.testing.assert_allclose(np.asarray(out) * real, np.asarray(expected) * real, atol=1e-6, rtol=1e-5)
+
+
+def _temp_mib(t: int, chunk: int) -> float:
+    """Compiled temp memory (MiB) of the XLA path's value and gradient of causal self-attention at `T = t` in query
+    chunks of `chunk` (one row, 9 heads on 3 key heads of 64, bfloat16 dots), compiled only."""
+    q, kv = jax.ShapeDtypeStruct((1, t, 9, 64), jnp.float32), jax.ShapeDtypeStruct((1, t, 3, 64), jnp.float32)
+    segments = jnp.ones((1, t), jnp.int32)
+
+    def loss(q, k, v):
+        out = A.xla_attention(q, k, v, A.AttentionMask.packed(segments), query_chunk=chunk,
+                              compute_dtype=jnp.bfloat16)
+        return jnp.sum(out ** 2)
+
+    compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile()
+    return compiled.memory_analysis().temp_size_in_bytes / 2**20
+
+
+def test_the_blocked_paths_memory_grows_linearly_with_the_context():
+    """Issue 61: causal self-attention's compiled value and gradient in chunks of 256 needs at most ~2x the temp
+    memory at twice the context (the unrolled chunks kept every chunk's scores: ~3.5x per doubling)."""
+    small, large = _temp_mib(2048, 256), _temp_mib(4096, 256)
+    assert large / small < 2.3, (small, large)
+
+
+def test_the_decoder_takes_the_blocked_path_at_long_contexts():
+    """The decoder's packed forward at T = 640 in query chunks of 64 attends through `blocked_attention` on both
+    layer kinds, and at T = 128 through the unrolled chunks."""
+    config = _model(attention_query_chunk=64, attention="xla")
+    params = init_params(config, jax.random.key(0))
+
+    def program(t: int) -> str:
+        segments = _packed_segments([[t // 2, t // 4]], t)
+        tokens = jnp.zeros((1, t), jnp.int32)
+        return str(jax.make_jaxpr(lambda p: forward_packed(p, config, tokens, jnp.zeros((1, t), jnp.int32),
+                                                           segments))(params))
+
+    assert program(640).count("name=_blocked") == 2
+    assert "name=_blocked" not in program(128)
 
 
 def _assert_kernel_matches_xla(backend: str, q: jax.Array, k: jax.Array, v: jax.Array, mask: A.AttentionMask,
