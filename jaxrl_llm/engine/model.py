@@ -37,7 +37,7 @@ from jaxrl_llm.engine.pages import (
     write_pages,
 )
 from jaxrl_llm.errors import ConfigError
-from jaxrl_llm.models.attention import AttentionMask, xla_attention
+from jaxrl_llm.models.attention import UNROLLED_LENGTH, AttentionMask, blocked_attention, xla_attention
 from jaxrl_llm.models.block import Attend, LayerOps, attention_spec, layer_kinds_present, transformer_block
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decode import longrope_original, loop_layout_attention, stacked_experts
@@ -105,16 +105,21 @@ def paged_attention(config: ModelConfig, layer: PagedLayer, page_table: jax.Arra
     queries, at `positions [R, T]` (-1: padding), attend to its gathered context `[R, M * page_size]` through the
     training attention's XLA path (`models.attention`): the mask is the positions (a key slot is its position), built
     a query chunk at a time (`model.attention_query_chunk`), so a long prompt's chunk never holds a
-    `[R, T, M * page_size]` mask or all its scores at once."""
+    `[R, T, M * page_size]` mask or all its scores at once; past `UNROLLED_LENGTH` context slots, in blocks of keys
+    too (`blocked_attention`: the blocks past every row's position are skipped)."""
     c = config
 
     def attend(q: jax.Array, k: jax.Array, v: jax.Array, sinks: jax.Array | None) -> tuple[jax.Array, PagedLayer]:
         new = write_pages(layer, slots, k, v, c.jnp_dtype)
         keys, values = (jnp.transpose(from_storage(x, c.jnp_dtype), (1, 2, 0, 3))  # [R, C, KVH, hd]
                         for x in gather_pages(new, page_table))
-        out = xla_attention(q, keys, values, AttentionMask.at_positions(positions, keys.shape[1]),
-                            attention_spec(c, local), sinks=sinks, query_chunk=c.attention_query_chunk,
-                            compute_dtype=c.jnp_dtype)
+        mask, spec, chunk = AttentionMask.at_positions(positions, keys.shape[1]), attention_spec(c, local), \
+            c.attention_query_chunk
+        if chunk and keys.shape[1] > UNROLLED_LENGTH:  # a long context: key blocks past every position skipped
+            out = blocked_attention(q, keys, values, mask, spec, sinks=sinks, block=chunk, compute_dtype=c.jnp_dtype)
+        else:
+            out = xla_attention(q, keys, values, mask, spec, sinks=sinks, query_chunk=chunk,
+                                compute_dtype=c.jnp_dtype)
         return out, new
 
     return attend

@@ -355,3 +355,23 @@ def _all_eqns(jaxpr: jax.extend.core.Jaxpr) -> list:
                 if isinstance(inner, jax.extend.core.Jaxpr):
                     out += _all_eqns(inner)
     return out
+
+
+def test_a_prompt_longer_than_the_unrolled_length_prefills_in_key_blocks(hf_model_dir):
+    """A 600-token prompt (contexts past `attention.UNROLLED_LENGTH`: the XLA prefill attends in key blocks,
+    `blocked_attention`, skipping the blocks past every row's position) in chunks of 256: the static sampler's
+    greedy tokens and log-probs. Gemma 2: a window of 8 on alternate layers and soft caps on that path."""
+    from jaxrl_llm.models.attention import UNROLLED_LENGTH
+
+    config, params = load_hf_model(hf_model_dir("gemma2"))
+    config = config.replace(max_position_embeddings=1024, attention_query_chunk=64)
+    rng = np.random.default_rng(5)
+    tokens = rng.integers(3, config.vocab_size, (1, 600)).astype(np.int32)
+    mask = np.ones_like(tokens)
+    greedy = SamplingConfig(max_new_tokens=4, greedy=True)
+    expected = sample(params, config, tokens, mask, jax.random.key(0), greedy)
+    engine = small_engine(config, attention="xla", num_pages=200, page_size=8, prefill_chunk=256)
+    out = engine_sample(engine, params, config, tokens, mask, jax.random.key(0), greedy)
+    assert engine.attention == "xla" and 600 > UNROLLED_LENGTH
+    np.testing.assert_array_equal(out.tokens, np.asarray(expected.tokens))
+    np.testing.assert_allclose(out.logprobs_untruncated, np.asarray(expected.logprobs_untruncated), atol=1e-4)
