@@ -149,7 +149,9 @@ class RewardModelTraining(ExampleAlgorithm):
         if jax.process_count() > 1:
             raise ConfigError("--algo rm runs in a single process (its evaluation is not sharded across hosts); "
                               "unset distributed.enabled / JAX_COORDINATOR_ADDRESS")
-        self.mesh = make_mesh(MeshShape(c.mesh.data, c.mesh.fsdp, c.mesh.tensor, expert=c.mesh.expert))
+        # mesh.sequence: the devices check_devices counted; the reward model's rows are copies along that axis
+        self.mesh = make_mesh(MeshShape(c.mesh.data, c.mesh.fsdp, c.mesh.tensor, expert=c.mesh.expert,
+                                        sequence=c.mesh.sequence))
         self.model_config, params, self.model_dir = initial_reward_model(c, self.mesh)
         self.vocab_size = self.model_config.vocab_size
         self.initial_params = jax.device_put(params, param_shardings(params, self.mesh))
