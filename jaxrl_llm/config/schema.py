@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jaxrl_llm.fields import at_least, finite, fraction, one_of, positive, within
-from jaxrl_llm.models.config import ATTENTION_REQUESTS, REMAT_POLICIES
+from jaxrl_llm.models.options import ATTENTION_REQUESTS, REMAT_POLICIES
 from jaxrl_llm.rl.options import (
     DISTILL_LOSSES,
     KL_ESTIMATORS,

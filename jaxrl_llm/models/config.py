@@ -28,19 +28,15 @@ from typing import Literal
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from jaxrl_llm.models.options import (  # noqa: F401  (re-exported)
+    ATTENTION_BACKENDS,
+    ATTENTION_REQUESTS,
+    REMAT_POLICIES,
+    SEQUENCE_METHODS,
+)
 from jaxrl_llm.models.precision import activation_dtype, inference_param_dtype
 
 DType = Literal["float32", "bfloat16"]
-
-# What a rematerialised layer keeps for its backward pass: its input only, or also its weight matmuls' outputs.
-REMAT_POLICIES = ("full", "matmuls")
-# The training attention a run asks for (`models/attention.attention_backend`): the platform's kernel where it covers
-# the layer (auto), the XLA reference, the platform's Pallas kernel, or cuDNN.
-ATTENTION_REQUESTS = ("auto", "xla", "pallas", "cudnn")
-# The backends themselves, which `attention` may also name (tests, and exporting for another platform).
-ATTENTION_BACKENDS = ("xla", "pallas_gpu", "pallas_tpu", "cudnn", "pallas_interpret", "pallas_tpu_interpret")
-# How attention crosses a sequence split over devices: all-gathered keys and values, or blocks passed round a ring.
-SEQUENCE_METHODS = ("gather", "ring")
 
 
 @dataclasses.dataclass(frozen=True)
