@@ -37,7 +37,7 @@ class ModelSection:
     param_dtype: str = one_of("float32", DTYPES)  # stored weights: float32 | bfloat16 (float32 master weights are kept)
     remat: bool = False  # recompute each layer's activations in the backward pass (less memory, more time)
     # With remat: what a layer keeps for its backward pass. full: only its input (everything recomputed);
-    # matmuls: also its weight matmuls' outputs (attention and elementwise work recomputed; docs/performance.md)
+    # matmuls: also its weight matmuls' outputs (attention and elementwise work recomputed; docs/scaling.md)
     remat_policy: str = one_of("full", REMAT_POLICIES)
     # layers per iteration of the training forward's layer loop; the layer count unrolls it completely (no
     # stacked residual buffers: a faster update on XLA:CPU, a longer compile); 1 = a loop over layers

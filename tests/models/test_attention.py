@@ -513,3 +513,33 @@ def test_the_decoders_update_memory_grows_linearly_in_a_layer_stack():
         return compiled.memory_analysis().temp_size_in_bytes
 
     assert temp(4096) < 2.3 * temp(2048)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(("platform", "backend", "call"), [
+    ("cuda", "pallas_gpu", "__gpu$xla.gpu.triton"), ("tpu", "pallas_tpu", "tpu_custom_call")])
+def test_the_update_exports_with_the_kernel(platform, backend, call):
+    """The GRPO train step itself (policy loss with a KL term on packed rows, backward, AdamW; bfloat16 over float32
+    weights, remat) with `model.attention` set to the platform's kernel exports for that platform from this CPU
+    machine, the kernel's call in it: what a GPU or TPU run compiles."""
+    from jaxrl_llm.config import OptimSection
+    from jaxrl_llm.models.decoder import param_shapes
+    from jaxrl_llm.models.packing import PackedLayout
+    from jaxrl_llm.trainers.objectives import PolicyBatch, PolicyObjective, policy_loss
+    from jaxrl_llm.trainers.step import make_optimizer, train_step
+
+    config = _model(head_dim=128, num_heads=4, num_kv_heads=2, sliding_window=None, layer_types=None,
+                    dtype="bfloat16", remat=True, attention=backend)
+    optimizer = make_optimizer(OptimSection(learning_rate=1e-6), 10)[0]
+    shapes = param_shapes(config)
+    n, p, t, rows, width = 4, 16, 48, 2, 128
+    ints, floats = (lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)), (lambda *s: jax.ShapeDtypeStruct(s, jnp.float32))
+    batch = PolicyBatch(ints(n, p), ints(n, p), ints(n, t), ints(n, t), floats(n, t), floats(n, t), floats(n),
+                        layout=PackedLayout(ints(rows, width), ints(n, t)))
+    step = functools.partial(train_step, loss_fn=policy_loss, model_config=config, optimizer=optimizer, grad_accum=1,
+                             loss_config=PolicyObjective(beta=0.04, max_len=t))
+    # LayoutConstraint: the precision policy's row-major weight-gradient operands, chosen by this CPU's backend.
+    checks = [jax.export.DisabledSafetyCheck.custom_call(c) for c in (call, "LayoutConstraint")]
+    exported = jax.export.export(jax.jit(step), platforms=[platform], disabled_checks=checks)(
+        shapes, jax.eval_shape(optimizer.init, shapes), batch)
+    assert exported.platforms == (platform,) and call in _custom_calls(exported.mlir_module())
