@@ -37,6 +37,8 @@ SMOKE: dict[str, tuple[list[str], str]] = {
     "grpo_vs_trl.py": (["--model", "{chat_model}", "--steps", "1", "--warmup", "0", "--varied", "--new-tokens", "16",
                         *([] if _has("trl") else ["--skip-trl"])],
                        "update on the same rollouts ("),
+    "long_context.py": (["--model", "{tiny_config}", "--contexts", "64", "--time-up-to", "64", "--sequence", "1,2",
+                         "--query-chunk", "16"], "| 64 | "),
     "matmul_kernels.py": (["--shape", "64x32x16", "--calls", "3"], "| 64 x 32 x 16 |"),
     "memory_step.py": (["--model", "{tiny_config}", "--micro-batch", "1", "--grad-accum", "1", "--prompt-len", "8",
                         "--new-tokens", "8"], '"compiled_gib"'),
