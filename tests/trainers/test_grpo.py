@@ -260,3 +260,22 @@ def test_recompute_uses_the_train_steps_own_weights(tiny_task, tmp_path):
     mask = np.asarray(ro.out.mask, bool)
     assert np.abs(seen["old"] - np.asarray(trainer_logp))[mask].max() < 1e-5
     assert np.abs(np.asarray(master_logp) - np.asarray(trainer_logp))[mask].max() > 1e-4  # the test can tell them apart
+
+
+@pytest.mark.parametrize(("overrides", "passes"), [
+    (("rl.beta=0",), 0),  # no KL term: no reference model at all; mu = 1: the sampler's log-probs are the old ones
+    (("rl.beta=0.04",), 1),  # the reference's pass only
+    (("rl.beta=0.04", "rl.loss.rollout_correction=recompute"), 2),  # the old policy's recomputation too
+])
+def test_an_update_runs_only_the_log_prob_passes_its_math_needs(tiny_task, tmp_path, overrides, passes):
+    """Whole-batch forward passes before the train step, counted on the GRPO update (one update a step, mu = 1)."""
+    from jaxrl_llm.trainers.grpo import GRPOFamily
+
+    algorithm = GRPOFamily(_config(tiny_task, tmp_path, "steps=1", "rl.mu=1", *overrides))
+    calls = []
+    inner = algorithm.ref_logprob_fn
+    algorithm.ref_logprob_fn = lambda *a: calls.append(1) or inner(*a)
+    state, key = algorithm.init(), jax.random.key(0)
+    collected = algorithm.collect(state, DataState(), key)
+    algorithm.update(state, collected.batch, 1, key)
+    assert len(calls) == passes and (algorithm.ref_params is None) == (passes == 0)
