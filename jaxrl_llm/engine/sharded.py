@@ -118,12 +118,16 @@ class ShardedEngine:
         spans = len({d.process_index for d in self.mesh.devices.flat}) > 1  # the mesh spans several processes
         whole = _whole_everywhere(params, self.mesh) if spans else params
 
+        # Each shard's copy is placed here, before the threads: `device_put`s of one array from several threads at
+        # once raced (now and then "safe_zip() argument 1 has length 8 but argument 0 has length 16"); a
+        # `device_put` is asynchronous, so doing them in turn costs nothing.
+        placed = {shard: _on(whole, self.meshes[shard]) for shard in local if mine[shard]}
+
         def run(shard: int) -> list[list[Completion]]:
             engine = self.engines[shard]
             if not mine[shard] or engine is None:
                 return []
-            placed = _on(whole, self.meshes[shard])
-            return engine.generate(placed, [requests[r] for r in mine[shard]], sampling, keep=keep)
+            return engine.generate(placed[shard], [requests[r] for r in mine[shard]], sampling, keep=keep)
 
         with concurrent.futures.ThreadPoolExecutor(len(local)) as pool:
             done = dict(zip(local, pool.map(run, local), strict=True))
