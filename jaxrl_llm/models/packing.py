@@ -7,7 +7,7 @@ the valid input tokens of several sequences share a row of the same length `S`::
     row r:  [ seq 3 ............ | seq 0 ....... | seq 5 .. | pad ]     segments 4 4 4 1 1 1 6 6 0
                                                                         positions 0 1 2 0 1 2 0 1 0
 
-Attention stays inside a sequence (block-diagonal causal, `layers.segment_attention_allowed`), RoPE positions
+Attention stays inside a sequence (block-diagonal causal from the segment ids, `models/attention.py`), RoPE positions
 restart per sequence, so every packed position's hidden state is the padded one's. The losses do not change: the
 hidden states that predict the completion tokens are gathered back to `[M, T]` (`PackedLayout.predictor`) and
 everything after that (log-probs, KL, entropy, every aggregation mode, GSPO's sequence ratios, the rollout
