@@ -162,8 +162,10 @@ def test_loss_logprobs_and_gradients_equal_one_devices(family: str) -> None:
 def test_memory_per_device_falls_with_the_sequence_axis() -> None:
     temp = _run_script(_MEMORY)
     one = temp.pop("1 ring")
-    for case, size in temp.items():
-        assert size < 0.6 * one, (case, size / one)
+    # One device attends in query chunks already, so the all-gather's gathered keys and `[T/N, T]` scores keep it
+    # well above 1/N; the ring's two key blocks at a time bring it near 1/N (measured at T = 1024: 0.67 and 0.39).
+    assert temp["4 gather"] < 0.75 * one, temp["4 gather"] / one
+    assert temp["4 ring"] < 0.45 * one, temp["4 ring"] / one
     assert temp["4 ring"] < temp["4 gather"]  # a ring holds two key blocks, not all the keys
 
 
