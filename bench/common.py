@@ -147,6 +147,18 @@ def sampling_flops(dims: dict[str, int], rows: int, prompt_len: int, new_tokens:
     return rows * forward_flops(dims, contexts, len(contexts))
 
 
+def cpu_model() -> str:
+    """lscpu's model name (every figure names the CPU it ran on)."""
+    import platform
+    import subprocess
+
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown CPU"
+
+
 def best_seconds(fn: Callable[[], Any], repeats: int) -> float:
     """The shortest wall time of `repeats` calls of `fn` (which returns once its work is done)."""
     best = float("inf")

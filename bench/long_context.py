@@ -26,8 +26,6 @@ import argparse
 import functools
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -61,16 +59,9 @@ if ARGS is not None:
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from common import cpu_model  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's jaxrl_llm, installed or not
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown CPU"
 
 
 def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Any, spec: Any, *, sinks: Any = None,

@@ -27,10 +27,8 @@ import glob
 import gzip
 import json
 import os
-import platform
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,7 +39,7 @@ DUMP = tempfile.mkdtemp(prefix="update_profile_hlo_")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={DUMP} --xla_dump_hlo_as_text").strip()
 
 import numpy as np  # noqa: E402
-from common import add_int_options, jax_matmul_flops, model_dims, update_flops  # noqa: E402
+from common import add_int_options, cpu_model, jax_matmul_flops, model_dims, update_flops  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's jaxrl_llm, installed or not
 
@@ -49,14 +47,6 @@ SCOPES = ("optimizer", "lm_head", "attention", "norm")
 KINDS = ("matmuls (weights)", "attention matmuls", "attention: scores, mask, softmax", "LM head matmul",
          "LM head: log-softmax, gather", "norms", "optimizer", "layer loop: slices, stacked residuals", "casts",
          "copies, transposes", "other elementwise")
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown CPU"
 
 
 # ------------------------------------------------------------------------------------------------ the HLO's kinds

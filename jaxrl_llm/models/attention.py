@@ -53,7 +53,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 
 from jaxrl_llm.models import precision
 from jaxrl_llm.models.config import ATTENTION_BACKENDS, ATTENTION_REQUESTS
-from jaxrl_llm.models.layers import MASKED, head_sinks, masked_softmax, softcap
+from jaxrl_llm.models.layers import MASKED, attention_block, softcap
 
 BACKENDS = ATTENTION_BACKENDS
 REQUESTS = ATTENTION_REQUESTS
@@ -321,7 +321,7 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask,
 
     def block(q_part: jax.Array, start: jax.Array | int, keys: int) -> jax.Array:
         allowed = chunk_allowed(mask, spec, start, q_part.shape[1], keys)
-        return _attention_block(q_part, k[:, :keys], v[:, :keys], allowed, scale, spec.softcap, compute_dtype, sinks)
+        return attention_block(q_part, k[:, :keys], v[:, :keys], allowed, scale, spec.softcap, compute_dtype, sinks)
 
     if not query_chunk or t <= query_chunk:
         return block(q, 0, s)
@@ -533,22 +533,6 @@ def _blocked_bwd(static: _Blocked, residuals: tuple, d_out: jax.Array) -> tuple:
 
 
 _blocked.defvjp(_blocked_fwd, _blocked_bwd)
-
-
-def _attention_block(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, scale: float,
-                     softcap: float | None, compute_dtype: jnp.dtype | str, sinks: jax.Array | None) -> jax.Array:
-    """`softmax(softcap(scale * q k^T) | allowed) v` of `q [B, T, H, hd]`, `k, v [B, S, KVH, hd]`, `allowed [B, T,
-    S]` -> `[B, T, H * hd]`: queries grouped `[B, T, KVH, G, hd]` against their shared key head, scores
-    `[B, KVH, G, T, S]` in float32 (`layers._attention_block`, the same ops)."""
-    b, t, h, hd = q.shape
-    kvh = k.shape[2]
-    q = q.reshape(b, t, kvh, h // kvh, hd)
-    scores = precision.einsum("btkgd,bskd->bkgts", q, k, compute_dtype, jnp.float32)
-    grouped = head_sinks(sinks, kvh)  # [KVH, G, 1] -> [KVH, G, 1, 1] against the scores
-    probs = masked_softmax(scores, allowed[:, None, None], scale, softcap,
-                           None if grouped is None else grouped[..., None])
-    out = precision.einsum("bkgts,bskd->btkgd", probs, v, compute_dtype)
-    return out.reshape(b, t, h * hd)
 
 
 def _pad_sequence(x: jax.Array, length: int) -> jax.Array:

@@ -268,13 +268,13 @@ def _grouped_query_attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: 
     t = q.shape[1]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if not query_chunk or t <= query_chunk:
-        return _attention_block(q, k, v, allowed, scale, logit_softcap, compute_dtype, sinks)
+        return attention_block(q, k, v, allowed, scale, logit_softcap, compute_dtype, sinks)
     if causal:
         if k.shape[1] != t:
             raise ValueError(f"grouped_query_attention: causal needs as many keys as queries, got {k.shape[1]} and {t}")
 
         def block(a: int, b: int) -> jax.Array:
-            return _attention_block(q[:, a:b], k[:, :b], v[:, :b], allowed[:, a:b, :b], scale, logit_softcap,
+            return attention_block(q[:, a:b], k[:, :b], v[:, :b], allowed[:, a:b, :b], scale, logit_softcap,
                                     compute_dtype, sinks)
 
         return jnp.concatenate([jax.checkpoint(functools.partial(block, a, min(a + query_chunk, t)))()
@@ -282,7 +282,7 @@ def _grouped_query_attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: 
     n_full, rem = divmod(t, query_chunk)
 
     def chunk(start: jax.Array | int, size: int) -> jax.Array:
-        return _attention_block(jax.lax.dynamic_slice_in_dim(q, start, size, axis=1), k, v,
+        return attention_block(jax.lax.dynamic_slice_in_dim(q, start, size, axis=1), k, v,
                                 jax.lax.dynamic_slice_in_dim(allowed, start, size, axis=1), scale, logit_softcap,
                                 compute_dtype, sinks)
 
@@ -294,9 +294,12 @@ def _grouped_query_attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: 
     return out
 
 
-def _attention_block(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, scale: float,
-                     logit_softcap: float | None, compute_dtype: jnp.dtype | str,
-                     sinks: jax.Array | None = None) -> jax.Array:
+def attention_block(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, scale: float,
+                    logit_softcap: float | None, compute_dtype: jnp.dtype | str,
+                    sinks: jax.Array | None = None) -> jax.Array:
+    """`softmax(softcap(scale * q k^T) | allowed) v` of `q [B, T, H, hd]`, `k, v [B, S, KVH, hd]`, `allowed [B, T,
+    S]` -> `[B, T, H * hd]`: queries grouped `[B, T, KVH, G, hd]` against their shared key head, scores
+    `[B, KVH, G, T, S]` in float32."""
     b, t, h, hd = q.shape
     kvh = k.shape[2]
     q = q.reshape(b, t, kvh, h // kvh, hd)
