@@ -190,6 +190,20 @@ TINY_SHAPE = ("steps=1", "rl.prompts_per_step=4", "rl.group_size=4", "eval_size=
 QUIET = ("progress_bar=false", "tensorboard=false", "export=false", "report=false")
 
 
+FLOAT32_UNIT_ROUNDOFF = 2.0**-24
+
+
+def assert_within_rounding(got: Any, want: Any, terms: int) -> None:
+    """Two float32 programs meant to compute the same values, in sums of at most `terms` rounded additions each,
+    agree to their rounding: |got - want| <= 2 terms u max|want| (u = 2^-24; 2: both round; the recursive
+    summation bound n u sum|x_i|, with the largest value standing in for the sum of the terms' magnitudes). Where
+    XLA fuses the two differently, they are bit-equal on one CPU class and a few u apart on another."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    bound = 2 * terms * FLOAT32_UNIT_ROUNDOFF * np.abs(want).max()
+    worst = np.abs(got - want).max()
+    assert worst <= bound, f"off by {worst:.3g} > {bound:.3g} (2 x {terms} x u x max|want|)"
+
+
 def tiny_run_args(out: Path, *overrides: str, task: Path | None = None) -> list[str]:
     """`key=value` arguments (for `train.py`, `train.cli` or `load_run_config`) of a tiny quiet run into `out`:
     `task`'s model, train and held-out data when given (the `tiny_task` fixture's layout), TINY_SHAPE, QUIET,

@@ -483,6 +483,20 @@ def _scratch_dirs() -> list[str]:
     return ["/tmp", *(["/dev/shm"] if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else [])]
 
 
+def lend_site_packages(venv_dir: Path) -> None:
+    """Make this interpreter's packages importable in the venv at `venv_dir`, however they were installed.
+    `system_site_packages` would lend the *base* interpreter's (not this venv's, when the suite runs in one), and
+    a path in a `.pth` file would miss an editable install of setuptools' import-hook kind, whose finder is
+    installed by a `.pth` line of its own; `site.addsitedir` adds each directory and runs its `.pth` files, as
+    this interpreter's start-up did."""
+    import site
+
+    dirs = [*site.getsitepackages(), *([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])]
+    (site_packages,) = venv_dir.glob("lib/python*/site-packages")
+    (site_packages / "_lent_by_the_test_suite.pth").write_text(
+        f"import site; list(map(site.addsitedir, {[d for d in dirs if os.path.isdir(d)]!r}))\n")
+
+
 @pytest.fixture(params=[(where, copies) for where in _scratch_dirs() for copies in (False, True)],
                 ids=lambda p: f"{p[0]}-{'copies' if p[1] else 'links'}")
 def scratch_venv(request: pytest.FixtureRequest) -> Iterator[tuple[Path, Path]]:
@@ -493,7 +507,8 @@ def scratch_venv(request: pytest.FixtureRequest) -> Iterator[tuple[Path, Path]]:
     where, copies = request.param
     base = Path(tempfile.mkdtemp(dir=where, prefix="jaxrl_llm_sandbox_venv_"))
     try:
-        venv.EnvBuilder(system_site_packages=True, symlinks=not copies, with_pip=False).create(base / "venv")
+        venv.EnvBuilder(symlinks=not copies, with_pip=False).create(base / "venv")
+        lend_site_packages(base / "venv")
         secret = base / "beside_the_venv.txt"
         secret.write_text("SECRET")
         yield base / "venv" / "bin" / "python", secret
