@@ -14,6 +14,7 @@ import numpy as np
 import optax
 import pytest
 
+from jaxrl_llm.config import OptimSection
 from jaxrl_llm.data import DataState, next_batch_indices
 from jaxrl_llm.rl import PolicyLossOptions
 from jaxrl_llm.sharding import make_mesh
@@ -98,7 +99,8 @@ def test_one_scanned_update_is_the_train_step_itself():
     # - the params differ by exactly what that rounding does through Adam's direction d = m_hat / (sqrt(v_hat) + eps),
     #   which near g = 0 turns a relative error of the gradient into one of the step (lr = 0.05, so up to 5e-5 of
     #   a 1e-3 weight was seen): (p_scan - p_one) = -lr (d_scan - d_one), up to the two updates' own rounding.
-    b1, b2, eps, lr, u = 0.9, 0.99, 1e-8, 0.05, FLOAT32_UNIT_ROUNDOFF
+    defaults = OptimSection()  # fixed_update_setup's AdamW: these betas, optax's eps, learning rate 0.05
+    b1, b2, eps, lr, u = defaults.beta1, defaults.beta2, 1e-8, 0.05, FLOAT32_UNIT_ROUNDOFF
     tokens = batch.prompt_tokens.size + batch.completion_tokens.size - batch.completion_tokens.shape[0]
 
     def moments(state: Any) -> tuple[list[np.ndarray], list[np.ndarray]]:
