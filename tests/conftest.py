@@ -28,7 +28,7 @@ import sys
 import jax
 import pytest
 
-from tests.helpers import CHATML, FAST_COMPILE_FLAGS, TINY, make_hf_model
+from tests.helpers import CHATML, FAST_COMPILE_FLAGS, PATIENT_COLLECTIVES_FLAGS, TINY, make_hf_model
 
 if "torch" in sys.modules:  # imported before this file (by a plugin): OMP_NUM_THREADS came too late for it
     sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -36,7 +36,7 @@ if "torch" in sys.modules:  # imported before this file (by a plugin): OMP_NUM_T
 # Compilation dominates a cold run of the suite: XLA:CPU's cheaper compile settings (tests/helpers.py). XLA reads
 # XLA_FLAGS when the first backend starts, not at `import jax`; subprocesses that set their own XLA_FLAGS (virtual
 # devices) add these.
-os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}".strip()
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS} {PATIENT_COLLECTIVES_FLAGS}".strip()
 
 
 def heavy_seconds(item: pytest.Item) -> float:

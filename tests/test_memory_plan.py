@@ -22,6 +22,7 @@ from jaxrl_llm.cli import plan as plan_cli
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import param_shapes
 from jaxrl_llm.models.hf import config_from_hf
+from tests.helpers import virtual_devices_xla_flags
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -87,7 +88,7 @@ def test_plan_matches_live_sharded_arrays_on_8_devices() -> None:
                              new_tokens=new)
         plans[name] = p
         jobs.append((name, hf, mesh, prompts * group, p.cache_length))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+    env = {**os.environ, "XLA_FLAGS": virtual_devices_xla_flags(8, fast_compile=False), "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-c", _MEASURE, json.dumps(jobs)], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=300)

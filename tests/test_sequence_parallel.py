@@ -24,7 +24,7 @@ from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.models.attention import AttentionMask, AttentionSpec
 from jaxrl_llm.models.sequence_parallel import pad_rows, padded_length, sequence_attention
 from jaxrl_llm.sharding import MeshShape, make_mesh
-from tests.helpers import FAST_COMPILE_FLAGS, ROOT, read_rows, tiny_run, tiny_run_args
+from tests.helpers import ROOT, read_rows, tiny_run, tiny_run_args, virtual_devices_xla_flags
 
 pytestmark = pytest.mark.heavy(seconds=32)
 
@@ -132,7 +132,7 @@ print("RESULT" + json.dumps(out))
 
 def _run_script(script: str, *args: str, devices: int = 8) -> dict:
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE_FLAGS}"}
+           "XLA_FLAGS": virtual_devices_xla_flags(devices)}
     proc = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
                           timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -175,7 +175,7 @@ def test_grpo_with_a_sequence_axis_is_the_one_device_run(tiny_task: Path, tmp_pa
     extra = ["eval_every=0", "model.dtype=float32", "rl.beta=0.04",
              "rewards=[{name: math_answer}, {name: 'tests.helpers:completion_length'}]"]
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count=2 {FAST_COMPILE_FLAGS}"}
+           "XLA_FLAGS": virtual_devices_xla_flags(2)}
     split = tmp_path / "split"
     proc = subprocess.run([sys.executable, "train.py", *tiny_run_args(split, task=tiny_task), *extra,
                            "mesh.sequence=2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -16,7 +16,7 @@ from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm.sharding import MeshShape, fit_spec, make_mesh, param_spec
-from tests.helpers import FAST_COMPILE_FLAGS, TINY  # noqa: F401  (the tiny_task fixture lives in conftest)
+from tests.helpers import TINY, virtual_devices_xla_flags  # noqa: F401  (the tiny_task fixture lives in conftest)
 
 pytestmark = pytest.mark.heavy(seconds=153)
 
@@ -199,7 +199,7 @@ print(json.dumps(out))
 
 
 def _run_mesh_script(part: int) -> str:
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {FAST_COMPILE_FLAGS}",
+    env = {**os.environ, "XLA_FLAGS": virtual_devices_xla_flags(8),
            "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(part)], env=env, capture_output=True, text=True,
                           timeout=600, cwd=ROOT)
@@ -408,7 +408,7 @@ def test_two_processes_train_like_one(tiny_task: Path, tmp_path: Path) -> None:
         (out / "run.yaml").write_text(_run_config(tiny_task, out / "run"))
     cmd = [sys.executable, str(ROOT / "train.py"), "--algo", "grpo", "--config"]
     ref = subprocess.run(cmd + [str(single / "run.yaml")], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                         env={**base, "XLA_FLAGS": f"--xla_force_host_platform_device_count=4 {FAST_COMPILE_FLAGS}",
+                         env={**base, "XLA_FLAGS": virtual_devices_xla_flags(4),
                               "REWARD_LOG": str(single / "rewards.log")})
     assert ref.returncode == 0, ref.stderr[-3000:]
     port = _free_port()
@@ -418,7 +418,7 @@ def test_two_processes_train_like_one(tiny_task: Path, tmp_path: Path) -> None:
                    f"distributed.coordinator_address=localhost:{port}", "distributed.num_processes=2",
                    f"distributed.process_id={i}"],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env={**base, "XLA_FLAGS": f"--xla_force_host_platform_device_count=2 {FAST_COMPILE_FLAGS}",
+            env={**base, "XLA_FLAGS": virtual_devices_xla_flags(2),
                  "REWARD_LOG": str(multi / "rewards.log")},
         )
         for i in range(2)
@@ -449,7 +449,7 @@ def test_two_processes_train_like_one(tiny_task: Path, tmp_path: Path) -> None:
 
 def test_batch_not_divisible_by_the_mesh_is_a_clear_error(tiny_task: Path, tmp_path: Path) -> None:
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count=4 {FAST_COMPILE_FLAGS}"}
+           "XLA_FLAGS": virtual_devices_xla_flags(4)}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "train.py"), "--algo", "sft", f"model.path={tiny_task / 'model'}",
          f"data.train={tiny_task / 'train.jsonl'}", "data.eval=''", f"out_dir={tmp_path}", "steps=1",

@@ -336,10 +336,9 @@ class RolloutAlgorithm(Algorithm):
 
     def sample_with(self, weights: Any, data_state: DataState, key: jax.Array
                     ) -> tuple[DataState, Callable[[], Collected]]:
-        collector = self.collector
-        if not isinstance(collector, RolloutCollector) or collector.dynamic_sampling:
-            return super().sample_with(weights, data_state, key)  # episodes and refills need rewards to sample
-        after, finish = collector.collect_in_stages(weights, data_state, key)
+        if not self.collector.samples_in_stages:
+            return super().sample_with(weights, data_state, key)  # refills need the rewards to sample
+        after, finish = self.collector.collect_in_stages(weights, data_state, key)
 
         def collected() -> Collected:
             ro, metrics = finish()

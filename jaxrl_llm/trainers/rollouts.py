@@ -204,11 +204,17 @@ class RolloutCollector:
         out = to_host(p.sample(params, tokens, mask, key, p.sampling_config(n=g)))
         return lambda: self.scored(indices, tokens, mask, out)
 
+    @property
+    def samples_in_stages(self) -> bool:
+        """Whether `collect_in_stages` can sample a rollout before scoring it: not under dynamic sampling, whose
+        refills depend on the rewards. Single-turn rows and multi-turn episodes (`sampled`) both can."""
+        return not self.dynamic_sampling
+
     def collect_in_stages(self, params: Params, state: DataState, key: jax.Array
                           ) -> tuple[DataState, Callable[[], tuple[Rollout, dict[str, float]]]]:
-        """`collect` without dynamic sampling in two stages: sample here; the returned call scores the rollout and
+        """`collect` in two stages (`samples_in_stages`): sample here; the returned call scores the rollout and
         gives it with its metrics (`metrics`), so a sampler thread can sample the next one meanwhile."""
-        if self.dynamic_sampling:
+        if not self.samples_in_stages:
             raise ValueError("RolloutCollector.collect_in_stages: dynamic sampling needs the rewards to sample")
         indices, state = self._next_indices(state)
         score = self.sampled(params, indices, key)

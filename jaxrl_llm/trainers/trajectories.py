@@ -19,6 +19,7 @@ per-turn rewards are added to it (one reward per trajectory), or are the whole r
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -79,14 +80,17 @@ class TrajectoryCollector(RolloutCollector):
     def _open(self, record: dict[str, Any]) -> tuple[Environment | None, list[Message] | str, str]:
         return open_episode(self.factory, self.env_kwargs, record, self.policy.config.data)
 
-    def rollout(self, params: Params, indices: np.ndarray, key: jax.Array) -> Rollout:
-        """G episodes of each prompt, scored: the rollout the update reads, with `loss_mask`."""
+    def sampled(self, params: Params, indices: np.ndarray, key: jax.Array) -> Callable[[], Rollout]:
+        """G episodes of each prompt played to their end (the model's turns and the environment's steps: sampling
+        needs the replies); the returned call scores them into the rollout the update reads, with `loss_mask`.
+        `rollout` and `collect_in_stages` (sampling beside training) both come here, as for single-turn rows."""
         g, self.env_seconds = self.group_size, 0.0
         episodes, texts, tokens, mask = self.run_episodes(params, self.prompts, indices, key,
                                                           self.policy.sampling_config(n=g))
         records = [self.prompts.records[i] for i in indices for _ in range(g)]
-        return self._assemble(episodes, records, [texts[r // g] for r in range(len(episodes))],
-                              np.repeat(tokens, g, axis=0), np.repeat(mask, g, axis=0), indices)
+        env_seconds = self.env_seconds  # the next rollout may start (a sampler thread) before this one is scored
+        return lambda: self._assemble(episodes, records, [texts[r // g] for r in range(len(episodes))],
+                                      np.repeat(tokens, g, axis=0), np.repeat(mask, g, axis=0), indices, env_seconds)
 
     def run_episodes(self, params: Params, prompts: PromptSet, indices: np.ndarray, key: jax.Array,
                      sampling: SamplingConfig) -> tuple[list[Episode], list[str], np.ndarray, np.ndarray]:
@@ -139,7 +143,8 @@ class TrajectoryCollector(RolloutCollector):
         self.env_seconds += time.monotonic() - t0
 
     def _assemble(self, episodes: list[Episode], records: list[dict[str, Any]], prompt_texts: list[str],
-                  prompt_tokens: np.ndarray, prompt_mask: np.ndarray, indices: np.ndarray) -> Rollout:
+                  prompt_tokens: np.ndarray, prompt_mask: np.ndarray, indices: np.ndarray,
+                  env_seconds: float) -> Rollout:
         """The episodes as right-padded `[N, T]` arrays (T: sampling.max_new_tokens when every episode fits it, so
         a one-turn rollout has a single-turn rollout's shapes; else the longest rounded up to its bucket), scored."""
         s = self.policy.config.sampling
@@ -153,7 +158,7 @@ class TrajectoryCollector(RolloutCollector):
         credit = turn_credit(episodes, loss_mask.shape[1])
         return Rollout(prompt_tokens, prompt_mask, out, rewards, each, completions, indices, loss_mask=loss_mask,
                        conversations=[ep.conversation for ep in episodes], episode_stats=episode_stats(episodes),
-                       env_seconds=self.env_seconds, turn_credit=credit if credit.any() else None)
+                       env_seconds=env_seconds, turn_credit=credit if credit.any() else None)
 
     def metrics(self, ro: Rollout, refills: int) -> dict[str, float]:
         """The single-turn metrics over the model's tokens, and the episodes': turns, tool calls, tool errors,

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.helpers import FAST_COMPILE_FLAGS, ROOT
+from tests.helpers import ROOT, virtual_devices_xla_flags
 
 pytestmark = pytest.mark.heavy(seconds=38)
 
@@ -104,7 +104,7 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {FAST_COMPILE_FLAGS}",
+    env = {**os.environ, "XLA_FLAGS": virtual_devices_xla_flags(8),
            "JAX_PLATFORMS": "cpu"}
     for _ in range(2):  # a process killed by a signal (XLA:CPU's rare crash, docs/testing.md) runs once more
         proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=600,
@@ -204,7 +204,7 @@ def test_two_processes_each_sample_their_share_with_one_devices_tokens(mode: str
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count=2 {FAST_COMPILE_FLAGS}",
+    env = {**os.environ, "XLA_FLAGS": virtual_devices_xla_flags(2),
            "JAX_PLATFORMS": "cpu"}
     procs = [subprocess.Popen([sys.executable, "-c", _TWO_PROCESSES, str(i), str(port), mode], cwd=ROOT, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.helpers import FAST_COMPILE_FLAGS, ROOT
+from tests.helpers import ROOT, virtual_devices_xla_flags
 
 pytestmark = pytest.mark.heavy(seconds=52)
 
@@ -117,7 +117,7 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {FAST_COMPILE_FLAGS}",
+    env = {**os.environ, "XLA_FLAGS": virtual_devices_xla_flags(8),
            "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=600,
                           cwd=ROOT)
@@ -161,7 +161,7 @@ def test_one_layer_split_over_experts_equals_the_dense_reference(results: dict) 
 
 def test_an_expert_axis_that_does_not_divide_the_experts_is_one_line(tmp_path: Path) -> None:
     """`mesh.expert=3` for the committed 8-expert model on 3 devices: one line naming the key and the model, exit 2."""
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count=3 {FAST_COMPILE_FLAGS}",
+    env = {**os.environ, "XLA_FLAGS": virtual_devices_xla_flags(3),
            "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "--algo", "grpo", "--config",
                            str(ROOT / "configs" / "grpo_arithmetic_moe.yaml"), "mesh.expert=3", "mesh.data=1",

@@ -20,7 +20,7 @@ import pytest
 import train
 from jaxrl_llm.config import load_run_config
 from jaxrl_llm.errors import ConfigError
-from tests.helpers import FAST_COMPILE_FLAGS, ROOT, read_rows, tiny_run, tiny_run_args
+from tests.helpers import ROOT, read_rows, tiny_run, tiny_run_args, virtual_devices_xla_flags
 
 pytestmark = pytest.mark.heavy(seconds=65)
 
@@ -70,6 +70,44 @@ def test_a_stale_run_is_reproducible_at_a_seed(stale_run, tiny_task, tmp_path):
     assert train.cli(_args(tiny_task, again, "rollout.max_staleness=1", "checkpoint_every=2",
                            "keep_checkpoints=3")) == 0
     assert _stable(read_rows(again)) == _stable(read_rows(stale_run))
+
+
+# Every collector the config can build (single-turn rows with or without dynamic sampling's refills, multi-turn
+# episodes) at each staleness: synchronous, and sampled beside training. Episodes with refills are refused.
+COLLECTORS = {
+    "single-turn": (),
+    "single-turn, dynamic sampling": ("rl.dynamic_sampling=true",),
+    "multi-turn": ("env.name=tests.trainers.test_multi_turn:chatty",),
+}
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+@pytest.mark.parametrize("collector", list(COLLECTORS))
+def test_every_collector_runs_at_every_staleness(collector, staleness, tmp_path):
+    """Each run takes its collector's own path at each staleness: the episodes' metrics (three turns each, the
+    environment's tokens masked out of the loss) exactly on the multi-turn runs, the refill rounds exactly under
+    dynamic sampling, and rollouts sampled a version behind exactly when K=1. (A multi-turn run with K=1 once
+    took the single-turn staged path and died on the episodes' statistics: KeyError 'tool_calls'.)"""
+    out = tmp_path / "run"
+    assert train.cli(_args(None, out, "steps=3", f"rollout.max_staleness={staleness}", *COLLECTORS[collector])) == 0
+    rows = read_rows(out, having="reward/mean")
+    multi_turn, dynamic = collector.startswith("multi-turn"), "dynamic" in collector
+    assert len(rows) == 3
+    for r in rows:
+        assert ("turns/mean" in r) == multi_turn and ("dynamic_sampling/refill_rounds" in r) == dynamic
+        if multi_turn:  # the chatty environment ends each episode after its third turn, whatever the model says
+            assert r["turns/mean"] == 3.0 and 0.0 < r["masked_tokens/frac"] < 1.0
+    assert [r.get("staleness/max") for r in rows] == ([0.0, 1.0, 1.0] if staleness else [None] * 3)
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_multi_turn_with_dynamic_sampling_is_a_one_line_refusal_at_every_staleness(staleness, tmp_path, capsys):
+    args = _args(None, tmp_path / "run", f"rollout.max_staleness={staleness}", "rl.dynamic_sampling=true",
+                 *COLLECTORS["multi-turn"])
+    assert train.cli(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "refilling groups is single-turn only" in err[0]
+    assert not (tmp_path / "run").exists()
 
 
 _KILL_AFTER_SAVE = textwrap.dedent("""
@@ -214,7 +252,7 @@ def test_the_sampler_mesh_gets_the_trainers_weights_and_k0_is_the_one_mesh_run(t
     their own; synchronous (K=0) on the split is the one-device run to the bit; K=1 on the split is the one-device
     K=1 run to the bit too."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count=2 {FAST_COMPILE_FLAGS}"}
+           "XLA_FLAGS": virtual_devices_xla_flags(2)}
     extra = ["steps=5", "optim.warmup_steps=0", "optim.learning_rate=3e-3", "eval_every=0"]
     for k in (0, 1):
         split = tmp_path / f"split{k}"
@@ -235,7 +273,7 @@ def test_a_tensor_parallel_sampler_mesh_gets_split_weights_and_samples(tiny_task
     """Three virtual devices, the sampler's two tensor-parallel (`rollout.sampler_tensor=2`): the pushed weights
     equal the trainer's and are split over devices 1 and 2; the K=1 run samples on them within its staleness."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count=3 {FAST_COMPILE_FLAGS}"}
+           "XLA_FLAGS": virtual_devices_xla_flags(3)}
     out = tmp_path / "tp"
     proc = subprocess.run([sys.executable, "-c", _SPLIT, str(tiny_task), str(out), "steps=4", "eval_every=0",
                            "rollout.sampler_devices=2", "rollout.sampler_tensor=2", "rollout.max_staleness=1"],
