@@ -9,8 +9,8 @@ One sequence per update, packed (`rl.packing`: one row of `context` tokens, a 16
 completion), the GRPO train step as the trainer runs it (`train_step` with `policy_loss`: forward, backward, AdamW),
 bfloat16 compute over float32 weights, remat, queries in chunks of `--query-chunk`, log-probs in blocks of 256 MiB
 (`model.logprob_block_mib`'s default). For each context:
-- `dense`: the attention before the seam: `layers.grouped_query_attention` under the dense `[B, T, T]` boolean mask
-  (`layers.segment_attention_allowed`), patched into the model for this bench;
+- `dense`: the attention before the seam: the dense `[B, T, T]` boolean mask of the packed rows, then causal query
+  chunks over the keys before them (`dense_attention` here), patched into the model for this bench;
 - `seam`: `models.attention` (the XLA path on a CPU): the mask as segment ids, built per query chunk;
 - `seam, sequence = N` (`--sequence`): the seam on a mesh of N virtual CPU devices with `mesh.sequence = N`.
 
@@ -67,13 +67,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's j
 def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Any, spec: Any, *, sinks: Any = None,
                     backend: str = "xla", query_chunk: int = 0, compute_dtype: Any = jnp.float32,
                     block: Any = None) -> jax.Array:
-    """The attention before the seam: the dense `[B, T, T]` mask of packed rows, then the chunked attention."""
-    from jaxrl_llm.models.layers import grouped_query_attention, segment_attention_allowed
+    """The attention before the seam: the dense `[B, T, T]` boolean mask of packed rows (block-diagonal causal,
+    the window) built once, then causal query chunks `[a, b)` over keys `[0, b)`, each under `jax.checkpoint`."""
+    from jaxrl_llm.models.layers import attention_block
 
-    allowed = segment_attention_allowed(mask.kv_segments, spec.window)
-    return grouped_query_attention(q, k, v, allowed, query_chunk=query_chunk, scale=spec.scale,
-                                   logit_softcap=spec.softcap, compute_dtype=compute_dtype, causal=spec.causal,
-                                   sinks=sinks)
+    segments, t = mask.kv_segments, q.shape[1]
+    idx = jnp.arange(t)
+    allowed = idx[None, :] <= idx[:, None]
+    if spec.window is not None:
+        allowed &= idx[:, None] - idx[None, :] < spec.window
+    allowed = allowed[None] & (segments[:, :, None] == segments[:, None, :]) & (segments[:, None, :] > 0)
+    scale = q.shape[-1] ** -0.5 if spec.scale is None else spec.scale
+
+    def part(a: int, b: int) -> jax.Array:
+        return attention_block(q[:, a:b], k[:, :b], v[:, :b], allowed[:, a:b, :b], scale, spec.softcap,
+                               compute_dtype, sinks)
+
+    chunk = query_chunk or t
+    return jnp.concatenate([jax.checkpoint(functools.partial(part, a, min(a + chunk, t)))()
+                            for a in range(0, t, chunk)], axis=1)
 
 
 def update_program(config: Any, context: int, sequence: int = 1) -> tuple[Any, tuple[Any, ...], Any]:

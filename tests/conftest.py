@@ -1,5 +1,7 @@
-"""The suite's process settings (compile cache, threads, XLA flags), its session fixtures, and its order: the
-`heavy` tests first, longest first. Plain helpers live in tests/helpers.py."""
+"""The suite's process settings (compile cache, threads, XLA flags, no network), its session fixtures, and its
+order: the `heavy` tests first, longest first. Plain helpers live in modules by subject (tests/families.py,
+runs.py, batches.py, numerics.py, attention_reference.py, xla_settings.py), none of which changes anything on
+import."""
 
 from __future__ import annotations
 
@@ -23,17 +25,24 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
+# No test may need the network: transformers and the hub read local directories only; and their warnings stay out
+# of the subprocesses' stderr, which tests read.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
 import sys
 
 import jax
 import pytest
 
-from tests.helpers import CHATML, FAST_COMPILE_FLAGS, PATIENT_COLLECTIVES_FLAGS, TINY, make_hf_model
+from tests.families import TINY, make_hf_model
+from tests.runs import CHATML
+from tests.xla_settings import FAST_COMPILE_FLAGS, PATIENT_COLLECTIVES_FLAGS
 
 if "torch" in sys.modules:  # imported before this file (by a plugin): OMP_NUM_THREADS came too late for it
     sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
-# Compilation dominates a cold run of the suite: XLA:CPU's cheaper compile settings (tests/helpers.py). XLA reads
+# Compilation dominates a cold run of the suite: XLA:CPU's cheaper compile settings (tests/xla_settings.py). XLA reads
 # XLA_FLAGS when the first backend starts, not at `import jax`; subprocesses that set their own XLA_FLAGS (virtual
 # devices) add these.
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS} {PATIENT_COLLECTIVES_FLAGS}".strip()

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, TINY
+from tests.families import TINY
+from tests.runs import ROOT
 
 pytestmark = pytest.mark.heavy(seconds=36)
 

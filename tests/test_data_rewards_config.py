@@ -21,7 +21,7 @@ from jaxrl_llm.rewards import RewardError, compute_rewards, resolve_reward
 from jaxrl_llm.rewards.math_answers import extract_answer, math_answer_reward, math_verify_reward
 from jaxrl_llm.rewards.shaping import format_reward, overlong_reward
 from jaxrl_llm.tasks.arithmetic import make_problems, make_tokenizer
-from tests.helpers import GSM8K, requires_shared
+from tests.runs import GSM8K, requires_shared
 
 # ------------------------------------------------------------------------------------------------ data
 

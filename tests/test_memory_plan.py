@@ -22,7 +22,7 @@ from jaxrl_llm.cli import plan as plan_cli
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import param_shapes
 from jaxrl_llm.models.hf import config_from_hf
-from tests.helpers import virtual_devices_xla_flags
+from tests.xla_settings import virtual_devices_xla_flags
 
 REPO = Path(__file__).resolve().parents[1]
 

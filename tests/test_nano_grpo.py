@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.helpers import ROOT
+from tests.runs import ROOT
 
 pytestmark = pytest.mark.heavy(seconds=44)
 

@@ -24,7 +24,8 @@ from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.models.attention import AttentionMask, AttentionSpec
 from jaxrl_llm.models.sequence_parallel import pad_rows, padded_length, sequence_attention
 from jaxrl_llm.sharding import MeshShape, make_mesh
-from tests.helpers import ROOT, read_rows, tiny_run, tiny_run_args, virtual_devices_xla_flags
+from tests.runs import ROOT, read_rows, tiny_run, tiny_run_args
+from tests.xla_settings import virtual_devices_xla_flags
 
 pytestmark = pytest.mark.heavy(seconds=32)
 
@@ -37,7 +38,8 @@ from jaxrl_llm.models.packing import update_layouts
 from jaxrl_llm.rl import PolicyLossOptions
 from jaxrl_llm.sharding import MeshShape, global_array, make_mesh, param_shardings, sequence_mesh
 from jaxrl_llm.trainers.objectives import PolicyBatch, PolicyObjective, completion_logprobs, policy_loss
-from tests.helpers import FAMILIES, random_rollout
+from tests.families import FAMILIES
+from tests.batches import random_rollout
 
 assert jax.device_count() == 8, jax.devices()
 family, meshes = sys.argv[1], json.loads(sys.argv[2])
@@ -173,7 +175,7 @@ def test_grpo_with_a_sequence_axis_is_the_one_device_run(tiny_task: Path, tmp_pa
     """One GRPO step with `mesh.sequence=2` on 2 virtual devices (the sampler on the same mesh: the rollout engine
     runs a shard per sequence device) gives the one-device step's metrics, float32."""
     extra = ["eval_every=0", "model.dtype=float32", "rl.beta=0.04",
-             "rewards=[{name: math_answer}, {name: 'tests.helpers:completion_length'}]"]
+             "rewards=[{name: math_answer}, {name: 'tests.runs:completion_length'}]"]
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": virtual_devices_xla_flags(2)}
     split = tmp_path / "split"

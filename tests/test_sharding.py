@@ -16,7 +16,8 @@ from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm.sharding import MeshShape, fit_spec, make_mesh, param_spec
-from tests.helpers import TINY, virtual_devices_xla_flags  # noqa: F401  (the tiny_task fixture lives in conftest)
+from tests.families import TINY  # noqa: F401  (the tiny_task fixture lives in conftest)
+from tests.xla_settings import virtual_devices_xla_flags
 
 pytestmark = pytest.mark.heavy(seconds=153)
 
@@ -36,7 +37,7 @@ from jaxrl_llm.sharding import (MeshShape, global_array, init_optimizer_state, m
                                 path_string, to_host)
 from jaxrl_llm.trainers.objectives import PolicyBatch, PolicyObjective, completion_logprobs, policy_loss
 from jaxrl_llm.rl import PolicyLossOptions
-from tests.helpers import random_rollout
+from tests.batches import random_rollout
 from jaxrl_llm.trainers.step import jit_one_step_update, make_optimizer
 
 assert jax.device_count() == 8, jax.devices()

@@ -11,12 +11,12 @@ is never an array of its own: query `t` may attend to key `s` when
     and q_offset + t - s < W                                          (a sliding window `W`)
 
 (`AttentionMask`). A packed row is several segments `1, 2, ...` then 0s (`q_segments = kv_segments`); a left-padded
-row, or a cache, is `kv_segments = key_mask` with every query in segment 1 (`AttentionMask.padded`), which is
-`layers.attention_allowed`; packed rows are `layers.segment_attention_allowed`. `sinks [H]` (gpt-oss) add one
-logit per head to each softmax's denominator (`layers.masked_softmax`).
+row, or a cache, is `kv_segments = key_mask` with every query in segment 1 (`AttentionMask.padded`). The tests hold
+every path to a dense attention under the dense `[B, T, S]` masks this replaces (tests/attention_reference.py).
+`sinks [H]` (gpt-oss) add one logit per head to each softmax's denominator (`layers.masked_softmax`).
 
 Backends (`attention_backend` picks one per layer kind):
-- `xla`: the reference, everywhere: `layers.grouped_query_attention`'s math (float32 scores and softmax, the dots
+- `xla`: the reference, everywhere: `layers.attention_block`'s math (float32 scores and softmax, the dots
   `precision.einsum`s in the compute dtype, GQA by grouping the queries, no repeated keys), chunked over queries,
   each chunk's `[B, chunk, S]` mask built from the segment ids and slots inside the chunk: no `[B, T, S]` array
   exists forward or backward once `T > query_chunk`. Causal self-attention longer than `UNROLLED_LENGTH` runs
@@ -93,7 +93,7 @@ through `jit`, where a Python 0 would be traced). Causality and windows are stat
                ) -> AttentionMask:
         """Left-padded rows or a cache: `key_mask [B, S]` (1 = a valid key slot), `num_queries` queries at slots
         `q_offset ...` (None: 0, static; an int becomes an int32 array), all in segment 1 (a padding query then
-        sees the valid keys before it, as `layers.attention_allowed` lets it)."""
+        sees the valid keys before it, as a cache's dense mask lets it)."""
         kv = key_mask.astype(bool).astype(jnp.int32)
         offset = None if q_offset is None else jnp.asarray(q_offset, jnp.int32)
         return cls(jnp.ones((kv.shape[0], num_queries), jnp.int32), kv, offset)
@@ -283,16 +283,15 @@ def chunk_allowed(mask: AttentionMask, spec: AttentionSpec, start: jax.Array | i
 def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask, spec: AttentionSpec = AttentionSpec(),
                   *, sinks: jax.Array | None = None, query_chunk: int = 0,
                   compute_dtype: jnp.dtype | str = jnp.float32) -> jax.Array:
-    """The reference: `layers.grouped_query_attention`'s function and its chunking, the mask built per chunk.
+    """The reference: `layers.attention_block` per chunk of queries, the mask built per chunk.
 
     `q [B, T, H, hd]`, `k, v [B, S, KVH, hd]` -> `[B, T, H * hd]`. `query_chunk > 0` and `T > query_chunk`: chunks
     of `query_chunk` queries (`lax.map`, each under `jax.checkpoint`), so scores live as `[B, H, chunk, S]` and the
     mask as `[B, chunk, S]`, forward and backward. `causal` self-attention (no `q_offset`, `S = T`) skips the scores
     above the diagonal, one of two ways:
     - `T <= UNROLLED_LENGTH`: the chunk `[a, b)` reads keys `[0, b)` only, unrolled with those static extents
-      (`grouped_query_attention`'s program, bit for bit; a query that attends to nothing gets the mean of its
-      chunk's values instead of all values, and no real query reads it). XLA keeps every chunk's scores alive at
-      once: memory quadratic in `T`.
+      (a query that attends to nothing gets the mean of its chunk's values instead of all values, and no real
+      query reads it). XLA keeps every chunk's scores alive at once: memory quadratic in `T`.
     - longer: `blocked_attention` in blocks of `query_chunk` (block pairs off the mask skipped, an online softmax, a
       flash backward): memory linear in `T`, the same function within float32 rounding at every real query.
 

@@ -42,14 +42,11 @@ from jaxrl_llm.models.config import REMAT_POLICIES, ModelConfig
 from jaxrl_llm.models.layers import (  # noqa: F401  (re-exported: the decoder's public math)
     SUPPORTED_ROPE_SCALING,
     apply_rope,
-    attention_allowed,
     embed_tokens,
     gated_activation,
-    grouped_query_attention,
     positions_from_mask,
     rms_norm,
     rope_cos_sin,
-    segment_attention_allowed,
     softcap,
 )
 from jaxrl_llm.models.moe import NO_RECORD, Routing

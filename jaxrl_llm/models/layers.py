@@ -1,11 +1,11 @@
 """The model math as pure functions, shared by the Flax decoder (`decoder.py`, training and the reference
-pass) and the sampler's token step (`decode.py`): RMSNorm, rotary embeddings (with their scalings), the
-attention mask, grouped-query attention, SwiGLU. A model family is written here once.
+pass), the sampler's token step (`decode.py`) and the engine: RMSNorm, rotary embeddings (with their scalings),
+the masked softmax and one block of grouped-query attention (what `attention.py`'s paths call per chunk), SwiGLU.
+A model family is written here once.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -207,91 +207,6 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
     """Positions `[B, T]` of a left-padded batch: `cumsum(mask) - 1`, 0 on padding."""
     return jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=-1) - 1, 0)
-
-
-def attention_allowed(
-    key_mask: jax.Array, num_queries: int, cache_index: jax.Array | int, sliding_window: int | None
-) -> jax.Array:
-    """Boolean `[B, T, S]`: query `t` (slot `cache_index + t`) may attend to key slot `s`."""
-    q_slot = cache_index + jnp.arange(num_queries)[:, None]
-    k_slot = jnp.arange(key_mask.shape[-1])[None, :]
-    allowed = k_slot <= q_slot
-    if sliding_window is not None:
-        allowed &= q_slot - k_slot < sliding_window
-    return allowed[None] & key_mask.astype(bool)[:, None, :]
-
-
-def segment_attention_allowed(segments: jax.Array, sliding_window: int | None) -> jax.Array:
-    """Boolean `[B, T, T]` of packed rows (`segments [B, T]`: sequence `k > 0` or 0 on padding, each sequence's
-    tokens contiguous): block-diagonal causal, a query attends to earlier keys of its own sequence only (and,
-    with a sliding window `W`, fewer than `W` positions back: within a sequence, index distance is position
-    distance)."""
-    idx = jnp.arange(segments.shape[-1])
-    allowed = idx[None, :] <= idx[:, None]
-    if sliding_window is not None:
-        allowed &= idx[:, None] - idx[None, :] < sliding_window
-    same = (segments[:, :, None] == segments[:, None, :]) & (segments[:, None, :] > 0)
-    return allowed[None] & same
-
-
-def grouped_query_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, *, query_chunk: int = 0,
-    scale: float | None = None, logit_softcap: float | None = None, compute_dtype: jnp.dtype | str = jnp.float32,
-    causal: bool = False, sinks: jax.Array | None = None,
-) -> jax.Array:
-    """softmax(softcap(q k^T * scale)) v with GQA (`scale` defaults to 1/sqrt(hd)).
-
-    q `[B, T, H, hd]`, k/v `[B, S, KVH, hd]`, allowed `[B, T, S]` -> `[B, T, H * hd]`. Scores and softmax
-    in float32; each group of `H / KVH` query heads shares one key/value head. `sinks [H]` (gpt-oss): each head's
-    sink logit joins its softmax's denominator (`masked_softmax`). `q.k` and `p.v` are
-    `precision.einsum`s in `compute_dtype` (float32 accumulation; output in the activation dtype).
-
-    `query_chunk > 0` and `T > query_chunk`: the queries are taken `query_chunk` at a time (`lax.map`, each chunk
-    under `jax.checkpoint`), so the float32 scores live as `[B, H, query_chunk, S]` blocks, forward and backward,
-    not `[B, H, T, S]`. Each query's softmax still runs over all its keys: the result is the same function.
-
-    `causal`: the keys are the queries' own positions (`S = T`, `allowed` never lets query `t` see a key after
-    `t`), so the chunk of queries `[a, b)` reads keys `[0, b)` only: the chunks are unrolled with those static
-    extents, and the scores above the diagonal that the mask would zero are never computed (at `T = 255` in
-    chunks of 128, a quarter of the scores; the same function at every query that attends to a key, as the
-    skipped keys have probability 0; a padding query, which attends to none, gets the mean of its chunk's values
-    instead of every value's, and no real query reads it).
-    """
-    with jax.named_scope("attention"):  # the profile's op kinds (bench/update_profile.py) read the scopes
-        return _grouped_query_attention(q, k, v, allowed, query_chunk, scale, logit_softcap, compute_dtype, causal,
-                                        sinks)
-
-
-def _grouped_query_attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, query_chunk: int,
-                             scale: float | None, logit_softcap: float | None, compute_dtype: jnp.dtype | str,
-                             causal: bool, sinks: jax.Array | None) -> jax.Array:
-    t = q.shape[1]
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if not query_chunk or t <= query_chunk:
-        return attention_block(q, k, v, allowed, scale, logit_softcap, compute_dtype, sinks)
-    if causal:
-        if k.shape[1] != t:
-            raise ValueError(f"grouped_query_attention: causal needs as many keys as queries, got {k.shape[1]} and {t}")
-
-        def block(a: int, b: int) -> jax.Array:
-            return attention_block(q[:, a:b], k[:, :b], v[:, :b], allowed[:, a:b, :b], scale, logit_softcap,
-                                    compute_dtype, sinks)
-
-        return jnp.concatenate([jax.checkpoint(functools.partial(block, a, min(a + query_chunk, t)))()
-                                for a in range(0, t, query_chunk)], axis=1)
-    n_full, rem = divmod(t, query_chunk)
-
-    def chunk(start: jax.Array | int, size: int) -> jax.Array:
-        return attention_block(jax.lax.dynamic_slice_in_dim(q, start, size, axis=1), k, v,
-                                jax.lax.dynamic_slice_in_dim(allowed, start, size, axis=1), scale, logit_softcap,
-                                compute_dtype, sinks)
-
-    blocks = jax.lax.map(jax.checkpoint(lambda start: chunk(start, query_chunk)),
-                         jnp.arange(n_full, dtype=jnp.int32) * query_chunk)  # [n, B, chunk, H * hd]
-    out = jnp.moveaxis(blocks, 0, 1).reshape(q.shape[0], n_full * query_chunk, -1)
-    if rem:
-        out = jnp.concatenate([out, jax.checkpoint(lambda: chunk(n_full * query_chunk, rem))()], axis=1)
-    return out
 
 
 def attention_block(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, scale: float,

@@ -15,7 +15,7 @@ import pytest
 
 from jaxrl_llm.errors import DataError
 from jaxrl_llm.trainers import make_trainer
-from tests.helpers import tiny_run
+from tests.runs import tiny_run
 
 pytestmark = pytest.mark.heavy(seconds=29)
 

@@ -18,7 +18,7 @@ from jaxrl_llm.errors import UsageError
 from jaxrl_llm.evaluation import default_ks, pass_at_k
 from jaxrl_llm.models.hf import load_hf_model
 from jaxrl_llm.trainers import make_trainer
-from tests.helpers import read_rows, tiny_run
+from tests.runs import read_rows, tiny_run
 
 
 def parity(prompts, completions, **fields):

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import yaml
 
-from tests.helpers import ROOT, read_rows, read_samples, read_summary, tiny_run, tiny_run_args
+from tests.runs import ROOT, read_rows, read_samples, read_summary, tiny_run, tiny_run_args
 
 pytestmark = pytest.mark.heavy(seconds=41)
 

@@ -21,7 +21,7 @@ from jaxrl_llm.data import build_preference_set, build_prompt_set
 from jaxrl_llm.errors import ConfigError, RewardError
 from jaxrl_llm.models.tokenizer import load_tokenizer
 from jaxrl_llm.rewards import DEFAULT_TIMEOUT_S, REWARD_FUNCTIONS, call_reward, compute_rewards
-from tests.helpers import ROOT
+from tests.runs import ROOT
 
 pytestmark = pytest.mark.quick
 

@@ -16,7 +16,7 @@ from jaxrl_llm.engine.kernels import attention_backend
 from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decode import loop_layout_attention
-from tests.helpers import ROOT
+from tests.runs import ROOT
 
 pytestmark = pytest.mark.heavy(seconds=41)
 
@@ -265,7 +265,7 @@ def test_the_gated_matmul_equals_xlas_activation_of_the_product(act, m, k, i):
 def test_without_amx_the_engine_keeps_xla_matmuls(monkeypatch):
     """No AMX (another CPU, or Linux refusing the tiles): a one-line reason, and the engine decodes with XLA's
     matmuls; a float32 model or the XLA path never packs."""
-    from tests.helpers import small_engine
+    from tests.batches import small_engine
 
     monkeypatch.setattr(cpu_kernel, "_has_amx", lambda: False)
     assert cpu_kernel._load.__wrapped__(cpu_kernel.MATMUL) == "this CPU has no AMX (amx_bf16)"
@@ -291,7 +291,8 @@ def test_the_engine_samples_the_same_with_the_packed_matmul(kind, hf_model_dir):
     from jaxrl_llm.engine.programs import pack_weights, prepare_weights
     from jaxrl_llm.models.hf import load_hf_model
     from jaxrl_llm.sampling import SamplingConfig
-    from tests.helpers import left_padded_batch, small_engine
+    from tests.batches import small_engine
+    from tests.families import left_padded_batch
 
     config, params = load_hf_model(hf_model_dir(kind), dtype="bfloat16")
     tokens, mask = left_padded_batch(config.vocab_size, [5, 12, 1, 9], seed=4)

@@ -13,25 +13,21 @@ from jaxrl_llm.engine import Request, engine_sample
 from jaxrl_llm.engine.allocator import OutOfPages, PageAllocator
 from jaxrl_llm.models.hf import load_hf_model
 from jaxrl_llm.sampling import SamplingConfig, sample
-from tests.helpers import (
-    ROOT,
-    fresh_logits,
-    gather_logprobs,
-    hf_generate,
-    left_padded_batch,
-    make_hf_model,
-    small_engine,
-)
+from tests.batches import small_engine
+from tests.families import hf_generate, left_padded_batch, make_hf_model, one_per_model_type
+from tests.numerics import fresh_logits, gather_logprobs
+from tests.runs import ROOT
 
 pytestmark = pytest.mark.heavy(seconds=15)
 
 LENGTHS = [5, 12, 1, 9]
 
 
-@pytest.mark.parametrize("kind", ["llama", "gemma2", "phi3"])
+@pytest.mark.parametrize("kind", one_per_model_type())
 def test_greedy_matches_transformers_generate(kind, hf_model_dir):
-    """Prompts of lengths 1..12 in one call give transformers' greedy tokens (Gemma 2: soft caps, sliding window
-    on alternate layers; Phi-3: a window on every layer, shorter than the context)."""
+    """Prompts of lengths 1..12 in one call give transformers' greedy tokens, for every model type (Gemma 2: soft
+    caps, a sliding window on alternate layers; Phi-3: a window on every layer, shorter than the context; the MoE
+    layouts' routers)."""
     config, params = load_hf_model(hf_model_dir(kind))
     tokens, mask = left_padded_batch(config.vocab_size, LENGTHS, seed=11)
     expected = hf_generate(make_hf_model(kind), tokens, mask, 24)
@@ -232,11 +228,11 @@ def test_a_grpo_rollout_through_the_engine_is_the_engines_samples(tiny_task, tmp
     `fold_in(key, prompt)`), the update trains on them, and the pool is empty after the step."""
     from jaxrl_llm.data import DataState
     from jaxrl_llm.trainers import make_trainer
-    from tests.helpers import tiny_run
+    from tests.runs import tiny_run
 
     trainer = make_trainer(tiny_run("grpo_arithmetic", tmp_path / "run", "data.eval=", "sampling.engine=paged",
                                     "sampling.max_new_tokens=8", "optim.warmup_steps=0", task=tiny_task,
-                                    rewards=[{"name": "tests.helpers:completion_length"}]))  # varies within groups
+                                    rewards=[{"name": "tests.runs:completion_length"}]))  # varies within groups
     policy, key = trainer.algorithm.policy, jax.random.key(3)
     collected = trainer.algorithm.collect(trainer.state, DataState(), key)
     ro = collected.batch
@@ -281,7 +277,7 @@ def test_held_out_evaluation_follows_the_runs_sampler(tiny_task, tmp_path):
     a run) and scores exactly what the static sampler's evaluation scores (greedy: the same tokens)."""
     from jaxrl_llm.trainers import make_trainer
     from jaxrl_llm.trainers.evaluation import GreedyEvaluation
-    from tests.helpers import tiny_run
+    from tests.runs import tiny_run
 
     trainer = make_trainer(tiny_run("grpo_arithmetic", tmp_path / "run", "sampling.engine=paged",
                                     "sampling.max_new_tokens=8", task=tiny_task))

@@ -16,7 +16,8 @@ from jaxrl_llm.engine.pages import init_pages, page_slots, write_pages
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.hf import load_hf_model
 from jaxrl_llm.sampling import SamplingConfig
-from tests.helpers import left_padded_batch, small_engine
+from tests.batches import small_engine
+from tests.families import left_padded_batch
 
 
 def _config(**overrides) -> ModelConfig:

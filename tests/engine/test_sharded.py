@@ -12,7 +12,8 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT, virtual_devices_xla_flags
+from tests.runs import ROOT
+from tests.xla_settings import virtual_devices_xla_flags
 
 pytestmark = pytest.mark.heavy(seconds=38)
 

@@ -10,7 +10,7 @@ import sys
 import jax
 import pytest
 
-from tests.helpers import tiny_run
+from tests.runs import tiny_run
 
 ta = pytest.importorskip("textarena", reason="textarena is not installed (pip install 'jaxrl_llm[envs]')")
 

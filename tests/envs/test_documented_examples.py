@@ -14,7 +14,7 @@ from jaxrl_llm.envs.tool_formats import TOOL_FORMATS
 from jaxrl_llm.envs.tools import call_tool, resolve_tools
 from jaxrl_llm.preflight import load_config, preflight
 from jaxrl_llm.trainers import make_trainer
-from tests.helpers import QUIET, ROOT, read_rows, read_summary
+from tests.runs import QUIET, ROOT, read_rows, read_summary
 
 pytestmark = pytest.mark.heavy(seconds=27)
 

@@ -26,7 +26,7 @@ from jaxrl_llm.envs.base import resolve_environment
 from jaxrl_llm.envs.rendering import declare_tools, followup_text, resolve_tool_format, turn_text
 from jaxrl_llm.envs.tool_formats import TOOL_FORMATS, ToolCall, detect_tool_format, with_response_parsing
 from jaxrl_llm.envs.tools import CALCULATOR, tool_instructions
-from tests.helpers import ROOT
+from tests.runs import ROOT
 
 pytestmark = pytest.mark.quick
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "chat_templates"

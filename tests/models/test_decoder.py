@@ -14,7 +14,8 @@ from jaxrl_llm.models.config import REMAT_POLICIES
 from jaxrl_llm.models.decoder import decode_step, forward, init_cache, positions_from_mask
 from jaxrl_llm.models.hf import ConversionError, load_hf_model
 from jaxrl_llm.models.hf_export import save_hf_model
-from tests.helpers import FAMILIES, STORIES260K, hf_logits, left_padded_batch, make_hf_model, requires_shared
+from tests.families import FAMILIES, hf_logits, left_padded_batch, make_hf_model
+from tests.runs import STORIES260K, requires_shared
 
 pytestmark = pytest.mark.quick
 

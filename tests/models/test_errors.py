@@ -22,7 +22,7 @@ from jaxrl_llm.errors import ConversionError, ModelError, UsageError
 from jaxrl_llm.models import hf, hf_export
 from jaxrl_llm.models.hf import load_hf_model, read_tensor
 from jaxrl_llm.models.hf_export import save_hf_model
-from tests.helpers import ROOT, tiny_run_args
+from tests.runs import ROOT, tiny_run_args
 
 ARITH_BASE = ROOT / "models" / "arith-base"
 REDO = "re-download or re-export the model"

@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.helpers import ROOT, virtual_devices_xla_flags
+from tests.runs import ROOT
+from tests.xla_settings import virtual_devices_xla_flags
 
 pytestmark = pytest.mark.heavy(seconds=52)
 
@@ -31,7 +32,7 @@ from jaxrl_llm.sharding import (expert_mesh, global_array, make_mesh,
                                 param_shardings, path_string, to_host)
 from jaxrl_llm.trainers.objectives import PolicyBatch, PolicyObjective, completion_logprobs, policy_loss
 from jaxrl_llm.rl import PolicyLossOptions
-from tests.helpers import random_rollout
+from tests.batches import random_rollout
 
 assert jax.device_count() == 8, jax.devices()
 hf = {"model_type": "qwen2_moe", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,

@@ -15,7 +15,7 @@ from jaxrl_llm.models.decoder import forward
 from jaxrl_llm.models.hf import load_hf_model
 from jaxrl_llm.models.lora import LoraSpec, init_adapters, merge_adapters, target_paths
 from jaxrl_llm.trainers import make_trainer
-from tests.helpers import assert_config_refused, read_rows, tiny_run
+from tests.runs import assert_config_refused, read_rows, tiny_run
 
 pytestmark = pytest.mark.heavy(seconds=31)
 

@@ -19,7 +19,7 @@ from jaxrl_llm.models.decoder import forward, forward_routed
 from jaxrl_llm.models.hf import load_hf_model
 from jaxrl_llm.models.hf_config import config_from_hf
 from jaxrl_llm.models.hf_export import hf_state_dict, save_hf_model
-from tests.helpers import MOE_FAMILIES, left_padded_batch, make_hf_model
+from tests.families import MOE_FAMILIES, left_padded_batch, make_hf_model
 
 pytestmark = pytest.mark.heavy(seconds=59)
 
@@ -269,27 +269,6 @@ def test_load_balancing_loss_by_hand() -> None:
     np.testing.assert_allclose(moe.routing_confidence(logits[None], 1, mask), [(0.7 + 0.6) / 2], rtol=1e-6)
 
 
-@pytest.mark.parametrize("kind", MOE_FAMILIES)
-def test_export_round_trip_through_transformers(kind, hf_model_dir, tmp_path):
-    """Our export loads in transformers (`from_pretrained`) with the same logits, and back into ours unchanged."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from tests.helpers import hf_logits
-
-    config, params = load_hf_model(hf_model_dir(kind))
-    save_hf_model(params, config, tmp_path)
-    reloaded, again = load_hf_model(tmp_path)
-    assert reloaded == config
-    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(again), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="eager").eval()
-    tokens, mask = left_padded_batch(config.vocab_size, LENGTHS, seed=6)
-    ours = np.asarray(forward(params, config, jnp.asarray(tokens), jnp.asarray(mask)))
-    valid = mask.astype(bool)
-    assert float(np.abs(ours[valid] - hf_logits(model, tokens, mask)[valid]).max()) <= 1e-4
-
-
 def test_family_switches_are_read_and_matter(hf_model_dir):
     """Each MoE switch reaches ModelConfig and changes the logits when flipped (parity cannot pass by luck)."""
     tokens, mask = left_padded_batch(97, LENGTHS, seed=7)
@@ -398,7 +377,8 @@ def test_the_engine_decodes_as_the_trainer_scores(kind, dtype, hf_model_dir):
     AMX) are the argmax of a fresh forward pass over prompt + completion, and their log-probs that pass's."""
     from jaxrl_llm.engine import engine_sample
     from jaxrl_llm.sampling import SamplingConfig
-    from tests.helpers import fresh_logits, gather_logprobs, small_engine
+    from tests.batches import small_engine
+    from tests.numerics import fresh_logits, gather_logprobs
 
     config, params = load_hf_model(hf_model_dir(kind), param_dtype=dtype, dtype=dtype)
     tokens, mask = left_padded_batch(config.vocab_size, [5, 12, 1, 9], seed=8)
@@ -421,7 +401,7 @@ def test_the_samplers_record_the_experts_the_trainer_would_choose(sampler, hf_mo
     on a fresh float32 forward over prompt + completion (the same function, so every token agrees)."""
     from jaxrl_llm.engine import engine_sample
     from jaxrl_llm.sampling import SamplingConfig, sample
-    from tests.helpers import small_engine
+    from tests.batches import small_engine
 
     config, params = load_hf_model(hf_model_dir("qwen2_moe"))
     tokens, mask = left_padded_batch(config.vocab_size, [5, 12, 1, 9], seed=8)
@@ -516,13 +496,13 @@ def moe_task(tiny_task, tmp_path_factory):
 
 def _moe_run(task, out, *overrides):  # noqa: ANN001, ANN202
     from jaxrl_llm.trainers import make_trainer
-    from tests.helpers import tiny_run
+    from tests.runs import tiny_run
 
     config = tiny_run("grpo_arithmetic", out, "model.dtype=float32", "sampling.dtype=bfloat16", "data.eval=",
-                      "rewards=[{name: 'tests.helpers:completion_length'}]", *overrides, task=task)
+                      "rewards=[{name: 'tests.runs:completion_length'}]", *overrides, task=task)
     trainer = make_trainer(config)
     trainer.run()
-    from tests.helpers import read_rows
+    from tests.runs import read_rows
 
     return trainer, read_rows(out, "reward/mean")
 
@@ -588,7 +568,7 @@ def test_every_algorithm_runs_on_a_moe_model_with_its_router_terms(algo, moe_tas
     """SFT, DPO, on-policy distillation (GKD's JSD) and PPO (replaying the sampler's routing) on an MoE student: each
     step's loss includes `coef x moe/aux_loss` and the router's metrics are logged."""
     from jaxrl_llm.trainers import make_trainer
-    from tests.helpers import read_rows, tiny_run
+    from tests.runs import read_rows, tiny_run
 
     common = ["model.router_aux_loss_coef=0.5", "steps=1", "checkpoint_every=0", "sft.batch_size=8", "data.eval="]
     if algo == "sft":  # SFT of model.path (the GRPO preset: no model.init)
@@ -626,7 +606,7 @@ def test_grpo_trains_a_gpt_oss_model_with_rollout_replay_and_a_frozen_router(moe
 
     from jaxrl_llm.models.decoder import init_params
     from jaxrl_llm.models.hf import load_hf_model as load
-    from tests.helpers import read_rows
+    from tests.runs import read_rows
 
     task = tmp_path / "task"
     shutil.copytree(moe_task, task, ignore=shutil.ignore_patterns("model"))
@@ -662,7 +642,7 @@ def test_the_moe_preset_trains_the_committed_moe_model(tmp_path):
     sampling and a float32 update, replaying the sampler's routing; the router's mismatch is logged."""
     from jaxrl_llm.config import load_run_config
     from jaxrl_llm.trainers import make_trainer
-    from tests.helpers import CONFIGS, QUIET, read_rows
+    from tests.runs import CONFIGS, QUIET, read_rows
 
     config = load_run_config(CONFIGS / "grpo_arithmetic_moe.yaml", [f"out_dir={tmp_path / 'run'}", "steps=2",
                                                                     "data.eval=", "rl.prompts_per_step=4", *QUIET])
@@ -696,7 +676,7 @@ def test_multi_turn_episodes_record_every_token_the_sampler_routed(chatty_moe_ta
     sampler (each turn re-prefilled); nothing is recorded on padding."""
     from jaxrl_llm.models.moe import NO_RECORD
     from jaxrl_llm.trainers import make_trainer
-    from tests.helpers import tiny_run
+    from tests.runs import tiny_run
 
     config = tiny_run("grpo_arithmetic", tmp_path / "run", "data.eval=",
                       "env.name=tests.trainers.test_multi_turn:chatty",

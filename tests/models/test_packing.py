@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 
 from jaxrl_llm.models.decoder import forward, forward_packed, init_params
 from jaxrl_llm.models.hf import config_from_hf
-from jaxrl_llm.models.layers import segment_attention_allowed
 from jaxrl_llm.models.packing import (
     PackedLayout,
     bucket_rows,
@@ -33,7 +32,9 @@ from jaxrl_llm.rl import PolicyLossOptions
 from jaxrl_llm.trainers import make_trainer
 from jaxrl_llm.trainers.objectives import PolicyBatch, PolicyObjective, completion_logprobs, policy_loss
 from jaxrl_llm.trainers.step import minibatch_rows, train_step
-from tests.helpers import FAMILIES, ROOT, TINY, read_rows, tiny_run
+from tests.attention_reference import segment_attention_allowed
+from tests.families import FAMILIES, TINY
+from tests.runs import ROOT, read_rows, tiny_run
 
 pytestmark = pytest.mark.heavy(seconds=29)
 
@@ -256,7 +257,7 @@ def _run(tmp_path: Path, name: str, task: Path, *overrides: str) -> list[dict]:
     config = tiny_run("grpo_arithmetic", tmp_path / name, "steps=2", "rl.prompts_per_step=8", "rl.mu=2",
                       "rl.minibatch_size=16", "rl.grad_accum=2", "sampling.max_new_tokens=16",
                       "sampling.prompt_bucket=32", "eval_every=0",
-                      "rewards=[{name: 'tests.helpers:completion_length'}]",
+                      "rewards=[{name: 'tests.runs:completion_length'}]",
                       *overrides, task=task)
     make_trainer(config).run()
     return read_rows(tmp_path / name, having="loss")

@@ -20,7 +20,7 @@ from jaxrl_llm.models.heads import apply_scalar_head
 from jaxrl_llm.models.step_weights import step_weights
 from jaxrl_llm.models.weights import inference_copy
 from jaxrl_llm.trainers.objectives import completion_logprobs
-from tests.helpers import compiled_dot_operand_types
+from tests.numerics import compiled_dot_operand_types
 
 pytestmark = pytest.mark.quick
 

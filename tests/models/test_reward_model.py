@@ -9,7 +9,8 @@ import pytest
 from jaxrl_llm.models.hf import ConversionError
 from jaxrl_llm.models.reward_model import load_hf_reward_model, sequence_scores
 from jaxrl_llm.rewards import compute_rewards, resolve_reward
-from tests.helpers import FAMILIES, ROOT, left_padded_batch
+from tests.families import FAMILIES, left_padded_batch
+from tests.runs import ROOT
 
 pytestmark = pytest.mark.heavy(seconds=39)
 

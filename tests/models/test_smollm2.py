@@ -15,7 +15,8 @@ import jax
 import numpy as np
 import pytest
 
-from tests.helpers import SHARED, hf_logits
+from tests.families import hf_logits
+from tests.runs import SHARED
 
 pytestmark = pytest.mark.heavy(seconds=58)
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxrl_llm.rl import advantages as adv
-from tests.helpers import assert_jit_vmap_agree
+from tests.numerics import assert_jit_vmap_agree
 
 pytestmark = pytest.mark.quick
 

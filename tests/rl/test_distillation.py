@@ -143,7 +143,7 @@ def test_jsd_of_tied_embeddings_as_stored_equals_the_transposed_view_and_runs_bf
     """`generalized_jsd_from_hidden(..., student_transposed=True, teacher_transposed=True)` with `[V, D]` embeddings
     equals the same with `embedding.T`, values and gradients; and in bf16 the compiled gradient has no dot of
     float32 operands (a transposed view is folded into the dot and upcast on XLA:CPU)."""
-    from tests.helpers import compiled_dot_operand_types
+    from tests.numerics import compiled_dot_operand_types
 
     rng = np.random.default_rng(7)
     hs, ht = (jnp.asarray(rng.normal(size=(4, 24, d)), jnp.float32) for d in (32, 48))

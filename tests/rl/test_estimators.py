@@ -80,11 +80,11 @@ def test_an_estimator_registered_from_outside_is_a_config_choice():
 def test_training_with_a_module_function_estimator(tiny_task, tmp_path):
     """`rl.estimator=module:function` imports, registers and trains with it: every advantage is +-1."""
     import train
-    from tests.helpers import read_rows, tiny_run_args
+    from tests.runs import read_rows, tiny_run_args
 
     out = tmp_path / "run"
     code = train.cli(tiny_run_args(out, "data.eval=", "steps=2", "rl.estimator=tests.rl.test_estimators:sign_of_reward",
-                                   "rewards=[{name: 'tests.helpers:starts_with_seven'}]", task=tiny_task))
+                                   "rewards=[{name: 'tests.runs:starts_with_seven'}]", task=tiny_task))
     assert code == 0
     assert [r["advantages/abs_mean"] for r in read_rows(out)] == [1.0, 1.0]
     assert train.cli(["out_dir=" + str(tmp_path / "x"), "rl.estimator=nope"]) == 2

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxrl_llm.rl as lp
-from tests.helpers import assert_jit_vmap_agree
+from tests.numerics import assert_jit_vmap_agree
 
 pytestmark = pytest.mark.quick
 

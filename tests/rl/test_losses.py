@@ -15,7 +15,8 @@ from jax.test_util import check_grads
 import jaxrl_llm.rl as L
 import jaxrl_llm.rl as lp
 from jaxrl_llm.rl.rollout_correction import ROLLOUT_CORRECTION_MODES
-from tests.helpers import assert_jit_vmap_agree, with_options
+from tests.batches import with_options
+from tests.numerics import assert_jit_vmap_agree
 
 pytestmark = pytest.mark.quick
 
@@ -558,7 +559,7 @@ def test_a_plugin_policy_loss_with_a_setting_of_its_own_trains(tiny_task, tmp_pa
     import re
 
     import train
-    from tests.helpers import ROOT, read_rows, tiny_run_args
+    from tests.runs import ROOT, read_rows, tiny_run_args
 
     page = (ROOT / "docs" / "extending.md").read_text()
     module = re.search(r"<!-- file: my_losses.py -->\n```python\n(.*?)```", page, re.S)[1]
@@ -569,7 +570,7 @@ def test_a_plugin_policy_loss_with_a_setting_of_its_own_trains(tiny_task, tmp_pa
         out = tmp_path / f"run_{max_ratio}"
         code = train.cli(tiny_run_args(out, "data.eval=", "steps=1", "rl.policy_loss=my_losses:capped_pg_loss",
                                        f"rl.policy_loss_kwargs={{max_ratio: {max_ratio}}}",
-                                       "rewards=[{name: 'tests.helpers:starts_with_seven'}]", task=tiny_task))
+                                       "rewards=[{name: 'tests.runs:starts_with_seven'}]", task=tiny_task))
         assert code == 0
         rows[max_ratio] = read_rows(out, having="grad_norm")[-1]
     assert rows[0.0]["policy_loss"] == 0.0 and rows[0.0]["grad_norm"] == 0.0

@@ -25,7 +25,9 @@ from jaxrl_llm.preflight import load_config
 from jaxrl_llm.rl import entropy_control as ec
 from jaxrl_llm.rl.surrogates import token_log_ratio
 from jaxrl_llm.trainers import make_trainer
-from tests.helpers import ROOT, assert_config_refused, assert_jit_vmap_agree, read_rows, tiny_run, with_options
+from tests.batches import with_options
+from tests.numerics import assert_jit_vmap_agree
+from tests.runs import ROOT, assert_config_refused, read_rows, tiny_run
 
 pytestmark = pytest.mark.quick
 
@@ -571,7 +573,7 @@ def test_bench_rows_are_valid_configs():
 
 def _config(task: Path, out: Path, *overrides: str):
     return tiny_run("grpo_arithmetic", out, "data.eval=''",
-                    "rewards=[{name: math_answer}, {name: 'tests.helpers:completion_length'}]", *overrides, task=task)
+                    "rewards=[{name: math_answer}, {name: 'tests.runs:completion_length'}]", *overrides, task=task)
 
 
 @pytest.mark.parametrize(
@@ -599,7 +601,7 @@ def test_a_traced_entropy_coef_replaces_the_configured_one_in_the_policy_loss():
     from jaxrl_llm.models.decoder import init_params
     from jaxrl_llm.models.hf import config_from_hf
     from jaxrl_llm.trainers.objectives import PolicyBatch, PolicyObjective, policy_loss
-    from tests.helpers import TINY
+    from tests.families import TINY
 
     config = config_from_hf({**TINY, "vocab_size": 19})
     params = init_params(config, jax.random.key(0))

@@ -12,7 +12,7 @@ import pytest
 from jaxrl_llm.config import MonitorSection
 from jaxrl_llm.run.monitor import HINTS, diagnose, drift_kl, repeated_ngram_fraction
 from jaxrl_llm.trainers import make_trainer
-from tests.helpers import read_rows, tiny_run
+from tests.runs import read_rows, tiny_run
 
 pytestmark = pytest.mark.heavy(seconds=15)
 

@@ -12,7 +12,7 @@ import pytest
 import train
 from jaxrl_llm.config import MonitorSection
 from jaxrl_llm.run.monitor import DivergenceState, update_divergence
-from tests.helpers import ROOT, read_rows, read_summary, tiny_run_args
+from tests.runs import ROOT, read_rows, read_summary, tiny_run_args
 
 pytestmark = pytest.mark.heavy(seconds=23)
 

@@ -16,7 +16,7 @@ import yaml
 
 import train
 from jaxrl_llm.run.manifest import MANIFEST_NAME, claim, foreign_entry, new_manifest, read_manifest, write_manifest
-from tests.helpers import ROOT, read_rows, tiny_run_args
+from tests.runs import ROOT, read_rows, tiny_run_args
 
 pytestmark = pytest.mark.heavy(seconds=20)
 

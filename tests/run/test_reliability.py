@@ -20,7 +20,7 @@ import pytest
 
 import train
 from jaxrl_llm.cli.errors import run_command
-from tests.helpers import ROOT, read_rows, read_samples, tiny_run_args
+from tests.runs import ROOT, read_rows, read_samples, tiny_run_args
 
 pytestmark = pytest.mark.heavy(seconds=34)
 

@@ -18,16 +18,9 @@ from jaxrl_llm.models.hf import load_hf_model
 from jaxrl_llm.models.step_weights import step_weights
 from jaxrl_llm.sampling import Knobs, SamplingConfig, bucket_prompts, compiled_program_count, sample
 from jaxrl_llm.sampling.logits import sample_from_logits, truncate_logits
-from tests.helpers import (
-    FAMILIES,
-    STORIES260K,
-    fresh_logits,
-    gather_logprobs,
-    hf_generate,
-    left_padded_batch,
-    make_hf_model,
-    requires_shared,
-)
+from tests.families import FAMILIES, hf_generate, left_padded_batch, make_hf_model
+from tests.numerics import fresh_logits, gather_logprobs
+from tests.runs import STORIES260K, requires_shared
 
 pytestmark = pytest.mark.heavy(seconds=46)
 

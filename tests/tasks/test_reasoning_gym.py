@@ -14,7 +14,7 @@ from jaxrl_llm.errors import ConfigError, DataError
 from jaxrl_llm.preflight import check_inputs, load_config, preflight
 from jaxrl_llm.rewards import call_reward, resolve_reward
 from jaxrl_llm.tasks import reasoning_gym as rgym
-from tests.helpers import read_rows, tiny_run
+from tests.runs import read_rows, tiny_run
 
 pytest.importorskip("reasoning_gym", reason="reasoning-gym is optional: pip install reasoning-gym")
 

@@ -18,7 +18,7 @@ from jaxrl_llm.preflight import load_config, preflight
 from jaxrl_llm.trainers import make_trainer
 from jaxrl_llm.trainers.distill import JSDObjective, jsd_loss
 from jaxrl_llm.trainers.objectives import PolicyBatch
-from tests.helpers import QUIET, ROOT, read_rows, tiny_run
+from tests.runs import QUIET, ROOT, read_rows, tiny_run
 
 pytestmark = pytest.mark.heavy(seconds=27)
 

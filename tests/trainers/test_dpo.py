@@ -19,7 +19,7 @@ from jaxrl_llm.models.hf_export import hf_state_dict
 from jaxrl_llm.rl.preference import dpo_loss
 from jaxrl_llm.trainers import make_trainer
 from jaxrl_llm.trainers.dpo import DPOLossConfig, PairBatch, pair_batch, preference_loss
-from tests.helpers import ROOT, read_rows, tiny_run
+from tests.runs import ROOT, read_rows, tiny_run
 
 pytestmark = pytest.mark.heavy(seconds=16)
 

@@ -20,7 +20,9 @@ from jaxrl_llm.sharding import make_mesh
 from jaxrl_llm.trainers import make_trainer
 from jaxrl_llm.trainers.objectives import PolicyObjective, policy_loss
 from jaxrl_llm.trainers.step import jit_one_step_update
-from tests.helpers import GSM8K, STORIES260K, TINY, fixed_update_setup, read_rows, requires_shared, tiny_run
+from tests.batches import fixed_update_setup
+from tests.families import TINY
+from tests.runs import GSM8K, STORIES260K, read_rows, requires_shared, tiny_run
 
 pytestmark = pytest.mark.heavy(seconds=24)
 
@@ -30,7 +32,7 @@ def _config(task: Path, out: Path, *overrides: str):
 
 
 # math_answer (whose metric names the test checks) plus a reward with variance, so the policy surely moves.
-TWO_REWARDS = "rewards=[{name: math_answer}, {name: 'tests.helpers:completion_length'}]"
+TWO_REWARDS = "rewards=[{name: math_answer}, {name: 'tests.runs:completion_length'}]"
 
 
 def test_short_run_writes_metrics_checkpoints_and_resumes(tiny_task, tmp_path):
@@ -67,7 +69,7 @@ def test_short_run_writes_metrics_checkpoints_and_resumes(tiny_task, tmp_path):
 
 def test_learnable_reward_rises(tiny_task, tmp_path):
     config = _config(tiny_task, tmp_path / "learn", "steps=30", "data.eval=''", "checkpoint_every=0",
-                     "rewards=[{name: 'tests.helpers:starts_with_seven'}]", "optim.learning_rate=1e-2",
+                     "rewards=[{name: 'tests.runs:starts_with_seven'}]", "optim.learning_rate=1e-2",
                      "rl.group_size=8",
                      "sampling.max_new_tokens=3")
     make_trainer(config).run()

@@ -22,14 +22,9 @@ from jaxrl_llm.trainers.base import Algorithm, Collected, Updated
 from jaxrl_llm.trainers.loop import Trainer
 from jaxrl_llm.trainers.objectives import PolicyObjective, policy_loss
 from jaxrl_llm.trainers.step import reduce_metrics, scanned_updates, train_step
-from tests.helpers import (
-    FLOAT32_UNIT_ROUNDOFF,
-    assert_within_rounding,
-    fixed_update_setup,
-    read_rows,
-    read_samples,
-    tiny_run,
-)
+from tests.batches import fixed_update_setup
+from tests.numerics import FLOAT32_UNIT_ROUNDOFF, assert_within_rounding
+from tests.runs import read_rows, read_samples, tiny_run
 
 
 def test_scanned_update_equals_the_host_loop_of_train_steps():

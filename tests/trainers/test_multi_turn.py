@@ -23,7 +23,7 @@ from jaxrl_llm.envs.tool_formats import TOOL_FORMATS
 from jaxrl_llm.envs.tools import CALCULATOR, Tool, ToolCall, call_tool
 from jaxrl_llm.models.tokenizer import load_tokenizer
 from jaxrl_llm.trainers import make_trainer
-from tests.helpers import ROOT, read_rows, read_samples, tiny_run, tiny_run_args
+from tests.runs import ROOT, read_rows, read_samples, tiny_run, tiny_run_args
 
 pytestmark = pytest.mark.heavy(seconds=33)
 
@@ -99,7 +99,7 @@ def _chat_task(tmp_path: Path) -> Path:
 def test_a_one_turn_environment_is_the_single_turn_step_bit_for_bit(tiny_task, tmp_path):
     # no warmup: the first update moves the weights (a zero step would make any two updates equal)
     # a reward that varies within groups (completion length), so the update has something to learn from
-    rewards = [{"name": "tests.helpers:completion_length"}]
+    rewards = [{"name": "tests.runs:completion_length"}]
     single = make_trainer(tiny_run("grpo_arithmetic", tmp_path / "single", "data.eval=", "optim.warmup_steps=0",
                                    task=tiny_task, rewards=rewards))
     multi = make_trainer(tiny_run("grpo_arithmetic", tmp_path / "multi", "data.eval=", "optim.warmup_steps=0",

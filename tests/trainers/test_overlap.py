@@ -20,7 +20,8 @@ import pytest
 import train
 from jaxrl_llm.config import load_run_config
 from jaxrl_llm.errors import ConfigError
-from tests.helpers import ROOT, read_rows, tiny_run, tiny_run_args, virtual_devices_xla_flags
+from tests.runs import ROOT, read_rows, tiny_run, tiny_run_args
+from tests.xla_settings import virtual_devices_xla_flags
 
 pytestmark = pytest.mark.heavy(seconds=65)
 
@@ -223,7 +224,7 @@ _SPLIT = textwrap.dedent("""
     import json, sys
     import jax, numpy as np
     sys.path.insert(0, "tests")
-    from tests.helpers import tiny_run_args
+    from tests.runs import tiny_run_args
     from jaxrl_llm.config import load_run_config
     from jaxrl_llm.trainers import make_trainer
 

@@ -26,7 +26,8 @@ from jaxrl_llm.sharding import make_mesh
 from jaxrl_llm.trainers import make_trainer
 from jaxrl_llm.trainers.ppo import CriticBatch, ValueLossConfig, critic_loss, kl_controller_kind
 from jaxrl_llm.trainers.step import jit_one_step_update, make_optimizer
-from tests.helpers import TINY, read_rows, tiny_run
+from tests.families import TINY
+from tests.runs import read_rows, tiny_run
 
 values_jit = jax.jit(critic_values, static_argnums=1)
 forward_jit = jax.jit(forward, static_argnums=1, static_argnames="return_hidden")

@@ -18,7 +18,7 @@ from jaxrl_llm.models.reward_model import load_hf_reward_model, sequence_scores
 from jaxrl_llm.models.tokenizer import load_tokenizer
 from jaxrl_llm.tasks.arithmetic import make_preferences
 from jaxrl_llm.trainers import make_trainer, train
-from tests.helpers import ROOT, read_rows, read_samples, tiny_run
+from tests.runs import ROOT, read_rows, read_samples, tiny_run
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from jaxrl_llm.rl.logprobs import token_logprobs_and_entropy
 from jaxrl_llm.rl.policy_loss import clipped_policy_loss
 from jaxrl_llm.trainers.objectives import PolicyBatch, PolicyObjective, logprob_chunk_size, policy_loss
 from jaxrl_llm.trainers.step import make_optimizer, train_step
-from tests.helpers import assert_within_rounding
+from tests.numerics import assert_within_rounding
 
 pytestmark = pytest.mark.heavy(seconds=14)
 
@@ -153,7 +153,7 @@ def test_bf16_weights_update_through_a_float32_master() -> None:
 
 def test_trainer_keeps_float32_master_with_bf16_params(tiny_task, tmp_path) -> None:
     from jaxrl_llm.trainers import make_trainer
-    from tests.helpers import tiny_run
+    from tests.runs import tiny_run
 
     config = tiny_run("grpo_arithmetic", tmp_path / "run", "model.param_dtype=bfloat16", "model.dtype=bfloat16",
                       "optim.learning_rate=1e-6", "optim.warmup_steps=0", "rl.beta=0.04", "checkpoint_every=0",
@@ -232,38 +232,35 @@ def test_query_chunked_attention_is_the_same_function() -> None:
 
 
 def test_causal_chunks_skip_the_keys_after_them() -> None:
-    """`grouped_query_attention(causal=True)` (queries that are their own keys) takes chunk `[a, b)` over keys
-    `[0, b)` only: the same output and gradients as the chunked attention over every key, for packed rows
-    (block-diagonal causal), a sliding window and a soft cap, at every query that attends to a key (a padding
-    query's output is never read); fewer FLOPs; and keys that are not the queries are a one-line error."""
-    from jaxrl_llm.models.layers import grouped_query_attention, segment_attention_allowed
+    """The XLA path's causal self-attention in query chunks (`attention.xla_attention`, queries that are their own
+    keys) takes chunk `[a, b)` over keys `[0, b)` only: the same output and gradients as one block over every key,
+    for packed rows (block-diagonal causal), a sliding window and a soft cap, at every query that attends to a key
+    (a padding query's output is never read); and fewer FLOPs."""
+    from jaxrl_llm.models import attention as A
 
     rng = np.random.default_rng(5)
     b, t, h, kvh, hd = 2, 23, 4, 2, 8
     q, k, v = (jnp.asarray(rng.normal(size=(b, t, n, hd)), jnp.float32) for n in (h, kvh, kvh))
     segments = jnp.asarray(np.repeat([[1, 2, 3, 0], [1, 1, 2, 0]], [9, 6, 5, 3], axis=1), jnp.int32)
-    real = np.asarray(segments > 0)
+    mask, real = A.AttentionMask.packed(segments), np.asarray(segments > 0)
     for window, cap in ((None, None), (4, 30.0)):
-        allowed = segment_attention_allowed(segments, window)
+        spec = A.AttentionSpec(window=window, softcap=cap)
 
-        def attend(q, k, v, causal, allowed=allowed, cap=cap):
-            return grouped_query_attention(q, k, v, allowed, query_chunk=5, logit_softcap=cap, causal=causal)
+        def attend(q, k, v, chunk, spec=spec):
+            return A.xla_attention(q, k, v, mask, spec, query_chunk=chunk)
 
-        def loss(q, k, v, causal):
-            return (jnp.where(real[..., None], attend(q, k, v, causal), 0.0) ** 2).sum()
+        def loss(q, k, v, chunk):
+            return (jnp.where(real[..., None], attend(q, k, v, chunk), 0.0) ** 2).sum()
 
         # The two programs sum over different key ranges (the skipped keys add exact zeros), so they round apart:
         # each value is a float32 sum over at most t keys and then hd head dims, and each program's rounding is
         # at most about (t + hd) u of the largest value (u = 2^-24; observed: <= 7 u on an AVX2-only CPU).
-        assert_within_rounding(np.asarray(attend(q, k, v, True))[real], np.asarray(attend(q, k, v, False))[real],
+        assert_within_rounding(np.asarray(attend(q, k, v, 5))[real], np.asarray(attend(q, k, v, 0))[real],
                                terms=t + hd)
-        grads = [jax.grad(loss, argnums=(0, 1, 2))(q, k, v, c) for c in (True, False)]
+        grads = [jax.grad(loss, argnums=(0, 1, 2))(q, k, v, chunk) for chunk in (5, 0)]
         for got, want in zip(*grads, strict=True):
             assert_within_rounding(got, want, terms=t + hd)
-    flops = [jax.jit(lambda q, k, v, chunk=chunk: grouped_query_attention(q, k, v, allowed, query_chunk=chunk,
-                                                                         causal=True)).lower(q, k, v).cost_analysis()
-             ["flops"] for chunk in (5, 0)]
+    flops = [jax.jit(lambda q, k, v, chunk=chunk: A.xla_attention(q, k, v, mask, A.AttentionSpec(), query_chunk=chunk)
+                     ).lower(q, k, v).cost_analysis()["flops"] for chunk in (5, 0)]
     # chunks of 5 against one block over every key: (25 + 50 + 75 + 100 + 3 x 23) / 23^2 = 0.60 of the scores
     assert flops[0] < 0.75 * flops[1], flops
-    with pytest.raises(ValueError, match="causal needs as many keys as queries"):
-        grouped_query_attention(q, k[:, :20], v[:, :20], allowed[:, :, :20], query_chunk=5, causal=True)
