@@ -94,9 +94,10 @@ def time_train_step(args: argparse.Namespace, mesh: Any, config: Any, shardings:
                     ) -> tuple[float, float, Any]:
     """`(best seconds of --steps train steps, the first call's seconds (compile included), metrics)`."""
     from jaxrl_llm.config import OptimSection
+    from jaxrl_llm.optim import make_optimizer
     from jaxrl_llm.sharding import init_optimizer_state
     from jaxrl_llm.trainers.objectives import PolicyObjective, policy_loss
-    from jaxrl_llm.trainers.step import jit_one_step_update, make_optimizer
+    from jaxrl_llm.trainers.step import jit_one_step_update
 
     optimizer, _ = make_optimizer(OptimSection(learning_rate=1e-6), 100)
     opt_state = init_optimizer_state(optimizer, params, shardings, mesh)

@@ -95,8 +95,9 @@ def update_program(config: Any, context: int, sequence: int = 1) -> tuple[Any, t
     from jaxrl_llm.config import OptimSection
     from jaxrl_llm.models.decoder import param_shapes
     from jaxrl_llm.models.packing import PackedLayout, batch_layout
+    from jaxrl_llm.optim import make_optimizer
     from jaxrl_llm.trainers.objectives import PolicyBatch, PolicyObjective, policy_loss
-    from jaxrl_llm.trainers.step import make_optimizer, train_step
+    from jaxrl_llm.trainers.step import train_step
 
     new = context - PROMPT + 1  # inputs: prompt + completion[:-1] = context positions
     valid = np.ones((1, context), np.int32)
@@ -152,7 +153,7 @@ def concrete(config: Any, args: tuple[Any, ...], layout: Any) -> tuple[Any, ...]
         else:
             fields.append(jnp.asarray(-rng.uniform(0.5, 3.0, spec.shape), jnp.float32))
     from jaxrl_llm.config import OptimSection
-    from jaxrl_llm.trainers.step import make_optimizer
+    from jaxrl_llm.optim import make_optimizer
 
     optimizer = make_optimizer(OptimSection(learning_rate=1e-6), 100)[0]
     return params, optimizer.init(params), type(batch)(*fields)

@@ -53,8 +53,9 @@ def main() -> None:
     from jaxrl_llm.config import OptimSection
     from jaxrl_llm.models.decoder import param_shapes
     from jaxrl_llm.models.hf import config_from_hf
+    from jaxrl_llm.optim import make_optimizer
     from jaxrl_llm.trainers.objectives import PolicyBatch, PolicyObjective, policy_loss
-    from jaxrl_llm.trainers.step import make_optimizer, train_step
+    from jaxrl_llm.trainers.step import train_step
 
     hf = plan.load_hf_config_dict(args.model) if args.model else QWEN25_05B
     config = config_from_hf(hf, dtype=args.dtype, param_dtype="float32", remat=not args.no_remat,

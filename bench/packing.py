@@ -35,9 +35,10 @@ from jaxrl_llm.models.decoder import init_params  # noqa: E402
 from jaxrl_llm.models.hf import config_from_hf, load_hf_model  # noqa: E402
 from jaxrl_llm.models.packing import batch_layout, update_layouts  # noqa: E402
 from jaxrl_llm.models.weights import master_weights  # noqa: E402
+from jaxrl_llm.optim import make_optimizer  # noqa: E402
 from jaxrl_llm.sharding import MeshShape, init_optimizer_state, make_mesh, param_shardings  # noqa: E402
 from jaxrl_llm.trainers.objectives import PolicyBatch, PolicyObjective, policy_loss  # noqa: E402
-from jaxrl_llm.trainers.step import jit_one_step_update, make_optimizer  # noqa: E402
+from jaxrl_llm.trainers.step import jit_one_step_update  # noqa: E402
 
 SMOLLM2 = ROOT.parent / "shared" / "models" / "smollm2-135m-instruct" / "hf"
 TINY = dict(model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

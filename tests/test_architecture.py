@@ -90,11 +90,13 @@ def test_an_upward_import_is_found():
 
 
 def test_the_config_is_a_leaf_but_for_the_rl_maths_options():
-    """The config takes `rl.loss` as the RL math's own `PolicyLossOptions` (and its choice lists) and the model's
-    choice lists (`models/options.py`); nothing else of the package but the errors and the fields' allowed values."""
+    """The config takes `rl.loss` as the RL math's own `PolicyLossOptions` (and its choice lists), the model's
+    choice lists (`models/options.py`) and the samplers' (`sampling/options.py`); nothing else of the package but
+    the errors and the fields' allowed values."""
     used = {m for m in reachable(FULL_GRAPH, "jaxrl_llm.config") if m.startswith("jaxrl_llm.")}
     assert used - {m for m in used if m.startswith("jaxrl_llm.config.")} == {
-        "jaxrl_llm.errors", "jaxrl_llm.fields", "jaxrl_llm.rl.options", "jaxrl_llm.models.options"}, used
+        "jaxrl_llm.errors", "jaxrl_llm.fields", "jaxrl_llm.rl.options", "jaxrl_llm.models.options",
+        "jaxrl_llm.sampling.options"}, used
 
 
 def test_names_become_code_in_one_module():

@@ -53,7 +53,7 @@ from jaxrl_llm.config import OptimSection
 from jaxrl_llm.models.decoder import init_cache, param_shapes
 from jaxrl_llm.models.hf import config_from_hf
 from jaxrl_llm.memory_plan import KV_CACHE_SPEC
-from jaxrl_llm.trainers.step import make_optimizer
+from jaxrl_llm.optim import make_optimizer
 
 assert jax.device_count() == 8, jax.devices()
 out = {}
@@ -291,8 +291,9 @@ def test_activation_estimate_against_compiled_train_step(remat: bool) -> None:
     shows up here: re-measure and update `plan.activation_bytes` then.
     """
     from jaxrl_llm.config import OptimSection
+    from jaxrl_llm.optim import make_optimizer
     from jaxrl_llm.trainers.objectives import PolicyBatch, PolicyObjective, policy_loss
-    from jaxrl_llm.trainers.step import make_optimizer, train_step
+    from jaxrl_llm.trainers.step import train_step
 
     config = _hand_config(vocab_size=256, hidden_size=64, intermediate_size=128, remat=remat, head_dim=16)
     b, prompt_len, new = 8, 64, 32

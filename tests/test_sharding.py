@@ -38,7 +38,8 @@ from jaxrl_llm.sharding import (MeshShape, global_array, init_optimizer_state, m
 from jaxrl_llm.trainers.objectives import PolicyBatch, PolicyObjective, completion_logprobs, policy_loss
 from jaxrl_llm.rl import PolicyLossOptions
 from tests.batches import random_rollout
-from jaxrl_llm.trainers.step import jit_one_step_update, make_optimizer
+from jaxrl_llm.trainers.step import jit_one_step_update
+from jaxrl_llm.optim import make_optimizer
 
 assert jax.device_count() == 8, jax.devices()
 hf = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,

@@ -36,7 +36,6 @@ import jax
 from jaxrl_llm.cli.errors import CommandParser
 from jaxrl_llm.cli.export import load_model
 from jaxrl_llm.config import DataSection, load_run_config
-from jaxrl_llm.config.schema import SAMPLERS
 from jaxrl_llm.data import build_prompt_set, load_records
 from jaxrl_llm.engine import make_sampler
 from jaxrl_llm.envs.sandbox import use_sandbox
@@ -45,6 +44,7 @@ from jaxrl_llm.evaluation import default_ks, generate_scored, summarize
 from jaxrl_llm.rewards import resolve_reward
 from jaxrl_llm.run.manifest import claim, unowned_existing
 from jaxrl_llm.sampling import SamplingConfig
+from jaxrl_llm.sampling.options import SAMPLERS
 from jaxrl_llm.trainers.evaluation import EpisodeEvaluation, episode_metrics, eval_reward
 from jaxrl_llm.trainers.policy import load_policy
 from jaxrl_llm.trainers.trajectories import TrajectoryCollector

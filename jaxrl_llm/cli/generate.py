@@ -29,12 +29,12 @@ import jax
 import numpy as np
 
 from jaxrl_llm.cli.errors import CommandParser
-from jaxrl_llm.config.schema import SAMPLERS
 from jaxrl_llm.engine import make_sampler
 from jaxrl_llm.errors import UsageError
 from jaxrl_llm.models.hf import load_hf_model, resolve_model_dir
 from jaxrl_llm.models.tokenizer import check_tokenizer_files
 from jaxrl_llm.sampling import SamplingConfig
+from jaxrl_llm.sampling.options import SAMPLERS
 from jaxrl_llm.sharding import MeshShape, make_mesh, shard_params
 
 

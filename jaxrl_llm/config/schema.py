@@ -21,13 +21,16 @@ from jaxrl_llm.rl.options import (
     PREFERENCE_LOSSES,
     PolicyLossOptions,
 )
+from jaxrl_llm.sampling.options import SAMPLERS
 
 DTYPES = ("float32", "bfloat16")
+# The environments' two choice lists live here, not in `envs/`: that package sits above the config and imports it
+# (a leaf of `envs/` would still run its `__init__`, which registers the environments); `envs/` checks its own
+# names against these (`tool_formats.py`, `sandbox.py`).
 # Where the python tool and the code_tests reward run model code (jaxrl_llm.envs.sandbox, docs/sandbox.md).
 SANDBOX_MODES = ("bwrap", "subprocess")
 # How a model writes tool calls, and its results come back (jaxrl_llm.envs.tool_formats, docs/environments.md).
 TOOL_FORMAT_NAMES = ("auto", "hermes", "llama3_json", "mistral", "qwen3_xml")
-SAMPLERS = ("static", "paged")  # sampling.engine (jaxrl_llm.sampling, jaxrl_llm.engine)
 @dataclass
 class ModelSection:
     """The policy model: where it is, its dtypes and memory knobs."""

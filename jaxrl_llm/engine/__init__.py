@@ -18,7 +18,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxrl_llm.config.schema import SAMPLERS
 from jaxrl_llm.engine.model import engine_context_problem
 from jaxrl_llm.engine.pages import default_page_size
 from jaxrl_llm.engine.scheduler import Completion, Conversation, Engine, EngineStats, Request, host_array
@@ -28,6 +27,7 @@ from jaxrl_llm.models.decoder import Params
 from jaxrl_llm.models.moe import NO_RECORD
 from jaxrl_llm.sampling import Sampler, StaticSampler, sample
 from jaxrl_llm.sampling.config import SampleOutput, SamplingConfig
+from jaxrl_llm.sampling.options import SAMPLERS
 from jaxrl_llm.sharding import mesh_of
 
 __all__ = ["Completion", "Conversation", "Engine", "EngineStats", "PagedSampler", "Request", "SAMPLERS", "Sampler",

@@ -52,8 +52,8 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
 from jaxrl_llm.models import precision
-from jaxrl_llm.models.config import ATTENTION_BACKENDS, ATTENTION_REQUESTS
 from jaxrl_llm.models.layers import MASKED, attention_block, softcap
+from jaxrl_llm.models.options import ATTENTION_BACKENDS, ATTENTION_REQUESTS
 
 BACKENDS = ATTENTION_BACKENDS
 REQUESTS = ATTENTION_REQUESTS

@@ -28,10 +28,9 @@ from typing import Literal
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jaxrl_llm.models.options import (  # noqa: F401  (re-exported)
+from jaxrl_llm.models.options import (
     ATTENTION_BACKENDS,
     ATTENTION_REQUESTS,
-    REMAT_POLICIES,
     SEQUENCE_METHODS,
 )
 from jaxrl_llm.models.precision import activation_dtype, inference_param_dtype

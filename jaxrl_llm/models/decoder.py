@@ -38,18 +38,15 @@ import jax.numpy as jnp
 
 from jaxrl_llm.models.attention import AttentionMask
 from jaxrl_llm.models.block import LayerOps, cached_attention, layer_kinds_present, transformer_block
-from jaxrl_llm.models.config import REMAT_POLICIES, ModelConfig
-from jaxrl_llm.models.layers import (  # noqa: F401  (re-exported: the decoder's public math)
-    SUPPORTED_ROPE_SCALING,
-    apply_rope,
+from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.layers import (
     embed_tokens,
-    gated_activation,
     positions_from_mask,
-    rms_norm,
     rope_cos_sin,
     softcap,
 )
 from jaxrl_llm.models.moe import NO_RECORD, Routing
+from jaxrl_llm.models.options import REMAT_POLICIES
 from jaxrl_llm.models.packing import PackedLayout, gather_predictors, packed_inputs
 from jaxrl_llm.models.precision import WEIGHT_MATMUL, matmul_transposed
 from jaxrl_llm.models.sequence_parallel import constrain_positions, pad_rows, padded_length

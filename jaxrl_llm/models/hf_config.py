@@ -13,8 +13,8 @@ from typing import Any
 
 from jaxrl_llm.errors import ConversionError
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.decoder import SUPPORTED_ROPE_SCALING
 from jaxrl_llm.models.families import FAMILIES, Family
+from jaxrl_llm.models.layers import SUPPORTED_ROPE_SCALING
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 SUPPORTED_ARCHITECTURES = tuple(f.architecture for f in FAMILIES.values())

@@ -37,8 +37,8 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jaxrl_llm.models import precision
 from jaxrl_llm.models.attention import AttentionMask, AttentionSpec, chunk_allowed, xla_attention
-from jaxrl_llm.models.config import SEQUENCE_METHODS
 from jaxrl_llm.models.layers import head_sinks
+from jaxrl_llm.models.options import SEQUENCE_METHODS
 from jaxrl_llm.sharding import BATCH_AXES, SEQUENCE_AXIS, constrain, fit_spec
 
 P = PartitionSpec

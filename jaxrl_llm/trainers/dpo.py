@@ -38,13 +38,14 @@ from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params, RoutedHidden
 from jaxrl_llm.models.packing import PackedLayout
 from jaxrl_llm.models.weights import frozen_copy
+from jaxrl_llm.optim import make_optimizer, router_frozen
 from jaxrl_llm.rl.preference import dpo_loss
 from jaxrl_llm.sharding import init_optimizer_state
 from jaxrl_llm.trainers.base import Collected, State
 from jaxrl_llm.trainers.evaluation import GreedyEvaluation
 from jaxrl_llm.trainers.objectives import routed_completion_logprobs, router_terms
 from jaxrl_llm.trainers.policy import export_policy, load_policy
-from jaxrl_llm.trainers.step import Metrics, jit_one_step_update, make_optimizer, router_frozen, state_sharding
+from jaxrl_llm.trainers.step import Metrics, jit_one_step_update, state_sharding
 from jaxrl_llm.trainers.supervised import ExampleAlgorithm, packed_example_batch
 
 

@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec
 from jaxrl_llm.config import RunConfig
 from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.models.packing import PackedLayout
+from jaxrl_llm.optim import make_optimizer, router_frozen
 from jaxrl_llm.rl.advantages import turn_level_advantages
 from jaxrl_llm.rl.entropy_control import (
     EntropyControllerState,
@@ -41,7 +42,7 @@ from jaxrl_llm.trainers.objectives import LossFn, PolicyBatch, policy_loss, poli
 from jaxrl_llm.trainers.policy import Policy
 from jaxrl_llm.trainers.rl import RolloutAlgorithm, rollout_epochs, update_plan, update_sizes, validate_rl
 from jaxrl_llm.trainers.rollouts import Rollout
-from jaxrl_llm.trainers.step import Metrics, jit_update, make_optimizer, router_frozen, state_sharding, train_step
+from jaxrl_llm.trainers.step import Metrics, jit_update, state_sharding, train_step
 
 
 def validate_grpo(c: RunConfig) -> None:

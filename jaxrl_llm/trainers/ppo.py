@@ -33,6 +33,7 @@ from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.heads import CriticParams, critic_from_policy, critic_values, load_critic
 from jaxrl_llm.models.packing import PackedLayout
 from jaxrl_llm.models.weights import master_weights
+from jaxrl_llm.optim import make_optimizer, router_frozen
 from jaxrl_llm.rl.estimators import ppo_targets, rollout_value_metrics
 from jaxrl_llm.rl.kl_control import KLControllerKind, KLControllerState, init_kl_controller, kl_controller_update
 from jaxrl_llm.rl.value_loss import clipped_value_loss
@@ -42,7 +43,7 @@ from jaxrl_llm.trainers.objectives import PolicyBatch, PolicyObjective, policy_l
 from jaxrl_llm.trainers.policy import Policy
 from jaxrl_llm.trainers.rl import RolloutAlgorithm, rollout_epochs, update_plan, update_sizes, validate_rl
 from jaxrl_llm.trainers.rollouts import Rollout
-from jaxrl_llm.trainers.step import Metrics, jit_update, make_optimizer, router_frozen, state_sharding, train_step
+from jaxrl_llm.trainers.step import Metrics, jit_update, state_sharding, train_step
 
 
 class CriticBatch(NamedTuple):

@@ -38,6 +38,7 @@ from jaxrl_llm.models.packing import PackedLayout
 from jaxrl_llm.models.reward_model import save_hf_reward_model, sequence_scores
 from jaxrl_llm.models.tokenizer import load_tokenizer
 from jaxrl_llm.models.weights import master_weights
+from jaxrl_llm.optim import make_optimizer
 from jaxrl_llm.rl.preference import dpo_loss
 from jaxrl_llm.sharding import (
     MeshShape,
@@ -47,7 +48,7 @@ from jaxrl_llm.sharding import (
     to_host,
 )
 from jaxrl_llm.trainers.base import Collected, State
-from jaxrl_llm.trainers.step import Metrics, jit_one_step_update, make_optimizer, state_sharding
+from jaxrl_llm.trainers.step import Metrics, jit_one_step_update, state_sharding
 from jaxrl_llm.trainers.supervised import ExampleAlgorithm, packed_example_batch
 
 

@@ -19,12 +19,13 @@ import numpy as np
 from jaxrl_llm.config import RunConfig
 from jaxrl_llm.data import DataState, PromptSet, bucket, left_pad, next_batch_indices
 from jaxrl_llm.errors import ConfigError
+from jaxrl_llm.optim import make_optimizer, router_frozen
 from jaxrl_llm.sharding import init_optimizer_state
 from jaxrl_llm.trainers.base import Collected, State
 from jaxrl_llm.trainers.evaluation import GreedyEvaluation
 from jaxrl_llm.trainers.objectives import PolicyBatch, PolicyObjective, sft_loss
 from jaxrl_llm.trainers.policy import export_policy, load_policy
-from jaxrl_llm.trainers.step import jit_one_step_update, make_optimizer, router_frozen
+from jaxrl_llm.trainers.step import jit_one_step_update
 from jaxrl_llm.trainers.supervised import ExampleAlgorithm, packed_example_batch
 
 

@@ -1,6 +1,6 @@
-"""The update: an optimizer (`make_optimizer`), one data-parallel optimizer update (`train_step`), the epochs x
-minibatches of a rollout as one `lax.scan` (`scanned_updates`), and the one jit every algorithm's update goes
-through (`jit_update`). The losses it differentiates: `jaxrl_llm.trainers.objectives`.
+"""The update: one data-parallel optimizer update (`train_step`, with an optimizer from `jaxrl_llm.optim`), the
+epochs x minibatches of a rollout as one `lax.scan` (`scanned_updates`), and the one jit every algorithm's update
+goes through (`jit_update`). The losses it differentiates: `jaxrl_llm.trainers.objectives`.
 
 `train_step(params, opt_state, batch, ...)` runs on a `(data, fsdp, expert, tensor)` device mesh (`jaxrl_llm.sharding`)
 inside `jit_update`'s jit: the batch split over `data` x `fsdp`, state placed by the partition rules (and donated).
@@ -36,7 +36,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params
 from jaxrl_llm.models.weights import working_weights
-from jaxrl_llm.optim import make_optimizer, router_frozen, zeroed  # noqa: F401  (re-exported: the trainers' optimizer)
 from jaxrl_llm.sharding import batch_sharding
 from jaxrl_llm.trainers.objectives import LossFn, batch_counts
 

@@ -536,8 +536,9 @@ def test_the_update_exports_with_the_kernel(platform, backend, call):
     from jaxrl_llm.config import OptimSection
     from jaxrl_llm.models.decoder import param_shapes
     from jaxrl_llm.models.packing import PackedLayout
+    from jaxrl_llm.optim import make_optimizer
     from jaxrl_llm.trainers.objectives import PolicyBatch, PolicyObjective, policy_loss
-    from jaxrl_llm.trainers.step import make_optimizer, train_step
+    from jaxrl_llm.trainers.step import train_step
 
     config = _model(head_dim=128, num_heads=4, num_kv_heads=2, sliding_window=None, layer_types=None,
                     dtype="bfloat16", remat=True, attention=backend)

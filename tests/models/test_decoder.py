@@ -10,10 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_llm.models.config import REMAT_POLICIES
-from jaxrl_llm.models.decoder import decode_step, forward, init_cache, positions_from_mask
+from jaxrl_llm.models.decoder import decode_step, forward, init_cache
 from jaxrl_llm.models.hf import ConversionError, load_hf_model
 from jaxrl_llm.models.hf_export import save_hf_model
+from jaxrl_llm.models.layers import positions_from_mask
+from jaxrl_llm.models.options import REMAT_POLICIES
 from tests.families import FAMILIES, hf_logits, left_padded_batch, make_hf_model
 from tests.runs import STORIES260K, requires_shared
 

@@ -13,8 +13,9 @@ from scipy import stats
 from jaxrl_llm import sampling as sampling_module
 from jaxrl_llm.errors import UsageError
 from jaxrl_llm.models.decode import decode_layers, decode_token, loop_caches, split_layers
-from jaxrl_llm.models.decoder import decode_step, init_cache, positions_from_mask
+from jaxrl_llm.models.decoder import decode_step, init_cache
 from jaxrl_llm.models.hf import load_hf_model
+from jaxrl_llm.models.layers import positions_from_mask
 from jaxrl_llm.models.step_weights import step_weights
 from jaxrl_llm.sampling import Knobs, SamplingConfig, bucket_prompts, compiled_program_count, sample
 from jaxrl_llm.sampling.logits import sample_from_logits, truncate_logits

@@ -20,12 +20,13 @@ from jaxrl_llm.models.heads import (
 )
 from jaxrl_llm.models.hf import config_from_hf
 from jaxrl_llm.models.hf_export import save_hf_model
+from jaxrl_llm.optim import make_optimizer
 from jaxrl_llm.rl.estimators import ppo_targets, rollout_advantages, rollout_value_metrics
 from jaxrl_llm.rl.kl_control import init_kl_controller, kl_controller_update
 from jaxrl_llm.sharding import make_mesh
 from jaxrl_llm.trainers import make_trainer
 from jaxrl_llm.trainers.ppo import CriticBatch, ValueLossConfig, critic_loss, kl_controller_kind
-from jaxrl_llm.trainers.step import jit_one_step_update, make_optimizer
+from jaxrl_llm.trainers.step import jit_one_step_update
 from tests.families import TINY
 from tests.runs import read_rows, tiny_run
 

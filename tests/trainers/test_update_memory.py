@@ -15,10 +15,11 @@ from jaxrl_llm.config import OptimSection
 from jaxrl_llm.models.decoder import forward, init_params, param_shapes
 from jaxrl_llm.models.hf import config_from_hf
 from jaxrl_llm.models.weights import master_weights
+from jaxrl_llm.optim import make_optimizer
 from jaxrl_llm.rl.logprobs import token_logprobs_and_entropy
 from jaxrl_llm.rl.policy_loss import clipped_policy_loss
 from jaxrl_llm.trainers.objectives import PolicyBatch, PolicyObjective, logprob_chunk_size, policy_loss
-from jaxrl_llm.trainers.step import make_optimizer, train_step
+from jaxrl_llm.trainers.step import train_step
 from tests.numerics import assert_within_rounding
 
 pytestmark = pytest.mark.heavy(seconds=14)
