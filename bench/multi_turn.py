@@ -29,11 +29,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import add_int_options, best_seconds  # noqa: E402
-from jaxrl_llm.data import left_pad, load_records  # noqa: E402
+from jaxrl_llm.data import load_records  # noqa: E402
 from jaxrl_llm.engine import Engine, Request, row_keys  # noqa: E402
 from jaxrl_llm.models.hf import load_hf_model  # noqa: E402
 from jaxrl_llm.models.tokenizer import load_tokenizer  # noqa: E402
 from jaxrl_llm.sampling import SamplingConfig, sample  # noqa: E402
+from jaxrl_llm.sampling.padding import left_pad  # noqa: E402
 
 
 def multi_turn(params, config, prompts: list[list[int]], sampling: SamplingConfig, turns: int, reply: list[int],

@@ -41,13 +41,13 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import add_int_options, best_seconds  # noqa: E402
 from jaxrl_llm.cli.kernels import cpu_model  # noqa: E402
-from jaxrl_llm.data import left_pad  # noqa: E402
 from jaxrl_llm.engine import Engine, ShardedEngine, engine_sample  # noqa: E402
 from jaxrl_llm.engine.kernels import describe_paths  # noqa: E402
 from jaxrl_llm.engine.pages import default_page_size  # noqa: E402
 from jaxrl_llm.models.hf import load_hf_model  # noqa: E402
 from jaxrl_llm.models.tokenizer import eos_token_ids, load_tokenizer  # noqa: E402
 from jaxrl_llm.sampling import SamplingConfig, sample  # noqa: E402
+from jaxrl_llm.sampling.padding import left_pad  # noqa: E402
 from jaxrl_llm.sharding import make_mesh, param_shardings  # noqa: E402
 
 SMOLLM2 = ROOT.parent / "shared" / "models" / "smollm2-135m-instruct" / "hf"

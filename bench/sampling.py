@@ -101,8 +101,8 @@ QUESTIONS = [
 def chat_prompts(model_dir: str, batch: int) -> tuple[np.ndarray, np.ndarray, int, int]:
     """`batch` chat questions rendered with the model's tokenizer (chat template when it has one), left-padded:
     `(tokens, mask, pad_id, eos_id)`."""
-    from jaxrl_llm.data import left_pad
     from jaxrl_llm.models.tokenizer import load_tokenizer
+    from jaxrl_llm.sampling.padding import left_pad
 
     tokenizer = load_tokenizer(model_dir)
     rows = []

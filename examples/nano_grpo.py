@@ -32,12 +32,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxrl_llm.data import bucket, left_pad, read_jsonl
+from jaxrl_llm.data import bucket, read_jsonl
 from jaxrl_llm.models.decoder import completion_hidden, unembed
 from jaxrl_llm.models.hf import load_hf_model
 from jaxrl_llm.models.tokenizer import load_tokenizer
 from jaxrl_llm.rl import group_normalized_advantages, token_logprobs
 from jaxrl_llm.sampling import SampleOutput, SamplingConfig, sample
+from jaxrl_llm.sampling.padding import left_pad
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -250,19 +250,6 @@ def build_preference_set(records: Sequence[dict[str, Any]], label: str, cfg: Dat
     return out
 
 
-def left_pad(sequences: Sequence[Sequence[int]], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """`tokens, mask [B, length]` int32 with each sequence right-aligned (left padding)."""
-    tokens = np.full((len(sequences), length), pad_id, np.int32)
-    mask = np.zeros((len(sequences), length), np.int32)
-    for i, seq in enumerate(sequences):
-        if len(seq) > length:
-            raise ValueError(f"sequence of {len(seq)} tokens does not fit length {length}")
-        if len(seq):
-            tokens[i, length - len(seq) :] = seq
-            mask[i, length - len(seq) :] = 1
-    return tokens, mask
-
-
 @dataclasses.dataclass(frozen=True)
 class DataState:
     """Where the prompt stream is: epoch and position inside that epoch's permutation."""

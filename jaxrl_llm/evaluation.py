@@ -16,12 +16,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxrl_llm.data import PromptSet, bucket, left_pad
+from jaxrl_llm.data import PromptSet, bucket
 from jaxrl_llm.engine import make_sampler
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params
 from jaxrl_llm.rewards import RewardFunction, call_reward
 from jaxrl_llm.sampling import SampleOutput, Sampler, SamplingConfig
+from jaxrl_llm.sampling.padding import left_pad
 from jaxrl_llm.sharding import to_host
 
 

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 
 from jaxrl_llm.cli.errors import CommandParser
 from jaxrl_llm.engine import make_sampler
@@ -35,6 +34,7 @@ from jaxrl_llm.models.hf import load_hf_model, resolve_model_dir
 from jaxrl_llm.models.tokenizer import check_tokenizer_files
 from jaxrl_llm.sampling import SamplingConfig
 from jaxrl_llm.sampling.options import SAMPLERS
+from jaxrl_llm.sampling.padding import left_pad
 from jaxrl_llm.sharding import MeshShape, make_mesh, shard_params
 
 
@@ -67,17 +67,6 @@ def encode_prompts(tokenizer: Any, prompts: Sequence[str], chat: bool) -> list[l
     ]
     # The template already holds the special tokens (BOS, role markers): do not add them twice.
     return [list(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
-
-
-def left_pad(ids: Sequence[Sequence[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """`tokens, mask [B, max_len]` int32, each row right-aligned (left padding)."""
-    width = max(len(row) for row in ids)
-    tokens = np.full((len(ids), width), pad_id, np.int32)
-    mask = np.zeros((len(ids), width), np.int32)
-    for i, row in enumerate(ids):
-        tokens[i, width - len(row) :] = row
-        mask[i, width - len(row) :] = 1
-    return tokens, mask
 
 
 def completion_text(tokenizer: Any, prompt_ids: list[int], completion_ids: list[int]) -> str:
@@ -150,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         pad_id=pad_id_for(tokenizer),
     )
     prompt_ids = encode_prompts(tokenizer, args.prompt, args.chat)
-    tokens, mask = left_pad(prompt_ids, sampling.pad_id)
+    tokens, mask = left_pad(prompt_ids, max(map(len, prompt_ids)), sampling.pad_id)
     key = jax.random.key(args.seed)
 
     start = time.perf_counter()

@@ -28,6 +28,7 @@ from jaxrl_llm.models.moe import NO_RECORD
 from jaxrl_llm.sampling import Sampler, StaticSampler, sample
 from jaxrl_llm.sampling.config import SampleOutput, SamplingConfig
 from jaxrl_llm.sampling.options import SAMPLERS
+from jaxrl_llm.sampling.padding import right_pad
 from jaxrl_llm.sharding import mesh_of
 
 __all__ = ["Completion", "Conversation", "Engine", "EngineStats", "PagedSampler", "Request", "SAMPLERS", "Sampler",
@@ -57,12 +58,9 @@ def sample_output(completions: list[Completion], columns: int, pad_id: int,
     k]`: the experts of each prompt token right-aligned in the first `prompt_width` columns (a left-padded prompt's
     place), then each fed completion token's (`moe.NO_RECORD` elsewhere)."""
     n = len(completions)
-    tokens = np.full((n, columns), pad_id, np.int32)
-    mask = np.zeros((n, columns), np.int32)
-    logprobs, untruncated = np.zeros((n, columns), np.float32), np.zeros((n, columns), np.float32)
-    for r, c in enumerate(completions):
-        k = len(c.tokens)
-        tokens[r, :k], mask[r, :k], logprobs[r, :k], untruncated[r, :k] = c.tokens, 1, c.logprobs, c.untruncated
+    tokens, mask = right_pad([c.tokens for c in completions], columns, pad_id)
+    logprobs, untruncated = (right_pad([getattr(c, name) for c in completions], columns, dtype=np.float32)[0]
+                             for name in ("logprobs", "untruncated"))
     routing = None
     if prompt_lengths is not None and completions and completions[0].experts is not None:
         routing = np.full((n, prompt_width + columns, *completions[0].experts.shape[1:]), NO_RECORD, np.int16)

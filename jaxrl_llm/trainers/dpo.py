@@ -25,21 +25,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm.config import RunConfig
-from jaxrl_llm.data import (
-    DataState,
-    PreferenceSet,
-    bucket,
-    build_preference_set,
-    left_pad,
-    load_records,
-    next_batch_indices,
-)
+from jaxrl_llm.data import DataState, PreferenceSet, bucket, build_preference_set, load_records, next_batch_indices
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params, RoutedHidden
 from jaxrl_llm.models.packing import PackedLayout
 from jaxrl_llm.models.weights import frozen_copy
 from jaxrl_llm.optim import make_optimizer, router_frozen
 from jaxrl_llm.rl.preference import dpo_loss
+from jaxrl_llm.sampling.padding import left_pad, right_pad
 from jaxrl_llm.sharding import init_optimizer_state
 from jaxrl_llm.trainers.base import Collected, State
 from jaxrl_llm.trainers.evaluation import GreedyEvaluation
@@ -126,18 +119,9 @@ def pair_batch(pairs: PreferenceSet, indices: np.ndarray, pad_id: int, prompt_bu
     rejected = [pairs.rejected_ids[i] for i in indices]
     pt, pm = left_pad(prompts, bucket(max(map(len, prompts)), prompt_bucket), pad_id)
     width = bucket(max(map(len, chosen + rejected)), 8)
-
-    def right_pad(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-        tokens = np.full((len(rows), width), pad_id, np.int32)
-        mask = np.zeros((len(rows), width), np.int32)
-        for r, ids in enumerate(rows):
-            tokens[r, : len(ids)] = ids
-            mask[r, : len(ids)] = 1
-        return tokens, mask
-
     zeros = np.zeros(len(indices), np.float32)
     ref_c, ref_r = (ref[0][indices], ref[1][indices]) if ref is not None else (zeros, zeros)
-    return PairBatch(pt, pm, *right_pad(chosen), *right_pad(rejected), ref_c, ref_r)
+    return PairBatch(pt, pm, *right_pad(chosen, width, pad_id), *right_pad(rejected, width, pad_id), ref_c, ref_r)
 
 
 class DPO(ExampleAlgorithm):

@@ -18,6 +18,7 @@ from jaxrl_llm.envs.deadlines import Call, DeadlineExceeded, DeadlineWorkers, Hu
 from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.models.moe import NO_RECORD
 from jaxrl_llm.sampling import SampleOutput
+from jaxrl_llm.sampling.padding import right_pad
 from jaxrl_llm.trainers.rollouts import Rollout
 
 
@@ -136,13 +137,10 @@ def episode_arrays(episodes: list[Episode], pad_id: int, max_new_tokens: int, mu
     the tokens' (the model's and the environment's), `moe.NO_RECORD` where nothing was routed."""
     longest = max(len(ep.tokens) for ep in episodes)
     width, n = max_new_tokens if longest <= max_new_tokens else bucket(longest, multiple), len(episodes)
-    tokens, mask, loss_mask = (np.full((n, width), pad_id, np.int32), np.zeros((n, width), np.int32),
-                               np.zeros((n, width), np.int32))
-    logprobs, untruncated = np.zeros((n, width), np.float32), np.zeros((n, width), np.float32)
-    for r, ep in enumerate(episodes):
-        k = len(ep.tokens)
-        tokens[r, :k], mask[r, :k], loss_mask[r, :k] = ep.tokens, 1, ep.loss_mask
-        logprobs[r, :k], untruncated[r, :k] = ep.logprobs, ep.logprobs_untruncated
+    tokens, mask = right_pad([ep.tokens for ep in episodes], width, pad_id)
+    loss_mask = right_pad([ep.loss_mask for ep in episodes], width)[0]
+    logprobs, untruncated = (right_pad([getattr(ep, name) for ep in episodes], width, dtype=np.float32)[0]
+                             for name in ("logprobs", "logprobs_untruncated"))
     routing = None
     recorded = [ep.experts for ep in episodes if ep.experts is not None]
     if recorded:

@@ -24,7 +24,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_llm.config import RunConfig
-from jaxrl_llm.data import PromptSet, bucket, build_prompt_set, left_pad, load_records
+from jaxrl_llm.data import PromptSet, bucket, build_prompt_set, load_records
 from jaxrl_llm.engine import Engine
 from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.models.attention import describe as describe_attention
@@ -37,6 +37,7 @@ from jaxrl_llm.models.lora import LoraSpec, init_adapters, insert_adapters, merg
 from jaxrl_llm.models.tokenizer import eos_token_ids, load_tokenizer
 from jaxrl_llm.models.weights import cast_floating, inference_copy, master_weights
 from jaxrl_llm.sampling import SampleOutput, SamplingConfig
+from jaxrl_llm.sampling.padding import left_pad
 from jaxrl_llm.sharding import (
     MeshShape,
     expert_mesh,

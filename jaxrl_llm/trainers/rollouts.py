@@ -25,6 +25,7 @@ from jaxrl_llm.models.moe import NO_RECORD
 from jaxrl_llm.rewards import RewardFunction, compute_rewards, resolve_reward
 from jaxrl_llm.run.monitor import drift_kl, repeated_ngram_fraction
 from jaxrl_llm.sampling import SampleOutput
+from jaxrl_llm.sampling.padding import right_pad
 from jaxrl_llm.sharding import batch_divisor, global_array, process_rows, to_host
 from jaxrl_llm.trainers.policy import Policy
 
@@ -134,10 +135,7 @@ def answer_output(answers: list[list[int]], pad_id: int, eos_ids: tuple[int, ...
                   ) -> SampleOutput:
     """Token ids as the sampler's right-padded output (`[N, W]`, `W` rounded up to `width_bucket`): each row
     stopped on EOS when its last id is one, log-probs zero (no policy sampled them)."""
-    width = bucket(max(map(len, answers)), width_bucket)
-    tokens, mask = np.full((len(answers), width), pad_id, np.int32), np.zeros((len(answers), width), np.int32)
-    for row, ids in enumerate(answers):
-        tokens[row, : len(ids)], mask[row, : len(ids)] = ids, 1
+    tokens, mask = right_pad(answers, bucket(max(map(len, answers)), width_bucket), pad_id)
     stopped = np.asarray([ids[-1] in eos_ids for ids in answers])
     zeros = np.zeros(tokens.shape, np.float32)
     return SampleOutput(tokens, mask, zeros, zeros, mask.sum(axis=1).astype(np.int32), stopped)

@@ -17,9 +17,10 @@ import jax
 import numpy as np
 
 from jaxrl_llm.config import RunConfig
-from jaxrl_llm.data import DataState, PromptSet, bucket, left_pad, next_batch_indices
+from jaxrl_llm.data import DataState, PromptSet, bucket, next_batch_indices
 from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.optim import make_optimizer, router_frozen
+from jaxrl_llm.sampling.padding import left_pad, right_pad
 from jaxrl_llm.sharding import init_optimizer_state
 from jaxrl_llm.trainers.base import Collected, State
 from jaxrl_llm.trainers.evaluation import GreedyEvaluation
@@ -36,12 +37,7 @@ def completion_arrays(prompt_set: PromptSet, indices: np.ndarray, tokenizer: Any
     answers = [tokenizer(str(prompt_set.records[i][answer_field]), add_special_tokens=False)["input_ids"] + [eos_id]
                for i in indices]
     pt, pm = left_pad(prompts, bucket(max(map(len, prompts))), pad_id)
-    width = bucket(max(map(len, answers)), 8)
-    ct = np.full((len(answers), width), pad_id, np.int32)
-    cm = np.zeros((len(answers), width), np.int32)
-    for row, ids in enumerate(answers):
-        ct[row, : len(ids)] = ids
-        cm[row, : len(ids)] = 1
+    ct, cm = right_pad(answers, bucket(max(map(len, answers)), 8), pad_id)
     return pt, pm, ct, cm
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxrl_llm.data import PromptSet, bucket, encode_text, left_pad, render_prompt
+from jaxrl_llm.data import PromptSet, bucket, encode_text, render_prompt
 from jaxrl_llm.envs.base import Environment, Message, StepResult, resolve_environment
 from jaxrl_llm.envs.deadlines import DeadlineWorkers
 from jaxrl_llm.envs.rendering import declare_tools, exceeds_budget, followup_text, resolve_tool_format
@@ -34,6 +34,7 @@ from jaxrl_llm.envs.tool_use import ToolUseEnvironment
 from jaxrl_llm.envs.tools import resolve_tools
 from jaxrl_llm.models.decoder import Params
 from jaxrl_llm.sampling import SampleOutput, SamplingConfig
+from jaxrl_llm.sampling.padding import left_pad
 from jaxrl_llm.sharding import mesh_of
 from jaxrl_llm.trainers.episodes import (
     Episode,

@@ -19,11 +19,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxrl_llm.data import bucket, left_pad
+from jaxrl_llm.data import bucket
 from jaxrl_llm.engine import Request, row_keys, sample_output
 from jaxrl_llm.envs.rendering import turn_text
 from jaxrl_llm.models.decoder import Params
 from jaxrl_llm.sampling import SampleOutput, SamplingConfig
+from jaxrl_llm.sampling.padding import left_pad
 from jaxrl_llm.sharding import mesh_of, to_host
 from jaxrl_llm.trainers.episodes import Episode
 from jaxrl_llm.trainers.policy import Policy

@@ -56,10 +56,10 @@ def _chat_ids(tokenizer, text: str) -> list[int]:
 
 
 def test_logits_match_transformers_on_a_left_padded_chat_batch(smollm2_dir: Path, torch_model) -> None:
-    from jaxrl_llm.data import left_pad
     from jaxrl_llm.models.decoder import forward
     from jaxrl_llm.models.hf import load_hf_model
     from jaxrl_llm.models.tokenizer import load_tokenizer
+    from jaxrl_llm.sampling.padding import left_pad
 
     config, params = load_hf_model(smollm2_dir)
     assert (config.num_layers, config.num_heads, config.num_kv_heads, config.vocab_size) == (30, 9, 3, 49152)
@@ -78,11 +78,11 @@ def test_logits_match_transformers_on_a_left_padded_chat_batch(smollm2_dir: Path
 def test_greedy_generation_matches_transformers(smollm2_dir: Path, torch_model) -> None:
     import torch
 
-    from jaxrl_llm.data import left_pad
     from jaxrl_llm.engine import Engine, engine_sample
     from jaxrl_llm.models.hf import load_hf_model
     from jaxrl_llm.models.tokenizer import eos_token_ids, load_tokenizer
     from jaxrl_llm.sampling import SamplingConfig, sample
+    from jaxrl_llm.sampling.padding import left_pad
 
     config, params = load_hf_model(smollm2_dir)
     tokenizer = load_tokenizer(smollm2_dir)
