@@ -23,17 +23,10 @@ import shlex
 import sys
 from pathlib import Path
 
+from jaxrl_llm.algorithms import ALGORITHMS
+
 ROOT = Path(__file__).resolve().parent
-DEFAULT_CONFIGS = {
-    "grpo": ROOT / "configs" / "grpo_arithmetic.yaml",
-    "sft": ROOT / "configs" / "sft_arithmetic.yaml",
-    "rm": ROOT / "configs" / "rm_arithmetic.yaml",
-    "rloo": ROOT / "configs" / "rloo_arithmetic.yaml",
-    "reinforce_pp": ROOT / "configs" / "reinforce_pp_arithmetic.yaml",
-    "ppo": ROOT / "configs" / "ppo_arithmetic.yaml",
-    "dpo": ROOT / "configs" / "dpo_arithmetic.yaml",
-    "distill": ROOT / "configs" / "distill_arithmetic.yaml",
-}
+DEFAULT_CONFIGS = {name: ROOT / "configs" / entry.preset for name, entry in ALGORITHMS.items()}
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:

@@ -97,13 +97,14 @@ def time_train_step(args: argparse.Namespace, mesh: Any, config: Any, shardings:
     from jaxrl_llm.optim import make_optimizer
     from jaxrl_llm.sharding import init_optimizer_state
     from jaxrl_llm.trainers.objectives import PolicyObjective, policy_loss
-    from jaxrl_llm.trainers.step import jit_one_step_update
+    from jaxrl_llm.trainers.step import jit_one_step_update, state_sharding
 
     optimizer, _ = make_optimizer(OptimSection(learning_rate=1e-6), 100)
     opt_state = init_optimizer_state(optimizer, params, shardings, mesh)
     state = {"params": params, "opt_state": opt_state}
-    update = jit_one_step_update(mesh, state, loss_fn=policy_loss, model_config=config, optimizer=optimizer,
-                                 loss_config=PolicyObjective(beta=0.04, max_len=args.new_tokens), grad_accum=1)
+    update = jit_one_step_update(mesh, state_sharding(state), loss_fn=policy_loss, model_config=config,
+                                 optimizer=optimizer, loss_config=PolicyObjective(beta=0.04, max_len=args.new_tokens),
+                                 grad_accum=1)
     key = jax.random.key(0)
     start = time.perf_counter()
     state, metrics = update(state, batch, key, None)

@@ -38,7 +38,7 @@ from jaxrl_llm.models.weights import master_weights  # noqa: E402
 from jaxrl_llm.optim import make_optimizer  # noqa: E402
 from jaxrl_llm.sharding import MeshShape, init_optimizer_state, make_mesh, param_shardings  # noqa: E402
 from jaxrl_llm.trainers.objectives import PolicyBatch, PolicyObjective, policy_loss  # noqa: E402
-from jaxrl_llm.trainers.step import jit_one_step_update  # noqa: E402
+from jaxrl_llm.trainers.step import jit_one_step_update, state_sharding  # noqa: E402
 
 SMOLLM2 = ROOT.parent / "shared" / "models" / "smollm2-135m-instruct" / "hf"
 TINY = dict(model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -102,7 +102,7 @@ def main() -> None:
           f"micro-batch, padded: {args.rows // args.grad_accum} of {valid.shape[1]})")
     state = {"params": params, "opt_state": init_optimizer_state(optimizer, params, param_shardings(params, mesh),
                                                                  mesh)}
-    update = jit_one_step_update(mesh, state, loss_fn=policy_loss, model_config=config,
+    update = jit_one_step_update(mesh, state_sharding(state), loss_fn=policy_loss, model_config=config,
                                  loss_config=PolicyObjective(logprob_block_mib=64.0), optimizer=optimizer,
                                  grad_accum=args.grad_accum)
     seconds = {}

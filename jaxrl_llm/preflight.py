@@ -82,12 +82,10 @@ def check_required(c: RunConfig) -> None:
         raise ConfigError(f"algo={c.algo} needs {'; '.join(missing)}: set {'them' if len(missing) > 1 else 'it'} "
                           f"in the YAML file or on the command line (python train.py --print-config lists every "
                           f"field)")
-    if c.algo == "dpo" and c.dpo.eval_prompts and not (c.rewards or c.eval_reward):
-        raise ConfigError(f"dpo.eval_prompts={c.dpo.eval_prompts} needs a reward to score the greedy answers: set "
-                          f"eval_reward (e.g. math_answer) or rewards")
-    if c.data.eval and c.algo not in ("rm", "dpo") and not (c.rewards or c.eval_reward or c.env.name):
-        raise ConfigError(f"data.eval={c.data.eval} needs a reward to score the held-out answers: set eval_reward "
-                          f"(e.g. math_answer) or rewards, or data.eval='' for no evaluation")
+    held_out = algorithm.held_out_prompts(c)
+    if held_out and not (c.rewards or c.eval_reward or c.env.name):
+        raise ConfigError(f"{held_out}={get_field(c, held_out)} needs a reward to score the held-out answers: set "
+                          f"eval_reward (e.g. math_answer) or rewards, or {held_out}='' for no evaluation")
 
 
 def check_inputs(c: RunConfig) -> None:
@@ -101,10 +99,8 @@ def check_inputs(c: RunConfig) -> None:
     reasoning_gym.check_sources(c.data.train, c.data.eval)
     if not (algorithm_class(c.algo).from_scratch and c.model.init):
         check_model_source("model.path", c.model.path)
-    if c.algo == "ppo" and c.ppo.critic_init != "policy":
-        check_model_source("ppo.critic_init", c.ppo.critic_init)
-    if c.algo == "distill":
-        check_model_source("distill.teacher", c.distill.teacher)
+    for key, source in algorithm_class(c.algo).model_sources(c).items():
+        check_model_source(key, source)
 
 
 def check_optional_packages(c: RunConfig) -> None:

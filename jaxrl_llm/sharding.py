@@ -286,6 +286,14 @@ def process_rows(num_rows: int) -> slice:
     return slice(index * share, (index + 1) * share)
 
 
+def train_state_shardings(optimizer: optax.GradientTransformation, params: Any, params_sharding: Any,
+                          mesh: Mesh) -> dict[str, Any]:
+    """The placement of a train state `{"params", "opt_state"}` from the parameters' shapes alone (arrays or
+    `ShapeDtypeStruct`s): what an update's jit is given, with no optimizer state built to read it from."""
+    shapes = jax.eval_shape(optimizer.init, params)
+    return {"params": params_sharding, "opt_state": optimizer_state_shardings(optimizer, shapes, params_sharding, mesh)}
+
+
 def init_optimizer_state(optimizer: optax.GradientTransformation, params: Any, params_sharding: Any,
                          mesh: Mesh) -> Any:
     """`optimizer.init(params)` created directly in its shards (see `optimizer_state_shardings`)."""

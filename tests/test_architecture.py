@@ -3,6 +3,7 @@ way (the library never imports the shell or the commands), and the algorithm con
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -42,7 +43,8 @@ def test_a_cycle_is_found_when_there_is_one(tmp_path):
 # The package's layers, lowest first: a module imports only modules of its own layer or of the layers below it.
 # The package's root (`jaxrl_llm/__init__.py`) imports nothing at module level (its `train` is a lazy attribute).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "fields", "registry", "sharding"),  # leaves: errors, a field's allowed values, names -> code, meshes
+    ("errors", "fields", "registry", "sharding", "algorithms"),  # leaves: errors, a field's allowed values, names ->
+    # code, meshes, the algorithms' names
     ("models",),  # the causal LMs, their checkpoints and tokenizers
     ("rl", "sampling"),  # the RL math (pure, jittable) and the static sampler
     ("config",),  # the run's schema, which takes the RL math's option types as they are
@@ -91,12 +93,13 @@ def test_an_upward_import_is_found():
 
 def test_the_config_is_a_leaf_but_for_the_rl_maths_options():
     """The config takes `rl.loss` as the RL math's own `PolicyLossOptions` (and its choice lists), the model's
-    choice lists (`models/options.py`) and the samplers' (`sampling/options.py`); nothing else of the package but
+    choice lists (`models/options.py`), the samplers' (`sampling/options.py`) and the algorithms' names
+    (`algorithms.py`); nothing else of the package but
     the errors and the fields' allowed values."""
     used = {m for m in reachable(FULL_GRAPH, "jaxrl_llm.config") if m.startswith("jaxrl_llm.")}
     assert used - {m for m in used if m.startswith("jaxrl_llm.config.")} == {
         "jaxrl_llm.errors", "jaxrl_llm.fields", "jaxrl_llm.rl.options", "jaxrl_llm.models.options",
-        "jaxrl_llm.sampling.options"}, used
+        "jaxrl_llm.sampling.options", "jaxrl_llm.algorithms"}, used
 
 
 def test_names_become_code_in_one_module():
@@ -200,3 +203,13 @@ def test_the_transformer_block_is_composed_once():
     for caller in ("models/decoder.py", "models/decode.py", "engine/model.py"):
         calls = composing.findall((ROOT / caller).read_text())
         assert set(calls) == {"transformer_block"}, (caller, calls)
+
+
+def test_no_module_branches_on_an_algorithms_name():
+    """What differs between algorithms is asked of their class (`Algorithm.keeps_reference`, `teacher`,
+    `model_sources`, `held_out_prompts`, ...), so adding one is a class and a line of `algorithms.py`; the names are
+    listed once (`algorithms.py`), never compared."""
+    compared = re.compile(r"\balgo\s*(==|!=|\bin\b|\bnot in\b)")
+    found = [f"{p.relative_to(ROOT)}:{n}" for p in ROOT.rglob("*.py")
+             for n, line in enumerate(p.read_text().splitlines(), 1) if compared.search(line.split("#")[0])]
+    assert found == [], found

@@ -8,18 +8,12 @@ import numpy as np
 import pytest
 
 from jaxrl_llm.config import ConfigError
-from jaxrl_llm.data import (
-    DataError,
-    DataState,
-    build_prompt_set,
-    left_pad,
-    next_batch_indices,
-    read_jsonl,
-)
+from jaxrl_llm.data import DataError, DataState, build_prompt_set, next_batch_indices, read_jsonl
 from jaxrl_llm.preflight import load_config
 from jaxrl_llm.rewards import RewardError, compute_rewards, resolve_reward
 from jaxrl_llm.rewards.math_answers import extract_answer, math_answer_reward, math_verify_reward
 from jaxrl_llm.rewards.shaping import format_reward, overlong_reward
+from jaxrl_llm.sampling.padding import left_pad
 from jaxrl_llm.tasks.arithmetic import make_problems, make_tokenizer
 from tests.runs import GSM8K, requires_shared
 

@@ -38,7 +38,7 @@ from jaxrl_llm.sharding import (MeshShape, global_array, init_optimizer_state, m
 from jaxrl_llm.trainers.objectives import PolicyBatch, PolicyObjective, completion_logprobs, policy_loss
 from jaxrl_llm.rl import PolicyLossOptions
 from tests.batches import random_rollout
-from jaxrl_llm.trainers.step import jit_one_step_update
+from jaxrl_llm.trainers.step import jit_one_step_update, state_sharding
 from jaxrl_llm.optim import make_optimizer
 
 assert jax.device_count() == 8, jax.devices()
@@ -77,7 +77,7 @@ def run(shape, grad_accum=1, packed=False, rollouts=True):
     placed = jax.device_put(jax.tree.map(jnp.copy, params), shardings)
     optimizer, _ = make_optimizer(OptimSection(learning_rate=1e-2), 10)
     opt_state = init_optimizer_state(optimizer, placed, shardings, mesh)
-    update = jit_one_step_update(mesh, {"params": placed, "opt_state": opt_state}, loss_fn=policy_loss,
+    update = jit_one_step_update(mesh, state_sharding({"params": placed, "opt_state": opt_state}), loss_fn=policy_loss,
                                  model_config=config, loss_config=loss_config, optimizer=optimizer,
                                  grad_accum=grad_accum)
     if not rollouts:
@@ -159,7 +159,7 @@ def run_lora(shape):
     adapters = jax.device_put(jax.tree.map(jnp.copy, adapters0), replicated)
     optimizer, _ = make_optimizer(OptimSection(learning_rate=1e-2), 10)
     opt_state = init_optimizer_state(optimizer, adapters, jax.tree.map(lambda x: replicated, adapters), mesh)
-    update = jit_one_step_update(mesh, {"params": adapters, "opt_state": opt_state},
+    update = jit_one_step_update(mesh, state_sharding({"params": adapters, "opt_state": opt_state}),
                                  frozen_sharding={"base": shardings},
                                  loss_fn=policy_loss, model_config=config, loss_config=loss_config,
                                  optimizer=optimizer, grad_accum=1,

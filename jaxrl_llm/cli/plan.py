@@ -38,6 +38,7 @@ from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.hf import ConversionError, config_from_hf, read_hf_config
 from jaxrl_llm.preflight import check_model_source
 from jaxrl_llm.sharding import MeshShape
+from jaxrl_llm.trainers import algorithm_class
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
@@ -192,7 +193,7 @@ _SETTINGS: tuple[tuple[str, Any, Any], ...] = (
     ("param_dtype", "float32", lambda c: c.model.param_dtype),
     ("remat", False, lambda c: c.model.remat),
     ("attention_query_chunk", 128, lambda c: c.model.attention_query_chunk),
-    ("reference", False, lambda c: c.rl.beta > 0 or (c.algo == "ppo" and c.ppo.kl_coef_init > 0)),
+    ("reference", False, lambda c: algorithm_class(c.algo).keeps_reference(c)),
     ("logprob_block_mib", 256.0, lambda c: c.model.logprob_block_mib),
     ("lora_rank", 0, lambda c: c.lora.rank),
     ("engine_page_size", default_page_size(),
@@ -200,8 +201,8 @@ _SETTINGS: tuple[tuple[str, Any, Any], ...] = (
     ("engine_pages", 0, lambda c: c.sampling.engine_pages),
     ("engine_attention", "auto", lambda c: c.sampling.engine_attention),
     ("lora_targets", "(q|k|v|o|gate|up|down)_proj", lambda c: c.lora.targets),
-    ("teacher", "", lambda c: c.distill.teacher if c.algo == "distill" else ""),
-    ("jsd", False, lambda c: c.algo == "distill" and c.distill.loss == "jsd"),
+    ("teacher", "", lambda c: algorithm_class(c.algo).teacher(c)[0]),
+    ("jsd", False, lambda c: algorithm_class(c.algo).teacher(c)[1]),
     ("max_staleness", 0, lambda c: c.rollout.max_staleness),
     ("sampler_devices", 0, lambda c: c.rollout.sampler_devices),
     ("sampler_tensor", 1, lambda c: c.rollout.sampler_tensor),

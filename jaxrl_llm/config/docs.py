@@ -53,6 +53,11 @@ def field_docs(cls: type) -> dict[str, str]:
             k -= 1
         if above:
             docs[name] = " ".join(above)
+    for f in dataclasses.fields(cls):  # a field of a fixed list whose comment does not name every choice names them
+        choices = f.metadata.get("choices", ())
+        text = docs.get(f.name, "")
+        if choices and not all(choice in text for choice in choices):
+            docs[f.name] = f"{text}; one of {', '.join(choices)}" if text else f"one of {', '.join(choices)}"
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):  # a section without a comment: its class docstring's first sentence
         section = hints[f.name]

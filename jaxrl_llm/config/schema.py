@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from jaxrl_llm.algorithms import ALGORITHMS
 from jaxrl_llm.fields import at_least, finite, fraction, one_of, positive, within
 from jaxrl_llm.models.options import ATTENTION_REQUESTS, REMAT_POLICIES
 from jaxrl_llm.rl.options import (
@@ -408,7 +409,7 @@ class LoggingSection:
 class RunConfig:
     """A whole run."""
 
-    algo: str = "grpo"  # grpo | rloo | reinforce_pp | ppo | sft | rm | dpo | distill (jaxrl_llm.trainers.ALGORITHMS)
+    algo: str = one_of("grpo", tuple(ALGORITHMS))  # the algorithm (jaxrl_llm/algorithms.py lists them)
     seed: int = at_least(0)  # the run's root random key (sampling, data order, dropout-free init)
     steps: int = at_least(100)  # training steps (one rollout + update each, for the RL algorithms)
     out_dir: str = "runs/default"  # metrics, samples, checkpoints and the export go here

@@ -31,16 +31,17 @@ class AdvantageEstimator(NamedTuple):
     fn: EstimatorFn
     kl_in_reward: bool = False  # True: the KL to the reference is in the token rewards, not in the loss
     needs_values: bool = False  # True: a critic's values `[N, T]` come as `values=` (PPO's GAE)
+    compares_group: bool = False  # True: a sample's advantage is against its group's others (needs >= 2 per prompt)
 
 
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
 
 
-def register_estimator(name: str, *, kl_in_reward: bool = False,
-                       needs_values: bool = False) -> Callable[[EstimatorFn], EstimatorFn]:
+def register_estimator(name: str, *, kl_in_reward: bool = False, needs_values: bool = False,
+                       compares_group: bool = False) -> Callable[[EstimatorFn], EstimatorFn]:
     """Decorator: `@register_estimator("name")` makes `fn` (the signature above) a choice of `rl.estimator`."""
     def add(fn: EstimatorFn) -> EstimatorFn:
-        ADVANTAGE_ESTIMATORS[name] = AdvantageEstimator(fn, kl_in_reward, needs_values)
+        ADVANTAGE_ESTIMATORS[name] = AdvantageEstimator(fn, kl_in_reward, needs_values, compares_group)
         return fn
 
     return add
@@ -50,14 +51,14 @@ def _broadcast(per_seq: jax.Array, mask: jax.Array) -> jax.Array:
     return per_seq[:, None] * mask.astype(jnp.float32)
 
 
-@register_estimator("grpo")
+@register_estimator("grpo", compares_group=True)
 def grpo_estimator(rewards: jax.Array, mask: jax.Array, old_logp: jax.Array, ref_logp: jax.Array, *,
                    group_size: int, scale: str = "group", beta: float = 0.0, kl_estimator: str = "k1") -> jax.Array:
     """`(r_i - mean_group r) / (std + eps)` (`scale` = group / batch / none), broadcast over valid tokens."""
     return _broadcast(adv.group_normalized_advantages(rewards, group_size=group_size, scale=scale), mask)  # type: ignore[arg-type]
 
 
-@register_estimator("rloo")
+@register_estimator("rloo", compares_group=True)
 def rloo_estimator(rewards: jax.Array, mask: jax.Array, old_logp: jax.Array, ref_logp: jax.Array, *,
                    group_size: int, scale: str = "group", beta: float = 0.0, kl_estimator: str = "k1") -> jax.Array:
     """`r_i - mean_{j != i} r_j` over the group, broadcast over valid tokens."""
@@ -75,7 +76,7 @@ def reinforce_pp_estimator(rewards: jax.Array, mask: jax.Array, old_logp: jax.Ar
     return adv.reinforce_plus_plus_advantages(token_rewards, mask)
 
 
-@register_estimator("reinforce_pp_baseline")
+@register_estimator("reinforce_pp_baseline", compares_group=True)
 def reinforce_pp_baseline_estimator(rewards: jax.Array, mask: jax.Array, old_logp: jax.Array, ref_logp: jax.Array,
                                     *, group_size: int, scale: str = "group", beta: float = 0.0,
                                     kl_estimator: str = "k1") -> jax.Array:

@@ -25,8 +25,8 @@ def resolve_policy_loss(name: str) -> str:
     return resolve_name("rl.policy_loss", name, POLICY_LOSSES, lambda key, fn: register_policy_loss(key)(fn))
 
 
-def advantage_estimator(algo: str, estimator: str) -> str:
-    """The estimator a run uses: `rl.estimator` if set, else the one named by `algo` (else GRPO's)."""
+def advantage_estimator(own: str, estimator: str) -> str:
+    """The estimator a run uses: `rl.estimator` if set, else the algorithm's `own` (`algorithms.py`; else GRPO's)."""
     if estimator:
         return resolve_estimator(estimator)
-    return algo if algo in ADVANTAGE_ESTIMATORS else "grpo"
+    return own or "grpo"

@@ -1,7 +1,8 @@
 """The training algorithms, siblings on one loop shell (`loop.Trainer`) under one contract (`base.Algorithm`).
 
-`ALGORITHMS` maps `--algo` to the class that implements it (imported on first use); `validate(config)` runs the
-algorithm's own checks, `check_devices(config)` those against the devices JAX sees; `train(config)` runs one.
+`algorithm_class(name)` is the class `--algo name` runs (`jaxrl_llm/algorithms.py` lists them; imported on first
+use); `validate(config)` runs the algorithm's own checks, `check_devices(config)` those against the devices JAX
+sees; `train(config)` runs one.
 """
 
 from __future__ import annotations
@@ -10,28 +11,18 @@ from typing import Any
 
 import jax
 
+from jaxrl_llm.algorithms import ALGORITHMS
 from jaxrl_llm.config import ConfigError, RunConfig
 from jaxrl_llm.registry import import_named
 from jaxrl_llm.sharding import MeshShape
 from jaxrl_llm.trainers.loop import Trainer
-
-ALGORITHMS: dict[str, str] = {
-    "grpo": "jaxrl_llm.trainers.grpo:GRPOFamily",
-    "rloo": "jaxrl_llm.trainers.grpo:GRPOFamily",
-    "reinforce_pp": "jaxrl_llm.trainers.grpo:GRPOFamily",
-    "ppo": "jaxrl_llm.trainers.ppo:PPO",
-    "sft": "jaxrl_llm.trainers.sft:SFT",
-    "rm": "jaxrl_llm.trainers.rm:RewardModelTraining",
-    "dpo": "jaxrl_llm.trainers.dpo:DPO",
-    "distill": "jaxrl_llm.trainers.distill:Distillation",
-}
 
 
 def algorithm_class(name: str) -> Any:
     """The class of `--algo name`; a one-line `ConfigError` for a name no algorithm has."""
     if name not in ALGORITHMS:
         raise ConfigError(f"algo={name!r}: expected one of {', '.join(ALGORITHMS)}")
-    return import_named(ALGORITHMS[name], "algo")
+    return import_named(ALGORITHMS[name].target, "algo")
 
 
 def validate(config: RunConfig) -> None:

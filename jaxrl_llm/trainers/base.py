@@ -78,6 +78,28 @@ class Algorithm:
         """One-line `ConfigError` for settings this algorithm cannot run with (no devices or files needed)."""
 
     @classmethod
+    def model_sources(cls, config: RunConfig) -> dict[str, str]:
+        """The models besides `model.path` the run reads, by their config key (a critic's, a teacher's): each
+        must be a directory or a reachable hub id before the run starts."""
+        return {}
+
+    @classmethod
+    def held_out_prompts(cls, config: RunConfig) -> str:
+        """The config key of the held-out prompts whose answers a reward scores (`eval_reward`, else `rewards`,
+        else an environment's), "" when there are none."""
+        return "data.eval" if config.data.eval else ""
+
+    @classmethod
+    def keeps_reference(cls, config: RunConfig) -> bool:
+        """Whether the run keeps a frozen reference policy beside the trained one (what the planner counts)."""
+        return config.rl.beta > 0
+
+    @classmethod
+    def teacher(cls, config: RunConfig) -> tuple[str, bool]:
+        """`(the teacher model the run reads, whether it runs inside the update)`; `("", False)`: no teacher."""
+        return "", False
+
+    @classmethod
     def micro_batch(cls, config: RunConfig) -> tuple[str, int] | None:
         """`(what, rows)` of the batch one data-parallel step splits over the devices, or None."""
         return None

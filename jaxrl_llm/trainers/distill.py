@@ -138,6 +138,14 @@ class Distillation(GRPOFamily):
     def validate(cls, c: RunConfig) -> None:
         validate_distill(c)
 
+    @classmethod
+    def model_sources(cls, config: RunConfig) -> dict[str, str]:
+        return {"distill.teacher": config.distill.teacher}
+
+    @classmethod
+    def teacher(cls, config: RunConfig) -> tuple[str, bool]:
+        return config.distill.teacher, config.distill.loss == "jsd"  # GKD's JSD reads the teacher in the update
+
     def __init__(self, config: RunConfig) -> None:
         super().__init__(config)
         c, d, p = config, config.distill, self.policy

@@ -33,7 +33,7 @@ from jaxrl_llm.models.weights import frozen_copy
 from jaxrl_llm.optim import make_optimizer, router_frozen
 from jaxrl_llm.rl.preference import dpo_loss
 from jaxrl_llm.sampling.padding import left_pad, right_pad
-from jaxrl_llm.sharding import init_optimizer_state
+from jaxrl_llm.sharding import init_optimizer_state, train_state_shardings
 from jaxrl_llm.trainers.base import Collected, State
 from jaxrl_llm.trainers.evaluation import GreedyEvaluation
 from jaxrl_llm.trainers.objectives import routed_completion_logprobs, router_terms
@@ -129,6 +129,11 @@ class DPO(ExampleAlgorithm):
 
     label: ClassVar[str] = "dpo"
 
+    @classmethod
+    def held_out_prompts(cls, config: RunConfig) -> str:
+        # data.eval holds pairs, scored by the implicit reward's accuracy; greedy answers only to dpo.eval_prompts
+        return "dpo.eval_prompts" if config.dpo.eval_prompts else ""
+
     def __init__(self, config: RunConfig) -> None:
         super().__init__(config)
         c = config
@@ -163,7 +168,8 @@ class DPO(ExampleAlgorithm):
         self.optimizer, self.schedule = make_optimizer(c.optim, max(c.steps, 1), router_frozen(c.model.freeze_router))
         self.frozen_input = self.frozen
         self.update_fn = jit_one_step_update(
-            p.mesh, self.init(), frozen_sharding=state_sharding(self.frozen) if self.frozen else None,
+            p.mesh, train_state_shardings(self.optimizer, p.initial_params, p.params_sharding, p.mesh),
+            frozen_sharding=state_sharding(self.frozen) if self.frozen else None,
             with_key=p.lora_dropout, loss_fn=preference_loss, model_config=p.model_config,
             loss_config=self.loss_config, optimizer=self.optimizer, grad_accum=1, compose=p.compose)
 

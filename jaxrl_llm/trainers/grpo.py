@@ -23,6 +23,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 
+from jaxrl_llm.algorithms import ALGORITHMS
 from jaxrl_llm.config import RunConfig
 from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.models.packing import PackedLayout
@@ -34,26 +35,27 @@ from jaxrl_llm.rl.entropy_control import (
     applied_entropy_coef,
     init_entropy_controller,
 )
-from jaxrl_llm.rl.estimators import kl_in_reward, rollout_advantages
+from jaxrl_llm.rl.estimators import ADVANTAGE_ESTIMATORS, kl_in_reward, rollout_advantages
 from jaxrl_llm.rl.plugins import advantage_estimator
-from jaxrl_llm.sharding import global_array, init_optimizer_state, to_host
+from jaxrl_llm.sharding import global_array, init_optimizer_state, to_host, train_state_shardings
 from jaxrl_llm.trainers.base import State, Updated, host_metrics
 from jaxrl_llm.trainers.objectives import LossFn, PolicyBatch, policy_loss, policy_objective
 from jaxrl_llm.trainers.policy import Policy
 from jaxrl_llm.trainers.rl import RolloutAlgorithm, rollout_epochs, update_plan, update_sizes, validate_rl
 from jaxrl_llm.trainers.rollouts import Rollout
-from jaxrl_llm.trainers.step import Metrics, jit_update, state_sharding, train_step
+from jaxrl_llm.trainers.step import Metrics, jit_update, train_step
 
 
 def validate_grpo(c: RunConfig) -> None:
     """The GRPO family's relations: the `rl` section's (`validate_rl`), a group of at least 2 for group-relative
     advantages, and adaptive entropy control's bounds."""
-    validate_rl(c)
+    validate_rl(c, critic=False)
     g = c.rl
     if c.env.name and g.dynamic_sampling:
         raise ConfigError(f"rl.dynamic_sampling=true with env.name={c.env.name}: refilling groups is single-turn only "
                           f"(episodes of different lengths do not stack); set rl.dynamic_sampling=false")
-    if g.group_size < 2 and c.algo in ("grpo", "rloo") and g.estimator != "reinforce_pp":
+    estimator = ADVANTAGE_ESTIMATORS[advantage_estimator(ALGORITHMS[c.algo].estimator, g.estimator)]
+    if g.group_size < 2 and estimator.compares_group:
         raise ConfigError(f"rl.group_size={g.group_size}: a group-relative advantage needs at least 2 samples")
     if g.entropy_target:
         if g.entropy_coef_min > g.entropy_coef_max:
@@ -109,13 +111,13 @@ class GRPOFamily(RolloutAlgorithm):
         validate_grpo(c)
 
     def __init__(self, config: RunConfig) -> None:
-        super().__init__(config, reference=config.rl.beta > 0)  # the reference only for a KL term
+        super().__init__(config, reference=self.keeps_reference(config))  # the reference only for a KL term
         c, r = config, config.rl
         self.label = c.algo  # type: ignore[misc]
         self.rollout_size, self.minibatch_size, self.updates_per_step = update_sizes(c)
         self.optimizer, self.schedule = make_optimizer(c.optim, max(c.steps * self.updates_per_step, 1),
                                                        router_frozen(c.model.freeze_router))
-        self.estimator = advantage_estimator(c.algo, r.estimator)
+        self.estimator = advantage_estimator(ALGORITHMS[c.algo].estimator, r.estimator)
         self.objective = policy_objective(c, beta=0.0 if kl_in_reward(self.estimator) else r.beta)
         self.advantage_fn = jax.jit(functools.partial(
             rollout_advantages, self.estimator, group_size=r.group_size, scale=r.scale_rewards, beta=r.beta,
@@ -138,9 +140,18 @@ class GRPOFamily(RolloutAlgorithm):
             self.update_fns[grad_accum] = jit_update(
                 make_grpo_update(c, p, self.optimizer, self.objective, self.minibatch_size, grad_accum,
                                  self.loss_fn), p.mesh,
-                state_sharding(self.init()), frozen_sharding=self.frozen_sharding,
+                self.state_shardings(), frozen_sharding=self.frozen_sharding,
                 extra_shardings=(replicated if self.adaptive_entropy else None, replicated, replicated))
         return self.update_fns[grad_accum]
+
+    def state_shardings(self) -> dict[str, Any]:
+        """The placement of `init()`'s state, from shapes alone."""
+        p = self.policy
+        out = train_state_shardings(self.optimizer, p.initial_params, p.params_sharding, p.mesh)
+        if self.adaptive_entropy:
+            replicated = jax.sharding.NamedSharding(p.mesh, PartitionSpec())
+            out["entropy_controller"] = {name: replicated for name in EntropyControllerState._fields}
+        return out
 
     def init(self) -> State:
         p = self.policy

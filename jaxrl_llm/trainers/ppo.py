@@ -37,7 +37,14 @@ from jaxrl_llm.optim import make_optimizer, router_frozen
 from jaxrl_llm.rl.estimators import ppo_targets, rollout_value_metrics
 from jaxrl_llm.rl.kl_control import KLControllerKind, KLControllerState, init_kl_controller, kl_controller_update
 from jaxrl_llm.rl.value_loss import clipped_value_loss
-from jaxrl_llm.sharding import batch_sharding, global_array, init_optimizer_state, param_shardings, to_host
+from jaxrl_llm.sharding import (
+    batch_sharding,
+    global_array,
+    init_optimizer_state,
+    param_shardings,
+    to_host,
+    train_state_shardings,
+)
 from jaxrl_llm.trainers.base import State, Updated, host_metrics
 from jaxrl_llm.trainers.objectives import PolicyBatch, PolicyObjective, policy_loss, policy_objective
 from jaxrl_llm.trainers.policy import Policy
@@ -94,7 +101,7 @@ class PPOBatch(NamedTuple):
 def validate_ppo(c: RunConfig) -> None:
     """PPO's own relations: the `rl` section's (`grpo.validate_rl`), no adaptive entropy control, and the KL
     controller's settings."""
-    validate_rl(c)
+    validate_rl(c, critic=True)
     p = c.ppo
     if c.env.name:
         raise ConfigError(f"env.name={c.env.name} with algo=ppo: multi-turn rollouts train the GRPO family (grpo, "
@@ -183,8 +190,17 @@ class PPO(RolloutAlgorithm):
     def validate(cls, c: RunConfig) -> None:
         validate_ppo(c)
 
+    @classmethod
+    def model_sources(cls, config: RunConfig) -> dict[str, str]:
+        init = config.ppo.critic_init
+        return {} if init == "policy" else {"ppo.critic_init": init}
+
+    @classmethod
+    def keeps_reference(cls, config: RunConfig) -> bool:
+        return config.ppo.kl_coef_init > 0  # the KL penalty in the reward, to the starting policy
+
     def __init__(self, config: RunConfig) -> None:
-        super().__init__(config, reference=config.ppo.kl_coef_init > 0)  # the reference only for a KL penalty
+        super().__init__(config, reference=self.keeps_reference(config))
         c, pc, p = config, config.ppo, self.policy
         self.rollout_size, self.minibatch_size, self.updates_per_step = update_sizes(c)
         total_updates = max(c.steps * self.updates_per_step, 1)
@@ -211,9 +227,17 @@ class PPO(RolloutAlgorithm):
             self.update_fns[train_policy, grad_accum] = jit_update(
                 make_ppo_update(c, p, self.critic_config, (self.optimizer, self.critic_optimizer), self.objective,
                                 self.minibatch_size, train_policy=train_policy, grad_accum=grad_accum),
-                p.mesh, state_sharding(self.init()), frozen_sharding=p.frozen_sharding,
+                p.mesh, self.state_shardings(), frozen_sharding=p.frozen_sharding,
                 extra_shardings=(replicated, replicated))
         return self.update_fns[train_policy, grad_accum]
+
+    def state_shardings(self) -> dict[str, Any]:
+        """The placement of `init()`'s state, from shapes alone."""
+        p, critic = self.policy, self.initial_critic
+        policy = train_state_shardings(self.optimizer, p.initial_params, p.params_sharding, p.mesh)
+        critic_state = train_state_shardings(self.critic_optimizer, critic, state_sharding(critic), p.mesh)
+        return {**policy, "critic": critic_state["params"], "critic_opt_state": critic_state["opt_state"],
+                "kl_coef": NamedSharding(p.mesh, PartitionSpec())}
 
     def init(self) -> State:
         p, critic = self.policy, self.initial_critic

@@ -153,14 +153,14 @@ def check_surrogate_settings(name: str, settings: dict[str, Any]) -> None:
             raise ConfigError(f"rl.policy_loss_kwargs.{key}={value!r}: a setting is a number, a string or a boolean")
 
 
-def validate_rl(c: RunConfig) -> None:
-    """The `rl` section's relations shared by the GRPO family and PPO: the sizes that must divide each other, the
-    loss's options, and the names of the estimator and the policy loss (a `module:function` is imported here)
-    with its settings."""
+def validate_rl(c: RunConfig, *, critic: bool) -> None:
+    """The `rl` section's relations shared by the GRPO family and PPO (`critic`: the algorithm has a critic whose
+    values the estimator reads): the sizes that must divide each other, the loss's options, and the names of the
+    estimator and the policy loss (a `module:function` is imported here) with its settings."""
     g, o = c.rl, c.rl.loss
     resolve_policy_loss(g.policy_loss)
     check_surrogate_settings(g.policy_loss, g.policy_loss_kwargs)
-    if g.estimator and needs_values(resolve_estimator(g.estimator)) != (c.algo == "ppo"):
+    if g.estimator and needs_values(resolve_estimator(g.estimator)) != critic:
         raise ConfigError(f"rl.estimator={g.estimator} with algo={c.algo}: PPO's advantages are GAE over its "
                           f"critic's values (rl.estimator=gae or empty), and only --algo ppo has a critic")
     rollout, minibatch, _ = update_sizes(c)

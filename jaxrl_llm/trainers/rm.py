@@ -21,15 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm.config import RunConfig
-from jaxrl_llm.data import (
-    DataState,
-    bucket,
-    encode_text,
-    left_pad,
-    load_records,
-    next_batch_indices,
-    pair_texts,
-)
+from jaxrl_llm.data import DataState, bucket, encode_text, load_records, next_batch_indices, pair_texts
 from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params
@@ -40,12 +32,14 @@ from jaxrl_llm.models.tokenizer import load_tokenizer
 from jaxrl_llm.models.weights import master_weights
 from jaxrl_llm.optim import make_optimizer
 from jaxrl_llm.rl.preference import dpo_loss
+from jaxrl_llm.sampling.padding import left_pad
 from jaxrl_llm.sharding import (
     MeshShape,
     init_optimizer_state,
     make_mesh,
     param_shardings,
     to_host,
+    train_state_shardings,
 )
 from jaxrl_llm.trainers.base import Collected, State
 from jaxrl_llm.trainers.step import Metrics, jit_one_step_update, state_sharding
@@ -139,6 +133,10 @@ class RewardModelTraining(ExampleAlgorithm):
     label: ClassVar[str] = "rm"
 
     @classmethod
+    def held_out_prompts(cls, config: RunConfig) -> str:
+        return ""  # data.eval holds pairs, scored by the model's own pair accuracy
+
+    @classmethod
     def validate(cls, c: RunConfig) -> None:
         if c.lora.rank:
             raise ConfigError(f"lora.rank={c.lora.rank} with algo=rm: LoRA adapts a pretrained policy (GRPO family, "
@@ -162,7 +160,9 @@ class RewardModelTraining(ExampleAlgorithm):
         evals = encode_pairs(*load_records(c.data.eval, c.data.eval_split), self.tokenizer, c) if c.data.eval else None
         self.eval_pairs = evals[: c.eval_size] if evals is not None and c.eval_size else evals
         self.optimizer, self.schedule = make_optimizer(c.optim, max(c.steps, 1))
-        self.update_fn = jit_one_step_update(self.mesh, self.init(), loss_fn=pair_loss, model_config=self.model_config,
+        shardings = train_state_shardings(self.optimizer, self.initial_params, state_sharding(self.initial_params),
+                                          self.mesh)
+        self.update_fn = jit_one_step_update(self.mesh, shardings, loss_fn=pair_loss, model_config=self.model_config,
                                              loss_config=None, optimizer=self.optimizer, grad_accum=1)
 
     def init(self) -> State:

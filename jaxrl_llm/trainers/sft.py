@@ -21,7 +21,7 @@ from jaxrl_llm.data import DataState, PromptSet, bucket, next_batch_indices
 from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.optim import make_optimizer, router_frozen
 from jaxrl_llm.sampling.padding import left_pad, right_pad
-from jaxrl_llm.sharding import init_optimizer_state
+from jaxrl_llm.sharding import init_optimizer_state, train_state_shardings
 from jaxrl_llm.trainers.base import Collected, State
 from jaxrl_llm.trainers.evaluation import GreedyEvaluation
 from jaxrl_llm.trainers.objectives import PolicyBatch, PolicyObjective, sft_loss
@@ -64,7 +64,8 @@ class SFT(ExampleAlgorithm):
         self.optimizer, self.schedule = make_optimizer(c.optim, max(c.steps, 1), router_frozen(c.model.freeze_router))
         self.frozen_input = self.policy.frozen
         self.update_fn = jit_one_step_update(
-            p.mesh, self.init(), frozen_sharding=p.frozen_sharding, with_key=p.lora_dropout, loss_fn=sft_loss,
+            p.mesh, train_state_shardings(self.optimizer, p.initial_params, p.params_sharding, p.mesh),
+            frozen_sharding=p.frozen_sharding, with_key=p.lora_dropout, loss_fn=sft_loss,
             model_config=p.model_config, loss_config=PolicyObjective(logprob_block_mib=c.model.logprob_block_mib,
                                                                     router_aux_loss_coef=c.model.router_aux_loss_coef),
             optimizer=self.optimizer, grad_accum=1, compose=p.compose)

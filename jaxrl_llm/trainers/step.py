@@ -168,14 +168,15 @@ def single_step_update(step: Callable[..., tuple[Params, optax.OptState, Metrics
     return update
 
 
-def jit_one_step_update(mesh: Mesh, state: dict[str, Any], *, frozen_sharding: Any = None, with_key: bool = False,
-                        **step_options: Any) -> Callable[..., tuple[dict[str, Any], Metrics]]:
+def jit_one_step_update(mesh: Mesh, state_shardings: dict[str, Any], *, frozen_sharding: Any = None,
+                        with_key: bool = False, **step_options: Any) -> Callable[..., tuple[dict[str, Any], Metrics]]:
     """`update(state, batch, key, frozen) -> (state, metrics)` over the state `{"params", "opt_state"}`: one
     `train_step` (with `step_options`: loss_fn, model_config, loss_config, optimizer, grad_accum, compose) through
-    `single_step_update` and `jit_update`, the state placed as `state` is and donated. What SFT runs, and what a
-    test of one optimizer update calls."""
+    `single_step_update` and `jit_update`, the state placed by `state_shardings` (`sharding.train_state_shardings`,
+    or `state_sharding` of a built state) and donated. What SFT, DPO and the reward model run, and what a test of
+    one optimizer update calls."""
     step = functools.partial(train_step, **step_options)
-    return jit_update(single_step_update(step, with_key=with_key), mesh, state_sharding(state),
+    return jit_update(single_step_update(step, with_key=with_key), mesh, state_shardings,
                       frozen_sharding=frozen_sharding)
 
 

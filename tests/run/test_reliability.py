@@ -135,6 +135,9 @@ CASES = [
     ("zero_prompts", ["rl.prompts_per_step=0"], 2, ["rl.prompts_per_step=0 must be >= 1"]),
     ("zero_group", ["rl.group_size=0"], 2, ["rl.group_size=0 must be >= 1"]),
     ("group_of_one", ["rl.group_size=1"], 2, ["rl.group_size=1", "at least 2 samples"]),
+    # the estimator decides, whatever --algo names it: RLOO's leave-one-out baseline under --algo reinforce_pp
+    ("group_of_one_rloo", ["--algo", "reinforce_pp", "rl.estimator=rloo", "rl.group_size=1"], 2,
+     ["rl.group_size=1", "at least 2 samples"]),
     ("zero_grad_accum", ["rl.grad_accum=0"], 2, ["rl.grad_accum=0 must be >= 1"]),
     ("grad_accum_not_dividing", ["rl.grad_accum=3"], 2, ["rl.grad_accum=3 must divide"]),
     ("zero_mu", ["rl.mu=0"], 2, ["rl.mu=0 must be >= 1"]),
@@ -189,6 +192,9 @@ CASES = [
     ("model_path_unset", ["model.path="], 2, ["algo=grpo needs model.path", "--print-config"]),
     ("no_rewards", ["rewards=[]"], 2, ["needs rewards"]),
     ("eval_without_reward", ["rewards=[]", "algo=sft"], 2, ["data.eval=", "needs a reward"]),
+    # DPO's data.eval holds pairs; its held-out prompts are dpo.eval_prompts (asked of the class, not the name)
+    ("dpo_eval_prompts_without_reward", ["--algo", "dpo", "rewards=[]", "dpo.eval_prompts=T/test.jsonl"], 2,
+     ["dpo.eval_prompts=", "needs a reward to score the held-out answers"]),
     ("model_no_config", ["model.path=B/no_config"], 2, ["config.json is missing"]),
     ("model_no_tokenizer", ["model.path=B/no_tokenizer"], 2, ["has no tokenizer files"]),
     ("model_unsupported", ["model.path=B/gpt2"], 2, ["unsupported model_type 'gpt2'", "supported model types"]),

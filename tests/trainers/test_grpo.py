@@ -19,7 +19,7 @@ from jaxrl_llm.rl import PolicyLossOptions
 from jaxrl_llm.sharding import make_mesh
 from jaxrl_llm.trainers import make_trainer
 from jaxrl_llm.trainers.objectives import PolicyObjective, policy_loss
-from jaxrl_llm.trainers.step import jit_one_step_update
+from jaxrl_llm.trainers.step import jit_one_step_update, state_sharding
 from tests.batches import fixed_update_setup
 from tests.families import TINY
 from tests.runs import GSM8K, STORIES260K, read_rows, requires_shared, tiny_run
@@ -83,8 +83,8 @@ def test_mu_greater_than_one_moves_the_ratio_and_clipping_bites():
     config, params, batch, optimizer = fixed_update_setup()
     state = {"params": params, "opt_state": optimizer.init(params)}
     objective = PolicyObjective(options=PolicyLossOptions(epsilon_low=0.1, epsilon_high=0.1))
-    update = jit_one_step_update(make_mesh(), state, loss_fn=policy_loss, model_config=config, optimizer=optimizer,
-                                 loss_config=objective, grad_accum=1)
+    update = jit_one_step_update(make_mesh(), state_sharding(state), loss_fn=policy_loss, model_config=config,
+                                 optimizer=optimizer, loss_config=objective, grad_accum=1)
     key = jax.random.key(0)
     state, m1 = update(state, batch, key, None)
     assert abs(float(m1["ratio/max"]) - 1) < 1e-5 and abs(float(m1["ratio/min"]) - 1) < 1e-5
@@ -281,3 +281,20 @@ def test_an_update_runs_only_the_log_prob_passes_its_math_needs(tiny_task, tmp_p
     collected = algorithm.collect(state, DataState(), key)
     algorithm.update(state, collected.batch, 1, key)
     assert len(calls) == passes and (algorithm.ref_params is None) == (passes == 0)
+
+
+def test_a_group_of_one_is_refused_exactly_when_the_estimator_compares_a_group(tmp_path):
+    """GRPO's, RLOO's and the baselined REINFORCE++'s advantages compare a prompt's samples; REINFORCE++'s own
+    does not, so a group of one runs with it under any `--algo` of the family."""
+    from jaxrl_llm.errors import ConfigError
+    from jaxrl_llm.trainers import validate
+
+    for algo, estimator, refused in (("grpo", "", True), ("rloo", "", True), ("reinforce_pp", "", False),
+                                     ("grpo", "reinforce_pp", False), ("reinforce_pp", "rloo", True),
+                                     ("reinforce_pp", "reinforce_pp_baseline", True)):
+        config = tiny_run(None, tmp_path / "x", "rl.group_size=1", f"rl.estimator={estimator}", algo=algo)
+        if refused:
+            with pytest.raises(ConfigError, match=r"rl.group_size=1: a group-relative advantage needs at least 2"):
+                validate(config)
+        else:
+            validate(config)

@@ -26,7 +26,7 @@ from jaxrl_llm.rl.kl_control import init_kl_controller, kl_controller_update
 from jaxrl_llm.sharding import make_mesh
 from jaxrl_llm.trainers import make_trainer
 from jaxrl_llm.trainers.ppo import CriticBatch, ValueLossConfig, critic_loss, kl_controller_kind
-from jaxrl_llm.trainers.step import jit_one_step_update
+from jaxrl_llm.trainers.step import jit_one_step_update, state_sharding
 from tests.families import TINY
 from tests.runs import read_rows, tiny_run
 
@@ -164,7 +164,7 @@ def test_critic_step_moves_values_toward_returns():
     old_values = np.zeros(ct.shape, np.float32)
     optimizer, _ = make_optimizer(OptimSection(learning_rate=3e-3), 20)
     state = {"params": critic, "opt_state": optimizer.init(critic)}
-    update = jit_one_step_update(make_mesh(), state, loss_fn=critic_loss, model_config=config,
+    update = jit_one_step_update(make_mesh(), state_sharding(state), loss_fn=critic_loss, model_config=config,
                                  loss_config=ValueLossConfig(clip_range=0.2), optimizer=optimizer, grad_accum=2)
     losses, fracs = [], []
     for _ in range(8):
