@@ -5,7 +5,9 @@ conversations kept across turns (docs/engine.md).
 - `model.py`: the decoder's block over pages; `programs.py`: the jitted prefill and decode programs;
 - `scheduler.py`: `Engine`, admission, prefill, fork, decode slots (host);
 - `engine_sample`: the static sampler's interface (`SampleOutput`) on top of an `Engine`; `PagedSampler`: that
-  interface with the engine sized per call (what a run and `python -m jaxrl_llm.eval/generate --engine paged` use).
+  interface with the engine sized per call (what a run and `python -m jaxrl_llm.eval/generate --engine paged` use);
+  `LongContextHandover`: a longrope model's calls past its original context to the static sampler, the one place
+  that choice is made (`make_sampler`), said in the run's header.
 """
 
 from __future__ import annotations
@@ -18,20 +20,23 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxrl_llm.engine.kernels import describe_paths
 from jaxrl_llm.engine.model import engine_context_problem
 from jaxrl_llm.engine.pages import default_page_size
 from jaxrl_llm.engine.scheduler import Completion, Conversation, Engine, EngineStats, Request, host_array
 from jaxrl_llm.engine.sharded import ShardedEngine, shards_locally
 from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.decode import longrope_original
 from jaxrl_llm.models.decoder import Params
 from jaxrl_llm.models.moe import NO_RECORD
-from jaxrl_llm.sampling import Sampler, StaticSampler, sample
+from jaxrl_llm.sampling import Sampler, StaticSampler
 from jaxrl_llm.sampling.config import SampleOutput, SamplingConfig
 from jaxrl_llm.sampling.options import SAMPLERS
 from jaxrl_llm.sampling.padding import right_pad
 from jaxrl_llm.sharding import mesh_of
 
-__all__ = ["Completion", "Conversation", "Engine", "EngineStats", "PagedSampler", "Request", "SAMPLERS", "Sampler",
+__all__ = ["Completion", "Conversation", "Engine", "EngineStats", "LongContextHandover", "PagedSampler", "Request",
+           "SAMPLERS", "Sampler",
            "ShardedEngine", "engine_sample", "make_sampler", "row_keys", "sample_output"]
 
 
@@ -90,10 +95,12 @@ def engine_sample(engine: Engine | ShardedEngine, params: Params, config: ModelC
 def make_sampler(name: str, config: ModelConfig, *, page_size: int = 0, slots: int = 0, steps_per_call: int = 16,
                  pages: int = 0, attention: str = "auto") -> Sampler:
     """The sampler `sampling.engine` names, the one place a name becomes a sampler: `paged`, the rollout engine
-    (`PagedSampler`, with the `sampling.engine_*` settings), or `static` (`StaticSampler`)."""
+    (`PagedSampler`, with the `sampling.engine_*` settings; for a longrope model, inside `LongContextHandover`),
+    or `static` (`StaticSampler`)."""
     if name == "paged":
-        return PagedSampler(config, page_size=page_size, slots=slots, steps_per_call=steps_per_call, pages=pages,
-                            attention=attention)
+        paged = PagedSampler(config, page_size=page_size, slots=slots, steps_per_call=steps_per_call, pages=pages,
+                             attention=attention)
+        return LongContextHandover(paged, StaticSampler(config)) if longrope_original(config) is not None else paged
     if name == "static":
         return StaticSampler(config)
     raise ValueError(f"unknown sampler {name!r}; expected one of {', '.join(SAMPLERS)}")
@@ -112,9 +119,23 @@ class PagedSampler:
         self.config, self.page_size, self.slots, self.steps_per_call, self.pages = (
             config, page_size or default_page_size(), slots, steps_per_call, pages)
         self.attention = attention
-        self.keeps_conversations = True  # `engine_for(...).generate(..., keep=True)`: the multi-turn path
         self.engine: Engine | ShardedEngine | None = None
-        self.handed_over = False  # a call went to the static sampler (said once)
+
+    keeps_conversations = True  # `conversations(...)`: the engine, whose `generate(..., keep=True)` continues them
+
+    def describe(self, mesh: Mesh) -> str:
+        """The rollout engine on `mesh` with the attention, matmul and sampling paths its decode step runs here and
+        why a kernel is not used (`kernels.describe_paths`)."""
+        shards = shards_locally(mesh)  # one engine per data-parallel shard, on its tensor devices
+        devices = mesh.shape["tensor"] if shards else mesh.size
+        where = f"one engine per data-parallel shard ({mesh.size // devices}), " if shards else ""
+        return f"the rollout engine, {where}{describe_paths(self.config, self.attention, devices)}"
+
+    def conversations(self, sequences: list[tuple[int, int]], n: int, mesh: Mesh | None = None
+                      ) -> Engine | ShardedEngine:
+        """The engine that continues conversations turn after turn (`generate(..., keep=True)`, `release`), with a
+        pool for `sequences` (`engine_for`)."""
+        return self.engine_for(sequences, n, mesh)
 
     def engine_for(self, sequences: list[tuple[int, int]], n: int, mesh: Mesh | None = None
                    ) -> Engine | ShardedEngine:
@@ -137,16 +158,45 @@ class PagedSampler:
 
     def __call__(self, params: Params, tokens: Any, mask: Any, key: jax.Array,
                  sampling: SamplingConfig, mesh: Mesh | None = None) -> SampleOutput:
-        """`sample`'s result through the engine; a call the engine cannot serve (`engine_context_problem`: a longrope
-        model past its original context) goes to the static sampler, said once in a line on stderr."""
+        """`sample`'s result through the engine (a call it cannot serve, `engine_context_problem`, is a
+        `ConfigError` naming `sampling.engine=static`; `LongContextHandover` routes such calls)."""
         mesh = mesh if mesh is not None else mesh_of(params, None)
-        why = engine_context_problem(self.config, int(np.asarray(mask).sum(axis=1).max(initial=0))
-                                     + sampling.max_new_tokens)
-        if why is not None:
-            if not self.handed_over:
-                print(f"jaxrl_llm: {why}: the static sampler samples such calls", file=sys.stderr, flush=True)
-                self.handed_over = True
-            return sample(params, self.config, tokens, mask, key, sampling, mesh=mesh)
         engine = self.engine_for([(int(m.sum()), sampling.max_new_tokens) for m in np.asarray(mask)], sampling.n,
                                  mesh)
         return engine_sample(engine, params, self.config, tokens, mask, key, sampling)
+
+
+class LongContextHandover:
+    """A longrope model's sampler (`make_sampler`): each call that may pass the model's original context
+    (`engine_context_problem`: the batch-wide switch to the long factors, which a per-row engine cannot reproduce)
+    goes to the static sampler, said once in a line on stderr; every other call, and the conversations of
+    multi-turn rollouts (where a turn past it is a `ConfigError`), to the rollout engine."""
+
+    keeps_conversations = True
+
+    def __init__(self, paged: PagedSampler, static: StaticSampler) -> None:
+        self.paged, self.static, self.config = paged, static, paged.config
+        self.handed_over = False  # a call went to the static sampler (said once)
+
+    @property
+    def engine(self) -> Engine | ShardedEngine | None:
+        return self.paged.engine
+
+    def describe(self, mesh: Mesh) -> str:
+        return (f"{self.paged.describe(mesh)}; calls that may pass this longrope model's original context of "
+                f"{longrope_original(self.config)} tokens: the static sampler")
+
+    def conversations(self, sequences: list[tuple[int, int]], n: int, mesh: Mesh | None = None
+                      ) -> Engine | ShardedEngine:
+        return self.paged.conversations(sequences, n, mesh)
+
+    def __call__(self, params: Params, tokens: Any, mask: Any, key: jax.Array,
+                 sampling: SamplingConfig, mesh: Mesh | None = None) -> SampleOutput:
+        why = engine_context_problem(self.config, int(np.asarray(mask).sum(axis=1).max(initial=0))
+                                     + sampling.max_new_tokens)
+        if why is None:
+            return self.paged(params, tokens, mask, key, sampling, mesh)
+        if not self.handed_over:
+            print(f"jaxrl_llm: {why}: the static sampler samples such calls", file=sys.stderr, flush=True)
+            self.handed_over = True
+        return self.static(params, tokens, mask, key, sampling, mesh)

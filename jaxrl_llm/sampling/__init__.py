@@ -357,15 +357,20 @@ class Sampler(Protocol):
     (`engine.make_sampler`): `sampling.n` completions of each prompt of a left-padded batch,
     `(params, tokens [B, P], mask [B, P], key, sampling, mesh) -> SampleOutput` (prompt-major rows of token ids,
     their log-probs as sampled and untruncated, lengths, whether each stopped on EOS, and for an MoE model the experts
-    every token was routed to), the weights on `mesh` (None: where they are). `keeps_conversations`: whether it also
-    continues kept conversations turn after turn (the rollout engine's `engine_for`), which a multi-turn rollout
-    uses; without it each turn samples the whole context again through the call. An external engine is a class with
-    this shape (docs/extending.md)."""
+    every token was routed to), the weights on `mesh` (None: where they are); `describe(mesh)`: itself in words, for
+    a run's header. `keeps_conversations`, a capability: whether `conversations(sequences, n, mesh)` gives an engine
+    that continues kept conversations turn after turn (`generate(requests, sampling, keep=True)`, `release`), which
+    a multi-turn rollout uses; without it each turn samples the whole context again through the call. An external
+    engine is a class with this shape (docs/extending.md)."""
 
     keeps_conversations: bool
 
     def __call__(self, params: Params, tokens: Any, mask: Any, key: jax.Array, sampling: SamplingConfig,
                  mesh: Mesh | None = None) -> SampleOutput: ...
+
+    def describe(self, mesh: Mesh) -> str: ...
+
+    def conversations(self, sequences: list[tuple[int, int]], n: int, mesh: Mesh | None = None) -> Any: ...
 
 
 class StaticSampler:
@@ -375,6 +380,13 @@ class StaticSampler:
 
     def __init__(self, config: ModelConfig) -> None:
         self.config = config
+
+    def describe(self, mesh: Mesh) -> str:
+        return "the static sampler"
+
+    def conversations(self, sequences: list[tuple[int, int]], n: int, mesh: Mesh | None = None) -> Any:
+        raise ValueError("the static sampler keeps no conversations (keeps_conversations is False): each turn of a "
+                         "multi-turn rollout samples its whole context again through the call")
 
     def __call__(self, params: Params, tokens: Any, mask: Any, key: jax.Array, sampling: SamplingConfig,
                  mesh: Mesh | None = None) -> SampleOutput:

@@ -43,7 +43,7 @@ def engine_turns(policy: Policy, params: Params, episodes: list[Episode], prompt
     """Every turn of `sampling.n` episodes of each prompt through the rollout engine; each row's turn is cut at its
     own remaining token budget, and every conversation's pages are released at the end."""
     p, e, g = policy, policy.config.env, sampling.n
-    engine = p.samplers.rollout_engine([(len(ids), e.max_tokens) for ids in prompts], g, mesh_of(params, p.mesh))
+    engine = p.samplers.get().conversations([(len(ids), e.max_tokens) for ids in prompts], g, mesh_of(params, p.mesh))
     keys = row_keys(key, len(prompts))
     requests = [Request(ids, keys[i], n=g) for i, ids in enumerate(prompts)]
     done = [c for group in engine.generate(params, requests, sampling, keep=True) for c in group]

@@ -179,15 +179,22 @@ def test_a_longrope_model_runs_within_its_original_context_and_is_refused_past_i
 
 
 def test_past_a_longrope_context_the_paged_sampler_hands_the_call_to_the_static_one(hf_model_dir, capsys):
-    """`PagedSampler` (what `train.py`, `eval` and `generate` call): a call past the original context is sampled by
-    the static sampler, whose greedy tokens it returns, saying so once in a line; calls within it stay on the
-    engine (which then holds the pool)."""
-    from jaxrl_llm.engine import PagedSampler
+    """`make_sampler("paged")` of a longrope model (what `train.py`, `eval` and `generate` call) is the one place
+    the choice is made (`LongContextHandover`, named in the run's header): a call past the original context is
+    sampled by the static sampler, whose greedy tokens it returns, saying so once in a line; calls within it stay
+    on the engine (which then holds the pool). The engine's own sampler never hands a call over: it refuses it."""
+    from jaxrl_llm.engine import LongContextHandover, PagedSampler, make_sampler
+    from jaxrl_llm.errors import ConfigError
+    from jaxrl_llm.sharding import make_mesh
 
     config, params = load_hf_model(hf_model_dir("phi3_longrope"))
     tokens, mask = left_padded_batch(config.vocab_size, [5, 3, 1], seed=4)
     past = SamplingConfig(max_new_tokens=20, greedy=True)  # reaches 25 > 16
-    sampler = PagedSampler(config)
+    sampler = make_sampler("paged", config)
+    assert isinstance(sampler, LongContextHandover) and sampler.keeps_conversations
+    assert sampler.describe(make_mesh()).endswith("original context of 16 tokens: the static sampler")
+    with pytest.raises(ConfigError, match="original context of 16 tokens, and this call may reach 25"):
+        PagedSampler(config)(params, tokens, mask, jax.random.key(0), past)
     expected = np.asarray(sample(params, config, tokens, mask, jax.random.key(0), past).tokens)
     for _ in range(2):
         np.testing.assert_array_equal(sampler(params, tokens, mask, jax.random.key(0), past).tokens, expected)
@@ -298,6 +305,7 @@ def test_make_sampler_is_where_a_name_becomes_a_sampler(hf_model_dir):
 
     from jaxrl_llm.engine import PagedSampler, make_sampler
     from jaxrl_llm.sampling import StaticSampler
+    from jaxrl_llm.sharding import make_mesh
 
     config, params = load_hf_model(hf_model_dir("llama"))
     tokens, mask = left_padded_batch(config.vocab_size, [6, 2, 4], seed=5)
@@ -305,6 +313,10 @@ def test_make_sampler_is_where_a_name_becomes_a_sampler(hf_model_dir):
     static, paged = make_sampler("static", config), make_sampler("paged", config, page_size=8)
     assert isinstance(static, StaticSampler) and not static.keeps_conversations
     assert isinstance(paged, PagedSampler) and paged.keeps_conversations and paged.page_size == 8
+    assert static.describe(None) == "the static sampler"
+    assert paged.describe(make_mesh()).startswith("the rollout engine")
+    with pytest.raises(ValueError, match="the static sampler keeps no conversations"):
+        static.conversations([(6, 7)], 2)
     a, b = (s(params, tokens, mask, jax.random.key(0), greedy) for s in (static, paged))
     np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
     np.testing.assert_allclose(np.asarray(a.logprobs_untruncated), np.asarray(b.logprobs_untruncated), atol=1e-5)
