@@ -47,7 +47,7 @@ from jaxrl_llm.models.layers import (
 )
 from jaxrl_llm.models.moe import NO_RECORD, Routing
 from jaxrl_llm.models.options import REMAT_POLICIES
-from jaxrl_llm.models.packing import PackedLayout, gather_predictors, packed_inputs
+from jaxrl_llm.models.packing import PackedLayout, gather_predictors, model_inputs, packed_inputs
 from jaxrl_llm.models.precision import WEIGHT_MATMUL, matmul_transposed
 from jaxrl_llm.models.sequence_parallel import constrain_positions, pad_rows, padded_length
 from jaxrl_llm.models.sublayers import MLP, Attention, MoE, make_dense, make_norm
@@ -350,8 +350,7 @@ def completion_hidden_routed(params: Params, config: ModelConfig, prompt_tokens:
     each token of `prompt + completion` was routed to where it was recorded (`moe.NO_RECORD` where not), replayed on
     the forward's inputs (the last completion token is no input; packed rows get their tokens' records)."""
     p = prompt_tokens.shape[1]
-    tokens = jnp.concatenate([prompt_tokens, completion_tokens], axis=1)[:, :-1]
-    mask = jnp.concatenate([prompt_mask, completion_mask.astype(prompt_mask.dtype)], axis=1)[:, :-1]
+    tokens, mask = model_inputs(prompt_tokens, completion_tokens), model_inputs(prompt_mask, completion_mask)
     forced = None if replay is None else replay[:, :-1].astype(jnp.int32)  # [N, S, L, k]
     if layout is None:
         if forced is not None:

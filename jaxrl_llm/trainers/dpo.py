@@ -28,7 +28,7 @@ from jaxrl_llm.config import RunConfig
 from jaxrl_llm.data import DataState, PreferenceSet, bucket, build_preference_set, load_records, next_batch_indices
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params, RoutedHidden
-from jaxrl_llm.models.packing import PackedLayout
+from jaxrl_llm.models.packing import PackedLayout, model_inputs
 from jaxrl_llm.models.weights import frozen_copy
 from jaxrl_llm.optim import make_optimizer, router_frozen
 from jaxrl_llm.rl.preference import dpo_loss
@@ -208,8 +208,8 @@ class DPO(ExampleAlgorithm):
         c = self.config
         idx, data_state = next_batch_indices(len(self.pairs), c.sft.batch_size, data_state, c.seed, c.data.shuffle)
         batch = pair_batch(self.pairs, idx, self.policy.pad_id, c.sampling.prompt_bucket, self.train_ref)
-        valid = np.concatenate([np.concatenate([batch.prompt_mask] * 2),
-                                np.concatenate([batch.chosen_mask, batch.rejected_mask])], axis=1)[:, :-1] > 0
+        valid = model_inputs(np.concatenate([batch.prompt_mask] * 2),
+                             np.concatenate([batch.chosen_mask, batch.rejected_mask])) > 0
         packed, metrics = packed_example_batch(batch, valid, batch.prompt_mask.shape[1], packing=c.sft.packing,
                                                mesh=self.mesh, num_params=self.policy.model_config.num_params(),
                                                min_gflops=c.sft.packing_min_gflops)

@@ -19,6 +19,7 @@ import numpy as np
 from jaxrl_llm.config import RunConfig
 from jaxrl_llm.data import DataState, PromptSet, bucket, next_batch_indices
 from jaxrl_llm.errors import ConfigError
+from jaxrl_llm.models.packing import model_inputs
 from jaxrl_llm.optim import make_optimizer, router_frozen
 from jaxrl_llm.sampling.padding import left_pad, right_pad
 from jaxrl_llm.sharding import init_optimizer_state, train_state_shardings
@@ -87,7 +88,7 @@ class SFT(ExampleAlgorithm):
                                            p.pad_id)
         zeros = np.zeros(ct.shape, np.float32)
         batch = PolicyBatch(pt, pm, ct, cm, zeros, zeros, np.zeros(len(pt), np.float32))
-        valid = np.concatenate([pm, cm], axis=1)[:, :-1] > 0
+        valid = model_inputs(pm, cm) > 0
         packed, metrics = packed_example_batch(batch, valid, pm.shape[1], packing=c.sft.packing,
                                                mesh=self.mesh, num_params=self.policy.model_config.num_params(),
                                                min_gflops=c.sft.packing_min_gflops)
