@@ -37,7 +37,8 @@ from jaxrl_llm.rl.entropy_control import (
 )
 from jaxrl_llm.rl.estimators import ADVANTAGE_ESTIMATORS, kl_in_reward, rollout_advantages
 from jaxrl_llm.rl.plugins import advantage_estimator
-from jaxrl_llm.sharding import global_array, init_optimizer_state, to_host, train_state_shardings
+from jaxrl_llm.rl.reductions import masked_mean
+from jaxrl_llm.sharding import global_array, init_optimizer_state, train_state_shardings
 from jaxrl_llm.trainers.base import State, Updated, host_metrics
 from jaxrl_llm.trainers.objectives import LossFn, PolicyBatch, policy_loss, policy_objective
 from jaxrl_llm.trainers.policy import Policy
@@ -70,20 +71,23 @@ def validate_grpo(c: RunConfig) -> None:
 def make_grpo_update(c: RunConfig, policy: Policy, optimizer: optax.GradientTransformation,
                      objective: Any, minibatch_size: int, grad_accum: int | None = None,
                      loss_fn: LossFn = policy_loss) -> Any:
-    """`update(state, batch [N, ...], key, frozen, entropy_coef, layouts) -> (state, metrics)` for `jit_update`:
+    """`update(state, batch [N, ...], key, frozen, layouts, rows) -> (state, metrics)` for `jit_update`:
     `rl.mu` epochs x minibatches of `train_step` in one `lax.scan` (`frozen`: LoRA's base weights, or None;
-    `entropy_coef`: the adaptive controller's coefficient, a float32 scalar, or None for the config's fixed one;
     `layouts`: with `rl.packing`, every micro-batch's packed layout `[U, ...]` (`packing.update_layouts`), else None;
     `rows`: the updates' minibatch rows `[U, MB]` when the host ordered them into token-balanced micro-batches, else
     None). `grad_accum`: micro-batches per update (default `rl.grad_accum`; a token budget picks it per step).
     `loss_fn` and its `objective`: the policy loss, or another loss of a `PolicyBatch` (distillation's JSD).
-    The rest of the state (the entropy controller) passes through unchanged."""
+    With adaptive entropy control (`state["entropy_controller"]`) the loss's coefficient is the controller's
+    (`applied_entropy_coef`, logged as `entropy_coef`) and the controller steps on the update's mean entropy, on
+    the device (`adaptive_entropy_update`)."""
     step = functools.partial(train_step, loss_fn=loss_fn, model_config=policy.model_config,
                              loss_config=objective, optimizer=optimizer, grad_accum=grad_accum or c.rl.grad_accum,
                              compose=policy.compose)
 
-    def update(state: State, batch: PolicyBatch, key: jax.Array, frozen: Any, entropy_coef: jax.Array | None,
-               layouts: PackedLayout | None = None, rows: jax.Array | None = None) -> tuple[State, Metrics]:
+    def update(state: State, batch: PolicyBatch, key: jax.Array, frozen: Any, layouts: PackedLayout | None = None,
+               rows: jax.Array | None = None) -> tuple[State, Metrics]:
+        ctl = EntropyControllerState(**state["entropy_controller"]) if "entropy_controller" in state else None
+        entropy_coef = None if ctl is None else applied_entropy_coef(ctl)
         loss_inputs = None if entropy_coef is None else {"entropy_coef": entropy_coef}
 
         def one(carry: tuple[Any, Any], minibatch: PolicyBatch, step_key: tuple) -> tuple[tuple[Any, Any], Metrics]:
@@ -94,7 +98,14 @@ def make_grpo_update(c: RunConfig, policy: Policy, optimizer: optax.GradientTran
             one, (state["params"], state["opt_state"]), batch, key, epochs=c.rl.mu, minibatch_size=minibatch_size,
             mesh=policy.mesh, dropout=policy.lora_dropout, layouts=layouts, rows=rows,
             attach=lambda b, layout: b._replace(layout=layout))
-        return {**state, "params": params, "opt_state": opt_state}, metrics
+        state = {**state, "params": params, "opt_state": opt_state}
+        if ctl is not None:  # the coefficient this step's loss used (0 while above target), then the next one
+            r = c.rl
+            state["entropy_controller"] = adaptive_entropy_update(
+                ctl, metrics["entropy"], target=r.entropy_target, delta=r.entropy_coef_delta,
+                min_coef=r.entropy_coef_min, max_coef=r.entropy_coef_max)._asdict()
+            metrics = {**metrics, "entropy_coef": entropy_coef}
+        return state, metrics
 
     return update
 
@@ -123,8 +134,10 @@ class GRPOFamily(RolloutAlgorithm):
             rollout_advantages, self.estimator, group_size=r.group_size, scale=r.scale_rewards, beta=r.beta,
             kl_estimator=r.loss.kl_estimator,
         ))
-        # Adaptive entropy control (rl.entropy_target > 0): the coefficient is a traced input of the update, moved
-        # after each step from the entropy it measured, and part of the state; off = the config's fixed one.
+        # the mean |advantage| over the loss's tokens, reduced where the advantages are (one scalar fetched)
+        self.abs_mean_fn = jax.jit(lambda advantages, mask: masked_mean(jnp.abs(advantages), mask))
+        # Adaptive entropy control (rl.entropy_target > 0): the controller is part of the state and steps inside the
+        # update, on the entropy it measured; off = the config's fixed coefficient.
         self.adaptive_entropy = r.entropy_target > 0
         self.update_fns: dict[int, Any] = {}  # by micro-batches per update (a token budget picks it per step)
         self.loss_fn: LossFn = policy_loss
@@ -141,7 +154,7 @@ class GRPOFamily(RolloutAlgorithm):
                 make_grpo_update(c, p, self.optimizer, self.objective, self.minibatch_size, grad_accum,
                                  self.loss_fn), p.mesh,
                 self.state_shardings(), frozen_sharding=self.frozen_sharding,
-                extra_shardings=(replicated if self.adaptive_entropy else None, replicated, replicated))
+                extra_shardings=(replicated, replicated))
         return self.update_fns[grad_accum]
 
     def state_shardings(self) -> dict[str, Any]:
@@ -191,27 +204,14 @@ class GRPOFamily(RolloutAlgorithm):
         advantages, extra = self.token_advantages(ro, old.arrays, old.loss_mask, old.old_logp, ref_logp)
         batch = PolicyBatch(*old.arrays, old.old_logp, ref_logp, advantages, old.sampler_logp,
                             None if ro.loss_mask is None else old.loss_mask, routing=old.records)
-        ctl = (EntropyControllerState(**{k: jnp.asarray(v, jnp.float32) for k, v in
-                                         jax.device_get(state["entropy_controller"]).items()})
-               if self.adaptive_entropy else None)
-        entropy_coef = None if ctl is None else float(applied_entropy_coef(ctl))
-        coef_input = None if ctl is None else put(np.float32(entropy_coef), spec=PartitionSpec())
         plan = update_plan(self.config, ro, key, self.minibatch_size, self.mesh,
                            self.policy.model_config.num_params())
         update_fn = self.update_fn if plan.grad_accum == self.config.rl.grad_accum else self.update_fn_for(
             plan.grad_accum)  # the attribute: what a test may wrap
-        state, metrics = update_fn(state, batch, key, self.frozen_input, coef_input, plan.layouts, plan.rows)
-        out, skipped = host_metrics(metrics)
+        state, metrics = update_fn(state, batch, key, self.frozen_input, plan.layouts, plan.rows)
+        out, skipped = host_metrics({**metrics, "advantages/abs_mean": self.abs_mean_fn(advantages, old.loss_mask)})
         out |= old.mismatch | extra
         out["update/padding_frac"] = plan.padding_frac
         out["update/micro_batches"] = float(plan.grad_accum)
-        if ctl is not None:
-            r = self.config.rl
-            out["entropy_coef"] = entropy_coef  # the coefficient this step's loss used (0 while above target)
-            state = {**state, "entropy_controller": self._put_controller(adaptive_entropy_update(
-                ctl, out["entropy"], target=r.entropy_target, delta=r.entropy_coef_delta, min_coef=r.entropy_coef_min,
-                max_coef=r.entropy_coef_max))}
-        mask = np.asarray(ro.out.mask if ro.loss_mask is None else ro.loss_mask, bool)
-        out["advantages/abs_mean"] = float(np.abs(to_host(advantages))[mask].mean()) if mask.any() else 0.0
         out["learning_rate"] = float(self.schedule(step * self.updates_per_step - 1))
         return Updated(state, out, skipped)

@@ -21,7 +21,6 @@ from jaxrl_llm.models.moe import NO_RECORD, router_disagreement
 from jaxrl_llm.models.packing import (
     PackedLayout,
     batch_layout,
-    model_inputs,
     packing_pays,
     token_budget_micro_batches,
     update_layouts,
@@ -61,7 +60,7 @@ def update_plan(c: RunConfig, ro: Rollout, key: jax.Array, minibatch_size: int, 
     rows and the micro-batch is large enough to gain (`packing.packing_pays` of the model's `num_params`), else
     padded; with `rl.max_tokens_per_microbatch`, those minibatches split by tokens and always packed
     (`packing.token_budget_micro_batches`)."""
-    valid = model_inputs(ro.prompt_mask, np.asarray(ro.out.mask)) > 0
+    valid = ro.input_valid
     r = c.rl
     padded = UpdatePlan(None, 1.0 - float(valid.mean()), r.grad_accum)
     micro_rows = minibatch_size // r.grad_accum
@@ -110,7 +109,7 @@ def logprob_pass_layout(c: RunConfig, ro: Rollout, mesh: Mesh, num_params: int) 
     """The packed layout of a rollout's whole-batch log-prob passes (the reference model's, the old policy's), placed
     on the mesh: with `rl.packing`, when the padded pass is large enough to gain (`packing.packing_pays`) and
     first-fit saves rows; else None (padded)."""
-    valid = model_inputs(ro.prompt_mask, np.asarray(ro.out.mask)) > 0
+    valid = ro.input_valid
     r = c.rl
     if not r.packing or not packing_pays(valid.size, num_params, r.packing_min_gflops):
         return None

@@ -10,6 +10,7 @@ freshly sampled ones, up to `max_refill_rounds` extra rounds.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,6 +23,7 @@ from jaxrl_llm.data import DataState, PromptSet, bucket, next_batch_indices
 from jaxrl_llm.evaluation import decode_completions, reward_fields
 from jaxrl_llm.models.decoder import Params
 from jaxrl_llm.models.moe import NO_RECORD
+from jaxrl_llm.models.packing import model_inputs
 from jaxrl_llm.rewards import RewardFunction, compute_rewards, resolve_reward
 from jaxrl_llm.run.monitor import drift_kl, repeated_ngram_fraction
 from jaxrl_llm.sampling import SampleOutput
@@ -47,6 +49,12 @@ class Rollout:
     env_seconds: float = 0.0
     # [N, T] per-turn credit when the environment rewards turns (rl.advantages.turn_level_advantages), else None
     turn_credit: np.ndarray | None = None
+
+    @functools.cached_property
+    def input_valid(self) -> np.ndarray:
+        """`[N, P + T - 1]` bool: the model's valid inputs (`packing.model_inputs` of the masks), what the update's
+        and the log-prob passes' packed layouts are planned from (made once per rollout)."""
+        return model_inputs(self.prompt_mask, np.asarray(self.out.mask)) > 0
 
 
 def assemble_groups(parts: list[tuple[Rollout, np.ndarray]], *, group_size: int, groups: int, pad_id: int) -> Rollout:
