@@ -77,7 +77,7 @@ def exact_answer(completions: list[str], answers: list[str]) -> np.ndarray:
 def completion_logp(params: Any, config: Any, batch: Batch, temperature: float) -> jax.Array:
     """log pi(y_t | x, y_<t) `[N, T]`: one forward over prompt + completion[:-1], the state at P - 1 + t
     predicting y_t, its logits at `temperature`."""
-    hidden = completion_hidden(params, config, batch.prompt_tokens, batch.prompt_mask, batch.tokens, batch.mask)
+    hidden = completion_hidden(params, config, batch.prompt_tokens, batch.prompt_mask, batch.tokens, batch.mask).hidden
     return token_logprobs(unembed(params, config, hidden), batch.tokens, temperature=temperature)
 
 

@@ -187,22 +187,39 @@ def test_model_families_are_data():
     assert outside <= {("models/config.py", '"llama"'), ("models/hf.py", '"llama"'), *tool_format}, sorted(outside)
 
 
-def test_the_transformer_block_is_composed_once():
-    """The block's composition (rotary on q and k, the gated MLP, the residual adds) is `models/block.py`'s alone:
-    the decoder, the sampler and the rollout engine pass it their weights and their attention, and no other module
-    rebuilds it. `models/moe.py` applies the gated activation inside each expert (a feed-forward part the block
-    takes), and nothing else of the block."""
+def test_the_transformer_block_is_composed_once_and_the_layer_stack_driven_once():
+    """The block's composition (rotary on q and k, the gated MLP, the residual adds) is `models/block.py`'s alone,
+    and the loop over the layers is `models/stack.py`'s alone (`run_layers`): the training forward, the static
+    sampler's prefill and token step and the rollout engine's prefill and decode steps hand it their layer parts, and
+    no other module runs the block (but `DecoderLayer.__call__`, which runs it once to create a layer's weights).
+    `models/moe.py` applies the gated activation inside each expert (a feed-forward part the block takes), and
+    nothing else of the block."""
+    import ast
     import re
 
     composing = re.compile(r"\b(apply_rope|gated_activation|transformer_block)\(")
     users = {str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py") for line in p.read_text().splitlines()
              if composing.search(line) and not line.lstrip().startswith("def ")}
-    assert users == {"models/block.py", "models/decoder.py", "models/decode.py", "engine/model.py", "models/moe.py"}, \
-        sorted(users)
+    assert users == {"models/block.py", "models/stack.py", "models/decoder.py", "models/moe.py"}, sorted(users)
     assert set(composing.findall((ROOT / "models/moe.py").read_text())) == {"gated_activation"}
-    for caller in ("models/decoder.py", "models/decode.py", "engine/model.py"):
-        calls = composing.findall((ROOT / caller).read_text())
-        assert set(calls) == {"transformer_block"}, (caller, calls)
+
+    def callers_of(name: str) -> set[str]:
+        found = set()
+        for path in ROOT.rglob("*.py"):
+            tree = ast.parse(path.read_text())
+            for node in ast.walk(tree):
+                if isinstance(node, ast.FunctionDef | ast.ClassDef):
+                    for inner in ast.walk(node):
+                        if (isinstance(inner, ast.Call) and isinstance(inner.func, ast.Name)
+                                and inner.func.id == name):
+                            found.add(f"{path.relative_to(ROOT)}:{node.name}")
+        return found
+
+    block_users = {c for c in callers_of("transformer_block") if not c.startswith("models/block.py")}
+    assert block_users == {"models/stack.py:run_layers", "models/stack.py:step", "models/decoder.py:DecoderLayer",
+                           "models/decoder.py:__call__"}, sorted(block_users)
+    drivers = {c.split(":")[0] for c in callers_of("run_layers")}
+    assert drivers == {"models/decoder.py", "models/decode.py", "engine/model.py"}, sorted(drivers)
 
 
 def test_no_module_branches_on_an_algorithms_name():

@@ -50,7 +50,7 @@ import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding
 from jaxrl_llm import sharding
 from jaxrl_llm.config import OptimSection
-from jaxrl_llm.models.decoder import init_cache, param_shapes
+from jaxrl_llm.models.decoder import param_shapes
 from jaxrl_llm.models.hf import config_from_hf
 from jaxrl_llm.memory_plan import KV_CACHE_SPEC
 from jaxrl_llm.optim import make_optimizer
@@ -71,7 +71,7 @@ for name, hf, mesh_sizes, sequences, cache_len in json.loads(sys.argv[1]):
     opt_state = jax.jit(optimizer.init, out_shardings=state_shardings)(params)
     shape = (config.num_layers, sequences, cache_len, config.num_kv_heads, config.head_dim)
     cache_sharding = NamedSharding(mesh, sharding.fit_spec(KV_CACHE_SPEC, shape, mesh))
-    cache = jax.jit(lambda: init_cache(config, sequences, cache_len), out_shardings=cache_sharding)()
+    cache = jax.jit(lambda: jnp.zeros(shape, config.jnp_dtype), out_shardings=cache_sharding)()
     out[name] = dict(params=sharding.local_bytes(params), gradients=sharding.local_bytes(grads),
                      optimizer=sharding.local_bytes(opt_state), kv_cache=sharding.local_bytes(cache),
                      total_params=sum(x.nbytes for x in jax.tree.leaves(params)))

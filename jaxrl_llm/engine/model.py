@@ -1,5 +1,5 @@
-"""The decoder over a paged KV cache: the model's block (`models/block.py`) on the sampler's prepared weights
-(`models/decode.py: step_ops`), its attention reading and writing pages (`pages.py`).
+"""The decoder over a paged KV cache: the layer stack (`models/stack.py: run_layers`) on the sampler's prepared
+weights (`models/step_weights.py: step_ops`), its attention reading and writing pages (`pages.py`).
 
 - `paged_forward` runs `T` tokens per row at explicit positions (`-1` = padding: neither written nor attended
   from), writes their keys and values into the rows' pages and attends over each row's gathered pages: a prefill
@@ -38,12 +38,13 @@ from jaxrl_llm.engine.pages import (
 )
 from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.models.attention import UNROLLED_LENGTH, AttentionMask, blocked_attention, xla_attention
-from jaxrl_llm.models.block import Attend, LayerOps, attention_spec, layer_kinds_present, transformer_block
+from jaxrl_llm.models.block import Attend, LayerOps, attention_spec, layer_kinds_present
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.decode import longrope_original, loop_layout_attention, stacked_experts
-from jaxrl_llm.models.decoder import Params, unembed, unembedding_as_stored
-from jaxrl_llm.models.layers import embed_tokens, rms_norm, rope_cos_sin, softcap
+from jaxrl_llm.models.decode import longrope_original, loop_layout_attention
+from jaxrl_llm.models.decoder import Params, embed, final_norm, unembed, unembedding_as_stored
+from jaxrl_llm.models.layers import rms_norm, rope_cos_sin, softcap
 from jaxrl_llm.models.precision import matmul
+from jaxrl_llm.models.stack import LayerParts, chosen_experts, run_layers
 from jaxrl_llm.models.step_weights import StepWeights, mlp_width, step_ops
 
 
@@ -130,7 +131,7 @@ def paged_forward(params: Params, weights: list[StepWeights], config: ModelConfi
                   attention: str = "xla") -> tuple[jax.Array, list[PagedLayer], jax.Array | None]:
     """`tokens, positions [R, T]` through the decoder over `pages` with page tables `[R, M]`: returns the final
     hidden states `[R, T, D]` (after the final norm), the pages with the tokens' keys and values written, and an
-    MoE model's chosen experts `[R, T, L, k]` (`decode.stacked_experts`; None for a dense model).
+    MoE model's chosen experts `[R, T, L, k]` (`stack.chosen_experts`; None for a dense model).
     `attention`: `cpu` attends through the CPU kernel (`kernel_attention`, each query a kernel row over its own
     sequence's pages), else XLA's dots over the gathered pages."""
     c = config
@@ -139,20 +140,17 @@ def paged_forward(params: Params, weights: list[StepWeights], config: ModelConfi
     rotary = {local: rope_cos_sin(c, jnp.maximum(positions, 0), local=local) for local in layer_kinds_present(c)}
     if attention == "cpu":  # the kernel's rows, one per query; a padding query (position -1) reads nothing
         query_tables, query_lengths = jnp.repeat(page_table, positions.shape[1], axis=0), (positions + 1).reshape(-1)
-    x = embed_tokens(params["embed"]["embedding"], tokens, c)
-    new_pages, routes = [], []
-    for i, (w, layer) in enumerate(zip(weights, pages, strict=True)):
-        cos, sin = rotary[c.is_sliding(i)]
+
+    def layer(i: int, w: StepWeights, paged: PagedLayer, _: None) -> LayerParts:
         if attention == "cpu":
             window = c.sliding_window if c.is_sliding(i) else None
-            attend = kernel_attention(c, layer, query_tables, slots, query_lengths, "cpu", window)
+            attend = kernel_attention(c, paged, query_tables, slots, query_lengths, "cpu", window)
         else:
-            attend = paged_attention(c, layer, page_table, slots, positions, c.is_sliding(i))
-        x, layer, routing = transformer_block(x, step_ops(w, c, shards), attend, cos, sin, c)
-        new_pages.append(layer)
-        routes.append(routing)
-    hidden = rms_norm(x, params["final_norm"]["scale"], c.rms_norm_eps, unit_offset=c.norm_unit_offset)
-    return hidden, new_pages, stacked_experts(routes)
+            attend = paged_attention(c, paged, page_table, slots, positions, c.is_sliding(i))
+        return LayerParts(step_ops(w, c, shards), attend, *rotary[c.is_sliding(i)])
+
+    out = run_layers(embed(params, c, tokens), c, layer, weights, pages)
+    return final_norm(params, c, out.x), out.states, chosen_experts(out.routing)
 
 
 def slot_caches(pages: list[PagedLayer], page_table: jax.Array) -> list[dict[str, jax.Array]]:
@@ -192,17 +190,15 @@ def slot_decode_step(params: Params, weights: list[StepWeights], config: ModelCo
     c = config
     context = caches[0]["k"].shape[-1]
     inputs = layer_inputs(c, positions[:, None], context)
-    x = embed_tokens(params["embed"]["embedding"], tokens[:, None], c)
-    new_caches, routes = [], []
-    for i, (w, cache) in enumerate(zip(weights, caches, strict=True)):
+
+    def layer(i: int, w: StepWeights, cache: dict[str, jax.Array], _: None) -> LayerParts:
         cos, sin, allowed = inputs[c.is_sliding(i)]
-        x, cache, routing = transformer_block(x, step_ops(w, c, shards), slot_attention(c, cache, positions, allowed),
-                                              cos, sin, c)
-        new_caches.append(cache)
-        routes.append(routing)
-    hidden = rms_norm(x[:, 0], params["final_norm"]["scale"], c.rms_norm_eps, unit_offset=c.norm_unit_offset)
-    experts = stacked_experts(routes)
-    return paged_logits(params, c, hidden), new_caches, None if experts is None else experts[:, 0]
+        return LayerParts(step_ops(w, c, shards), slot_attention(c, cache, positions, allowed), cos, sin)
+
+    out = run_layers(embed(params, c, tokens[:, None]), c, layer, weights, caches)
+    experts = chosen_experts(out.routing)
+    return (paged_logits(params, c, final_norm(params, c, out.x[:, 0])), out.states,
+            None if experts is None else experts[:, 0])
 
 
 def write_back(pages: list[PagedLayer], caches: list[dict[str, jax.Array]], page_table: jax.Array,
@@ -317,22 +313,20 @@ def kernel_decode_step(params: Params, weights: list[StepWeights] | PackedWeight
     lengths = jnp.where(positions >= 0, positions + 1, 0)
     if rotary is None:  # the kernels mask by length: only the rotary tables are needed
         rotary = {local: (cos, sin) for local, (cos, sin, _) in layer_inputs(c, positions[:, None], 1).items()}
-    x = embed_tokens(params["embed"]["embedding"], tokens[:, None], c)
-    new_pages, routes = [], []
-    for i, (w, layer) in enumerate(zip(layers, pages, strict=True)):
-        cos, sin = rotary[c.is_sliding(i)]
+
+    def layer(i: int, w: StepWeights, paged: PagedLayer, _: None) -> LayerParts:
         window = c.sliding_window if c.is_sliding(i) else None
-        attend = kernel_attention(c, layer, page_table, slots, lengths, backend, window)
         ops = packed_step_ops(w, c, shards) if packed is not None else step_ops(w, c, shards)
-        x, layer, routing = transformer_block(x, ops, attend, cos, sin, c)
-        new_pages.append(layer)
-        routes.append(routing)
-    experts = stacked_experts(routes)
+        return LayerParts(ops, kernel_attention(c, paged, page_table, slots, lengths, backend, window),
+                          *rotary[c.is_sliding(i)])
+
+    out = run_layers(embed(params, c, tokens[:, None]), c, layer, layers, pages)
+    experts = chosen_experts(out.routing)
     experts = None if experts is None else experts[:, 0]
+    x = out.x[:, 0]
     if packed is not None:  # the final norm in the head's kernel
-        return packed_logits(packed.head, c, x[:, 0], params["final_norm"]["scale"]), new_pages, experts
-    hidden = rms_norm(x[:, 0], params["final_norm"]["scale"], c.rms_norm_eps, unit_offset=c.norm_unit_offset)
-    return paged_logits(params, c, hidden), new_pages, experts
+        return packed_logits(packed.head, c, x, params["final_norm"]["scale"]), out.states, experts
+    return paged_logits(params, c, final_norm(params, c, x)), out.states, experts
 
 
 def packed_logits(head: jax.Array, config: ModelConfig, hidden: jax.Array, scale: jax.Array | None = None

@@ -8,7 +8,8 @@
 The feed-forward is a part the family chooses (`LayerOps.feed_forward`): the gated MLP `down(act(gate) * up)`
 (`gated_mlp`), or a mixture of experts (`models/moe.py`), which also returns what its router chose.
 
-Two things vary between the places a block runs, and both are arguments:
+Two things vary between the places a block runs (each path hands them to the one driver of the layer stack,
+`stack.run_layers`), and both are arguments:
 - **how the weights are applied** (`LayerOps`): the Flax modules of `sublayers.py` (training, the reference
   forward and the prefill: separate q, k, v and gate, up matrices, unmerged LoRA factors, dropout), or the
   sampler's prepared weights (`step_weights.step_ops`: q|k|v and gate|up fused into one matmul each);

@@ -105,8 +105,8 @@ class ModelConfig:
     param_dtype: DType = "float32"
     dtype: DType = "float32"  # compute dtype; softmax and norms still reduce in float32
     remat: bool = False  # rematerialise each layer in the backward pass
-    remat_policy: str = "full"  # with remat, what a layer saves: one of REMAT_POLICIES (`decoder.remat_layer`)
-    # Layers per iteration of the training forward's layer loop (`nn.scan`); the layer count = a straight-line
+    remat_policy: str = "full"  # with remat, what a layer saves: one of REMAT_POLICIES (`decoder.layer_checkpoint`)
+    # Layers per iteration of the training forward's layer loop (`lax.scan`); the layer count = a straight-line
     # program: no stacked residual buffers, at the cost of compile time (measured in bench/HISTORY.md)
     scan_unroll: int = 1
     # Full-sequence attention runs over at most this many queries at a time (float32 scores [B, H, chunk, S]

@@ -1,12 +1,11 @@
-"""The sampler's model side: the decoder's block (`block.transformer_block`), driven for generation.
+"""The static sampler's model side: the layer stack (`stack.run_layers`, unrolled) driven for generation.
 
-- `decode_layers`: the Flax `DecoderLayer` modules with the layer loop unrolled over per-layer caches (the
-  prefill, and a reference for the token step);
-- `decode_token`: the decode loop's token step: the same block on prepared `StepWeights` (`step_weights.py`:
+- `decode_layers`: the training forward's layer part (`decoder.flax_layer`) over per-layer caches (the prefill, and
+  a reference for the token step);
+- `decode_token`: the decode loop's token step: the same stack on prepared `StepWeights` (`step_weights.py`:
   fused q|k|v and gate|up, applied by `step_ops`) over caches in the loop's layout (`loop_cache_attention`), so a
   model family is written once.
 """
-
 from __future__ import annotations
 
 import jax
@@ -14,19 +13,19 @@ import jax.numpy as jnp
 
 from jaxrl_llm.models import precision
 from jaxrl_llm.models.attention import chunk_allowed
-from jaxrl_llm.models.block import Attend, attention_spec, transformer_block
+from jaxrl_llm.models.block import Attend, attention_spec
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.decoder import Decoder, DecoderLayer, Params, attention_inputs, attention_kind, unembed
-from jaxrl_llm.models.layers import (
-    embed_tokens,
-    head_sinks,
-    masked_softmax,
-    positions_from_mask,
-    rms_norm,
-    rope_parameters,
-    rotary,
+from jaxrl_llm.models.decoder import (
+    Params,
+    attention_inputs,
+    attention_kind,
+    embed,
+    final_norm,
+    flax_layer,
+    unembed,
 )
-from jaxrl_llm.models.moe import Routing
+from jaxrl_llm.models.layers import head_sinks, masked_softmax, positions_from_mask, rope_parameters, rotary
+from jaxrl_llm.models.stack import LayerParts, chosen_experts, run_layers
 from jaxrl_llm.models.step_weights import StepWeights, step_ops
 
 LayerCaches = list[dict[str, jax.Array]]  # per layer {"k", "v": [B, S, KVH, hd]} (`loop_caches` layout in the loop)
@@ -47,40 +46,34 @@ def decode_layers(
     caches: LayerCaches,
     cache_index: jax.Array | int,
     return_hidden: bool = False,
-    return_experts: bool = False,
-) -> tuple[jax.Array, LayerCaches] | tuple[jax.Array, LayerCaches, jax.Array | None]:
-    """`decode_step` with the layer loop unrolled over per-layer caches: `(logits [B, T, V], caches)`, and with
-    `return_experts` an MoE model's chosen experts `[B, T, L, k]` int16 (None for a dense model).
+) -> tuple[jax.Array, LayerCaches, jax.Array | None]:
+    """`tokens [B, T]` at cache slots `cache_index ... cache_index + T - 1` through the Flax layers (`flax_layer`, the
+    training forward's part) unrolled over per-layer caches `{"k", "v": [B, S, KVH, hd]}` (`init_caches`), `key_mask
+    [B, S]` already marking the new slots valid: `(logits [B, T, V] or final hidden [B, T, D], caches, an MoE model's
+    chosen experts [B, T, L, k] int16 or None)`. The prefill is this at `cache_index = 0`.
 
-    The same modules and math as `Decoder.__call__` (embed -> `DecoderLayer` x L -> final norm -> unembed;
-    a test checks the logits agree), driven differently for the sampler's hot loop. Inside a
-    `lax.while_loop`, the decoder's `nn.scan` over stacked layers slices every layer's weights and cache
-    into temporaries and stacks the updated cache back each step (several copies of the whole cache and of
-    the weights per token); with one buffer per layer and per-layer weights sliced once per call, each step
-    writes only the new token's keys and values in place: about 2x faster sampling calls on the CPU
-    benchmark model (bench/HISTORY.md).
+    The same layers and math as the training forward (a test checks the logits agree), looped differently for the
+    sampler (`stack.run_layers` unrolled): inside a `lax.while_loop`, a scan over stacked layers slices every layer's
+    weights and cache into temporaries and stacks the updated cache back each step (several copies of the whole cache
+    and of the weights per token); with one buffer per layer and per-layer weights sliced once per call, each step
+    writes only the new token's keys and values in place: about 2x faster sampling calls on the CPU benchmark model
+    (bench/HISTORY.md).
     """
-    decoder = Decoder(config)
-    x = decoder.apply({"params": params}, tokens, method=lambda m, t: m.embed_tokens(t))
+    x = embed(params, config, tokens)
     inputs = attention_inputs(config, positions, key_mask, tokens.shape[1], cache_index)
-    layer = DecoderLayer(config)
-    new_caches, routes = [], []
-    for i, (weights, cache) in enumerate(zip(layer_params, caches, strict=True)):
-        kind = attention_kind(config, i)  # the layer's kind, chosen while tracing
-        x, (cache, routing) = layer.apply({"params": weights}, x, cache, inputs, cache_index, kind)
-        new_caches.append(cache)
-        routes.append(routing)
-    x = decoder.apply({"params": params}, x, method=lambda m, h: m.final_norm(h))
-    out = x if return_hidden else decoder.apply({"params": params}, x, method=lambda m, h: m.unembed(h))
-    return (out, new_caches, stacked_experts(routes)) if return_experts else (out, new_caches)
+    out = run_layers(x, config, flax_layer(config, inputs, cache_index), layer_params, caches)
+    hidden = final_norm(params, config, out.x)
+    return (hidden if return_hidden else unembed(params, config, hidden)), out.states, chosen_experts(out.routing)
 
 
-def stacked_experts(routes: list[Routing | None]) -> jax.Array | None:
-    """The experts every MoE layer chose, `[..., L, k]` int16 (the record a rollout keeps for routing replay), from
-    the layers' `Routing`s (`[..., k]` each); None for a dense model."""
-    if not routes or routes[0] is None:
-        return None
-    return jnp.stack([r.experts for r in routes], axis=-2).astype(jnp.int16)  # type: ignore[union-attr]
+def init_caches(config: ModelConfig, batch: int, length: int) -> LayerCaches:
+    """Zero per-layer KV caches `{"k", "v": [batch, length, KVH, hd]}` in the compute dtype (`decode_layers`' layout).
+
+    Bytes: `2 * L * batch * length * KVH * hd * itemsize(dtype)`.
+    """
+    shape = (batch, length, config.num_kv_heads, config.head_dim)
+    empty = {"k": jnp.zeros(shape, config.jnp_dtype), "v": jnp.zeros(shape, config.jnp_dtype)}
+    return [empty] * config.num_layers
 
 
 def loop_caches(caches: LayerCaches) -> LayerCaches:
@@ -89,48 +82,30 @@ def loop_caches(caches: LayerCaches) -> LayerCaches:
     return [{"k": jnp.transpose(c["k"], (0, 2, 3, 1)), "v": jnp.swapaxes(c["v"], 1, 2)} for c in caches]
 
 
-def decode_token(
-    params: Params,
-    weights: list[StepWeights],
-    config: ModelConfig,
-    tokens: jax.Array,
-    positions: jax.Array,
-    key_mask: jax.Array,
-    caches: LayerCaches,
-    cache_index: jax.Array,
-    shards: int = 1,
-) -> tuple[jax.Array, LayerCaches]:
+def decode_token(params: Params, weights: list[StepWeights], config: ModelConfig, tokens: jax.Array,
+                 positions: jax.Array, key_mask: jax.Array, caches: LayerCaches, cache_index: jax.Array,
+                 shards: int = 1) -> tuple[jax.Array, LayerCaches, jax.Array | None]:
     """One token step of the decode loop: `tokens [B]` at `positions [B]` written to cache slot
     `cache_index`; `key_mask [B, S]` the valid key slots (causality and each layer's sliding window are applied
-    here). Returns `(logits [B, V], caches)`.
+    here). Returns `(logits [B, V], caches, an MoE model's chosen experts [B, L, k] int16 or None)`.
 
-    The decoder's block (`block.transformer_block`, a test checks the logits agree with `decode_layers`), run
-    on the sampler's prepared weights (`step_ops`: q|k|v and gate|up as one matmul each, laid out for `shards`
-    tensor-parallel shards) over the loop's caches (`loop_cache_attention`).
+    The layer stack (`stack.run_layers`, a test checks the logits agree with `decode_layers`) on the sampler's
+    prepared weights (`step_ops`: q|k|v and gate|up as one matmul each, laid out for `shards` tensor-parallel shards)
+    over the loop's caches (`loop_cache_attention`).
     """
-    logits, caches, _ = decode_token_routed(params, weights, config, tokens, positions, key_mask, caches,
-                                            cache_index, shards)
-    return logits, caches
-
-
-def decode_token_routed(params: Params, weights: list[StepWeights], config: ModelConfig, tokens: jax.Array,
-                        positions: jax.Array, key_mask: jax.Array, caches: LayerCaches, cache_index: jax.Array,
-                        shards: int = 1) -> tuple[jax.Array, LayerCaches, jax.Array | None]:
-    """`decode_token` that also returns an MoE model's chosen experts `[B, L, k]` int16 (None for a dense one)."""
     c = config
-    x = embed_tokens(params["embed"]["embedding"], tokens[:, None], c)  # [B, 1, D]
+    x = embed(params, c, tokens[:, None])  # [B, 1, D]
     inputs = attention_inputs(c, positions[:, None], key_mask, 1, cache_index)  # cos/sin [B, 1, rot]
-    new_caches, routes = [], []
-    for i, (w, cache) in enumerate(zip(weights, caches, strict=True)):
+
+    def layer(i: int, w: StepWeights, cache: dict[str, jax.Array], _: None) -> LayerParts:
         cos, sin, mask = inputs[attention_kind(c, i)]
         allowed = chunk_allowed(mask, attention_spec(c, c.is_sliding(i)), 0, 1, key_mask.shape[-1])  # [B, 1, S]
-        attend = loop_cache_attention(c, allowed, cache, cache_index)
-        x, cache, routing = transformer_block(x, step_ops(w, c, shards), attend, cos, sin, c)
-        new_caches.append(cache)
-        routes.append(routing)
-    x = rms_norm(x[:, 0], params["final_norm"]["scale"], c.rms_norm_eps, unit_offset=c.norm_unit_offset)
-    experts = stacked_experts(routes)
-    return unembed(params, c, x).astype(jnp.float32), new_caches, None if experts is None else experts[:, 0]
+        return LayerParts(step_ops(w, c, shards), loop_cache_attention(c, allowed, cache, cache_index), cos, sin)
+
+    out = run_layers(x, c, layer, weights, caches)
+    logits = unembed(params, c, final_norm(params, c, out.x[:, 0])).astype(jnp.float32)
+    experts = chosen_experts(out.routing)
+    return logits, out.states, None if experts is None else experts[:, 0]
 
 
 def loop_cache_attention(config: ModelConfig, allowed: jax.Array, cache: dict[str, jax.Array],
@@ -200,21 +175,12 @@ def longrope_switch(caches: LayerCaches, config: ModelConfig, key_positions: jax
     return out
 
 
-def prefill(
-    params: Params, layer_params: list[Params], config: ModelConfig, tokens: jax.Array, mask: jax.Array
-) -> tuple[jax.Array, LayerCaches]:
-    """Prompt `[B, P]` -> (next-token logits `[B, V]` float32, per-layer caches `[B, P, KVH, hd]`)."""
-    logits, caches, _ = prefill_routed(params, layer_params, config, tokens, mask)
-    return logits, caches
-
-
-def prefill_routed(params: Params, layer_params: list[Params], config: ModelConfig, tokens: jax.Array,
-                   mask: jax.Array) -> tuple[jax.Array, LayerCaches, jax.Array | None]:
-    """`prefill` that also returns an MoE model's chosen experts of the prompt `[B, P, L, k]` int16 (else None)."""
-    shape = (tokens.shape[0], tokens.shape[1], config.num_kv_heads, config.head_dim)
-    empty = {"k": jnp.zeros(shape, config.jnp_dtype), "v": jnp.zeros(shape, config.jnp_dtype)}
-    caches = [empty] * len(layer_params)
+def prefill(params: Params, layer_params: list[Params], config: ModelConfig, tokens: jax.Array, mask: jax.Array
+            ) -> tuple[jax.Array, LayerCaches, jax.Array | None]:
+    """Prompt `[B, P]` -> (next-token logits `[B, V]` float32, per-layer caches `[B, P, KVH, hd]`, an MoE model's
+    chosen experts of the prompt `[B, P, L, k]` int16 or None)."""
+    caches = init_caches(config, tokens.shape[0], tokens.shape[1])
     # Left padding puts every row's last prompt token in the last column: only it needs logits.
     hidden, caches, experts = decode_layers(params, layer_params, config, tokens, positions_from_mask(mask), mask,
-                                            caches, 0, return_hidden=True, return_experts=True)
+                                            caches, 0, return_hidden=True)
     return unembed(params, config, hidden[:, -1]).astype(jnp.float32), caches, experts

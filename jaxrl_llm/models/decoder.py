@@ -1,15 +1,14 @@
 """Flax decoder for pre-norm families (Llama 2/3, Qwen2/2.5, Qwen3, Mistral, Phi-3, Gemma 2, Gemma 3 text, and the
 mixtures of experts Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, gpt-oss), switched by `ModelConfig`.
 
-The forward pass is a pure function of `(params, tokens, positions, key_mask, cache, cache_index)`:
+The forward pass is a pure function of `(params, tokens, positions, key_mask)` (`decoder_hidden`):
 
-- `params` is a plain nested dict; the layers are stacked on a leading `[L, ...]` axis (one `nn.scan`), so a
-  parameter path such as `layers/attn/q/kernel` has shape `[L, D, H * hd]`.
-- The KV cache is an explicit pytree `{"k": [L, B, S, KVH, hd], "v": [L, B, S, KVH, hd]}` passed in and
-  returned (no mutable collections): the same function trains on full sequences (`cache=None`) and decodes
-  one token at a time (`T = 1` written at slot `cache_index`).
+- `params` is a plain nested dict; the layers are stacked on a leading `[L, ...]` axis, so a parameter path such as
+  `layers/attn/q/kernel` has shape `[L, D, H * hd]`. The layer stack is run by `stack.run_layers` (scanned here: one
+  layer compiled), the one driver every path shares: the samplers run the same layers unrolled over their caches
+  (`flax_layer` with a cache for the static sampler's prefill, `decode.py`, `engine/model.py`).
 - Left-padded batches: `positions` come from the attention mask (`positions_from_mask`); `key_mask [B, S]`
-  marks the valid key slots, so padded keys are never attended to. A query in slot `cache_index + t`
+  marks the valid key slots, so padded keys are never attended to. With a cache, a query in slot `cache_index + t`
   attends to key slots `s <= cache_index + t` with `key_mask[b, s] = 1` (and, with a sliding window `W`,
   `cache_index + t - s < W`: within a left-padded row, slot distance equals position distance).
 
@@ -30,6 +29,7 @@ tables and window with a scanned per-layer flag (`AttentionInputs`, `block.cache
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -42,6 +42,7 @@ from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.layers import (
     embed_tokens,
     positions_from_mask,
+    rms_norm,
     rope_cos_sin,
     softcap,
 )
@@ -50,6 +51,7 @@ from jaxrl_llm.models.options import REMAT_POLICIES
 from jaxrl_llm.models.packing import PackedLayout, gather_predictors, model_inputs, packed_inputs
 from jaxrl_llm.models.precision import WEIGHT_MATMUL, matmul_transposed
 from jaxrl_llm.models.sequence_parallel import constrain_positions, pad_rows, padded_length
+from jaxrl_llm.models.stack import LayerFn, LayerParts, run_layers
 from jaxrl_llm.models.sublayers import MLP, Attention, MoE, make_dense, make_norm
 
 Params = dict[str, Any]
@@ -116,9 +118,8 @@ def _is_local(config: ModelConfig, kind: jax.Array | int, kinds: int) -> bool | 
 
 class DecoderLayer(nn.Module):
     """One layer's weights (`attn_norm`, `attn`, `mlp_norm`, `mlp`: an `MLP` or, for an MoE family, an `MoE`, and
-    Gemma 2/3's sandwich norms), run as `block.transformer_block` over the decoder's cache layout
-    (`block.cached_attention`). `inputs`: `attention_inputs(...)`, of which the layer takes entry `kind` (an int:
-    chosen while tracing; a scanned array: selected on the device)."""
+    Gemma 2/3's sandwich norms) as `block.LayerOps` (`ops`), which the layer stack runs (`stack.run_layers` through
+    `flax_layer`). `__call__` runs the block once, without a cache: what `init_params` creates the weights with."""
 
     config: ModelConfig
 
@@ -145,105 +146,34 @@ class DecoderLayer(nn.Module):
             sinks=self.attn.sinks if c.attention_sinks else None,
         )
 
-    def __call__(self, x: jax.Array, layer_cache: Cache | None, inputs: tuple[AttentionInputs, ...],
-                 cache_index: jax.Array | int, kind: jax.Array | int = 0, replay: jax.Array | None = None,
-                 valid: jax.Array | None = None) -> tuple[jax.Array, tuple[Cache | None, Routing | None]]:
-        cos, sin, mask = _select(inputs, kind)
-        attend = cached_attention(self.config, mask, layer_cache, cache_index,
-                                  _is_local(self.config, kind, len(inputs)))
-        split = self.config.sequence_mesh if layer_cache is None else None
-        x = constrain_positions(x, split)  # the scanned carry keeps its positions split (a no-op without a mesh)
-        x, cache, routing = transformer_block(x, self.ops(replay, valid), attend, cos, sin, self.config)
-        return constrain_positions(x, split), (cache, routing)
+    def __call__(self, x: jax.Array, inputs: tuple[AttentionInputs, ...]) -> jax.Array:
+        cos, sin, mask = inputs[0]
+        return transformer_block(x, self.ops(), cached_attention(self.config, mask), cos, sin, self.config)[0]
 
 
-def remat_layer(config: ModelConfig) -> type[nn.Module]:
-    """The scanned layer, rematerialised under `config.remat`: `full` keeps only each layer's input for the backward
-    pass and recomputes the rest; `matmuls` also keeps the outputs of its weight matmuls (`precision.matmul`: q, k, v,
-    o, gate, up, down, LoRA's) and recomputes the attention and the elementwise work between them."""
-    if not config.remat:
-        return DecoderLayer
-    if config.remat_policy not in REMAT_POLICIES:
-        raise ValueError(f"remat_policy must be one of {', '.join(REMAT_POLICIES)}, not {config.remat_policy!r}")
-    policy = (jax.checkpoint_policies.save_only_these_names(WEIGHT_MATMUL) if config.remat_policy == "matmuls"
-              else None)
-    return nn.remat(DecoderLayer, prevent_cse=False, policy=policy)
-
-
-class Decoder(nn.Module):
-    """Causal LM: embed -> L x DecoderLayer (scanned) -> final RMSNorm -> unembed.
-
-    `__call__(tokens [B, T], positions [B, T], key_mask [B, S], cache, cache_index)` returns
-    `(logits [B, T, V], cache)`, or `(hidden [B, T, D], cache)` after the final norm with `return_hidden`.
-    Without a cache, `S = T` and `key_mask` is the attention mask. MoE: `replay [L, B, T, k]` forces the experts
-    (`moe.route`), `token_mask [B, T]` keeps padding out of the experts' dispatch, and `return_routing` appends
-    every layer's `Routing` (`experts [L, B, T, k]`, `logits [L, B, T, E]`) to the result.
-
-    With `config.sequence_mesh` (and no cache) the positions are split over its `sequence` axis: the rows are padded
-    at their end to a multiple of its size (`sequence_parallel.pad_rows`), the activations constrained to
-    `[B over the batch axes, T over sequence, D]` after the embedding and on every layer's carry, and the outputs
-    sliced back to `T`.
-    """
+class EmbeddingAndHead(nn.Module):
+    """The model's ends: the token embedding, the final norm and the LM head (absent when tied to the embedding)."""
 
     config: ModelConfig
 
     def setup(self) -> None:
         c = self.config
-        self.embed = nn.Embed(
-            c.vocab_size,
-            c.hidden_size,
-            dtype=c.jnp_activation_dtype,
-            param_dtype=c.jnp_param_dtype,
-            embedding_init=nn.initializers.normal(c.initializer_range),
-        )
-        layer = remat_layer(c)
-        self.layers = nn.scan(
-            layer,
-            variable_axes={"params": 0},
-            split_rngs={"params": True, "dropout": True},
-            in_axes=(0, nn.broadcast, nn.broadcast, 0, 0, nn.broadcast),
-            length=c.num_layers,
-            unroll=c.scan_unroll,
-        )(c)
+        self.embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=c.jnp_activation_dtype, param_dtype=c.jnp_param_dtype,
+                              embedding_init=nn.initializers.normal(c.initializer_range))
         self.final_norm = make_norm(c, "final_norm")
         if not c.tie_word_embeddings:
             self.lm_head = make_dense(c, c.vocab_size, False, "lm_head", jnp.dtype(jnp.float32))  # logits: float32
 
-    def __call__(
-        self,
-        tokens: jax.Array,
-        positions: jax.Array,
-        key_mask: jax.Array,
-        cache: Cache | None = None,
-        cache_index: jax.Array | int = 0,
-        return_hidden: bool = False,
-        segments: jax.Array | None = None,
-        replay: jax.Array | None = None,
-        token_mask: jax.Array | None = None,
-        return_routing: bool = False,
-    ) -> tuple[jax.Array, Cache | None] | tuple[jax.Array, Cache | None, Routing | None]:
-        c = self.config
-        length = tokens.shape[1]
-        split = c.sequence_mesh if cache is None else None
-        if split is not None:  # whole shards: pad each row's end (no real query sees key mask 0 / segment 0)
-            padded = padded_length(length, split)
-            tokens, positions, key_mask, segments, token_mask = (
-                pad_rows(a, padded) for a in (tokens, positions, key_mask, segments, token_mask))
-            replay = pad_rows(replay, padded, axis=2, value=NO_RECORD)
-        inputs = attention_inputs(c, positions, key_mask, tokens.shape[1], None if cache is None else cache_index,
-                                  segments)
-        x = constrain_positions(self.embed_tokens(tokens), split)
-        x, (cache, routing) = self.layers(x, cache, inputs, cache_index, layer_kinds(c), replay, token_mask)
-        x = self.final_norm(x)
-        out = x if return_hidden else self.unembed(x)
-        if split is not None and tokens.shape[1] != length:
-            out = out[:, :length]
-            routing = None if routing is None else jax.tree.map(lambda a: a[:, :, :length], routing)
-        return (out, cache, routing) if return_routing else (out, cache)
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return self.unembed(self.final_norm(self.embed_tokens(tokens)))
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         """Token embeddings `[..., D]` (`layers.embed_tokens`)."""
         return embed_tokens(self.embed.embedding, tokens, self.config)
+
+    def normed(self, hidden: jax.Array) -> jax.Array:
+        """The final norm of the last layer's output."""
+        return self.final_norm(hidden)
 
     def unembed(self, hidden: jax.Array) -> jax.Array:
         """Logits `[..., V]` from final hidden states `[..., D]` (tied: `hidden @ embedding^T`), soft-capped
@@ -255,10 +185,98 @@ class Decoder(nn.Module):
         return softcap(self.lm_head(hidden), c.final_logit_softcap)
 
 
+def _ends(params: Params, config: ModelConfig) -> EmbeddingAndHead:
+    """The model's ends bound to `params` (the layers' weights are not read)."""
+    return EmbeddingAndHead(config).bind({"params": {k: v for k, v in params.items() if k != "layers"}})
+
+
+def layer_checkpoint(config: ModelConfig) -> Callable[[Callable], Callable] | None:
+    """The scanned layer step's rematerialisation under `config.remat` (None: off): `full` keeps only each layer's
+    input for the backward pass and recomputes the rest; `matmuls` also keeps the outputs of its weight matmuls
+    (`precision.matmul`: q, k, v, o, gate, up, down, LoRA's) and recomputes the attention and the elementwise work
+    between them."""
+    if not config.remat:
+        return None
+    if config.remat_policy not in REMAT_POLICIES:
+        raise ValueError(f"remat_policy must be one of {', '.join(REMAT_POLICIES)}, not {config.remat_policy!r}")
+    policy = (jax.checkpoint_policies.save_only_these_names(WEIGHT_MATMUL) if config.remat_policy == "matmuls"
+              else None)
+    return lambda step: jax.checkpoint(step, prevent_cse=False, policy=policy)
+
+
+class LayerExtras(NamedTuple):
+    """The training layer's per-layer inputs (`stack.run_layers`' `per_layer`): an MoE model's forced experts
+    `replay [B, T, k]` and the layer's LoRA-dropout key (each None where absent)."""
+
+    replay: jax.Array | None
+    dropout_key: jax.Array | None
+
+
+def flax_layer(config: ModelConfig, inputs: tuple[AttentionInputs, ...], cache_index: jax.Array | int = 0,
+               token_mask: jax.Array | None = None) -> LayerFn:
+    """The layer part of the Flax modules (`DecoderLayer`, LoRA and dropout included) over the decoder's cache layout
+    (`block.cached_attention`; no state: a full sequence): the training forward and the static sampler's prefill.
+    `inputs`: `attention_inputs(...)`; a layer takes entry `attention_kind` (an int index: chosen while tracing; a
+    traced one: selected on the device). `token_mask [B, T]` keeps padding out of an MoE's dispatch."""
+    kinds = layer_kinds(config)
+
+    def layer(i: Any, weights: Params, cache: Cache | None, extra: LayerExtras | None) -> LayerParts:
+        kind = attention_kind(config, i) if isinstance(i, int) else kinds[i]
+        cos, sin, mask = _select(inputs, kind)
+        replay, key = (None, None) if extra is None else extra
+        module = DecoderLayer(config).bind({"params": weights}, rngs=None if key is None else {"dropout": key})
+        attend = cached_attention(config, mask, cache, cache_index, _is_local(config, kind, len(inputs)))
+        return LayerParts(module.ops(replay, token_mask), attend, cos, sin)
+
+    return layer
+
+
+def decoder_hidden(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array, key_mask: jax.Array,
+                   *, segments: jax.Array | None = None, replay: jax.Array | None = None,
+                   token_mask: jax.Array | None = None, dropout_key: jax.Array | None = None
+                   ) -> tuple[jax.Array, Routing | None]:
+    """The full-sequence forward: embed -> the scanned layer stack (`stack.run_layers`) -> final norm, returning the
+    final hidden states `[B, T, D]` and every MoE layer's `Routing` (`experts [L, B, T, k]`, `logits [L, B, T, E]`;
+    None for a dense model). `key_mask [B, T]` the attention mask, or `segments [B, T]` (packed rows); `replay
+    [L, B, T, k]` forces the experts (`moe.route`); `token_mask [B, T]` keeps padding out of the experts' dispatch;
+    `dropout_key`: LoRA dropout's randomness (a key per layer).
+
+    With `config.sequence_mesh` the positions are split over its `sequence` axis: the rows are padded at their end to
+    a multiple of its size (`sequence_parallel.pad_rows`), the activations constrained to `[B over the batch axes,
+    T over sequence, D]` after the embedding and between layers, and the outputs sliced back to `T`."""
+    c = config
+    length = tokens.shape[1]
+    split = c.sequence_mesh
+    if split is not None:  # whole shards: pad each row's end (no real query sees key mask 0 / segment 0)
+        padded = padded_length(length, split)
+        tokens, positions, key_mask, segments, token_mask = (
+            pad_rows(a, padded) for a in (tokens, positions, key_mask, segments, token_mask))
+        replay = pad_rows(replay, padded, axis=2, value=NO_RECORD)
+    inputs = attention_inputs(c, positions, key_mask, tokens.shape[1], None, segments)
+    ends = _ends(params, c)
+    keys = None if dropout_key is None else jax.random.split(dropout_key, c.num_layers)
+    extras = None if replay is None and keys is None else LayerExtras(replay, keys)
+    x = constrain_positions(ends.embed_tokens(tokens), split)
+    out = run_layers(x, c, flax_layer(c, inputs, token_mask=token_mask), params["layers"], per_layer=extras,
+                     scanned=True, carry=lambda a: constrain_positions(a, split), checkpoint=layer_checkpoint(c))
+    hidden, routing = ends.normed(out.x), out.routing
+    if split is not None and tokens.shape[1] != length:
+        hidden = hidden[:, :length]
+        routing = None if routing is None else jax.tree.map(lambda a: a[:, :, :length], routing)
+    return hidden, routing
+
+
 def init_params(config: ModelConfig, key: jax.Array) -> Params:
-    """Random parameters (normal with `initializer_range`, norms at 1), as transformers initialises."""
+    """Random parameters (normal with `initializer_range`, norms at 1), as transformers initialises: the ends
+    (`EmbeddingAndHead`) and each layer's weights (`DecoderLayer`, one key per layer) stacked on `[L, ...]`."""
+    ends_key, layers_key = jax.random.split(key)
     tokens = jnp.zeros((1, 1), jnp.int32)
-    return Decoder(config).init(key, tokens, tokens, jnp.ones((1, 1), jnp.int32))["params"]
+    params = EmbeddingAndHead(config).init(ends_key, tokens)["params"]
+    x = jnp.zeros((1, 1, config.hidden_size), config.jnp_activation_dtype)
+    inputs = attention_inputs(config, tokens, jnp.ones((1, 1), jnp.int32), 1, None)[:1]
+    layer = DecoderLayer(config)
+    layers = jax.vmap(lambda k: layer.init(k, x, inputs)["params"])(jax.random.split(layers_key, config.num_layers))
+    return {**params, "layers": layers}
 
 
 def param_shapes(config: ModelConfig) -> Params:
@@ -266,65 +284,34 @@ def param_shapes(config: ModelConfig) -> Params:
     return jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
 
 
-def init_cache(config: ModelConfig, batch: int, length: int) -> Cache:
-    """Zero KV cache `{"k", "v": [L, batch, length, KVH, hd]}` in the compute dtype.
-
-    Bytes: `2 * L * batch * length * KVH * hd * itemsize(dtype)`.
-    """
-    shape = (config.num_layers, batch, length, config.num_kv_heads, config.head_dim)
-    return {"k": jnp.zeros(shape, config.jnp_dtype), "v": jnp.zeros(shape, config.jnp_dtype)}
-
-
 def forward(params: Params, config: ModelConfig, tokens: jax.Array, attention_mask: jax.Array, *,
-            return_hidden: bool = False, dropout_key: jax.Array | None = None) -> jax.Array:
+            replay: jax.Array | None = None, return_hidden: bool = False, return_routing: bool = False,
+            dropout_key: jax.Array | None = None) -> jax.Array | tuple[jax.Array, Routing | None]:
     """Full-sequence forward of a left-padded batch: logits `[B, T, V]` (or final hidden `[B, T, D]`).
-    `dropout_key`: the randomness of LoRA dropout (unmerged adapters in `params`; nothing else drops)."""
-    return forward_routed(params, config, tokens, attention_mask, return_hidden=return_hidden,
-                          dropout_key=dropout_key)[0]
-
-
-def forward_routed(params: Params, config: ModelConfig, tokens: jax.Array, attention_mask: jax.Array, *,
-                   replay: jax.Array | None = None, return_hidden: bool = False,
-                   dropout_key: jax.Array | None = None) -> tuple[jax.Array, Routing | None]:
-    """`forward` that also returns every MoE layer's `Routing` (`experts [L, B, T, k]`, `logits [L, B, T, E]`; None
-    for a dense model) and replays `replay [L, B, T, k]` where given (`moe.route`)."""
-    out, _, routing = Decoder(config).apply(
-        {"params": params},
-        tokens,
-        positions_from_mask(attention_mask),
-        attention_mask,
-        return_hidden=return_hidden,
-        replay=replay,
-        token_mask=attention_mask,
-        return_routing=True,
-        rngs=None if dropout_key is None else {"dropout": dropout_key},
-    )
-    return out, routing
+    `dropout_key`: the randomness of LoRA dropout (unmerged adapters in `params`; nothing else drops). MoE:
+    `replay [L, B, T, k]` forces the experts where given (`moe.route`), and with `return_routing` the result is
+    `(out, Routing)` (`experts [L, B, T, k]`, `logits [L, B, T, E]`; None for a dense model)."""
+    hidden, routing = decoder_hidden(params, config, tokens, positions_from_mask(attention_mask), attention_mask,
+                                     replay=replay, token_mask=attention_mask, dropout_key=dropout_key)
+    out = hidden if return_hidden else unembed(params, config, hidden)
+    return (out, routing) if return_routing else out
 
 
 def forward_packed(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
-                   segments: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
+                   segments: jax.Array, *, replay: jax.Array | None = None, return_routing: bool = False,
+                   dropout_key: jax.Array | None = None) -> jax.Array | tuple[jax.Array, Routing | None]:
     """Final hidden states `[R, S, D]` of packed rows (`tokens, positions, segments [R, S]`, see
-    `jaxrl_llm.models.packing`): attention never crosses a segment, positions restart per sequence."""
-    return forward_packed_routed(params, config, tokens, positions, segments, dropout_key=dropout_key)[0]
-
-
-def forward_packed_routed(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
-                          segments: jax.Array, *, replay: jax.Array | None = None,
-                          dropout_key: jax.Array | None = None) -> tuple[jax.Array, Routing | None]:
-    """`forward_packed` that also returns every MoE layer's `Routing` over the rows (`[L, R, S, ...]`) and replays
-    `replay [L, R, S, k]` where given."""
-    out, _, routing = Decoder(config).apply(
-        {"params": params}, tokens, positions, segments > 0, return_hidden=True, segments=segments, replay=replay,
-        token_mask=segments > 0, return_routing=True, rngs=None if dropout_key is None else {"dropout": dropout_key},
-    )
-    return out, routing
+    `jaxrl_llm.models.packing`): attention never crosses a segment, positions restart per sequence. `replay
+    [L, R, S, k]`, `return_routing`: as `forward`'s, over the rows."""
+    hidden, routing = decoder_hidden(params, config, tokens, positions, segments > 0, segments=segments, replay=replay,
+                                     token_mask=segments > 0, dropout_key=dropout_key)
+    return (hidden, routing) if return_routing else hidden
 
 
 class RoutedHidden(NamedTuple):
-    """`completion_hidden_routed`'s result: the predicting hidden states `[N, T, D]`, every MoE layer's `Routing`
-    over the positions the forward ran on (`[L, B, S, ...]`: the padded `[N, P + T - 1]` or the packed `[R, S]`),
-    and those positions' mask `[B, S]` (1 = a real token)."""
+    """`completion_hidden`'s result: the predicting hidden states `[N, T, D]`, every MoE layer's `Routing` over the
+    positions the forward ran on (`[L, B, S, ...]`: the padded `[N, P + T - 1]` or the packed `[R, S]`; None for a
+    dense model), and those positions' mask `[B, S]` (1 = a real token)."""
 
     hidden: jax.Array
     routing: Routing | None
@@ -333,44 +320,46 @@ class RoutedHidden(NamedTuple):
 
 def completion_hidden(params: Params, config: ModelConfig, prompt_tokens: jax.Array, prompt_mask: jax.Array,
                       completion_tokens: jax.Array, completion_mask: jax.Array, *, layout: PackedLayout | None = None,
-                      dropout_key: jax.Array | None = None) -> jax.Array:
-    """The final hidden states that predict each completion token, `[N, T, D]`: one forward pass over
-    `prompt + completion[:-1]` (left-padded prompts `[N, P]`, right-padded completions `[N, T]`), the state at
-    position `P - 1 + t` predicting `y_t`. With a packed `layout` (`jaxrl_llm.models.packing`) the pass runs on its
-    rows, no padding computed, and the same states are gathered back to `[N, T, D]`."""
-    return completion_hidden_routed(params, config, prompt_tokens, prompt_mask, completion_tokens, completion_mask,
-                                    layout=layout, dropout_key=dropout_key).hidden
-
-
-def completion_hidden_routed(params: Params, config: ModelConfig, prompt_tokens: jax.Array, prompt_mask: jax.Array,
-                             completion_tokens: jax.Array, completion_mask: jax.Array, *,
-                             layout: PackedLayout | None = None, dropout_key: jax.Array | None = None,
-                             replay: jax.Array | None = None) -> RoutedHidden:
-    """`completion_hidden` with the routing of an MoE model (`RoutedHidden`). `replay [N, P + T, L, k]`: the experts
-    each token of `prompt + completion` was routed to where it was recorded (`moe.NO_RECORD` where not), replayed on
-    the forward's inputs (the last completion token is no input; packed rows get their tokens' records)."""
+                      dropout_key: jax.Array | None = None, replay: jax.Array | None = None) -> RoutedHidden:
+    """The final hidden states that predict each completion token, `[N, T, D]` (`RoutedHidden`, with an MoE model's
+    routing): one forward pass over `prompt + completion[:-1]` (left-padded prompts `[N, P]`, right-padded
+    completions `[N, T]`), the state at position `P - 1 + t` predicting `y_t`. With a packed `layout`
+    (`jaxrl_llm.models.packing`) the pass runs on its rows, no padding computed, and the same states are gathered back
+    to `[N, T, D]`. `replay [N, P + T, L, k]`: the experts each token of `prompt + completion` was routed to where it
+    was recorded (`moe.NO_RECORD` where not), replayed on the forward's inputs (the last completion token is no input;
+    packed rows get their tokens' records)."""
     p = prompt_tokens.shape[1]
     tokens, mask = model_inputs(prompt_tokens, completion_tokens), model_inputs(prompt_mask, completion_mask)
     forced = None if replay is None else replay[:, :-1].astype(jnp.int32)  # [N, S, L, k]
     if layout is None:
         if forced is not None:
             forced = jnp.moveaxis(forced, 2, 0)  # [L, N, S, k]
-        hidden, routing = forward_routed(params, config, tokens, mask, return_hidden=True, replay=forced,
-                                         dropout_key=dropout_key)
+        hidden, routing = forward(params, config, tokens, mask, return_hidden=True, replay=forced,
+                                  return_routing=True, dropout_key=dropout_key)
         return RoutedHidden(hidden[:, p - 1 :], routing, mask)
     rows, positions, segments = packed_inputs(tokens, mask, layout)
     if forced is not None:
         pad = layout.source < 0
         flat = forced.reshape(-1, *forced.shape[2:])[jnp.where(pad, 0, layout.source)]  # [R, S, L, k]
         forced = jnp.moveaxis(jnp.where(pad[..., None, None], NO_RECORD, flat), 2, 0)
-    hidden, routing = forward_packed_routed(params, config, rows, positions, segments, replay=forced,
-                                            dropout_key=dropout_key)
+    hidden, routing = forward_packed(params, config, rows, positions, segments, replay=forced, return_routing=True,
+                                     dropout_key=dropout_key)
     return RoutedHidden(gather_predictors(hidden, layout), routing, segments > 0)
+
+
+def embed(params: Params, config: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """Token embeddings `[..., D]` in the activation dtype (Gemma's scaled by `sqrt(D)`)."""
+    return embed_tokens(params["embed"]["embedding"], tokens, config)
+
+
+def final_norm(params: Params, config: ModelConfig, x: jax.Array) -> jax.Array:
+    """The final norm of the last layer's output `x [..., D]`."""
+    return rms_norm(x, params["final_norm"]["scale"], config.rms_norm_eps, unit_offset=config.norm_unit_offset)
 
 
 def unembed(params: Params, config: ModelConfig, hidden: jax.Array) -> jax.Array:
     """Logits from final hidden states with the model's (possibly tied) output matrix."""
-    return Decoder(config).apply({"params": params}, hidden, method=Decoder.unembed)
+    return _ends(params, config).unembed(hidden)
 
 
 def unembedding_as_stored(params: Params, config: ModelConfig) -> tuple[jax.Array, bool]:
@@ -379,23 +368,3 @@ def unembedding_as_stored(params: Params, config: ModelConfig) -> tuple[jax.Arra
     if config.tie_word_embeddings:
         return params["embed"]["embedding"], True
     return params["lm_head"]["kernel"], False
-
-
-def decode_step(
-    params: Params,
-    config: ModelConfig,
-    tokens: jax.Array,
-    positions: jax.Array,
-    key_mask: jax.Array,
-    cache: Cache,
-    cache_index: jax.Array | int,
-) -> tuple[jax.Array, Cache]:
-    """Run `tokens [B, T]` at cache slots `cache_index ... cache_index + T - 1`.
-
-    `key_mask [B, S]` must already mark the new slots valid. Returns `(logits [B, T, V], cache)`.
-    Prefill is `decode_step` with the whole prompt at `cache_index = 0`.
-    """
-    logits, cache = Decoder(config).apply(
-        {"params": params}, tokens, positions, key_mask, cache, cache_index
-    )
-    return logits, cache

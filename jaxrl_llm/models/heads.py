@@ -61,7 +61,7 @@ def critic_values(
     but meaningless; every consumer masks them.
     """
     hidden = completion_hidden(critic["decoder"], config, prompt_tokens, prompt_mask, completion_tokens,
-                               completion_mask, layout=layout)
+                               completion_mask, layout=layout).hidden
     return apply_scalar_head(critic["value_head"], hidden, config.jnp_dtype)
 
 

@@ -101,7 +101,7 @@ def _low_precision_einsum(spec: str, a: Array, b: Array, compute_dtype: jnp.dtyp
 
 def _low_precision_einsum_fwd(spec: str, a: Array, b: Array, compute_dtype: jnp.dtype) -> tuple[Array, tuple]:
     # The residuals are the operands as given, cast again in the backward: a weight is then the layer stack's
-    # own slice, which `nn.scan` does not copy into a stacked residual buffer, and an activation is usually
+    # own slice, which the layer scan does not copy into a stacked residual buffer, and an activation is usually
     # saved for its other consumers anyway (the SmolLM2 bf16 update: 11.5 s with bf16 copies, 9.8 s without).
     return _low_precision_einsum(spec, a, b, compute_dtype), (a, b)
 
@@ -141,7 +141,7 @@ def matmul(x: Array, w: Array, compute_dtype: jnp.dtype | str, out_dtype: jnp.dt
     instead of a batched contraction with transposes (the GRPO step 2.0-2.4 s -> 1.4 s on the bench model).
     """
     y = einsum("ik,kn->in", x.reshape(-1, x.shape[-1]), w, compute_dtype, out_dtype)
-    # The name `model.remat_policy=matmuls` saves (`decoder.remat_layer`): the dot itself sits inside a custom VJP
+    # The name `model.remat_policy=matmuls` saves (`decoder.layer_checkpoint`): the dot itself sits inside a custom VJP
     # under a low-precision policy, where `jax.checkpoint`'s dot policies cannot see it.
     return checkpoint_name(y.reshape(*x.shape[:-1], w.shape[-1]), WEIGHT_MATMUL)
 

@@ -18,15 +18,15 @@ Program shape (one XLA program per prompt bucket, completion bucket, batch size 
    lengths fall into one bucket reuses one compiled program; only *whether* greedy / top-k / top-p / min-p
    is on, `n`, `eos_ids` and `pad_id` are static (they change the program).
 
-The decoder's layers run unrolled over per-layer weights and caches, both through the one block
-(`models/block.py`): `decode_layers` (the Flax modules of `Decoder`) for the prefill, and `decode_token` (the
-block on fused q|k|v and gate|up weights, over caches laid out as the attention contractions read them, so XLA
-does not transpose the caches on every step) in the loop: inside a while loop, `nn.scan` over the stacked
+The decoder's layers run unrolled over per-layer weights and caches, both through the one layer stack
+(`models/stack.py: run_layers`): `decode_layers` (the training forward's Flax layers) for the prefill, and
+`decode_token` (the stack on fused q|k|v and gate|up weights, over caches laid out as the attention contractions read
+them, so XLA does not transpose the caches on every step) in the loop: inside a while loop, a scan over the stacked
 `[L, ...]` arrays would copy every layer's weights and cache slice out and the updated cache back on every token.
 
 KV-cache memory: allocated once per call, inside the jitted program, as one key and one value buffer per
-layer, `[B*n, KVH, hd, P_b + T_b]` and `[B*n, KVH, P_b + T_b, hd]` (together as large as the
-`[L, B*n, P_b + T_b, KVH, hd]` cache of `init_cache`), in the model's compute dtype:
+layer, `[B*n, KVH, hd, P_b + T_b]` and `[B*n, KVH, P_b + T_b, hd]` (together as large as one
+`[L, B*n, P_b + T_b, KVH, hd]` cache), in the model's compute dtype:
 
     cache_bytes = 2 * L * (B * n) * (P_b + T_b) * KVH * hd * itemsize(dtype)
 
@@ -70,11 +70,11 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decode import (
-    decode_token_routed,
+    decode_token,
     longrope_original,
     longrope_switch,
     loop_caches,
-    prefill_routed,
+    prefill,
     split_layers,
 )
 from jaxrl_llm.models.decoder import Params
@@ -192,8 +192,7 @@ def _token_step(params: Params, weights: list[StepWeights], config: ModelConfig,
             reach = jnp.max(first_position) + i  # transformers' seq_len of this call; the previous one was 1 less
             caches = jax.lax.cond((reach > original) & (reach - 1 <= original),
                                   lambda c: longrope_switch(c, config, key_positions), lambda c: c, caches)
-        return decode_token_routed(params, weights, config, token, first_position + i - 1, key_mask, caches, slot,
-                                   shards)
+        return decode_token(params, weights, config, token, first_position + i - 1, key_mask, caches, slot, shards)
 
     return step
 
@@ -225,7 +224,7 @@ def _sample_program(
     weights = [constrain_step_weights(w, mesh) for w in step_weights(layer_params, config, shards)]
 
     # Prefill the B prompts once; the n samples of a prompt share it.
-    logits, prompt_caches, prompt_experts = prefill_routed(params, layer_params, config, prompt_tokens, prompt_mask)
+    logits, prompt_caches, prompt_experts = prefill(params, layer_params, config, prompt_tokens, prompt_mask)
 
     logits = jnp.repeat(logits, n, axis=0)
     caches = _completion_caches(prompt_caches, n, new_tokens, mesh)

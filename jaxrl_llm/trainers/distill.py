@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jaxrl_llm.config import RunConfig
 from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.decoder import Params, completion_hidden, completion_hidden_routed, unembedding_as_stored
+from jaxrl_llm.models.decoder import Params, completion_hidden, unembedding_as_stored
 from jaxrl_llm.models.hf import load_hf_model, resolve_model_dir
 from jaxrl_llm.models.tokenizer import load_tokenizer
 from jaxrl_llm.models.weights import frozen_copy
@@ -108,9 +108,9 @@ def jsd_loss(params: Params, batch: PolicyBatch, *, model_config: ModelConfig, l
     the same pass without gradients; packed rows (`batch.layout`) serve both models."""
     c, t = loss_config, frozen["teacher"]
     args = (batch.prompt_tokens, batch.prompt_mask, batch.completion_tokens, batch.completion_mask)
-    routed = completion_hidden_routed(params, model_config, *args, layout=batch.layout, dropout_key=dropout_key)
+    routed = completion_hidden(params, model_config, *args, layout=batch.layout, dropout_key=dropout_key)
     hidden = routed.hidden
-    teacher_hidden = jax.lax.stop_gradient(completion_hidden(t, c.teacher, *args, layout=batch.layout))
+    teacher_hidden = jax.lax.stop_gradient(completion_hidden(t, c.teacher, *args, layout=batch.layout).hidden)
     n, length = batch.completion_tokens.shape
     (student_w, student_transposed), (teacher_w, teacher_transposed) = (unembedding_as_stored(params, model_config),
                                                                           unembedding_as_stored(t, c.teacher))

@@ -36,7 +36,7 @@ from jaxrl_llm.sampling.padding import left_pad, right_pad
 from jaxrl_llm.sharding import init_optimizer_state, train_state_shardings
 from jaxrl_llm.trainers.base import Collected, State
 from jaxrl_llm.trainers.evaluation import GreedyEvaluation
-from jaxrl_llm.trainers.objectives import routed_completion_logprobs, router_terms
+from jaxrl_llm.trainers.objectives import completion_logprobs, router_terms
 from jaxrl_llm.trainers.policy import export_policy, load_policy
 from jaxrl_llm.trainers.step import Metrics, jit_one_step_update, state_sharding
 from jaxrl_llm.trainers.supervised import ExampleAlgorithm, packed_example_batch
@@ -84,8 +84,8 @@ def routed_pair_logprobs(params: Params, config: ModelConfig, batch: PairBatch, 
     prompt_mask = jnp.concatenate([batch.prompt_mask, batch.prompt_mask])
     responses = jnp.concatenate([batch.chosen_tokens, batch.rejected_tokens])
     mask = jnp.concatenate([batch.chosen_mask, batch.rejected_mask])
-    logp, _, routed = routed_completion_logprobs(params, config, prompts, prompt_mask, responses, mask,
-                                                 block_mib=block_mib, dropout_key=dropout_key, layout=batch.layout)
+    logp, _, routed = completion_logprobs(params, config, prompts, prompt_mask, responses, mask,
+                                          block_mib=block_mib, dropout_key=dropout_key, layout=batch.layout)
     sums = (logp * mask.astype(jnp.float32)).sum(axis=1)
     return sums[: batch.prompt_tokens.shape[0]], sums[batch.prompt_tokens.shape[0]:], routed
 

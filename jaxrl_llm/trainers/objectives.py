@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_llm.config import RunConfig
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.decoder import Params, RoutedHidden, completion_hidden_routed, unembedding_as_stored
+from jaxrl_llm.models.decoder import Params, RoutedHidden, completion_hidden, unembedding_as_stored
 from jaxrl_llm.models.moe import NO_RECORD, expert_load, load_balancing_loss, router_disagreement, routing_confidence
 from jaxrl_llm.models.packing import PackedLayout
 from jaxrl_llm.rl.logprobs import logprob_chunk_size, token_logprobs_from_hidden
@@ -95,44 +95,32 @@ def policy_objective(c: RunConfig, *, beta: float) -> PolicyObjective:
                            router_aux_loss_coef=c.model.router_aux_loss_coef)
 
 
+class CompletionLogprobs(NamedTuple):
+    """`completion_logprobs`' result: `logp [N, T]` float32, the entropy `[N, T]` (None without `with_entropy`) and
+    the forward's `decoder.RoutedHidden` (an MoE model's routing, for its router terms and records)."""
+
+    logp: jax.Array
+    entropy: jax.Array | None
+    routed: RoutedHidden
+
+
 def completion_logprobs(
-    params: Params,
-    config: ModelConfig,
-    prompt_tokens: jax.Array,
-    prompt_mask: jax.Array,
-    completion_tokens: jax.Array,
-    completion_mask: jax.Array,
-    *,
-    temperature: float = 1.0,
-    with_entropy: bool = False,
-    block_mib: float = 256.0,
-    dropout_key: jax.Array | None = None,
-    layout: PackedLayout | None = None,
-) -> tuple[jax.Array, jax.Array | None]:
+    params: Params, config: ModelConfig, prompt_tokens: jax.Array, prompt_mask: jax.Array,
+    completion_tokens: jax.Array, completion_mask: jax.Array, *, temperature: float = 1.0,
+    with_entropy: bool = False, block_mib: float = 256.0, dropout_key: jax.Array | None = None,
+    layout: PackedLayout | None = None, replay: jax.Array | None = None,
+) -> CompletionLogprobs:
     """log pi(y_t | x, y_<t) at `temperature` for every completion token, `[N, T]` float32 (and entropy).
 
     One forward pass over `prompt + completion[:-1]` to the final hidden states `[N, T, D]`; the log-probs come
     from `token_logprobs_from_hidden` (`hidden @ W_out` in the compute dtype with float32 accumulation, one
     `[N, chunk, V]` float32 block at a time, see `logprob_chunk_size`), so neither `[N, P + T, V]` nor
     `[N, T, V]` logits are built for a large vocabulary. With a packed `layout` the forward pass runs on its rows
-    (`decoder.completion_hidden`: no padding computed): the same function.
+    (`decoder.completion_hidden`: no padding computed): the same function. An MoE model replays `replay [N, P + T, L,
+    k]` where given (`decoder.completion_hidden`).
     """
-    logp, entropy, _ = routed_completion_logprobs(
-        params, config, prompt_tokens, prompt_mask, completion_tokens, completion_mask, temperature=temperature,
-        with_entropy=with_entropy, block_mib=block_mib, dropout_key=dropout_key, layout=layout)
-    return logp, entropy
-
-
-def routed_completion_logprobs(
-    params: Params, config: ModelConfig, prompt_tokens: jax.Array, prompt_mask: jax.Array,
-    completion_tokens: jax.Array, completion_mask: jax.Array, *, temperature: float = 1.0,
-    with_entropy: bool = False, block_mib: float = 256.0, dropout_key: jax.Array | None = None,
-    layout: PackedLayout | None = None, replay: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array | None, RoutedHidden]:
-    """`completion_logprobs` with an MoE model's routing (`decoder.RoutedHidden`), replaying `replay [N, P + T, L,
-    k]` where given: `(logp [N, T], entropy or None, routed)`."""
-    routed = completion_hidden_routed(params, config, prompt_tokens, prompt_mask, completion_tokens, completion_mask,
-                                      layout=layout, dropout_key=dropout_key, replay=replay)
+    routed = completion_hidden(params, config, prompt_tokens, prompt_mask, completion_tokens, completion_mask,
+                               layout=layout, dropout_key=dropout_key, replay=replay)
     n, t = completion_tokens.shape
     chunk = logprob_chunk_size(n, t, config.vocab_size, block_mib)
     unembed, transposed = unembedding_as_stored(params, config)
@@ -141,7 +129,7 @@ def routed_completion_logprobs(
                                      logit_softcap=config.final_logit_softcap, compute_dtype=config.jnp_dtype,
                                      unembed_transposed=transposed)
     logp, entropy = out if with_entropy else (out, None)
-    return logp, entropy, routed
+    return CompletionLogprobs(logp, entropy, routed)
 
 
 def router_terms(routed: RoutedHidden, config: ModelConfig, coef: float, records: jax.Array | None = None,
@@ -186,7 +174,7 @@ def policy_loss(
     given, a traced coefficient in place of the objective's fixed one: the adaptive entropy controller's). An MoE
     model replays `batch.routing` under `routing_replay` and adds its router's terms (`router_terms`)."""
     c = loss_config
-    logp, entropy, routed = routed_completion_logprobs(
+    logp, entropy, routed = completion_logprobs(
         params, model_config, batch.prompt_tokens, batch.prompt_mask, batch.completion_tokens, batch.completion_mask,
         temperature=c.temperature, with_entropy=True, block_mib=c.logprob_block_mib, dropout_key=dropout_key,
         layout=batch.layout, replay=batch.routing if c.routing_replay else None,
@@ -214,7 +202,7 @@ def sft_loss(
 ) -> tuple[jax.Array, Metrics]:
     """Cross-entropy of the completion tokens: `-sum_t m_t log pi(y_t) / num_tokens` (token-mean), plus an MoE
     model's router terms (`router_terms`)."""
-    logp, _, routed = routed_completion_logprobs(
+    logp, _, routed = completion_logprobs(
         params, model_config, batch.prompt_tokens, batch.prompt_mask, batch.completion_tokens, batch.completion_mask,
         block_mib=loss_config.logprob_block_mib, dropout_key=dropout_key, layout=batch.layout,
     )
@@ -240,31 +228,6 @@ def batch_counts(batch: Any) -> tuple[jax.Array, jax.Array]:
     return mask.sum().astype(jnp.float32), (mask.sum(axis=1) > 0).sum().astype(jnp.float32)
 
 
-def make_logprob_fn(
-    mesh: Mesh, model_config: ModelConfig, temperature: float, params_sharding: Any = None, block_mib: float = 256.0
-) -> Callable[..., jax.Array]:
-    """Jitted `(params, prompt_tokens, prompt_mask, completion_tokens, completion_mask, layout=None) -> logp [N, T]`
-    (the reference model's pass, and the old policy's), batch split over `("data", "fsdp")`; with a packed `layout`
-    of the whole batch (`packing.batch_layout`, replicated) the forward pass runs on its rows: no padding computed,
-    the same log-probs."""
-    params_sharding = NamedSharding(mesh, PartitionSpec()) if params_sharding is None else params_sharding
-    rows, whole = batch_sharding(mesh), NamedSharding(mesh, PartitionSpec())
-
-    def fn(params: Params, pt: jax.Array, pm: jax.Array, ct: jax.Array, cm: jax.Array,
-           layout: PackedLayout | None = None) -> jax.Array:
-        return completion_logprobs(params, model_config, pt, pm, ct, cm, temperature=temperature,
-                                   block_mib=block_mib, layout=layout)[0]
-
-    padded = jax.jit(fn, in_shardings=(params_sharding, *[rows] * 4), out_shardings=rows)
-    packed = jax.jit(fn, in_shardings=(params_sharding, *[rows] * 4, whole), out_shardings=rows)
-
-    def call(params: Params, pt: jax.Array, pm: jax.Array, ct: jax.Array, cm: jax.Array,
-             layout: PackedLayout | None = None) -> jax.Array:
-        return padded(params, pt, pm, ct, cm) if layout is None else packed(params, pt, pm, ct, cm, layout)
-
-    return call
-
-
 def live_records(routed: RoutedHidden, config: ModelConfig, shape: tuple[int, int],
                  layout: PackedLayout | None = None) -> jax.Array:
     """The experts the router itself ranks top-k at every input position (its own choice, even where the pass replayed
@@ -286,29 +249,33 @@ def live_records(routed: RoutedHidden, config: ModelConfig, shape: tuple[int, in
     return jnp.pad(per_token, ((0, 0), (0, 1), (0, 0), (0, 0)), constant_values=NO_RECORD)
 
 
-def make_routed_logprob_fn(mesh: Mesh, model_config: ModelConfig, temperature: float, params_sharding: Any = None,
-                           block_mib: float = 256.0) -> Callable[..., tuple[jax.Array, jax.Array]]:
-    """An MoE model's whole-batch pass: jitted `(params, pt, pm, ct, cm, layout=None, replay=None) -> (logp [N, T],
-    live records [N, P + T, L, k])` (`live_records`: the trainer's router's own top-k at every input), replaying
-    `replay [N, P + T, L, k]` where given; batch split over `("data", "fsdp")` as `make_logprob_fn`'s."""
+def make_logprob_fn(mesh: Mesh, model_config: ModelConfig, temperature: float, params_sharding: Any = None,
+                    block_mib: float = 256.0, records: bool = False) -> Callable[..., Any]:
+    """The whole-batch pass (the reference model's, the old policy's): jitted `(params, pt, pm, ct, cm, layout=None,
+    replay=None) -> logp [N, T]`, batch split over `("data", "fsdp")`. With a packed `layout` of the whole batch
+    (`packing.batch_layout`, replicated) the forward pass runs on its rows: no padding computed, the same log-probs.
+    An MoE model replays `replay [N, P + T, L, k]` where given, and with `records` the result is `(logp, live records
+    [N, P + T, L, k])` (`live_records`: the router's own top-k at every input)."""
     params_sharding = NamedSharding(mesh, PartitionSpec()) if params_sharding is None else params_sharding
     rows, whole = batch_sharding(mesh), NamedSharding(mesh, PartitionSpec())
 
     def fn(params: Params, pt: jax.Array, pm: jax.Array, ct: jax.Array, cm: jax.Array,
-           layout: PackedLayout | None = None, replay: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-        logp, _, routed = routed_completion_logprobs(params, model_config, pt, pm, ct, cm, temperature=temperature,
-                                                     block_mib=block_mib, layout=layout, replay=replay)
+           layout: PackedLayout | None = None, replay: jax.Array | None = None) -> Any:
+        logp, _, routed = completion_logprobs(params, model_config, pt, pm, ct, cm, temperature=temperature,
+                                              block_mib=block_mib, layout=layout, replay=replay)
+        if not records:
+            return logp
         return logp, live_records(routed, model_config, (pt.shape[0], pt.shape[1] + ct.shape[1]), layout)
 
     compiled: dict[tuple[bool, bool], Any] = {}
 
     def call(params: Params, pt: jax.Array, pm: jax.Array, ct: jax.Array, cm: jax.Array,
-             layout: PackedLayout | None = None, replay: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+             layout: PackedLayout | None = None, replay: jax.Array | None = None) -> Any:
         key = (layout is not None, replay is not None)
         if key not in compiled:
             shardings = (params_sharding, *[rows] * 4, whole if layout is not None else None,
                          rows if replay is not None else None)
-            compiled[key] = jax.jit(fn, in_shardings=shardings, out_shardings=(rows, rows))
+            compiled[key] = jax.jit(fn, in_shardings=shardings, out_shardings=(rows, rows) if records else rows)
         return compiled[key](params, pt, pm, ct, cm, layout, replay)
 
     return call

@@ -33,7 +33,7 @@ from jaxrl_llm.rl.surrogates import NO_DUAL_CLIP, POLICY_LOSSES
 from jaxrl_llm.sharding import batch_divisor, batch_sharding, global_array
 from jaxrl_llm.trainers.base import Algorithm, Collected, State
 from jaxrl_llm.trainers.evaluation import EpisodeEvaluation, GreedyEvaluation
-from jaxrl_llm.trainers.objectives import make_logprob_fn, make_routed_logprob_fn
+from jaxrl_llm.trainers.objectives import make_logprob_fn
 from jaxrl_llm.trainers.policy import export_policy, load_policy
 from jaxrl_llm.trainers.rollouts import DriftMeter, Rollout, RolloutCollector, rollout_tokens
 from jaxrl_llm.trainers.step import Metrics, minibatch_rows, scanned_updates
@@ -195,7 +195,7 @@ def old_policy_logprobs(rollout_correction: str, sampler_logp: jax.Array, mask: 
 
 
 def routed_pass(c: RunConfig, policy: Any) -> Callable[..., tuple[jax.Array, jax.Array]] | None:
-    """An MoE policy's whole-batch pass with routing (`objectives.make_routed_logprob_fn`), None for a dense one
+    """An MoE policy's whole-batch pass with routing (`objectives.make_logprob_fn` with `records`), None for a dense one
     (whose `rl.routing_replay` must be `none`)."""
     mode = c.rl.routing_replay
     if not policy.model_config.is_moe:
@@ -203,8 +203,8 @@ def routed_pass(c: RunConfig, policy: Any) -> Callable[..., tuple[jax.Array, jax
             raise ConfigError(f"rl.routing_replay={mode} replays a mixture of experts' routing, and "
                               f"{c.model.path} is a dense model: set rl.routing_replay=none")
         return None
-    return make_routed_logprob_fn(policy.mesh, policy.model_config, c.sampling.temperature, policy.weights_sharding,
-                                  block_mib=c.model.logprob_block_mib)
+    return make_logprob_fn(policy.mesh, policy.model_config, c.sampling.temperature, policy.weights_sharding,
+                           block_mib=c.model.logprob_block_mib, records=True)
 
 
 def moe_old_policy(c: RunConfig, routed_fn: Callable[..., tuple[jax.Array, jax.Array]], weights: Any,

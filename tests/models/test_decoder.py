@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_llm.models.decoder import decode_step, forward, init_cache
+from jaxrl_llm.models.decode import decode_layers, init_caches, split_layers
+from jaxrl_llm.models.decoder import forward
 from jaxrl_llm.models.hf import ConversionError, load_hf_model
 from jaxrl_llm.models.hf_export import save_hf_model
 from jaxrl_llm.models.layers import positions_from_mask
@@ -122,10 +123,10 @@ def test_kv_cache_decoding_matches_full_forward(kind, hf_model_dir):
     prompt_len, new = 6, tokens.shape[1] - 6
     full = forward(params, config, jnp.asarray(tokens), jnp.asarray(mask))
 
-    step = jax.jit(lambda p, t, pos, km, c, i: decode_step(p, config, t, pos, km, c, i))
+    step = jax.jit(lambda p, t, pos, km, c, i: decode_layers(p, split_layers(p, config), config, t, pos, km, c, i)[:2])
     positions = positions_from_mask(jnp.asarray(mask))
     key_mask = jnp.zeros((3, tokens.shape[1] + 2), jnp.int32).at[:, :prompt_len].set(mask[:, :prompt_len])
-    cache = init_cache(config, 3, tokens.shape[1] + 2)
+    cache = init_caches(config, 3, tokens.shape[1] + 2)
     logits, cache = step(params, tokens[:, :prompt_len], positions[:, :prompt_len], key_mask, cache, 0)
     got = [logits]
     for i in range(prompt_len, prompt_len + new):
@@ -202,8 +203,8 @@ def test_stories260k_logit_parity():
 def _greedy(params, config, prompt: list[int], new_tokens: int) -> list[int]:
     """A plain jitted greedy loop on the KV cache (the fast sampler lives in jaxrl_llm.sampling)."""
     total = len(prompt) + new_tokens
-    cache = init_cache(config, 1, total)
-    step = jax.jit(lambda p, t, pos, km, c, i: decode_step(p, config, t, pos, km, c, i))
+    cache = init_caches(config, 1, total)
+    step = jax.jit(lambda p, t, pos, km, c, i: decode_layers(p, split_layers(p, config), config, t, pos, km, c, i)[:2])
     key_mask = jnp.zeros((1, total), jnp.int32).at[:, : len(prompt)].set(1)
     positions = jnp.arange(len(prompt))[None]
     logits, cache = step(params, jnp.asarray([prompt]), positions, key_mask, cache, 0)

@@ -15,7 +15,7 @@ import pytest
 
 from jaxrl_llm.errors import ConversionError
 from jaxrl_llm.models import moe
-from jaxrl_llm.models.decoder import forward, forward_routed
+from jaxrl_llm.models.decoder import forward
 from jaxrl_llm.models.hf import load_hf_model
 from jaxrl_llm.models.hf_config import config_from_hf
 from jaxrl_llm.models.hf_export import hf_state_dict, save_hf_model
@@ -51,7 +51,7 @@ def test_the_same_experts_are_chosen_as_transformers(kind, hf_model_dir):
     with torch.no_grad():
         out = _torch_forward(model, tokens, mask)
     theirs = np.stack([r.float().numpy() for r in out.router_logits])  # [L, B * T, E]
-    _, routing = forward_routed(params, config, jnp.asarray(tokens), jnp.asarray(mask))
+    _, routing = forward(params, config, jnp.asarray(tokens), jnp.asarray(mask), return_routing=True)
     k = config.num_experts_per_tok
     ours = np.asarray(routing.experts).reshape(config.num_layers, -1, k)
     valid = mask.reshape(-1).astype(bool)
@@ -218,13 +218,13 @@ def test_routing_replay_is_exact_and_the_router_still_learns(random_moe):
     config, params = random_moe
     tokens, mask = left_padded_batch(config.vocab_size, [10, 6], seed=5)
     t, m = jnp.asarray(tokens), jnp.asarray(mask)
-    live_logits, live = forward_routed(params, config, t, m)
+    live_logits, live = forward(params, config, t, m, return_routing=True)
 
     def loss(p, replay):
-        logits, _ = forward_routed(p, config, t, m, replay=replay)
+        logits, _ = forward(p, config, t, m, replay=replay, return_routing=True)
         return jnp.sum(jnp.sin(logits) * mask[..., None])
 
-    replayed_logits, replayed = forward_routed(params, config, t, m, replay=live.experts)
+    replayed_logits, replayed = forward(params, config, t, m, replay=live.experts, return_routing=True)
     np.testing.assert_array_equal(np.asarray(replayed_logits), np.asarray(live_logits))
     g_live, g_replay = jax.grad(loss)(params, None), jax.grad(loss)(params, live.experts)
     for a, b in zip(jax.tree.leaves(g_live), jax.tree.leaves(g_replay), strict=True):
@@ -232,7 +232,7 @@ def test_routing_replay_is_exact_and_the_router_still_learns(random_moe):
 
     # Another selection: each token's two least likely experts.
     other = jnp.argsort(live.logits, axis=-1)[..., :2].astype(jnp.int32)
-    logits, routing = forward_routed(params, config, t, m, replay=other)
+    logits, routing = forward(params, config, t, m, replay=other, return_routing=True)
     np.testing.assert_array_equal(np.asarray(routing.experts), np.asarray(other))
     disagreement = moe.router_disagreement(routing.experts.reshape(2, -1, 2), other.reshape(2, -1, 2))
     assert float(disagreement.max()) == 0.0
@@ -249,7 +249,7 @@ def test_routing_replay_is_exact_and_the_router_still_learns(random_moe):
 
     # No record on the first row: its tokens route live, the second row's are replayed.
     partial = other.at[:, 0].set(moe.NO_RECORD)
-    _, mixed = forward_routed(params, config, t, m, replay=partial)
+    _, mixed = forward(params, config, t, m, replay=partial, return_routing=True)
     np.testing.assert_array_equal(np.asarray(mixed.experts[:, 0]), np.asarray(live.experts[:, 0]))
     np.testing.assert_array_equal(np.asarray(mixed.experts[:, 1]), np.asarray(other[:, 1]))
 
@@ -418,7 +418,7 @@ def test_the_samplers_record_the_experts_the_trainer_would_choose(sampler, hf_mo
     assert (lengths < 10).any() and (lengths == 10).any()  # some rows stopped on EOS, some ran to the limit
     full = np.concatenate([np.repeat(tokens, 2, axis=0), np.asarray(out.tokens)], axis=1)
     full_mask = np.concatenate([prompt_mask, np.asarray(out.mask)], axis=1)
-    _, live = forward_routed(params, config, jnp.asarray(full), jnp.asarray(full_mask))
+    _, live = forward(params, config, jnp.asarray(full), jnp.asarray(full_mask), return_routing=True)
     live = np.moveaxis(np.asarray(live.experts), 0, 2)  # [N, S, L, k]
     np.testing.assert_array_equal(np.sort(routing, -1)[recorded], np.sort(live, -1)[recorded])
 
@@ -427,7 +427,7 @@ def test_records_replay_the_same_through_packed_rows(random_moe):
     """A record replayed through a packed layout gives the padded layout's log-probs, and the packed pass's own
     records (`live_records`) equal the padded pass's: the records travel with their tokens through packing."""
     from jaxrl_llm.models.packing import batch_layout
-    from jaxrl_llm.trainers.objectives import live_records, routed_completion_logprobs
+    from jaxrl_llm.trainers.objectives import completion_logprobs, live_records
 
     config, params = random_moe
     rng = np.random.default_rng(3)
@@ -439,16 +439,16 @@ def test_records_replay_the_same_through_packed_rows(random_moe):
     layout, _, _ = batch_layout(valid, pt.shape[1])
     assert layout.source.shape[0] < 4  # some sequences share a row
     args = tuple(map(jnp.asarray, (pt, pm, ct, cm)))
-    _, _, padded = routed_completion_logprobs(params, config, *args)
+    _, _, padded = completion_logprobs(params, config, *args)
     records = live_records(padded, config, (4, pt.shape[1] + 7))
-    _, _, packed = routed_completion_logprobs(params, config, *args, layout=layout)
+    _, _, packed = completion_logprobs(params, config, *args, layout=layout)
     np.testing.assert_array_equal(np.asarray(live_records(packed, config, (4, pt.shape[1] + 7), layout)),
                                   np.asarray(records))
     # Replay a selection unlike the router's (its least likely experts) both ways: the same log-probs.
     other = jnp.where(records != moe.NO_RECORD, (records + 3) % config.num_experts, moe.NO_RECORD)
-    logp_padded, _, _ = routed_completion_logprobs(params, config, *args, replay=other)
-    logp_packed, _, _ = routed_completion_logprobs(params, config, *args, layout=layout, replay=other)
-    logp_live, _, _ = routed_completion_logprobs(params, config, *args)
+    logp_padded, _, _ = completion_logprobs(params, config, *args, replay=other)
+    logp_packed, _, _ = completion_logprobs(params, config, *args, layout=layout, replay=other)
+    logp_live, _, _ = completion_logprobs(params, config, *args)
     np.testing.assert_allclose(np.asarray(logp_packed)[cm > 0], np.asarray(logp_padded)[cm > 0], atol=1e-5)
     assert float(np.abs(np.asarray(logp_padded) - np.asarray(logp_live))[cm > 0].max()) > 1e-3
 
@@ -696,10 +696,10 @@ def test_multi_turn_episodes_record_every_token_the_sampler_routed(chatty_moe_ta
         chosen = routing[r, width - prompt:width + tokens - 1]
         assert ((chosen >= 0) & (chosen < 16)).all() and (chosen[..., 0] != chosen[..., 1]).all()
     # Replayed in the update's forward, every recorded token of every turn is routed to its recorded experts.
-    from jaxrl_llm.trainers.objectives import routed_completion_logprobs
+    from jaxrl_llm.trainers.objectives import completion_logprobs
 
     params = algo.policy.model_weights(algo.init()["params"])
-    _, _, routed = routed_completion_logprobs(params, algo.policy.model_config, ro.prompt_tokens, ro.prompt_mask,
+    _, _, routed = completion_logprobs(params, algo.policy.model_config, ro.prompt_tokens, ro.prompt_mask,
                                               ro.out.tokens, ro.out.mask, replay=jnp.asarray(routing))
     used = np.moveaxis(np.asarray(routed.routing.experts), 0, 2)  # [N, P + T - 1, L, k]
     recorded = routing[:, :-1, 0, 0] != NO_RECORD

@@ -219,8 +219,8 @@ def test_packed_logprobs_equal_padded_across_families(family):
     batch, layout = _batch_and_layout(1, n=6)
     args = (params, config, batch.prompt_tokens, batch.prompt_mask, batch.completion_tokens, batch.completion_mask)
     fn = jax.jit(functools.partial(completion_logprobs, with_entropy=True), static_argnums=1)
-    logp, entropy = fn(*args)
-    logp_p, entropy_p = fn(*args, layout=layout)
+    logp, entropy, _ = fn(*args)
+    logp_p, entropy_p, _ = fn(*args, layout=layout)
     m = np.asarray(batch.completion_mask, bool)
     np.testing.assert_allclose(np.asarray(logp_p)[m], np.asarray(logp)[m], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(entropy_p)[m], np.asarray(entropy)[m], rtol=1e-5, atol=1e-5)
@@ -387,8 +387,13 @@ def test_a_token_budget_run_trains_as_one_micro_batch(tiny_task, tmp_path):
                  "rl.max_tokens_per_microbatch=100")
     for a, b in zip(whole, split, strict=True):
         assert b["update/micro_batches"] > 1 and a["update/micro_batches"] == 1
-        for key in ("loss", "grad_norm", "kl", "entropy"):
+        for key in ("loss", "kl", "entropy"):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+        # A step's logged gradient norm is the mean over its minibatches, and every minibatch after the first starts
+        # from weights Adam moved: its first steps are about sign(g) per coordinate, so the float32 rounding of a
+        # coordinate near zero (summed in another order over micro-batches) moves the weights apart by up to a
+        # learning rate. Measured: 3.5e-5 and 1.2e-4 relative on the two steps of this run.
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=5e-4), "grad_norm"
 
 
 def test_packing_is_on_where_it_pays():

@@ -57,15 +57,15 @@ def _programs(config: ModelConfig) -> dict[str, str]:
     pt, pm, ct, cm = _batch(np.random.default_rng(0))
 
     def loss(p):
-        logp, ent = completion_logprobs(p, config, pt, pm, ct, cm, with_entropy=True, block_mib=0.001)
+        logp, ent, _ = completion_logprobs(p, config, pt, pm, ct, cm, with_entropy=True, block_mib=0.001)
         return -(logp * cm).sum() - ent.sum()
 
     def token_step(p):
         layers = split_layers(p, config)
-        logits, caches = prefill(p, layers, config, pt, pm)
+        logits, caches, _ = prefill(p, layers, config, pt, pm)
         caches = [{k: jnp.pad(v, ((0, 0), (0, 2), (0, 0), (0, 0))) for k, v in c.items()} for c in caches]
         key_mask = jnp.concatenate([pm, jnp.ones((3, 2), jnp.int32)], axis=1)
-        out, _ = decode_token(p, step_weights(layers, config), config, jnp.argmax(logits, -1),
+        out, _, _ = decode_token(p, step_weights(layers, config), config, jnp.argmax(logits, -1),
                               jnp.full((3,), 5), key_mask, loop_caches(caches), jnp.int32(5))
         return out
 
@@ -163,7 +163,7 @@ def test_bf16_activation_path_of_other_backends(monkeypatch, gemma):
     assert (np.asarray(logits).argmax(-1) == np.asarray(ref).argmax(-1))[valid].mean() >= 0.9
 
     def loss(p):
-        logp, ent = completion_logprobs(p, config, pt, pm, ct, cm, with_entropy=True, block_mib=0.001)
+        logp, ent, _ = completion_logprobs(p, config, pt, pm, ct, cm, with_entropy=True, block_mib=0.001)
         assert logp.dtype == jnp.float32
         return -(logp * cm).sum() - ent.sum()
 
@@ -210,7 +210,7 @@ def test_the_update_compiles_to_bf16_dots_only_with_tied_embeddings():
     pm, cm = jnp.ones_like(pt), jnp.ones_like(ct)
 
     def loss(p):
-        logp, ent = completion_logprobs(p, config, pt, pm, ct, cm, with_entropy=True, block_mib=0.5)
+        logp, ent, _ = completion_logprobs(p, config, pt, pm, ct, cm, with_entropy=True, block_mib=0.5)
         return -(logp * cm).sum() - ent.sum()
 
     types = compiled_dot_operand_types(jax.jit(jax.grad(loss)).lower(params).compile().as_text())

@@ -12,8 +12,8 @@ from scipy import stats
 
 from jaxrl_llm import sampling as sampling_module
 from jaxrl_llm.errors import UsageError
-from jaxrl_llm.models.decode import decode_layers, decode_token, loop_caches, split_layers
-from jaxrl_llm.models.decoder import decode_step, init_cache
+from jaxrl_llm.models.decode import decode_layers, decode_token, init_caches, loop_caches, split_layers
+from jaxrl_llm.models.decoder import forward
 from jaxrl_llm.models.hf import load_hf_model
 from jaxrl_llm.models.layers import positions_from_mask
 from jaxrl_llm.models.step_weights import step_weights
@@ -266,29 +266,28 @@ def test_greedy_logprobs_equal_fresh_forward_pass(hf_model_dir):
 
 
 def test_unrolled_decode_equals_decoder(hf_model_dir):
-    """The sampler's unrolled layer loop computes what `decode_step` computes (prefill and one token)."""
+    """The sampler's unrolled layer loop over per-layer caches (a prefill, then one token at cache slot 9) computes
+    what the training forward computes over the whole sequence."""
     config, params = load_hf_model(hf_model_dir("mistral"))  # sliding window: the allowed mask matters
-    tokens, mask = left_padded_batch(config.vocab_size, [9, 5], seed=8)
+    tokens, mask = left_padded_batch(config.vocab_size, [10, 6], seed=8)  # the last column is the decoded token
     positions = positions_from_mask(jnp.asarray(mask))
-    key_mask = jnp.concatenate([jnp.asarray(mask), jnp.ones((2, 1), jnp.int32)], axis=1)
-    cache = init_cache(config, 2, 10)
-    step = jax.jit(decode_step, static_argnums=1)
-    want, cache = step(params, config, tokens, positions, key_mask, cache, 0)
-    want_next, _ = step(params, config, tokens[:, :1], positions[:, -1:] + 1, key_mask, cache, 9)
-    caches = [{"k": cache["k"][i] * 0, "v": cache["v"][i] * 0} for i in range(config.num_layers)]
-    unrolled = jax.jit(lambda p, *args: decode_layers(p, split_layers(p, config), config, *args))
-    got, caches = unrolled(params, jnp.asarray(tokens), positions, key_mask, caches, 0)
-    got_next, _ = unrolled(params, jnp.asarray(tokens[:, :1]), positions[:, -1:] + 1, key_mask, caches, 9)
-    np.testing.assert_allclose(got, want, atol=1e-5)
-    np.testing.assert_allclose(got_next, want_next, atol=1e-5)
+    full = np.asarray(forward(params, config, jnp.asarray(tokens), jnp.asarray(mask)))
+    unrolled = jax.jit(lambda p, *args: decode_layers(p, split_layers(p, config), config, *args)[:2])
+    key_mask = jnp.asarray(mask)
+    caches = init_caches(config, 2, 10)
+    got, caches = unrolled(params, jnp.asarray(tokens[:, :9]), positions[:, :9], key_mask.at[:, 9].set(0), caches, 0)
+    got_next, _ = unrolled(params, jnp.asarray(tokens[:, 9:]), positions[:, 9:], key_mask, caches, 9)
+    valid = mask[:, :9] > 0
+    np.testing.assert_allclose(np.asarray(got)[valid], full[:, :9][valid], atol=1e-5)
+    np.testing.assert_allclose(got_next[:, 0], full[:, 9], atol=1e-5)
 
 
 @pytest.mark.parametrize("shards", [1, 2])
 @pytest.mark.parametrize("kind", ["mistral", "qwen3", "llama_linear_rope_bias"])
 def test_token_step_equals_decoder(kind, shards, hf_model_dir):
-    """The decode loop's token step (head-major caches, fused matmuls) computes what `decode_step` computes:
-    sliding window (mistral), q/k norms (qwen3), o/MLP biases (llama_linear_rope_bias); also with q|k|v and
-    gate|up fused shard-major for 2 tensor-parallel shards."""
+    """The decode loop's token step (head-major caches, fused matmuls) computes what the Flax layers over per-layer
+    caches compute (`decode_layers`): sliding window (mistral), q/k norms (qwen3), o/MLP biases
+    (llama_linear_rope_bias); also with q|k|v and gate|up fused shard-major for 2 tensor-parallel shards."""
     config, params = load_hf_model(hf_model_dir(kind))
     from jaxrl_llm.models.step_weights import fusable_shards
 
@@ -296,16 +295,15 @@ def test_token_step_equals_decoder(kind, shards, hf_model_dir):
     tokens, mask = left_padded_batch(config.vocab_size, [9, 5], seed=8)
     positions = positions_from_mask(jnp.asarray(mask))
     key_mask = jnp.concatenate([jnp.asarray(mask), jnp.ones((2, 1), jnp.int32)], axis=1)
-    step = jax.jit(decode_step, static_argnums=1)
-    _, cache = step(params, config, tokens, positions, key_mask, init_cache(config, 2, 10), 0)
-    want, want_cache = step(params, config, tokens[:, :1], positions[:, -1:] + 1, key_mask, cache, 9)
-    caches = loop_caches([{"k": cache["k"][i], "v": cache["v"][i]} for i in range(config.num_layers)])
+    step = jax.jit(lambda p, *args: decode_layers(p, split_layers(p, config), config, *args)[:2])
+    _, cache = step(params, tokens, positions, key_mask, init_caches(config, 2, 10), 0)
+    want, want_cache = step(params, tokens[:, :1], positions[:, -1:] + 1, key_mask, cache, 9)
     token_step = jax.jit(lambda p, *args: decode_token(p, step_weights(split_layers(p, config), config, shards),
-                                                       config, *args, shards))
-    got, got_caches = token_step(params, jnp.asarray(tokens[:, 0]), positions[:, -1] + 1, key_mask, caches, 9)
+                                                       config, *args, shards)[:2])
+    got, got_caches = token_step(params, jnp.asarray(tokens[:, 0]), positions[:, -1] + 1, key_mask,
+                                 loop_caches(cache), 9)
     np.testing.assert_allclose(got, want[:, 0], atol=1e-5)
-    want_caches = loop_caches([{"k": want_cache["k"][i], "v": want_cache["v"][i]} for i in range(config.num_layers)])
-    for layer_cache, want_layer in zip(got_caches, want_caches, strict=True):
+    for layer_cache, want_layer in zip(got_caches, loop_caches(want_cache), strict=True):
         for name in ("k", "v"):
             np.testing.assert_allclose(layer_cache[name], want_layer[name], atol=1e-5)
 
@@ -329,13 +327,13 @@ def test_n_samples_share_one_prefill_and_are_prompt_major(hf_model_dir, monkeypa
     config, params = load_hf_model(hf_model_dir("qwen2"))
     tokens, mask = left_padded_batch(config.vocab_size, [4, 7, 2], seed=5)
     prefill_batches = []
-    original = sampling_module.prefill_routed
+    original = sampling_module.prefill
 
     def recording_prefill(params, layer_params, config, tokens, mask):
         prefill_batches.append(tokens.shape[0])  # at trace time
         return original(params, layer_params, config, tokens, mask)
 
-    monkeypatch.setattr(sampling_module, "prefill_routed", recording_prefill)
+    monkeypatch.setattr(sampling_module, "prefill", recording_prefill)
     greedy = sample(params, config, tokens, mask, jax.random.key(0), SamplingConfig(12, greedy=True, n=3))
     single = sample(params, config, tokens, mask, jax.random.key(0), SamplingConfig(12, greedy=True))
     assert prefill_batches == [3, 3]  # B = 3 prompts prefilled, not B * n = 9 rows
@@ -371,13 +369,13 @@ def test_one_compile_per_bucket(hf_model_dir, monkeypatch):
     """Calls whose prompt length, max_new_tokens and knob values fall into one bucket reuse one program."""
     config, params = load_hf_model(hf_model_dir("llama3_rope"))
     traces = []
-    original = sampling_module.prefill_routed
+    original = sampling_module.prefill
 
     def counting_prefill(*args):
         traces.append(1)
         return original(*args)
 
-    monkeypatch.setattr(sampling_module, "prefill_routed", counting_prefill)
+    monkeypatch.setattr(sampling_module, "prefill", counting_prefill)
     programs = compiled_program_count()
     calls = [([3, 5, 2, 1, 4], 5, dict(temperature=1.0, top_k=3)),
              ([16, 1, 9, 9, 2], 16, dict(temperature=0.5, top_k=40)),
