@@ -121,6 +121,7 @@ def time_train_step(args: argparse.Namespace, mesh: Any, config: Any, shardings:
 
 def main() -> None:
     args = parse_args()
+    from jaxrl_llm.models.sequences import Sequences
     from jaxrl_llm.sharding import global_array
     from jaxrl_llm.trainers.objectives import PolicyBatch
 
@@ -131,8 +132,9 @@ def main() -> None:
     out, tokens_per_s = time_sampler(args, mesh, config, params, prompts)
     rows = args.prompts * args.group
     old = np.asarray(out.logprobs_untruncated, np.float32)
-    batch = PolicyBatch(np.repeat(prompts, args.group, 0), np.repeat(mask, args.group, 0), np.asarray(out.tokens),
-                        np.asarray(out.mask), old, old, rng.normal(size=rows).astype(np.float32))
+    sequences = Sequences(np.repeat(prompts, args.group, 0), np.repeat(mask, args.group, 0), np.asarray(out.tokens),
+                          np.asarray(out.mask))
+    batch = PolicyBatch(sequences, old, old, rng.normal(size=rows).astype(np.float32))
     batch = jax.tree.map(lambda x: global_array(x, mesh), batch)
     step_s, step_compile, metrics = time_train_step(args, mesh, config, shardings, params, batch)
     flops = train_flops(model_dims(config), rows, args.prompt_len, args.new_tokens)

@@ -95,6 +95,7 @@ def update_program(config: Any, context: int, sequence: int = 1) -> tuple[Any, t
     from jaxrl_llm.config import OptimSection
     from jaxrl_llm.models.decoder import param_shapes
     from jaxrl_llm.models.packing import PackedLayout, batch_layout
+    from jaxrl_llm.models.sequences import Sequences
     from jaxrl_llm.optim import make_optimizer
     from jaxrl_llm.trainers.objectives import PolicyBatch, PolicyObjective, policy_loss
     from jaxrl_llm.trainers.step import train_step
@@ -122,7 +123,8 @@ def update_program(config: Any, context: int, sequence: int = 1) -> tuple[Any, t
     def floats(*shape: int) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=placed)
 
-    batch = PolicyBatch(ints(1, PROMPT), ints(1, PROMPT), ints(1, new), ints(1, new), floats(1, new), floats(1, new),
+    batch = PolicyBatch(Sequences(ints(1, PROMPT), ints(1, PROMPT), ints(1, new), ints(1, new)), floats(1, new),
+                        floats(1, new),
                         floats(1), layout=PackedLayout(ints(*layout.source.shape), ints(*layout.predictor.shape)))
     step = functools.partial(train_step, loss_fn=policy_loss, model_config=config,
                              loss_config=PolicyObjective(beta=0.04, max_len=new, logprob_block_mib=256.0),

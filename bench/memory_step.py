@@ -53,6 +53,7 @@ def main() -> None:
     from jaxrl_llm.config import OptimSection
     from jaxrl_llm.models.decoder import param_shapes
     from jaxrl_llm.models.hf import config_from_hf
+    from jaxrl_llm.models.sequences import Sequences
     from jaxrl_llm.optim import make_optimizer
     from jaxrl_llm.trainers.objectives import PolicyBatch, PolicyObjective, policy_loss
     from jaxrl_llm.trainers.step import train_step
@@ -65,7 +66,8 @@ def main() -> None:
     shapes = param_shapes(config)
     ints = lambda t: jax.ShapeDtypeStruct((rows, t), jnp.int32)  # noqa: E731
     floats = lambda t: jax.ShapeDtypeStruct((rows, t), jnp.float32)  # noqa: E731
-    batch = PolicyBatch(ints(args.prompt_len), ints(args.prompt_len), ints(args.new_tokens), ints(args.new_tokens),
+    batch = PolicyBatch(Sequences(ints(args.prompt_len), ints(args.prompt_len), ints(args.new_tokens),
+                                  ints(args.new_tokens)),
                         floats(args.new_tokens), floats(args.new_tokens), jax.ShapeDtypeStruct((rows,), jnp.float32))
     loss_config = PolicyObjective(beta=args.beta, max_len=args.new_tokens, logprob_block_mib=args.logprob_block_mib)
     step = functools.partial(train_step, loss_fn=policy_loss, model_config=config, loss_config=loss_config,

@@ -40,6 +40,7 @@ from bench.common import add_int_options, best_seconds, random_hf_model  # noqa:
 from jaxrl_llm.engine import Engine, engine_sample  # noqa: E402
 from jaxrl_llm.models import moe  # noqa: E402
 from jaxrl_llm.models.hf import load_hf_model  # noqa: E402
+from jaxrl_llm.models.sequences import Sequences  # noqa: E402
 from jaxrl_llm.sampling import SamplingConfig  # noqa: E402
 from jaxrl_llm.trainers.objectives import completion_logprobs  # noqa: E402
 
@@ -132,7 +133,7 @@ def replay(args: argparse.Namespace, rollout: tuple) -> None:
 
     def step(replayed):  # noqa: ANN001, ANN202 - the update's forward + backward, with or without the record
         def loss(p):  # noqa: ANN001, ANN202
-            logp, _, _ = completion_logprobs(p, config, pt, pm, ct, cm, replay=records if replayed else None)
+            logp, _, _ = completion_logprobs(p, config, Sequences(pt, pm, ct, cm), replay=records if replayed else None)
             return jnp.sum(logp * cm)
 
         return jax.jit(jax.grad(loss))

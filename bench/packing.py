@@ -34,6 +34,7 @@ from jaxrl_llm.config import OptimSection  # noqa: E402
 from jaxrl_llm.models.decoder import init_params  # noqa: E402
 from jaxrl_llm.models.hf import config_from_hf, load_hf_model  # noqa: E402
 from jaxrl_llm.models.packing import batch_layout, update_layouts  # noqa: E402
+from jaxrl_llm.models.sequences import Sequences  # noqa: E402
 from jaxrl_llm.models.weights import master_weights  # noqa: E402
 from jaxrl_llm.optim import make_optimizer  # noqa: E402
 from jaxrl_llm.sharding import MeshShape, init_optimizer_state, make_mesh, param_shardings  # noqa: E402
@@ -61,7 +62,7 @@ def grpo_shaped_batch(rows: int, max_new: int, vocab: int, seed: int = 0) -> Pol
     ct = np.where(cm, rng.integers(3, vocab, (rows, t)), 0).astype(np.int32)
     old = (rng.normal(-3.0, 1.0, (rows, t)) * cm).astype(np.float32)
     adv = rng.normal(0.0, 1.0, rows).astype(np.float32)
-    return PolicyBatch(pt, pm, ct, cm, old, old, adv)
+    return PolicyBatch(Sequences(pt, pm, ct, cm), old, old, adv)
 
 
 def main() -> None:

@@ -35,6 +35,7 @@ import optax
 from jaxrl_llm.data import bucket, read_jsonl
 from jaxrl_llm.models.decoder import completion_hidden, unembed
 from jaxrl_llm.models.hf import load_hf_model
+from jaxrl_llm.models.sequences import Sequences
 from jaxrl_llm.models.tokenizer import load_tokenizer
 from jaxrl_llm.rl import group_normalized_advantages, token_logprobs
 from jaxrl_llm.sampling import SampleOutput, SamplingConfig, sample
@@ -77,7 +78,8 @@ def exact_answer(completions: list[str], answers: list[str]) -> np.ndarray:
 def completion_logp(params: Any, config: Any, batch: Batch, temperature: float) -> jax.Array:
     """log pi(y_t | x, y_<t) `[N, T]`: one forward over prompt + completion[:-1], the state at P - 1 + t
     predicting y_t, its logits at `temperature`."""
-    hidden = completion_hidden(params, config, batch.prompt_tokens, batch.prompt_mask, batch.tokens, batch.mask).hidden
+    sequences = Sequences(batch.prompt_tokens, batch.prompt_mask, batch.tokens, batch.mask)
+    hidden = completion_hidden(params, config, sequences).hidden
     return token_logprobs(unembed(params, config, hidden), batch.tokens, temperature=temperature)
 
 

@@ -13,6 +13,7 @@ import numpy as np
 from jaxrl_llm.engine import Engine
 from jaxrl_llm.models.decoder import init_params
 from jaxrl_llm.models.hf import config_from_hf
+from jaxrl_llm.models.sequences import Sequences
 from jaxrl_llm.optim import make_optimizer
 from jaxrl_llm.trainers.objectives import PolicyBatch
 from tests.families import TINY
@@ -46,9 +47,9 @@ def fixed_update_setup():
     config = config_from_hf({**TINY, "vocab_size": 19})
     params = init_params(config, jax.random.key(1))
     pt, pm, ct, cm, adv = fixed_batch(config)
-    old = completion_logprobs(params, config, pt, pm, ct, cm)[0]
+    old = completion_logprobs(params, config, Sequences(pt, pm, ct, cm))[0]
     optimizer, _ = make_optimizer(OptimSection(learning_rate=0.05, max_grad_norm=0.0), 10)
-    return config, params, PolicyBatch(pt, pm, ct, cm, old, jnp.zeros_like(old), adv), optimizer
+    return config, params, PolicyBatch(Sequences(pt, pm, ct, cm), old, jnp.zeros_like(old), adv), optimizer
 
 
 def random_rollout(params: Any, config: Any, rng: np.random.Generator, n: int, p_len: int, t_len: int,
@@ -61,7 +62,7 @@ def random_rollout(params: Any, config: Any, rng: np.random.Generator, n: int, p
     pt = np.where(pm, rng.integers(1, vocab, (n, p_len)), 0).astype(np.int32)
     cm = (np.arange(t_len)[None] < rng.integers(1, t_len + 1, n)[:, None]).astype(np.int32)
     ct = np.where(cm, rng.integers(1, vocab, (n, t_len)), 0).astype(np.int32)
-    return pt, pm, ct, cm, np.asarray(completion_logprobs(params, config, pt, pm, ct, cm)[0])
+    return pt, pm, ct, cm, np.asarray(completion_logprobs(params, config, Sequences(pt, pm, ct, cm))[0])
 
 
 def small_engine(config, **overrides) -> Engine:

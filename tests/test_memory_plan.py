@@ -71,7 +71,8 @@ for name, hf, mesh_sizes, sequences, cache_len in json.loads(sys.argv[1]):
     opt_state = jax.jit(optimizer.init, out_shardings=state_shardings)(params)
     shape = (config.num_layers, sequences, cache_len, config.num_kv_heads, config.head_dim)
     cache_sharding = NamedSharding(mesh, sharding.fit_spec(KV_CACHE_SPEC, shape, mesh))
-    cache = jax.jit(lambda: jnp.zeros(shape, config.jnp_dtype), out_shardings=cache_sharding)()
+    cache = jax.jit(lambda: {"k": jnp.zeros(shape, config.jnp_dtype), "v": jnp.zeros(shape, config.jnp_dtype)},
+                    out_shardings={"k": cache_sharding, "v": cache_sharding})()
     out[name] = dict(params=sharding.local_bytes(params), gradients=sharding.local_bytes(grads),
                      optimizer=sharding.local_bytes(opt_state), kv_cache=sharding.local_bytes(cache),
                      total_params=sum(x.nbytes for x in jax.tree.leaves(params)))
@@ -291,6 +292,7 @@ def test_activation_estimate_against_compiled_train_step(remat: bool) -> None:
     shows up here: re-measure and update `plan.activation_bytes` then.
     """
     from jaxrl_llm.config import OptimSection
+    from jaxrl_llm.models.sequences import Sequences
     from jaxrl_llm.optim import make_optimizer
     from jaxrl_llm.trainers.objectives import PolicyBatch, PolicyObjective, policy_loss
     from jaxrl_llm.trainers.step import train_step
@@ -301,7 +303,7 @@ def test_activation_estimate_against_compiled_train_step(remat: bool) -> None:
     shapes = param_shapes(config)
     ints = lambda t: jax.ShapeDtypeStruct((b, t), jnp.int32)  # noqa: E731
     floats = lambda t: jax.ShapeDtypeStruct((b, t), jnp.float32)  # noqa: E731
-    batch = PolicyBatch(ints(prompt_len), ints(prompt_len), ints(new), ints(new), floats(new), floats(new),
+    batch = PolicyBatch(Sequences(ints(prompt_len), ints(prompt_len), ints(new), ints(new)), floats(new), floats(new),
                         jax.ShapeDtypeStruct((b,), jnp.float32))
     step = functools.partial(train_step, loss_fn=policy_loss, model_config=config, loss_config=PolicyObjective(),
                              optimizer=optimizer, grad_accum=1)

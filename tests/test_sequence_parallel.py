@@ -37,6 +37,7 @@ from jaxrl_llm.models.hf import config_from_hf
 from jaxrl_llm.models.packing import update_layouts
 from jaxrl_llm.rl import PolicyLossOptions
 from jaxrl_llm.sharding import MeshShape, global_array, make_mesh, param_shardings, sequence_mesh
+from jaxrl_llm.models.sequences import Sequences
 from jaxrl_llm.trainers.objectives import PolicyBatch, PolicyObjective, completion_logprobs, policy_loss
 from tests.families import FAMILIES
 from tests.batches import random_rollout
@@ -53,7 +54,7 @@ n, p_len, t_len = 8, 12, 10  # inputs of P + T - 1 = 21 positions: no sequence s
 pt, pm, ct, cm, logp = random_rollout(params, config, rng, n, p_len, t_len)
 old = (logp + rng.normal(0, 0.1, logp.shape)).astype(np.float32) * cm
 ref = (logp + rng.normal(0, 0.1, logp.shape)).astype(np.float32) * cm
-padded = PolicyBatch(pt, pm, ct, cm, old, ref, rng.normal(0, 1, n).astype(np.float32))
+padded = PolicyBatch(Sequences(pt, pm, ct, cm), old, ref, rng.normal(0, 1, n).astype(np.float32))
 # Packed rows of 48 positions, several sequences each: segments cross the shard boundaries of every size.
 valid = np.concatenate([pm, cm], 1)[:, :-1] > 0
 plan = update_layouts(valid, p_len, np.arange(n)[None], 1, multiple=2, row_tokens=48)
@@ -77,8 +78,7 @@ def run(mesh_spec, batch):
     def fn(p, b):
         (loss, _), grads = jax.value_and_grad(lambda p: policy_loss(
             p, b, model_config=cfg, loss_config=objective, num_tokens=counts[0], num_seqs=counts[1]), has_aux=True)(p)
-        lp = completion_logprobs(p, cfg, b.prompt_tokens, b.prompt_mask, b.completion_tokens, b.completion_mask,
-                                 layout=b.layout)[0]
+        lp = completion_logprobs(p, cfg, b.sequences, layout=b.layout)[0]
         return loss, grads, lp
 
     placed = jax.device_put(params, param_shardings(params, mesh))

@@ -57,7 +57,8 @@ pt, pm, ct, cm, logp = random_rollout(params, config, rng, n, p_len, t_len)
 old = (logp + rng.normal(0, 0.1, logp.shape)).astype(np.float32) * cm
 ref = (logp + rng.normal(0, 0.1, logp.shape)).astype(np.float32) * cm
 adv = rng.normal(0, 1, n).astype(np.float32)
-batch = PolicyBatch(pt, pm, ct, cm, old, ref, adv)
+from jaxrl_llm.models.sequences import Sequences
+batch = PolicyBatch(Sequences(pt, pm, ct, cm), old, ref, adv)
 # The same batch packed (rl.packing): 2 micro-batches of 8 sequences, rows a multiple of the 4 batch shards.
 from jaxrl_llm.models.packing import update_layouts
 plan = update_layouts(np.concatenate([pm, cm], 1)[:, :-1] > 0, p_len, np.arange(n)[None], 2, multiple=4)

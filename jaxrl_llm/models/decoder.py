@@ -48,9 +48,10 @@ from jaxrl_llm.models.layers import (
 )
 from jaxrl_llm.models.moe import NO_RECORD, Routing
 from jaxrl_llm.models.options import REMAT_POLICIES
-from jaxrl_llm.models.packing import PackedLayout, gather_predictors, model_inputs, packed_inputs
+from jaxrl_llm.models.packing import PackedLayout, gather_predictors, packed_inputs
 from jaxrl_llm.models.precision import WEIGHT_MATMUL, matmul_transposed
 from jaxrl_llm.models.sequence_parallel import constrain_positions, pad_rows, padded_length
+from jaxrl_llm.models.sequences import Sequences
 from jaxrl_llm.models.stack import LayerFn, LayerParts, run_layers
 from jaxrl_llm.models.sublayers import MLP, Attention, MoE, make_dense, make_norm
 
@@ -119,7 +120,8 @@ def _is_local(config: ModelConfig, kind: jax.Array | int, kinds: int) -> bool | 
 class DecoderLayer(nn.Module):
     """One layer's weights (`attn_norm`, `attn`, `mlp_norm`, `mlp`: an `MLP` or, for an MoE family, an `MoE`, and
     Gemma 2/3's sandwich norms) as `block.LayerOps` (`ops`), which the layer stack runs (`stack.run_layers` through
-    `flax_layer`). `__call__` runs the block once, without a cache: what `init_params` creates the weights with."""
+    `flax_layer`). `__call__` runs the block once, without a cache (`(x, None)`, a scan body's form): what
+    `DecoderWeights` creates the weights with."""
 
     config: ModelConfig
 
@@ -146,13 +148,16 @@ class DecoderLayer(nn.Module):
             sinks=self.attn.sinks if c.attention_sinks else None,
         )
 
-    def __call__(self, x: jax.Array, inputs: tuple[AttentionInputs, ...]) -> jax.Array:
+    def __call__(self, x: jax.Array, inputs: tuple[AttentionInputs, ...]) -> tuple[jax.Array, None]:
         cos, sin, mask = inputs[0]
-        return transformer_block(x, self.ops(), cached_attention(self.config, mask), cos, sin, self.config)[0]
+        return transformer_block(x, self.ops(), cached_attention(self.config, mask), cos, sin, self.config)[0], None
 
 
-class EmbeddingAndHead(nn.Module):
-    """The model's ends: the token embedding, the final norm and the LM head (absent when tied to the embedding)."""
+class DecoderWeights(nn.Module):
+    """The model's weights: the token embedding, the layers (`DecoderLayer`, stacked `[L, ...]` by `nn.scan`, one
+    random key per layer), the final norm and the LM head (absent when tied to the embedding). `__call__` runs them
+    once, to create the weights (`init_params`); the forward is `decoder_hidden` (the layers through
+    `stack.run_layers`), which reads the ends through `embed_tokens`, `normed` and `unembed`."""
 
     config: ModelConfig
 
@@ -160,12 +165,17 @@ class EmbeddingAndHead(nn.Module):
         c = self.config
         self.embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=c.jnp_activation_dtype, param_dtype=c.jnp_param_dtype,
                               embedding_init=nn.initializers.normal(c.initializer_range))
+        self.layers = nn.scan(DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
+                              in_axes=nn.broadcast, length=c.num_layers)(c)
         self.final_norm = make_norm(c, "final_norm")
         if not c.tie_word_embeddings:
             self.lm_head = make_dense(c, c.vocab_size, False, "lm_head", jnp.dtype(jnp.float32))  # logits: float32
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        return self.unembed(self.final_norm(self.embed_tokens(tokens)))
+        c = self.config.replace(sequence_mesh=None)  # the weights do not depend on where the positions live
+        inputs = attention_inputs(c, jnp.zeros_like(tokens), jnp.ones_like(tokens), tokens.shape[1], None)[:1]
+        x, _ = self.layers(self.embed_tokens(tokens), inputs)
+        return self.unembed(self.final_norm(x))
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         """Token embeddings `[..., D]` (`layers.embed_tokens`)."""
@@ -185,9 +195,9 @@ class EmbeddingAndHead(nn.Module):
         return softcap(self.lm_head(hidden), c.final_logit_softcap)
 
 
-def _ends(params: Params, config: ModelConfig) -> EmbeddingAndHead:
-    """The model's ends bound to `params` (the layers' weights are not read)."""
-    return EmbeddingAndHead(config).bind({"params": {k: v for k, v in params.items() if k != "layers"}})
+def _ends(params: Params, config: ModelConfig) -> DecoderWeights:
+    """The model's weights bound to `params`, for its ends (the embedding, the final norm, the head)."""
+    return DecoderWeights(config).bind({"params": params})
 
 
 def layer_checkpoint(config: ModelConfig) -> Callable[[Callable], Callable] | None:
@@ -267,16 +277,9 @@ def decoder_hidden(params: Params, config: ModelConfig, tokens: jax.Array, posit
 
 
 def init_params(config: ModelConfig, key: jax.Array) -> Params:
-    """Random parameters (normal with `initializer_range`, norms at 1), as transformers initialises: the ends
-    (`EmbeddingAndHead`) and each layer's weights (`DecoderLayer`, one key per layer) stacked on `[L, ...]`."""
-    ends_key, layers_key = jax.random.split(key)
-    tokens = jnp.zeros((1, 1), jnp.int32)
-    params = EmbeddingAndHead(config).init(ends_key, tokens)["params"]
-    x = jnp.zeros((1, 1, config.hidden_size), config.jnp_activation_dtype)
-    inputs = attention_inputs(config, tokens, jnp.ones((1, 1), jnp.int32), 1, None)[:1]
-    layer = DecoderLayer(config)
-    layers = jax.vmap(lambda k: layer.init(k, x, inputs)["params"])(jax.random.split(layers_key, config.num_layers))
-    return {**params, "layers": layers}
+    """Random parameters (normal with `initializer_range`, norms at 1), as transformers initialises
+    (`DecoderWeights`: each layer's weights stacked on `[L, ...]`)."""
+    return DecoderWeights(config).init(key, jnp.zeros((1, 1), jnp.int32))["params"]
 
 
 def param_shapes(config: ModelConfig) -> Params:
@@ -318,18 +321,17 @@ class RoutedHidden(NamedTuple):
     token_mask: jax.Array
 
 
-def completion_hidden(params: Params, config: ModelConfig, prompt_tokens: jax.Array, prompt_mask: jax.Array,
-                      completion_tokens: jax.Array, completion_mask: jax.Array, *, layout: PackedLayout | None = None,
+def completion_hidden(params: Params, config: ModelConfig, sequences: Sequences, *, layout: PackedLayout | None = None,
                       dropout_key: jax.Array | None = None, replay: jax.Array | None = None) -> RoutedHidden:
     """The final hidden states that predict each completion token, `[N, T, D]` (`RoutedHidden`, with an MoE model's
-    routing): one forward pass over `prompt + completion[:-1]` (left-padded prompts `[N, P]`, right-padded
-    completions `[N, T]`), the state at position `P - 1 + t` predicting `y_t`. With a packed `layout`
+    routing): one forward pass over `sequences.inputs()` (`prompt + completion[:-1]`: left-padded prompts `[N, P]`,
+    right-padded completions `[N, T]`), the state at position `P - 1 + t` predicting `y_t`. With a packed `layout`
     (`jaxrl_llm.models.packing`) the pass runs on its rows, no padding computed, and the same states are gathered back
     to `[N, T, D]`. `replay [N, P + T, L, k]`: the experts each token of `prompt + completion` was routed to where it
     was recorded (`moe.NO_RECORD` where not), replayed on the forward's inputs (the last completion token is no input;
     packed rows get their tokens' records)."""
-    p = prompt_tokens.shape[1]
-    tokens, mask = model_inputs(prompt_tokens, completion_tokens), model_inputs(prompt_mask, completion_mask)
+    p = sequences.prompt_width
+    tokens, mask = sequences.inputs()
     forced = None if replay is None else replay[:, :-1].astype(jnp.int32)  # [N, S, L, k]
     if layout is None:
         if forced is not None:

@@ -24,6 +24,7 @@ from jaxrl_llm.models.hf import is_classifier, load_hf_model, resolve_model_dir 
 from jaxrl_llm.models.packing import PackedLayout
 from jaxrl_llm.models.precision import matmul
 from jaxrl_llm.models.reward_model import load_hf_reward_model
+from jaxrl_llm.models.sequences import Sequences
 
 ScalarHead = dict[str, jax.Array]
 CriticParams = dict[str, Any]  # {"decoder": Params, "value_head": ScalarHead}
@@ -47,21 +48,17 @@ def apply_scalar_head(head: ScalarHead, hidden: jax.Array, compute_dtype: jnp.dt
 def critic_values(
     critic: CriticParams,
     config: ModelConfig,
-    prompt_tokens: jax.Array,
-    prompt_mask: jax.Array,
-    completion_tokens: jax.Array,
-    completion_mask: jax.Array,
+    sequences: Sequences,
     layout: PackedLayout | None = None,
 ) -> jax.Array:
     """Per-token values `V_t = V(x, y_<t)` `[N, T]` float32: the value of the state *before* completion token t.
 
     The final hidden state that predicts `y_t` (`decoder.completion_hidden`, the same states as the policy's
-    log-probs; packed rows with a `layout`), mapped to a scalar by the head. Shapes: `prompt_tokens/prompt_mask
-    [N, P]` (left-padded), `completion_tokens/mask [N, T]`. Values at padded completion positions are computed
+    log-probs; packed rows with a `layout`), mapped to a scalar by the head. `sequences`: prompts `[N, P]`
+    (left-padded), completions `[N, T]`. Values at padded completion positions are computed
     but meaningless; every consumer masks them.
     """
-    hidden = completion_hidden(critic["decoder"], config, prompt_tokens, prompt_mask, completion_tokens,
-                               completion_mask, layout=layout).hidden
+    hidden = completion_hidden(critic["decoder"], config, sequences, layout=layout).hidden
     return apply_scalar_head(critic["value_head"], hidden, config.jnp_dtype)
 
 

@@ -21,22 +21,13 @@ update's strided micro-batch split reads. Rows per micro-batch are rounded up to
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm.models.layers import positions_from_mask
-
-
-def model_inputs(prompt: Any, completion: Any) -> Any:
-    """`concat(prompt, completion)[:, :-1]` `[N, P + T - 1]` (in `prompt`'s dtype): what the model reads to predict
-    each completion token, of token ids or of their masks (`prompt [N, P]` left-padded, `completion [N, T]`
-    right-padded). The position `P - 1 + t` predicts completion token `t`; the last completion token is no input.
-    Numpy arrays stay numpy (the host's layouts); JAX arrays and tracers stay JAX."""
-    xp = jnp if isinstance(prompt, jax.Array) or isinstance(completion, jax.Array) else np
-    return xp.concatenate([prompt, completion.astype(prompt.dtype)], axis=1)[:, :-1]
 
 
 class PackedLayout(NamedTuple):

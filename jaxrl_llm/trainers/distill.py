@@ -27,6 +27,7 @@ from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params, completion_hidden, unembedding_as_stored
 from jaxrl_llm.models.hf import load_hf_model, resolve_model_dir
+from jaxrl_llm.models.sequences import Sequences
 from jaxrl_llm.models.tokenizer import load_tokenizer
 from jaxrl_llm.models.weights import frozen_copy
 from jaxrl_llm.rl.distillation import generalized_jsd_from_hidden, reverse_kl_advantages
@@ -37,7 +38,6 @@ from jaxrl_llm.trainers.objectives import (
     Metrics,
     PolicyBatch,
     logprob_chunk_size,
-    loss_mask,
     make_logprob_fn,
     router_terms,
 )
@@ -107,11 +107,10 @@ def jsd_loss(params: Params, batch: PolicyBatch, *, model_config: ModelConfig, l
     the minibatch, as TRL's `batchmean` over the completion tokens), the teacher (`frozen["teacher"]`) run in
     the same pass without gradients; packed rows (`batch.layout`) serve both models."""
     c, t = loss_config, frozen["teacher"]
-    args = (batch.prompt_tokens, batch.prompt_mask, batch.completion_tokens, batch.completion_mask)
-    routed = completion_hidden(params, model_config, *args, layout=batch.layout, dropout_key=dropout_key)
+    routed = completion_hidden(params, model_config, batch.sequences, layout=batch.layout, dropout_key=dropout_key)
     hidden = routed.hidden
-    teacher_hidden = jax.lax.stop_gradient(completion_hidden(t, c.teacher, *args, layout=batch.layout).hidden)
-    n, length = batch.completion_tokens.shape
+    teacher_hidden = jax.lax.stop_gradient(completion_hidden(t, c.teacher, batch.sequences, layout=batch.layout).hidden)
+    n, length = batch.sequences.completion_tokens.shape
     (student_w, student_transposed), (teacher_w, teacher_transposed) = (unembedding_as_stored(params, model_config),
                                                                           unembedding_as_stored(t, c.teacher))
     jsd = generalized_jsd_from_hidden(
@@ -120,7 +119,7 @@ def jsd_loss(params: Params, batch: PolicyBatch, *, model_config: ModelConfig, l
         chunk_size=logprob_chunk_size(n, length, model_config.vocab_size, c.logprob_block_mib / 2),
         student_softcap=model_config.final_logit_softcap, teacher_softcap=c.teacher.final_logit_softcap,
         compute_dtype=model_config.jnp_dtype)
-    mask = loss_mask(batch).astype(jnp.float32)
+    mask = batch.sequences.targets_mask().astype(jnp.float32)
     loss = (jsd * mask).sum() / jnp.maximum(num_tokens, 1.0)
     aux, router_metrics = router_terms(routed, model_config, c.router_aux_loss_coef, layout=batch.layout)
     # a masked mean of this micro-batch: the step's token-count weights make it the minibatch's
@@ -187,18 +186,19 @@ class Distillation(GRPOFamily):
         collected.metrics["distill/on_policy"] = float(on_policy)
         return collected
 
-    def token_advantages(self, ro: Rollout, arrays: tuple[jax.Array, ...], loss_mask: jax.Array,
-                         old_logp: jax.Array, ref_logp: jax.Array) -> tuple[jax.Array, dict[str, float]]:
+    def token_advantages(self, ro: Rollout, sequences: Sequences, old_logp: jax.Array, ref_logp: jax.Array
+                         ) -> tuple[jax.Array, dict[str, float]]:
         """reverse_kl: `kl_coef (log pi_T - log pi_old)` per token, plus `reward_weight` x the estimator's
         advantages of the rewards; jsd: none (its loss reads the teacher itself)."""
         d = self.config.distill
         if d.loss == "jsd":
             return jnp.zeros_like(old_logp), {}
         layout = logprob_pass_layout(self.config, ro, self.mesh, self.teacher_config.num_params())
-        teacher_logp = self.teacher_logprob_fn(self.teacher, *arrays, layout)
+        teacher_logp = self.teacher_logprob_fn(self.teacher, sequences, layout)
+        loss_mask = sequences.targets_mask()
         advantages = reverse_kl_advantages(old_logp, teacher_logp, loss_mask, coef=d.kl_coef)
         if d.reward_weight:
-            task, _ = super().token_advantages(ro, arrays, loss_mask, old_logp, ref_logp)
+            task, _ = super().token_advantages(ro, sequences, old_logp, ref_logp)
             advantages = advantages + d.reward_weight * task
         m = loss_mask.astype(jnp.float32)
         stats = jax.device_get({"distill/reverse_kl": masked_mean(old_logp - teacher_logp, m),

@@ -28,7 +28,8 @@ from jaxrl_llm.config import RunConfig
 from jaxrl_llm.data import DataState, PreferenceSet, bucket, build_preference_set, load_records, next_batch_indices
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params, RoutedHidden
-from jaxrl_llm.models.packing import PackedLayout, model_inputs
+from jaxrl_llm.models.packing import PackedLayout
+from jaxrl_llm.models.sequences import Sequences
 from jaxrl_llm.models.weights import frozen_copy
 from jaxrl_llm.optim import make_optimizer, router_frozen
 from jaxrl_llm.rl.preference import dpo_loss
@@ -56,6 +57,13 @@ class PairBatch(NamedTuple):
     ref_rejected: jax.Array
     layout: PackedLayout | None = None  # sft.packing: the `[2B]` chosen-then-rejected sequences' packed rows
 
+    def sequences(self) -> Sequences:
+        """The pairs as `2B` sequences, the chosen responses then the rejected ones (the prompts repeated)."""
+        xp = np if isinstance(self.prompt_tokens, np.ndarray) else jnp
+        return Sequences(xp.concatenate([self.prompt_tokens] * 2), xp.concatenate([self.prompt_mask] * 2),
+                         xp.concatenate([self.chosen_tokens, self.rejected_tokens]),
+                         xp.concatenate([self.chosen_mask, self.rejected_mask]))
+
 
 @dataclasses.dataclass(frozen=True)
 class DPOLossConfig:
@@ -71,22 +79,14 @@ class DPOLossConfig:
 
 
 def pair_logprobs(params: Params, config: ModelConfig, batch: PairBatch, *, block_mib: float = 256.0,
-                  dropout_key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """`(sum_t log pi(chosen_t), sum_t log pi(rejected_t))`, each `[B]` float32: one forward over both sides
-    (the prompt rows repeated; packed rows with `batch.layout`), `completion_logprobs` masked and summed."""
-    return routed_pair_logprobs(params, config, batch, block_mib=block_mib, dropout_key=dropout_key)[:2]
-
-
-def routed_pair_logprobs(params: Params, config: ModelConfig, batch: PairBatch, *, block_mib: float = 256.0,
-                         dropout_key: jax.Array | None = None) -> tuple[jax.Array, jax.Array, RoutedHidden]:
-    """`pair_logprobs` with an MoE model's routing of the pass (`decoder.RoutedHidden`)."""
-    prompts = jnp.concatenate([batch.prompt_tokens, batch.prompt_tokens])
-    prompt_mask = jnp.concatenate([batch.prompt_mask, batch.prompt_mask])
-    responses = jnp.concatenate([batch.chosen_tokens, batch.rejected_tokens])
-    mask = jnp.concatenate([batch.chosen_mask, batch.rejected_mask])
-    logp, _, routed = completion_logprobs(params, config, prompts, prompt_mask, responses, mask,
-                                          block_mib=block_mib, dropout_key=dropout_key, layout=batch.layout)
-    sums = (logp * mask.astype(jnp.float32)).sum(axis=1)
+                  dropout_key: jax.Array | None = None) -> tuple[jax.Array, jax.Array, RoutedHidden]:
+    """`(sum_t log pi(chosen_t), sum_t log pi(rejected_t), routed)`, each sum `[B]` float32: one forward over both
+    sides (`PairBatch.sequences`; packed rows with `batch.layout`), `completion_logprobs` masked and summed; `routed`:
+    the pass's `decoder.RoutedHidden` (an MoE model's routing)."""
+    sequences = batch.sequences()
+    logp, _, routed = completion_logprobs(params, config, sequences, block_mib=block_mib, dropout_key=dropout_key,
+                                          layout=batch.layout)
+    sums = (logp * sequences.completion_mask.astype(jnp.float32)).sum(axis=1)
     return sums[: batch.prompt_tokens.shape[0]], sums[batch.prompt_tokens.shape[0]:], routed
 
 
@@ -96,11 +96,11 @@ def preference_loss(params: Params, batch: PairBatch, *, model_config: ModelConf
     """`dpo_loss` of a (micro-)batch under the `train_step` contract: its mean over pairs scaled by its share of
     the minibatch's pairs (`num_seqs`), so accumulated micro-batches give the minibatch mean."""
     c = loss_config
-    chosen, rejected, routed = routed_pair_logprobs(params, model_config, batch, block_mib=c.logprob_block_mib,
-                                                    dropout_key=dropout_key)
+    chosen, rejected, routed = pair_logprobs(params, model_config, batch, block_mib=c.logprob_block_mib,
+                                             dropout_key=dropout_key)
     if c.reference_in_step and c.loss != "simpo":
         ref_chosen, ref_rejected = jax.lax.stop_gradient(
-            pair_logprobs(frozen["reference"], model_config, batch, block_mib=c.logprob_block_mib))
+            pair_logprobs(frozen["reference"], model_config, batch, block_mib=c.logprob_block_mib)[:2])
     else:
         ref_chosen, ref_rejected = batch.ref_chosen, batch.ref_rejected
     loss, metrics = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta=c.beta, loss_type=c.loss,  # type: ignore[arg-type]
@@ -155,8 +155,9 @@ class DPO(ExampleAlgorithm):
                                          simpo_gamma=d.simpo_gamma, reference_in_step=in_step,
                                          logprob_block_mib=c.model.logprob_block_mib,
                                          router_aux_loss_coef=c.model.router_aux_loss_coef)
-        self.logprob_fn = jax.jit(functools.partial(pair_logprobs, config=p.model_config,
-                                                    block_mib=c.model.logprob_block_mib))
+        model_config, block_mib = p.model_config, c.model.logprob_block_mib
+        self.logprob_fn = jax.jit(lambda params, batch: pair_logprobs(params, model_config, batch,
+                                                                      block_mib=block_mib)[:2])
         # The reference is the starting model: a frozen copy, or under LoRA the base itself (adapters off).
         reference = None if self.reference_free else p.base if p.base is not None else frozen_copy(p.initial_params,
                                                                                                    p.model_config)
@@ -187,7 +188,7 @@ class DPO(ExampleAlgorithm):
     def _logprobs(self, params: Params, pairs: PreferenceSet) -> tuple[np.ndarray, np.ndarray]:
         chosen, rejected = np.zeros(len(pairs), np.float32), np.zeros(len(pairs), np.float32)
         for idx, batch in self._batches(pairs):
-            c, r = jax.device_get(self.logprob_fn(params, batch=batch))
+            c, r = jax.device_get(self.logprob_fn(params, batch))
             chosen[idx], rejected[idx] = c, r
         return chosen, rejected
 
@@ -208,8 +209,7 @@ class DPO(ExampleAlgorithm):
         c = self.config
         idx, data_state = next_batch_indices(len(self.pairs), c.sft.batch_size, data_state, c.seed, c.data.shuffle)
         batch = pair_batch(self.pairs, idx, self.policy.pad_id, c.sampling.prompt_bucket, self.train_ref)
-        valid = model_inputs(np.concatenate([batch.prompt_mask] * 2),
-                             np.concatenate([batch.chosen_mask, batch.rejected_mask])) > 0
+        valid = batch.sequences().inputs()[1] > 0
         packed, metrics = packed_example_batch(batch, valid, batch.prompt_mask.shape[1], packing=c.sft.packing,
                                                mesh=self.mesh, num_params=self.policy.model_config.num_params(),
                                                min_gflops=c.sft.packing_min_gflops)

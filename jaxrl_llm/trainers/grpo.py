@@ -27,6 +27,7 @@ from jaxrl_llm.algorithms import ALGORITHMS
 from jaxrl_llm.config import RunConfig
 from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.models.packing import PackedLayout
+from jaxrl_llm.models.sequences import Sequences
 from jaxrl_llm.optim import make_optimizer, router_frozen
 from jaxrl_llm.rl.advantages import turn_level_advantages
 from jaxrl_llm.rl.entropy_control import (
@@ -178,13 +179,13 @@ class GRPOFamily(RolloutAlgorithm):
         return {name: global_array(np.asarray(value), self.mesh, PartitionSpec())
                 for name, value in ctl._asdict().items()}
 
-    def token_advantages(self, ro: Rollout, arrays: tuple[jax.Array, ...], loss_mask: jax.Array,
-                         old_logp: jax.Array, ref_logp: jax.Array) -> tuple[jax.Array, dict[str, float]]:
+    def token_advantages(self, ro: Rollout, sequences: Sequences, old_logp: jax.Array, ref_logp: jax.Array
+                         ) -> tuple[jax.Array, dict[str, float]]:
         """`(advantages [N, T], metrics)` of a rollout on the mesh: the estimator's over the rewards (per turn
-        when the environment rewards turns). `arrays`: the rollout's prompt and completion tokens and masks."""
+        when the environment rewards turns). `sequences`: the rollout's, on the mesh (`OldPolicy.sequences`)."""
         put = functools.partial(global_array, mesh=self.mesh)
         rewards = put(ro.rewards.astype(np.float32))
-        advantages = self.advantage_fn(rewards, loss_mask, old_logp, ref_logp)
+        advantages = self.advantage_fn(rewards, sequences.targets_mask(), old_logp, ref_logp)
         if ro.turn_credit is not None:  # an environment that rewards turns: each turn's return still to come
             r = self.config.rl
             scale = r.scale_rewards if self.estimator == "grpo" else "none"  # RLOO, REINFORCE++: their own scales
@@ -201,15 +202,15 @@ class GRPOFamily(RolloutAlgorithm):
         old = self.old_policy(state, ro)
         # log pi_ref of the rollout's tokens, zeros when no KL term needs them.
         ref_logp = old.ref_logp if old.ref_logp is not None else put(np.zeros(ro.out.tokens.shape, np.float32))
-        advantages, extra = self.token_advantages(ro, old.arrays, old.loss_mask, old.old_logp, ref_logp)
-        batch = PolicyBatch(*old.arrays, old.old_logp, ref_logp, advantages, old.sampler_logp,
-                            None if ro.loss_mask is None else old.loss_mask, routing=old.records)
+        advantages, extra = self.token_advantages(ro, old.sequences, old.old_logp, ref_logp)
+        batch = PolicyBatch(old.sequences, old.old_logp, ref_logp, advantages, old.sampler_logp, routing=old.records)
         plan = update_plan(self.config, ro, key, self.minibatch_size, self.mesh,
                            self.policy.model_config.num_params())
         update_fn = self.update_fn if plan.grad_accum == self.config.rl.grad_accum else self.update_fn_for(
             plan.grad_accum)  # the attribute: what a test may wrap
         state, metrics = update_fn(state, batch, key, self.frozen_input, plan.layouts, plan.rows)
-        out, skipped = host_metrics({**metrics, "advantages/abs_mean": self.abs_mean_fn(advantages, old.loss_mask)})
+        out, skipped = host_metrics({**metrics, "advantages/abs_mean": self.abs_mean_fn(advantages,
+                                                                                    old.sequences.targets_mask())})
         out |= old.mismatch | extra
         out["update/padding_frac"] = plan.padding_frac
         out["update/micro_batches"] = float(plan.grad_accum)

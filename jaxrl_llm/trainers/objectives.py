@@ -26,6 +26,7 @@ from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params, RoutedHidden, completion_hidden, unembedding_as_stored
 from jaxrl_llm.models.moe import NO_RECORD, expert_load, load_balancing_loss, router_disagreement, routing_confidence
 from jaxrl_llm.models.packing import PackedLayout
+from jaxrl_llm.models.sequences import Sequences
 from jaxrl_llm.rl.logprobs import logprob_chunk_size, token_logprobs_from_hidden
 from jaxrl_llm.rl.policy_loss import PolicyLossOptions, clipped_policy_loss
 from jaxrl_llm.sharding import batch_sharding
@@ -37,26 +38,22 @@ LossFn = Callable[..., tuple[jax.Array, Metrics]]
 class PolicyBatch(NamedTuple):
     """One minibatch of a rollout; every array has the sequence axis `N` first.
 
-    prompt_tokens/prompt_mask `[N, P]` (left-padded), completion_tokens/completion_mask `[N, T]`
-    (right-padded; mask 1 up to and including EOS), old_logp/ref_logp `[N, T]` float32, advantages `[N]`;
+    sequences, the rollout's (`models.sequences.Sequences`: prompts `[N, P]` left-padded, completions `[N, T]`
+    right-padded with their attention mask, 1 up to and including EOS, and in a multi-turn rollout the loss mask, 1
+    on the model's tokens and 0 on the environment's); old_logp/ref_logp `[N, T]` float32, advantages `[N]`;
     sampler_logp `[N, T]` float32, the sampler's own log-probs when `rl.loss.rollout_correction` weights the loss by
-    `old / sampler` (then `old_logp` is the trainer's recomputation), else None; loss_mask `[N, T]`, in a
-    multi-turn rollout 1 on the model's tokens and 0 on the environment's (which `completion_mask`, the attention
-    mask, covers too), else None (the loss covers `completion_mask`); layout, the packed rows the forward pass
-    runs on (`jaxrl_llm.models.packing`, `rl.packing`), else None (the padded layout); routing `[N, P + T, L, k]`, an
-    MoE model's recorded experts of every token of `prompt + completion` (`moe.NO_RECORD` where none), replayed when
-    the objective says so (`rl.routing_replay`) and compared with the live router's choice either way, else None.
+    `old / sampler` (then `old_logp` is the trainer's recomputation), else None; layout, the packed rows the forward
+    pass runs on (`jaxrl_llm.models.packing`, `rl.packing`), else None (the padded layout); routing `[N, P + T, L,
+    k]`, an MoE model's recorded experts of every token of `prompt + completion` (`moe.NO_RECORD` where none),
+    replayed when the objective says so (`rl.routing_replay`) and compared with the live router's choice either way,
+    else None.
     """
 
-    prompt_tokens: jax.Array
-    prompt_mask: jax.Array
-    completion_tokens: jax.Array
-    completion_mask: jax.Array
+    sequences: Sequences
     old_logp: jax.Array
     ref_logp: jax.Array
     advantages: jax.Array
     sampler_logp: jax.Array | None = None
-    loss_mask: jax.Array | None = None
     layout: PackedLayout | None = None
     routing: jax.Array | None = None
 
@@ -105,8 +102,7 @@ class CompletionLogprobs(NamedTuple):
 
 
 def completion_logprobs(
-    params: Params, config: ModelConfig, prompt_tokens: jax.Array, prompt_mask: jax.Array,
-    completion_tokens: jax.Array, completion_mask: jax.Array, *, temperature: float = 1.0,
+    params: Params, config: ModelConfig, sequences: Sequences, *, temperature: float = 1.0,
     with_entropy: bool = False, block_mib: float = 256.0, dropout_key: jax.Array | None = None,
     layout: PackedLayout | None = None, replay: jax.Array | None = None,
 ) -> CompletionLogprobs:
@@ -119,12 +115,11 @@ def completion_logprobs(
     (`decoder.completion_hidden`: no padding computed): the same function. An MoE model replays `replay [N, P + T, L,
     k]` where given (`decoder.completion_hidden`).
     """
-    routed = completion_hidden(params, config, prompt_tokens, prompt_mask, completion_tokens, completion_mask,
-                               layout=layout, dropout_key=dropout_key, replay=replay)
-    n, t = completion_tokens.shape
+    routed = completion_hidden(params, config, sequences, layout=layout, dropout_key=dropout_key, replay=replay)
+    n, t = sequences.completion_tokens.shape
     chunk = logprob_chunk_size(n, t, config.vocab_size, block_mib)
     unembed, transposed = unembedding_as_stored(params, config)
-    out = token_logprobs_from_hidden(routed.hidden, unembed, completion_tokens,
+    out = token_logprobs_from_hidden(routed.hidden, unembed, sequences.completion_tokens,
                                      temperature=temperature, chunk_size=chunk, with_entropy=with_entropy,
                                      logit_softcap=config.final_logit_softcap, compute_dtype=config.jnp_dtype,
                                      unembed_transposed=transposed)
@@ -175,12 +170,12 @@ def policy_loss(
     model replays `batch.routing` under `routing_replay` and adds its router's terms (`router_terms`)."""
     c = loss_config
     logp, entropy, routed = completion_logprobs(
-        params, model_config, batch.prompt_tokens, batch.prompt_mask, batch.completion_tokens, batch.completion_mask,
-        temperature=c.temperature, with_entropy=True, block_mib=c.logprob_block_mib, dropout_key=dropout_key,
-        layout=batch.layout, replay=batch.routing if c.routing_replay else None,
+        params, model_config, batch.sequences, temperature=c.temperature, with_entropy=True,
+        block_mib=c.logprob_block_mib, dropout_key=dropout_key, layout=batch.layout,
+        replay=batch.routing if c.routing_replay else None,
     )
     loss, metrics = clipped_policy_loss(
-        logp, batch.old_logp, batch.advantages, loss_mask(batch), c.options, surrogate=c.surrogate,
+        logp, batch.old_logp, batch.advantages, batch.sequences.targets_mask(), c.options, surrogate=c.surrogate,
         settings=dict(c.settings), ref_logp=batch.ref_logp if c.beta > 0 else None, kl_coef=c.beta, entropy=entropy,
         entropy_coef=c.entropy_coef if entropy_coef is None else entropy_coef, sampler_logp=batch.sampler_logp,
         max_len=c.max_len, num_tokens=num_tokens, num_seqs=num_seqs,
@@ -192,7 +187,7 @@ def policy_loss(
 def _share(batch: Any, num_seqs: jax.Array) -> jax.Array:
     """This micro-batch's share of the minibatch's sequences (those with a token in the loss): micro-batch losses
     are summed over the minibatch, so a per-micro-batch mean term (the load-balancing loss) is weighted by it."""
-    own = (loss_mask(batch).sum(axis=1) > 0).sum().astype(jnp.float32)
+    own = (batch.sequences.targets_mask().sum(axis=1) > 0).sum().astype(jnp.float32)
     return own / jnp.maximum(num_seqs, 1.0)
 
 
@@ -203,28 +198,23 @@ def sft_loss(
     """Cross-entropy of the completion tokens: `-sum_t m_t log pi(y_t) / num_tokens` (token-mean), plus an MoE
     model's router terms (`router_terms`)."""
     logp, _, routed = completion_logprobs(
-        params, model_config, batch.prompt_tokens, batch.prompt_mask, batch.completion_tokens, batch.completion_mask,
-        block_mib=loss_config.logprob_block_mib, dropout_key=dropout_key, layout=batch.layout,
+        params, model_config, batch.sequences, block_mib=loss_config.logprob_block_mib, dropout_key=dropout_key,
+        layout=batch.layout,
     )
-    mask = batch.completion_mask.astype(jnp.float32)
+    mask = batch.sequences.completion_mask.astype(jnp.float32)
     loss = -(logp * mask).sum() / jnp.maximum(num_tokens, 1.0)
     aux, router_metrics = router_terms(routed, model_config, loss_config.router_aux_loss_coef, layout=batch.layout)
     return loss + aux * _share(batch, num_seqs), {"sft_loss": loss} | router_metrics
 
 
-def loss_mask(batch: Any) -> jax.Array:
-    """The tokens a batch's loss covers `[N, T]`: the model's own (`loss_mask`), else every completion token."""
-    own = getattr(batch, "loss_mask", None)
-    return batch.completion_mask if own is None else own
-
-
 def batch_counts(batch: Any) -> tuple[jax.Array, jax.Array]:
-    """`(num_tokens, num_seqs)` of a batch: valid completion tokens and sequences with at least one, or the
-    row count for both when the batch has no `completion_mask` (a preference batch)."""
-    mask = loss_mask(batch) if hasattr(batch, "completion_mask") else None
-    if mask is None:
+    """`(num_tokens, num_seqs)` of a batch: the tokens its loss covers (`Sequences.targets_mask`) and the sequences
+    with at least one, or the row count for both when the batch has no `sequences` (a preference batch)."""
+    sequences = getattr(batch, "sequences", None)
+    if sequences is None:
         rows = jnp.asarray(jax.tree.leaves(batch)[0].shape[0], jnp.float32)
         return rows, rows
+    mask = sequences.targets_mask()
     return mask.sum().astype(jnp.float32), (mask.sum(axis=1) > 0).sum().astype(jnp.float32)
 
 
@@ -251,7 +241,7 @@ def live_records(routed: RoutedHidden, config: ModelConfig, shape: tuple[int, in
 
 def make_logprob_fn(mesh: Mesh, model_config: ModelConfig, temperature: float, params_sharding: Any = None,
                     block_mib: float = 256.0, records: bool = False) -> Callable[..., Any]:
-    """The whole-batch pass (the reference model's, the old policy's): jitted `(params, pt, pm, ct, cm, layout=None,
+    """The whole-batch pass (the reference model's, the old policy's): jitted `(params, sequences, layout=None,
     replay=None) -> logp [N, T]`, batch split over `("data", "fsdp")`. With a packed `layout` of the whole batch
     (`packing.batch_layout`, replicated) the forward pass runs on its rows: no padding computed, the same log-probs.
     An MoE model replays `replay [N, P + T, L, k]` where given, and with `records` the result is `(logp, live records
@@ -259,23 +249,23 @@ def make_logprob_fn(mesh: Mesh, model_config: ModelConfig, temperature: float, p
     params_sharding = NamedSharding(mesh, PartitionSpec()) if params_sharding is None else params_sharding
     rows, whole = batch_sharding(mesh), NamedSharding(mesh, PartitionSpec())
 
-    def fn(params: Params, pt: jax.Array, pm: jax.Array, ct: jax.Array, cm: jax.Array,
-           layout: PackedLayout | None = None, replay: jax.Array | None = None) -> Any:
-        logp, _, routed = completion_logprobs(params, model_config, pt, pm, ct, cm, temperature=temperature,
+    def fn(params: Params, sequences: Sequences, layout: PackedLayout | None = None,
+           replay: jax.Array | None = None) -> Any:
+        logp, _, routed = completion_logprobs(params, model_config, sequences, temperature=temperature,
                                               block_mib=block_mib, layout=layout, replay=replay)
         if not records:
             return logp
-        return logp, live_records(routed, model_config, (pt.shape[0], pt.shape[1] + ct.shape[1]), layout)
+        return logp, live_records(routed, model_config, (len(sequences.prompt_tokens), sequences.width), layout)
 
-    compiled: dict[tuple[bool, bool], Any] = {}
+    compiled: dict[tuple[bool, bool, bool], Any] = {}
 
-    def call(params: Params, pt: jax.Array, pm: jax.Array, ct: jax.Array, cm: jax.Array,
-             layout: PackedLayout | None = None, replay: jax.Array | None = None) -> Any:
-        key = (layout is not None, replay is not None)
+    def call(params: Params, sequences: Sequences, layout: PackedLayout | None = None,
+             replay: jax.Array | None = None) -> Any:
+        key = (layout is not None, replay is not None, sequences.loss_mask is not None)
         if key not in compiled:
-            shardings = (params_sharding, *[rows] * 4, whole if layout is not None else None,
-                         rows if replay is not None else None)
+            shardings = (params_sharding, jax.tree.map(lambda _: rows, sequences),
+                         whole if layout is not None else None, rows if replay is not None else None)
             compiled[key] = jax.jit(fn, in_shardings=shardings, out_shardings=(rows, rows) if records else rows)
-        return compiled[key](params, pt, pm, ct, cm, layout, replay)
+        return compiled[key](params, sequences, layout, replay)
 
     return call

@@ -32,6 +32,7 @@ from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.heads import CriticParams, critic_from_policy, critic_values, load_critic
 from jaxrl_llm.models.packing import PackedLayout
+from jaxrl_llm.models.sequences import Sequences
 from jaxrl_llm.models.weights import master_weights
 from jaxrl_llm.optim import make_optimizer, router_frozen
 from jaxrl_llm.rl.estimators import ppo_targets, rollout_value_metrics
@@ -54,13 +55,10 @@ from jaxrl_llm.trainers.step import Metrics, jit_update, state_sharding, train_s
 
 
 class CriticBatch(NamedTuple):
-    """One minibatch for the critic: prompt_tokens/prompt_mask `[N, P]`, completion_tokens/completion_mask
-    `[N, T]`, old_values (the rollout's `V_t`) and returns (`R_t`) `[N, T]` float32."""
+    """One minibatch for the critic: the rollout's `sequences` (`models.sequences.Sequences`), old_values (the
+    rollout's `V_t`) and returns (`R_t`) `[N, T]` float32."""
 
-    prompt_tokens: jax.Array
-    prompt_mask: jax.Array
-    completion_tokens: jax.Array
-    completion_mask: jax.Array
+    sequences: Sequences
     old_values: jax.Array
     returns: jax.Array
     layout: PackedLayout | None = None  # the policy minibatch's packed rows (rl.packing), else None
@@ -79,9 +77,8 @@ def critic_loss(critic: CriticParams, batch: CriticBatch, *, model_config: Model
                 loss_config: ValueLossConfig, num_tokens: jax.Array, num_seqs: jax.Array) -> tuple[jax.Array, Metrics]:
     """`clipped_value_loss(V, V_old, R)` of one (micro-)batch, normalised by the whole minibatch's counts
     (the `train_step` contract); metrics `value_loss`, `value_clip_fraction`."""
-    values = critic_values(critic, model_config, batch.prompt_tokens, batch.prompt_mask, batch.completion_tokens,
-                           batch.completion_mask, batch.layout)
-    loss, metrics = clipped_value_loss(values, batch.old_values, batch.returns, batch.completion_mask,
+    values = critic_values(critic, model_config, batch.sequences, batch.layout)
+    loss, metrics = clipped_value_loss(values, batch.old_values, batch.returns, batch.sequences.completion_mask,
                                        clip_range=loss_config.clip_range,
                                        aggregation=loss_config.aggregation,  # type: ignore[arg-type]
                                        max_len=loss_config.max_len, num_tokens=num_tokens, num_seqs=num_seqs)
@@ -210,8 +207,8 @@ class PPO(RolloutAlgorithm):
         self.critic_config, self.initial_critic = initial_critic(c, p)
         critic_sharding = state_sharding(self.initial_critic)
         critic_config = self.critic_config
-        self.value_fn = jax.jit(lambda critic, *batch: critic_values(critic, critic_config, *batch),
-                                in_shardings=(critic_sharding, *[batch_sharding(p.mesh)] * 4),
+        self.value_fn = jax.jit(lambda critic, sequences: critic_values(critic, critic_config, sequences),
+                                in_shardings=(critic_sharding, batch_sharding(p.mesh)),
                                 out_shardings=batch_sharding(p.mesh))
         self.targets_fn = jax.jit(functools.partial(targets_and_metrics, pc.gamma, pc.lam, pc.kl_estimator,
                                                     pc.whiten_advantages))
@@ -256,15 +253,15 @@ class PPO(RolloutAlgorithm):
         pc, p = self.config.ppo, self.policy
         put = functools.partial(global_array, mesh=self.mesh)
         old = self.old_policy(state, ro)
-        old_logp, cm = old.old_logp, old.arrays[3]
+        old_logp, cm = old.old_logp, old.sequences.completion_mask
         ref_logp = old.ref_logp if old.ref_logp is not None else old_logp
-        values = self.value_fn(state["critic"], *old.arrays)
+        values = self.value_fn(state["critic"], old.sequences)
         controller = KLControllerState(coef=jnp.asarray(jax.device_get(state["kl_coef"]), jnp.float32))
         targets, rollout_metrics = self.targets_fn(put(ro.rewards.astype(np.float32)), old_logp, ref_logp, values,
                                                    cm, controller.coef)
-        batch = PPOBatch(PolicyBatch(*old.arrays, old_logp, ref_logp, targets.advantages, old.sampler_logp,
+        batch = PPOBatch(PolicyBatch(old.sequences, old_logp, ref_logp, targets.advantages, old.sampler_logp,
                                      routing=old.records),
-                         CriticBatch(*old.arrays, values, targets.returns))
+                         CriticBatch(old.sequences, values, targets.returns))
         train_policy = step > pc.critic_warmup_steps
         plan = update_plan(self.config, ro, key, self.minibatch_size, self.mesh,
                            self.policy.model_config.num_params())

@@ -25,6 +25,7 @@ from jaxrl_llm.models.packing import (
     token_budget_micro_batches,
     update_layouts,
 )
+from jaxrl_llm.models.sequences import Sequences
 from jaxrl_llm.models.weights import frozen_copy, working_weights
 from jaxrl_llm.rl.estimators import needs_values
 from jaxrl_llm.rl.plugins import resolve_estimator, resolve_policy_loss
@@ -208,8 +209,8 @@ def routed_pass(c: RunConfig, policy: Any) -> Callable[..., tuple[jax.Array, jax
 
 
 def moe_old_policy(c: RunConfig, routed_fn: Callable[..., tuple[jax.Array, jax.Array]], weights: Any,
-                   arrays: tuple[jax.Array, ...], layout: PackedLayout | None, sampler_logp: jax.Array,
-                   mask: jax.Array, ro: Rollout, put: Callable[[np.ndarray], jax.Array]
+                   sequences: Sequences, layout: PackedLayout | None, sampler_logp: jax.Array, ro: Rollout,
+                   put: Callable[[np.ndarray], jax.Array]
                    ) -> tuple[jax.Array, jax.Array | None, dict[str, float], jax.Array | None]:
     """An MoE rollout's old policy: `(old_logp, sampler_logp for the loss or None, metrics, routing records)`.
 
@@ -220,8 +221,9 @@ def moe_old_policy(c: RunConfig, routed_fn: Callable[..., tuple[jax.Array, jax.A
     where they are only compared), or this pass's own (`old`: R2)."""
     mode, correction = c.rl.routing_replay, c.rl.loss.rollout_correction
     sampled_records = None if ro.out.routing is None else put(np.asarray(ro.out.routing, np.int16))
-    logp, live = routed_fn(weights, *arrays, layout, sampled_records if mode == "rollout" else None)
-    metrics = {k: float(v) for k, v in jax.device_get(logprob_mismatch(logp, sampler_logp, mask)).items()}
+    logp, live = routed_fn(weights, sequences, layout, sampled_records if mode == "rollout" else None)
+    metrics = {k: float(v) for k, v in jax.device_get(
+        logprob_mismatch(logp, sampler_logp, sequences.targets_mask())).items()}
     if sampled_records is not None:
         metrics |= router_mismatch(sampled_records, live)
     old_logp = sampler_logp if correction == "none" else logp
@@ -240,13 +242,12 @@ def router_mismatch(sampled: jax.Array, live: jax.Array) -> dict[str, float]:
 
 
 class OldPolicy(NamedTuple):
-    """Where a rollout's update starts, on the mesh (`RolloutAlgorithm.old_policy`): the rollout's `arrays` (prompt
-    tokens and mask, completion tokens and mask), the `loss_mask` (the completion mask, or a multi-turn rollout's
-    model tokens), the old policy's log-probs, the sampler's kept for the loss's importance weights (else None), the
-    reference's (None without a reference model), the mismatch metrics, and an MoE model's routing records."""
+    """Where a rollout's update starts, on the mesh (`RolloutAlgorithm.old_policy`): the rollout's `sequences`
+    (`Rollout.sequences`, with a multi-turn rollout's loss mask on the model's tokens), the old policy's log-probs,
+    the sampler's kept for the loss's importance weights (else None), the reference's (None without a reference
+    model), the mismatch metrics, and an MoE model's routing records."""
 
-    arrays: tuple[jax.Array, jax.Array, jax.Array, jax.Array]
-    loss_mask: jax.Array
+    sequences: Sequences
     old_logp: jax.Array
     sampler_logp: jax.Array | None
     ref_logp: jax.Array | None
@@ -298,22 +299,22 @@ class RolloutAlgorithm(Algorithm):
         its routing, `moe_old_policy`) and the reference's. Both whole-batch passes share one packed layout."""
         c, p = self.config, self.policy
         put = functools.partial(global_array, mesh=self.mesh)
-        arrays = put(ro.prompt_tokens), put(ro.prompt_mask), put(ro.out.tokens), put(ro.out.mask)
+        sequences = jax.tree.map(put, ro.sequences())
         # Multi-turn: the loss, the advantages and the mismatch cover the model's tokens; attention covers all.
-        loss_mask = arrays[3] if ro.loss_mask is None else put(ro.loss_mask)
+        loss_mask = sequences.targets_mask()
         # made only if a pass runs
         packed = functools.cache(lambda: logprob_pass_layout(c, ro, self.mesh, p.model_config.num_params()))
         weights = functools.cache(lambda: working_weights(p.model_weights(state["params"]), p.model_config))
         sampled, records = put(np.asarray(ro.out.logprobs_untruncated, np.float32)), None
         if self.routed_logprob_fn is not None:  # MoE: routing records, replay, the router's mismatch
             old_logp, sampler_logp, mismatch, records = moe_old_policy(
-                c, self.routed_logprob_fn, weights(), arrays, packed(), sampled, loss_mask, ro, put)
+                c, self.routed_logprob_fn, weights(), sequences, packed(), sampled, ro, put)
         else:
             old_logp, sampler_logp, mismatch = old_policy_logprobs(
                 c.rl.loss.rollout_correction, sampled, loss_mask,
-                lambda: self.ref_logprob_fn(weights(), *arrays, packed()))
-        ref_logp = self.ref_logprob_fn(self.ref_params, *arrays, packed()) if self.ref_params is not None else None
-        return OldPolicy(arrays, loss_mask, old_logp, sampler_logp, ref_logp, mismatch, records)
+                lambda: self.ref_logprob_fn(weights(), sequences, packed()))
+        ref_logp = self.ref_logprob_fn(self.ref_params, sequences, packed()) if self.ref_params is not None else None
+        return OldPolicy(sequences, old_logp, sampler_logp, ref_logp, mismatch, records)
 
     def describe(self) -> str:
         p = self.policy

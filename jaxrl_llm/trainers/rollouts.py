@@ -23,7 +23,7 @@ from jaxrl_llm.data import DataState, PromptSet, bucket, next_batch_indices
 from jaxrl_llm.evaluation import decode_completions, reward_fields
 from jaxrl_llm.models.decoder import Params
 from jaxrl_llm.models.moe import NO_RECORD
-from jaxrl_llm.models.packing import model_inputs
+from jaxrl_llm.models.sequences import Sequences
 from jaxrl_llm.rewards import RewardFunction, compute_rewards, resolve_reward
 from jaxrl_llm.run.monitor import drift_kl, repeated_ngram_fraction
 from jaxrl_llm.sampling import SampleOutput
@@ -50,11 +50,17 @@ class Rollout:
     # [N, T] per-turn credit when the environment rewards turns (rl.advantages.turn_level_advantages), else None
     turn_credit: np.ndarray | None = None
 
+    def sequences(self) -> Sequences:
+        """The rollout's sequences on the host (`models.sequences.Sequences`): its prompts, the sampled
+        completions with their mask, and a multi-turn rollout's loss mask; what the update places on the mesh."""
+        return Sequences(self.prompt_tokens, self.prompt_mask, np.asarray(self.out.tokens), np.asarray(self.out.mask),
+                         self.loss_mask)
+
     @functools.cached_property
     def input_valid(self) -> np.ndarray:
-        """`[N, P + T - 1]` bool: the model's valid inputs (`packing.model_inputs` of the masks), what the update's
-        and the log-prob passes' packed layouts are planned from (made once per rollout)."""
-        return model_inputs(self.prompt_mask, np.asarray(self.out.mask)) > 0
+        """`[N, P + T - 1]` bool: the model's valid inputs (`Sequences.inputs`' mask), what the update's and the
+        log-prob passes' packed layouts are planned from (made once per rollout)."""
+        return self.sequences().inputs()[1] > 0
 
 
 def assemble_groups(parts: list[tuple[Rollout, np.ndarray]], *, group_size: int, groups: int, pad_id: int) -> Rollout:
@@ -307,8 +313,8 @@ class DriftMeter:
         p = self.policy
         initial = self.reference if self.reference is not None else jax.device_put(self.initial_host,
                                                                                    p.weights_sharding)
-        arrays = [global_array(np.asarray(x)[:rows], p.mesh) for x in
-                  (ro.prompt_tokens, ro.prompt_mask, ro.out.tokens, ro.out.mask)]
-        logp = to_host(self.logprob_fn(p.model_weights(params), *arrays))
-        initial_logp = to_host(self.logprob_fn(initial, *arrays))
+        sequences = jax.tree.map(lambda x: global_array(np.asarray(x)[:rows], p.mesh),
+                                 ro.sequences()._replace(loss_mask=None))
+        logp = to_host(self.logprob_fn(p.model_weights(params), sequences))
+        initial_logp = to_host(self.logprob_fn(initial, sequences))
         return {"drift_kl": drift_kl(logp, initial_logp, np.asarray(ro.out.mask)[:rows])}

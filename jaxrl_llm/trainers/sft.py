@@ -19,7 +19,7 @@ import numpy as np
 from jaxrl_llm.config import RunConfig
 from jaxrl_llm.data import DataState, PromptSet, bucket, next_batch_indices
 from jaxrl_llm.errors import ConfigError
-from jaxrl_llm.models.packing import model_inputs
+from jaxrl_llm.models.sequences import Sequences
 from jaxrl_llm.optim import make_optimizer, router_frozen
 from jaxrl_llm.sampling.padding import left_pad, right_pad
 from jaxrl_llm.sharding import init_optimizer_state, train_state_shardings
@@ -32,14 +32,14 @@ from jaxrl_llm.trainers.supervised import ExampleAlgorithm, packed_example_batch
 
 
 def completion_arrays(prompt_set: PromptSet, indices: np.ndarray, tokenizer: Any, answer_field: str,
-                      eos_id: int, pad_id: int) -> tuple[np.ndarray, ...]:
+                      eos_id: int, pad_id: int) -> Sequences:
     """Left-padded prompts and right-padded `answer + EOS` targets `[B, P]`, `[B, T]` (bucketed widths)."""
     prompts = [prompt_set.token_ids[i] for i in indices]
     answers = [tokenizer(str(prompt_set.records[i][answer_field]), add_special_tokens=False)["input_ids"] + [eos_id]
                for i in indices]
     pt, pm = left_pad(prompts, bucket(max(map(len, prompts))), pad_id)
     ct, cm = right_pad(answers, bucket(max(map(len, answers)), 8), pad_id)
-    return pt, pm, ct, cm
+    return Sequences(pt, pm, ct, cm)
 
 
 class SFT(ExampleAlgorithm):
@@ -84,12 +84,12 @@ class SFT(ExampleAlgorithm):
         c, p = self.config, self.policy
         indices, data_state = next_batch_indices(len(self.examples), c.sft.batch_size, data_state, c.seed,
                                                  c.data.shuffle)
-        pt, pm, ct, cm = completion_arrays(self.examples, indices, p.tokenizer, c.data.answer_field, p.eos_ids[0],
-                                           p.pad_id)
-        zeros = np.zeros(ct.shape, np.float32)
-        batch = PolicyBatch(pt, pm, ct, cm, zeros, zeros, np.zeros(len(pt), np.float32))
-        valid = model_inputs(pm, cm) > 0
-        packed, metrics = packed_example_batch(batch, valid, pm.shape[1], packing=c.sft.packing,
+        sequences = completion_arrays(self.examples, indices, p.tokenizer, c.data.answer_field, p.eos_ids[0],
+                                      p.pad_id)
+        zeros = np.zeros(sequences.completion_tokens.shape, np.float32)
+        batch = PolicyBatch(sequences, zeros, zeros, np.zeros(len(zeros), np.float32))
+        valid = sequences.inputs()[1] > 0
+        packed, metrics = packed_example_batch(batch, valid, sequences.prompt_width, packing=c.sft.packing,
                                                mesh=self.mesh, num_params=self.policy.model_config.num_params(),
                                                min_gflops=c.sft.packing_min_gflops)
         return Collected(packed, data_state, metrics)

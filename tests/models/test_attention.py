@@ -24,6 +24,7 @@ from jaxrl_llm.models import attention as A
 from jaxrl_llm.models.block import training_attention
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import forward_packed, init_params
+from jaxrl_llm.models.sequences import Sequences
 from tests.attention_reference import attention_allowed, dense_attention, segment_attention_allowed
 from tests.numerics import assert_within_rounding
 
@@ -546,7 +547,8 @@ def test_the_update_exports_with_the_kernel(platform, backend, call):
     shapes = param_shapes(config)
     n, p, t, rows, width = 4, 16, 48, 2, 128
     ints, floats = (lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)), (lambda *s: jax.ShapeDtypeStruct(s, jnp.float32))
-    batch = PolicyBatch(ints(n, p), ints(n, p), ints(n, t), ints(n, t), floats(n, t), floats(n, t), floats(n),
+    batch = PolicyBatch(Sequences(ints(n, p), ints(n, p), ints(n, t), ints(n, t)), floats(n, t), floats(n, t),
+                        floats(n),
                         layout=PackedLayout(ints(rows, width), ints(n, t)))
     step = functools.partial(train_step, loss_fn=policy_loss, model_config=config, optimizer=optimizer, grad_accum=1,
                              loss_config=PolicyObjective(beta=0.04, max_len=t))

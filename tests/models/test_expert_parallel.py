@@ -52,7 +52,8 @@ adv = rng.normal(0, 1, n).astype(np.float32)
 # A recorded selection to replay: k distinct experts per token and layer, some tokens without a record.
 recorded = np.argsort(rng.random((n, p_len + t_len, config.num_layers, config.num_experts)), -1)[..., :2]
 recorded[rng.random((n, p_len + t_len)) < 0.2] = moe.NO_RECORD
-batch = PolicyBatch(pt, pm, ct, cm, old, old, adv, routing=recorded.astype(np.int16))
+from jaxrl_llm.models.sequences import Sequences
+batch = PolicyBatch(Sequences(pt, pm, ct, cm), old, old, adv, routing=recorded.astype(np.int16))
 loss_config = PolicyObjective(options=PolicyLossOptions(epsilon_low=0.1, epsilon_high=0.1, aggregation="token-mean"),
                               beta=0.0, router_aux_loss_coef=0.01, routing_replay=True)
 
@@ -63,7 +64,7 @@ def run(shape):
     cfg = config.replace(expert_mesh=expert_mesh(mesh))
     shardings = param_shardings(params, mesh)
     placed = jax.device_put(jax.tree.map(jnp.copy, params), shardings)
-    logprob_fn = jax.jit(lambda p, *b: completion_logprobs(p, cfg, *b)[0])
+    logprob_fn = jax.jit(lambda p, *b: completion_logprobs(p, cfg, Sequences(*b))[0])
     rows = lambda x: global_array(x, mesh)
     lp = to_host(logprob_fn(placed, rows(pt), rows(pm), rows(ct), rows(cm)))
     grad_fn = jax.jit(jax.value_and_grad(lambda p, b: policy_loss(p, b, model_config=cfg, loss_config=loss_config,

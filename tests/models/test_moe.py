@@ -19,6 +19,7 @@ from jaxrl_llm.models.decoder import forward
 from jaxrl_llm.models.hf import load_hf_model
 from jaxrl_llm.models.hf_config import config_from_hf
 from jaxrl_llm.models.hf_export import hf_state_dict, save_hf_model
+from jaxrl_llm.models.sequences import Sequences
 from tests.families import MOE_FAMILIES, left_padded_batch, make_hf_model
 
 pytestmark = pytest.mark.heavy(seconds=59)
@@ -438,7 +439,7 @@ def test_records_replay_the_same_through_packed_rows(random_moe):
     valid = np.concatenate([pm, cm], axis=1)[:, :-1] > 0
     layout, _, _ = batch_layout(valid, pt.shape[1])
     assert layout.source.shape[0] < 4  # some sequences share a row
-    args = tuple(map(jnp.asarray, (pt, pm, ct, cm)))
+    args = (Sequences(*map(jnp.asarray, (pt, pm, ct, cm))),)
     _, _, padded = completion_logprobs(params, config, *args)
     records = live_records(padded, config, (4, pt.shape[1] + 7))
     _, _, packed = completion_logprobs(params, config, *args, layout=layout)
@@ -699,8 +700,8 @@ def test_multi_turn_episodes_record_every_token_the_sampler_routed(chatty_moe_ta
     from jaxrl_llm.trainers.objectives import completion_logprobs
 
     params = algo.policy.model_weights(algo.init()["params"])
-    _, _, routed = completion_logprobs(params, algo.policy.model_config, ro.prompt_tokens, ro.prompt_mask,
-                                              ro.out.tokens, ro.out.mask, replay=jnp.asarray(routing))
+    _, _, routed = completion_logprobs(params, algo.policy.model_config, Sequences(ro.prompt_tokens, ro.prompt_mask,
+                                              ro.out.tokens, ro.out.mask), replay=jnp.asarray(routing))
     used = np.moveaxis(np.asarray(routed.routing.experts), 0, 2)  # [N, P + T - 1, L, k]
     recorded = routing[:, :-1, 0, 0] != NO_RECORD
     np.testing.assert_array_equal(used[recorded], routing[:, :-1][recorded])

@@ -28,6 +28,7 @@ from jaxrl_llm.models.packing import (
     token_budget_micro_batches,
     update_layouts,
 )
+from jaxrl_llm.models.sequences import Sequences
 from jaxrl_llm.rl import PolicyLossOptions
 from jaxrl_llm.trainers import make_trainer
 from jaxrl_llm.trainers.objectives import PolicyBatch, PolicyObjective, completion_logprobs, policy_loss
@@ -160,7 +161,7 @@ def _batch_and_layout(seed: int, n: int = 8, p: int = 6, t: int = 7, vocab: int 
     ref = (rng.normal(-2.0, 0.3, (n, t)) * cm).astype(np.float32)
     sampler = (old + rng.normal(0, 0.05, (n, t)) * cm).astype(np.float32)
     adv = rng.normal(0, 1, n).astype(np.float32)
-    batch = PolicyBatch(*map(jnp.asarray, (pt, pm, ct, cm, old, ref, adv, sampler)))
+    batch = PolicyBatch(Sequences(*map(jnp.asarray, (pt, pm, ct, cm))), *map(jnp.asarray, (old, ref, adv, sampler)))
     valid = np.concatenate([pm, cm], 1)[:, :-1] > 0
     plan = update_layouts(valid, p, np.arange(n)[None], grad_accum)
     return batch, PackedLayout(*(jnp.asarray(x[0]) for x in plan.layouts))
@@ -191,8 +192,8 @@ def test_packed_policy_loss_equals_padded(name):
     params = init_params(config, jax.random.key(1))
     batch, layout = _batch_and_layout(0)
     objective = _objective(OBJECTIVES[name])
-    counts = dict(num_tokens=jnp.float32(batch.completion_mask.sum()),
-                  num_seqs=jnp.float32((batch.completion_mask.sum(1) > 0).sum()))
+    counts = dict(num_tokens=jnp.float32(batch.sequences.completion_mask.sum()),
+                  num_seqs=jnp.float32((batch.sequences.completion_mask.sum(1) > 0).sum()))
 
     @jax.jit
     def value_and_grad(params, batch):
@@ -203,7 +204,7 @@ def test_packed_policy_loss_equals_padded(name):
         batch = batch._replace(sampler_logp=None)
     (loss, metrics), grads = value_and_grad(params, batch)
     (loss_p, metrics_p), grads_p = value_and_grad(params, batch._replace(layout=layout))
-    assert layout.source.shape[0] < batch.prompt_tokens.shape[0]  # fewer rows: the padding is gone
+    assert layout.source.shape[0] < batch.sequences.prompt_tokens.shape[0]  # fewer rows: the padding is gone
     np.testing.assert_allclose(loss_p, loss, rtol=1e-5, atol=1e-7)
     assert metrics_p.keys() == metrics.keys()
     for key in metrics:
@@ -217,11 +218,11 @@ def test_packed_logprobs_equal_padded_across_families(family):
     config = config_from_hf({**FAMILIES[family], "max_position_embeddings": 64})
     params = init_params(config, jax.random.key(2))
     batch, layout = _batch_and_layout(1, n=6)
-    args = (params, config, batch.prompt_tokens, batch.prompt_mask, batch.completion_tokens, batch.completion_mask)
+    args = (params, config, batch.sequences)
     fn = jax.jit(functools.partial(completion_logprobs, with_entropy=True), static_argnums=1)
     logp, entropy, _ = fn(*args)
     logp_p, entropy_p, _ = fn(*args, layout=layout)
-    m = np.asarray(batch.completion_mask, bool)
+    m = np.asarray(batch.sequences.completion_mask, bool)
     np.testing.assert_allclose(np.asarray(logp_p)[m], np.asarray(logp)[m], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(entropy_p)[m], np.asarray(entropy)[m], rtol=1e-5, atol=1e-5)
 
@@ -233,8 +234,8 @@ def test_packed_micro_batches_give_the_one_batch_update():
     optimizer = optax.apply_if_finite(optax.sgd(1.0), 1)  # moves by the gradient itself (Adam: by its sign)
     batch, _ = _batch_and_layout(4, n=8)
     batch = batch._replace(sampler_logp=None)
-    valid = np.concatenate([batch.prompt_mask, batch.completion_mask], 1)[:, :-1] > 0
-    plan = update_layouts(valid, batch.prompt_tokens.shape[1], np.arange(8)[None], grad_accum=2)
+    valid = np.concatenate([batch.sequences.prompt_mask, batch.sequences.completion_mask], 1)[:, :-1] > 0
+    plan = update_layouts(valid, batch.sequences.prompt_tokens.shape[1], np.arange(8)[None], grad_accum=2)
     packed = batch._replace(layout=PackedLayout(*(jnp.asarray(x[0]) for x in plan.layouts)))
     objective = PolicyObjective(options=PolicyLossOptions(aggregation="seq-mean-token-mean"), beta=0.05)
 
@@ -387,13 +388,8 @@ def test_a_token_budget_run_trains_as_one_micro_batch(tiny_task, tmp_path):
                  "rl.max_tokens_per_microbatch=100")
     for a, b in zip(whole, split, strict=True):
         assert b["update/micro_batches"] > 1 and a["update/micro_batches"] == 1
-        for key in ("loss", "kl", "entropy"):
+        for key in ("loss", "grad_norm", "kl", "entropy"):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
-        # A step's logged gradient norm is the mean over its minibatches, and every minibatch after the first starts
-        # from weights Adam moved: its first steps are about sign(g) per coordinate, so the float32 rounding of a
-        # coordinate near zero (summed in another order over micro-batches) moves the weights apart by up to a
-        # learning rate. Measured: 3.5e-5 and 1.2e-4 relative on the two steps of this run.
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=5e-4), "grad_norm"
 
 
 def test_packing_is_on_where_it_pays():
@@ -430,9 +426,9 @@ def test_the_reference_and_old_policy_passes_run_packed(tiny_task, tmp_path):
     num_params = algorithm.policy.model_config.num_params()
     layout = logprob_pass_layout(algorithm.config, ro, algorithm.mesh, num_params)
     assert layout is not None and layout.source.shape[0] < len(ro.prompt_tokens)
-    arrays = [jnp.asarray(a) for a in (ro.prompt_tokens, ro.prompt_mask, ro.out.tokens, ro.out.mask)]
-    padded = np.asarray(algorithm.ref_logprob_fn(algorithm.ref_params, *arrays))
-    packed = np.asarray(algorithm.ref_logprob_fn(algorithm.ref_params, *arrays, layout))
+    sequences = jax.tree.map(jnp.asarray, ro.sequences())
+    padded = np.asarray(algorithm.ref_logprob_fn(algorithm.ref_params, sequences))
+    packed = np.asarray(algorithm.ref_logprob_fn(algorithm.ref_params, sequences, layout))
     mask = ro.out.mask.astype(bool)
     assert mask.sum() > 100 and (~mask).sum() > 0  # completions of several lengths
     np.testing.assert_allclose(packed[mask], padded[mask], rtol=1e-5, atol=1e-5)

@@ -17,6 +17,7 @@ from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decode import decode_token, loop_caches, prefill, split_layers
 from jaxrl_llm.models.decoder import forward, init_params
 from jaxrl_llm.models.heads import apply_scalar_head
+from jaxrl_llm.models.sequences import Sequences
 from jaxrl_llm.models.step_weights import step_weights
 from jaxrl_llm.models.weights import inference_copy
 from jaxrl_llm.trainers.objectives import completion_logprobs
@@ -57,7 +58,7 @@ def _programs(config: ModelConfig) -> dict[str, str]:
     pt, pm, ct, cm = _batch(np.random.default_rng(0))
 
     def loss(p):
-        logp, ent, _ = completion_logprobs(p, config, pt, pm, ct, cm, with_entropy=True, block_mib=0.001)
+        logp, ent, _ = completion_logprobs(p, config, Sequences(pt, pm, ct, cm), with_entropy=True, block_mib=0.001)
         return -(logp * cm).sum() - ent.sum()
 
     def token_step(p):
@@ -163,7 +164,7 @@ def test_bf16_activation_path_of_other_backends(monkeypatch, gemma):
     assert (np.asarray(logits).argmax(-1) == np.asarray(ref).argmax(-1))[valid].mean() >= 0.9
 
     def loss(p):
-        logp, ent, _ = completion_logprobs(p, config, pt, pm, ct, cm, with_entropy=True, block_mib=0.001)
+        logp, ent, _ = completion_logprobs(p, config, Sequences(pt, pm, ct, cm), with_entropy=True, block_mib=0.001)
         assert logp.dtype == jnp.float32
         return -(logp * cm).sum() - ent.sum()
 
@@ -210,7 +211,7 @@ def test_the_update_compiles_to_bf16_dots_only_with_tied_embeddings():
     pm, cm = jnp.ones_like(pt), jnp.ones_like(ct)
 
     def loss(p):
-        logp, ent, _ = completion_logprobs(p, config, pt, pm, ct, cm, with_entropy=True, block_mib=0.5)
+        logp, ent, _ = completion_logprobs(p, config, Sequences(pt, pm, ct, cm), with_entropy=True, block_mib=0.5)
         return -(logp * cm).sum() - ent.sum()
 
     types = compiled_dot_operand_types(jax.jit(jax.grad(loss)).lower(params).compile().as_text())

@@ -21,6 +21,7 @@ from jax.test_util import check_grads
 import jaxrl_llm.rl as L
 import jaxrl_llm.rl as lp
 from jaxrl_llm.errors import ConfigError
+from jaxrl_llm.models.sequences import Sequences
 from jaxrl_llm.preflight import load_config
 from jaxrl_llm.rl import entropy_control as ec
 from jaxrl_llm.rl.surrogates import token_log_ratio
@@ -607,8 +608,8 @@ def test_a_traced_entropy_coef_replaces_the_configured_one_in_the_policy_loss():
     params = init_params(config, jax.random.key(0))
     rng = np.random.default_rng(0)
     cm = (np.arange(5)[None] < rng.integers(1, 6, 4)[:, None]).astype(np.int32)
-    batch = PolicyBatch(jnp.asarray(rng.integers(3, 19, (4, 3)), jnp.int32), jnp.ones((4, 3), jnp.int32),
-                        jnp.asarray(rng.integers(3, 19, (4, 5)), jnp.int32), jnp.asarray(cm),
+    batch = PolicyBatch(Sequences(jnp.asarray(rng.integers(3, 19, (4, 3)), jnp.int32), jnp.ones((4, 3), jnp.int32),
+                        jnp.asarray(rng.integers(3, 19, (4, 5)), jnp.int32), jnp.asarray(cm)),
                         jnp.zeros((4, 5)), jnp.zeros((4, 5)), jnp.asarray(rng.normal(size=4), jnp.float32))
     counts = dict(model_config=config, num_tokens=jnp.float32(cm.sum()), num_seqs=jnp.float32(4))
     fixed, _ = policy_loss(params, batch, loss_config=PolicyObjective(entropy_coef=0.5), **counts)

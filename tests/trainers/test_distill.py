@@ -14,6 +14,7 @@ import pytest
 from jaxrl_llm.config import ConfigError
 from jaxrl_llm.models.hf import load_hf_model
 from jaxrl_llm.models.hf_export import hf_state_dict
+from jaxrl_llm.models.sequences import Sequences
 from jaxrl_llm.preflight import load_config, preflight
 from jaxrl_llm.trainers import make_trainer
 from jaxrl_llm.trainers.distill import JSDObjective, jsd_loss
@@ -50,7 +51,7 @@ def test_jsd_loss_and_gradients_equal_torch(tmp_path, beta):
         pt[i, 5 - len(p):], pm[i, 5 - len(p):] = p, 1
         ct[i, : len(c)], cm[i, : len(c)] = c, 1
     zeros = jnp.zeros(ct.shape, jnp.float32)
-    batch = PolicyBatch(jnp.asarray(pt), jnp.asarray(pm), jnp.asarray(ct), jnp.asarray(cm), zeros, zeros,
+    batch = PolicyBatch(Sequences(jnp.asarray(pt), jnp.asarray(pm), jnp.asarray(ct), jnp.asarray(cm)), zeros, zeros,
                         jnp.zeros(2))
     objective = JSDObjective(teacher_config, beta=beta, temperature=0.8, logprob_block_mib=0.0)
 

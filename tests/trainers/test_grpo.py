@@ -246,10 +246,9 @@ def test_recompute_uses_the_train_steps_own_weights(tiny_task, tmp_path):
     state["params"] = params = jax.tree.map(lambda x: x * (1 + 3e-3) + 1e-4, state["params"])
     ro = algo.collect(state, DataState(), jax.random.key(1)).batch
     weights = working_weights(params, p.model_config)
-    trainer_logp = completion_logprobs(weights, p.model_config, ro.prompt_tokens, ro.prompt_mask, ro.out.tokens,
-                                       ro.out.mask, temperature=config.sampling.temperature)[0]
-    master_logp = completion_logprobs(params, p.model_config, ro.prompt_tokens, ro.prompt_mask, ro.out.tokens,
-                                      ro.out.mask, temperature=config.sampling.temperature)[0]
+    sequences = ro.sequences()
+    trainer_logp = completion_logprobs(weights, p.model_config, sequences, temperature=config.sampling.temperature)[0]
+    master_logp = completion_logprobs(params, p.model_config, sequences, temperature=config.sampling.temperature)[0]
     seen = {}
     update_fn = algo.update_fn
 

@@ -96,7 +96,8 @@ def test_one_scanned_update_is_the_train_step_itself():
     #   a 1e-3 weight was seen): (p_scan - p_one) = -lr (d_scan - d_one), up to the two updates' own rounding.
     defaults = OptimSection()  # fixed_update_setup's AdamW: these betas, optax's eps, learning rate 0.05
     b1, b2, eps, lr, u = defaults.beta1, defaults.beta2, 1e-8, 0.05, FLOAT32_UNIT_ROUNDOFF
-    tokens = batch.prompt_tokens.size + batch.completion_tokens.size - batch.completion_tokens.shape[0]
+    s = batch.sequences
+    tokens = s.prompt_tokens.size + s.completion_tokens.size - s.completion_tokens.shape[0]
 
     def moments(state: Any) -> tuple[list[np.ndarray], list[np.ndarray]]:
         return tuple([np.asarray(x, np.float64) for x in jax.tree.leaves(optax.tree_utils.tree_get(state, name))]

@@ -176,8 +176,9 @@ def test_the_update_trains_on_the_sampled_tokens_and_the_loss_mask_is_the_models
     update_fn = trainer.algorithm.update_fn
 
     def spy_update(state, batch, *rest):
-        seen["tokens"], seen["loss_mask"] = np.asarray(batch.completion_tokens), np.asarray(batch.loss_mask)
-        seen["attention"] = np.asarray(batch.completion_mask)
+        s = batch.sequences
+        seen["tokens"], seen["loss_mask"] = np.asarray(s.completion_tokens), np.asarray(s.loss_mask)
+        seen["attention"] = np.asarray(s.completion_mask)
         return update_fn(state, batch, *rest)
 
     trainer.algorithm.update_fn = spy_update

@@ -20,6 +20,7 @@ from jaxrl_llm.models.heads import (
 )
 from jaxrl_llm.models.hf import config_from_hf
 from jaxrl_llm.models.hf_export import save_hf_model
+from jaxrl_llm.models.sequences import Sequences
 from jaxrl_llm.optim import make_optimizer
 from jaxrl_llm.rl.estimators import ppo_targets, rollout_advantages, rollout_value_metrics
 from jaxrl_llm.rl.kl_control import init_kl_controller, kl_controller_update
@@ -138,14 +139,14 @@ def test_critic_values_shape_zero_head_and_parity_with_a_full_forward():
     params = init_params(config, jax.random.key(1))
     pt, pm, ct, cm = _fixed_rollout(config)
     critic = critic_from_policy(params, config)
-    values = values_jit(critic, config, pt, pm, ct, cm)
+    values = values_jit(critic, config, Sequences(pt, pm, ct, cm))
     assert values.shape == ct.shape and values.dtype == jnp.float32
     assert float(jnp.abs(values).max()) == 0.0  # zero head -> every value is 0
 
     # With a random head: V_t is the head applied to the hidden state of the position that predicts y_t.
     critic["value_head"] = init_scalar_head(config.hidden_size, jax.random.key(2), stddev=1.0)
     critic["value_head"]["bias"] = jnp.array([0.3])
-    values = np.asarray(values_jit(critic, config, pt, pm, ct, cm))
+    values = np.asarray(values_jit(critic, config, Sequences(pt, pm, ct, cm)))
     full = forward_jit(params, config, np.concatenate([pt, ct], 1), np.concatenate([pm, cm], 1), return_hidden=True)
     p = pt.shape[1]
     manual = np.asarray(full[:, p - 1 : -1] @ critic["value_head"]["kernel"])[..., 0] + 0.3
@@ -168,7 +169,7 @@ def test_critic_step_moves_values_toward_returns():
                                  loss_config=ValueLossConfig(clip_range=0.2), optimizer=optimizer, grad_accum=2)
     losses, fracs = [], []
     for _ in range(8):
-        batch = CriticBatch(pt, pm, ct, cm, old_values, returns)
+        batch = CriticBatch(Sequences(pt, pm, ct, cm), old_values, returns)
         state, metrics = update(state, batch, jax.random.key(0), None)
         losses.append(float(metrics["value_loss"]))
         fracs.append(float(metrics["value_clip_fraction"]))
@@ -176,7 +177,7 @@ def test_critic_step_moves_values_toward_returns():
     assert fracs[0] == 0.0  # V = V_old at first: nothing clipped
     # The initial loss is 0.5 * mean over valid tokens of R^2 (V = 0).
     np.testing.assert_allclose(losses[0], 0.5 * np.mean(returns[cm > 0] ** 2), rtol=1e-5)
-    values = np.asarray(values_jit(state["params"], config, pt, pm, ct, cm))
+    values = np.asarray(values_jit(state["params"], config, Sequences(pt, pm, ct, cm)))
     err_before = np.abs(returns[cm > 0]).mean()
     assert np.abs(values - returns)[cm > 0].mean() < err_before
 
@@ -202,7 +203,7 @@ def test_load_critic_from_a_causal_lm_or_a_reward_model(tmp_path):
     pt, pm, ct, cm = _fixed_rollout(rm_config, n=2)
     pm[:] = 1
     pt[:, :] = np.maximum(pt, 3)  # no padding: the RM scores the prompt's last token
-    values = np.asarray(values_jit(critic, rm_config, pt, pm, ct, np.ones_like(cm)))
+    values = np.asarray(values_jit(critic, rm_config, Sequences(pt, pm, ct, np.ones_like(cm))))
     with torch.no_grad():
         scores = rm(input_ids=torch.tensor(pt, dtype=torch.long)).logits[:, 0].numpy()
     np.testing.assert_allclose(values[:, 0], scores, rtol=1e-4, atol=1e-5)

@@ -14,6 +14,7 @@ from jaxrl_llm.cli import plan
 from jaxrl_llm.config import OptimSection
 from jaxrl_llm.models.decoder import forward, init_params, param_shapes
 from jaxrl_llm.models.hf import config_from_hf
+from jaxrl_llm.models.sequences import Sequences
 from jaxrl_llm.models.weights import master_weights
 from jaxrl_llm.optim import make_optimizer
 from jaxrl_llm.rl.logprobs import token_logprobs_and_entropy
@@ -39,7 +40,7 @@ def _batch(config, rows: int = 6, prompt_len: int = 5, new: int = 11, seed: int 
     cm[3, 4:] = 0
     old = (-7.0 + 0.3 * rng.normal(size=(rows, new))).astype(np.float32)
     ref = (-7.0 + 0.3 * rng.normal(size=(rows, new))).astype(np.float32)
-    return PolicyBatch(pt, pm, ct, cm, old, ref, rng.normal(size=rows).astype(np.float32))
+    return PolicyBatch(Sequences(pt, pm, ct, cm), old, ref, rng.normal(size=rows).astype(np.float32))
 
 
 def _full_logit_loss(params, batch: PolicyBatch, config, c: PolicyObjective):
@@ -194,7 +195,8 @@ def test_planner_agrees_with_compiled_train_step(micro_rows: int, prompt_len: in
     shapes = param_shapes(config)
     ints = lambda t: jax.ShapeDtypeStruct((rows, t), jnp.int32)  # noqa: E731
     floats = lambda t: jax.ShapeDtypeStruct((rows, t), jnp.float32)  # noqa: E731
-    batch = PolicyBatch(ints(prompt_len), ints(prompt_len), ints(new_tokens), ints(new_tokens), floats(new_tokens),
+    batch = PolicyBatch(Sequences(ints(prompt_len), ints(prompt_len), ints(new_tokens), ints(new_tokens)),
+                        floats(new_tokens),
                         floats(new_tokens), jax.ShapeDtypeStruct((rows,), jnp.float32))
     loss_config = PolicyObjective(beta=0.04, logprob_block_mib=4)
     step = functools.partial(train_step, loss_fn=policy_loss, model_config=config, loss_config=loss_config,
