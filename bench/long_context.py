@@ -142,18 +142,23 @@ def concrete(config: Any, args: tuple[Any, ...], layout: Any) -> tuple[Any, ...]
     params = master_weights(init_params(config, jax.random.key(0)))
     shapes, _, batch = args
     rng = np.random.default_rng(0)
+    def fill(name: str, spec: Any) -> Any:
+        if spec is None:
+            return None
+        if "mask" in name:
+            return jnp.ones(spec.shape, spec.dtype)
+        if spec.dtype == jnp.int32:
+            return jnp.asarray(rng.integers(3, config.vocab_size, spec.shape), jnp.int32)
+        return jnp.asarray(-rng.uniform(0.5, 3.0, spec.shape), jnp.float32)
+
     fields = []
     for name, spec in batch._asdict().items():
         if name == "layout":
             fields.append(PackedLayout(jnp.asarray(layout.source), jnp.asarray(layout.predictor)))
-        elif spec is None:
-            fields.append(None)
-        elif "mask" in name:
-            fields.append(jnp.ones(spec.shape, spec.dtype))
-        elif spec.dtype == jnp.int32:
-            fields.append(jnp.asarray(rng.integers(3, config.vocab_size, spec.shape), jnp.int32))
+        elif name == "sequences":
+            fields.append(type(spec)(*(fill(n, s) for n, s in spec._asdict().items())))
         else:
-            fields.append(jnp.asarray(-rng.uniform(0.5, 3.0, spec.shape), jnp.float32))
+            fields.append(fill(name, spec))
     from jaxrl_llm.config import OptimSection
     from jaxrl_llm.optim import make_optimizer
 

@@ -85,20 +85,21 @@ def main() -> None:
     params = jax.device_put(master_weights(params), param_shardings(params, mesh))
     optimizer, _ = make_optimizer(OptimSection(learning_rate=1e-6), 10)
     batch = grpo_shaped_batch(args.rows, args.max_new, config.vocab_size)
-    valid = np.concatenate([batch.prompt_mask, batch.completion_mask], 1)[:, :-1] > 0
+    seqs = batch.sequences
+    valid = seqs.inputs()[1] > 0
     if args.grad_accum == 1:
-        layout, frac_padded, frac_packed = batch_layout(valid, batch.prompt_tokens.shape[1],
+        layout, frac_padded, frac_packed = batch_layout(valid, seqs.prompt_tokens.shape[1],
                                                         row_tokens=args.row_tokens)
     else:
-        plan = update_layouts(valid, batch.prompt_tokens.shape[1], np.arange(args.rows)[None], args.grad_accum,
+        plan = update_layouts(valid, seqs.prompt_tokens.shape[1], np.arange(args.rows)[None], args.grad_accum,
                               row_tokens=args.row_tokens)
         layout = jax.tree.map(lambda x: x[0], plan.layouts)
         frac_padded, frac_packed = plan.padding_frac_padded, plan.padding_frac_packed
     real = int(valid.sum())
     print(f"{name}, bf16 compute over float32 master weights, {args.rows} sequences: prompts "
-          f"{int(batch.prompt_mask.sum(1).min())}-{int(batch.prompt_mask.sum(1).max())} tokens (padded to "
-          f"{batch.prompt_tokens.shape[1]}), completions {int(batch.completion_mask.sum(1).min())}-"
-          f"{int(batch.completion_mask.sum(1).max())}, {args.grad_accum} micro-batches; {real} real positions; packed "
+          f"{int(seqs.prompt_mask.sum(1).min())}-{int(seqs.prompt_mask.sum(1).max())} tokens (padded to "
+          f"{seqs.prompt_tokens.shape[1]}), completions {int(seqs.completion_mask.sum(1).min())}-"
+          f"{int(seqs.completion_mask.sum(1).max())}, {args.grad_accum} micro-batches; {real} real positions; packed "
           f"rows of {layout.source.shape[-1]} tokens ({layout.source.shape[0] // max(args.grad_accum, 1)} per "
           f"micro-batch, padded: {args.rows // args.grad_accum} of {valid.shape[1]})")
     state = {"params": params, "opt_state": init_optimizer_state(optimizer, params, param_shardings(params, mesh),

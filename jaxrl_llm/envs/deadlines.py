@@ -8,7 +8,9 @@ running at its deadline is abandoned, its worker replaced.
 A Python thread cannot be killed, so a call that hangs keeps its thread; but it never holds a worker another call
 needs (a replacement starts), a call still queued at its deadline never starts, the threads are daemons (the
 process exits at once at the end of a run, without waiting for them), and at most `max_hung` abandoned calls live
-at a time: past that, a new call fails at once with `HungCalls` until some of them end.
+at a time: past that, a new call fails at once with `HungCalls` until some of them end. A worker with nothing to do
+for `IDLE_SECONDS` ends (the next call starts one again), so a process that makes many collectors (a notebook, the
+test suite) does not keep every one's threads.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+IDLE_SECONDS = 5.0  # how long a worker waits for a call before it ends
 
 
 class DeadlineExceeded(Exception):
@@ -53,14 +57,14 @@ class DeadlineWorkers:
     def submit(self, fn: Callable[..., Any], *args: Any, deadline: float) -> Call:
         """Queue `fn(*args)`; it starts only if a worker takes it before `deadline`."""
         call = Call(fn, args, deadline)
-        with self._lock:
+        with self._lock:  # queued under the lock: an idle worker ends only when it sees no call waiting
             if self.hung >= self.max_hung:
                 call.future.set_exception(HungCalls(
                     f"{self.hung} earlier calls are still running past their deadlines; no new call starts until "
                     f"they end"))
                 return call
             self._fill()
-        self._queue.put(call)
+            self._queue.put(call)
         return call
 
     def result(self, call: Call) -> Any:
@@ -90,7 +94,14 @@ class DeadlineWorkers:
 
     def _work(self) -> None:
         while True:
-            call = self._queue.get()
+            try:
+                call = self._queue.get(timeout=IDLE_SECONDS)
+            except queue.Empty:
+                with self._lock:
+                    if self._queue.empty():  # idle: end (`submit` starts a worker for its call)
+                        self._live -= 1
+                        return
+                continue
             if time.monotonic() >= call.deadline:
                 call.future.cancel()
             if not call.future.set_running_or_notify_cancel():

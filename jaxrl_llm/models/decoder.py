@@ -165,15 +165,15 @@ class DecoderWeights(nn.Module):
         c = self.config
         self.embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=c.jnp_activation_dtype, param_dtype=c.jnp_param_dtype,
                               embedding_init=nn.initializers.normal(c.initializer_range))
+        # The weights do not depend on how attention runs: the layers' one run (`__call__`) is XLA's, on one device.
         self.layers = nn.scan(DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
-                              in_axes=nn.broadcast, length=c.num_layers)(c)
+                              in_axes=nn.broadcast, length=c.num_layers)(c.replace(sequence_mesh=None, attention="xla"))
         self.final_norm = make_norm(c, "final_norm")
         if not c.tie_word_embeddings:
             self.lm_head = make_dense(c, c.vocab_size, False, "lm_head", jnp.dtype(jnp.float32))  # logits: float32
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        c = self.config.replace(sequence_mesh=None)  # the weights do not depend on where the positions live
-        inputs = attention_inputs(c, jnp.zeros_like(tokens), jnp.ones_like(tokens), tokens.shape[1], None)[:1]
+        inputs = attention_inputs(self.config, jnp.zeros_like(tokens), jnp.ones_like(tokens), tokens.shape[1], None)[:1]
         x, _ = self.layers(self.embed_tokens(tokens), inputs)
         return self.unembed(self.final_norm(x))
 

@@ -100,3 +100,25 @@ def test_a_tool_that_hangs_answers_an_error_at_its_timeout_and_holds_no_tool_wor
     assert TOOL_WORKERS.hung == before + TOOL_WORKERS.workers + 1
     assert call_tool(tools, ToolCall("echo", {"text": "still here"})) == ("still here", True)
     release.set()
+
+
+def test_idle_workers_end_and_the_next_call_starts_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker with nothing to do ends after `IDLE_SECONDS` (a process that makes many collectors keeps no idle
+    threads: the suite's workers once held over 100), and a later call still runs."""
+    from jaxrl_llm.envs import deadlines
+
+    monkeypatch.setattr(deadlines, "IDLE_SECONDS", 0.05)
+    workers = DeadlineWorkers(4, "idle-test")
+    calls = [workers.submit(lambda x: x + 1, i, deadline=time.monotonic() + 60) for i in range(8)]
+    assert [workers.result(c) for c in calls] == list(range(1, 9))
+
+    def live() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name.startswith("idle-test-")]
+
+    for _ in range(500):
+        if not live():
+            break
+        time.sleep(0.01)
+    assert not live() and workers._live == 0
+    assert workers.result(workers.submit(lambda: "again", deadline=time.monotonic() + 60)) == "again"
+    assert 0 < len(live()) <= workers.workers  # the pool started again

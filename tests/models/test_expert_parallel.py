@@ -68,7 +68,7 @@ def run(shape):
     rows = lambda x: global_array(x, mesh)
     lp = to_host(logprob_fn(placed, rows(pt), rows(pm), rows(ct), rows(cm)))
     grad_fn = jax.jit(jax.value_and_grad(lambda p, b: policy_loss(p, b, model_config=cfg, loss_config=loss_config,
-                                                                  num_tokens=jnp.sum(b.completion_mask),
+                                                                  num_tokens=jnp.sum(b.sequences.completion_mask),
                                                                   num_seqs=jnp.asarray(n))[0]))
     loss, grads = to_host(grad_fn(placed, jax.tree.map(rows, batch)))
     shard_shapes = {path_string(k): sorted({tuple(s.data.shape) for s in v.addressable_shards})

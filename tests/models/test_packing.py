@@ -436,16 +436,3 @@ def test_the_reference_and_old_policy_passes_run_packed(tiny_task, tmp_path):
     assert logprob_pass_layout(algorithm.config, ro, algorithm.mesh, num_params) is None
     algorithm.config.rl.packing_min_gflops, algorithm.config.rl.packing = 0, False
     assert logprob_pass_layout(algorithm.config, ro, algorithm.mesh, num_params) is None
-
-
-def test_model_inputs_are_prompt_then_completion_but_its_last_token():
-    """`model_inputs` (the one place `prompt + completion[:-1]` is written): by hand, in the prompt's dtype; numpy
-    stays numpy (the host's layouts), a JAX array stays JAX (inside the update)."""
-    from jaxrl_llm.models.packing import model_inputs
-
-    prompt, completion = np.array([[0, 5, 6], [7, 8, 9]], np.int32), np.array([[1, 2, 0], [3, 0, 0]], np.int8)
-    got = model_inputs(prompt, completion)
-    assert isinstance(got, np.ndarray) and got.dtype == np.int32
-    assert got.tolist() == [[0, 5, 6, 1, 2], [7, 8, 9, 3, 0]]
-    on_device = model_inputs(jnp.asarray(prompt), jnp.asarray(completion))
-    assert isinstance(on_device, jax.Array) and np.asarray(on_device).tolist() == got.tolist()

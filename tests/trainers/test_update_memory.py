@@ -45,16 +45,17 @@ def _batch(config, rows: int = 6, prompt_len: int = 5, new: int = 11, seed: int 
 
 def _full_logit_loss(params, batch: PolicyBatch, config, c: PolicyObjective):
     """The reference: `[N, P + T - 1, V]` logits from the plain forward, sliced, then the same loss formula."""
-    tokens = jnp.concatenate([batch.prompt_tokens, batch.completion_tokens], axis=1)[:, :-1]
-    mask = jnp.concatenate([batch.prompt_mask, batch.completion_mask], axis=1)[:, :-1]
-    logits = forward(params, config, tokens, mask)[:, batch.prompt_tokens.shape[1] - 1 :]
-    logp, entropy = token_logprobs_and_entropy(logits, batch.completion_tokens, temperature=c.temperature)
-    mask_f = batch.completion_mask.astype(jnp.float32)
+    s = batch.sequences
+    tokens = jnp.concatenate([s.prompt_tokens, s.completion_tokens], axis=1)[:, :-1]
+    mask = jnp.concatenate([s.prompt_mask, s.completion_mask], axis=1)[:, :-1]
+    logits = forward(params, config, tokens, mask)[:, s.prompt_tokens.shape[1] - 1 :]
+    logp, entropy = token_logprobs_and_entropy(logits, s.completion_tokens, temperature=c.temperature)
+    mask_f = s.completion_mask.astype(jnp.float32)
     return clipped_policy_loss(
         logp,
         batch.old_logp,
         batch.advantages,
-        batch.completion_mask,
+        s.completion_mask,
         ref_logp=batch.ref_logp,
         kl_coef=c.beta,
         entropy=entropy,
@@ -70,7 +71,7 @@ def test_chunked_update_equals_full_logit_update(tied: bool) -> None:
     config = config_from_hf({**SMALL, "tie_word_embeddings": tied})
     params = init_params(config, jax.random.key(1))
     batch = jax.tree.map(jnp.asarray, _batch(config))
-    mask = batch.completion_mask.astype(jnp.float32)
+    mask = batch.sequences.completion_mask.astype(jnp.float32)
     counts = dict(num_tokens=mask.sum(), num_seqs=(mask.sum(axis=1) > 0).sum().astype(jnp.float32))
     # 6 rows x 1000 words x 4 bytes = 24,000 bytes per position: 0.07 MiB -> chunks of 3 positions (11 = 3+3+3+2).
     chunked = PolicyObjective(temperature=0.8, beta=0.04, entropy_coef=0.01, logprob_block_mib=0.07)
@@ -216,8 +217,7 @@ def test_query_chunked_attention_is_the_same_function() -> None:
     chunked = config.replace(attention_query_chunk=3)
     params = init_params(config, jax.random.key(2))
     batch = jax.tree.map(jnp.asarray, _batch(config, rows=4, prompt_len=5, new=7))
-    tokens = jnp.concatenate([batch.prompt_tokens, batch.completion_tokens], axis=1)[:, :-1]
-    mask = jnp.concatenate([batch.prompt_mask, batch.completion_mask], axis=1)[:, :-1]
+    tokens, mask = batch.sequences.inputs()
     assert tokens.shape[1] == 11
 
     def loss(p, c):
