@@ -140,7 +140,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="rl.packing: the update on packed rows (planned as padded: an upper bound)")
     p.add_argument("--bucket", type=int,
                    help="round prompt and completion lengths up to a multiple (default: the sampler's 16)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), help="model.dtype: compute dtype")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), help="model.dtype: compute dtype")
     p.add_argument("--param-dtype", choices=("float32", "bfloat16"), help="model.param_dtype")
     p.add_argument("--remat", action="store_true", default=None, help="model.remat: rematerialise each layer")
     p.add_argument("--attention-query-chunk", type=int,

@@ -37,7 +37,9 @@ class ModelSection:
     """The policy model: where it is, its dtypes and memory knobs."""
 
     path: str = ""  # required: a Hugging Face model directory or hub id (--algo sft with model.init: unused)
-    dtype: str = one_of("float32", DTYPES)  # compute dtype: float32 | bfloat16
+    # compute dtype: float32 | bfloat16 | auto (bfloat16 on a GPU or TPU and on a CPU with bfloat16 dots: AMX,
+    # AVX512-BF16, Arm BF16; float32 on any other CPU, where bfloat16 dots are slower; the run header says which)
+    dtype: str = one_of("float32", ("auto", *DTYPES))
     param_dtype: str = one_of("float32", DTYPES)  # stored weights: float32 | bfloat16 (float32 master weights are kept)
     remat: bool = False  # recompute each layer's activations in the backward pass (less memory, more time)
     # With remat: what a layer keeps for its backward pass. full: only its input (everything recomputed);

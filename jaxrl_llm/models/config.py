@@ -33,7 +33,7 @@ from jaxrl_llm.models.options import (
     ATTENTION_REQUESTS,
     SEQUENCE_METHODS,
 )
-from jaxrl_llm.models.precision import activation_dtype, inference_param_dtype
+from jaxrl_llm.models.precision import activation_dtype, inference_param_dtype, resolve_compute_dtype
 
 DType = Literal["float32", "bfloat16"]
 
@@ -121,6 +121,7 @@ class ModelConfig:
     lora_dropout: float = 0.0
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", resolve_compute_dtype(self.dtype))  # `auto`: chosen by the hardware
         check_model_config(self)
 
     @property

@@ -27,6 +27,8 @@ and fails on any dot that is not bf16 x bf16 -> float32 under `model.dtype=bfloa
 from __future__ import annotations
 
 import functools
+import platform as host_platform
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -153,3 +155,50 @@ def matmul_transposed(x: Array, w: Array, compute_dtype: jnp.dtype | str,
     flat = x.reshape(-1, x.shape[-1])
     y = einsum("ik,nk->in", flat, w, compute_dtype, out_dtype)
     return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags as Linux reports them (`flags` on x86, `Features` on Arm), else ""."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    return next((line.split(":", 1)[1] for line in lines if line.startswith(("flags", "Features")) and ":" in line),
+                "")
+
+
+def cpu_bf16_feature(flags: str | None = None, machine: str | None = None) -> str | None:
+    """The CPU feature that gives bfloat16 dots at bfloat16's speed (`amx_bf16`, `avx512_bf16` on x86; `bf16` on Arm),
+    read from `flags` (default: Linux's `/proc/cpuinfo`, as the engine's kernels read it), or None."""
+    machine = (machine or host_platform.machine()).lower()
+    words = set((_cpu_flags() if flags is None else flags).split())
+    candidates = ("amx_bf16", "avx512_bf16") if machine in ("x86_64", "amd64") else \
+        ("bf16",) if machine in ("aarch64", "arm64") else ()
+    return next((f for f in candidates if f in words), None)
+
+
+def auto_compute_dtype(backend: str | None = None, flags: str | None = None, machine: str | None = None
+                       ) -> tuple[str, str]:
+    """`model.dtype: auto`: `(dtype, why)`. bfloat16 on an accelerator (`backend`, default JAX's) and on a CPU with
+    native bfloat16 dots (`cpu_bf16_feature`); float32 on any other CPU, where XLA:CPU's bfloat16 dot is slower than
+    its float32 one (an AVX2-only CPU: about 0.6x, bench/HISTORY.md) and buys nothing but rounding."""
+    backend = backend or jax.default_backend()
+    if backend != "cpu":
+        return "bfloat16", f"model.dtype=auto: bfloat16 on {backend.upper()}"
+    feature = cpu_bf16_feature(flags, machine)
+    if feature is not None:
+        return "bfloat16", f"model.dtype=auto: bfloat16, the CPU has {feature}"
+    return "float32", ("model.dtype=auto: float32, the CPU has no bfloat16 dots (no amx_bf16, avx512_bf16 or Arm "
+                       "bf16), where bfloat16 is slower")
+
+
+def resolve_compute_dtype(requested: str) -> str:
+    """`requested` (`model.dtype`) as the dtype it runs in: `auto` by `auto_compute_dtype`, others as written."""
+    return auto_compute_dtype()[0] if requested == "auto" else requested
+
+
+def describe_compute_dtype(requested: str, resolved: str) -> str:
+    """`compute dtype <resolved> (<why>)` for a run header: why `auto` chose it (`auto_compute_dtype`), else the
+    setting as written."""
+    why = auto_compute_dtype()[1] if requested == "auto" else f"model.dtype={requested}"
+    return f"compute dtype {resolved} ({why})"

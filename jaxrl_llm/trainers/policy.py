@@ -34,6 +34,7 @@ from jaxrl_llm.models.decoder import Params, init_params
 from jaxrl_llm.models.hf import config_from_hf, load_hf_model, resolve_model_dir
 from jaxrl_llm.models.hf_export import save_hf_model
 from jaxrl_llm.models.lora import LoraSpec, init_adapters, insert_adapters, merge_adapters, save_peft_adapters
+from jaxrl_llm.models.precision import describe_compute_dtype
 from jaxrl_llm.models.tokenizer import eos_token_ids, load_tokenizer
 from jaxrl_llm.models.weights import cast_floating, inference_copy, master_weights
 from jaxrl_llm.sampling import SampleOutput, SamplingConfig
@@ -141,9 +142,10 @@ class Policy:
 
     def describe_sampler(self) -> str:
         """The run's sampler in words, on the mesh it samples on (`ThreadSamplers.describe`), then the training
-        forward's attention (`describe_attention`)."""
+        forward's attention (`describe_attention`) and the compute dtype (`precision.describe_compute_dtype`)."""
         sampler = self.samplers.describe(self.sampler_mesh if self.sampler_mesh is not None else self.mesh)
-        return f"{sampler}; {self.describe_attention()}"
+        precision = describe_compute_dtype(self.config.model.dtype, self.model_config.dtype)
+        return f"{sampler}; {self.describe_attention()}; {precision}"
 
     def describe_attention(self) -> str:
         """`training attention: <path>`: the backend the update's and log-prob passes' full-sequence attention runs

@@ -216,9 +216,10 @@ def moe_old_policy(c: RunConfig, routed_fn: Callable[..., tuple[jax.Array, jax.A
 
     The trainer's pass runs whatever `rl.loss.rollout_correction` says (replaying the sampler's routing under
     `rl.routing_replay=rollout`), so `mismatch/*` (the log-prob mismatch, `logprob_mismatch`) is logged for every
-    MoE run, with `mismatch/router_disagreement` (and per layer): the share of the sampler's recorded tokens whose
-    experts the trainer's router ranks otherwise. The records the update gets: the sampler's (`rollout`, and `none`,
-    where they are only compared), or this pass's own (`old`: R2)."""
+    MoE run, with `mismatch/live_router_vs_rollout` (and per layer): the share of the sampler's recorded tokens whose
+    experts the trainer's own router ranks otherwise, before any replay; and `mismatch/update_routing_vs_rollout`: the
+    same share for the routing the update runs (0 under `rollout`, which replays the sampler's). The records the
+    update gets: the sampler's (`rollout`, and `none`, where they are only compared), or this pass's own (`old`: R2)."""
     mode, correction = c.rl.routing_replay, c.rl.loss.rollout_correction
     sampled_records = None if ro.out.routing is None else put(np.asarray(ro.out.routing, np.int16))
     logp, live = routed_fn(weights, sequences, layout, sampled_records if mode == "rollout" else None)
@@ -226,19 +227,21 @@ def moe_old_policy(c: RunConfig, routed_fn: Callable[..., tuple[jax.Array, jax.A
         logprob_mismatch(logp, sampler_logp, sequences.targets_mask())).items()}
     if sampled_records is not None:
         metrics |= router_mismatch(sampled_records, live)
+        metrics["mismatch/update_routing_vs_rollout"] = (0.0 if mode == "rollout"
+                                                         else metrics["mismatch/live_router_vs_rollout"])
     old_logp = sampler_logp if correction == "none" else logp
     weighted = sampler_logp if correction in ROLLOUT_CORRECTION_MODES else None
     return old_logp, weighted, metrics, live if mode == "old" else sampled_records
 
 
 def router_mismatch(sampled: jax.Array, live: jax.Array) -> dict[str, float]:
-    """`mismatch/router_disagreement` (mean over layers) and `.../layer_XX`: per MoE layer, the share of the tokens
-    the sampler recorded whose top-k set the trainer's router (`live`, `[N, P + T, L, k]`) ranks otherwise."""
+    """`mismatch/live_router_vs_rollout` (mean over layers) and `.../layer_XX`: per MoE layer, the share of the tokens
+    the sampler recorded whose top-k set the trainer's own router (`live`, `[N, P + T, L, k]`) ranks otherwise."""
     recorded = (sampled[..., 0, 0] != NO_RECORD).reshape(-1)
     flat = [jnp.moveaxis(x, 2, 0).reshape(x.shape[2], -1, x.shape[3]) for x in (sampled, live)]
     per_layer = np.asarray(jax.device_get(router_disagreement(flat[0], flat[1], recorded)))
-    out = {"mismatch/router_disagreement": float(per_layer.mean())}
-    return out | {f"mismatch/router_disagreement/layer_{i:02d}": float(v) for i, v in enumerate(per_layer)}
+    out = {"mismatch/live_router_vs_rollout": float(per_layer.mean())}
+    return out | {f"mismatch/live_router_vs_rollout/layer_{i:02d}": float(v) for i, v in enumerate(per_layer)}
 
 
 class OldPolicy(NamedTuple):

@@ -525,15 +525,18 @@ def test_grpo_on_moe_with_each_replay_mode(moe_task, tmp_path):
     np.testing.assert_allclose(aux[0]["loss"], rows["none"]["loss"] + 0.5 * rows["none"]["moe/aux_loss"], rtol=1e-4)
     for mode, row in rows.items():
         for name in ("moe/aux_loss", "moe/load_max_mean", "moe/confidence", "moe/layer_00/confidence",
-                     "mismatch/logprob_abs_mean", "mismatch/router_disagreement",
-                     "mismatch/router_disagreement/layer_01", "moe/router_disagreement"):
+                     "mismatch/logprob_abs_mean", "mismatch/live_router_vs_rollout",
+                     "mismatch/live_router_vs_rollout/layer_01", "moe/router_disagreement"):
             assert np.isfinite(row[name]), (mode, name)
     # bf16 sampling flips a few of the near-uniform router's choices (about 2 in 1,000 tokens here); replaying the
     # sampler's records then changes the trainer's log-probs on those tokens, and only there.
-    assert rows["none"]["mismatch/router_disagreement"] == rows["rollout"]["mismatch/router_disagreement"]
-    flipped = rows["none"]["mismatch/router_disagreement"] > 0
+    assert rows["none"]["mismatch/live_router_vs_rollout"] == rows["rollout"]["mismatch/live_router_vs_rollout"]
+    flipped = rows["none"]["mismatch/live_router_vs_rollout"] > 0
     moved = rows["rollout"]["mismatch/logprob_abs_mean"] != rows["none"]["mismatch/logprob_abs_mean"]
     assert moved == flipped
+    # What the update ran: the sampler's routing under replay (no disagreement left), the live router's without.
+    assert rows["rollout"]["mismatch/update_routing_vs_rollout"] == 0.0
+    assert rows["none"]["mismatch/update_routing_vs_rollout"] == rows["none"]["mismatch/live_router_vs_rollout"]
     assert rows["old"]["moe/router_disagreement"] == 0.0  # one update: the old pass's choice is the live one
 
 
@@ -591,7 +594,7 @@ def test_every_algorithm_runs_on_a_moe_model_with_its_router_terms(algo, moe_tas
     make_trainer(config).run()
     (row,) = read_rows(tmp_path / algo, "moe/aux_loss")[:1]
     if algo == "ppo":
-        assert 0 <= row["mismatch/router_disagreement"] <= 1 and np.isfinite(row["mismatch/logprob_abs_mean"])
+        assert 0 <= row["mismatch/live_router_vs_rollout"] <= 1 and np.isfinite(row["mismatch/logprob_abs_mean"])
     assert row["moe/aux_loss"] > 1.0 and 0 < row["moe/confidence"] <= 1 and row["moe/load_max_mean"] >= 1
     own = {"sft": "sft_loss", "distill": "distill/jsd"}.get(algo)
     if own is not None:  # one micro-batch: the loss is the algorithm's own plus 0.5 x the load-balancing loss
@@ -650,7 +653,7 @@ def test_the_moe_preset_trains_the_committed_moe_model(tmp_path):
     assert config.rl.routing_replay == "rollout" and config.sampling.dtype == "bfloat16"
     make_trainer(config).run()
     rows = read_rows(tmp_path / "run", "reward/mean")
-    assert len(rows) == 2 and all(0 <= r["mismatch/router_disagreement"] < 0.2 for r in rows)
+    assert len(rows) == 2 and all(0 <= r["mismatch/live_router_vs_rollout"] < 0.2 for r in rows)
     assert all(r["moe/load_max_mean"] < 8 / 2 for r in rows)  # no collapsed layer: max / mean < E / k
 
 
@@ -720,7 +723,7 @@ def test_multi_turn_rollout_replay_runs_and_measures_the_mismatch(chatty_moe_tas
                             "rl.group_size=4", "sampling.max_new_tokens=8")
         rows[mode] = steps[0]
     assert rows["none"]["turns/mean"] > 1
-    assert rows["none"]["mismatch/router_disagreement"] == rows["rollout"]["mismatch/router_disagreement"]
-    flipped = rows["none"]["mismatch/router_disagreement"] > 0  # about 3 in 1,000 tokens here
+    assert rows["none"]["mismatch/live_router_vs_rollout"] == rows["rollout"]["mismatch/live_router_vs_rollout"]
+    flipped = rows["none"]["mismatch/live_router_vs_rollout"] > 0  # about 3 in 1,000 tokens here
     moved = rows["rollout"]["mismatch/logprob_abs_mean"] != rows["none"]["mismatch/logprob_abs_mean"]
     assert moved == flipped

@@ -216,3 +216,47 @@ def test_the_update_compiles_to_bf16_dots_only_with_tied_embeddings():
 
     types = compiled_dot_operand_types(jax.jit(jax.grad(loss)).lower(params).compile().as_text())
     assert len(types) >= 10 and all(t == ("bf16", "bf16") for t in types), [t for t in types if t != ("bf16", "bf16")]
+
+
+# ------------------------------------------------------------------------------------------- model.dtype: auto
+
+AVX2_ONLY = "fpu sse sse2 avx avx2 fma"  # a Zen 2/3 server, most laptops: no bfloat16 dots
+
+
+@pytest.mark.parametrize(("backend", "machine", "flags", "want"), [
+    ("cpu", "x86_64", AVX2_ONLY, "float32"),
+    ("cpu", "x86_64", f"{AVX2_ONLY} avx512f avx512_bf16", "bfloat16"),  # Zen 4, Cooper Lake
+    ("cpu", "x86_64", f"{AVX2_ONLY} avx512f amx_tile amx_bf16", "bfloat16"),  # Sapphire Rapids
+    ("cpu", "aarch64", "fp asimd sve", "float32"),
+    ("cpu", "aarch64", "fp asimd sve bf16", "bfloat16"),  # Graviton 3, Apple M2+
+    ("cpu", "x86_64", "fpu avx2 bf16", "float32"),  # an Arm flag name on x86 means nothing
+    ("gpu", "x86_64", AVX2_ONLY, "bfloat16"),
+    ("tpu", "x86_64", "", "bfloat16"),
+])
+def test_auto_picks_bfloat16_only_where_the_hardware_has_bfloat16_dots(backend, machine, flags, want):
+    dtype, why = precision.auto_compute_dtype(backend, flags, machine)
+    assert dtype == want and why.startswith(f"model.dtype=auto: {want}")
+    feature = precision.cpu_bf16_feature(flags, machine)
+    if backend == "cpu":
+        assert (feature is not None) == (want == "bfloat16") and (feature is None or feature in why)
+
+
+def test_auto_reaches_the_model_and_the_run_header(monkeypatch, tiny_task, tmp_path):
+    """A run with `model.dtype=auto` on a CPU reporting AVX2 only computes in float32 and says why in its header; on
+    one reporting AMX, in bfloat16; `float32` and `bfloat16` as written are kept whatever the CPU."""
+    from jaxrl_llm.models.hf import config_from_hf
+    from jaxrl_llm.trainers import make_trainer
+    from tests.families import TINY
+    from tests.runs import tiny_run
+
+    monkeypatch.setattr(precision.host_platform, "machine", lambda: "x86_64")
+    for flags, want in ((AVX2_ONLY, "float32"), (f"{AVX2_ONLY} amx_tile amx_bf16", "bfloat16")):
+        monkeypatch.setattr(precision, "_cpu_flags", lambda flags=flags: flags)
+        assert config_from_hf({**TINY, "vocab_size": 64}, dtype="auto").dtype == want
+        assert config_from_hf({**TINY, "vocab_size": 64}, dtype="float32").dtype == "float32"
+        assert config_from_hf({**TINY, "vocab_size": 64}, dtype="bfloat16").dtype == "bfloat16"
+    monkeypatch.setattr(precision, "_cpu_flags", lambda: AVX2_ONLY)
+    config = tiny_run("grpo_arithmetic", tmp_path / "run", "model.dtype=auto", task=tiny_task)
+    algorithm = make_trainer(config).algorithm
+    assert algorithm.policy.model_config.dtype == "float32"
+    assert "compute dtype float32 (model.dtype=auto: float32, the CPU has no bfloat16 dots" in algorithm.describe()
