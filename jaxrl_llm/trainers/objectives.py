@@ -257,11 +257,12 @@ def make_logprob_fn(mesh: Mesh, model_config: ModelConfig, temperature: float, p
             return logp
         return logp, live_records(routed, model_config, (len(sequences.prompt_tokens), sequences.width), layout)
 
-    compiled: dict[tuple[bool, bool, bool], Any] = {}
+    compiled: dict[tuple[bool, bool], Any] = {}
 
     def call(params: Params, sequences: Sequences, layout: PackedLayout | None = None,
              replay: jax.Array | None = None) -> Any:
-        key = (layout is not None, replay is not None, sequences.loss_mask is not None)
+        sequences = sequences._replace(loss_mask=None)  # the pass reads no loss mask: one program with or without
+        key = (layout is not None, replay is not None)
         if key not in compiled:
             shardings = (params_sharding, jax.tree.map(lambda _: rows, sequences),
                          whole if layout is not None else None, rows if replay is not None else None)

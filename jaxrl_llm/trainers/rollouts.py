@@ -52,9 +52,12 @@ class Rollout:
 
     def sequences(self) -> Sequences:
         """The rollout's sequences on the host (`models.sequences.Sequences`): its prompts, the sampled
-        completions with their mask, and a multi-turn rollout's loss mask; what the update places on the mesh."""
-        return Sequences(self.prompt_tokens, self.prompt_mask, np.asarray(self.out.tokens), np.asarray(self.out.mask),
-                         self.loss_mask)
+        completions with their mask, and the loss mask (a multi-turn rollout's, else the completion mask: so a
+        single-turn and a multi-turn rollout run one update program, and round alike); what the update places on
+        the mesh."""
+        mask = np.asarray(self.out.mask)
+        return Sequences(self.prompt_tokens, self.prompt_mask, np.asarray(self.out.tokens), mask,
+                         mask if self.loss_mask is None else self.loss_mask)
 
     @functools.cached_property
     def input_valid(self) -> np.ndarray:
