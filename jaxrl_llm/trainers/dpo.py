@@ -57,7 +57,7 @@ class PairBatch(NamedTuple):
     ref_rejected: jax.Array
     layout: PackedLayout | None = None  # sft.packing: the `[2B]` chosen-then-rejected sequences' packed rows
 
-    def sequences(self) -> Sequences:
+    def as_sequences(self) -> Sequences:
         """The pairs as `2B` sequences, the chosen responses then the rejected ones (the prompts repeated)."""
         xp = np if isinstance(self.prompt_tokens, np.ndarray) else jnp
         return Sequences(xp.concatenate([self.prompt_tokens] * 2), xp.concatenate([self.prompt_mask] * 2),
@@ -81,9 +81,9 @@ class DPOLossConfig:
 def pair_logprobs(params: Params, config: ModelConfig, batch: PairBatch, *, block_mib: float = 256.0,
                   dropout_key: jax.Array | None = None) -> tuple[jax.Array, jax.Array, RoutedHidden]:
     """`(sum_t log pi(chosen_t), sum_t log pi(rejected_t), routed)`, each sum `[B]` float32: one forward over both
-    sides (`PairBatch.sequences`; packed rows with `batch.layout`), `completion_logprobs` masked and summed; `routed`:
-    the pass's `decoder.RoutedHidden` (an MoE model's routing)."""
-    sequences = batch.sequences()
+    sides (`PairBatch.as_sequences`; packed rows with `batch.layout`), `completion_logprobs` masked and summed;
+    `routed`: the pass's `decoder.RoutedHidden` (an MoE model's routing)."""
+    sequences = batch.as_sequences()
     logp, _, routed = completion_logprobs(params, config, sequences, block_mib=block_mib, dropout_key=dropout_key,
                                           layout=batch.layout)
     sums = (logp * sequences.completion_mask.astype(jnp.float32)).sum(axis=1)
@@ -209,7 +209,7 @@ class DPO(ExampleAlgorithm):
         c = self.config
         idx, data_state = next_batch_indices(len(self.pairs), c.sft.batch_size, data_state, c.seed, c.data.shuffle)
         batch = pair_batch(self.pairs, idx, self.policy.pad_id, c.sampling.prompt_bucket, self.train_ref)
-        valid = batch.sequences().inputs()[1] > 0
+        valid = batch.as_sequences().inputs()[1] > 0
         packed, metrics = packed_example_batch(batch, valid, batch.prompt_mask.shape[1], packing=c.sft.packing,
                                                mesh=self.mesh, num_params=self.policy.model_config.num_params(),
                                                min_gflops=c.sft.packing_min_gflops)

@@ -211,7 +211,7 @@ def batch_counts(batch: Any) -> tuple[jax.Array, jax.Array]:
     """`(num_tokens, num_seqs)` of a batch: the tokens its loss covers (`Sequences.targets_mask`) and the sequences
     with at least one, or the row count for both when the batch has no `sequences` (a preference batch)."""
     sequences = getattr(batch, "sequences", None)
-    if not isinstance(sequences, Sequences):  # a preference batch (its `sequences()` is a method)
+    if sequences is None:  # a preference batch
         rows = jnp.asarray(jax.tree.leaves(batch)[0].shape[0], jnp.float32)
         return rows, rows
     mask = sequences.targets_mask()
