@@ -90,6 +90,12 @@ FAMILIES: dict[str, dict] = {
                     rope_scaling=dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=16, beta_fast=8.0,
                                       beta_slow=0.1, truncate=False),
                     **{**_COMMON, "num_hidden_layers": 3, "intermediate_size": 24}),
+    # Qwen3.5 (text): a hybrid stack, Gated DeltaNet layers (2 key heads serving 4 value heads, a 4-tap convolution)
+    # around the softmax layers (the 4th and 8th: two periods, so the scanned stack loops), those with q/k norms, an
+    # output gate and a quarter-rotary; (1 + w) norms. Chunks of 64 tokens: the 40-token rows are one chunk.
+    "qwen3_5": dict(model_type="qwen3_5_text", head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                    linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                    **{**_COMMON, "num_hidden_layers": 8}),
 }
 
 

@@ -96,7 +96,11 @@ def make_sampler(name: str, config: ModelConfig, *, page_size: int = 0, slots: i
                  pages: int = 0, attention: str = "auto") -> Sampler:
     """The sampler `sampling.engine` names, the one place a name becomes a sampler: `paged`, the rollout engine
     (`PagedSampler`, with the `sampling.engine_*` settings; for a longrope model, inside `LongContextHandover`),
-    or `static` (`StaticSampler`)."""
+    or `static` (`StaticSampler`). A hybrid stack (linear-attention layers) gets the static sampler, which says
+    why in the run header."""
+    if name == "paged" and config.is_hybrid:
+        return StaticSampler(config, "sampling.engine: paged asked for, but the rollout engine holds no "
+                                     "linear-attention state yet")
     if name == "paged":
         paged = PagedSampler(config, page_size=page_size, slots=slots, steps_per_call=steps_per_call, pages=pages,
                              attention=attention)

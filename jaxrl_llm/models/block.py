@@ -2,8 +2,13 @@
 
     h = attn_norm(x);  q, k, v = qkv(h);  q, k = q_norm(q), k_norm(k)            (Qwen3, Gemma 3)
     q, k = rotary(q), rotary(k);  a, state = attend(q, k, v, sinks)                (sinks: gpt-oss)
+    a = a * sigmoid(gate)                                                        (output gate: Qwen3.5)
     x = x + attn_post_norm(o(a))                                                 (post norm: Gemma 2/3)
     x = x + mlp_post_norm(feed_forward(mlp_norm(x)))
+
+A linear-attention layer (Qwen3.5's Gated DeltaNet, `models/gated_delta.py`) replaces the attention's line by its
+token mixer: `m, state = mixer(attn_norm(x)); x = x + m` (`LayerOps.mixer`, which reads and returns the layer's
+fixed-size state); the rest of the block is the same.
 
 The feed-forward is a part the family chooses (`LayerOps.feed_forward`): the gated MLP `down(act(gate) * up)`
 (`gated_mlp`), or a mixture of experts (`models/moe.py`), which also returns what its router chose.
@@ -26,6 +31,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 from jaxrl_llm.models.attention import AttentionMask, AttentionSpec, Features, attention, attention_backend, features_of
 from jaxrl_llm.models.config import ModelConfig
@@ -41,24 +47,28 @@ FeedForward = Callable[[jax.Array], tuple[jax.Array, Routing | None]]
 # q and k rotated; `sinks` the layer's per-head sink logits (gpt-oss) or None; `state` is whatever the keys and
 # values were written to (an updated cache, or None).
 Attend = Callable[[jax.Array, jax.Array, jax.Array, jax.Array | None], tuple[jax.Array, Any]]
+# `mixer(h [B, T, D]) -> (out [B, T, D], state)`: a linear-attention layer's whole token mixing, its state its own.
+Mixer = Callable[[jax.Array], tuple[jax.Array, Any]]
 
 
 class LayerOps(NamedTuple):
     """One layer's weights as functions of activations `[B, T, D]`: `qkv` returns `q [B, T, H, hd]` and
-    `k, v [B, T, KVH, hd]`; `feed_forward` the feed-forward part's output (and its routing, see `FeedForward`);
-    `sinks [H]`: the attention's sink logits (gpt-oss); absent parts (a family without q/k norms, sandwich norms or
-    sinks) are None."""
+    `k, v [B, T, KVH, hd]` (with an output gate, q is `[B, T, H, 2 hd]`: each head's query, then its gate);
+    `feed_forward` the feed-forward part's output (and its routing, see `FeedForward`); `sinks [H]`: the attention's
+    sink logits (gpt-oss); `mixer`: a linear-attention layer's token mixer, which replaces qkv, the norms, attend and
+    o (then None); absent parts (a family without q/k norms, sandwich norms or sinks) are None."""
 
     attn_norm: Fn
-    qkv: Callable[[jax.Array], tuple[jax.Array, jax.Array, jax.Array]]
+    qkv: Callable[[jax.Array], tuple[jax.Array, jax.Array, jax.Array]] | None
     q_norm: Fn | None
     k_norm: Fn | None
-    o: Fn
+    o: Fn | None
     attn_post_norm: Fn | None
     mlp_norm: Fn
     feed_forward: FeedForward
     mlp_post_norm: Fn | None
     sinks: jax.Array | None = None
+    mixer: Mixer | None = None
 
 
 def gated_mlp(gate_up: Callable[[jax.Array], tuple[jax.Array, jax.Array]], down: Fn, hidden_act: str,
@@ -74,8 +84,28 @@ def gated_mlp(gate_up: Callable[[jax.Array], tuple[jax.Array, jax.Array]], down:
 def transformer_block(x: jax.Array, ops: LayerOps, attend: Attend, cos: jax.Array, sin: jax.Array,
                       config: ModelConfig) -> tuple[jax.Array, Any, Routing | None]:
     """The pre-norm block above on `x [B, T, D]` with rotary tables `cos, sin [B, T, rot]` (the layer kind's):
-    returns `(x [B, T, D], attend's state, the feed-forward's routing or None)`."""
-    q, k, v = ops.qkv(ops.attn_norm(x))
+    returns `(x [B, T, D], attend's (or the mixer's) state, the feed-forward's routing or None)`."""
+    if ops.mixer is not None:
+        h, state = ops.mixer(ops.attn_norm(x))
+    else:
+        h, state = _attention(ops.attn_norm(x), ops, attend, cos, sin, config)
+    if ops.attn_post_norm is not None:
+        h = ops.attn_post_norm(h)
+    x = x + h
+    h, routing = ops.feed_forward(ops.mlp_norm(x))
+    if ops.mlp_post_norm is not None:
+        h = ops.mlp_post_norm(h)
+    return x + h, state, routing
+
+
+def _attention(h: jax.Array, ops: LayerOps, attend: Attend, cos: jax.Array, sin: jax.Array, config: ModelConfig
+               ) -> tuple[jax.Array, Any]:
+    """The block's attention part on the normed `h [B, T, D]`: `(o(attention) [B, T, D], attend's state)`."""
+    assert ops.qkv is not None and ops.o is not None
+    q, k, v = ops.qkv(h)
+    gate = None
+    if config.attention_output_gate:  # each head's projection is [query | gate]
+        q, gate = jnp.split(q, 2, axis=-1)
     if ops.q_norm is not None and ops.k_norm is not None:
         if config.qk_norm_projection:  # OLMoE: one norm over all heads' queries (keys) together
             q = ops.q_norm(q.reshape(*q.shape[:2], -1)).reshape(q.shape)
@@ -84,14 +114,9 @@ def transformer_block(x: jax.Array, ops: LayerOps, attend: Attend, cos: jax.Arra
             q, k = ops.q_norm(q), ops.k_norm(k)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     out, state = attend(q, k, v, ops.sinks)
-    h = ops.o(out)
-    if ops.attn_post_norm is not None:
-        h = ops.attn_post_norm(h)
-    x = x + h
-    h, routing = ops.feed_forward(ops.mlp_norm(x))
-    if ops.mlp_post_norm is not None:
-        h = ops.mlp_post_norm(h)
-    return x + h, state, routing
+    if gate is not None:
+        out = out * jax.nn.sigmoid(gate.reshape(out.shape).astype(jnp.float32)).astype(out.dtype)
+    return ops.o(out), state
 
 
 def attention_spec(config: ModelConfig, local: bool) -> AttentionSpec:

@@ -18,6 +18,9 @@ What some fields mean:
   `softmax([scores, sink])` with the sink's column dropped), a biased router and biased experts (`router_bias`,
   `expert_bias`), and `swiglu_clamp = (alpha, limit)`: the experts' activation
   `(clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g)` with `g = min(gate, limit)`.
+- Hybrid stacks (Qwen3.5): `layer_types` may name "linear_attention" layers, Gated DeltaNet (`models/gated_delta.py`)
+  of the shape `linear` gives, between softmax-attention ones; `attention_output_gate` gates those layers' output by
+  `sigmoid(gate)`, the gate a second half of each query head's projection.
 """
 
 from __future__ import annotations
@@ -36,6 +39,34 @@ from jaxrl_llm.models.options import (
 from jaxrl_llm.models.precision import activation_dtype, inference_param_dtype, resolve_compute_dtype
 
 DType = Literal["float32", "bfloat16"]
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearAttention:
+    """The shape of a Gated DeltaNet layer (Qwen3.5's `linear_*` keys): `num_key_heads` query/key heads of
+    `key_head_dim`, `num_value_heads` value heads of `value_head_dim` (a multiple of the key heads), a causal
+    convolution of `conv_kernel` taps, and the chunk length of the chunked form (`chunk`)."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int = 4
+    chunk: int = 64
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """The convolved channels: q | k | v."""
+        return 2 * self.key_dim + self.value_dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +116,8 @@ class ModelConfig:
     expert_bias: bool = False  # gpt-oss: every expert's gate, up and down projections have biases
     swiglu_clamp: tuple[float, float] | None = None  # gpt-oss: (alpha, limit) of the experts' clamped SwiGLU
     attention_sinks: bool = False  # gpt-oss: a learned sink logit per head joins each softmax's denominator
+    attention_output_gate: bool = False  # Qwen3.5: attention output * sigmoid(gate), q_proj holding [q | gate] per head
+    linear: LinearAttention | None = None  # the "linear_attention" layers' shape (Qwen3.5)
     router_aux_loss_coef: float = 0.0  # the checkpoint's own coefficient, written back on export (training: rl/sft's)
     # How the experts are computed: "ragged" (sorted by expert, `jax.lax.ragged_dot`) or "dense" (every expert on
     # every token, masked: the tests' reference).
@@ -146,6 +179,24 @@ class ModelConfig:
     def rope_scaling_dict(self) -> dict[str, float | str] | None:
         return None if self.rope_scaling is None else dict(self.rope_scaling)
 
+    def is_linear(self, layer: int) -> bool:
+        """Whether layer `layer` is a linear-attention (Gated DeltaNet) layer."""
+        return self.layer_types is not None and self.layer_types[layer] == "linear_attention"
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether some layers are linear attention: the layer stack's weights then differ between layers."""
+        return self.layer_types is not None and "linear_attention" in self.layer_types
+
+    def layers_holding(self, part: str) -> list[int]:
+        """The layers that have weights `part` (`layers/<part>/...` is stacked over these, in order): `attn` the
+        softmax-attention layers, `linear_attn` the linear ones, every other part every layer."""
+        if part == "attn":
+            return [i for i in range(self.num_layers) if not self.is_linear(i)]
+        if part == "linear_attn":
+            return [i for i in range(self.num_layers) if self.is_linear(i)]
+        return list(range(self.num_layers))
+
     def is_sliding(self, layer: int) -> bool:
         """Whether layer `layer` attends within `sliding_window` (every layer when `layer_types` is None)."""
         if self.sliding_window is None:
@@ -179,16 +230,22 @@ def parameter_count(config: ModelConfig) -> int:
     attn = d * q + 2 * d * kv + q * d
     attn += (q + 2 * kv) * c.qkv_bias + d * c.o_bias
     attn += ((q + kv) if c.qk_norm_projection else 2 * hd) * c.qk_norm
-    attn += c.num_heads * c.attention_sinks
+    attn += c.num_heads * c.attention_sinks + d * q * c.attention_output_gate
     mlp = 3 * d * f + (2 * f + d) * c.mlp_bias
     if c.is_moe:
         shared = c.shared_expert_intermediate_size
         e, i = c.num_experts, c.moe_intermediate_size
         mlp = d * e + 3 * d * i * e + e * c.router_bias + (2 * i + d) * e * c.expert_bias
         mlp += (3 * d * shared + d) if shared else 0
-    per_layer = attn + mlp + (4 if c.sandwich_norms else 2) * d
+    per_layer = mlp + (4 if c.sandwich_norms else 2) * d
     head = 0 if c.tie_word_embeddings else d * c.vocab_size
-    return c.vocab_size * d + c.num_layers * per_layer + d + head
+    mixers = len(c.layers_holding("attn")) * attn
+    if c.linear is not None:
+        lin = c.linear
+        per_linear = (d * (lin.conv_dim + lin.value_dim + 2 * lin.num_value_heads) + lin.conv_kernel * lin.conv_dim
+                      + 2 * lin.num_value_heads + lin.value_head_dim + lin.value_dim * d)
+        mixers += len(c.layers_holding("linear_attn")) * per_linear
+    return c.vocab_size * d + c.num_layers * per_layer + mixers + d + head
 
 
 def check_model_config(config: ModelConfig) -> None:
@@ -198,10 +255,14 @@ def check_model_config(config: ModelConfig) -> None:
     if c.layer_types is not None:
         if len(c.layer_types) != c.num_layers:
             raise ValueError(f"layer_types has {len(c.layer_types)} entries for {c.num_layers} layers")
-        unknown = set(c.layer_types) - {"full_attention", "sliding_attention"}
+        unknown = set(c.layer_types) - set(LAYER_TYPES)
         if unknown:
-            raise ValueError(f"unsupported layer_types {sorted(unknown)}; supported: full_attention, "
-                             "sliding_attention")
+            raise ValueError(f"unsupported layer_types {sorted(unknown)}; supported: {', '.join(LAYER_TYPES)}")
+        if c.is_hybrid and c.linear is None:
+            raise ValueError("layer_types names linear_attention layers but the config has no `linear` shape")
+    if c.linear is not None and c.linear.num_value_heads % c.linear.num_key_heads:
+        raise ValueError(f"linear num_value_heads ({c.linear.num_value_heads}) must be a multiple of "
+                         f"num_key_heads ({c.linear.num_key_heads})")
     if c.hidden_act not in ("silu", "gelu_pytorch_tanh"):
         raise ValueError(f"unsupported hidden_act {c.hidden_act!r}; supported: silu, gelu_pytorch_tanh")
     if c.num_experts < 0 or (c.num_experts and not 0 < c.num_experts_per_tok <= c.num_experts):

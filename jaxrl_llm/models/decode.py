@@ -8,6 +8,8 @@
 """
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
@@ -24,15 +26,20 @@ from jaxrl_llm.models.decoder import (
     flax_layer,
     unembed,
 )
+from jaxrl_llm.models.gated_delta import LinearState
 from jaxrl_llm.models.layers import head_sinks, masked_softmax, positions_from_mask, rope_parameters, rotary
-from jaxrl_llm.models.stack import LayerParts, chosen_experts, run_layers
+from jaxrl_llm.models.stack import LayerParts, chosen_experts, layer_weights, run_layers
 from jaxrl_llm.models.step_weights import StepWeights, step_ops
 
-LayerCaches = list[dict[str, jax.Array]]  # per layer {"k", "v": [B, S, KVH, hd]} (`loop_caches` layout in the loop)
+# per layer {"k", "v": [B, S, KVH, hd]} (`loop_caches` layout in the loop), a linear-attention layer's `LinearState`
+LayerCaches = list[Any]
 
 
 def split_layers(params: Params, config: ModelConfig) -> list[Params]:
-    """The stacked `[L, ...]` layer parameters as `L` per-layer pytrees (static slices)."""
+    """The stacked `[L, ...]` layer parameters as `L` per-layer pytrees (static slices; `stack.layer_weights` for a
+    hybrid stack, whose parts are stacked over the layers that have them)."""
+    if config.is_hybrid:
+        return [layer_weights(config, params["layers"], i) for i in range(config.num_layers)]
     return [jax.tree.map(lambda a, i=i: a[i], params["layers"]) for i in range(config.num_layers)]
 
 
@@ -61,19 +68,32 @@ def decode_layers(
     """
     x = embed(params, config, tokens)
     inputs = attention_inputs(config, positions, key_mask, tokens.shape[1], cache_index)
-    out = run_layers(x, config, flax_layer(config, inputs, cache_index), layer_params, caches)
+    segments = jax.lax.dynamic_slice_in_dim(key_mask, cache_index, tokens.shape[1], axis=1).astype(jnp.int32)
+    out = run_layers(x, config, flax_layer(config, inputs, cache_index, segments=segments), layer_params, caches)
     hidden = final_norm(params, config, out.x)
     return (hidden if return_hidden else unembed(params, config, hidden)), out.states, chosen_experts(out.routing)
 
 
 def init_caches(config: ModelConfig, batch: int, length: int) -> LayerCaches:
-    """Zero per-layer KV caches `{"k", "v": [batch, length, KVH, hd]}` in the compute dtype (`decode_layers`' layout).
+    """Zero per-layer KV caches `{"k", "v": [batch, length, KVH, hd]}` in the compute dtype (`decode_layers`' layout);
+    a linear-attention layer's is its fixed-size `LinearState` (`empty_linear_state`) whatever the length.
 
-    Bytes: `2 * L * batch * length * KVH * hd * itemsize(dtype)`.
+    Bytes: `2 * L * batch * length * KVH * hd * itemsize(dtype)` over the softmax layers.
     """
     shape = (batch, length, config.num_kv_heads, config.head_dim)
     empty = {"k": jnp.zeros(shape, config.jnp_dtype), "v": jnp.zeros(shape, config.jnp_dtype)}
-    return [empty] * config.num_layers
+    return [empty_linear_state(config, batch) if config.is_linear(i) else empty  # type: ignore[misc]
+            for i in range(config.num_layers)]
+
+
+def empty_linear_state(config: ModelConfig, batch: int) -> LinearState:
+    """A linear-attention layer's state at a sequence's start: the convolution's window `[batch, K - 1, 2 Kd + Vd]`
+    (activation dtype) and the recurrent state `[batch, Hv, dk, dv]` (float32), zeros. Bytes per sequence:
+    `(K - 1) (2 Kd + Vd) itemsize + 4 Hv dk dv`, independent of its length."""
+    lin = config.linear
+    assert lin is not None
+    return LinearState(jnp.zeros((batch, lin.conv_kernel - 1, lin.conv_dim), config.jnp_activation_dtype),
+                       jnp.zeros((batch, lin.num_value_heads, lin.key_head_dim, lin.value_head_dim), jnp.float32))
 
 
 def loop_caches(caches: LayerCaches) -> LayerCaches:

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from jaxrl_llm.models.attention import AttentionMask
 from jaxrl_llm.models.block import LayerOps, cached_attention, layer_kinds_present, transformer_block
 from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.gated_delta import LinearState
 from jaxrl_llm.models.layers import (
     embed_tokens,
     positions_from_mask,
@@ -52,8 +53,8 @@ from jaxrl_llm.models.packing import PackedLayout, gather_predictors, packed_inp
 from jaxrl_llm.models.precision import WEIGHT_MATMUL, matmul_transposed
 from jaxrl_llm.models.sequence_parallel import constrain_positions, pad_rows, padded_length
 from jaxrl_llm.models.sequences import Sequences
-from jaxrl_llm.models.stack import LayerFn, LayerParts, run_layers
-from jaxrl_llm.models.sublayers import MLP, Attention, MoE, make_dense, make_norm
+from jaxrl_llm.models.stack import LayerFn, LayerParts, merge_kinds, run_layers
+from jaxrl_llm.models.sublayers import MLP, Attention, LinearAttention, MoE, make_dense, make_norm
 
 Params = dict[str, Any]
 Cache = dict[str, jax.Array]
@@ -117,36 +118,53 @@ def _is_local(config: ModelConfig, kind: jax.Array | int, kinds: int) -> bool | 
     return kind == 1
 
 
+class LinearInputs(NamedTuple):
+    """What a linear-attention layer's mixer reads besides its input: its carried `LinearState` (None: sequences
+    that start here) and the tokens' `segments [B, T]` (0: padding; None: one sequence per row)."""
+
+    state: LinearState | None
+    segments: jax.Array | None
+
+
 class DecoderLayer(nn.Module):
-    """One layer's weights (`attn_norm`, `attn`, `mlp_norm`, `mlp`: an `MLP` or, for an MoE family, an `MoE`, and
-    Gemma 2/3's sandwich norms) as `block.LayerOps` (`ops`), which the layer stack runs (`stack.run_layers` through
-    `flax_layer`). `__call__` runs the block once, without a cache (`(x, None)`, a scan body's form): what
-    `DecoderWeights` creates the weights with."""
+    """One layer's weights (`attn_norm`, `attn`, or for a linear-attention layer (`linear`) `linear_attn`, `mlp_norm`,
+    `mlp`: an `MLP` or, for an MoE family, an `MoE`, and Gemma 2/3's sandwich norms) as `block.LayerOps` (`ops`),
+    which the layer stack runs (`stack.run_layers` through `flax_layer`). `__call__` runs the block once, without a
+    cache (`(x, None)`, a scan body's form): what `DecoderWeights` creates the weights with."""
 
     config: ModelConfig
+    linear: bool = False
 
     def setup(self) -> None:
         c = self.config
         self.attn_norm = make_norm(c, "attn_norm")
-        self.attn = Attention(c, name="attn")
+        if self.linear:
+            self.linear_attn = LinearAttention(c, name="linear_attn")
+        else:
+            self.attn = Attention(c, name="attn")
         self.mlp_norm = make_norm(c, "mlp_norm")
         self.mlp = MoE(c, name="mlp") if c.is_moe else MLP(c, name="mlp")
         if c.sandwich_norms:
             self.attn_post_norm = make_norm(c, "attn_post_norm")
             self.mlp_post_norm = make_norm(c, "mlp_post_norm")
 
-    def ops(self, replay: jax.Array | None = None, valid: jax.Array | None = None) -> LayerOps:
+    def ops(self, replay: jax.Array | None = None, valid: jax.Array | None = None,
+            linear: LinearInputs | None = None) -> LayerOps:
         """The layer's weights as `LayerOps` (the Flax modules: LoRA factors and dropout included); `replay`,
-        `valid`: see `MoE.feed_forward`."""
+        `valid`: see `MoE.feed_forward`; `linear`: a linear-attention layer's state and segments."""
         c = self.config
+        common = dict(attn_norm=self.attn_norm, mlp_norm=self.mlp_norm,
+                      feed_forward=self.mlp.feed_forward(replay, valid),
+                      attn_post_norm=self.attn_post_norm if c.sandwich_norms else None,
+                      mlp_post_norm=self.mlp_post_norm if c.sandwich_norms else None)
+        if self.linear:
+            state, segments = linear or LinearInputs(None, None)
+            return LayerOps(qkv=None, q_norm=None, k_norm=None, o=None,
+                            mixer=self.linear_attn.mixer(state, segments), **common)
         return LayerOps(
-            attn_norm=self.attn_norm, qkv=self.attn.qkv,
-            q_norm=self.attn.q_norm if c.qk_norm else None, k_norm=self.attn.k_norm if c.qk_norm else None,
-            o=self.attn.o, attn_post_norm=self.attn_post_norm if c.sandwich_norms else None,
-            mlp_norm=self.mlp_norm, feed_forward=self.mlp.feed_forward(replay, valid),
-            mlp_post_norm=self.mlp_post_norm if c.sandwich_norms else None,
-            sinks=self.attn.sinks if c.attention_sinks else None,
-        )
+            qkv=self.attn.qkv, q_norm=self.attn.q_norm if c.qk_norm else None,
+            k_norm=self.attn.k_norm if c.qk_norm else None, o=self.attn.o,
+            sinks=self.attn.sinks if c.attention_sinks else None, **common)
 
     def __call__(self, x: jax.Array, inputs: tuple[AttentionInputs, ...]) -> tuple[jax.Array, None]:
         cos, sin, mask = inputs[0]
@@ -166,8 +184,13 @@ class DecoderWeights(nn.Module):
         self.embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=c.jnp_activation_dtype, param_dtype=c.jnp_param_dtype,
                               embedding_init=nn.initializers.normal(c.initializer_range))
         # The weights do not depend on how attention runs: the layers' one run (`__call__`) is XLA's, on one device.
+        # A hybrid stack's two kinds are created as two stacks (`init_params` merges them into one `layers`).
+        one = c.replace(sequence_mesh=None, attention="xla")
         self.layers = nn.scan(DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
-                              in_axes=nn.broadcast, length=c.num_layers)(c.replace(sequence_mesh=None, attention="xla"))
+                              in_axes=nn.broadcast, length=len(c.layers_holding("attn")))(one)
+        if c.is_hybrid:
+            self.linear_layers = nn.scan(DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
+                                         in_axes=nn.broadcast, length=len(c.layers_holding("linear_attn")))(one, True)
         self.final_norm = make_norm(c, "final_norm")
         if not c.tie_word_embeddings:
             self.lm_head = make_dense(c, c.vocab_size, False, "lm_head", jnp.dtype(jnp.float32))  # logits: float32
@@ -175,6 +198,8 @@ class DecoderWeights(nn.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         inputs = attention_inputs(self.config, jnp.zeros_like(tokens), jnp.ones_like(tokens), tokens.shape[1], None)[:1]
         x, _ = self.layers(self.embed_tokens(tokens), inputs)
+        if self.config.is_hybrid:
+            x, _ = self.linear_layers(x, inputs)
         return self.unembed(self.final_norm(x))
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
@@ -223,18 +248,25 @@ class LayerExtras(NamedTuple):
 
 
 def flax_layer(config: ModelConfig, inputs: tuple[AttentionInputs, ...], cache_index: jax.Array | int = 0,
-               token_mask: jax.Array | None = None) -> LayerFn:
+               token_mask: jax.Array | None = None, segments: jax.Array | None = None) -> LayerFn:
     """The layer part of the Flax modules (`DecoderLayer`, LoRA and dropout included) over the decoder's cache layout
     (`block.cached_attention`; no state: a full sequence): the training forward and the static sampler's prefill.
     `inputs`: `attention_inputs(...)`; a layer takes entry `attention_kind` (an int index: chosen while tracing; a
-    traced one: selected on the device). `token_mask [B, T]` keeps padding out of an MoE's dispatch."""
+    traced one: selected on the device). `token_mask [B, T]` keeps padding out of an MoE's dispatch. A
+    linear-attention layer (its weights hold `linear_attn`) carries a `LinearState` as its cache and reads the new
+    tokens' `segments [B, T]` (0: padding)."""
     kinds = layer_kinds(config)
 
-    def layer(i: Any, weights: Params, cache: Cache | None, extra: LayerExtras | None) -> LayerParts:
+    def layer(i: Any, weights: Params, cache: Any, extra: LayerExtras | None) -> LayerParts:
+        replay, key = (None, None) if extra is None else extra
+        linear = "linear_attn" in weights
+        module = DecoderLayer(config, linear).bind({"params": weights},
+                                                   rngs=None if key is None else {"dropout": key})
+        if linear:
+            ops = module.ops(replay, token_mask, LinearInputs(cache, segments))
+            return LayerParts(ops, None, None, None)  # type: ignore[arg-type]
         kind = attention_kind(config, i) if isinstance(i, int) else kinds[i]
         cos, sin, mask = _select(inputs, kind)
-        replay, key = (None, None) if extra is None else extra
-        module = DecoderLayer(config).bind({"params": weights}, rngs=None if key is None else {"dropout": key})
         attend = cached_attention(config, mask, cache, cache_index, _is_local(config, kind, len(inputs)))
         return LayerParts(module.ops(replay, token_mask), attend, cos, sin)
 
@@ -262,12 +294,17 @@ def decoder_hidden(params: Params, config: ModelConfig, tokens: jax.Array, posit
         tokens, positions, key_mask, segments, token_mask = (
             pad_rows(a, padded) for a in (tokens, positions, key_mask, segments, token_mask))
         replay = pad_rows(replay, padded, axis=2, value=NO_RECORD)
+    if split is not None and c.is_hybrid:
+        raise ValueError("the sequence axis (parallel.sequence > 1) does not support linear-attention layers yet: "
+                         "their state would have to pass from shard to shard; set parallel.sequence: 1")
     inputs = attention_inputs(c, positions, key_mask, tokens.shape[1], None, segments)
     ends = _ends(params, c)
     keys = None if dropout_key is None else jax.random.split(dropout_key, c.num_layers)
     extras = None if replay is None and keys is None else LayerExtras(replay, keys)
     x = constrain_positions(ends.embed_tokens(tokens), split)
-    out = run_layers(x, c, flax_layer(c, inputs, token_mask=token_mask), params["layers"], per_layer=extras,
+    sequences = segments if segments is not None else key_mask.astype(jnp.int32)
+    out = run_layers(x, c, flax_layer(c, inputs, token_mask=token_mask, segments=sequences), params["layers"],
+                     per_layer=extras,
                      scanned=True, carry=lambda a: constrain_positions(a, split), checkpoint=layer_checkpoint(c))
     hidden, routing = ends.normed(out.x), out.routing
     if split is not None and tokens.shape[1] != length:
@@ -279,7 +316,11 @@ def decoder_hidden(params: Params, config: ModelConfig, tokens: jax.Array, posit
 def init_params(config: ModelConfig, key: jax.Array) -> Params:
     """Random parameters (normal with `initializer_range`, norms at 1), as transformers initialises
     (`DecoderWeights`: each layer's weights stacked on `[L, ...]`)."""
-    return DecoderWeights(config).init(key, jnp.zeros((1, 1), jnp.int32))["params"]
+    params = DecoderWeights(config).init(key, jnp.zeros((1, 1), jnp.int32))["params"]
+    if not config.is_hybrid:
+        return params
+    return {**{k: v for k, v in params.items() if k != "linear_layers"},
+            "layers": merge_kinds(config, params["layers"], params["linear_layers"])}
 
 
 def param_shapes(config: ModelConfig) -> Params:

@@ -355,8 +355,8 @@ class _TensorReader:
 
     def param(self, path: tuple[str, ...], spec: jax.ShapeDtypeStruct, config: ModelConfig,
               mesh: Mesh | None) -> jax.Array:
-        """Parameter `path` (stacked `[L, ...]` under `layers`, `[L, E, ...]` for the experts' matrices), each device
-        reading only its own block."""
+        """Parameter `path` (stacked `[L, ...]` under `layers`, over the layers that have it in a hybrid stack;
+        `[L, E, ...]` for the experts' matrices), each device reading only its own block."""
         stacked = path[0] == "layers"
         together = _stacked(path, config.model_type)  # every expert in one HF tensor (gpt-oss)
         experts = _per_expert(path) and together is None
@@ -366,7 +366,8 @@ class _TensorReader:
         def name(layer: int | None, expert: int | None = None) -> str:
             return _tensor_name(path, layer, config.model_type, expert)
 
-        for layer in range(config.num_layers) if stacked else [None]:
+        holders = config.layers_holding(path[1]) if stacked else []  # the HF layers this part is stacked over
+        for layer in holders if stacked else [None]:
             for expert in range(config.num_experts) if experts else [None]:
                 self.check_shape(path, name(layer, expert), spec.shape[lead:], fused, together)
 
@@ -374,7 +375,7 @@ class _TensorReader:
             index = tuple(index) + (slice(None),) * (len(spec.shape) - len(index))
             if not stacked:
                 return self.read_block(path, name(None), index, spec.dtype)
-            layers = range(config.num_layers)[index[0]]
+            layers = holders[index[0]]
             chosen = [(layer, e) for layer in layers for e in range(config.num_experts)[index[1]]] if experts \
                 else [(layer, None) for layer in layers]
             first = self.read_block(path, name(*chosen[0]), index[lead:], spec.dtype, fused, together)

@@ -45,10 +45,10 @@ def hf_state_dict(params: Params, config: ModelConfig) -> Iterator[tuple[str, np
             yield from _interleaved(array, path, together, config, pending)
             continue
         fused = _fused_rows(path, config)
-        layers = range(config.num_layers) if path[0] == "layers" else [None]
+        layers = list(enumerate(config.layers_holding(path[1]))) if path[0] == "layers" else [(None, None)]
         experts = range(config.num_experts) if _per_expert(path) else [None]
-        for layer, expert in itertools.product(layers, experts):
-            tensor = array[layer] if layer is not None else array
+        for (slot, layer), expert in itertools.product(layers, experts):
+            tensor = array[slot] if slot is not None else array
             tensor = tensor[expert] if expert is not None else tensor
             tensor = np.ascontiguousarray(tensor.T if _is_kernel(path) else tensor)
             name = _tensor_name(path, layer, config.model_type, expert)

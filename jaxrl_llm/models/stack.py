@@ -17,6 +17,12 @@ Two ways to loop over the same body:
   the layer index traced (a layer's kind is then selected on the device), optionally rematerialised (`checkpoint`);
 - unrolled (the samplers): over per-layer lists, each layer's weights and cache their own buffers, so a decode
   loop writes a token's keys and values in place; the index is a Python int, so each layer's kind is static.
+
+Stacks whose layers differ in their weights (a hybrid stack: Qwen3.5's three linear-attention layers per softmax
+one) keep one `layers` tree whose parts are stacked over the layers that have them (`ModelConfig.layers_holding`:
+`attn [L_full, ...]`, `linear_attn [L_linear, ...]`, the norms and the MLP `[L, ...]`). Scanned, such a stack runs
+one *period* of its pattern per scan step (`layer_period`: 4 layers for Qwen3.5, unrolled inside the step), so one
+period is compiled; `layer_weights` gives one layer's weights for the unrolled paths.
 """
 
 from __future__ import annotations
@@ -57,6 +63,54 @@ class StackOutput(NamedTuple):
     routing: Routing | None
 
 
+def layer_period(config: ModelConfig) -> int:
+    """The fewest layers after which a stack's pattern of weight kinds (linear attention or not) repeats and that
+    divide `L` (1 when every layer is alike; `L` when there is no pattern)."""
+    kinds = [config.is_linear(i) for i in range(config.num_layers)]
+    n = config.num_layers
+    return next(p for p in range(1, n + 1) if n % p == 0 and all(kinds[i] == kinds[i % p] for i in range(n)))
+
+
+def merge_kinds(config: ModelConfig, full: Any, linear: Any) -> Any:
+    """A hybrid stack's one `layers` tree from its two kinds' stacked trees (`full` over the softmax-attention layers,
+    `linear` over the linear ones): each kind keeps its mixer (`attn`, `linear_attn`), the parts every layer has are
+    interleaved into layer order `[L, ...]`."""
+    order = config.layers_holding("attn") + config.layers_holding("linear_attn")
+    inverse = jnp.argsort(jnp.asarray(order))
+    merged = {k: jax.tree.map(lambda a, b: jnp.concatenate([a, b])[inverse], v, linear[k])
+              for k, v in full.items() if k != "attn"}
+    return {**merged, "attn": full["attn"], "linear_attn": linear["linear_attn"]}
+
+
+def layer_weights(config: ModelConfig, stacked: Any, i: int) -> Any:
+    """Layer `i`'s weights from the stacked `layers` tree (a static slice of each part that layer has)."""
+    out = {}
+    for part, tree in stacked.items():
+        holders = config.layers_holding(part)
+        if i in holders:
+            slot = holders.index(i)
+            out[part] = jax.tree.map(lambda a, slot=slot: a[slot], tree)
+    return out
+
+
+def _period_weights(config: ModelConfig, stacked: Any) -> list[Any]:
+    """A hybrid stack's weights as the `layer_period` layers of one period, each part `[L / p, ...]` (period-major):
+    what one scan step over periods reads."""
+    p = layer_period(config)
+    n = config.num_layers // p
+    out = []
+    for j in range(p):
+        layer = {}
+        for part, tree in stacked.items():
+            holders = config.layers_holding(part)
+            if j in holders:
+                per, slot = len(holders) // n, holders.index(j)
+                layer[part] = jax.tree.map(lambda a, per=per, slot=slot: a.reshape(n, per, *a.shape[1:])[:, slot],
+                                           tree)
+        out.append(layer)
+    return out
+
+
 def run_layers(x: jax.Array, config: ModelConfig, layer: LayerFn, weights: Any, states: Any = None,
                per_layer: Any = None, *, scanned: bool = False, carry: Callable[[jax.Array], jax.Array] | None = None,
                checkpoint: Callable[[Callable], Callable] | None = None) -> StackOutput:
@@ -74,6 +128,8 @@ def run_layers(x: jax.Array, config: ModelConfig, layer: LayerFn, weights: Any, 
         return fix(x), (state, routing)
 
     n = config.num_layers
+    if scanned and config.is_hybrid:
+        return _run_periods(x, config, step, weights, states, per_layer, checkpoint)
     if scanned:
         def body(x: jax.Array, xs: tuple) -> tuple[jax.Array, tuple[Any, Routing | None]]:
             return step(x, *xs)
@@ -90,6 +146,32 @@ def run_layers(x: jax.Array, config: ModelConfig, layer: LayerFn, weights: Any, 
         routes.append(routing)
     routing = None if routes[0] is None else jax.tree.map(lambda *r: jnp.stack(r), *routes)
     return StackOutput(x, None if states is None else out_states, routing)
+
+
+def _run_periods(x: jax.Array, config: ModelConfig, step: Callable, weights: Any, states: Any, per_layer: Any,
+                 checkpoint: Callable[[Callable], Callable] | None) -> StackOutput:
+    """`run_layers`' scanned loop over a hybrid stack: `lax.scan` over its periods (`layer_period`), the layers of
+    one period unrolled in the step, each with its own kind of weights."""
+    if states is not None:
+        raise ValueError("a hybrid layer stack is scanned without per-layer states (the samplers run it unrolled)")
+    p = layer_period(config)
+    n = config.num_layers // p
+    extras = None if per_layer is None else jax.tree.map(lambda a: a.reshape(n, p, *a.shape[1:]), per_layer)
+
+    def body(x: jax.Array, xs: tuple) -> tuple[jax.Array, Routing | None]:
+        period, ws, extra = xs
+        routes = []
+        for j in range(p):
+            e = None if extra is None else jax.tree.map(lambda a, j=j: a[j], extra)
+            x, (_, routing) = step(x, period * p + j, ws[j], None, e)
+            routes.append(routing)
+        return x, None if routes[0] is None else jax.tree.map(lambda *r: jnp.stack(r), *routes)
+
+    body = checkpoint(body) if checkpoint is not None else body
+    x, routing = jax.lax.scan(body, x, (jnp.arange(n, dtype=jnp.int32), _period_weights(config, weights), extras))
+    if routing is not None:
+        routing = jax.tree.map(lambda a: a.reshape(n * p, *a.shape[2:]), routing)
+    return StackOutput(x, None, routing)
 
 
 def chosen_experts(routing: Routing | None) -> jax.Array | None:

@@ -1,6 +1,7 @@
 """The Flax modules that hold a decoder layer's weights: `RMSNorm`, `Dense` (a precision-policy matmul, with
 unmerged LoRA factors when present), the attention's projections (`Attention`), the gated MLP (`MLP`) and the
-mixture of experts (`MoE`, its router and stacked `ExpertWeights`).
+mixture of experts (`MoE`, its router and stacked `ExpertWeights`), and a linear-attention layer's
+(`LinearAttention`, Qwen3.5's Gated DeltaNet).
 
 Each hands its weights to the block as parts (`Attention.qkv`, `MLP.feed_forward`, `MoE.feed_forward`);
 `decoder.py` composes them into layers and runs them through `block.transformer_block`. `make_dense` and
@@ -15,8 +16,15 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm.models.block import FeedForward, gated_mlp
+from jaxrl_llm.models.block import FeedForward, Mixer, gated_mlp
 from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.gated_delta import (
+    LinearState,
+    causal_conv,
+    chunked_gated_delta_rule,
+    gated_rms_norm,
+    recurrent_gated_delta_rule,
+)
 from jaxrl_llm.models.layers import rms_norm
 from jaxrl_llm.models.moe import Experts, Routing, experts_dense, experts_parallel, experts_ragged, route
 from jaxrl_llm.models.precision import matmul
@@ -93,7 +101,7 @@ class Attention(nn.Module):
 
     def setup(self) -> None:
         c = self.config
-        self.q = make_dense(c, c.num_heads * c.head_dim, c.qkv_bias, "q")
+        self.q = make_dense(c, c.num_heads * self.query_width, c.qkv_bias, "q")
         self.k = make_dense(c, c.num_kv_heads * c.head_dim, c.qkv_bias, "k")
         self.v = make_dense(c, c.num_kv_heads * c.head_dim, c.qkv_bias, "v")
         self.o = make_dense(c, c.hidden_size, c.o_bias, "o")
@@ -104,12 +112,79 @@ class Attention(nn.Module):
             self.sinks = self.param("sinks", nn.initializers.normal(c.initializer_range), (c.num_heads,),
                                     c.jnp_param_dtype)
 
+    @property
+    def query_width(self) -> int:
+        """A head's columns of the q projection: `hd`, or `2 hd` with an output gate (the query, then its gate)."""
+        return self.config.head_dim * (2 if self.config.attention_output_gate else 1)
+
     def qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """`x [B, T, D]` -> `q [B, T, H, hd]`, `k, v [B, T, KVH, hd]`."""
+        """`x [B, T, D]` -> `q [B, T, H, hd]` (`[B, T, H, 2 hd]` with an output gate), `k, v [B, T, KVH, hd]`."""
         c = self.config
         b, t, _ = x.shape
-        return (self.q(x).reshape(b, t, c.num_heads, c.head_dim), self.k(x).reshape(b, t, c.num_kv_heads, c.head_dim),
+        return (self.q(x).reshape(b, t, c.num_heads, self.query_width),
+                self.k(x).reshape(b, t, c.num_kv_heads, c.head_dim),
                 self.v(x).reshape(b, t, c.num_kv_heads, c.head_dim))
+
+
+class LinearAttention(nn.Module):
+    """A Gated DeltaNet layer's weights (Qwen3.5, `models/gated_delta.py`): the input projections `in_qkv [D, 2 Kd +
+    Vd]`, `in_z [D, Vd]` (the output gate), `in_b`, `in_a [D, Hv]` (write strength, decay), the convolution `conv/kernel
+    [K, 1, 2 Kd + Vd]`, the decay's `A_log` and `dt_bias [Hv]`, the gated norm `norm/scale [dv]` and `out [Vd, D]`.
+    `mixer` is the layer's token mixer (`block.LayerOps.mixer`)."""
+
+    config: ModelConfig
+
+    def setup(self) -> None:
+        c = self.config
+        lin = c.linear
+        assert lin is not None
+        self.in_qkv = make_dense(c, lin.conv_dim, False, "in_qkv")
+        self.in_z = make_dense(c, lin.value_dim, False, "in_z")
+        self.in_b = make_dense(c, lin.num_value_heads, False, "in_b")
+        self.in_a = make_dense(c, lin.num_value_heads, False, "in_a")
+        self.out = make_dense(c, c.hidden_size, False, "out")
+        init = nn.initializers.normal(c.initializer_range)
+        self.conv = self.param("conv", lambda k, s, t: {"kernel": init(k, s, t)}, (lin.conv_kernel, 1, lin.conv_dim),
+                               c.jnp_param_dtype)
+        # transformers' init: A uniform in [0.01, 16] (A_log its log), dt_bias 1
+        self.A_log = self.param("A_log", lambda k, s, t: jnp.log(jax.random.uniform(k, s, t, 0.01, 16.0)),
+                                (lin.num_value_heads,), c.jnp_param_dtype)
+        self.dt_bias = self.param("dt_bias", nn.initializers.ones, (lin.num_value_heads,), c.jnp_param_dtype)
+        self.norm = self.param("norm", lambda k, s, t: {"scale": jnp.ones(s, t)}, (lin.value_head_dim,),
+                               c.jnp_param_dtype)
+
+    def mixer(self, state: LinearState | None, segments: jax.Array | None) -> Mixer:
+        """The token mixer over `h [B, T, D]`: `state` the layer's carried `LinearState` (None: sequences that start
+        here); `segments [B, T]` the sequences (`gated_delta`), padding (segment 0) zeroed first as transformers
+        zeroes it, so a short prompt's convolution window holds zeros, not padding. One new token on a state (a
+        decode step) runs the recurrent form, more the chunked one. Returns `(out [B, T, D], the new LinearState)`."""
+        c = self.config
+        lin = c.linear
+        assert lin is not None
+
+        def apply(h: jax.Array) -> tuple[jax.Array, LinearState]:
+            b, t, _ = h.shape
+            if segments is not None:
+                h = jnp.where(segments[..., None] > 0, h, 0).astype(h.dtype)
+            mixed, conv = causal_conv(self.in_qkv(h), self.conv["kernel"][:, 0],
+                                      None if state is None else state.conv, segments)
+            q, k, v = jnp.split(mixed, [lin.key_dim, 2 * lin.key_dim], axis=-1)
+            q = q.reshape(b, t, lin.num_key_heads, lin.key_head_dim)
+            k = k.reshape(b, t, lin.num_key_heads, lin.key_head_dim)
+            v = v.reshape(b, t, lin.num_value_heads, lin.value_head_dim)
+            beta = jax.nn.sigmoid(self.in_b(h).astype(jnp.float32))
+            g = -jnp.exp(self.A_log.astype(jnp.float32)) * jax.nn.softplus(
+                self.in_a(h).astype(jnp.float32) + self.dt_bias.astype(jnp.float32))
+            initial = None if state is None else state.recurrent
+            if t == 1 and state is not None:
+                out, final = recurrent_gated_delta_rule(q, k, v, g, beta, initial, segments)
+            else:
+                out, final = chunked_gated_delta_rule(q, k, v, g, beta, initial, segments, lin.chunk)
+            z = self.in_z(h).reshape(b, t, lin.num_value_heads, lin.value_head_dim)
+            out = gated_rms_norm(out, self.norm["scale"], z, c.rms_norm_eps)
+            return self.out(out.reshape(b, t, lin.value_dim)), LinearState(conv, final)
+
+        return apply
 
 
 class MLP(nn.Module):

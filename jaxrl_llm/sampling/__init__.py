@@ -70,6 +70,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decode import (
+    decode_layers,
     decode_token,
     longrope_original,
     longrope_switch,
@@ -95,15 +96,20 @@ from jaxrl_llm.sharding import BATCH_AXES, constrain, global_array, mesh_of
 # --------------------------------------------------------------------------------------- the program
 
 
-def _completion_caches(prompt_caches: list[dict[str, jax.Array]], n: int, new_tokens: int,
-                       mesh: Mesh | None) -> list[dict[str, jax.Array]]:
+def _completion_caches(prompt_caches: list[Any], n: int, new_tokens: int, mesh: Mesh | None,
+                       config: ModelConfig) -> list[Any]:
     """The prompts' caches broadcast to `n` samples each (prompt-major rows), in the decode loop's
     `loop_caches` layout (transposed here once per call, not by XLA inside every step), with `new_tokens`
-    empty completion slots appended on the slot axis."""
+    empty completion slots appended on the slot axis. A hybrid stack keeps the decoder's layout (its loop runs
+    `decode_layers`), and a linear-attention layer's state is copied to the `n` samples as it is: the prompt's end
+    state is every sample's start."""
     def extend(a: jax.Array, slot_axis: int) -> jax.Array:
         slots = [(0, new_tokens if axis == slot_axis else 0) for axis in range(a.ndim)]
         return constrain(jnp.pad(jnp.repeat(a, n, axis=0), slots), mesh, PartitionSpec(BATCH_AXES, "tensor"))
 
+    if config.is_hybrid:
+        return [jax.tree.map(lambda a: jnp.repeat(a, n, axis=0), c) if config.is_linear(i)
+                else {"k": extend(c["k"], 1), "v": extend(c["v"], 1)} for i, c in enumerate(prompt_caches)]
     return [{"k": extend(c["k"], 3), "v": extend(c["v"], 2)} for c in loop_caches(prompt_caches)]
 
 
@@ -178,11 +184,12 @@ def _empty_outputs(rows: int, new_tokens: int, pad_id: int) -> tuple[jax.Array, 
 
 
 def _token_step(params: Params, weights: list[StepWeights], config: ModelConfig, key_mask: jax.Array,
-                first_position: jax.Array, prompt_len: int,
-                shards: int) -> Callable[[jax.Array, jax.Array, Any], tuple[jax.Array, Any, Any]]:
+                first_position: jax.Array, prompt_len: int, shards: int,
+                layer_params: list[Params]) -> Callable[[jax.Array, jax.Array, Any], tuple[jax.Array, Any, Any]]:
     """The loop body's model call `step(i, token, caches) -> (logits, caches, experts)`: feed token `i - 1` (cache slot
     `P_b + i - 1`) and get the logits of token `i`; a longrope model switches to its long factors on the step
-    the batch's longest row first reaches past the original context."""
+    the batch's longest row first reaches past the original context. A hybrid stack (linear-attention layers) runs
+    `decode_layers` on `layer_params` (its linear layers have no prepared `StepWeights`)."""
     original = longrope_original(config)
     key_positions = positions_from_mask(key_mask) if original is not None else None
 
@@ -192,6 +199,10 @@ def _token_step(params: Params, weights: list[StepWeights], config: ModelConfig,
             reach = jnp.max(first_position) + i  # transformers' seq_len of this call; the previous one was 1 less
             caches = jax.lax.cond((reach > original) & (reach - 1 <= original),
                                   lambda c: longrope_switch(c, config, key_positions), lambda c: c, caches)
+        if config.is_hybrid:  # the Flax layers, over the decoder's cache layout and the linear layers' states
+            logits, caches, chosen = decode_layers(params, layer_params, config, token[:, None],
+                                                   (first_position + i - 1)[:, None], key_mask, caches, slot)
+            return logits[:, 0].astype(jnp.float32), caches, None if chosen is None else chosen[:, 0]
         return decode_token(params, weights, config, token, first_position + i - 1, key_mask, caches, slot, shards)
 
     return step
@@ -221,20 +232,21 @@ def _sample_program(
     prompt_tokens, prompt_mask = constrain(prompt_tokens, mesh, rows_spec), constrain(prompt_mask, mesh, rows_spec)
     layer_params = split_layers(params, config)
     shards = fusable_shards(config, mesh.shape["tensor"]) if mesh is not None else 1
-    weights = [constrain_step_weights(w, mesh) for w in step_weights(layer_params, config, shards)]
+    weights = ([] if config.is_hybrid else
+               [constrain_step_weights(w, mesh) for w in step_weights(layer_params, config, shards)])
 
     # Prefill the B prompts once; the n samples of a prompt share it.
     logits, prompt_caches, prompt_experts = prefill(params, layer_params, config, prompt_tokens, prompt_mask)
 
     logits = jnp.repeat(logits, n, axis=0)
-    caches = _completion_caches(prompt_caches, n, new_tokens, mesh)
+    caches = _completion_caches(prompt_caches, n, new_tokens, mesh, config)
     rows = logits.shape[0]
     key_mask, first_position = _completion_key_mask(prompt_mask, n, new_tokens)
     emit = functools.partial(_emit, key=key, knobs=knobs, static=static)
     outputs = _empty_outputs(rows, new_tokens, static.pad_id)
     token, done, length, outputs = emit(0, logits, jnp.zeros((rows,), bool), jnp.zeros((rows,), jnp.int32), outputs)
     max_new = jnp.minimum(knobs.max_new_tokens, new_tokens)
-    step = _token_step(params, weights, config, key_mask, first_position, prompt_len, shards)
+    step = _token_step(params, weights, config, key_mask, first_position, prompt_len, shards, layer_params)
     experts = None
     if prompt_experts is not None:  # an MoE model records its routing: the prompt's, then each fed token's
         prompt_experts = jnp.where(prompt_mask[:, :, None, None] > 0, prompt_experts, NO_RECORD).astype(jnp.int16)
@@ -377,11 +389,11 @@ class StaticSampler:
 
     keeps_conversations = False
 
-    def __init__(self, config: ModelConfig) -> None:
-        self.config = config
+    def __init__(self, config: ModelConfig, why: str = "") -> None:
+        self.config, self.why = config, why  # why: the reason it stands in for the rollout engine, if it does
 
     def describe(self, mesh: Mesh) -> str:
-        return "the static sampler"
+        return f"the static sampler{f' ({self.why})' if self.why else ''}"
 
     def conversations(self, sequences: list[tuple[int, int]], n: int, mesh: Mesh | None = None) -> Any:
         raise ValueError("the static sampler keeps no conversations (keeps_conversations is False): each turn of a "
