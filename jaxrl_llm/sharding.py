@@ -68,6 +68,11 @@ PARTITION_RULES: tuple[tuple[str, PartitionSpec], ...] = (
     (r"layers/mlp/shared/(gate|up)/kernel$", P(None, "fsdp", "tensor")),  # [L, D, I_shared]
     (r"layers/mlp/shared/down/kernel$", P(None, "tensor", "fsdp")),  # [L, I_shared, D]
     (r"layers/mlp/shared_gate/kernel$", P(None, "fsdp", None)),  # [L, D, 1]
+    # Gated DeltaNet (Qwen3.5), [L_linear, ...]: split over fsdp only; q|k|v share one projection whose columns a
+    # tensor split would cut across the three (tensor parallelism for these layers is left to GSPMD's choice)
+    (r"layers/linear_attn/in_(qkv|z|b|a)/kernel$", P(None, "fsdp", None)),  # [L, D, n]
+    (r"layers/linear_attn/out/kernel$", P(None, None, "fsdp")),  # [L, Vd, D]
+    (r"layers/linear_attn/(conv/kernel|A_log|dt_bias)$", P()),  # [L, K, 1, C], [L, Hv]
     (r"norm/scale$", P()),  # RMSNorm scales [L, D] / [L, hd] / [D]
     (r"lm_head/kernel$", P("fsdp", "tensor")),  # [D, V]
     (r"(value_head|score)/kernel$", P("fsdp", None)),  # [D, 1] / [D, labels]

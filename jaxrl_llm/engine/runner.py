@@ -59,6 +59,9 @@ class Runner:
     def __init__(self, config: ModelConfig, *, num_pages: int, page_size: int, attention: str = "auto",
                  mesh: Mesh | None = None) -> None:
         self.config, self.page_size, self.mesh = config, page_size, mesh
+        if config.is_hybrid:
+            raise ConfigError("the rollout engine pages keys and values only and holds no linear-attention state yet; "
+                              "sample this hybrid model with sampling.engine=static")
         several = mesh is not None and mesh.size > 1
         if several and attention == "pallas":
             raise ConfigError(f"sampling.engine_attention=pallas runs on one device; this sampler's mesh has "

@@ -12,7 +12,8 @@ and v; after it, a gated RMSNorm (`gated_rms_norm`) and the output projection (`
 Two forms of the same rule:
 - `recurrent_gated_delta_rule`: token by token (`lax.scan`): the decode step, and the tests' reference;
 - `chunked_gated_delta_rule`: the training forward and the prefill. Within a chunk of `C` tokens (64) the corrections
-  are one small unit-lower-triangular solve, `(I + L) U = V_beta - W S_0` (the UT transform of DeltaNet's paper);
+  are one small unit-lower-triangular system, `(I + L) U = V_beta - W S_0` (the UT transform of DeltaNet's paper),
+  solved by forward substitution (`unit_lower_inverse`);
   across chunks only the state is carried, by `lax.scan`, each chunk's body rematerialised in the backward pass, so
   the backward keeps one state per chunk, not one per token.
 
@@ -90,6 +91,36 @@ def _prepare(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.A
     return q, k, v, g, beta
 
 
+@jax.custom_vjp
+def unit_lower_inverse(lower: jax.Array) -> jax.Array:
+    """`(I + L)^-1` of strictly lower-triangular `L [..., C, C]` by forward substitution, one row at a time: with
+    `A = -L`, row `i` becomes `A_i + A_i A` (rows above it already final), then `+ I`: plain matmuls in a loop of `C`
+    steps (no LAPACK call, which XLA:CPU runs on threads of its own). Its gradient is the inverse's,
+    `dL = -strictly_lower(T^T dT T^T)` with `T` the result, so the loop keeps nothing for the backward pass."""
+    c = lower.shape[-1]
+    rows = jnp.arange(c)
+
+    def row(i: jax.Array, a: jax.Array) -> jax.Array:
+        current = jnp.take(a, i, axis=-2)  # [..., C]
+        updated = current + jnp.einsum("...k,...kj->...j", current, a)
+        return jnp.where((rows == i)[:, None], updated[..., None, :], a)
+
+    return jax.lax.fori_loop(1, c, row, -lower) + jnp.eye(c, dtype=lower.dtype)
+
+
+def _inverse_forward(lower: jax.Array) -> tuple[jax.Array, jax.Array]:
+    inverse = unit_lower_inverse(lower)
+    return inverse, inverse
+
+
+def _inverse_backward(inverse: jax.Array, grad: jax.Array) -> tuple[jax.Array]:
+    t = jnp.swapaxes(inverse, -1, -2)
+    return (-jnp.tril(t @ grad @ t, -1),)
+
+
+unit_lower_inverse.defvjp(_inverse_forward, _inverse_backward)
+
+
 def recurrent_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
                                initial_state: jax.Array | None = None, segments: jax.Array | None = None
                                ) -> tuple[jax.Array, jax.Array]:
@@ -150,11 +181,9 @@ def chunked_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Ar
     entering = jnp.concatenate([seg[..., :1, :1], seg[..., :-1, -1:]], axis=2)  # [B, 1, N, 1]
     reach = seg == entering  # [B, 1, N, C]
     system = jnp.einsum("bhnid,bhnjd->bhnij", k_beta, k) * decay * (1 - jnp.eye(chunk))  # L (strictly lower)
-    unit = system + jnp.eye(chunk)
-    solve = lambda rhs: jax.lax.linalg.triangular_solve(unit, rhs, left_side=True, lower=True,  # noqa: E731
-                                                        unit_diagonal=True)
-    u = solve(v_beta)  # [B, H, N, C, dv]
-    w = solve(k_beta * (jnp.exp(cum) * reach)[..., None])  # [B, H, N, C, dk]
+    inverse = unit_lower_inverse(system)  # (I + L)^-1
+    u = jnp.einsum("bhnij,bhnjd->bhnid", inverse, v_beta)  # [B, H, N, C, dv]
+    w = jnp.einsum("bhnij,bhnjd->bhnid", inverse, k_beta * (jnp.exp(cum) * reach)[..., None])  # [B, H, N, C, dk]
     q_in = q * (jnp.exp(cum) * reach)[..., None]
     intra = jnp.einsum("bhnid,bhnjd->bhnij", q, k) * decay
     last = seg[..., -1:]

@@ -71,6 +71,13 @@ _LAYER_TENSORS = {
     **{("mlp", "experts", name, "kernel"): f"mlp.experts.{{expert}}.{name}_proj.weight" for name in _MLP},
     **{("mlp", "shared", name, "kernel"): f"mlp.shared_expert.{name}_proj.weight" for name in _MLP},
     ("mlp", "shared_gate", "kernel"): "mlp.shared_expert_gate.weight",
+    # Gated DeltaNet (Qwen3.5's linear-attention layers)
+    **{("linear_attn", ours, "kernel"): f"linear_attn.{theirs}.weight" for ours, theirs in (
+        ("in_qkv", "in_proj_qkv"), ("in_z", "in_proj_z"), ("in_b", "in_proj_b"), ("in_a", "in_proj_a"),
+        ("out", "out_proj"), ("conv", "conv1d"))},
+    ("linear_attn", "A_log"): "linear_attn.A_log",
+    ("linear_attn", "dt_bias"): "linear_attn.dt_bias",
+    ("linear_attn", "norm", "scale"): "linear_attn.norm.weight",
 }
 _GLOBAL_TENSORS = {
     ("embed", "embedding"): "model.embed_tokens.weight",

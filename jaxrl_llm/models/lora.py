@@ -58,7 +58,7 @@ def _kernel_paths(params: Params, prefix: tuple[str, ...] = ()) -> Iterator[tupl
     for key, value in params.items():
         if isinstance(value, dict):
             yield from _kernel_paths(value, (*prefix, key))
-        elif key == "kernel" and prefix and prefix[0] == "layers":
+        elif key == "kernel" and prefix and prefix[0] == "layers" and prefix[-1] != "conv":  # conv: no matmul
             yield (*prefix, key)
 
 
@@ -157,10 +157,10 @@ def peft_tensors(adapters: Params, config: ModelConfig) -> Iterator[tuple[str, n
     for path in _adapter_paths(adapters):
         ab = _get(adapters, path)
         a, b = np.asarray(jax.device_get(ab[LORA_A])), np.asarray(jax.device_get(ab[LORA_B]))
-        for layer in range(config.num_layers):
+        for slot, layer in enumerate(config.layers_holding(path[1])):  # a hybrid stack's parts: their layers
             module = _tensor_name((*path, "kernel"), layer).removesuffix(".weight")
-            yield f"base_model.model.{module}.lora_A.weight", np.ascontiguousarray(a[layer].T)
-            yield f"base_model.model.{module}.lora_B.weight", np.ascontiguousarray(b[layer].T)
+            yield f"base_model.model.{module}.lora_A.weight", np.ascontiguousarray(a[slot].T)
+            yield f"base_model.model.{module}.lora_B.weight", np.ascontiguousarray(b[slot].T)
 
 
 def save_peft_adapters(adapters: Params, config: ModelConfig, spec: LoraSpec, directory: str | Path,

@@ -49,17 +49,7 @@ def export_problem(c: ModelConfig) -> str | None:
     return None
 
 
-def _linear(ours: str, theirs: str) -> tuple[tuple[str, ...], str]:
-    return ("linear_attn", ours, "kernel"), f"linear_attn.{theirs}.weight"
-
-
 FAMILY = Family(
     "qwen3_5_text", "Qwen3_5ForCausalLM", classifier="Qwen3_5TextForSequenceClassification",
     partial_rotary=True, config_fields=config_fields, export_keys=export_keys, export_problem=export_problem,
-    layer_tensors=dict([
-        _linear("in_qkv", "in_proj_qkv"), _linear("in_z", "in_proj_z"), _linear("in_b", "in_proj_b"),
-        _linear("in_a", "in_proj_a"), _linear("out", "out_proj"), _linear("conv", "conv1d"),
-        (("linear_attn", "A_log"), "linear_attn.A_log"), (("linear_attn", "dt_bias"), "linear_attn.dt_bias"),
-        (("linear_attn", "norm", "scale"), "linear_attn.norm.weight"),
-    ]),
 )
