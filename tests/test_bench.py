@@ -33,6 +33,8 @@ SMOKE: dict[str, tuple[list[str], str]] = {
     "entropy_objectives.py": (["--model", "{chat_model}", "--only", "grpo", "--steps", "1", "--prompts", "1",
                                "--eval-size", "2", "--out", "{tmp}/runs", "--results", "{tmp}/entropy.md"],
                               "| plain GRPO |"),
+    "gated_delta.py": (["--tokens", "64", "--heads", "2", "--head-dim", "8", "--chunk", "16", "--repeats", "1"],
+                       "| 64 | "),
     "gpu_step.py": (["--tiny", "--steps", "1", "--prompts", "2", "--group", "2", "--prompt-len", "8",
                      "--new-tokens", "8"], '"finite": true'),
     "grpo_vs_trl.py": (["--model", "{chat_model}", "--steps", "1", "--warmup", "0", "--varied", "--new-tokens", "16",
