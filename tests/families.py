@@ -96,6 +96,11 @@ FAMILIES: dict[str, dict] = {
     "qwen3_5": dict(model_type="qwen3_5_text", head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
                     linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
                     **{**_COMMON, "num_hidden_layers": 8}),
+    # Qwen3.5-MoE (text): the same hybrid stack, every layer 8 experts (top 2, renormalised) and a shared expert.
+    "qwen3_5_moe": dict(model_type="qwen3_5_moe_text", head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                        linear_key_head_dim=8, linear_value_head_dim=8, moe_intermediate_size=24, num_experts=8,
+                        num_experts_per_tok=2, shared_expert_intermediate_size=40,
+                        **{**_COMMON, "num_hidden_layers": 4}),
 }
 
 

@@ -257,6 +257,18 @@ def _teacher_bytes(teacher: ModelConfig | None, sizes: dict[str, int], in_update
     return tree_shard_bytes(shapes, param_partition_specs(shapes, sizes), sizes), hidden
 
 
+def linear_state_bytes(config: ModelConfig) -> int:
+    """One sequence's state over a hybrid stack's linear-attention layers (`decode.empty_linear_state`): the
+    convolution's window `(K - 1) x (2 Kd + Vd)` in the activation dtype and the float32 `[Hv, dk, dv]` state per
+    layer, whatever the sequence's length; 0 without such layers."""
+    lin = config.linear
+    if lin is None:
+        return 0
+    per_layer = ((lin.conv_kernel - 1) * lin.conv_dim * config.jnp_activation_dtype.itemsize
+                 + 4 * lin.num_value_heads * lin.key_head_dim * lin.value_head_dim)
+    return len(config.layers_holding("linear_attn")) * per_layer
+
+
 def _static_kv_bytes(config: ModelConfig, cache_shape: tuple[int, ...], on: dict[str, int]) -> tuple[int, int]:
     """The static sampler's keys and values on a device of the mesh `on`, and the rows each device holds."""
     block = shard_shape(cache_shape, fit_spec_sizes(KV_CACHE_SPEC, cache_shape, on), on)
@@ -284,14 +296,17 @@ def plan_memory(config: ModelConfig, mesh_sizes: tuple[int, ...], *, batch: int,
     weights["reference"] *= reference
     padded_prompt = _round_up(prompt_len, prompt_bucket)
     cache_len = padded_prompt + _round_up(new_tokens, new_tokens_bucket)
-    cache_shape = (config.num_layers, batch * group_size, cache_len, config.num_kv_heads, config.head_dim)
+    # A hybrid stack's softmax layers keep keys and values; its linear layers a fixed-size state per sequence.
+    cache_shape = (len(config.layers_holding("attn")), batch * group_size, cache_len, config.num_kv_heads,
+                   config.head_dim)
     engine = dict(padded_prompt=padded_prompt, new_tokens=new_tokens, batch=batch, group_size=group_size,
                   page_size=engine_page_size, pages=engine_pages, slot_caches=engine_slot_caches)
 
     def kv_bytes(on: dict[str, int]) -> int:
-        if engine_page_size:
+        if engine_page_size and not config.is_hybrid:  # a hybrid stack samples with the static sampler
             return _engine_kv_bytes(config, on, **engine)
-        return _static_kv_bytes(config, cache_shape, on)[0]
+        keys_values, rows = _static_kv_bytes(config, cache_shape, on)
+        return keys_values + rows * linear_state_bytes(config)
 
     seq_len = padded_prompt + new_tokens - 1
     micro_rows = _micro_rows(minibatch, grad_accum, batch_ways, seq_len, max_tokens_per_microbatch)

@@ -231,3 +231,25 @@ def test_lora_reaches_the_linear_layers_and_exports_under_their_layer_indices(qw
     assert float(jnp.abs(merged - base).max()) > 1e-3
     names = {name.split(".")[4] for name, _ in peft_tensors(adapters, config)}
     assert names == {str(i) for i in config.layers_holding("linear_attn")}
+
+
+def test_a_sequences_linear_state_has_the_planners_size_at_any_length():
+    """The static sampler's per-layer caches at 16 and 4,096 slots: the softmax layer's keys and values grow with the
+    length, the linear layers' states do not, and their bytes are what the planner counts per sequence."""
+    from jaxrl_llm.memory_plan.plan import linear_state_bytes
+    from jaxrl_llm.models.config import LinearAttention, ModelConfig
+    from jaxrl_llm.models.decode import init_caches
+
+    config = ModelConfig(vocab_size=16, hidden_size=8, intermediate_size=8, num_layers=4, num_heads=2,
+                         num_kv_heads=1, head_dim=4, layer_types=("linear_attention",) * 3 + ("full_attention",),
+                         linear=LinearAttention(2, 4, 8, 6))
+
+    def state_and_kv_bytes(length: int) -> tuple[int, int]:
+        caches = init_caches(config, 1, length)
+        state = sum(a.nbytes for i, c in enumerate(caches) if config.is_linear(i) for a in jax.tree.leaves(c))
+        return state, sum(a.nbytes for a in jax.tree.leaves(caches[3]))
+
+    (short_state, short_kv), (long_state, long_kv) = state_and_kv_bytes(16), state_and_kv_bytes(4096)
+    # per linear layer: the window, 3 x (2 * 16 + 24) float32, and the 4 x 8 x 6 float32 state
+    assert short_state == long_state == linear_state_bytes(config) == 3 * (3 * 56 * 4 + 4 * 4 * 8 * 6)
+    assert long_kv == 256 * short_kv
