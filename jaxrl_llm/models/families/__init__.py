@@ -95,8 +95,8 @@ def moe_keys(c: ModelConfig) -> dict[str, Any]:
             "router_aux_loss_coef": c.router_aux_loss_coef, "output_router_logits": False}
 
 
-FAMILY_MODULES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "qwen3_5", "qwen3_moe",
-                  "qwen2_moe", "mixtral", "olmoe", "gpt_oss", "qwen3_5_moe")
+FAMILY_MODULES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "qwen3_5_text", "qwen3_moe",
+                  "qwen2_moe", "mixtral", "olmoe", "gpt_oss", "qwen3_5_moe_text")
 FAMILIES: dict[str, Family] = {
     f.model_type: f for f in (importlib.import_module(f"{__name__}.{name}").FAMILY for name in FAMILY_MODULES)
 }

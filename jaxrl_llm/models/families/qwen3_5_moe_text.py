@@ -1,4 +1,4 @@
-"""Qwen3.5-MoE (text): Qwen3.5's hybrid stack (`qwen3_5`) with a mixture of experts on every layer: top-k routing
+"""Qwen3.5-MoE (text): Qwen3.5's hybrid stack (`qwen3_5_text`) with a mixture of experts on every layer: top-k routing
 with the k weights always renormalised, and a shared expert behind `sigmoid(x . shared_expert_gate)` (Qwen2-MoE's).
 `Qwen3_5MoeForCausalLM` (model_type `qwen3_5_moe_text`) loads; the multimodal checkpoint awaits the vision path."""
 
@@ -8,9 +8,9 @@ from typing import Any
 
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.families import Family, moe_fields, moe_keys
-from jaxrl_llm.models.families.qwen3_5 import config_fields as hybrid_fields
-from jaxrl_llm.models.families.qwen3_5 import export_keys as hybrid_keys
-from jaxrl_llm.models.families.qwen3_5 import export_problem as hybrid_problem
+from jaxrl_llm.models.families.qwen3_5_text import config_fields as hybrid_fields
+from jaxrl_llm.models.families.qwen3_5_text import export_keys as hybrid_keys
+from jaxrl_llm.models.families.qwen3_5_text import export_problem as hybrid_problem
 
 
 def config_fields(hf: dict[str, Any]) -> dict[str, Any]:
