@@ -101,6 +101,12 @@ FAMILIES: dict[str, dict] = {
                         linear_key_head_dim=8, linear_value_head_dim=8, moe_intermediate_size=24, num_experts=8,
                         num_experts_per_tok=2, shared_expert_intermediate_size=40,
                         **{**_COMMON, "num_hidden_layers": 4}),
+    # Qwen3-Next: that stack with the linear layers' projections fused per key-head group (in_proj_qkvz, in_proj_ba),
+    # 2 value heads per key head, top-k renormalised by norm_topk_prob.
+    "qwen3_next": dict(model_type="qwen3_next", head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                       linear_key_head_dim=8, linear_value_head_dim=8, moe_intermediate_size=24, num_experts=8,
+                       num_experts_per_tok=2, shared_expert_intermediate_size=40, norm_topk_prob=True,
+                       **{**_COMMON, "num_hidden_layers": 4}),
 }
 
 

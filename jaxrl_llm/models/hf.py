@@ -131,6 +131,14 @@ def _fused_rows(path: tuple[str, ...], config: ModelConfig) -> tuple[int, int, i
     return sum(widths[:part]), widths[part], sum(widths)
 
 
+def _grouped_rows(path: tuple[str, ...], config: ModelConfig) -> tuple[str, np.ndarray] | None:
+    """For a kernel whose HF tensor interleaves several of ours by head group (`Family.grouped_tensors`, Qwen3-Next):
+    `(that tensor's name suffix, the HF rows of our kernel's columns)`; None for other parameters."""
+    if path[0] != "layers":
+        return None
+    return FAMILIES[config.model_type].grouped_tensors(config).get(path[1:])
+
+
 def _is_kernel(path: tuple[str, ...]) -> bool:
     return path[-1] == "kernel"
 
@@ -360,6 +368,21 @@ class _TensorReader:
             block = np.asarray(hf_slice[hf_index])
         return (block.T if _is_kernel(path) else block).astype(dtype, copy=False)
 
+    def check_grouped(self, name: str, expected_shape: tuple[int, ...], rows: np.ndarray) -> None:
+        """A grouped HF tensor `[rows, in]` holds our kernel `[in, len(rows)]`'s columns at `rows`."""
+        got = tuple(self._slice(name).get_shape())
+        if len(got) != 2 or got[1] != expected_shape[0] or got[0] <= int(rows.max()):
+            raise ConversionError(
+                f"tensor {name!r} has shape {list(got)} in {self.index[name]}, which cannot hold {len(rows)} rows of "
+                f"width {expected_shape[0]} as {self.model_dir / 'config.json'} lays them out; {_REDOWNLOAD}")
+
+    def read_grouped(self, name: str, index: tuple[slice, ...], rows: np.ndarray, dtype: Any) -> np.ndarray:
+        """Our `[in, out]` block `index` of a kernel whose columns are rows `rows` of HF tensor `name`."""
+        handle = self.handle(name)
+        with _reading(self.index[name], name), jax.default_device(_host()):
+            tensor = np.asarray(handle.get_tensor(name))
+        return tensor[rows[index[1]]][:, index[0]].T.astype(dtype, copy=False)
+
     def param(self, path: tuple[str, ...], spec: jax.ShapeDtypeStruct, config: ModelConfig,
               mesh: Mesh | None) -> jax.Array:
         """Parameter `path` (stacked `[L, ...]` under `layers`, over the layers that have it in a hybrid stack;
@@ -370,12 +393,19 @@ class _TensorReader:
         fused = _fused_rows(path, config)
         lead = 2 if experts else 1 if stacked else 0  # the stacked dimensions before the HF tensor's own
 
+        grouped = _grouped_rows(path, config)
+
         def name(layer: int | None, expert: int | None = None) -> str:
+            if grouped is not None:
+                return f"model.layers.{layer}.{grouped[0]}"
             return _tensor_name(path, layer, config.model_type, expert)
 
         holders = config.layers_holding(path[1]) if stacked else []  # the HF layers this part is stacked over
         for layer in holders if stacked else [None]:
             for expert in range(config.num_experts) if experts else [None]:
+                if grouped is not None:
+                    self.check_grouped(name(layer), spec.shape[lead:], grouped[1])
+                    continue
                 self.check_shape(path, name(layer, expert), spec.shape[lead:], fused, together)
 
         def block(index: tuple[slice, ...]) -> np.ndarray:
@@ -385,11 +415,16 @@ class _TensorReader:
             layers = holders[index[0]]
             chosen = [(layer, e) for layer in layers for e in range(config.num_experts)[index[1]]] if experts \
                 else [(layer, None) for layer in layers]
-            first = self.read_block(path, name(*chosen[0]), index[lead:], spec.dtype, fused, together)
+            def read(layer: int, expert: int | None) -> np.ndarray:
+                if grouped is not None:
+                    return self.read_grouped(name(layer), index[lead:], grouped[1], spec.dtype)
+                return self.read_block(path, name(layer, expert), index[lead:], spec.dtype, fused, together)
+
+            first = read(*chosen[0])
             out = np.empty((len(chosen), *first.shape), spec.dtype)  # filled in place: one copy at a time
             out[0] = first
             for j, (layer, expert) in enumerate(chosen[1:], start=1):
-                out[j] = self.read_block(path, name(layer, expert), index[lead:], spec.dtype, fused, together)
+                out[j] = read(layer, expert)
             return out.reshape(len(layers), -1, *first.shape) if experts else out
 
         if mesh is None:

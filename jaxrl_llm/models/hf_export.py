@@ -21,7 +21,8 @@ from safetensors.numpy import save_file
 
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Params
-from jaxrl_llm.models.hf import _fused_rows, _is_kernel, _per_expert, _stacked, _tensor_name
+from jaxrl_llm.models.families import FAMILIES
+from jaxrl_llm.models.hf import _fused_rows, _grouped_rows, _is_kernel, _per_expert, _stacked, _tensor_name
 from jaxrl_llm.models.hf_config import config_to_hf
 from jaxrl_llm.models.tokenizer import TOKENIZER_FILES
 
@@ -44,6 +45,10 @@ def hf_state_dict(params: Params, config: ModelConfig) -> Iterator[tuple[str, np
         if together is not None:
             yield from _interleaved(array, path, together, config, pending)
             continue
+        grouped = _grouped_rows(path, config)
+        if grouped is not None:
+            yield from _grouped(array, grouped, config, pending)
+            continue
         fused = _fused_rows(path, config)
         layers = list(enumerate(config.layers_holding(path[1]))) if path[0] == "layers" else [(None, None)]
         experts = range(config.num_experts) if _per_expert(path) else [None]
@@ -60,6 +65,25 @@ def hf_state_dict(params: Params, config: ModelConfig) -> Iterator[tuple[str, np
             if sum(p.shape[0] for p in parts.values()) == fused[2]:
                 yield name, np.concatenate([parts[k] for k in sorted(parts)], axis=0)
                 del pending[name]
+
+
+def _grouped(array: np.ndarray, grouped: tuple[str, np.ndarray], config: ModelConfig,
+             pending: dict[str, dict[int, np.ndarray]]) -> Iterator[tuple[str, np.ndarray]]:
+    """Per layer, the HF tensor whose rows interleave several of our kernels by head group (Qwen3-Next's): our kernel
+    `[L, in, out]`'s columns go to rows `grouped[1]`, and the tensor is yielded once every row is filled."""
+    suffix, rows = grouped
+    total = sum(len(r) for n, r in FAMILIES[config.model_type].grouped_tensors(config).values() if n == suffix)
+    for slot, layer in enumerate(config.layers_holding("linear_attn")):
+        name = f"model.layers.{layer}.{suffix}"
+        got = pending.setdefault(name, {})
+        got[int(rows[0])] = (rows, array[slot].T)  # type: ignore[assignment]
+        if sum(len(r) for r, _ in got.values()) == total:  # type: ignore[misc]
+            first = next(iter(got.values()))[1]  # type: ignore[index]
+            out = np.empty((total, first.shape[1]), first.dtype)
+            for r, block in got.values():  # type: ignore[misc]
+                out[r] = block
+            del pending[name]
+            yield name, out
 
 
 def _interleaved(array: np.ndarray, path: tuple[str, ...], together: tuple[str, int, int], config: ModelConfig,

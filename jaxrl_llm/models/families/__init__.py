@@ -34,6 +34,10 @@ def _exportable(config: ModelConfig) -> str | None:
     return None
 
 
+def _no_groups(config: ModelConfig) -> dict[TensorPath, tuple[str, Any]]:
+    return {}
+
+
 @dataclasses.dataclass(frozen=True)
 class Family:
     """One Hugging Face decoder family. Every field but the first two has the Llama behaviour as its default."""
@@ -67,6 +71,9 @@ class Family:
     # attention sinks, a biased router, biased experts with the clamped SwiGLU (gpt-oss): a config with any of them
     # exports only as a family that has them
     sinks_and_clamped_experts: bool = False
+    # our kernel -> (the HF tensor whose rows interleave several of our kernels by head group, the HF rows of our
+    # kernel's columns in order), from the config (Qwen3-Next's in_proj_qkvz and in_proj_ba)
+    grouped_tensors: Callable[[ModelConfig], Mapping[TensorPath, tuple[str, Any]]] = _no_groups
 
 
 def moe_fields(hf: dict[str, Any], *, expert_size_key: str, renormalize: bool | None = None) -> dict[str, Any]:
@@ -96,7 +103,7 @@ def moe_keys(c: ModelConfig) -> dict[str, Any]:
 
 
 FAMILY_MODULES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "qwen3_5_text", "qwen3_moe",
-                  "qwen2_moe", "mixtral", "olmoe", "gpt_oss", "qwen3_5_moe_text")
+                  "qwen2_moe", "mixtral", "olmoe", "gpt_oss", "qwen3_5_moe_text", "qwen3_next")
 FAMILIES: dict[str, Family] = {
     f.model_type: f for f in (importlib.import_module(f"{__name__}.{name}").FAMILY for name in FAMILY_MODULES)
 }
