@@ -86,6 +86,15 @@ _GLOBAL_TENSORS = {
 }
 # Tensors some checkpoints carry that the model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Parts of released checkpoints that transformers' causal-LM classes leave out too: Qwen3.5's and Qwen3-Next's
+# multi-token-prediction head, a multimodal checkpoint's vision tower.
+_IGNORED_PREFIXES = ("mtp.", "model.visual.")
+_LANGUAGE_MODEL = "model.language_model."  # where a multimodal checkpoint keeps its decoder
+
+
+def _text_name(name: str) -> str:
+    """A multimodal checkpoint's tensor name as the text-only decoder's (`model.language_model.x` -> `model.x`)."""
+    return "model." + name.removeprefix(_LANGUAGE_MODEL) if name.startswith(_LANGUAGE_MODEL) else name
 
 
 
@@ -217,7 +226,7 @@ def read_tensor(path_or_id: str | os.PathLike[str], name: str) -> np.ndarray:
         reader = _TensorReader(model_dir, stack)
         handle = reader.handle(name)
         with _reading(reader.index[name], name), jax.default_device(_host()):
-            return np.asarray(handle.get_tensor(name))
+            return np.asarray(handle.get_tensor(reader.stored[name]))
 
 
 def _unreadable(file: Path, error: BaseException, tensor: str | None = None) -> ModelError:
@@ -309,6 +318,12 @@ class _TensorReader:
     def __init__(self, model_dir: Path, stack: contextlib.ExitStack) -> None:
         self.model_dir, self.stack = model_dir, stack
         self.index = _safetensors_index(model_dir)
+        # A multimodal checkpoint's text part (Qwen3.5's) keeps the decoder under `model.language_model.`: our names
+        # are read there, as transformers' text-only class reads them (`stored`: our name -> the file's).
+        self.stored = {name: name for name in self.index}
+        if _LANGUAGE_MODEL + "embed_tokens.weight" in self.index and "model.embed_tokens.weight" not in self.index:
+            self.stored = {_text_name(name): name for name in self.index}
+            self.index = {_text_name(name): file for name, file in self.index.items()}
         self.handles: dict[Path, Any] = {}
         self.names: dict[Path, set[str]] = {}  # the tensors each opened file really holds
         self.used: set[str] = set()
@@ -321,7 +336,7 @@ class _TensorReader:
             self.handles[file] = _open_safetensors(file, "flax", self.stack)
             with _reading(file):
                 self.names[file] = set(self.handles[file].keys())
-        if name not in self.names[file]:  # model.safetensors.index.json points at a shard without it
+        if self.stored[name] not in self.names[file]:  # model.safetensors.index.json points at a shard without it
             raise ConversionError(f"tensor {name!r} is missing from the checkpoint: {file} does not hold it, though "
                                   f"model.safetensors.index.json says it does; {_REDOWNLOAD}")
         self.used.add(name)
@@ -330,7 +345,7 @@ class _TensorReader:
     def _slice(self, name: str) -> Any:
         handle = self.handle(name)
         with _reading(self.index[name], name):
-            return handle.get_slice(name)
+            return handle.get_slice(self.stored[name])
 
     def check_shape(self, path: tuple[str, ...], name: str, expected_shape: tuple[int, ...],
                     fused: tuple[int, int, int] | None = None, stacked: tuple[str, int, int] | None = None) -> None:
@@ -380,7 +395,7 @@ class _TensorReader:
         """Our `[in, out]` block `index` of a kernel whose columns are rows `rows` of HF tensor `name`."""
         handle = self.handle(name)
         with _reading(self.index[name], name), jax.default_device(_host()):
-            tensor = np.asarray(handle.get_tensor(name))
+            tensor = np.asarray(handle.get_tensor(self.stored[name]))
         return tensor[rows[index[1]]][:, index[0]].T.astype(dtype, copy=False)
 
     def param(self, path: tuple[str, ...], spec: jax.ShapeDtypeStruct, config: ModelConfig,
@@ -436,7 +451,8 @@ class _TensorReader:
         """`ConversionError` listing checkpoint tensors no parameter read (other than known, ignorable ones)."""
         ignored = [
             n for n in self.index if n not in self.used
-            and (n.endswith(_IGNORED_SUFFIXES) or (n == "lm_head.weight" and config.tie_word_embeddings)
+            and (n.endswith(_IGNORED_SUFFIXES) or n.startswith(_IGNORED_PREFIXES)
+                 or (n == "lm_head.weight" and config.tie_word_embeddings)
                  or (n.startswith("score.") and is_classifier(self.model_dir)))
         ]
         unexpected = sorted(set(self.index) - self.used - set(ignored))

@@ -129,9 +129,22 @@ def _attention_layout(hf: dict[str, Any], family: Family, num_layers: int) -> di
     return dict(sliding_window=None, layer_types=None)
 
 
+def text_part(hf: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal config.json whose text part a family is (`Family.multimodal_type`: Qwen3.5's) as that family's
+    config (its `text_config`, with the family's model_type and architecture); any other config as it is."""
+    text = next((f for f in FAMILIES.values() if f.multimodal_type and f.multimodal_type == hf.get("model_type")), None)
+    if text is None or not isinstance(hf.get("text_config"), dict):
+        return hf
+    tied = hf.get("tie_word_embeddings", hf["text_config"].get("tie_word_embeddings", False))
+    return {**hf["text_config"], "model_type": text.model_type, "architectures": [text.architecture],
+            "tie_word_embeddings": tied}
+
+
 def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
     """`ModelConfig` from a config.json dict (transformers 4.x `rope_theta/rope_scaling` or 5.x
-    `rope_parameters`). Raises `ConversionError` naming the supported types for anything else."""
+    `rope_parameters`; a multimodal checkpoint's text part, `text_part`). Raises `ConversionError` naming the supported
+    types for anything else."""
+    hf = text_part(hf)
     model_type = _check_supported(hf)
     family = FAMILIES[model_type]
     heads = int(hf["num_attention_heads"])

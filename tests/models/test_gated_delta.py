@@ -253,3 +253,32 @@ def test_a_sequences_linear_state_has_the_planners_size_at_any_length():
     # per linear layer: the window, 3 x (2 * 16 + 24) float32, and the 4 x 8 x 6 float32 state
     assert short_state == long_state == linear_state_bytes(config) == 3 * (3 * 56 * 4 + 4 * 4 * 8 * 6)
     assert long_kv == 256 * short_kv
+
+
+@pytest.mark.heavy(seconds=10)
+def test_the_text_part_of_a_multimodal_qwen3_5_checkpoint_loads(tmp_path):
+    """A `Qwen3_5ForConditionalGeneration` directory (config.json's `text_config`, the decoder under
+    `model.language_model.`, a vision tower, and a multi-token-prediction tensor as released checkpoints carry):
+    its text part loads as `qwen3_5_text`, the vision tower and the MTP head left out as transformers' causal-LM
+    class leaves them, and its logits on text are the multimodal model's."""
+    from safetensors.numpy import save_file
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from jaxrl_llm.models.decoder import forward
+    from jaxrl_llm.models.hf import load_hf_model
+
+    torch.manual_seed(0)
+    text = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+                linear_key_head_dim=8, linear_value_head_dim=6)
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32)
+    model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision)).eval()
+    model.save_pretrained(tmp_path)
+    save_file({"mtp.fc.weight": np.ones((32, 64), np.float32)}, tmp_path / "mtp.safetensors", {"format": "pt"})
+    config, params = load_hf_model(tmp_path)
+    assert config.model_type == "qwen3_5_text" and config.is_hybrid
+    tokens = np.random.default_rng(0).integers(0, 64, (2, 20))
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor(tokens), attention_mask=torch.ones(2, 20, dtype=torch.long)).logits
+    ours = forward(params, config, jnp.asarray(tokens), jnp.ones((2, 20), jnp.int32))
+    np.testing.assert_allclose(np.asarray(ours), ref.numpy(), atol=1e-5)

@@ -74,6 +74,9 @@ class Family:
     # our kernel -> (the HF tensor whose rows interleave several of our kernels by head group, the HF rows of our
     # kernel's columns in order), from the config (Qwen3-Next's in_proj_qkvz and in_proj_ba)
     grouped_tensors: Callable[[ModelConfig], Mapping[TensorPath, tuple[str, Any]]] = _no_groups
+    # the model_type of the multimodal checkpoint whose text part this family is (config.json's `text_config`, the
+    # weights under `model.language_model.`; the vision tower is left out, as transformers' ...ForCausalLM does)
+    multimodal_type: str | None = None
 
 
 def moe_fields(hf: dict[str, Any], *, expert_size_key: str, renormalize: bool | None = None) -> dict[str, Any]:

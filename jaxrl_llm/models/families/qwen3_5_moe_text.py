@@ -1,6 +1,7 @@
-"""Qwen3.5-MoE (text): Qwen3.5's hybrid stack (`qwen3_5_text`) with a mixture of experts on every layer: top-k routing
-with the k weights always renormalised, and a shared expert behind `sigmoid(x . shared_expert_gate)` (Qwen2-MoE's).
-`Qwen3_5MoeForCausalLM` (model_type `qwen3_5_moe_text`) loads; the multimodal checkpoint awaits the vision path."""
+"""Qwen3.5-MoE (text): Qwen3.5's hybrid stack (`qwen3_5_text`) with a mixture of experts on every layer: top-k
+routing with the k weights always renormalised, and a shared expert behind `sigmoid(x . shared_expert_gate)`
+(Qwen2-MoE's). `Qwen3_5MoeForCausalLM` (model_type `qwen3_5_moe_text`) loads, and so does the text part of the
+multimodal checkpoint (model_type `qwen3_5_moe`)."""
 
 from __future__ import annotations
 
@@ -29,4 +30,5 @@ def export_problem(c: ModelConfig) -> str | None:
 
 
 FAMILY = Family("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", partial_rotary=True, config_fields=config_fields,
-                export_keys=export_keys, export_problem=export_problem, moe=True)
+                export_keys=export_keys, export_problem=export_problem, moe=True,
+                multimodal_type="qwen3_5_moe")

@@ -2,7 +2,8 @@
 (`full_attention`, every `full_attention_interval`-th), the softmax layers with per-head q/k norms, a partial rotary
 (a quarter of each head by default) and an output gate (`q_proj` holds each head's query and gate), every RMSNorm
 `(1 + w)`-scaled as Gemma's, the linear layers' gated norm plain. `Qwen3_5ForCausalLM` (model_type `qwen3_5_text`)
-loads; the multimodal `Qwen3_5ForConditionalGeneration` awaits the vision-language path."""
+loads, and so does the text part of the multimodal `Qwen3_5ForConditionalGeneration` (model_type `qwen3_5`, the
+released checkpoints), its vision tower left out as transformers' `Qwen3_5ForCausalLM` leaves it."""
 
 from __future__ import annotations
 
@@ -52,4 +53,5 @@ def export_problem(c: ModelConfig) -> str | None:
 FAMILY = Family(
     "qwen3_5_text", "Qwen3_5ForCausalLM", classifier="Qwen3_5TextForSequenceClassification",
     partial_rotary=True, config_fields=config_fields, export_keys=export_keys, export_problem=export_problem,
+    multimodal_type="qwen3_5",
 )
