@@ -295,8 +295,8 @@ def decoder_hidden(params: Params, config: ModelConfig, tokens: jax.Array, posit
             pad_rows(a, padded) for a in (tokens, positions, key_mask, segments, token_mask))
         replay = pad_rows(replay, padded, axis=2, value=NO_RECORD)
     if split is not None and c.is_hybrid:
-        raise ValueError("the sequence axis (parallel.sequence > 1) does not support linear-attention layers yet: "
-                         "their state would have to pass from shard to shard; set parallel.sequence: 1")
+        raise ValueError("the sequence axis (mesh.sequence > 1) does not support linear-attention layers yet: "
+                         "their state would have to pass from shard to shard; set mesh.sequence: 1")
     inputs = attention_inputs(c, positions, key_mask, tokens.shape[1], None, segments)
     ends = _ends(params, c)
     keys = None if dropout_key is None else jax.random.split(dropout_key, c.num_layers)

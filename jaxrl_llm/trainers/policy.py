@@ -231,7 +231,11 @@ def _scratch_tokenizer(spec: str, out_dir: Path) -> tuple[Any, Path]:
 
 
 def check_expert_axis(c: RunConfig, config: ModelConfig) -> None:
-    """`ConfigError` when `mesh.expert` does not split the model's experts into whole ones per device."""
+    """`ConfigError` when `mesh.expert` does not split the model's experts into whole ones per device, or
+    `mesh.sequence` would split a hybrid stack's positions (a linear layer's state would have to cross the shards)."""
+    if config.is_hybrid and c.mesh.sequence > 1:
+        raise ConfigError(f"mesh.sequence={c.mesh.sequence}: {c.model.path or 'the model'} has linear-attention "
+                          "layers, whose state does not pass from shard to shard yet; use mesh.sequence=1")
     if config.is_moe and c.mesh.expert > 1 and config.num_experts % c.mesh.expert:
         raise ConfigError(f"mesh.expert={c.mesh.expert} does not divide {c.model.path or 'the model'}'s "
                           f"{config.num_experts} experts: each device holds whole experts; use a divisor of "

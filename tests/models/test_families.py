@@ -194,3 +194,23 @@ def test_sampler_logprobs_match_generate_past_windows_and_the_longrope_switch(ki
     ours = sample(params, config, tokens, mask, jax.random.key(0), SamplingConfig(max_new_tokens=32, greedy=True))
     np.testing.assert_array_equal(np.asarray(ours.tokens), expected)
     assert float(np.abs(np.asarray(ours.logprobs_untruncated) - expected_logprobs).max()) <= 1e-4
+
+
+def test_a_sequence_axis_on_a_hybrid_stack_is_refused_in_one_line(family_task, tiny_task, tmp_path):
+    """`mesh.sequence=2` with Qwen3.5's linear-attention layers on 2 devices: one line naming the key, exit 2."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.runs import ROOT, tiny_run_args
+    from tests.xla_settings import virtual_devices_xla_flags
+
+    args = tiny_run_args(tmp_path / "run", f"model.path={family_task('qwen3_5')}", "data.eval=", "mesh.sequence=2",
+                         "mesh.data=1", task=tiny_task)
+    env = {**os.environ, "XLA_FLAGS": virtual_devices_xla_flags(2), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "--algo", "grpo", "--config",
+                           str(ROOT / "configs" / "grpo_arithmetic.yaml"), *args],
+                          env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "mesh.sequence=2" in lines[0] and "linear-attention layers" in lines[0], lines
