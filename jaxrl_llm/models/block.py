@@ -133,8 +133,17 @@ def layer_kinds_present(config: ModelConfig) -> list[bool]:
 
 def training_attention(config: ModelConfig, platform: str | None = None) -> dict[str, tuple[str, str]]:
     """`{kind: (backend, reason)}` of the full-sequence forward (training, the log-prob passes) on `platform`
-    (default: JAX's backend), per layer kind (`global`, `sliding`), as `cached_attention` picks it."""
+    (default: JAX's backend), per layer kind (`global`, `sliding`, and a hybrid stack's `linear`), as
+    `cached_attention` picks it."""
     platform = platform or jax.default_backend()
+    linear = {}
+    if config.linear is not None:  # Gated DeltaNet's layers: the chunked rule in XLA on every platform
+        linear = {"linear": ("xla", f"xla: the gated delta rule in chunks of {config.linear.chunk}, no kernel yet")}
+    return {**_softmax_attention(config, platform), **linear}
+
+
+def _softmax_attention(config: ModelConfig, platform: str) -> dict[str, tuple[str, str]]:
+    """`training_attention` of the softmax-attention layer kinds."""
     if config.sequence_mesh is not None:  # the kernels attend a sequence to itself; a shard's queries sit at an offset
         n = config.sequence_mesh.shape["sequence"]
         how = "all-gathered keys and values" if config.sequence_attention == "gather" else "a ring of key blocks"

@@ -282,3 +282,16 @@ def test_the_text_part_of_a_multimodal_qwen3_5_checkpoint_loads(tmp_path):
         ref = model(input_ids=torch.tensor(tokens), attention_mask=torch.ones(2, 20, dtype=torch.long)).logits
     ours = forward(params, config, jnp.asarray(tokens), jnp.ones((2, 20), jnp.int32))
     np.testing.assert_allclose(np.asarray(ours), ref.numpy(), atol=1e-5)
+
+
+def test_the_run_header_names_the_linear_layers_path():
+    """The header's training-attention clause names the linear layers' path beside the softmax layers'."""
+    from jaxrl_llm.models.attention import describe
+    from jaxrl_llm.models.block import training_attention
+    from jaxrl_llm.models.config import LinearAttention, ModelConfig
+
+    config = ModelConfig(vocab_size=16, hidden_size=8, intermediate_size=8, num_layers=2, num_heads=2,
+                         num_kv_heads=1, head_dim=4, layer_types=("linear_attention", "full_attention"),
+                         linear=LinearAttention(1, 2, 4, 4), attention="xla")
+    text = describe(training_attention(config, "cpu"))
+    assert text == "global XLA (chunked); linear XLA (chunked, the gated delta rule in chunks of 64, no kernel yet)"
