@@ -36,11 +36,9 @@ LayerCaches = list[Any]
 
 
 def split_layers(params: Params, config: ModelConfig) -> list[Params]:
-    """The stacked `[L, ...]` layer parameters as `L` per-layer pytrees (static slices; `stack.layer_weights` for a
-    hybrid stack, whose parts are stacked over the layers that have them)."""
-    if config.is_hybrid:
-        return [layer_weights(config, params["layers"], i) for i in range(config.num_layers)]
-    return [jax.tree.map(lambda a, i=i: a[i], params["layers"]) for i in range(config.num_layers)]
+    """The stacked `[L, ...]` layer parameters as `L` per-layer pytrees (static slices, `stack.layer_weights`: a
+    hybrid stack's parts are stacked over the layers that have them)."""
+    return [layer_weights(config, params["layers"], i) for i in range(config.num_layers)]
 
 
 def decode_layers(
